@@ -45,7 +45,9 @@ def grads(out, inputs, seed=7):
 def poisoned(monkeypatch):
     """Output buffers start as NaN: any element a backend forgets to write fails the comparison."""
     monkeypatch.setattr(
-        bst, "_new_output", lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype, device=device)
+        bst,
+        "_new_output",
+        lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype, device=device),
     )
 
 
@@ -60,7 +62,7 @@ def test_torch_matches_reference_float64(lengths, hq, hkv, dim, bs, share, gamma
     out = block_sparse_attention(q, k, v, layout, cu, backend="torch")
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
-    for a, b in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
+    for a, b in zip(grads(out, (q, k, v)), grads(ref, (q, k, v)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
@@ -74,13 +76,13 @@ def test_gamma_one_equals_dense_per_document_causal(lengths, hq, hkv, dim, bs):
     for backend in ("reference", "torch"):
         out = block_sparse_attention(q, k, v, layout, cu, backend=backend)
         torch.testing.assert_close(out, dense, rtol=1e-10, atol=1e-10)
-        for a, b in zip(grads(out, (q, k, v)), dense_grads):
+        for a, b in zip(grads(out, (q, k, v)), dense_grads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_layouts_including_empty_rows(seed, poisoned):
-    """Hand-made layouts (non-causal pairs, missing diagonals, empty rows) follow to_mask exactly."""
+    """Hand-made layouts (non-causal pairs, missing diagonals, empty rows) follow to_mask."""
     lengths = (45, 3, 80)
     total, bs = sum(lengths), 16
     nb = -(-total // bs)
@@ -94,7 +96,7 @@ def test_random_layouts_including_empty_rows(seed, poisoned):
     no_key = ~layout.to_mask(cu).any(-1)  # (Hq, T)
     assert bool(no_key.any()), "the random layout should leave some queries without keys"
     assert bool((out.transpose(0, 1)[no_key] == 0).all())
-    for a, b in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
+    for a, b in zip(grads(out, (q, k, v)), grads(ref, (q, k, v)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
@@ -112,16 +114,18 @@ def test_low_precision_error_is_within_twice_pytorch(dtype):
     out = block_sparse_attention(*low, layout, cu, backend="torch")
     assert out.dtype == dtype
     assert (out.double() - truth).abs().max() <= 2 * (ref.double() - truth).abs().max() + 1e-6
-    for a, b, t in zip(grads(out, low), grads(ref, low), g_truth):
+    for a, b, t in zip(grads(out, low), grads(ref, low), g_truth, strict=True):
         assert (a.double() - t).abs().max() <= 2 * (b.double() - t).abs().max() + 1e-5
 
 
 def test_cost_follows_the_layout():
     """The torch backend computes only kept pairs: a sparse layout touches fewer key blocks."""
     cu = cu_from_lengths([2048])
-    q, k, v = make_qkv(2048, 2, 2, 32, dtype=torch.float32)
+    q, k, _ = make_qkv(2048, 2, 2, 32, dtype=torch.float32)
     dense = select_blocks(q, k, cu, Budget(gamma=1.0), block_size=64)
-    sparse = BlockLayout.from_block_mask(torch.eye(32, dtype=torch.bool).expand(2, 32, 32).clone(), cu, 64, 2)
+    sparse = BlockLayout.from_block_mask(
+        torch.eye(32, dtype=torch.bool).expand(2, 32, 32).clone(), cu, 64, 2
+    )
     geo_dense = bst._Geometry(dense, 2, 2, q.device)
     geo_sparse = bst._Geometry(sparse, 2, 2, q.device)
     pairs = lambda geo: sum(int(c.valid.sum()) for c in geo.chunks)  # noqa: E731

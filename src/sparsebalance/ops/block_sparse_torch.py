@@ -94,7 +94,9 @@ class _Geometry:
         self.qstart = start.view(self.nb, self.B).repeat(1, self.g)
         self.koff = torch.arange(self.B, device=device)
         kv_of_layout = torch.arange(self.hl, device=device) // (self.hl // hkv)
-        self.chunks, self.empty_rows = _chunks(layout, self.g, kv_of_layout, start.view(self.nb, self.B)[:, -1])
+        self.chunks, self.empty_rows = _chunks(
+            layout, self.g, kv_of_layout, start.view(self.nb, self.B)[:, -1]
+        )
 
     def mask(self, c: _Chunk) -> torch.Tensor:
         """Bool ``(n, g*B, num_masked*B)``: doc-causal mask of the chunk's trailing slots."""

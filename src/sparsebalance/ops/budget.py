@@ -15,13 +15,13 @@ class Budget:
     """
 
     gamma: float = 0.9
-    """Cumulative estimated attention mass to keep, in (0, 1]. 1.0 keeps every causal block (exact)."""
+    """Estimated attention mass to keep, in (0, 1]. 1.0 keeps every causal block (exact)."""
     sink_blocks: int = 1
     """The first ``sink_blocks`` blocks of every document are always kept (attention sinks)."""
     local_blocks: int = 1
     """The diagonal block and the ``local_blocks - 1`` blocks before it are always kept."""
     max_density: float | None = None
-    """Optional cap: keep at most ``ceil(max_density * causal blocks)`` per query block (anchors excepted)."""
+    """Optional cap: at most ``ceil(max_density * causal blocks)`` per query block, plus anchors."""
     min_blocks: int = 1
     """Floor: keep at least this many key blocks per query block (when that many are causal)."""
 

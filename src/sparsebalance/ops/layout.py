@@ -29,14 +29,14 @@ def causal_block_range(cu_seqlens: torch.Tensor, total: int, block_size: int) ->
 
 
 def causal_block_mask(cu_seqlens: torch.Tensor, total: int, block_size: int) -> torch.Tensor:
-    """Bool ``(nb, nb)``: True where a (query block, key block) pair holds a doc-causal token pair."""
+    """Bool ``(nb, nb)``: True where a (query block, key block) pair has a doc-causal token pair."""
     lo = causal_block_range(cu_seqlens, total, block_size)
     kb = torch.arange(lo.numel(), device=lo.device)
     return (kb[None, :] >= lo[:, None]) & (kb[None, :] <= kb[:, None])
 
 
 def dense_to_ordered(block_mask: torch.Tensor, width: int | None = None):
-    """Bool ``(..., nq, nk)`` -> (int32 counts ``(..., nq)``, int32 sorted indices ``(..., nq, W)``).
+    """Bool ``(..., nq, nk)`` -> (int32 counts ``(..., nq)``, int32 indices ``(..., nq, W)``).
 
     ``W`` is ``width`` or the largest count; slots past a row's count are 0.
     """
@@ -141,7 +141,9 @@ class BlockLayout:
         if q.shape[0] != self.seq_len:
             raise ValueError(f"layout was built for T={self.seq_len}, q has T={q.shape[0]}")
         if q.shape[1] != self.num_q_heads:
-            raise ValueError(f"layout was built for Hq={self.num_q_heads}, q has {q.shape[1]} heads")
+            raise ValueError(
+                f"layout was built for Hq={self.num_q_heads}, q has {q.shape[1]} heads"
+            )
         if self.num_heads % k.shape[1] != 0:
             raise ValueError(
                 f"layout has {self.num_heads} heads, not a multiple of Hkv={k.shape[1]}: "

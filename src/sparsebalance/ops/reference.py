@@ -21,7 +21,7 @@ def reference_attention(
     cu_seqlens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """``q (T, Hq, D)``, ``k``/``v (T, Hkv, D)`` -> ``(T, Hq, D)``, computing only ``layout.to_mask``."""
+    """``q (T, Hq, D)``, ``k``/``v (T, Hkv, D)`` -> ``(T, Hq, D)`` over ``layout.to_mask`` only."""
     hq = q.shape[1]
     group = hq // k.shape[1]
     mask = layout.to_mask(cu_seqlens).to(q.device)  # (Hq, T, T)

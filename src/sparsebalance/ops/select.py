@@ -1,10 +1,10 @@
-"""Dynamic block selection: estimate block attention mass cheaply, keep the blocks reaching ``gamma``.
+"""Dynamic block selection: estimate block attention mass cheaply, keep blocks reaching ``gamma``.
 
 Estimator. The packed buffer is cut into *segments* = (block ∩ document), so a block that holds the
 end of one document and the start of the next is scored per document. Queries and keys are
 mean-pooled per segment; the logit of (query segment i, key segment j) is
 ``scale * q̄_i · k̄_j + log(n_j)`` (a segment of ``n_j`` similar keys carries ``n_j`` times the mass
-of one; the diagonal segment counts ``(n_j + 1) / 2`` since half of it is causally hidden), softmaxed
+of one; the diagonal segment counts ``(n_j + 1) / 2`` as half of it is causally hidden), softmaxed
 over the causal key segments of i's document. Cost: O(S^2 * D) per head with S ≈ T/B + N segments,
 a few percent of the attention itself (O(T^2 * D)).
 
@@ -103,7 +103,9 @@ def select_blocks(
     with torch.no_grad():
         start, length, seg_block, seg_doc = _segments(cu, total, block_size)
         n_seg = start.numel()
-        seg_of_token = torch.searchsorted(start, torch.arange(total, device=q.device), right=True) - 1
+        seg_of_token = (
+            torch.searchsorted(start, torch.arange(total, device=q.device), right=True) - 1
+        )
         qp = _pool(q.detach(), seg_of_token, length).permute(1, 0, 2)  # (Hq, S, D)
         kp = _pool(k.detach(), seg_of_token, length).permute(1, 0, 2)  # (Hkv, S, D)
 

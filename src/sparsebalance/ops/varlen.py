@@ -26,7 +26,9 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None) -> None
     if not bool((cpu[1:] > cpu[:-1]).all()):
         raise ValueError("cu_seqlens must be strictly increasing (no empty documents)")
     if total is not None and int(cpu[-1]) != total:
-        raise ValueError(f"cu_seqlens must end at T={total} (the packed length), got {int(cpu[-1])}")
+        raise ValueError(
+            f"cu_seqlens must end at T={total} (the packed length), got {int(cpu[-1])}"
+        )
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
@@ -55,20 +57,26 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -
         raise ValueError(f"Hq % Hkv must be 0 (grouped-query attention), got Hq={hq}, Hkv={hkv}")
 
 
-def doc_ids(cu_seqlens: torch.Tensor, total: int, device: torch.device | None = None) -> torch.Tensor:
+def doc_ids(
+    cu_seqlens: torch.Tensor, total: int, device: torch.device | None = None
+) -> torch.Tensor:
     """Document index of every token: int64 ``(T,)``."""
     cu = cu_seqlens.to(device or cu_seqlens.device, torch.int64)
     pos = torch.arange(total, device=cu.device)
     return torch.searchsorted(cu[1:], pos, right=True)
 
 
-def doc_starts(cu_seqlens: torch.Tensor, total: int, device: torch.device | None = None) -> torch.Tensor:
+def doc_starts(
+    cu_seqlens: torch.Tensor, total: int, device: torch.device | None = None
+) -> torch.Tensor:
     """First token of each token's document: int64 ``(T,)``. Token i sees keys [start_i, i]."""
     cu = cu_seqlens.to(device or cu_seqlens.device, torch.int64)
     return cu[doc_ids(cu, total)]
 
 
-def token_mask(cu_seqlens: torch.Tensor, total: int, device: torch.device | None = None) -> torch.Tensor:
+def token_mask(
+    cu_seqlens: torch.Tensor, total: int, device: torch.device | None = None
+) -> torch.Tensor:
     """The document-causal token mask, bool ``(T, T)``: ``[i, j]`` is True iff i may attend to j."""
     start = doc_starts(cu_seqlens, total, device)
     pos = torch.arange(total, device=start.device)

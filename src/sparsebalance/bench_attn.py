@@ -1,0 +1,224 @@
+"""``sparsebalance bench-attn``: fwd+bwd time of block-sparse attention vs density and vs SDPA.
+
+For each sequence length T and target density, a layout with exactly that density (per query
+block: the diagonal, the first block, then random causal blocks) is timed forward+backward for
+every available backend, next to dense causal ``scaled_dot_product_attention``. Also times
+``select_blocks`` (the estimator) relative to dense attention. Timing: warm-up, then the median of
+repeats, with device synchronisation on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .ops import BlockLayout, Budget, available_backends, block_sparse_attention, select_blocks
+from .ops.layout import causal_block_range
+from .results import markdown_table, write_results
+
+DEFAULT_DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05)
+
+
+def layout_at_density(
+    total: int, heads: int, block_size: int, density: float, seed: int
+) -> BlockLayout:
+    """One-document layout keeping ``max(1, round(density * causal))`` blocks per query block."""
+    cu = torch.tensor([0, total], dtype=torch.int32)
+    nb = -(-total // block_size)
+    lo = causal_block_range(cu, total, block_size)
+    qb = torch.arange(nb)
+    g = torch.Generator().manual_seed(seed)
+    # Random priorities, with the diagonal and the sink first; keep the top-n causal blocks per row.
+    prio = torch.rand(heads, nb, nb, generator=g)
+    prio[:, qb, qb] = 3.0
+    prio[:, :, 0] = torch.maximum(prio[:, :, 0], torch.tensor(2.0))
+    causal = (qb[None, :] >= lo[:, None]) & (qb[None, :] <= qb[:, None])
+    prio = prio.masked_fill(~causal[None], -1.0)
+    n_keep = torch.clamp(torch.round(density * causal.sum(-1)), min=1).long()
+    rank = prio.argsort(-1, descending=True).argsort(-1)
+    keep = (rank < n_keep[None, :, None]) & causal[None]
+    return BlockLayout.from_block_mask(keep, cu, block_size, heads)
+
+
+def _timer(device: torch.device, warmup: int, repeats: int):
+    def run(fn) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize(device)
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return run
+
+
+def _bench_length(total: int, args, backends, timer, device, dtype, bar) -> list[dict]:
+    """All rows for one sequence length T."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (
+        torch.randn(total, h, args.head_dim, generator=g).to(device, dtype).requires_grad_()
+        for h in (args.heads, args.kv_heads, args.kv_heads)
+    )
+    cu = torch.tensor([0, total], dtype=torch.int32, device=device)
+    grad = torch.randn(total, args.heads, args.head_dim, generator=g).to(device, dtype)
+
+    def sdpa():
+        qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+        out.backward(grad.transpose(0, 1)[None])
+
+    t_sdpa = timer(sdpa)
+    bar.update()
+    budget = Budget(gamma=0.9)
+    t_select = timer(lambda: select_blocks(q, k, cu, budget, block_size=args.block_size))
+    bar.update()
+    rows, dense_own = [], {}
+    for density in args.densities:
+        layout = layout_at_density(total, args.heads, args.block_size, density, seed=1).to(device)
+        for backend in backends:
+
+            def step(layout=layout, backend=backend):
+                block_sparse_attention(q, k, v, layout, cu, backend=backend).backward(grad)
+
+            t = timer(step)
+            dense_own.setdefault(backend, t)
+            rows.append({
+                "seq_len": total, "backend": backend, "target_density": density,
+                "density": round(layout.density(), 4), "seconds": t,
+                "ratio_to_own_dense": t / dense_own[backend], "ratio_to_sdpa": t / t_sdpa,
+                "sdpa_seconds": t_sdpa, "select_seconds": t_select,
+                "select_ratio_to_sdpa": t_select / t_sdpa,
+            })  # fmt: skip
+            bar.update()
+    return rows
+
+
+def run_benchmark(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    backends = args.backends or [b for b in available_backends(device) if b != "reference"]
+    timer = _timer(device, args.warmup, args.repeats)
+    total_work = len(args.seq_lens) * (len(args.densities) * len(backends) + 2)
+    show = not args.json and sys.stderr.isatty()
+    with tqdm(total=total_work, desc="bench-attn", file=sys.stderr, disable=not show) as bar:
+        rows = []
+        for total in args.seq_lens:
+            rows += _bench_length(total, args, backends, timer, device, dtype, bar)
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "json", "out")}
+    return {"config": config, "rows": rows}
+
+
+def format_table(rows: list[dict]) -> str:
+    headers = [
+        "T",
+        "backend",
+        "density",
+        "fwd+bwd s",
+        "/ own dense",
+        "/ SDPA causal",
+        "SDPA s",
+        "select / SDPA",
+    ]
+    body = [
+        [r["seq_len"], r["backend"], r["density"], r["seconds"], r["ratio_to_own_dense"],
+         r["ratio_to_sdpa"], r["sdpa_seconds"], r["select_ratio_to_sdpa"]]
+        for r in rows
+    ]  # fmt: skip
+    return markdown_table(headers, body)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--seq-lens",
+        type=_int_list,
+        default=None,
+        help="comma-separated T, e.g. 4k,8k (default 4k,8k,16k on CPU; 32k,64k,128k on CUDA)",
+    )
+    p.add_argument("--densities", type=_float_list, default=list(DEFAULT_DENSITIES))
+    p.add_argument("--heads", type=int, default=4, help="query heads Hq")
+    p.add_argument("--kv-heads", type=int, default=4, help="key/value heads Hkv (Hq %% Hkv == 0)")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument(
+        "--backends",
+        type=lambda s: s.split(","),
+        default=None,
+        help="comma-separated backends (default: every available one except reference)",
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="default fp32 on CPU, bf16 on CUDA",
+    )
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--quick", action="store_true", help="T=2048 only, densities 1.0/0.25/0.05 (seconds)"
+    )
+    p.add_argument(
+        "--out", default="benchmarks/results", help="results folder ('' to write nothing)"
+    )
+    p.add_argument("--json", action="store_true", help="print only JSON to stdout")  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> int:
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but CUDA is not available")
+    if args.quick:
+        args.seq_lens, args.densities = [2048], [1.0, 0.25, 0.05]
+    if args.seq_lens is None:
+        args.seq_lens = [32768, 65536, 131072] if cuda else [4096, 8192, 16384]
+    args.dtype = args.dtype or ("bf16" if cuda else "fp32")
+    if args.heads % args.kv_heads:
+        raise ValueError(
+            f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})"
+        )
+    if any(not 0.0 < d <= 1.0 for d in args.densities):
+        raise ValueError(f"--densities must lie in (0, 1], got {args.densities}")
+    if any(t <= 0 for t in args.seq_lens) or args.block_size <= 0:
+        raise ValueError("--seq-lens and --block-size must be positive")
+    result = run_benchmark(args)
+    table = format_table(result["rows"])
+    if args.out and not args.quick:
+        md, js = write_results(args.out, "bench-attn", torch.device(args.device), table, result)
+        where = f"\nwrote {md} and {js}"
+    else:
+        where = ""
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(table + where)
+    return 0
+
+
+def _int_list(s: str) -> list[int]:
+    return [
+        int(x.lower().replace("k", "")) * (1024 if "k" in x.lower() else 1) for x in s.split(",")
+    ]
+
+
+def _float_list(s: str) -> list[float]:
+    return [float(x) for x in s.split(",")]

@@ -1,0 +1,43 @@
+"""The ``sparsebalance`` command line: one explicit ``command -> (module, help)`` table.
+
+Each command module exposes ``add_arguments(parser)`` and ``main(args) -> int``. Commands appear
+here only once they work; there are no placeholders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> (module under sparsebalance, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench-attn": ("bench_attn", "time block-sparse attention vs density and vs dense SDPA"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sparsebalance",
+        description="Balanced data-parallel long-context training with dynamic sparse attention.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        mod = importlib.import_module(f"sparsebalance.{module}")
+        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip())
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:  # user errors: one clear line, no traceback
+        print(f"sparsebalance {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
