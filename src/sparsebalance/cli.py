@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-# command -> (module under sparsebalance, one-line help)
+# command -> (module under sparsebalance.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench-attn": ("bench_attn", "time block-sparse attention vs density and vs dense SDPA"),
 }
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
-        mod = importlib.import_module(f"sparsebalance.{module}")
+        mod = importlib.import_module(f"sparsebalance.commands.{module}")
         p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip())
         mod.add_arguments(p)
         p.set_defaults(func=mod.main)

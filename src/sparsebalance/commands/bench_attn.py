@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .ops import BlockLayout, Budget, available_backends, block_sparse_attention, select_blocks
-from .ops.layout import causal_block_range
-from .results import markdown_table, write_results
+from ..ops import BlockLayout, Budget, available_backends, block_sparse_attention, select_blocks
+from ..ops.layout import causal_block_range
+from ..results import markdown_table, write_results
 
 DEFAULT_DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05)
 
