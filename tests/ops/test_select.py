@@ -119,3 +119,21 @@ def test_selection_is_deterministic_and_dtype_agnostic():
     assert torch.equal(a.kv_indices, b.kv_indices) and torch.equal(a.kv_num_blocks, b.kv_num_blocks)
     c = select_blocks(q.float(), k.float(), cu, Budget(gamma=1.0), block_size=32)
     assert c.density() == 1.0
+
+
+def test_estimate_once_many_budgets_matches_select_blocks():
+    from sparsebalance.ops import estimate_block_mass
+
+    cu = cu_from_lengths([300, 700])
+    q, k, _ = make_qkv(1000, 4, 2, 32, requires_grad=False, seed=2)
+    q = q * 3
+    est = estimate_block_mass(q, k, cu, block_size=32)
+    densities = []
+    for gamma in (0.2, 0.5, 0.8, 1.0):
+        budget = Budget(gamma=gamma)
+        direct = select_blocks(q, k, cu, budget, block_size=32)
+        via = est.layout(budget)
+        assert torch.equal(direct.kv_indices, via.kv_indices)
+        assert est.density(budget) == direct.density()
+        densities.append(est.density(budget))
+    assert densities == sorted(densities) and densities[0] < densities[-1] == 1.0

@@ -9,15 +9,17 @@ out = block_sparse_attention(q, k, v, layout, cu_seqlens)   # (T, Hq, D), differ
 from .attention import available_backends, block_sparse_attention, resolve_backend
 from .budget import Budget
 from .layout import BlockLayout, causal_block_mask
-from .select import attention_recall, select_blocks
+from .select import BlockMassEstimate, attention_recall, estimate_block_mass, select_blocks
 
 __all__ = [
     "BlockLayout",
+    "BlockMassEstimate",
     "Budget",
     "attention_recall",
     "available_backends",
     "block_sparse_attention",
     "causal_block_mask",
+    "estimate_block_mass",
     "resolve_backend",
     "select_blocks",
 ]

@@ -16,6 +16,7 @@ the ``min_blocks`` floor and ``max_density`` cap; a query block keeps the union 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -47,7 +48,7 @@ def _pool(x: torch.Tensor, seg_of_token: torch.Tensor, seg_len: torch.Tensor) ->
 def _keep_by_mass(prob: torch.Tensor, allowed: torch.Tensor, budget: Budget) -> torch.Tensor:
     """Threshold rule on ``prob (H, S, S)``: bool keep mask of the fewest entries reaching gamma."""
     if budget.is_dense:
-        return allowed.clone()
+        return allowed.expand_as(prob).clone()
     n_allowed = allowed.sum(-1, keepdim=True)
     sorted_p, order = torch.sort(prob, dim=-1, descending=True, stable=True)
     if budget.gamma >= 1.0:
@@ -61,6 +62,110 @@ def _keep_by_mass(prob: torch.Tensor, allowed: torch.Tensor, budget: Budget) -> 
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
     return (rank < keep_n) & allowed
+
+
+@dataclass(frozen=True)
+class BlockMassEstimate:
+    """Estimated attention mass between segments (block ∩ document) of one pack, for one layer.
+
+    Computed once per layer by :func:`estimate_block_mass`; any number of budgets can then be
+    turned into layouts (:meth:`layout`) or densities (:meth:`density`) without recomputing it,
+    which is what run-time budget tuning needs.
+    """
+
+    prob: torch.Tensor
+    """``(H_layout, S, S)``: estimated mass of key segment j for query segment i (rows sum to 1)."""
+    allowed: torch.Tensor
+    """bool ``(S, S)``: key segment j is causal for query segment i (same document, j <= i)."""
+    seg_block: torch.Tensor
+    """int64 ``(S,)``: block of each segment."""
+    first_block_of_doc: torch.Tensor
+    """int64 ``(S,)``: first block of each segment's document."""
+    cu_seqlens: torch.Tensor
+    seq_len: int
+    block_size: int
+    num_q_heads: int
+
+    def layout(self, budget: Budget) -> BlockLayout:
+        """The :class:`BlockLayout` this budget keeps."""
+        if not isinstance(budget, Budget):
+            raise TypeError(
+                f"budget must be a sparsebalance.ops.Budget, got {type(budget).__name__}"
+            )
+        sb = self.seg_block
+        anchors = (sb - self.first_block_of_doc < budget.sink_blocks)[None, :] | (
+            sb[:, None] - sb[None, :] < budget.local_blocks
+        )
+        keep_seg = _keep_by_mass(self.prob, self.allowed, budget) | (anchors & self.allowed)
+        # Segments -> blocks: a query block keeps the union over its query segments.
+        h, n_seg = self.prob.shape[0], sb.numel()
+        nb = num_blocks(self.seq_len, self.block_size)
+        by_qblock = torch.zeros(h, nb, n_seg, dtype=torch.int32, device=sb.device)
+        by_qblock.index_add_(1, sb, keep_seg.to(torch.int32))
+        block_keep = torch.zeros(h, nb, nb, dtype=torch.int32, device=sb.device)
+        block_keep.index_add_(2, sb, by_qblock)
+        return BlockLayout.from_block_mask(
+            block_keep > 0, self.cu_seqlens, self.block_size, self.num_q_heads
+        )
+
+    def density(self, budget: Budget) -> float:
+        """Density of :meth:`layout` for this budget."""
+        return self.layout(budget).density()
+
+
+def estimate_block_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_size: int = 64,
+    share_kv_groups: bool = False,
+    scale: float | None = None,
+) -> BlockMassEstimate:
+    """The estimator half of :func:`select_blocks` (same arguments, no budget)."""
+    check_qkv(q, k)
+    check_cu_seqlens(cu_seqlens, q.shape[0])
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    total, hq, dim = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    scale = dim**-0.5 if scale is None else scale
+    cu = cu_seqlens.to(q.device)
+    with torch.no_grad():
+        start, length, seg_block, seg_doc = _segments(cu, total, block_size)
+        n_seg = start.numel()
+        tokens = torch.arange(total, device=q.device)
+        seg_of_token = torch.searchsorted(start, tokens, right=True) - 1
+        qp = _pool(q.detach(), seg_of_token, length).permute(1, 0, 2)  # (Hq, S, D)
+        kp = _pool(k.detach(), seg_of_token, length).permute(1, 0, 2)  # (Hkv, S, D)
+
+        idx = torch.arange(n_seg, device=q.device)
+        allowed = (seg_doc[:, None] == seg_doc[None, :]) & (idx[None, :] <= idx[:, None])
+        bias = torch.log(length.to(qp.dtype))[None, :].expand(n_seg, n_seg).clone()
+        bias.diagonal().copy_(torch.log((length.to(qp.dtype) + 1) / 2))
+        bias = bias.masked_fill(~allowed, -math.inf)
+
+        n_layout = hkv if share_kv_groups else hq
+        per_layout = hq // n_layout  # query heads per layout head
+        prob = torch.empty(n_layout, n_seg, n_seg, dtype=qp.dtype, device=q.device)
+        chunk = max(1, _MAX_SCORE_ELEMS // max(1, n_seg * n_seg * per_layout))
+        for h0 in range(0, n_layout, chunk):
+            h1 = min(n_layout, h0 + chunk)
+            qh = qp[h0 * per_layout : h1 * per_layout]  # (chunk*per_layout, S, D)
+            kv_head = torch.arange(h0 * per_layout, h1 * per_layout, device=q.device) // group
+            logits = torch.baddbmm(bias, qh, kp[kv_head].transpose(1, 2), alpha=scale)
+            p = torch.softmax(logits, dim=-1)
+            prob[h0:h1] = p.view(h1 - h0, per_layout, n_seg, n_seg).mean(1)
+    return BlockMassEstimate(
+        prob,
+        allowed,
+        seg_block,
+        seg_block[torch.searchsorted(seg_doc, seg_doc)],
+        cu.to(torch.int32),
+        total,
+        block_size,
+        hq,
+    )
 
 
 def select_blocks(
@@ -87,60 +192,10 @@ def select_blocks(
     Returns:
         A :class:`BlockLayout` with ``Hq`` heads (or ``Hkv`` with ``share_kv_groups``).
     """
-    check_qkv(q, k)
-    check_cu_seqlens(cu_seqlens, q.shape[0])
     if not isinstance(budget, Budget):
         raise TypeError(f"budget must be a sparsebalance.ops.Budget, got {type(budget).__name__}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-    total, hq, dim = q.shape
-    hkv = k.shape[1]
-    group = hq // hkv
-    scale = dim**-0.5 if scale is None else scale
-    cu = cu_seqlens.to(q.device)
-    nb = num_blocks(total, block_size)
-
-    with torch.no_grad():
-        start, length, seg_block, seg_doc = _segments(cu, total, block_size)
-        n_seg = start.numel()
-        seg_of_token = (
-            torch.searchsorted(start, torch.arange(total, device=q.device), right=True) - 1
-        )
-        qp = _pool(q.detach(), seg_of_token, length).permute(1, 0, 2)  # (Hq, S, D)
-        kp = _pool(k.detach(), seg_of_token, length).permute(1, 0, 2)  # (Hkv, S, D)
-
-        idx = torch.arange(n_seg, device=q.device)
-        allowed = (seg_doc[:, None] == seg_doc[None, :]) & (idx[None, :] <= idx[:, None])
-        log_n = torch.log(length.to(qp.dtype))
-        bias = log_n[None, :].expand(n_seg, n_seg).clone()
-        bias.diagonal().copy_(torch.log((length.to(qp.dtype) + 1) / 2))
-        bias = bias.masked_fill(~allowed, -math.inf)
-
-        first_block_of_doc = seg_block[torch.searchsorted(seg_doc, seg_doc)]
-        anchors = (seg_block - first_block_of_doc < budget.sink_blocks)[None, :] | (
-            seg_block[:, None] - seg_block[None, :] < budget.local_blocks
-        )
-        anchors &= allowed
-
-        n_layout = hkv if share_kv_groups else hq
-        per_layout = hq // n_layout  # query heads per layout head
-        chunk = max(1, _MAX_SCORE_ELEMS // max(1, n_seg * n_seg * per_layout))
-        keep_seg = torch.empty(n_layout, n_seg, n_seg, dtype=torch.bool, device=q.device)
-        for h0 in range(0, n_layout, chunk):
-            h1 = min(n_layout, h0 + chunk)
-            qh = qp[h0 * per_layout : h1 * per_layout]  # (chunk*per_layout, S, D)
-            kv_head = torch.arange(h0 * per_layout, h1 * per_layout, device=q.device) // group
-            logits = torch.baddbmm(bias, qh, kp[kv_head].transpose(1, 2), alpha=scale)
-            prob = torch.softmax(logits, dim=-1).view(h1 - h0, per_layout, n_seg, n_seg).mean(1)
-            keep_seg[h0:h1] = _keep_by_mass(prob, allowed, budget) | anchors
-
-        # Segments -> blocks: a query block keeps the union over its query segments.
-        by_qblock = torch.zeros(n_layout, nb, n_seg, dtype=torch.int32, device=q.device)
-        by_qblock.index_add_(1, seg_block, keep_seg.to(torch.int32))
-        block_keep = torch.zeros(n_layout, nb, nb, dtype=torch.int32, device=q.device)
-        block_keep.index_add_(2, seg_block, by_qblock)
-        block_keep = block_keep > 0
-    return BlockLayout.from_block_mask(block_keep, cu.to(torch.int32), block_size, hq)
+    est = estimate_block_mass(q, k, cu_seqlens, block_size, share_kv_groups, scale)
+    return est.layout(budget)
 
 
 def attention_recall(
