@@ -92,3 +92,17 @@ def test_from_block_mask_rejects_wrong_shapes():
         BlockLayout.from_block_mask(torch.ones(1, 4, 4), cu, 8, 1)
     with pytest.raises(ValueError, match="divide"):
         BlockLayout.from_block_mask(torch.ones(2, 4, 4, dtype=torch.bool), cu, 8, 3)
+
+
+def test_random_layout_hits_per_document_density():
+    from sparsebalance.ops import random_layout
+
+    cu = cu_from_lengths([2048, 1024, 64])
+    layout = random_layout(cu, 2, 32, [0.1, 0.5, 1.0], seed=0)
+    dd = layout.document_density()
+    assert abs(float(dd[0]) - 0.1) < 0.03 and abs(float(dd[1]) - 0.5) < 0.05
+    assert float(dd[2]) == pytest.approx(1.0)
+    bm = layout.to_block_mask()
+    assert bool(bm[:, torch.arange(98), torch.arange(98)].all()), "diagonal always kept"
+    with pytest.raises(ValueError, match="density"):
+        random_layout(cu, 2, 32, [0.5, 0.0, 1.0])

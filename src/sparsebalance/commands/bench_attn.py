@@ -19,32 +19,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..ops import BlockLayout, Budget, available_backends, block_sparse_attention, select_blocks
-from ..ops.layout import causal_block_range
+from ..ops import Budget, available_backends, block_sparse_attention, select_blocks
+from ..ops.layout import random_layout
 from ..results import markdown_table, write_results
 
 DEFAULT_DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05)
-
-
-def layout_at_density(
-    total: int, heads: int, block_size: int, density: float, seed: int
-) -> BlockLayout:
-    """One-document layout keeping ``max(1, round(density * causal))`` blocks per query block."""
-    cu = torch.tensor([0, total], dtype=torch.int32)
-    nb = -(-total // block_size)
-    lo = causal_block_range(cu, total, block_size)
-    qb = torch.arange(nb)
-    g = torch.Generator().manual_seed(seed)
-    # Random priorities, with the diagonal and the sink first; keep the top-n causal blocks per row.
-    prio = torch.rand(heads, nb, nb, generator=g)
-    prio[:, qb, qb] = 3.0
-    prio[:, :, 0] = torch.maximum(prio[:, :, 0], torch.tensor(2.0))
-    causal = (qb[None, :] >= lo[:, None]) & (qb[None, :] <= qb[:, None])
-    prio = prio.masked_fill(~causal[None], -1.0)
-    n_keep = torch.clamp(torch.round(density * causal.sum(-1)), min=1).long()
-    rank = prio.argsort(-1, descending=True).argsort(-1)
-    keep = (rank < n_keep[None, :, None]) & causal[None]
-    return BlockLayout.from_block_mask(keep, cu, block_size, heads)
 
 
 def _timer(device: torch.device, warmup: int, repeats: int):
@@ -94,7 +73,7 @@ def _bench_length(total: int, args, backends, timer, device, dtype, bar) -> list
     bar.update()
     rows, dense_own = [], {}
     for density in args.densities:
-        layout = layout_at_density(total, args.heads, args.block_size, density, seed=1).to(device)
+        layout = random_layout(cu.cpu(), args.heads, args.block_size, density, seed=1).to(device)
         for backend in backends:
 
             def step(layout=layout, backend=backend):
@@ -175,7 +154,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
-        "--quick", action="store_true", help="T=2048 only, densities 1.0/0.25/0.05 (seconds)"
+        "--quick", action="store_true", help="T=2048, densities 1.0/0.25/0.05, no results file (seconds)"
     )
     p.add_argument(
         "--out", default="benchmarks/results", help="results folder ('' to write nothing)"
@@ -187,8 +166,9 @@ def main(args: argparse.Namespace) -> int:
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but CUDA is not available")
-    if args.quick:
-        args.seq_lens, args.densities = [2048], [1.0, 0.25, 0.05]
+    if args.quick:  # a small default grid; explicit --seq-lens still win
+        args.seq_lens = args.seq_lens or [2048]
+        args.densities = [1.0, 0.25, 0.05]
     if args.seq_lens is None:
         args.seq_lens = [32768, 65536, 131072] if cuda else [4096, 8192, 16384]
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")

@@ -8,7 +8,7 @@ out = block_sparse_attention(q, k, v, layout, cu_seqlens)   # (T, Hq, D), differ
 
 from .attention import available_backends, block_sparse_attention, resolve_backend
 from .budget import Budget
-from .layout import BlockLayout, causal_block_mask
+from .layout import BlockLayout, causal_block_mask, random_layout
 from .select import BlockMassEstimate, attention_recall, estimate_block_mass, select_blocks
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "block_sparse_attention",
     "causal_block_mask",
     "estimate_block_mass",
+    "random_layout",
     "resolve_backend",
     "select_blocks",
 ]

@@ -210,3 +210,40 @@ class BlockLayout:
     def num_kept_pairs(self) -> int:
         """Kept doc-causal block pairs summed over layout heads (the work the op does)."""
         return int(self._kept_causal()[0].sum())
+
+
+def random_layout(
+    cu_seqlens: torch.Tensor,
+    num_heads: int,
+    block_size: int,
+    density: float | list[float] | torch.Tensor,
+    seed: int = 0,
+) -> BlockLayout:
+    """A layout with a chosen density per document (for benchmarks and latency profiling).
+
+    Each query block keeps ``max(1, round(d * causal blocks))`` key blocks: the diagonal, its
+    document's first block, then random causal blocks; ``d`` is the density of the document that
+    holds the block's last token (``density`` is one float or one value per document).
+    """
+    check_cu_seqlens(cu_seqlens)
+    total = int(cu_seqlens[-1])
+    nb = num_blocks(total, block_size)
+    cu = cu_seqlens.to("cpu", torch.int64)
+    dens = torch.as_tensor(density, dtype=torch.float64).reshape(-1)
+    if dens.numel() == 1:
+        dens = dens.expand(cu.numel() - 1)
+    if dens.numel() != cu.numel() - 1 or not bool(((dens > 0) & (dens <= 1)).all()):
+        raise ValueError("density must be one value or one per document, each in (0, 1]")
+    lo = causal_block_range(cu, total, block_size)
+    qb = torch.arange(nb)
+    last_tok = torch.clamp((qb + 1) * block_size, max=total) - 1
+    row_density = dens[torch.searchsorted(cu[1:], last_tok, right=True)]
+    prio = torch.rand(num_heads, nb, nb, generator=torch.Generator().manual_seed(seed))
+    prio[:, qb, qb] = 3.0
+    prio[:, qb, lo] = torch.maximum(prio[:, qb, lo], torch.tensor(2.0))
+    causal = (qb[None, :] >= lo[:, None]) & (qb[None, :] <= qb[:, None])
+    prio = prio.masked_fill(~causal[None], -1.0)
+    n_keep = torch.clamp(torch.round(row_density * causal.sum(-1)), min=1).long()
+    rank = prio.argsort(-1, descending=True).argsort(-1)
+    keep = (rank < n_keep[None, :, None]) & causal[None]
+    return BlockLayout.from_block_mask(keep, cu.to(torch.int32), block_size, num_heads)
