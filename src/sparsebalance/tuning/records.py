@@ -1,0 +1,188 @@
+"""What DST decided and what happened: the typed records the trainer's metrics and plots read.
+
+- :class:`StepTargets`: the step-level numbers every rank derives identically from the ranks'
+  predicted times (anchor, cut threshold, post-cut step time ``T'``, who is cut / raised).
+- :class:`RankDecision`: one rank's budget for the step and its predicted effect.
+- :class:`StepDecision`: targets plus every rank's decision (the plan path, or after a gather).
+- :class:`LayerRecord` / :class:`RankRunSummary`: the layer controller's per-(micro-batch, layer)
+  choices and their summary once the rank's forward passes are done.
+
+All times are predicted or measured seconds of forward + backward, as in ``CostModel``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+CUT, RAISED, KEPT = "cut", "raised", "kept"
+
+
+@dataclass(frozen=True)
+class StepTargets:
+    """Step-level targets; a pure function of the ranks' predicted times and the config."""
+
+    anchor_seconds: float
+    """``T* = anchor(times_before)``."""
+    cut_threshold: float
+    """``(1 + p) * T*``: ranks predicted above it are stragglers and get a smaller budget."""
+    post_cut_seconds: float
+    """``T'``: the step time after the cuts; no raised rank may be predicted above it."""
+    times_before: tuple[float, ...]
+    """``(R,)`` predicted rank times at ``gamma0``."""
+    times_floor: tuple[float, ...]
+    """``(R,)`` predicted rank times at ``gamma_min`` (what the deepest cut can reach)."""
+    roles: tuple[str, ...]
+    """``(R,)`` ``"cut"``, ``"raised"`` (bidirectional, below ``T'``) or ``"kept"``."""
+
+    @property
+    def step_seconds_before(self) -> float:
+        return max(self.times_before, default=0.0)
+
+
+@dataclass(frozen=True)
+class RankDecision:
+    """One rank's step-level budget and its predicted effect."""
+
+    rank: int
+    role: str
+    """``"cut"``, ``"raised"`` or ``"kept"`` (see :class:`StepTargets`)."""
+    gamma: float
+    """The rank's budget for the step (the layer controller starts from it)."""
+    target_seconds: float
+    """What the rank aims at: its predicted time at ``gamma`` (the layer controller's target)."""
+    predicted_before: float
+    """Predicted time at ``gamma0``."""
+    predicted_after: float
+    """Predicted time at ``gamma``."""
+    density_before: float
+    """Predicted density at ``gamma0``: mean over the rank's documents weighted by length²."""
+    density_after: float
+    """Same at ``gamma``."""
+    attention_before: float
+    """Predicted attention seconds (all layers, all micro-batches) at ``gamma0``."""
+    attention_after: float
+    """Predicted attention seconds at ``gamma``."""
+
+    @property
+    def budget_delta(self) -> float:
+        """Attention seconds given (> 0) or cut (< 0) relative to ``gamma0``."""
+        return self.attention_after - self.attention_before
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """The whole step: shared targets plus one :class:`RankDecision` per rank, in rank order."""
+
+    mode: str
+    anchor: str
+    p: float
+    targets: StepTargets
+    ranks: tuple[RankDecision, ...]
+
+    @property
+    def gammas(self) -> np.ndarray:
+        """``(R,)`` float64 budget per rank."""
+        return np.array([r.gamma for r in self.ranks], dtype=np.float64)
+
+    @property
+    def times_before(self) -> np.ndarray:
+        return np.array([r.predicted_before for r in self.ranks], dtype=np.float64)
+
+    @property
+    def times_after(self) -> np.ndarray:
+        return np.array([r.predicted_after for r in self.ranks], dtype=np.float64)
+
+    @property
+    def step_seconds_before(self) -> float:
+        return float(self.times_before.max(initial=0.0))
+
+    @property
+    def step_seconds_after(self) -> float:
+        return float(self.times_after.max(initial=0.0))
+
+    @property
+    def bubbles_before(self) -> np.ndarray:
+        """``(R,)`` predicted wait at the gradient sync at ``gamma0``."""
+        return bubbles(self.times_before)
+
+    @property
+    def bubbles_after(self) -> np.ndarray:
+        return bubbles(self.times_after)
+
+    @property
+    def budget_cut(self) -> float:
+        """Predicted attention seconds taken from stragglers (>= 0)."""
+        return float(sum(-min(r.budget_delta, 0.0) for r in self.ranks))
+
+    @property
+    def budget_given(self) -> float:
+        """Predicted attention seconds given to ranks below ``T'`` (>= 0)."""
+        return float(sum(max(r.budget_delta, 0.0) for r in self.ranks))
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary (for ``--json`` output and metrics files)."""
+        return {
+            "mode": self.mode,
+            "anchor": self.anchor,
+            "p": self.p,
+            "anchor_seconds": self.targets.anchor_seconds,
+            "cut_threshold": self.targets.cut_threshold,
+            "post_cut_seconds": self.targets.post_cut_seconds,
+            "step_seconds_before": self.step_seconds_before,
+            "step_seconds_after": self.step_seconds_after,
+            "bubble_before": float(self.bubbles_before.sum()),
+            "bubble_after": float(self.bubbles_after.sum()),
+            "budget_cut": self.budget_cut,
+            "budget_given": self.budget_given,
+            "ranks": [asdict(r) for r in self.ranks],
+        }
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """One (micro-batch, layer) decision of the layer controller."""
+
+    microbatch: int
+    layer: int
+    gamma: float
+    density: float
+    """Realized density of the chosen layout (length²-weighted over documents)."""
+    predicted_seconds: float
+    """The cost model's seconds for this unit at the chosen layout's real densities."""
+    allotted_seconds: float
+    """The share of the remaining budget this unit was given."""
+    measured_seconds: float | None = None
+    """What it actually cost (``None`` until :meth:`LayerController.observe`)."""
+
+
+@dataclass(frozen=True)
+class RankRunSummary:
+    """A rank's realized budgets after its forward passes (per-layer gamma min/mean/max)."""
+
+    target_seconds: float
+    predicted_seconds: float
+    """Sum of the units' predicted seconds at the chosen gammas."""
+    measured_seconds: float
+    """Sum of the observed seconds (predicted where a unit was not observed)."""
+    gamma_min: float
+    gamma_mean: float
+    gamma_max: float
+    layer_gamma_min: tuple[float, ...]
+    """``(L,)`` over micro-batches, per layer."""
+    layer_gamma_mean: tuple[float, ...]
+    layer_gamma_max: tuple[float, ...]
+    density_mean: float
+    """Mean realized density over the units."""
+
+    @property
+    def relative_error(self) -> float:
+        """``(measured - target) / target``: how far the closed loop landed from its target."""
+        return (self.measured_seconds - self.target_seconds) / max(self.target_seconds, 1e-30)
+
+
+def bubbles(times: np.ndarray) -> np.ndarray:
+    """``(R,)`` wait at the gradient sync: ``max(times) - times``."""
+    times = np.asarray(times, dtype=np.float64)
+    return times.max(initial=0.0) - times if times.size else times
