@@ -1,0 +1,153 @@
+"""Layer-level DST: the closed-loop controller on synthetic layers and on a real estimate."""
+
+import numpy as np
+import pytest
+import torch
+
+from sparsebalance.ops import Budget, estimate_block_mass
+from sparsebalance.tuning import DensityCurve, DSTConfig, DSTTuner, LayerController
+from sparsebalance.workload import MicroBatch
+from tests.conftest import cu_from_lengths, make_qkv
+
+from .oracle import Oracle, random_plan
+
+L = 6
+ORACLE = Oracle(num_layers=L)
+
+
+class SyntheticEstimate:
+    """One layer's real density response: the curve's shape, scaled per layer by ``shift``
+    (the layer is sparser or denser than the planner predicted), pack density length²-weighted."""
+
+    def __init__(self, mb, shift, gamma0=0.9):
+        self.lengths = np.asarray(mb.lengths, dtype=np.float64)
+        self.d0 = np.asarray(mb.densities)
+        self.shift = shift
+        self.curve = DensityCurve(gamma0)
+
+    def doc_densities(self, gamma):
+        return np.maximum(self.curve.density(self.d0, gamma) ** self.shift, 1e-12)
+
+    def density(self, budget: Budget) -> float:
+        w = self.lengths**2
+        return float(w @ self.doc_densities(budget.gamma) / w.sum())
+
+
+def run_rank(ctl, mbs, slow=lambda m, layer: 1.0, seed=0):
+    """Drive the controller like a forward pass; the oracle's seconds are scaled by ``slow``."""
+    rng = np.random.default_rng(seed)
+    shifts = rng.uniform(0.8, 1.25, size=(len(mbs), L))
+    for m, mb in enumerate(mbs):
+        for layer in range(L):
+            est = SyntheticEstimate(mb, shifts[m, layer])
+            budget = ctl.choose(m, layer, est)
+            dens = est.doc_densities(budget.gamma)
+            sec = ORACLE.layer_attention_seconds(mb.lengths, dens).sum()
+            sec += ORACLE.layer_other_seconds(mb.num_tokens)
+            sec += ORACLE.microbatch_overhead() if layer == 0 else 0.0
+            ctl.observe(m, layer, sec * slow(m, layer))
+    return ctl.summary()
+
+
+def _rank(seed=0):
+    plan = random_plan(np.random.default_rng(seed), 4, mbs_per_rank=3, lengths=(2048, 8192))
+    dec = DSTTuner(DSTConfig()).decide(plan, ORACLE)
+    return dec, plan
+
+
+def early_slow(m, layer):
+    return 1.3 if layer < L // 3 else 1.0
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_closed_loop_compensates_slow_early_layers(rank):
+    dec, plan = _rank()
+    cfg = DSTConfig()
+    ctl = LayerController.from_decision(dec.ranks[rank], plan[rank], ORACLE, cfg)
+    summary = run_rank(ctl, plan[rank], slow=early_slow)
+    assert abs(summary.relative_error) < 0.05, summary
+    # later layers paid for it: they run at a lower budget than the early ones
+    early = np.mean(summary.layer_gamma_mean[: L // 3])
+    late = np.mean(summary.layer_gamma_mean[L // 3 :])
+    assert late < early
+    assert all(cfg.gamma_min <= r.gamma <= cfg.gamma_max for r in ctl.records)
+
+    # the same rank without feedback (fixed step gamma) misses by more than 5%
+    open_loop = LayerController.from_decision(
+        dec.ranks[rank], plan[rank], ORACLE, DSTConfig(mode="off", gamma0=0.9)
+    )
+    open_loop.gamma = open_loop.lo = open_loop.hi = dec.ranks[rank].gamma
+    assert run_rank(open_loop, plan[rank], slow=early_slow).relative_error > 0.05
+
+
+def test_closed_loop_gives_budget_back_when_early_layers_are_cheap():
+    dec, plan = _rank(seed=1)
+    r = min(dec.ranks, key=lambda r: r.gamma)  # a cut rank: room to go up to gamma_max
+    assert r.role == "cut"
+    ctl = LayerController.from_decision(r, plan[r.rank], ORACLE, DSTConfig())
+    summary = run_rank(ctl, plan[r.rank], slow=lambda m, layer: 0.7 if layer < L // 3 else 1.0)
+    assert abs(summary.relative_error) < 0.05
+    assert summary.gamma_max > r.gamma
+
+
+def test_down_never_raises_and_off_is_fixed():
+    dec, plan = _rank(seed=2)
+    for mode, check in (
+        ("down", lambda g: g <= 0.9),
+        ("off", lambda g: g == 0.9),
+    ):
+        ctl = LayerController(
+            plan[0], ORACLE, DSTConfig(mode=mode), dec.ranks[0].target_seconds * 2
+        )
+        run_rank(ctl, plan[0], slow=lambda m, layer: 0.5)
+        assert all(check(rec.gamma) for rec in ctl.records), mode
+
+
+def test_on_plan_stays_near_step_gamma():
+    """When every layer behaves as predicted, the controller keeps the step's gamma."""
+    plan = [[MicroBatch((0, 1), (4096, 3000), (0.3, 0.2))] * 2]
+    dec = DSTTuner().decide(plan, ORACLE)
+    ctl = LayerController.from_decision(dec.ranks[0], plan[0], ORACLE, DSTConfig(layer_probes=12))
+    for m, mb in enumerate(plan[0]):
+        for layer in range(L):
+            est = SyntheticEstimate(mb, 1.0)
+            budget = ctl.choose(m, layer, est)
+            assert budget.gamma == pytest.approx(dec.ranks[0].gamma, abs=0.01)
+            ctl.observe(m, layer, ctl.records[-1].predicted_seconds)
+    assert abs(ctl.summary().relative_error) < 0.01
+
+
+def test_real_block_mass_estimate():
+    """With a real BlockMassEstimate the controller prices per-document densities of real
+    layouts, and the recorded density is the layout's."""
+    lengths = (200, 97, 300)
+    q, k, _ = make_qkv(sum(lengths), 2, 1, 16, dtype=torch.float32, requires_grad=False)
+    cu = cu_from_lengths(lengths)
+    est = estimate_block_mass(q, k, cu, block_size=16)
+    d0 = est.layout(Budget(gamma=0.9)).document_density().numpy()
+    mb = MicroBatch((0, 1, 2), lengths, tuple(float(x) for x in d0))
+    model = Oracle(num_layers=2, a=0.0, b=1e-6, c=0.0, overhead=0.0)
+    full = float(model.predict(lengths, 1.0))
+    ctl = LayerController([mb], model, DSTConfig(gamma_min=0.3), target_seconds=0.6 * full)
+    budget = ctl.choose(0, 0, est, spent_seconds=0.0)
+    rec = ctl.records[0]
+    layout = est.layout(budget)
+    w = np.asarray(lengths, dtype=np.float64) ** 2
+    assert rec.density == pytest.approx(w @ layout.document_density().numpy() / w.sum())
+    assert rec.predicted_seconds <= rec.allotted_seconds or budget.gamma == 0.3
+    assert 0.3 <= budget.gamma <= 0.99
+
+
+def test_bad_calls_raise():
+    dec, plan = _rank()
+    ctl = LayerController.from_decision(dec.ranks[0], plan[0], ORACLE, DSTConfig())
+    est = SyntheticEstimate(plan[0][0], 1.0)
+    with pytest.raises(ValueError, match="never chosen"):
+        ctl.observe(0, 0, 1.0)
+    ctl.choose(0, 0, est)
+    with pytest.raises(ValueError, match="already chosen"):
+        ctl.choose(0, 0, est)
+    with pytest.raises(ValueError, match="outside"):
+        ctl.choose(0, L, est)
+    with pytest.raises(ValueError, match="target_seconds"):
+        LayerController(plan[0], ORACLE, DSTConfig(), float("nan"))
