@@ -1,5 +1,7 @@
 """Step-level DST on a synthetic latency oracle: the issue's guarantees, example and property."""
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -50,7 +52,17 @@ def test_bidirectional_cuts_straggler_and_fills_bubbles():
     assert dec.bubbles_after.sum() < dec.bubbles_before.sum()
     assert dec.budget_cut > 0 and dec.budget_given > 0
     assert dec.ranks[0].density_after < dec.ranks[0].density_before
-    assert dec.to_dict()["ranks"][0]["role"] == "cut"
+    summary = json.loads(json.dumps(dec.to_dict()))  # JSON-ready for metrics files
+    assert summary["ranks"][0]["role"] == "cut"
+    assert summary["bubble_after"] == pytest.approx(sum(summary["bubbles_after"]))
+
+
+def test_empty_microbatch_and_empty_rank():
+    plan = [[MicroBatch((), (), ())], [], [MicroBatch((0,), (4000,), (0.3,))]]
+    dec = DSTTuner().decide(plan, ORACLE)
+    assert dec.ranks[0].predicted_before == pytest.approx(ORACLE.microbatch_overhead())
+    assert dec.ranks[1].predicted_before == 0.0
+    assert dec.ranks[2].role == "cut"
 
 
 def test_anchor_mean_p0_lands_stragglers_at_the_mean():

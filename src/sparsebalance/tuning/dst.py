@@ -153,7 +153,7 @@ class RankWorkload:
 
     def seconds(self, gamma: float) -> float:
         """Predicted forward + backward seconds of all micro-batches at ``gamma``."""
-        if self.lengths.size == 0:
+        if self.lengths.shape[0] == 0:  # no micro-batch at all (an empty one still has overhead)
             return 0.0
         return float(np.sum(self.cost_model.predict_many(self.lengths, self.densities(gamma))))
 

@@ -136,6 +136,8 @@ class StepDecision:
             "bubble_after": float(self.bubbles_after.sum()),
             "budget_cut": self.budget_cut,
             "budget_given": self.budget_given,
+            "bubbles_before": self.bubbles_before.tolist(),
+            "bubbles_after": self.bubbles_after.tolist(),
             "ranks": [asdict(r) for r in self.ranks],
         }
 
