@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -22,33 +20,13 @@ from tqdm import tqdm
 from ..ops import Budget, available_backends, block_sparse_attention, select_blocks
 from ..ops.layout import random_layout
 from ..results import markdown_table, write_results
+from ..timing import median_time
 
 DEFAULT_DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05)
 
 
 def _timer(device: torch.device, warmup: int, repeats: int):
-    def run(fn) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                start, end = (
-                    torch.cuda.Event(enable_timing=True),
-                    torch.cuda.Event(enable_timing=True),
-                )
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize(device)
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    return run
+    return lambda fn: median_time(fn, device, warmup, repeats)
 
 
 def _bench_length(total: int, args, backends, timer, device, dtype, bar) -> list[dict]:
@@ -154,7 +132,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
-        "--quick", action="store_true", help="T=2048, densities 1.0/0.25/0.05, no results file (seconds)"
+        "--quick", action="store_true", help="T=2048, densities 1/0.25/0.05, no results file"
     )
     p.add_argument(
         "--out", default="benchmarks/results", help="results folder ('' to write nothing)"

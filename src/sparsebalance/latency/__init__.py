@@ -1,0 +1,69 @@
+"""Latency model: profile the hardware, predict micro-batch times, recalibrate online.
+
+```python
+model = LatencyModel(load_profile("profile.json"))       # or default_latency_model(shapes, device)
+model.predict([4096, 1000], [0.2, 0.6])                  # seconds, fwd+bwd of one micro-batch
+model.update([4096, 1000], [0.2, 0.6], measured_seconds)  # online recalibration
+```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from ..models import ModelShapes
+from .analytic import ACCELERATORS, allreduce_seconds, analytic_profile
+from .model import LatencyModel
+from .profile import Profile, ProfileMismatchWarning, fingerprint, load_profile
+
+SHIPPED_DIR = Path(__file__).parent / "profiles"
+CACHE_DIR = Path.home() / ".cache" / "sparsebalance" / "profiles"
+
+
+def default_latency_model(
+    shapes: ModelShapes,
+    device: torch.device,
+    dtype: str = "fp32",
+    backend: str = "torch",
+    block_size: int = 64,
+    cache_dir: Path | None = None,
+) -> LatencyModel:
+    """A latency model for the running setup with no manual step.
+
+    Order: a cached profile with this exact fingerprint; a profile shipped with the package with
+    this fingerprint; otherwise a quick profile is measured now (seconds) and cached.
+    """
+    from .measure import default_grid, measure_profile
+
+    running = fingerprint(shapes, device, dtype, backend, block_size)
+    key = hashlib.sha1(json.dumps(running, sort_keys=True).encode()).hexdigest()[:12]
+    cache = Path(cache_dir or CACHE_DIR) / f"{shapes.name.replace('/', '_')}-{key}.json"
+    for path in [cache, *sorted(SHIPPED_DIR.glob("*.json"))]:
+        if path.is_file():
+            try:
+                profile = load_profile(path)
+            except ValueError:
+                continue
+            if profile.fingerprint == running:
+                return LatencyModel(profile)
+    grid = default_grid(shapes, block_size, quick=True, max_len=None)
+    profile = measure_profile(shapes, device, dtype, backend, block_size, grid, quiet=True)
+    profile.save(cache)
+    return LatencyModel(profile)
+
+
+__all__ = [
+    "ACCELERATORS",
+    "LatencyModel",
+    "Profile",
+    "ProfileMismatchWarning",
+    "allreduce_seconds",
+    "analytic_profile",
+    "default_latency_model",
+    "fingerprint",
+    "load_profile",
+]

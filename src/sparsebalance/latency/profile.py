@@ -1,0 +1,169 @@
+"""``Profile``: measured cost tables of one model on one machine, with a fingerprint, as JSON.
+
+Tables (all forward + backward seconds):
+- ``attention``: one layer's attention for one document, by length x density, including the block
+  selection (``estimate_block_mass`` + the budget rule), with the backend training uses;
+- ``layer_other``: one decoder layer without attention (norms, projections, rotary, MLP), by
+  token count of the micro-batch;
+- ``head``: embedding + final norm + LM head + loss, by token count;
+- ``attention_call_seconds``: the part of every attention entry paid once per call (per layer
+  and micro-batch), not per document;
+- ``optimizer_seconds`` and ``allreduce_seconds``: once per step, reported separately.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..models import ModelShapes
+from ..results import machine_info
+
+SCHEMA = "sparsebalance.profile/1"
+
+
+class ProfileMismatchWarning(UserWarning):
+    """The profile was measured on another setup than the one running."""
+
+
+def fingerprint(
+    shapes: ModelShapes, device: torch.device, dtype: str, backend: str, block_size: int
+) -> dict:
+    """What a profile's numbers depend on."""
+    info = machine_info(device)
+    return {
+        "device": info.get("gpu", info["cpu"]),
+        "device_type": device.type,
+        "threads": info["cpu_threads"] if device.type == "cpu" else None,
+        "torch": torch.__version__.split("+")[0],
+        "dtype": dtype,
+        "backend": backend,
+        "block_size": block_size,
+        "shapes": {k: v for k, v in shapes.to_dict().items() if k != "name"},
+    }
+
+
+@dataclass
+class Table1D:
+    tokens: list[int]
+    seconds: list[float]
+
+    def validate(self, name: str) -> None:
+        if len(self.tokens) < 2 or len(self.tokens) != len(self.seconds):
+            raise ValueError(f"profile: {name} needs >= 2 points with one time each")
+        if any(b <= a for a, b in zip(self.tokens, self.tokens[1:], strict=False)):
+            raise ValueError(f"profile: {name}.tokens must be strictly increasing")
+        if not all(np.isfinite(self.seconds)) or min(self.seconds) < 0:
+            raise ValueError(f"profile: {name}.seconds must be finite and >= 0")
+
+
+@dataclass
+class AttentionTable:
+    lengths: list[int]
+    densities: list[float]
+    seconds: list[list[float]]  # [length][density]
+
+    def validate(self) -> None:
+        arr = np.asarray(self.seconds, dtype=float)
+        if arr.shape != (len(self.lengths), len(self.densities)) or min(arr.shape) < 2:
+            raise ValueError("profile: attention.seconds must be (lengths x densities), each >= 2")
+        if any(b <= a for a, b in zip(self.lengths, self.lengths[1:], strict=False)):
+            raise ValueError("profile: attention.lengths must be strictly increasing")
+        if any(b <= a for a, b in zip(self.densities, self.densities[1:], strict=False)):
+            raise ValueError("profile: attention.densities must be strictly increasing")
+        if not (self.densities[0] > 0 and self.densities[-1] <= 1):
+            raise ValueError("profile: attention.densities must lie in (0, 1]")
+        if not np.isfinite(arr).all() or arr.min() < 0:
+            raise ValueError("profile: attention.seconds must be finite and >= 0")
+
+
+@dataclass
+class Profile:
+    fingerprint: dict
+    attention: AttentionTable
+    layer_other: Table1D
+    head: Table1D
+    num_layers: int
+    optimizer_seconds: float = 0.0
+    allreduce_seconds: float | None = None
+    attention_call_seconds: float = 0.0
+    """Fixed cost of one attention call (selection + kernel setup), paid once per layer and
+    micro-batch however many documents it packs; included in every ``attention`` entry."""
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_layers <= 0:
+            raise ValueError(f"profile: num_layers must be > 0, got {self.num_layers}")
+        if not 0.0 <= self.attention_call_seconds <= min(map(min, self.attention.seconds)):
+            raise ValueError("profile: attention_call_seconds must be in [0, min attention time]")
+        self.attention.validate()
+        self.layer_other.validate("layer_other")
+        self.head.validate("head")
+
+    def to_json(self) -> dict:
+        return {"schema": SCHEMA, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Profile:
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"not a SparseBalance profile (schema {found!r}, expected {SCHEMA!r})")
+        try:
+            return cls(
+                fingerprint=data["fingerprint"],
+                attention=AttentionTable(**data["attention"]),
+                layer_other=Table1D(**data["layer_other"]),
+                head=Table1D(**data["head"]),
+                num_layers=int(data["num_layers"]),
+                optimizer_seconds=float(data.get("optimizer_seconds", 0.0)),
+                allreduce_seconds=data.get("allreduce_seconds"),
+                attention_call_seconds=float(data.get("attention_call_seconds", 0.0)),
+                meta=data.get("meta", {}),
+            )
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"profile is missing or has a malformed field: {err}") from None
+
+    def save(self, path: str | Path) -> None:
+        """Atomic write: a crash never leaves a half-written profile."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        tmp.replace(path)
+
+    def check_fingerprint(self, running: dict, strict: bool = False) -> list[str]:
+        """Compare with the running setup: warn (or raise with ``strict``) on differences."""
+        diffs = [
+            f"{key}: profile {self.fingerprint.get(key)!r} vs running {running.get(key)!r}"
+            for key in sorted(set(self.fingerprint) | set(running))
+            if self.fingerprint.get(key) != running.get(key)
+        ]
+        if diffs:
+            msg = "latency profile was measured on another setup (" + "; ".join(diffs) + ")"
+            if strict:
+                raise ValueError(msg + "; re-run `sparsebalance profile` or drop --strict")
+            warnings.warn(
+                msg + "; predictions start from it and online recalibration adapts them",
+                ProfileMismatchWarning,
+                stacklevel=2,
+            )
+        return diffs
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and validate a profile JSON file (clear ``ValueError`` when missing or corrupt)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(
+            f"profile {str(path)!r} does not exist (make one with `sparsebalance profile`)"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"profile {str(path)!r} is not valid JSON: {err}") from None
+    return Profile.from_json(data)
