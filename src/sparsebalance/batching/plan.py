@@ -1,0 +1,214 @@
+"""``Plan``: the planner's output — rank -> micro-batches -> samples, with predicted times and
+quality metrics — and how those times come from a :class:`~sparsebalance.workload.CostModel`.
+
+Times: every non-empty micro-batch is predicted in one vectorised ``cost_model.predict_many``
+call (padded ``(num_micro_batches, max_docs)`` lengths and densities); a rank's time is the sum of
+its micro-batches (they run back to back before the gradient sync); the step time is the maximum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..workload import CostModel, MicroBatch
+
+
+@dataclass(frozen=True)
+class Items:
+    """What the strategies place: samples, or chunks of over-long samples. All arrays ``(n,)``."""
+
+    sample_id: np.ndarray
+    offset: np.ndarray
+    """First token of the item inside its sample (0 unless the sample was split)."""
+    tokens: np.ndarray
+    density: np.ndarray
+    cost: np.ndarray
+    """``cost_model.doc_seconds(tokens, density)``."""
+
+
+@dataclass(frozen=True)
+class PlanMetrics:
+    """Plan quality under the cost model (seconds unless noted)."""
+
+    max_time: float
+    """Predicted step time: the slowest rank."""
+    mean_time: float
+    min_time: float
+    lower_bound: float
+    """``max((sum of document times + fewest micro-batch overheads) / R, largest single item)``:
+    no plan of these items can be faster (under the additive model)."""
+    efficiency: float
+    """Balance efficiency ``mean_time / max_time`` (1.0 is perfect)."""
+    gap_to_bound: float
+    """``max_time / lower_bound - 1``."""
+    microbatch_balance: float
+    """Mean over ranks with >= 2 micro-batches of (mean / max micro-batch time); 1.0 if none."""
+    capacity_waste: float
+    """``1 - tokens / (num_micro_batches * cap)``, cap = ``C``, or the largest micro-batch's token
+    count when micro-batches are counted (the padding a fixed-shape batch would need)."""
+    num_samples: int
+    num_tokens: int
+    """Tokens actually planned (after truncation / skipping)."""
+    num_microbatches: int
+    num_overlong: int
+    """Samples longer than ``C``, whatever was done with them."""
+    num_split_chunks: int
+    truncated_tokens: int
+    skipped_ids: tuple[int, ...]
+    local_search_moves: int = 0
+    candidate: str = ""
+    """For ``sab``: ``cost`` (its own plan) or ``tokens`` (the fallback was predicted faster)."""
+    plan_seconds: float = 0.0
+    """Wall time spent planning (not part of :meth:`Plan.hash`)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Samples -> ranks -> micro-batches, with predicted times. Indexing: ``plan.ranks[r][m]``."""
+
+    strategy: str
+    ranks: tuple[tuple[MicroBatch, ...], ...]
+    offsets: tuple[tuple[tuple[int, ...], ...], ...]
+    """Same nesting as ``ranks``: each entry's first token inside its sample (non-zero for the
+    second and later chunks of a split sample)."""
+    microbatch_times: tuple[tuple[float, ...], ...]
+    rank_times: tuple[float, ...]
+    metrics: PlanMetrics = field(compare=False)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    def canonical(self) -> list:
+        """The assignment alone, as nested lists ``[rank][mb] -> [[id, offset, tokens], ...]``."""
+        return [
+            [[[i, o, n] for i, o, n in zip(mb.sample_ids, offs, mb.lengths, strict=True)]
+             for mb, offs in zip(rank, rank_offs, strict=True)]
+            for rank, rank_offs in zip(self.ranks, self.offsets, strict=True)
+        ]  # fmt: skip
+
+    def hash(self) -> str:
+        """16 hex digits of SHA-256 over the assignment (not the times): equal on every rank that
+        derived the same plan, so the trainer can all-gather it to check agreement."""
+        blob = json.dumps(self.canonical(), separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def placements(self) -> dict[int, list[tuple[int, int, int, int]]]:
+        """``sample id -> [(rank, micro-batch, offset, tokens), ...]`` (one entry per chunk)."""
+        out: dict[int, list[tuple[int, int, int, int]]] = {}
+        for r, (rank, rank_offs) in enumerate(zip(self.ranks, self.offsets, strict=True)):
+            for m, (mb, offs) in enumerate(zip(rank, rank_offs, strict=True)):
+                for i, o, n in zip(mb.sample_ids, offs, mb.lengths, strict=True):
+                    out.setdefault(i, []).append((r, m, o, n))
+        return out
+
+    def summary(self) -> dict:
+        """Metrics plus the hash, JSON-ready."""
+        d = asdict(self.metrics)
+        d["skipped_ids"] = list(d["skipped_ids"])
+        return {"strategy": self.strategy, "hash": self.hash(), **d}
+
+    def to_dict(self) -> dict:
+        """Everything, JSON-ready (the assignment as in :meth:`canonical`)."""
+        return {
+            **self.summary(),
+            "assignment": self.canonical(),
+            "microbatch_times": [list(t) for t in self.microbatch_times],
+            "rank_times": list(self.rank_times),
+        }
+
+
+def predict_packs(
+    packs: list[list[list[int]]], items: Items, cost_model: CostModel
+) -> tuple[list[list[float]], np.ndarray]:
+    """Predicted seconds of every micro-batch (``[rank][mb]``) and every rank (``(R,)``).
+
+    One ``predict_many`` call on ``(num_mb, max_docs)`` padded arrays: O(total items) to build.
+    """
+    flat = [mb for rank in packs for mb in rank if mb]
+    times = np.zeros(0)
+    if flat:
+        sizes = np.array([len(mb) for mb in flat])
+        row = np.repeat(np.arange(len(flat)), sizes)
+        col = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        idx = np.fromiter((i for mb in flat for i in mb), dtype=np.int64, count=row.size)
+        width = int(sizes.max())
+        lengths = np.zeros((len(flat), width), dtype=np.int64)
+        dens = np.ones((len(flat), width), dtype=np.float64)
+        lengths[row, col] = items.tokens[idx]
+        dens[row, col] = items.density[idx]
+        times = np.asarray(cost_model.predict_many(lengths, dens), dtype=np.float64)
+    mb_times, rank_times, pos = [], np.zeros(len(packs)), 0
+    for r, rank in enumerate(packs):
+        t = []
+        for mb in rank:
+            t.append(float(times[pos]) if mb else 0.0)
+            pos += bool(mb)
+        mb_times.append(t)
+        rank_times[r] = sum(t)
+    return mb_times, rank_times
+
+
+def build_plan(
+    strategy: str,
+    packs: list[list[list[int]]],
+    items: Items,
+    times: tuple[list[list[float]], np.ndarray],
+    lower_bound: float,
+    capacity: int | None,
+    overlong: dict,
+    extra: dict,
+) -> Plan:
+    """Assemble the :class:`Plan` and its metrics; empty micro-batches are dropped."""
+    mb_times, rank_times = times
+    # Python lists once: per-element numpy indexing would dominate for thousands of micro-batches.
+    ids, toks, dens, first = (
+        a.tolist() for a in (items.sample_id, items.tokens, items.density, items.offset)
+    )
+    ranks, offsets, kept_times, balance = [], [], [], []
+    for rank, t_rank in zip(packs, mb_times, strict=True):
+        mbs, offs, ts = [], [], []
+        for mb, t in zip(rank, t_rank, strict=True):
+            if not mb:
+                continue
+            mbs.append(MicroBatch(
+                tuple([ids[i] for i in mb]), tuple([toks[i] for i in mb]),
+                tuple([dens[i] for i in mb]),
+            ))  # fmt: skip
+            offs.append(tuple([first[i] for i in mb]))
+            ts.append(t)
+        if len(ts) >= 2:
+            balance.append(sum(ts) / len(ts) / max(ts))
+        ranks.append(tuple(mbs))
+        offsets.append(tuple(offs))
+        kept_times.append(tuple(ts))
+    num_mb = sum(len(r) for r in ranks)
+    num_tokens = int(items.tokens.sum())
+    if capacity is not None:
+        cap = capacity
+    else:
+        cap = max((mb.num_tokens for r in ranks for mb in r), default=0)
+    mx, mean = float(rank_times.max()), float(rank_times.mean())
+    metrics = PlanMetrics(
+        max_time=mx,
+        mean_time=mean,
+        min_time=float(rank_times.min()),
+        lower_bound=lower_bound,
+        efficiency=mean / mx if mx > 0 else 1.0,
+        gap_to_bound=mx / lower_bound - 1.0 if lower_bound > 0 else 0.0,
+        microbatch_balance=float(np.mean(balance)) if balance else 1.0,
+        capacity_waste=1.0 - num_tokens / (num_mb * cap) if num_mb and cap else 0.0,
+        num_samples=len(set(items.sample_id.tolist())),
+        num_tokens=num_tokens,
+        num_microbatches=num_mb,
+        **overlong,
+        **extra,
+    )
+    return Plan(
+        strategy, tuple(ranks), tuple(offsets), tuple(kept_times), tuple(rank_times.tolist()),
+        metrics,
+    )  # fmt: skip

@@ -1,0 +1,230 @@
+"""The SAB planner: global batch -> :class:`~sparsebalance.batching.plan.Plan`.
+
+Pipeline: validate -> densities (given, or from an estimator) -> over-long documents handled per
+``overlong`` -> items with predicted seconds (``cost_model.doc_seconds``) -> a strategy assigns
+items to ranks and micro-batches -> ``cost_model.predict_many`` times every micro-batch -> Plan.
+
+Strategies (one interface, :data:`STRATEGIES`):
+
+- ``sequential``: dataset order, contiguous equal-count shards per rank (the usual baseline);
+- ``sorted``: the same on length-sorted samples (LongAlign-style sorted batching);
+- ``tokens``: LPT on token counts;
+- ``flops``: LPT on ``c L + L^2`` (what verl / slime balance), ``c`` fitted to the cost model's
+  dense document time unless given;
+- ``sab``: LPT on predicted seconds (density-aware, micro-batch overheads counted), refined by
+  moves/swaps between the heaviest and the lightest ranks; the plain ``tokens`` plan is also
+  timed and kept if it is predicted faster, so ``sab`` is never worse than ``tokens`` under the
+  same cost model (``metrics.candidate`` says which won).
+
+Inside a rank, ``sequential``/``sorted`` pack in order; the others balance their own key across
+the rank's micro-batches (the secondary objective). Only the cost model's protocol is used.
+
+Complexity (N items, R ranks, I local-search exchanges, n = N/R): O(N log N) for LPT,
+O(I (R log R + n log n)) for the search, O(N log n) packing, one vectorised ``predict_many``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..workload import CostModel, Sample
+from .estimate import DensityEstimator
+from .plan import Items, Plan, build_plan, predict_packs
+from .strategies import (
+    Regime,
+    fit_linear_coef,
+    flops_key,
+    local_search,
+    lpt_ranks,
+    pack_balanced,
+    pack_in_order,
+    shard_contiguous,
+)
+
+STRATEGIES = ("sequential", "sorted", "tokens", "flops", "sab")
+OVERLONG = ("split", "truncate", "skip")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """How to plan one global batch (validated on construction; messages name the CLI flags)."""
+
+    world_size: int
+    """Data-parallel ranks R (``--world-size``)."""
+    micro_batches: int | None = None
+    """Micro-batches per rank M (``--micro-batches``); exactly one of this and ``capacity``."""
+    capacity: int | None = None
+    """Token capacity per micro-batch C, the memory bound (``--capacity``)."""
+    strategy: str = "sab"
+    """One of :data:`STRATEGIES` (``--strategy``)."""
+    overlong: str = "split"
+    """Documents longer than C (``--overlong``): ``split`` into C-token chunks trained as separate
+    documents, ``truncate`` to their first C tokens, or ``skip``. Counted in the metrics."""
+    local_search_iters: int | None = None
+    """Most exchanges in ``sab``'s refinement (``--local-search-iters``); default 4 R + 64."""
+    neighbors: int = 4
+    """Light ranks tried against the heaviest one per refinement step."""
+    flops_linear_coef: float | None = None
+    """``c`` of the ``flops`` key; default fitted to the cost model."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
+            raise ValueError(f"--world-size must be an integer, got {self.world_size!r}")
+        if self.world_size <= 0:
+            raise ValueError(f"--world-size must be >= 1, got {self.world_size}")
+        if (self.micro_batches is None) == (self.capacity is None):
+            raise ValueError("give exactly one of --micro-batches M and --capacity C")
+        if self.micro_batches is not None and self.micro_batches <= 0:
+            raise ValueError(f"--micro-batches must be >= 1, got {self.micro_batches}")
+        if self.capacity is not None and self.capacity <= 0:
+            raise ValueError(f"--capacity must be >= 1, got {self.capacity}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"--strategy must be one of {', '.join(STRATEGIES)} (or all), got {self.strategy!r}"
+            )
+        if self.overlong not in OVERLONG:
+            raise ValueError(
+                f"--overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}"
+            )
+        if self.local_search_iters is not None and self.local_search_iters < 0:
+            raise ValueError(f"--local-search-iters must be >= 0, got {self.local_search_iters}")
+        if self.neighbors <= 0:
+            raise ValueError(f"neighbors must be >= 1, got {self.neighbors}")
+
+
+def plan_batch(
+    samples: Sequence[Sample],
+    cost_model: CostModel,
+    config: PlanConfig,
+    densities: Sequence[float] | np.ndarray | None = None,
+    estimator: DensityEstimator | None = None,
+) -> Plan:
+    """Plan one global batch.
+
+    Args:
+        samples: the global batch, ``N >= 1`` samples with distinct ids.
+        cost_model: anything with the :class:`~sparsebalance.workload.CostModel` methods.
+        config: world size, M or C, strategy, over-long policy.
+        densities: ``(N,)`` expected densities in (0, 1] at the default budget; or
+        estimator: an object with ``estimate(samples) -> (N,)``. Exactly one of the two.
+
+    Returns:
+        A :class:`Plan`; split chunks carry the sample's density (the estimate of the whole).
+    """
+    t0 = time.perf_counter()
+    dens = _densities(samples, densities, estimator)
+    items, overlong = _items(samples, dens, cost_model, config)
+    regime = Regime(config.micro_batches, config.capacity, float(cost_model.microbatch_overhead()))
+    if config.strategy == "sab":
+        packs, times, extra = _sab(items, regime, cost_model, config)
+    else:
+        packs = _baseline(config.strategy, items, regime, cost_model, config)
+        times, extra = predict_packs(packs, items, cost_model), {}
+    bound = _lower_bound(items, regime, config, cost_model)
+    extra["plan_seconds"] = time.perf_counter() - t0
+    return build_plan(config.strategy, packs, items, times, bound, config.capacity, overlong, extra)
+
+
+def _densities(samples, densities, estimator) -> np.ndarray:
+    if not samples:
+        raise ValueError("the global batch is empty: nothing to plan")
+    ids = [s.id for s in samples]
+    if len(set(ids)) != len(ids):
+        raise ValueError("sample ids must be distinct within a global batch")
+    if (densities is None) == (estimator is None):
+        raise ValueError("give exactly one of densities and estimator")
+    d = estimator.estimate(samples) if densities is None else densities
+    d = np.asarray(d, dtype=np.float64).reshape(-1)
+    if d.size != len(samples):
+        raise ValueError(f"{len(samples)} samples but {d.size} densities")
+    if not (np.all(d > 0) and np.all(d <= 1.0)):
+        raise ValueError("densities must lie in (0, 1]")
+    return d
+
+
+def _items(samples, dens, cost_model, config) -> tuple[Items, dict]:
+    """Samples -> items, applying the over-long policy (C only)."""
+    ids = np.array([s.id for s in samples], dtype=np.int64)
+    lens = np.array([s.num_tokens for s in samples], dtype=np.int64)
+    offs = np.zeros_like(lens)
+    stats = {"num_overlong": 0, "num_split_chunks": 0, "truncated_tokens": 0, "skipped_ids": ()}
+    cap = config.capacity
+    if cap is not None:
+        if cap < lens.min():
+            raise ValueError(
+                f"--capacity {cap} is smaller than the smallest sample ({lens.min()} tokens)"
+            )
+        over = lens > cap
+        stats["num_overlong"] = int(over.sum())
+        if over.any() and config.overlong == "split":
+            reps = np.where(over, -(-lens // cap), 1)
+            stats["num_split_chunks"] = int(reps[over].sum())
+            first = np.repeat(np.cumsum(reps) - reps, reps)
+            chunk = np.arange(int(reps.sum())) - first  # chunk index inside its sample
+            ids, dens = np.repeat(ids, reps), np.repeat(dens, reps)
+            offs = chunk * cap
+            lens = np.minimum(np.repeat(lens, reps) - offs, cap)
+        elif over.any() and config.overlong == "truncate":
+            stats["truncated_tokens"] = int((lens[over] - cap).sum())
+            lens = np.minimum(lens, cap)
+        elif over.any():  # skip
+            stats["skipped_ids"] = tuple(ids[over].tolist())
+            ids, lens, offs, dens = ids[~over], lens[~over], offs[~over], dens[~over]
+            if ids.size == 0:
+                raise ValueError(f"--overlong skip: every sample is longer than --capacity {cap}")
+    cost = np.asarray(cost_model.doc_seconds(lens, dens), dtype=np.float64)
+    return Items(ids, offs, lens, dens, cost), stats
+
+
+def _lower_bound(items: Items, regime: Regime, config: PlanConfig, cost_model) -> float:
+    """``max((sum of doc seconds + c0 * fewest micro-batches) / R, c0 + largest doc seconds)``."""
+    if regime.capacity is None:
+        fewest = min(len(items.tokens), regime.micro_batches)
+    else:
+        fewest = -(-int(items.tokens.sum()) // regime.capacity)
+    mean = (items.cost.sum() + regime.overhead * fewest) / config.world_size
+    return float(max(mean, regime.overhead + items.cost.max()))
+
+
+def _rank_key(strategy: str, items: Items, cost_model, config) -> np.ndarray:
+    if strategy == "tokens":
+        return items.tokens.astype(np.float64)
+    if strategy == "flops":
+        coef = config.flops_linear_coef
+        if coef is None:
+            coef = fit_linear_coef(lambda l: cost_model.doc_seconds(l, np.ones_like(l)))
+        return flops_key(items.tokens, coef)
+    return items.cost
+
+
+def _baseline(strategy, items: Items, regime: Regime, cost_model, config) -> list:
+    """``sequential``, ``sorted``, ``tokens`` and ``flops``: rank -> micro-batch -> item."""
+    r = config.world_size
+    if strategy in ("sequential", "sorted"):
+        order = np.arange(len(items.tokens))
+        if strategy == "sorted":
+            order = np.argsort(items.tokens, kind="stable")
+        return [pack_in_order(rank, items.tokens, regime) for rank in shard_contiguous(order, r)]
+    key = _rank_key(strategy, items, cost_model, config)
+    return [pack_balanced(rank, key, items.tokens, regime) for rank in lpt_ranks(key, r)]
+
+
+def _sab(items: Items, regime: Regime, cost_model, config: PlanConfig):
+    """LPT on predicted seconds, refined by the local search, packed and timed; kept only if its
+    predicted step time beats the plain ``tokens`` plan (the fallback that makes ``sab <= tokens``
+    hold whatever the cost model's non-additive parts do)."""
+    r = config.world_size
+    iters = 4 * r + 64 if config.local_search_iters is None else config.local_search_iters
+    tokens_packs = _baseline("tokens", items, regime, cost_model, config)
+    tokens_times = predict_packs(tokens_packs, items, cost_model)
+    ranks = lpt_ranks(items.cost, r, regime, items.tokens)
+    ranks, moves = local_search(ranks, items.cost, items.tokens, regime, iters, config.neighbors)
+    packs = [pack_balanced(rk, items.cost, items.tokens, regime) for rk in ranks]
+    times = predict_packs(packs, items, cost_model)
+    if not times[1].max() < tokens_times[1].max() * (1 - 1e-12):
+        return tokens_packs, tokens_times, {"local_search_moves": 0, "candidate": "tokens"}
+    return packs, times, {"local_search_moves": moves, "candidate": "cost"}

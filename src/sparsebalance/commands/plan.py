@@ -1,0 +1,195 @@
+"""``sparsebalance plan``: pack a global batch into ranks x micro-batches with every strategy (or
+one) and compare predicted step times, balance efficiency and the lower bound.
+
+Input (``--lengths FILE``): one length per line (``#`` comments allowed); or JSON, either a list
+of lengths or an object with a ``lengths`` list (optional ``densities`` and ``sources`` lists of
+the same size); or a jsonl dataset, one object per line, whose ``--text-field`` is tokenized with
+a whitespace tokenizer (token = whitespace-separated word; the model's tokenizer comes with the
+trainer), with optional ``density`` and ``source`` fields.
+
+Densities: those given in the file, else the history estimator's prior (no measurements yet).
+Cost model: a :class:`~sparsebalance.latency.LatencyModel` from ``--profile P`` (made by
+``sparsebalance profile``), else from the analytic FLOP-count profile of ``--model`` (default the
+built-in ``tiny``) on ``--accelerator``. The model used is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..batching import OVERLONG, STRATEGIES, HistoryEstimator, PlanConfig, plan_batch
+from ..latency import ACCELERATORS, LatencyModel, analytic_profile, load_profile
+from ..models import load_shapes
+from ..results import markdown_table
+from ..workload import Sample
+
+
+def read_batch(path: str, text_field: str = "text") -> tuple[list[Sample], np.ndarray | None]:
+    """Samples (ids = position in the file) and densities if the file has them."""
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ValueError(f"--lengths {path}: cannot read ({err.strerror})") from None
+    lines = [ln.strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("#")]
+    if not lines:
+        raise ValueError(f"--lengths {path}: the file is empty: nothing to plan")
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        whole = None
+    if isinstance(whole, list) or (isinstance(whole, dict) and "lengths" in whole):
+        record = whole if isinstance(whole, dict) else {"lengths": whole}
+        return _from_lists(path, record)
+    if lines[0].startswith("{"):
+        return _from_jsonl(path, lines, text_field)
+    try:
+        lengths = [int(ln) for ln in lines]
+    except ValueError:
+        raise ValueError(
+            f"--lengths {path}: expected one integer length per line, JSON with a 'lengths' "
+            "list, or a jsonl dataset"
+        ) from None
+    return _from_lists(path, {"lengths": lengths})
+
+
+def _from_lists(path: str, record: dict) -> tuple[list[Sample], np.ndarray | None]:
+    lengths = record["lengths"]
+    if not lengths:
+        raise ValueError(f"--lengths {path}: the 'lengths' list is empty: nothing to plan")
+    sources = record.get("sources") or [""] * len(lengths)
+    dens = record.get("densities")
+    for name, values in (("sources", sources), ("densities", dens)):
+        if values is not None and len(values) != len(lengths):
+            raise ValueError(f"--lengths {path}: {len(values)} {name} for {len(lengths)} lengths")
+    samples = []
+    for i, (n, src) in enumerate(zip(lengths, sources, strict=True)):
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"--lengths {path}: entry {i} is {n!r}, lengths must be integers > 0")
+        samples.append(Sample(i, n, str(src)))
+    return samples, None if dens is None else np.asarray(dens, dtype=np.float64)
+
+
+def _from_jsonl(path: str, lines: list[str], field: str) -> tuple[list[Sample], np.ndarray | None]:
+    samples, dens = [], []
+    for i, ln in enumerate(lines):
+        try:
+            rec = json.loads(ln)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--lengths {path}: record {i + 1} is not JSON ({err.msg})") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get(field), str):
+            raise ValueError(f"--lengths {path}: record {i + 1} has no string field {field!r}")
+        num_tokens = len(rec[field].split())  # whitespace tokenizer
+        if num_tokens == 0:
+            raise ValueError(f"--lengths {path}: record {i + 1}: {field!r} holds no tokens")
+        samples.append(Sample(i, num_tokens, str(rec.get("source", ""))))
+        dens.append(rec.get("density"))
+    if all(d is None for d in dens):
+        return samples, None
+    if any(d is None for d in dens):
+        raise ValueError(f"--lengths {path}: 'density' is given for some records but not all")
+    return samples, np.asarray(dens, dtype=np.float64)
+
+
+def load_cost_model(profile: str | None, model: str, accelerator: str):
+    """``(LatencyModel, description)``: from ``--profile``, else the analytic (FLOP-count) profile
+    of ``--model`` on ``--accelerator``."""
+    if profile is not None:
+        return LatencyModel(load_profile(profile)), f"LatencyModel(profile {profile})"
+    shapes = load_shapes(model)
+    desc = f"LatencyModel(analytic profile: {model} on {accelerator})"
+    return LatencyModel(analytic_profile(shapes, accelerator)), desc
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lengths", required=True, metavar="FILE", help="lengths / JSON / jsonl file")
+    p.add_argument("--world-size", type=int, required=True, metavar="R", help="ranks")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches per rank")
+    group.add_argument("--capacity", type=int, metavar="C", help="tokens per micro-batch")
+    p.add_argument("--profile", metavar="P", help="latency profile (default: analytic profile)")
+    p.add_argument("--model", default="tiny", help="model for the analytic profile")
+    p.add_argument(
+        "--accelerator",
+        choices=sorted(ACCELERATORS),
+        default="h100",
+        help="accelerator for the analytic profile",
+    )
+    p.add_argument(
+        "--strategy", default="all", help=f"one of {', '.join(STRATEGIES)}, or all (default)"
+    )
+    p.add_argument("--overlong", choices=OVERLONG, default="split", help="documents longer than C")
+    p.add_argument("--text-field", default="text", help="jsonl field to tokenize")
+    p.add_argument("--seed", type=int, default=None, help="shuffle the file order with this seed")
+    p.add_argument("--save", metavar="PATH", help="write every plan (with assignment) as JSON")
+    p.add_argument("--json", action="store_true", help="print only JSON to stdout")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.strategy != "all" and args.strategy not in STRATEGIES:
+        raise ValueError(
+            f"--strategy must be one of {', '.join(STRATEGIES)} or all, got {args.strategy!r}"
+        )
+    strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    configs = [
+        PlanConfig(args.world_size, args.micro_batches, args.capacity, s, args.overlong)
+        for s in strategies
+    ]  # validates R, M, C before any file is read
+    samples, densities = read_batch(args.lengths, args.text_field)
+    if args.seed is not None:
+        order = np.random.default_rng(args.seed).permutation(len(samples))
+        samples = [samples[i] for i in order]
+        densities = None if densities is None else densities[order]
+    cost_model, cost_name = load_cost_model(args.profile, args.model, args.accelerator)
+    source = "file" if densities is not None else "HistoryEstimator prior"
+    kwargs = (
+        {"densities": densities} if densities is not None else {"estimator": HistoryEstimator()}
+    )
+    plans = [plan_batch(samples, cost_model, cfg, **kwargs) for cfg in configs]
+    result = {
+        "num_samples": len(samples),
+        "num_tokens": int(sum(s.num_tokens for s in samples)),
+        "world_size": args.world_size,
+        "micro_batches": args.micro_batches,
+        "capacity": args.capacity,
+        "overlong": args.overlong,
+        "cost_model": cost_name,
+        "densities": source,
+        "strategies": {p.strategy: p.summary() for p in plans},
+    }
+    if args.save:
+        full = {**result, "strategies": {p.strategy: p.to_dict() for p in plans}}
+        Path(args.save).write_text(json.dumps(full) + "\n")
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    bound = f"M = {args.micro_batches}" if args.capacity is None else f"C = {args.capacity}"
+    print(
+        f"{len(samples)} samples, {result['num_tokens']} tokens, R = {args.world_size}, {bound}\n"
+        f"cost model: {cost_name}; densities: {source}\n"
+    )
+    print(format_table(plans))
+    over = plans[0].metrics.num_overlong
+    if over:
+        print(f"\n{over} documents longer than C: --overlong {args.overlong}")
+    if args.save:
+        print(f"\nwrote {args.save}")
+    return 0
+
+
+def format_table(plans: list) -> str:
+    """One row per strategy; times in milliseconds."""
+    headers = ["strategy", "max ms", "mean ms", "lower bound ms", "efficiency", "gap to bound",
+               "micro-batches", "capacity waste", "plan ms", "hash"]  # fmt: skip
+    rows = [
+        [p.strategy, p.metrics.max_time * 1e3, p.metrics.mean_time * 1e3,
+         p.metrics.lower_bound * 1e3, p.metrics.efficiency, p.metrics.gap_to_bound,
+         p.metrics.num_microbatches, p.metrics.capacity_waste, p.metrics.plan_seconds * 1e3,
+         p.hash()]
+        for p in plans
+    ]  # fmt: skip
+    return markdown_table(headers, rows)
