@@ -39,8 +39,9 @@ class PlanMetrics:
     mean_time: float
     min_time: float
     lower_bound: float
-    """``max((sum of document times + fewest micro-batch overheads) / R, largest single item)``:
-    no plan of these items can be faster (under the additive model)."""
+    """``max(sum of document times / R + fewest micro-batch overheads per rank, largest single
+    item)``: no plan of these items can be faster under the additive model (document seconds plus
+    a fixed overhead per micro-batch). Loose by the extra overheads when M > 1."""
     efficiency: float
     """Balance efficiency ``mean_time / max_time`` (1.0 is perfect)."""
     gap_to_bound: float

@@ -124,7 +124,7 @@ def plan_batch(
     else:
         packs = _baseline(config.strategy, items, regime, cost_model, config)
         times, extra = predict_packs(packs, items, cost_model), {}
-    bound = _lower_bound(items, regime, config, cost_model)
+    bound = _lower_bound(items, regime, config)
     extra["plan_seconds"] = time.perf_counter() - t0
     return build_plan(config.strategy, packs, items, times, bound, config.capacity, overlong, extra)
 
@@ -180,14 +180,15 @@ def _items(samples, dens, cost_model, config) -> tuple[Items, dict]:
     return Items(ids, offs, lens, dens, cost), stats
 
 
-def _lower_bound(items: Items, regime: Regime, config: PlanConfig, cost_model) -> float:
-    """``max((sum of doc seconds + c0 * fewest micro-batches) / R, c0 + largest doc seconds)``."""
-    if regime.capacity is None:
-        fewest = min(len(items.tokens), regime.micro_batches)
-    else:
-        fewest = -(-int(items.tokens.sum()) // regime.capacity)
-    mean = (items.cost.sum() + regime.overhead * fewest) / config.world_size
-    return float(max(mean, regime.overhead + items.cost.max()))
+def _lower_bound(items: Items, regime: Regime, config: PlanConfig) -> float:
+    """No plan of these items beats this under the additive model (doc seconds + c0 per
+    micro-batch): the mean rank load, where every busy rank runs at least one micro-batch and,
+    with C, all ranks together at least ``ceil(tokens / C)``; and the largest single item."""
+    total, c0, r = float(items.cost.sum()), regime.overhead, config.world_size
+    mean = total / r + c0
+    if regime.capacity is not None:
+        mean = max(mean, (total + c0 * -(-int(items.tokens.sum()) // regime.capacity)) / r)
+    return float(max(mean, c0 + items.cost.max()))
 
 
 def _rank_key(strategy: str, items: Items, cost_model, config) -> np.ndarray:
