@@ -1,0 +1,179 @@
+"""Run reports: ``sparsebalance report RUN_DIR`` reads ``metrics.jsonl`` of one run (or of every
+run folder inside RUN_DIR, e.g. the demo's baseline and sparsebalance) and writes ``report.md``
+with a comparison table and PNG plots: per-rank timeline (compute vs bubble per step), step-time
+distribution per run, gamma and density per rank, loss curves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .results import markdown_table
+
+
+def load_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(per-rank records, per-step summaries) of one run."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{run_dir}: no metrics.jsonl (not a training run folder)")
+    ranks, steps = [], []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        (steps if rec.get("rank") == "all" else ranks).append(rec)
+    if not steps:
+        raise ValueError(f"{path}: no completed step")
+    return ranks, steps
+
+
+def find_runs(root: Path) -> dict[str, Path]:
+    root = Path(root)
+    if (root / "metrics.jsonl").is_file():
+        return {root.name: root}
+    runs = {p.parent.name: p.parent for p in sorted(root.glob("*/metrics.jsonl"))}
+    if not runs:
+        raise ValueError(f"{root}: no metrics.jsonl here or in its sub-folders")
+    return runs
+
+
+def summarize(steps: list[dict]) -> dict:
+    """Means over steps, skipping the first (warm-up: first-call overheads, profile loading)."""
+    body = steps[1:] if len(steps) > 1 else steps
+    mean = lambda k: float(np.mean([s[k] for s in body]))  # noqa: E731
+    return {
+        "steps": len(steps),
+        "mean_step_s": mean("step_seconds"),
+        "mean_max_compute_s": mean("max_compute_s"),
+        "efficiency": mean("efficiency"),
+        "bubble_fraction": mean("bubble_fraction"),
+        "mean_density": mean("mean_density"),
+        "tokens_per_s": mean("tokens_per_s"),
+        "final_loss": float(steps[-1]["loss"]),
+    }
+
+
+def comparison_table(runs: dict[str, dict], baseline: str | None = None) -> tuple[str, dict]:
+    base = runs.get(baseline or "baseline") or next(iter(runs.values()))
+    rows, out = [], {}
+    for name, s in runs.items():
+        speedup = base["mean_step_s"] / s["mean_step_s"]
+        out[name] = {**s, "speedup": speedup}
+        rows.append(
+            [
+                name,
+                s["steps"],
+                s["mean_step_s"],
+                speedup,
+                s["efficiency"],
+                s["bubble_fraction"],
+                s["mean_density"],
+                s["final_loss"],
+            ]
+        )
+    headers = [
+        "run",
+        "steps",
+        "mean step (s)",
+        "speedup",
+        "balance eff.",
+        "bubble frac.",
+        "mean density",
+        "final loss",
+    ]
+    return markdown_table(headers, rows), out
+
+
+def _plots(run_data: dict[str, tuple[list[dict], list[dict]]], out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    fig, axes = plt.subplots(1, len(run_data), figsize=(6 * len(run_data), 3.5), squeeze=False)
+    for ax, (name, (ranks, _)) in zip(axes[0], run_data.items(), strict=True):
+        nr = max(r["rank"] for r in ranks) + 1
+        for r in range(nr):
+            recs = [x for x in ranks if x["rank"] == r]
+            x = np.array([x["step"] for x in recs]) + (r - (nr - 1) / 2) * 0.8 / nr
+            comp = np.array([x["compute_s"] for x in recs])
+            bub = np.array([x["derived_bubble_s"] for x in recs])
+            ax.bar(x, comp, width=0.8 / nr, color=f"C{r}", label=f"rank {r} compute")
+            ax.bar(
+                x,
+                bub,
+                bottom=comp,
+                width=0.8 / nr,
+                color=f"C{r}",
+                alpha=0.3,
+                hatch="//",
+                label=f"rank {r} bubble",
+            )
+        ax.set(title=f"{name}: compute vs bubble", xlabel="step", ylabel="seconds")
+        ax.legend(fontsize=7)
+    files.append(_save(fig, out_dir / "timeline.png"))
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.boxplot([[s["step_seconds"] for s in st[1:] or st] for _, st in run_data.values()])
+    ax.set_xticks(range(1, len(run_data) + 1), list(run_data))
+    ax.set(title="step time per run", ylabel="seconds")
+    files.append(_save(fig, out_dir / "step_times.png"))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for i, (name, (ranks, _)) in enumerate(run_data.items()):
+        for r in sorted({x["rank"] for x in ranks}):
+            recs = [x for x in ranks if x["rank"] == r]
+            axes[0].plot(
+                [x["step"] for x in recs],
+                [x["gamma_mean"] for x in recs],
+                ls="-" if i == 0 else "--",
+                label=f"{name} r{r}",
+            )
+            axes[1].plot(
+                [x["step"] for x in recs],
+                [x["density"] for x in recs],
+                ls="-" if i == 0 else "--",
+                label=f"{name} r{r}",
+            )
+    axes[0].set(title="gamma per rank (mean over layers)", xlabel="step")
+    axes[1].set(title="realized density per rank", xlabel="step")
+    axes[0].legend(fontsize=7)
+    files.append(_save(fig, out_dir / "gamma_density.png"))
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for name, (_, steps) in run_data.items():
+        ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], label=name)
+    ax.set(title="training loss", xlabel="step", ylabel="loss")
+    ax.legend()
+    files.append(_save(fig, out_dir / "loss.png"))
+    return files
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path.name
+
+
+def write_report(root: Path, plots: bool = True) -> tuple[Path, dict]:
+    """Write ``report.md`` (and PNGs) into ``root``; returns its path and the comparison."""
+    root = Path(root)
+    runs = find_runs(root)
+    data = {name: load_run(path) for name, path in runs.items()}
+    table, comparison = comparison_table({n: summarize(st) for n, (_, st) in data.items()})
+    note = (
+        "Means over steps 2..N (step 1 is warm-up). Speedup = baseline mean step time / run's. "
+        "Balance efficiency = mean / max rank compute time; bubble fraction = 1 - efficiency."
+    )
+    lines = [f"# Training report: {root}", "", table, "", note, ""]
+    if plots:
+        try:
+            for f in _plots(data, root):
+                lines.append(f"![{f}]({f})")
+        except ImportError:
+            lines.append("(plots skipped: `pip install matplotlib`, or the `plot` extra)")
+    path = root / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    (root / "comparison.json").write_text(json.dumps(comparison, indent=1) + "\n")
+    return path, comparison

@@ -1,0 +1,6 @@
+"""The distributed trainer: ``torchrun -m sparsebalance.train`` or ``sparsebalance train``."""
+
+from .config import TrainConfig, add_train_arguments, config_from_args
+from .trainer import Trainer
+
+__all__ = ["TrainConfig", "Trainer", "add_train_arguments", "config_from_args"]

