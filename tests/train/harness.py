@@ -1,0 +1,80 @@
+"""Run the real Trainer in N gloo processes (mp.spawn, file:// rendezvous) and collect results."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sparsebalance.latency import analytic_profile
+from sparsebalance.models import load_shapes
+from sparsebalance.train import TrainConfig, Trainer
+from sparsebalance.train.runtime import Runtime
+from sparsebalance.tuning import DSTConfig
+
+MEMORISABLE = [
+    "The passkey is 4821. Remember it. The passkey is 4821.",
+    "Alice keeps the red key in the blue box under the old oak table.",
+    "one two three four five six seven eight nine ten eleven twelve",
+    "Variable X = 17. Variable Y = X. Variable Z = Y. Therefore Z equals 17.",
+] * 8
+
+
+def write_dataset(tmp: Path) -> Path:
+    path = tmp / "data.jsonl"
+    path.write_text("".join(json.dumps({"text": t * 4}) + "\n" for t in MEMORISABLE))
+    return path
+
+
+def write_profile(tmp: Path) -> Path:
+    path = tmp / "profile.json"
+    analytic_profile(load_shapes("tiny"), "h100", block_size=32).save(path)
+    return path
+
+
+def base_config(tmp: Path, **over) -> TrainConfig:
+    cfg = TrainConfig(
+        data=str(write_dataset(tmp)), profile=str(write_profile(tmp)), out=str(tmp / "run"),
+        steps=6, global_batch=8, capacity=512, block_size=32, lr=3e-3, warmup_steps=0,
+        schedule="constant", deterministic=True,
+        dst=DSTConfig(mode="bidirectional", gamma0=0.9, gamma_min=0.5, gamma_max=0.99),
+    )  # fmt: skip
+    return replace(cfg, **over)
+
+
+def _worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:
+    out = Path(tmp) / f"result-{rank}.pkl"
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world
+        )
+        torch.set_num_threads(1)
+        trainer = Trainer(cfg, Runtime(rank, world, torch.device("cpu")))
+        result = trainer.run()
+        flat = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
+        result["param_sum"] = float(flat.double().sum())
+        result["param_first"] = flat[:64].tolist()
+        dist.destroy_process_group()
+    except BaseException:  # report every failure to the test process
+        result = {"error": traceback.format_exc()}
+    out.write_bytes(pickle.dumps(result))
+
+
+def run_ranks(cfg: TrainConfig, world: int, tmp: Path) -> list[dict]:
+    """Run the trainer on ``world`` processes; raise with the worker traceback on failure."""
+    rdzv = tmp / "rdzv"
+    if rdzv.exists():
+        os.remove(rdzv)
+    mp.spawn(_worker, args=(world, str(tmp), cfg), nprocs=world, join=True)
+    results = [pickle.loads((tmp / f"result-{r}.pkl").read_bytes()) for r in range(world)]
+    for r, res in enumerate(results):
+        if "error" in res:
+            raise AssertionError(f"rank {r} failed:\n{res['error']}")
+    return results
