@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-attn": ("bench_attn", "time block-sparse attention vs density and vs dense SDPA"),
     "plan": ("plan", "pack a global batch into ranks x micro-batches (sparsity-aware batching)"),
     "profile": ("profile", "measure, validate or build the latency profile of a model"),
+    "simulate": ("simulate", "predict baseline / SAB / DST / SAB+DST over many virtual ranks"),
 }
 
 

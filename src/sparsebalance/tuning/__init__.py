@@ -16,6 +16,7 @@ from .curve import DensityCurve
 from .distributed import decide_distributed, gather_rank_values
 from .dst import ANCHORS, MODES, DSTConfig, DSTTuner, RankWorkload, add_dst_arguments
 from .layer import LayerController
+from .plan_workload import PlanWorkload
 from .records import (
     LayerRecord,
     RankDecision,
@@ -33,6 +34,7 @@ __all__ = [
     "DensityCurve",
     "LayerController",
     "LayerRecord",
+    "PlanWorkload",
     "RankDecision",
     "RankRunSummary",
     "RankWorkload",

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..workload import CostModel, MicroBatch
 from .curve import DensityCurve
+from .plan_workload import PlanWorkload, largest_feasible_many
 from .records import CUT, KEPT, RAISED, RankDecision, StepDecision, StepTargets
 
 MODES = ("off", "down", "bidirectional")
@@ -161,8 +162,12 @@ class RankWorkload:
         """Predicted attention seconds (all layers) at ``gamma``."""
         if self.lengths.size == 0:
             return 0.0
-        per_layer = self.cost_model.layer_attention_seconds(self.lengths, self.densities(gamma))
-        return float(self.cost_model.num_layers * np.sum(per_layer[self.lengths > 0]))
+        valid = self.lengths > 0  # padded slots are not documents (a cost model may reject 0)
+        per_layer = np.zeros(self.lengths.shape)
+        per_layer[valid] = self.cost_model.layer_attention_seconds(
+            self.lengths[valid], self.densities(gamma)[valid]
+        )
+        return float(self.cost_model.num_layers * np.sum(per_layer))
 
     def mean_density(self, gamma: float) -> float:
         """Length²-weighted mean density at ``gamma`` (1.0 for an empty rank)."""
@@ -257,13 +262,59 @@ class DSTTuner:
             attention_after=w.attention_seconds(gamma),
         )
 
-    def decide(self, plan: Sequence[Sequence[MicroBatch]], cost_model: CostModel) -> StepDecision:
-        """The whole step from the plan (rank -> micro-batches), identical on every rank."""
+    def decide(
+        self,
+        plan: Sequence[Sequence[MicroBatch]],
+        cost_model: CostModel,
+        workload: PlanWorkload | None = None,
+    ) -> StepDecision:
+        """The whole step from the plan (rank -> micro-batches), identical on every rank.
+
+        Vectorised over ranks (:mod:`.plan_workload`): the same gammas and times as
+        :meth:`decide_rank` for every rank, in a few ``predict_many`` calls per bisection probe.
+        ``workload``: a :class:`PlanWorkload` of this plan, cost model and curve, to share its
+        prices between several tuners (the simulator's ablations); built here when ``None``.
+        """
         if len(plan) == 0:
             raise ValueError("DST needs at least one rank in the plan, got 0")
-        times = [self.rank_times(mbs, cost_model) for mbs in plan]
-        targets = self.step_targets([t[0] for t in times], [t[1] for t in times])
-        ranks = tuple(self.decide_rank(r, mbs, cost_model, targets) for r, mbs in enumerate(plan))
+        # Every rank priced at once (PlanWorkload); the same numbers as decide_rank per rank.
+        cfg = self.config
+        if workload is None:
+            workload = PlanWorkload(plan, cost_model, self.curve)
+        elif not (
+            workload.num_ranks == len(plan)
+            and workload.cost_model is cost_model
+            and workload.curve == self.curve
+        ):
+            raise ValueError("decide: the workload was built for another plan, cost model or curve")
+        work = workload
+        num_ranks = work.num_ranks
+        full = np.ones(num_ranks, dtype=bool)
+        g0 = np.full(num_ranks, cfg.gamma0)
+        gmin = np.full(num_ranks, cfg.gamma_min)
+        gmax = np.full(num_ranks, cfg.gamma_max)
+        targets = self.step_targets(work.seconds(g0), work.seconds(gmin))
+        roles = np.asarray(targets.roles)
+        floor = np.asarray(targets.times_floor) > targets.cut_threshold
+        cut = (roles == CUT) & ~floor
+        gamma = np.where((roles == CUT) & floor, cfg.gamma_min, cfg.gamma0)
+        limit = np.full(num_ranks, targets.cut_threshold)
+        gamma = np.where(cut, largest_feasible_many(work, gmin, g0, limit, cut, _GAMMA_TOL), gamma)
+        raised = roles == RAISED
+        limit = np.full(num_ranks, targets.post_cut_seconds)
+        gamma = np.where(raised, largest_feasible_many(work, g0, gmax, limit, raised, _GAMMA_TOL),
+                         gamma)  # fmt: skip
+        after = work.seconds(gamma, full)
+        dens_before, dens_after = work.mean_density(g0), work.mean_density(gamma)
+        att_before, att_after = work.attention_seconds(g0), work.attention_seconds(gamma)
+        ranks = tuple(
+            RankDecision(r, role, g, t, b, t, db, da, ab, aa)
+            for r, (role, g, t, b, db, da, ab, aa) in enumerate(zip(
+                targets.roles, gamma.tolist(), after.tolist(), targets.times_before,
+                dens_before.tolist(), dens_after.tolist(), att_before.tolist(),
+                att_after.tolist(), strict=True,
+            ))
+        )  # fmt: skip
         return self.assemble(targets, ranks)
 
     def assemble(self, targets: StepTargets, ranks: Sequence[RankDecision]) -> StepDecision:

@@ -1,0 +1,215 @@
+"""Replay training steps over virtual ranks with the trainer's own planner, tuner and cost model.
+
+One step: the global batch (lengths and densities at gamma0) -> :func:`~sparsebalance.batching.
+plan_batch` for each planner strategy needed -> :meth:`DSTTuner.decide
+<sparsebalance.tuning.DSTTuner.decide>` per ablation (sharing one :class:`~sparsebalance.tuning.
+PlanWorkload` per plan) -> predicted rank times. Every ablation sees the same samples. Nothing is
+re-implemented here: times, budgets, densities and budget moves are the tuner's
+:class:`~sparsebalance.tuning.StepDecision`.
+
+Step time = slowest rank's predicted compute + ``step_overhead`` (gradient all-reduce + optimizer,
+not overlapped with compute: an assumption that makes speed-ups conservative).
+
+Cost per step with R ranks and N = R x samples-per-rank documents: the planners' (O(N log N)
+plus Python per micro-batch) and about 25 vectorised ``predict_many`` probes per DST ablation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..batching import STRATEGIES as PLANNERS
+from ..batching import PlanConfig, plan_batch
+from ..tuning import ANCHORS, DensityCurve, DSTConfig, DSTTuner, PlanWorkload
+from ..workload import CostModel, Sample
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One ablation: a planner strategy and a DST mode (and anchor; None = the config's)."""
+
+    name: str
+    planner: str
+    dst_mode: str
+    anchor: str | None = None
+
+
+ABLATIONS = {
+    "baseline": Strategy("baseline", "sequential", "off"),
+    "sab": Strategy("sab", "sab", "off"),
+    "dst": Strategy("dst", "sequential", "bidirectional"),
+    "sab+dst": Strategy("sab+dst", "sab", "bidirectional"),
+    **{f"sab+dst@{a}": Strategy(f"sab+dst@{a}", "sab", "bidirectional", a) for a in ANCHORS},
+}
+DEFAULT_STRATEGIES = ("baseline", "sab", "dst", "sab+dst", *(f"sab+dst@{a}" for a in ANCHORS))
+
+
+def resolve_strategies(names: Sequence[str]) -> list[Strategy]:
+    """Names -> strategies; ``baseline`` is always first (the speed-up reference).
+
+    Accepted: the keys of :data:`ABLATIONS`, any planner strategy (``tokens``: planner, DST off)
+    and ``<planner>+dst`` / ``<planner>+down`` (bidirectional / cut-only DST).
+    """
+    out = {"baseline": ABLATIONS["baseline"]}
+    for name in names:
+        if name in ABLATIONS:
+            out[name] = ABLATIONS[name]
+            continue
+        planner, _, mode = name.partition("+")
+        modes = {"": "off", "dst": "bidirectional", "down": "down"}
+        if planner not in PLANNERS or mode not in modes:
+            allowed = ", ".join([*ABLATIONS, *PLANNERS, "<planner>+dst", "<planner>+down"])
+            raise ValueError(f"--strategy: unknown strategy {name!r} (allowed: {allowed})")
+        out[name] = Strategy(name, planner, modes[mode])
+    return list(out.values())
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One step's global batch: ``lengths`` int ``(N,)``, ``densities`` at gamma0 ``(N,)``."""
+
+    lengths: np.ndarray
+    densities: np.ndarray
+
+
+def simulate_steps(
+    batches: Sequence[StepBatch] | Sequence[tuple[Sequence[int], Sequence[float]]],
+    world_size: int,
+    cost_model: CostModel,
+    *,
+    micro_batches: int | None = None,
+    capacity: int | None = None,
+    strategies: Sequence[str] = DEFAULT_STRATEGIES,
+    dst: DSTConfig | None = None,
+    curve: DensityCurve | None = None,
+    step_overhead: float = 0.0,
+    show_step: int = 0,
+    workers: int = 1,
+) -> dict:
+    """Predicted ablation table for explicit global batches (the simulator's and bench-e2e's API).
+
+    Args:
+        batches: per step, ``(lengths (N,), densities (N,))`` or :class:`StepBatch`.
+        world_size: data-parallel ranks R (``--world-size``, >= 1).
+        cost_model: a :class:`~sparsebalance.workload.CostModel` (e.g. ``LatencyModel``).
+        micro_batches / capacity: exactly one (``--micro-batches`` / ``--capacity``).
+        strategies: names for :func:`resolve_strategies` (baseline is always added).
+        dst: DST flags (mode and anchor are set per strategy); curve: the density response.
+        step_overhead: seconds per step added to every strategy (all-reduce + optimizer).
+        show_step: which step's per-rank times to return (``rank_times``).
+        workers: processes over steps (results do not depend on it).
+
+    Returns:
+        JSON-ready dict: ``world_size``, ``num_steps``, ``strategies`` (name -> summary: mean step
+        seconds, speedup vs baseline, balance efficiency, bubble fraction, mean density, budget
+        cut/given), ``per_step`` (name -> step seconds list) and ``rank_times`` of ``show_step``.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
+        raise ValueError(f"--world-size must be an integer >= 1, got {world_size!r}")
+    steps = [b if isinstance(b, StepBatch) else StepBatch(*map(np.asarray, b)) for b in batches]
+    if not steps:
+        raise ValueError("--steps must be >= 1: no global batch to simulate")
+    for i, b in enumerate(steps):
+        if b.lengths.size == 0 or b.lengths.shape != b.densities.shape:
+            raise ValueError(f"step {i}: need >= 1 sample and one density per length")
+    if not 0 <= show_step < len(steps):
+        raise ValueError(f"show_step must be in [0, {len(steps)}), got {show_step}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"--workers must be an integer >= 1, got {workers!r}")
+    dst = dst or DSTConfig()
+    curve = curve or DensityCurve(gamma0=dst.gamma0)
+    strats = resolve_strategies(strategies)
+    PlanConfig(world_size, micro_batches, capacity)  # validates --micro-batches / --capacity now
+    job = _Job(world_size, cost_model, micro_batches, capacity, tuple(strats), dst, curve)
+    if workers == 1 or len(steps) == 1:
+        records = [job.run(b) for b in steps]
+    else:
+        with ProcessPoolExecutor(max_workers=min(workers, len(steps))) as pool:
+            records = list(pool.map(job.run, steps, chunksize=max(1, len(steps) // workers)))
+    return _summarize(records, strats, world_size, step_overhead, show_step)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One step for every strategy (a picklable callable for the process pool)."""
+
+    world_size: int
+    cost_model: CostModel
+    micro_batches: int | None
+    capacity: int | None
+    strategies: tuple[Strategy, ...]
+    dst: DSTConfig
+    curve: DensityCurve
+
+    def run(self, batch: StepBatch) -> dict[str, dict]:
+        samples = [Sample(i, int(n)) for i, n in enumerate(batch.lengths.tolist())]
+        plans, works, out = {}, {}, {}
+        for s in self.strategies:
+            if s.planner not in plans:
+                cfg = PlanConfig(self.world_size, self.micro_batches, self.capacity, s.planner)
+                plan = plan_batch(samples, self.cost_model, cfg, densities=batch.densities)
+                plans[s.planner] = plan
+                works[s.planner] = PlanWorkload(plan.ranks, self.cost_model, self.curve)
+            cfg = replace(self.dst, mode=s.dst_mode, anchor=s.anchor or self.dst.anchor)
+            plan, work = plans[s.planner], works[s.planner]
+            dec = DSTTuner(cfg, self.curve).decide(plan.ranks, self.cost_model, workload=work)
+            times = dec.times_after
+            w = work.weights
+            dens = np.array([r.density_after for r in dec.ranks])
+            out[s.name] = {
+                "compute": float(times.max()),
+                "mean_rank": float(times.mean()),
+                "density": float((w * dens).sum() / w.sum()) if w.sum() > 0 else 1.0,
+                "attention": float(sum(r.attention_before for r in dec.ranks)),
+                "cut": dec.budget_cut,
+                "given": dec.budget_given,
+                "num_cut": sum(r.role == "cut" for r in dec.ranks),
+                "num_raised": sum(r.role == "raised" for r in dec.ranks),
+                "rank_times": times,
+            }
+        return out
+
+
+def _summarize(records, strats, world_size, step_overhead, show_step) -> dict:
+    def series(name, key):
+        return np.array([rec[name][key] for rec in records], dtype=np.float64)
+
+    base = series("baseline", "compute") + step_overhead
+    table, per_step = {}, {}
+    for s in strats:
+        compute = series(s.name, "compute")
+        step = compute + step_overhead
+        balance = series(s.name, "mean_rank") / compute
+        attention = series(s.name, "attention")
+        table[s.name] = {
+            "planner": s.planner,
+            "dst_mode": s.dst_mode,
+            "anchor": s.anchor,
+            "step_seconds": float(step.mean()),
+            "compute_seconds": float(compute.mean()),
+            "speedup": float(base.mean() / step.mean()),
+            "compute_speedup": float((base - step_overhead).mean() / compute.mean()),
+            "balance_efficiency": float(balance.mean()),
+            "bubble_fraction": float((1.0 - balance).mean()),
+            "mean_density": float(series(s.name, "density").mean()),
+            "budget_cut_seconds": float(series(s.name, "cut").mean()),
+            "budget_given_seconds": float(series(s.name, "given").mean()),
+            "budget_cut_fraction": float((series(s.name, "cut") / attention).mean()),
+            "budget_given_fraction": float((series(s.name, "given") / attention).mean()),
+            "ranks_cut": float(series(s.name, "num_cut").mean()),
+            "ranks_raised": float(series(s.name, "num_raised").mean()),
+        }
+        per_step[s.name] = step.tolist()
+    return {
+        "world_size": world_size,
+        "num_steps": len(records),
+        "step_overhead_seconds": step_overhead,
+        "strategies": table,
+        "per_step": per_step,
+        "show_step": show_step,
+        "rank_times": {s.name: records[show_step][s.name]["rank_times"].tolist() for s in strats},
+    }

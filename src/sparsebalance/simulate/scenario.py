@@ -1,0 +1,208 @@
+"""A simulated cluster: where batches, densities, costs and the per-step overhead come from.
+
+:class:`SimConfig` holds the command's settings; :func:`run_simulation` draws the global batches
+(seeded per ``(seed, world size, step)``, so every strategy sees the same samples and results do
+not depend on ``--workers``), builds the cost model and calls
+:func:`~sparsebalance.simulate.engine.simulate_steps` once per world size.
+
+Cost model: a measured profile (``--profile``) or the analytic FLOP-count profile of ``--model`` on
+``--analytic h100|h200`` at ``--efficiency`` (a stated approximation, see
+:mod:`sparsebalance.latency.analytic`). The per-step overhead is the optimizer step from the profile
+plus a ring all-reduce of bf16 gradients at each world size (``allreduce_seconds``: NVLink inside
+8-GPU nodes, InfiniBand across them), not overlapped with compute.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..latency import ACCELERATORS, LatencyModel, allreduce_seconds, analytic_profile, load_profile
+from ..models import ModelShapes, load_shapes
+from ..tuning import DensityCurve, DSTConfig
+from .distributions import LengthDistribution
+from .engine import DEFAULT_STRATEGIES, StepBatch, resolve_strategies, simulate_steps
+from .sparsity import SparsityModel
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Settings of ``sparsebalance simulate`` (validated on construction; flags in brackets)."""
+
+    world_sizes: tuple[int, ...] = (8,)
+    """[--world-size] data-parallel ranks R, one simulation per value (each >= 1)."""
+    micro_batches: int | None = None
+    """[--micro-batches] micro-batches per rank M; exactly one of this and ``capacity``."""
+    capacity: int | None = None
+    """[--capacity] token capacity per micro-batch C."""
+    samples_per_rank: int = 8
+    """[--samples-per-rank] documents per rank per step: the global batch is R x this (>= 1)."""
+    steps: int = 20
+    """[--steps] global batches replayed (>= 1)."""
+    seed: int = 0
+    """[--seed] seeds every batch (per world size and step)."""
+    lengths: LengthDistribution = field(default_factory=LengthDistribution)
+    """[--dist / --lengths / --min-len / --max-len]"""
+    sparsity: SparsityModel = field(default_factory=SparsityModel)
+    """[--density-at-4k / --density-slope / --density-noise]"""
+    dst: DSTConfig = field(default_factory=DSTConfig)
+    """[DST flags] mode and anchor are set per strategy; p, gammas apply to all."""
+    curve_alpha: tuple[float, float] = (1.0, 1.0)
+    """[--curve-alpha LOW,HIGH] the density-response exponents below / above gamma0."""
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
+    """[--strategy] ablations to run (baseline is always added)."""
+    profile: str | None = None
+    """[--profile] a measured latency profile; else the analytic one."""
+    analytic: str = "h100"
+    """[--analytic] accelerator of the analytic profile (and of the all-reduce model)."""
+    model: str = "qwen2.5-0.5b"
+    """[--model] model shapes (built-in name or config.json path)."""
+    efficiency: float = 0.45
+    """[--efficiency] fraction of peak FLOP/s reached by dense GEMMs (analytic profile)."""
+    attention_efficiency: float = 0.35
+    """[--attention-efficiency] fraction of peak reached by block-sparse attention."""
+    block_size: int = 128
+    """[--block-size] sparse-attention block size (analytic profile and density floor)."""
+    show_step: int = 0
+    """[--show-step] the step whose per-rank times are kept (for the plot)."""
+    workers: int = 1
+    """[--workers] processes over steps (results are identical for any value)."""
+
+    def __post_init__(self) -> None:
+        if not self.world_sizes:
+            raise ValueError("--world-size needs at least one value")
+        for r in self.world_sizes:
+            if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+                raise ValueError(f"--world-size values must be integers >= 1, got {r!r}")
+        if (self.micro_batches is None) == (self.capacity is None):
+            raise ValueError("give exactly one of --micro-batches M and --capacity C")
+        for flag, v in (("--micro-batches", self.micro_batches), ("--capacity", self.capacity)):
+            if v is not None and v <= 0:
+                raise ValueError(f"{flag} must be >= 1, got {v}")
+        for flag, v in (("--samples-per-rank", self.samples_per_rank), ("--steps", self.steps)):
+            if v < 1:
+                raise ValueError(f"{flag} must be >= 1, got {v}")
+        if self.analytic not in ACCELERATORS:
+            raise ValueError(f"--analytic must be one of {', '.join(ACCELERATORS)}")
+        for flag, v in (("--efficiency", self.efficiency),
+                        ("--attention-efficiency", self.attention_efficiency)):  # fmt: skip
+            if not (math.isfinite(v) and 0.0 < v <= 1.0):
+                raise ValueError(f"{flag} must be in (0, 1], got {v}")
+        if not 0 <= self.show_step < self.steps:
+            raise ValueError(
+                f"--show-step must be in [0, --steps={self.steps}), got {self.show_step}"
+            )
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        resolve_strategies(self.strategies)  # unknown names fail before any work
+        DensityCurve(self.dst.gamma0, *self.curve_alpha)
+
+    @property
+    def curve(self) -> DensityCurve:
+        return DensityCurve(self.dst.gamma0, *self.curve_alpha)
+
+
+def draw_batches(config: SimConfig, world_size: int) -> list[StepBatch]:
+    """The global batches of one world size: ``steps`` x ``R * samples_per_rank`` documents."""
+    n = world_size * config.samples_per_rank
+    out = []
+    for step in range(config.steps):
+        rng = np.random.default_rng([config.seed, world_size, step])
+        lengths, dens = config.lengths.sample(rng, n)
+        if dens is None:
+            dens = config.sparsity.sample(rng, lengths)
+        out.append(StepBatch(lengths, dens))
+    return out
+
+
+def build_cost_model(config: SimConfig) -> tuple[LatencyModel, ModelShapes | None, str]:
+    """The latency model, the shapes it prices (for the all-reduce) and a one-line description."""
+    if config.profile is not None:
+        profile = load_profile(config.profile)
+        shapes = profile.fingerprint.get("shapes")
+        model_shapes = ModelShapes(name="profile", **shapes) if isinstance(shapes, dict) else None
+        return LatencyModel(profile), model_shapes, f"profile {config.profile}"
+    shapes = load_shapes(config.model)
+    # The analytic grid spans 2 x max_context tokens: widen it to the largest possible pack so
+    # no prediction leaves the table (the analytic form is the same function either way).
+    per_rank = config.lengths.longest * config.samples_per_rank
+    grid_shapes = replace(shapes, max_context=max(shapes.max_context, per_rank // 2 + 1))
+    profile = analytic_profile(
+        grid_shapes, config.analytic, config.efficiency, config.attention_efficiency,
+        config.block_size,
+    )  # fmt: skip
+    desc = (
+        f"analytic {config.model} on {config.analytic} (GEMM efficiency {config.efficiency:g}, "
+        f"attention {config.attention_efficiency:g}, block {config.block_size})"
+    )
+    return LatencyModel(profile), shapes, desc
+
+
+def step_overhead(model: LatencyModel, shapes: ModelShapes | None, config: SimConfig, r: int):
+    """Optimizer seconds (from the profile) + bf16 gradient ring all-reduce at ``r`` ranks."""
+    if shapes is None:
+        return model.profile.optimizer_seconds
+    params = shapes.layer_params() * shapes.num_layers + shapes.vocab_size * shapes.hidden_size
+    comm = allreduce_seconds(2 * params, r, ACCELERATORS[config.analytic])
+    return model.profile.optimizer_seconds + comm
+
+
+def run_simulation(config: SimConfig) -> dict:
+    """Every world size of ``config``: JSON-ready results plus what was assumed."""
+    model, shapes, desc = build_cost_model(config)
+    results = []
+    for r in config.world_sizes:
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            if config.profile is None:
+                # The analytic profile is linear in density and its fit is the same FLOP count
+                # outside the grid: leaving the grid (densities < 0.02 after cuts) is not an error.
+                warnings.filterwarnings("ignore", message="latency model: some inputs lie outside")
+            res = _simulate_one(config, model, shapes, r)
+        res["wall_seconds"] = time.perf_counter() - t0
+        results.append(res)
+    return _describe(config, desc, results)
+
+
+def _simulate_one(config: SimConfig, model: LatencyModel, shapes, r: int) -> dict:
+    return simulate_steps(
+        draw_batches(config, r), r, model,
+        micro_batches=config.micro_batches, capacity=config.capacity,
+        strategies=config.strategies, dst=config.dst, curve=config.curve,
+        step_overhead=step_overhead(model, shapes, config, r),
+        show_step=config.show_step, workers=config.workers,
+    )  # fmt: skip
+
+
+def _describe(config: SimConfig, desc: str, results: list[dict]) -> dict:
+    return {
+        "cost_model": desc,
+        "lengths": config.lengths.describe(),
+        "sparsity": (
+            "measured densities from the lengths file"
+            if config.lengths.densities is not None
+            else config.sparsity.describe()
+        ),
+        "curve": {
+            "gamma0": config.dst.gamma0,
+            "alpha_low": config.curve_alpha[0],
+            "alpha_high": config.curve_alpha[1],
+        },
+        "dst": {
+            "p": config.dst.p,
+            "anchor": config.dst.anchor,
+            "gamma0": config.dst.gamma0,
+            "gamma_min": config.dst.gamma_min,
+            "gamma_max": config.dst.gamma_max,
+        },
+        "micro_batches": config.micro_batches,
+        "capacity": config.capacity,
+        "samples_per_rank": config.samples_per_rank,
+        "steps": config.steps,
+        "seed": config.seed,
+        "results": results,
+    }
