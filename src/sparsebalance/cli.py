@@ -13,6 +13,7 @@ import sys
 # command -> (module under sparsebalance.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench-attn": ("bench_attn", "time block-sparse attention vs density and vs dense SDPA"),
+    "eval": ("eval", "accuracy under an attention setting: synthetic tasks, perplexity, LongBench"),
     "plan": ("plan", "pack a global batch into ranks x micro-batches (sparsity-aware batching)"),
     "profile": ("profile", "measure, validate or build the latency profile of a model"),
     "simulate": ("simulate", "predict baseline / SAB / DST / SAB+DST over many virtual ranks"),

@@ -1,0 +1,287 @@
+"""``sparsebalance eval``: accuracy of a model under one attention setting.
+
+Tasks: ``passkey | niah | vt | kv`` (teacher-forced greedy exact match on freshly generated
+eval-split examples, by context length and needle depth; a heatmap PNG for niah/passkey with
+``--out``), ``ppl`` (perplexity per window length on ``--data`` text, default the synthetic eval
+split), ``longbench`` (local LongBench v1 jsonl under ``--data``, prompts middle-truncated to each
+``--lengths`` value, greedy generation, official metrics).
+
+``--model``: a built-in config (``tiny``, ``qwen2.5-0.5b``, ``qwen2.5-3b``: random weights, for
+smoke tests), a local Hugging Face model directory (``config.json`` + safetensors), a trainer
+checkpoint directory (``model.pt``; its base model from ``meta.json``'s ``model`` or ``--base``),
+or a trainer run directory (its ``checkpoints/latest``). A model whose vocabulary is smaller than
+the tokenizer's needs the trainer's id map: ``vocab_map.json`` beside ``model.pt`` or in the run
+directory, or ``--vocab-map``. ``--attn dense`` is the same op at gamma 1.0 (exact attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..results import markdown_table
+
+SYNTHETIC = ("passkey", "niah", "vt", "kv")
+TASK_CHOICES = (*SYNTHETIC, "longbench", "ppl")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"1k,2k,4096"`` -> ``[1024, 2048, 4096]``."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        try:
+            value = int(float(part[:-1]) * 1024) if part.endswith("k") else int(part)
+        except ValueError:
+            raise ValueError(f"--lengths: {part!r} is not a length like 512, 1k or 4k") from None
+        if value <= 0:
+            raise ValueError(f"--lengths: lengths must be > 0, got {part!r}")
+        out.append(value)
+    return out
+
+
+def parse_depths(text: str) -> list[float]:
+    try:
+        depths = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--depths: expected numbers in [0, 1], got {text!r}") from None
+    if any(not 0.0 <= d <= 1.0 for d in depths):
+        raise ValueError(f"--depths: every depth must be in [0, 1], got {text!r}")
+    return depths
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="built-in name, HF dir, checkpoint or run dir")
+    p.add_argument("--task", required=True, choices=TASK_CHOICES)
+    p.add_argument("--lengths", type=parse_lengths, default=[1024, 2048, 4096],
+                   help="e.g. 1k,2k,4k (longbench: max prompt tokens)")  # fmt: skip
+    p.add_argument("--attn", choices=["dense", "sparse"], default="sparse")
+    p.add_argument("--gamma", type=float, default=None, help="sparse budget (default 0.9)")
+    p.add_argument("--num-examples", type=int, default=20, help="per length (and depth)")
+    p.add_argument("--depths", type=parse_depths, default=None,
+                   help="needle depths, e.g. 0,0.25,0.5,0.75,1 (default: 5 for niah/passkey, "
+                   "random for vt/kv)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="longbench jsonl file/dir; ppl text/jsonl")
+    p.add_argument("--prompts", default=None, help="longbench templates (dataset2prompt format)")
+    p.add_argument("--max-windows", type=int, default=32, help="ppl windows per length")
+    p.add_argument("--base", default=None, help="base model of a trainer checkpoint")
+    p.add_argument("--vocab-map", default=None, help="JSON {tokenizer id: model id}")
+    p.add_argument("--tokenizer", default=None, help="local HF tokenizer dir (default Qwen2.5)")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--pack-tokens", type=int, default=16384, help="tokens per forward")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    p.add_argument("--out", default=None, help="folder for result JSON (+ heatmap PNG)")
+    p.add_argument("--json", action="store_true", help="print only JSON to stdout")
+
+
+def check_args(args: argparse.Namespace) -> float:
+    """Validate flag combinations; return the gamma the runner uses."""
+    if args.attn == "dense":
+        if args.gamma not in (None, 1.0):
+            raise ValueError("--gamma is for --attn sparse; --attn dense is gamma 1.0")
+        return 1.0
+    gamma = 0.9 if args.gamma is None else args.gamma
+    if not 0.0 < gamma <= 1.0:
+        raise ValueError(f"--gamma must be in (0, 1], got {gamma}")
+    if args.num_examples <= 0:
+        raise ValueError(f"--num-examples must be > 0, got {args.num_examples}")
+    if args.task == "longbench" and args.data is None:
+        raise ValueError("--task longbench needs --data (a local LongBench jsonl file or folder)")
+    return gamma
+
+
+def resolve_checkpoint(path: Path) -> Path | None:
+    """The checkpoint folder (with ``model.pt``) that ``path`` names, if any."""
+    if (path / "model.pt").is_file():
+        return path
+    pointer = path / "checkpoints" / "latest"
+    if pointer.is_file():
+        ckpt = pointer.parent / pointer.read_text().strip()
+        if (ckpt / "model.pt").is_file():
+            return ckpt
+    return None
+
+
+def load_model(args: argparse.Namespace):
+    """``(model, vocab_map or None)`` for ``--model`` (see module docstring)."""
+    from ..models.hf import build_model
+
+    dtype = DTYPES[args.dtype]
+    path = Path(args.model)
+    ckpt = resolve_checkpoint(path) if path.is_dir() else None
+    if ckpt is None:
+        return build_model(args.model, args.device, dtype), _read_map(args.vocab_map, [])
+    meta_file = ckpt / "meta.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    base = args.base or meta.get("model")
+    if base is None:
+        raise ValueError(f"--model {ckpt}: a trainer checkpoint; give its base model with --base")
+    model = build_model(base, args.device, dtype)
+    state = torch.load(ckpt / "model.pt", map_location=args.device, weights_only=True)
+    model.load_state_dict(state)
+    candidates = [ckpt / "vocab_map.json", ckpt.parent.parent / "vocab_map.json"]
+    return model, _read_map(args.vocab_map, candidates)
+
+
+def _read_map(explicit: str | None, candidates: list[Path]) -> dict[int, int] | None:
+    files = [Path(explicit)] if explicit else [c for c in candidates if c.is_file()]
+    if not files:
+        return None
+    try:
+        raw = json.loads(files[0].read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--vocab-map {files[0]}: not a readable JSON object ({err})") from None
+    return {int(k): int(v) for k, v in raw.items()}
+
+
+def make_codec(tokenizer, vocab_map: dict[int, int] | None, vocab_size: int):
+    """``(encode, decode, eos_id)`` in model ids. Unmapped tokenizer ids become id 0 (unknown)."""
+    if vocab_map is None:
+        if tokenizer.vocab_size_hint > vocab_size:
+            raise ValueError(
+                f"--model has {vocab_size} embeddings but the tokenizer has "
+                f"{tokenizer.vocab_size_hint} ids: give the trainer's --vocab-map"
+            )
+        return tokenizer.encode, tokenizer.decode, tokenizer.eos_token_id
+    inverse = {v: k for k, v in vocab_map.items()}
+
+    def encode(text: str) -> list[int]:
+        return [vocab_map.get(t, 0) for t in tokenizer.encode(text)]
+
+    def decode(ids) -> str:
+        return tokenizer.decode([inverse[i] for i in ids if i in inverse])
+
+    return encode, decode, vocab_map.get(tokenizer.eos_token_id)
+
+
+class _Tokenizer:
+    """The data package's tokenizer; ``vocab_size_hint`` is a lower bound of its id range (the
+    end-of-document id is among its highest), enough to catch a compact-vocabulary model."""
+
+    def __init__(self, path: str | None):
+        from ..data.tokenizer import load_tokenizer
+
+        self._tok = load_tokenizer(path)
+        self.encode, self.decode = self._tok.encode, self._tok.decode
+        self.eos_token_id = self._tok.eos_token_id
+        self.vocab_size_hint = int(self.eos_token_id or 0) + 1
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Evaluate; return the JSON-ready result."""
+    gamma = check_args(args)
+    from ..evaluation import HFRunner
+
+    model, vocab_map = load_model(args)
+    vocab_size = model.get_input_embeddings().num_embeddings
+    encode, decode, eos = make_codec(_Tokenizer(args.tokenizer), vocab_map, vocab_size)
+    runner = HFRunner(model, gamma, args.block_size, args.backend)
+    result = {"model": args.model, "task": args.task, "attn": args.attn, "gamma": gamma,
+              "lengths": args.lengths, "seed": args.seed}  # fmt: skip
+    show = not args.json and sys.stderr.isatty()
+    if args.task in SYNTHETIC:
+        result.update(_synthetic(args, runner, encode, show))
+    elif args.task == "ppl":
+        result.update(_ppl(args, runner, encode, eos, show))
+    else:
+        result.update(_longbench(args, runner, encode, decode, eos, show))
+    result["mean_density"] = (
+        sum(runner.densities) / len(runner.densities) if runner.densities else None
+    )
+    return result
+
+
+def _synthetic(args, runner, encode, show) -> dict:
+    from ..evaluation import evaluate_task, plot_heatmap, summarize
+
+    depths = args.depths
+    if depths is None and args.task in ("niah", "passkey"):
+        depths = [0.0, 0.25, 0.5, 0.75, 1.0]
+    total = len(args.lengths) * len(depths or [None]) * args.num_examples
+    with tqdm(total=total, desc=f"eval {args.task}", file=sys.stderr, disable=not show) as bar:
+        scores = evaluate_task(runner, args.task, args.lengths, encode, args.num_examples,
+                               depths, args.seed, args.pack_tokens, bar.update)  # fmt: skip
+    summary = summarize(scores, None if depths is not None else 5)[args.task]
+    out = {"summary": summary}
+    if args.out and depths is not None:
+        png = Path(args.out) / f"eval-{args.task}-{args.attn}-heatmap.png"
+        out["heatmap"] = str(plot_heatmap(summary, png, f"{args.task}, {args.attn}"))
+    return out
+
+
+def _ppl(args, runner, encode, eos, show) -> dict:
+    from ..evaluation import perplexity, read_texts
+    from ..tasks import synthetic_mix
+
+    if args.data is not None:
+        texts = read_texts(args.data)
+    else:  # the synthetic eval split: held out from a model trained on the synthetic mix
+        need = args.max_windows * max(args.lengths)
+        mix = synthetic_mix(max(8, need // 600), encode, args.seed, split="eval")
+        texts = [ex.text for ex in mix]
+    total = len(args.lengths) * args.max_windows
+    with tqdm(total=total, desc="eval ppl", file=sys.stderr, disable=not show) as bar:
+        res = perplexity(runner, texts, encode, args.lengths, eos, args.max_windows,
+                         args.pack_tokens, bar.update)  # fmt: skip
+    return {"perplexity": res}
+
+
+def _longbench(args, runner, encode, decode, eos, show) -> dict:
+    from ..evaluation import evaluate_longbench, load_templates, read_dir
+
+    records = read_dir(args.data)
+    templates = load_templates(args.prompts)
+    per_length = {}
+    for n in args.lengths:
+
+        def gen(ids, max_new):
+            return runner.generate(ids, max_new, eos)
+
+        def bar(items, n=n):
+            return tqdm(items, desc=f"longbench {n}", file=sys.stderr, disable=not show)
+
+        res = evaluate_longbench(records, gen, encode, decode, n, templates, progress=bar)
+        per_length[str(n)] = res.to_dict()
+    return {"longbench": per_length}
+
+
+def format_table(result: dict) -> str:
+    """A human-readable table of :func:`run`'s result."""
+    head = f"{result['task']} | attn {result['attn']} (gamma {result['gamma']})"
+    if "summary" in result:
+        s = result["summary"]
+        rows = [[n, v["accuracy"], v["token_accuracy"], v["count"]]
+                for n, v in s["by_length"].items()]  # fmt: skip
+        text = markdown_table(["length", "exact match", "token acc", "n"], rows)
+        if s["by_depth"]:
+            rows = [[d, v["accuracy"], v["count"]] for d, v in s["by_depth"].items()]
+            text += "\n\n" + markdown_table(["depth bin", "exact match", "n"], rows)
+        if "heatmap" in result:
+            text += f"\n\nheatmap: {result['heatmap']}"
+    elif "perplexity" in result:
+        rows = [[n, v["ppl"], v["nll"], v["tokens"]] for n, v in result["perplexity"].items()]
+        text = markdown_table(["length", "ppl", "nll", "tokens"], rows)
+    else:
+        rows = [[n, name, score] for n, r in result["longbench"].items()
+                for name, score in [*r["scores"].items(), ("average", r["average"])]]  # fmt: skip
+        text = markdown_table(["max length", "dataset", "score"], rows)
+    return f"{head}\n\n{text}"
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"eval-{args.task}-{args.attn}.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result) if args.json else format_table(result))
+    return 0
