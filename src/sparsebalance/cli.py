@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("eval", "accuracy under an attention setting: synthetic tasks, perplexity, LongBench"),
     "plan": ("plan", "pack a global batch into ranks x micro-batches (sparsity-aware batching)"),
     "profile": ("profile", "measure, validate or build the latency profile of a model"),
+    "ring-balance": ("ring_balance", "per-rank / per-ring-step work imbalance of CP placements"),
     "simulate": ("simulate", "predict baseline / SAB / DST / SAB+DST over many virtual ranks"),
 }
 

@@ -126,20 +126,43 @@ def estimate_block_mass(
     check_cu_seqlens(cu_seqlens, q.shape[0])
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-    total, hq, dim = q.shape
-    hkv = k.shape[1]
-    group = hq // hkv
-    scale = dim**-0.5 if scale is None else scale
+    total = q.shape[0]
     cu = cu_seqlens.to(q.device)
     with torch.no_grad():
-        start, length, seg_block, seg_doc = _segments(cu, total, block_size)
-        n_seg = start.numel()
+        start, length, _, _ = _segments(cu, total, block_size)
         tokens = torch.arange(total, device=q.device)
         seg_of_token = torch.searchsorted(start, tokens, right=True) - 1
-        qp = _pool(q.detach(), seg_of_token, length).permute(1, 0, 2)  # (Hq, S, D)
-        kp = _pool(k.detach(), seg_of_token, length).permute(1, 0, 2)  # (Hkv, S, D)
+        qp = _pool(q.detach(), seg_of_token, length)  # (S, Hq, D)
+        kp = _pool(k.detach(), seg_of_token, length)  # (S, Hkv, D)
+    return estimate_from_pooled(qp, kp, cu, block_size, share_kv_groups, scale)
 
-        idx = torch.arange(n_seg, device=q.device)
+
+def estimate_from_pooled(
+    qp: torch.Tensor,
+    kp: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_size: int,
+    share_kv_groups: bool = False,
+    scale: float | None = None,
+) -> BlockMassEstimate:
+    """:func:`estimate_block_mass` from the per-segment means ``qp (S, Hq, D)``, ``kp (S, Hkv, D)``.
+
+    The segments are those of ``_segments(cu_seqlens, T, block_size)`` in order. Context
+    parallelism gathers the (small) pooled tensors from the ranks and calls this, so every rank
+    gets the layout one device would.
+    """
+    total = int(cu_seqlens[-1])
+    hq, dim = qp.shape[1:]
+    hkv = kp.shape[1]
+    group = hq // hkv
+    scale = dim**-0.5 if scale is None else scale
+    cu = cu_seqlens.to(qp.device)
+    with torch.no_grad():
+        _, length, seg_block, seg_doc = _segments(cu, total, block_size)
+        n_seg = length.numel()
+        qp, kp = qp.permute(1, 0, 2), kp.permute(1, 0, 2)  # (Hq, S, D), (Hkv, S, D)
+
+        idx = torch.arange(n_seg, device=qp.device)
         allowed = (seg_doc[:, None] == seg_doc[None, :]) & (idx[None, :] <= idx[:, None])
         bias = torch.log(length.to(qp.dtype))[None, :].expand(n_seg, n_seg).clone()
         bias.diagonal().copy_(torch.log((length.to(qp.dtype) + 1) / 2))
@@ -147,12 +170,12 @@ def estimate_block_mass(
 
         n_layout = hkv if share_kv_groups else hq
         per_layout = hq // n_layout  # query heads per layout head
-        prob = torch.empty(n_layout, n_seg, n_seg, dtype=qp.dtype, device=q.device)
+        prob = torch.empty(n_layout, n_seg, n_seg, dtype=qp.dtype, device=qp.device)
         chunk = max(1, _MAX_SCORE_ELEMS // max(1, n_seg * n_seg * per_layout))
         for h0 in range(0, n_layout, chunk):
             h1 = min(n_layout, h0 + chunk)
             qh = qp[h0 * per_layout : h1 * per_layout]  # (chunk*per_layout, S, D)
-            kv_head = torch.arange(h0 * per_layout, h1 * per_layout, device=q.device) // group
+            kv_head = torch.arange(h0 * per_layout, h1 * per_layout, device=qp.device) // group
             logits = torch.baddbmm(bias, qh, kp[kv_head].transpose(1, 2), alpha=scale)
             p = torch.softmax(logits, dim=-1)
             prob[h0:h1] = p.view(h1 - h0, per_layout, n_seg, n_seg).mean(1)
