@@ -31,15 +31,18 @@ def default_latency_model(
     backend: str = "torch",
     block_size: int = 64,
     cache_dir: Path | None = None,
+    max_len: int | None = None,
 ) -> LatencyModel:
     """A latency model for the running setup with no manual step.
 
     Order: a cached profile with this exact fingerprint; a profile shipped with the package with
-    this fingerprint; otherwise a quick profile is measured now (seconds) and cached.
+    this fingerprint; otherwise a quick profile up to ``max_len`` tokens (default: the model's
+    context) is measured now (seconds) and cached.
     """
     from .measure import default_grid, measure_profile
 
     running = fingerprint(shapes, device, dtype, backend, block_size)
+    running["max_len"] = max_len or shapes.max_context
     key = hashlib.sha1(json.dumps(running, sort_keys=True).encode()).hexdigest()[:12]
     cache = Path(cache_dir or CACHE_DIR) / f"{shapes.name.replace('/', '_')}-{key}.json"
     for path in [cache, *sorted(SHIPPED_DIR.glob("*.json"))]:
@@ -50,8 +53,9 @@ def default_latency_model(
                 continue
             if profile.fingerprint == running:
                 return LatencyModel(profile)
-    grid = default_grid(shapes, block_size, quick=True, max_len=None)
+    grid = default_grid(shapes, block_size, quick=True, max_len=running["max_len"])
     profile = measure_profile(shapes, device, dtype, backend, block_size, grid, quiet=True)
+    profile.fingerprint["max_len"] = running["max_len"]
     profile.save(cache)
     return LatencyModel(profile)
 

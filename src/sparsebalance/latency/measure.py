@@ -44,9 +44,10 @@ class Grid:
 
 def default_grid(shapes: ModelShapes, block_size: int, quick: bool, max_len: int | None) -> Grid:
     """Lengths doubling from ``2 * block_size`` to the model's max context (or ``max_len``)."""
-    if quick:
-        return Grid((128, 512, 2048), (0.05, 0.3, 1.0), (128, 512, 2048), warmup=1, repeats=3)
     top = max_len or shapes.max_context
+    if quick:  # lengths x4 apart up to ``top``: seconds to measure, coarse but covering the run
+        lengths = sorted({*(n for n in (128, 512, 2048, 8192, 32768) if n < top), top})
+        return Grid(tuple(lengths), (0.05, 0.3, 1.0), tuple(lengths), warmup=1, repeats=3)
     lengths = tuple(2 * block_size * 2**i for i in range(20) if 2 * block_size * 2**i <= top)
     densities = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
     return Grid(lengths, densities, (*lengths, 2 * lengths[-1]))

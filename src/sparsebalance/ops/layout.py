@@ -49,6 +49,24 @@ def dense_to_ordered(block_mask: torch.Tensor, width: int | None = None):
     return counts.to(torch.int32), indices.to(torch.int32)
 
 
+def document_density(
+    block_mask: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """float64 ``(N,)``: per-document density of a bool ``(H, nb, nb)`` block mask (see
+    :meth:`BlockLayout.document_density`)."""
+    total = int(cu_seqlens[-1])
+    cu = cu_seqlens.to(block_mask.device).long()
+    causal = causal_block_mask(cu, total, block_size)
+    kept = (block_mask & causal[None]).sum(0).double()
+    # 2-D prefix sums turn each document's square of blocks into four lookups.
+    pre = torch.nn.functional.pad(kept.cumsum(0).cumsum(1), (1, 0, 1, 0))
+    b0 = cu[:-1] // block_size
+    b1 = (cu[1:] - 1) // block_size + 1
+    kept_doc = pre[b1, b1] - pre[b0, b1] - pre[b1, b0] + pre[b0, b0]
+    n = (b1 - b0).double()
+    return kept_doc / (n * (n + 1) / 2 * block_mask.shape[0])
+
+
 @dataclass(frozen=True)
 class BlockLayout:
     """The key blocks computed for every (layout head, query block), flex-attention style.
@@ -196,16 +214,7 @@ class BlockLayout:
         Document d owns the block pairs (qb, kb), kb <= qb, with both blocks touching d; a block
         shared by two documents counts for both.
         """
-        kept, _ = self._kept_causal()
-        kept = kept.sum(0).double()
-        # 2-D prefix sums turn each document's square of blocks into four lookups.
-        pre = torch.nn.functional.pad(kept.cumsum(0).cumsum(1), (1, 0, 1, 0))
-        cu = self.cu_seqlens.to(self.device).long()
-        b0 = cu[:-1] // self.block_size
-        b1 = (cu[1:] - 1) // self.block_size + 1
-        kept_doc = pre[b1, b1] - pre[b0, b1] - pre[b1, b0] + pre[b0, b0]
-        n = (b1 - b0).double()
-        return kept_doc / (n * (n + 1) / 2 * self.num_heads)
+        return document_density(self.to_block_mask(), self.cu_seqlens, self.block_size)
 
     def num_kept_pairs(self) -> int:
         """Kept doc-causal block pairs summed over layout heads (the work the op does)."""

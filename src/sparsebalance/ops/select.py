@@ -16,12 +16,12 @@ the ``min_blocks`` floor and ``max_density`` cap; a query block keeps the union 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .budget import Budget
-from .layout import BlockLayout, num_blocks
+from .layout import BlockLayout, causal_block_mask, document_density, num_blocks
 from .varlen import check_cu_seqlens, check_qkv, doc_ids, token_mask
 
 # Bound on (heads x S x S) elements processed at once, so long contexts do not blow up memory.
@@ -45,22 +45,26 @@ def _pool(x: torch.Tensor, seg_of_token: torch.Tensor, seg_len: torch.Tensor) ->
     return out / seg_len.to(dtype)[:, None, None]
 
 
-def _keep_by_mass(prob: torch.Tensor, allowed: torch.Tensor, budget: Budget) -> torch.Tensor:
-    """Threshold rule on ``prob (H, S, S)``: bool keep mask of the fewest entries reaching gamma."""
+def _sort_rows(prob: torch.Tensor):
+    """Per row: descending order, the mass ranked above each entry, each entry's rank."""
+    sorted_p, order = torch.sort(prob, dim=-1, descending=True, stable=True)
+    before = sorted_p.cumsum(-1) - sorted_p
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return before, rank
+
+
+def _keep_by_mass(prob, allowed, budget: Budget, sorted_rows=None) -> torch.Tensor:
+    """Threshold rule on ``prob (H, S, S)``: bool keep mask of the fewest entries reaching gamma.
+    ``sorted_rows`` (from :func:`_sort_rows`) lets many budgets share one sort."""
     if budget.is_dense:
         return allowed.expand_as(prob).clone()
+    before, rank = sorted_rows if sorted_rows is not None else _sort_rows(prob)
     n_allowed = allowed.sum(-1, keepdim=True)
-    sorted_p, order = torch.sort(prob, dim=-1, descending=True, stable=True)
-    if budget.gamma >= 1.0:
-        keep_n = n_allowed
-    else:
-        before = sorted_p.cumsum(-1) - sorted_p  # mass of the entries ranked above
-        keep_n = (before < budget.gamma).sum(-1, keepdim=True)
+    keep_n = (before < budget.gamma).sum(-1, keepdim=True) if budget.gamma < 1.0 else n_allowed
     keep_n = torch.maximum(keep_n, torch.clamp(n_allowed, max=budget.min_blocks))
     if budget.max_density is not None:
         keep_n = torch.minimum(keep_n, torch.ceil(n_allowed * budget.max_density).long())
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
     return (rank < keep_n) & allowed
 
 
@@ -85,18 +89,22 @@ class BlockMassEstimate:
     seq_len: int
     block_size: int
     num_q_heads: int
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def layout(self, budget: Budget) -> BlockLayout:
-        """The :class:`BlockLayout` this budget keeps."""
+    def block_mask(self, budget: Budget) -> torch.Tensor:
+        """Bool ``(H_layout, nb, nb)``: the block pairs this budget keeps."""
         if not isinstance(budget, Budget):
             raise TypeError(
                 f"budget must be a sparsebalance.ops.Budget, got {type(budget).__name__}"
             )
+        if "rows" not in self._cache and not budget.is_dense:
+            self._cache["rows"] = _sort_rows(self.prob)  # shared by every later budget
         sb = self.seg_block
         anchors = (sb - self.first_block_of_doc < budget.sink_blocks)[None, :] | (
             sb[:, None] - sb[None, :] < budget.local_blocks
         )
-        keep_seg = _keep_by_mass(self.prob, self.allowed, budget) | (anchors & self.allowed)
+        keep = _keep_by_mass(self.prob, self.allowed, budget, self._cache.get("rows"))
+        keep_seg = keep | (anchors & self.allowed)
         # Segments -> blocks: a query block keeps the union over its query segments.
         h, n_seg = self.prob.shape[0], sb.numel()
         nb = num_blocks(self.seq_len, self.block_size)
@@ -104,13 +112,22 @@ class BlockMassEstimate:
         by_qblock.index_add_(1, sb, keep_seg.to(torch.int32))
         block_keep = torch.zeros(h, nb, nb, dtype=torch.int32, device=sb.device)
         block_keep.index_add_(2, sb, by_qblock)
-        return BlockLayout.from_block_mask(
-            block_keep > 0, self.cu_seqlens, self.block_size, self.num_q_heads
-        )
+        return block_keep > 0
+
+    def layout(self, budget: Budget) -> BlockLayout:
+        """The :class:`BlockLayout` this budget keeps."""
+        mask = self.block_mask(budget)
+        return BlockLayout.from_block_mask(mask, self.cu_seqlens, self.block_size, self.num_q_heads)
+
+    def document_density(self, budget: Budget) -> torch.Tensor:
+        """float64 ``(N,)``: per-document density of :meth:`layout`, without building it."""
+        return document_density(self.block_mask(budget), self.cu_seqlens, self.block_size)
 
     def density(self, budget: Budget) -> float:
         """Density of :meth:`layout` for this budget."""
-        return self.layout(budget).density()
+        mask = self.block_mask(budget)
+        causal = causal_block_mask(self.cu_seqlens, self.seq_len, self.block_size)
+        return float((mask & causal).sum()) / float(causal.sum() * mask.shape[0])
 
 
 def estimate_block_mass(

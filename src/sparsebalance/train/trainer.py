@@ -82,8 +82,9 @@ class Trainer:
             profile = load_profile(cfg.profile)
             profile.check_fingerprint(fingerprint(shapes, dev, dtype, backend, cfg.block_size))
             return LatencyModel(profile)
+        top = cfg.capacity or max(cfg.max_len, int(self.corpus.lengths().max()))
         return self._on_main_first(
-            lambda: default_latency_model(shapes, dev, dtype, backend, cfg.block_size)
+            lambda: default_latency_model(shapes, dev, dtype, backend, cfg.block_size, max_len=top)
         )
 
     def _parallelize(self) -> None:

@@ -233,9 +233,10 @@ class LayerController:
 
 def _document_densities(estimate: Any, budget: Budget, num_docs: int) -> np.ndarray:
     """``(N,)`` float64 densities of the layout ``budget`` keeps, per document when possible."""
+    fast = getattr(estimate, "document_density", None)  # BlockMassEstimate: no layout built
     layout = getattr(estimate, "layout", None)
-    if layout is not None:
-        dd = layout(budget).document_density()
+    if fast is not None or layout is not None:
+        dd = fast(budget) if fast is not None else layout(budget).document_density()
         dd = dd.detach().cpu().numpy() if hasattr(dd, "detach") else np.asarray(dd)
         dd = np.asarray(dd, dtype=np.float64).reshape(-1)
         if dd.size != num_docs:
