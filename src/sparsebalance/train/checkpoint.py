@@ -51,7 +51,10 @@ def save_checkpoint(
         },
         tmp / "state.pt",
     )
-    (tmp / "meta.json").write_text(json.dumps({"step": step}) + "\n")
+    meta = {"step": step, "model": trainer_state.get("config", {}).get("model")}
+    (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
+    if trainer_state.get("vocab_map") is not None:  # tokenizer id -> model id (compact vocab)
+        (tmp / "vocab_map.json").write_text(json.dumps(trainer_state["vocab_map"]) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     latest_tmp = root / "latest.tmp"
