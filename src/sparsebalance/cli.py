@@ -17,6 +17,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("plan", "pack a global batch into ranks x micro-batches (sparsity-aware batching)"),
     "profile": ("profile", "measure, validate or build the latency profile of a model"),
     "ring-balance": ("ring_balance", "per-rank / per-ring-step work imbalance of CP placements"),
+    "train": ("train", "distributed training with SAB + DST (launches torchrun); --demo compares"),
+    "report": ("report", "markdown + PNG report of training runs"),
+    "bench-e2e": ("bench_e2e", "measured baseline / SAB / DST / SAB+DST ablation with prediction"),
     "simulate": ("simulate", "predict baseline / SAB / DST / SAB+DST over many virtual ranks"),
 }
 

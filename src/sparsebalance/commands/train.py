@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    nproc = args.nproc or (torch.cuda.device_count() if cuda else 2)
+    nproc = args.nproc or (1 if cfg.emulate_ranks else torch.cuda.device_count() if cuda else 2)
     runs = demo_configs(cfg) if args.demo else {"run": cfg}
     for name, run_cfg in runs.items():
         if not args.json:

@@ -64,6 +64,9 @@ class TrainConfig:
     seed: int = 0
     parallel: str = "ddp"
     """ddp (replicated, one bucketed gradient all-reduce per step) | fsdp2 (fully_shard)."""
+    emulate_ranks: int = 0
+    """Emulate this many data-parallel ranks in one process (each rank's micro-batches run in turn
+    and are timed alone; step time = slowest rank + sync): measures imbalance on one device."""
     device: str = "auto"
     """auto (cuda if available) | cpu | cuda."""
     per_doc_loss_weighting: bool = False
@@ -83,6 +86,8 @@ class TrainConfig:
     """Dynamic sparsity tuning (--dst-mode, --anchor, --tolerance, --gamma0, ...)."""
 
     def __post_init__(self) -> None:
+        if self.emulate_ranks < 0:
+            raise ValueError(f"--emulate-ranks must be >= 0, got {self.emulate_ranks}")
         if self.steps <= 0:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.global_batch <= 0:

@@ -98,47 +98,22 @@ def run_microbatch(
     )
 
 
-def train_step(trainer, samples: list[Sample]) -> tuple[list[dict], dict]:
-    """Run one step; returns (per-rank records, step summary), identical on every rank."""
-    cfg, rt, latency = trainer.cfg, trainer.rt, trainer.latency
-    t_step = time.perf_counter()
-    plan = plan_batch(
-        samples,
-        latency,
-        PlanConfig(rt.world_size, cfg.micro_batches, cfg.capacity, cfg.strategy, cfg.overlong),
-        estimator=trainer.estimator,
-    )
-    hashes = rt.all_gather_object(plan.hash())
-    if len(set(hashes)) != 1:
-        raise RuntimeError(f"ranks derived different plans (hashes {hashes}): inputs diverged")
-    decision = trainer.tuner.decide(plan.ranks, latency)
-    mine = decision.ranks[rt.rank]
+def run_rank(trainer, plan, decision, rank: int, loss_scale: float) -> dict:
+    """One (real or emulated) rank's share of the step: its micro-batches, forward + backward."""
+    cfg, latency = trainer.cfg, trainer.latency
+    mine = decision.ranks[rank]
     controller = None
-    if cfg.dst.mode != "off" and plan.ranks[rt.rank]:
-        controller = LayerController.from_decision(mine, plan.ranks[rt.rank], latency, cfg.dst)
-    # Every rank's loss is a share of the global mean over all weighted tokens.
-    global_weight = sum(
-        trainer.label_weight(mb, offs)
-        for rank_mbs, rank_offs in zip(plan.ranks, plan.offsets, strict=True)
-        for mb, offs in zip(rank_mbs, rank_offs, strict=True)
-    )
-    loss_scale = rt.world_size / max(global_weight, 1e-9)  # the all-reduce averages over ranks
+    if cfg.dst.mode != "off" and plan.ranks[rank]:
+        controller = LayerController.from_decision(mine, plan.ranks[rank], latency, cfg.dst)
+    pairs = zip(plan.ranks[rank], plan.offsets[rank], strict=True)
     results = [
         run_microbatch(trainer, m, mb, offs, controller, mine.gamma, loss_scale)
-        for m, (mb, offs) in enumerate(zip(plan.ranks[rt.rank], plan.offsets[rt.rank], strict=True))
+        for m, (mb, offs) in enumerate(pairs)
     ]
-    compute = sum(r.seconds for r in results)
-    t0 = time.perf_counter()
-    rt.barrier()  # the wait for the slowest rank: the bubble
-    bubble = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    if cfg.parallel == "ddp":
-        allreduce_gradients(trainer.params, rt.world_size)
-    sync = time.perf_counter() - t0
-    local = {
-        "compute_s": compute,
-        "bubble_s": bubble,
-        "sync_s": sync,
+    layer_gammas = [g for r in results for g in r.gammas]
+    dens = [np.mean(d) for r in results for d in r.layer_densities]
+    return {
+        "compute_s": sum(r.seconds for r in results),
         "loss_sum": sum(r.loss_sum for r in results),
         "weight": sum(r.weight_sum for r in results),
         "tokens": sum(sum(r.lengths) for r in results),
@@ -146,15 +121,59 @@ def train_step(trainer, samples: list[Sample]) -> tuple[list[dict], dict]:
         "predicted_before_s": mine.predicted_before,
         "predicted_s": mine.predicted_after,
         "gamma": mine.gamma,
-        "layer_gammas": [g for r in results for g in r.gammas],
-        "density": float(np.mean([np.mean(d) for r in results for d in r.layer_densities]))
-        if results
-        else 0.0,
+        "gamma_min": min(layer_gammas, default=mine.gamma),
+        "gamma_mean": float(np.mean(layer_gammas)) if layer_gammas else mine.gamma,
+        "gamma_max": max(layer_gammas, default=mine.gamma),
+        "density": float(np.mean(dens)) if dens else 0.0,
         "feedback": [
             (r.lengths, r.layer_densities, r.seconds, r.sample_ids, r.gammas) for r in results
         ],
     }
-    everyone = rt.all_gather_object(local)
+
+
+def train_step(trainer, samples: list[Sample]) -> tuple[list[dict], dict]:
+    """Run one step; returns (per-rank records, step summary), identical on every rank.
+
+    Under torchrun each process runs its own rank. With ``--emulate-ranks R`` one process runs
+    the R ranks' micro-batches in turn (each timed alone): the step time of R ranks is then
+    ``max(rank compute) + sync``, a real measurement of compute imbalance without a cluster.
+    """
+    cfg, rt, latency = trainer.cfg, trainer.rt, trainer.latency
+    t_step = time.perf_counter()
+    world = trainer.num_ranks
+    plan = plan_batch(
+        samples,
+        latency,
+        PlanConfig(world, cfg.micro_batches, cfg.capacity, cfg.strategy, cfg.overlong),
+        estimator=trainer.estimator,
+    )
+    hashes = rt.all_gather_object(plan.hash())
+    if len(set(hashes)) != 1:
+        raise RuntimeError(f"ranks derived different plans (hashes {hashes}): inputs diverged")
+    decision = trainer.tuner.decide(plan.ranks, latency)
+    # Every rank's loss is a share of the global mean over all weighted tokens.
+    global_weight = sum(
+        trainer.label_weight(mb, offs)
+        for rank_mbs, rank_offs in zip(plan.ranks, plan.offsets, strict=True)
+        for mb, offs in zip(rank_mbs, rank_offs, strict=True)
+    )
+    # The all-reduce averages over processes; emulated ranks accumulate into one set of grads.
+    loss_scale = rt.world_size / max(global_weight, 1e-9)
+    if cfg.emulate_ranks:
+        everyone = [run_rank(trainer, plan, decision, r, loss_scale) for r in range(world)]
+        for e in everyone:
+            e["bubble_s"], e["sync_s"] = 0.0, 0.0
+        sync = 0.0
+    else:
+        local = run_rank(trainer, plan, decision, rt.rank, loss_scale)
+        t0 = time.perf_counter()
+        rt.barrier()  # the wait for the slowest rank: the bubble
+        local["bubble_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if cfg.parallel == "ddp":
+            allreduce_gradients(trainer.params, rt.world_size)
+        local["sync_s"] = sync = time.perf_counter() - t0
+        everyone = rt.all_gather_object(local)
     loss = sum(e["loss_sum"] for e in everyone) / max(sum(e["weight"] for e in everyone), 1e-9)
     if not math.isfinite(loss):
         trainer.optimizer.zero_grad(set_to_none=True)
@@ -169,30 +188,25 @@ def train_step(trainer, samples: list[Sample]) -> tuple[list[dict], dict]:
     trainer.optimizer.zero_grad(set_to_none=True)
     optim = time.perf_counter() - t0
     trainer.feedback([e.pop("feedback") for e in everyone])
-    step_s = time.perf_counter() - t_step
     computes = np.array([e["compute_s"] for e in everyone])
-    per_rank = []
-    for r, e in enumerate(everyone):
-        lg = e.pop("layer_gammas")
-        per_rank.append(
-            {
-                "rank": r,
-                **{k: v for k, v in e.items() if k not in ("loss_sum", "weight")},
-                "gamma_min": min(lg, default=e["gamma"]),
-                "gamma_mean": float(np.mean(lg)) if lg else e["gamma"],
-                "gamma_max": max(lg, default=e["gamma"]),
-                "derived_bubble_s": float(computes.max() - e["compute_s"]),
-            }
-        )
+    step_s = time.perf_counter() - t_step
+    if cfg.emulate_ranks:  # the emulated cluster's step: slowest rank, then sync and optimizer
+        step_s = float(computes.max()) + sync + optim
+    per_rank = [
+        {"rank": r, **{k: v for k, v in e.items() if k not in ("loss_sum", "weight")},
+         "derived_bubble_s": float(computes.max() - e["compute_s"])}
+        for r, e in enumerate(everyone)
+    ]  # fmt: skip
     tokens = sum(e["tokens"] for e in everyone)
+    peak, mean = max(float(computes.max()), 1e-12), float(computes.mean())
     summary = {
         "loss": loss,
         "step_seconds": step_s,
         "max_compute_s": float(computes.max()),
-        "mean_compute_s": float(computes.mean()),
-        "efficiency": float(computes.mean() / max(computes.max(), 1e-12)),
-        "imbalance": float(computes.max() / max(computes.mean(), 1e-12)),
-        "bubble_fraction": float(1 - computes.mean() / max(computes.max(), 1e-12)),
+        "mean_compute_s": mean,
+        "efficiency": mean / peak,
+        "imbalance": peak / max(mean, 1e-12),
+        "bubble_fraction": 1 - mean / peak,
         "tokens": tokens,
         "tokens_per_s": tokens / step_s,
         "optimizer_s": optim,
@@ -205,5 +219,6 @@ def train_step(trainer, samples: list[Sample]) -> tuple[list[dict], dict]:
         "plan_efficiency": plan.metrics.efficiency,
         "num_overlong": plan.metrics.num_overlong,
         "lr": trainer.scheduler.get_last_lr()[0],
+        "emulated": bool(cfg.emulate_ranks),
     }
     return per_rank, summary

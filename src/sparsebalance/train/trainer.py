@@ -27,10 +27,33 @@ from .step import train_step
 from .telemetry import Telemetry
 
 
+def epoch_order(seed: int, epoch: int, num_docs: int) -> np.ndarray:
+    """The documents' order in one epoch (seeded; the same on every rank and in every run)."""
+    return np.random.default_rng([seed, epoch]).permutation(num_docs)
+
+
+def batch_schedule(seed: int, num_docs: int, global_batch: int, steps: int) -> list[list[int]]:
+    """Document indices of each step's global batch, as :meth:`Trainer.next_batch` draws them."""
+    out, epoch, order, cursor = [], 0, epoch_order(seed, 0, num_docs), 0
+    for _ in range(steps):
+        batch = []
+        while len(batch) < global_batch:
+            if cursor >= num_docs:
+                epoch, cursor = epoch + 1, 0
+                order = epoch_order(seed, epoch, num_docs)
+            batch.append(int(order[cursor]))
+            cursor += 1
+        out.append(batch)
+    return out
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, runtime: Runtime | None = None):
         self.cfg = cfg
         self.rt = rt = runtime or Runtime.init(cfg.device)
+        if cfg.emulate_ranks and rt.distributed:
+            raise ValueError("--emulate-ranks runs in one process: launch it with --nproc 1")
+        self.num_ranks = cfg.emulate_ranks or rt.world_size
         seed_everything(cfg.seed)
         self.run_dir = Path(cfg.out)
         tokenizer = load_tokenizer(cfg.tokenizer)
@@ -113,7 +136,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
     def _epoch_order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.corpus))
+        return epoch_order(self.cfg.seed, epoch, len(self.corpus))
 
     def next_batch(self) -> list[Sample]:
         """The next ``global_batch`` documents in the seeded order (same on every rank)."""

@@ -1,0 +1,75 @@
+"""The four-way ablation (baseline / SAB / DST / SAB+DST) measured with the real trainer on the
+same samples, next to the simulator's prediction for the same batches (``bench-e2e``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..batching import HistoryEstimator
+from ..data import load_corpus, load_tokenizer
+from ..latency import LatencyModel, default_latency_model, load_profile
+from ..models import load_shapes
+from ..report import load_run, summarize
+from ..simulate import simulate_steps
+from ..workload import Sample
+from .config import TrainConfig
+from .launch import launch
+from .trainer import batch_schedule
+
+ABLATION = {  # name -> (planner strategy, DST mode)
+    "baseline": ("sequential", "off"),
+    "sab": ("sab", "off"),
+    "dst": ("sequential", "bidirectional"),
+    "sab+dst": ("sab", "bidirectional"),
+}
+
+
+def ablation_configs(cfg: TrainConfig, names: list[str]) -> dict[str, TrainConfig]:
+    unknown = [n for n in names if n not in ABLATION]
+    if unknown:
+        raise ValueError(f"--strategies: unknown {unknown}; allowed: {', '.join(ABLATION)}")
+    names = ["baseline", *[n for n in names if n != "baseline"]]
+    return {
+        n: replace(cfg, strategy=ABLATION[n][0], dst=replace(cfg.dst, mode=ABLATION[n][1]),
+                   out=str(Path(cfg.out) / n.replace("+", "_")))
+        for n in names
+    }  # fmt: skip
+
+
+def measure(configs: dict[str, TrainConfig], nproc: int) -> dict[str, dict]:
+    """Train every configuration; summaries from their metrics.jsonl (step 1 excluded)."""
+    out = {}
+    for name, cfg in configs.items():
+        launch(cfg, nproc)
+        _, steps = load_run(Path(cfg.out))
+        out[name] = summarize(steps)
+    return out
+
+
+def predict(cfg: TrainConfig, names: list[str], world_size: int) -> dict:
+    """The simulator on the same global batches, with the latency model the trainer starts from
+    and the estimator's starting densities (what the first plan sees)."""
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    corpus = load_corpus(cfg.data, tokenizer, cfg.text_field, cfg.num_builtin, cfg.seed,
+                         cfg.min_len, cfg.max_len)  # fmt: skip
+    shapes = load_shapes(cfg.model)
+    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    if cfg.profile:
+        latency = LatencyModel(load_profile(cfg.profile))
+    else:
+        dtype, backend = ("bf16", "flex") if device.type == "cuda" else ("fp32", "torch")
+        backend = backend if cfg.backend == "auto" else cfg.backend
+        top = cfg.capacity or max(cfg.max_len, int(corpus.lengths().max()))
+        latency = default_latency_model(shapes, device, dtype, backend, cfg.block_size, max_len=top)
+    estimator = HistoryEstimator()
+    batches = []
+    for ids in batch_schedule(cfg.seed, len(corpus), cfg.global_batch, cfg.steps):
+        samples = [Sample(i, len(corpus.docs[i]), corpus.sources[i]) for i in ids]
+        batches.append((np.array([s.num_tokens for s in samples]), estimator.estimate(samples)))
+    return simulate_steps(batches[1:] or batches, world_size, latency,
+                          micro_batches=cfg.micro_batches, capacity=cfg.capacity,
+                          strategies=names, dst=cfg.dst)  # fmt: skip

@@ -1,0 +1,46 @@
+"""bench-e2e end to end on emulated ranks (tiny, 2 steps): every strategy runs on the same data
+and the table carries the simulator's prediction next to the measurement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sparsebalance.cli import main
+from sparsebalance.train.trainer import batch_schedule
+from tests.train.harness import write_dataset, write_profile
+
+pytestmark = pytest.mark.filterwarnings("ignore::sparsebalance.latency.ProfileMismatchWarning")
+
+
+def test_batch_schedule_matches_epochs():
+    sched = batch_schedule(seed=3, num_docs=5, global_batch=4, steps=3)
+    assert [len(b) for b in sched] == [4, 4, 4]
+    flat = [i for batch in sched for i in batch]
+    assert sorted(flat[:5]) == list(range(5))  # first epoch: every document once
+    assert batch_schedule(3, 5, 4, 3) == sched
+
+
+def test_bench_e2e_on_emulated_ranks(tmp_path, capsys):
+    argv = ["bench-e2e", "--strategies", "baseline,sab+dst", "--emulate-ranks", "2",
+            "--steps", "2", "--global-batch", "6", "--capacity", "512", "--block-size", "32",
+            "--data", str(write_dataset(tmp_path)), "--profile", str(write_profile(tmp_path)),
+            "--out", str(tmp_path / "runs"), "--results-dir", str(tmp_path), "--json"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = result["strategies"]
+    assert set(rows) == {"baseline", "sab+dst"}
+    assert rows["baseline"]["speedup"] == 1.0
+    for r in rows.values():
+        assert r["mean_step_s"] > 0 and 0 < r["efficiency"] <= 1
+        assert r["predicted_step_s"] > 0 and r["predicted_speedup"] > 0
+    assert list(tmp_path.glob("*bench-e2e-cpu.md"))
+    assert (tmp_path / "runs" / "sab_dst" / "metrics.jsonl").is_file()
+
+
+def test_bad_ablation_names_and_emulation_values(capsys):
+    assert main(["bench-e2e", "--strategies", "baseline,fast"]) == 2
+    assert "unknown" in capsys.readouterr().err
+    assert main(["train", "--emulate-ranks", "-1"]) == 2
+    assert "--emulate-ranks" in capsys.readouterr().err
