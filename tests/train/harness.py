@@ -58,7 +58,10 @@ def _worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:
         torch.set_num_threads(1)
         trainer = Trainer(cfg, Runtime(rank, world, torch.device("cpu")))
         result = trainer.run()
-        flat = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
+        full = [
+            p.full_tensor() if hasattr(p, "full_tensor") else p for p in trainer.model.parameters()
+        ]
+        flat = torch.cat([p.detach().reshape(-1) for p in full])
         result["param_sum"] = float(flat.double().sum())
         result["param_first"] = flat[:64].tolist()
         dist.destroy_process_group()

@@ -41,3 +41,16 @@ def test_two_ranks_learn_and_stay_identical(tmp_path):
     res2 = run_ranks(cfg2, 2, resumed)
     assert res2[0]["losses"] == pytest.approx(losses[3:], rel=1e-6, abs=1e-6)
     assert res2[0]["param_sum"] == pytest.approx(res[0]["param_sum"], rel=1e-6)
+
+
+def test_fsdp2_matches_ddp(tmp_path):
+    """FSDP2 (fully_shard) and the DDP path do the same arithmetic: same losses, same weights."""
+    ddp_dir, fsdp_dir = tmp_path / "ddp", tmp_path / "fsdp"
+    ddp_dir.mkdir()
+    fsdp_dir.mkdir()
+    cfg = base_config(ddp_dir, steps=3)  # gradient clipping on (the default)
+    ddp = run_ranks(cfg, 2, ddp_dir)
+    fsdp = run_ranks(replace(cfg, parallel="fsdp2", out=str(fsdp_dir / "run")), 2, fsdp_dir)
+    assert fsdp[0]["losses"] == pytest.approx(ddp[0]["losses"], rel=1e-4)
+    assert fsdp[0]["param_first"] == pytest.approx(ddp[0]["param_first"], rel=1e-3, abs=1e-5)
+    assert fsdp[0]["param_first"] == fsdp[1]["param_first"]
