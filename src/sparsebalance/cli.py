@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # user errors: one clear line, no traceback
         print(f"sparsebalance {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # a run that failed (e.g. training stopped): say so plainly
+        print(f"sparsebalance {args.command}: failed: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ from tests.train.harness import write_dataset, write_profile
 pytestmark = pytest.mark.filterwarnings("ignore::sparsebalance.latency.ProfileMismatchWarning")
 
 
-def test_batch_schedule_matches_epochs():
-    sched = batch_schedule(seed=3, num_docs=5, global_batch=4, steps=3)
-    assert [len(b) for b in sched] == [4, 4, 4]
-    flat = [i for batch in sched for i in batch]
-    assert sorted(flat[:5]) == list(range(5))  # first epoch: every document once
-    assert batch_schedule(3, 5, 4, 3) == sched
+def test_batch_schedule_never_repeats_a_document_within_a_batch():
+    sched = batch_schedule(seed=3, num_docs=10, global_batch=4, steps=6)
+    assert [len(b) for b in sched] == [4] * 6
+    assert all(len(set(b)) == 4 for b in sched)  # an epoch's short tail is dropped
+    assert len(set(sched[0] + sched[1])) == 8  # inside an epoch: no document twice
+    assert batch_schedule(3, 10, 4, 6) == sched
 
 
 def test_bench_e2e_on_emulated_ranks(tmp_path, capsys):
@@ -44,3 +44,13 @@ def test_bad_ablation_names_and_emulation_values(capsys):
     assert "unknown" in capsys.readouterr().err
     assert main(["train", "--emulate-ranks", "-1"]) == 2
     assert "--emulate-ranks" in capsys.readouterr().err
+
+
+def test_global_batch_must_cover_ranks_and_dataset(tmp_path, capsys):
+    common = ["--data", str(write_dataset(tmp_path)), "--profile", str(write_profile(tmp_path)),
+              "--out", str(tmp_path / "r"), "--steps", "1", "--nproc", "1"]  # fmt: skip
+    assert main(["train", "--emulate-ranks", "4", "--global-batch", "3", *common]) == 1
+    assert main(["train", "--global-batch", "1000", *common]) == 1
+    (tmp_path / "run.toml").write_text('steps = 2\n[dst]\nmode = "off"\n')
+    assert main(["train", "--config", str(tmp_path / "run.toml")]) == 2
+    assert "DST options are flags" in capsys.readouterr().err

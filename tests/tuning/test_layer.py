@@ -151,3 +151,22 @@ def test_bad_calls_raise():
         ctl.choose(0, L, est)
     with pytest.raises(ValueError, match="target_seconds"):
         LayerController(plan[0], ORACLE, DSTConfig(), float("nan"))
+
+
+def test_units_add_up_to_the_latency_models_prediction():
+    """On the real LatencyModel the planned units of a micro-batch sum to predict(): a rank exactly
+    on target keeps its step gamma instead of being cut to the floor."""
+    from sparsebalance.latency import LatencyModel, analytic_profile
+    from sparsebalance.models import load_shapes
+    from sparsebalance.tuning import DensityCurve, DSTConfig, LayerController
+    from sparsebalance.workload import MicroBatch
+
+    model = LatencyModel(analytic_profile(load_shapes("tiny"), "h100", block_size=64))
+    cfg = DSTConfig(mode="bidirectional", gamma0=0.9)
+    mbs = [MicroBatch((0, 1), (3000, 900), (0.3, 0.6)), MicroBatch((2,), (2500,), (0.2,))]
+    curve = DensityCurve(gamma0=0.9)
+    target = sum(
+        model.predict(mb.lengths, curve.density(np.array(mb.densities), 0.9)) for mb in mbs
+    )
+    ctl = LayerController(mbs, model, cfg, target, gamma=0.9, curve=curve)
+    assert ctl.planned.sum() == pytest.approx(target, rel=1e-9)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import numpy as np
 import torch
@@ -134,6 +135,7 @@ def _validate(args, shapes, device, dtype) -> int:
     meas, pred = np.asarray(measured), np.asarray(predicted)
     err = np.abs(pred - meas) / meas
     steps, final = recalibration_steps(profile, batches, measured)
+    predict_10k = _time_predict_many(model, profile)
     result = {
         "profile": args.validate,
         "num_batches": len(batches),
@@ -141,15 +143,17 @@ def _validate(args, shapes, device, dtype) -> int:
         "max_error": float(err.max()),
         "recalibration_steps_from_1.5x": steps,
         "recalibrated_mape": final,
+        "predict_many_10k_seconds": predict_10k,
         "batches": [
             {"lengths": b[0], "densities": b[1], "measured": m, "predicted": p}
             for b, m, p in zip(batches, measured, predicted, strict=True)
         ],
     }
     table = markdown_table(
-        ["held-out micro-batches", "MAPE", "max error", "recalibration steps (1.5x profile)"],
+        ["held-out micro-batches", "MAPE", "max error", "recalibration steps (1.5x profile)",
+         "predict 10,000 micro-batches"],
         [[len(batches), f"{100 * result['mape']:.1f} %", f"{100 * result['max_error']:.1f} %",
-          str(steps)]],
+          str(steps), f"{1e3 * predict_10k:.1f} ms"]],
     )  # fmt: skip
     if args.results_dir:
         md, _ = write_results(
@@ -161,6 +165,18 @@ def _validate(args, shapes, device, dtype) -> int:
     else:
         print(table + (f"\nwrote {result['results_file']}" if "results_file" in result else ""))
     return 0
+
+
+def _time_predict_many(model: LatencyModel, profile, count: int = 10_000) -> float:
+    """Seconds to predict ``count`` random in-grid micro-batches of 1-4 documents at once."""
+    rng = np.random.default_rng(0)
+    lo, hi = profile.attention.lengths[0], profile.attention.lengths[-1] // 4
+    lengths = rng.integers(lo, max(lo + 1, hi), (count, 4)) * (rng.random((count, 4)) < 0.7)
+    lengths[:, 0] = np.maximum(lengths[:, 0], lo)
+    dens = rng.uniform(profile.attention.densities[0], 1.0, (count, 4))
+    t0 = time.perf_counter()
+    model.predict_many(lengths, dens)
+    return time.perf_counter() - t0
 
 
 def _report(summary: dict, args) -> int:

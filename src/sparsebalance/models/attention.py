@@ -48,13 +48,6 @@ class PackedAttention:
     def mean_density(self) -> float:
         return sum(s.density for s in self.stats) / max(1, len(self.stats))
 
-    def document_densities(self) -> list[float]:
-        """Per-document density averaged over layers (feeds the SAB density estimator)."""
-        if not self.stats:
-            return []
-        n = len(self.stats[0].document_density)
-        return [sum(s.document_density[i] for s in self.stats) / len(self.stats) for i in range(n)]
-
 
 def sparsebalance_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                             sb_attention: PackedAttention | None = None, **kwargs):  # fmt: skip
@@ -64,6 +57,13 @@ def sparsebalance_attention(module, query, key, value, attention_mask, scaling=N
             "the 'sparsebalance' attention needs model(..., sb_attention=PackedAttention(...), "
             "use_cache=False): it only runs packed inputs with cu_seqlens"
         )
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        raise ValueError(
+            "the 'sparsebalance' attention implements full document-causal attention: this "
+            "model uses a sliding window or logit soft-capping, which it does not support"
+        )
+    if dropout:
+        raise ValueError(f"attention dropout ({dropout}) is not supported by 'sparsebalance'")
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects batch size 1, got {query.shape[0]}")
     ctx = sb_attention

@@ -20,7 +20,9 @@ from .varlen import doc_ids, doc_starts
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    # Packed lengths change every micro-batch: let torch.compile go dynamic after the first
+    # recompile instead of specialising (and eventually falling back to eager) per length.
+    return torch.compile(flex_attention)
 
 
 def build_block_mask(layout: BlockLayout, num_q_heads: int, device: torch.device):

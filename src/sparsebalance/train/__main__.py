@@ -4,6 +4,7 @@ import argparse
 import sys
 
 from .config import add_train_arguments, config_from_args
+from .step import NonFiniteLoss
 from .trainer import Trainer
 
 
@@ -18,6 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"sparsebalance train: error: {err}", file=sys.stderr)
         return 2
+    except NonFiniteLoss as err:
+        print(
+            f"sparsebalance train: stopped: {err}; the last checkpoint is intact", file=sys.stderr
+        )
+        return 3
     return 0
 
 

@@ -18,7 +18,7 @@ from ..simulate import simulate_steps
 from ..workload import Sample
 from .config import TrainConfig
 from .launch import launch
-from .trainer import batch_schedule
+from .trainer import batch_schedule, training_kernel
 
 ABLATION = {  # name -> (planner strategy, DST mode)
     "baseline": ("sequential", "off"),
@@ -61,8 +61,7 @@ def predict(cfg: TrainConfig, names: list[str], world_size: int) -> dict:
     if cfg.profile:
         latency = LatencyModel(load_profile(cfg.profile))
     else:
-        dtype, backend = ("bf16", "flex") if device.type == "cuda" else ("fp32", "torch")
-        backend = backend if cfg.backend == "auto" else cfg.backend
+        dtype, backend = training_kernel(device, cfg.backend)
         top = cfg.capacity or max(cfg.max_len, int(corpus.lengths().max()))
         latency = default_latency_model(shapes, device, dtype, backend, cfg.block_size, max_len=top)
     estimator = HistoryEstimator()

@@ -164,7 +164,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             )
         except (OSError, ValueError) as err:  # TOMLDecodeError and JSONDecodeError are ValueErrors
             raise ValueError(f"--config {args.config}: {err}") from None
-        values.pop("dst", None)  # DST options come from their flags
+        if "dst" in values:
+            raise ValueError(
+                f"--config {args.config}: DST options are flags (--dst-mode, --anchor, "
+                "--tolerance, --gamma0, --gamma-min, --gamma-max); remove the dst section"
+            )
         unknown = set(values) - {f.name for f in fields(TrainConfig)}
         if unknown:
             raise ValueError(f"--config {args.config}: unknown keys {sorted(unknown)}")

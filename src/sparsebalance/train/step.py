@@ -98,6 +98,16 @@ def run_microbatch(
     )
 
 
+def run_filler(trainer) -> None:
+    """A two-token forward/backward that contributes nothing to the gradients (loss x 0)."""
+    batch = pack([np.zeros(2, dtype=np.int64)], trainer.rt.device)
+    ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=1.0), trainer.cfg.block_size,
+                          trainer.cfg.backend)  # fmt: skip
+    out = trainer.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                        sb_attention=ctx, use_cache=False).logits  # fmt: skip
+    (out.float().sum() * 0.0).backward()
+
+
 def run_rank(trainer, plan, decision, rank: int, loss_scale: float) -> dict:
     """One (real or emulated) rank's share of the step: its micro-batches, forward + backward."""
     cfg, latency = trainer.cfg, trainer.latency
@@ -105,11 +115,19 @@ def run_rank(trainer, plan, decision, rank: int, loss_scale: float) -> dict:
     controller = None
     if cfg.dst.mode != "off" and plan.ranks[rank]:
         controller = LayerController.from_decision(mine, plan.ranks[rank], latency, cfg.dst)
-    pairs = zip(plan.ranks[rank], plan.offsets[rank], strict=True)
-    results = [
-        run_microbatch(trainer, m, mb, offs, controller, mine.gamma, loss_scale)
-        for m, (mb, offs) in enumerate(pairs)
-    ]
+    pairs = list(zip(plan.ranks[rank], plan.offsets[rank], strict=True))
+    fsdp = cfg.parallel == "fsdp2"
+    # FSDP2 issues collectives in every forward/backward: all ranks must run as many passes.
+    passes = max(len(r) for r in plan.ranks) if fsdp else len(pairs)
+    results = []
+    for m in range(passes):
+        if fsdp:
+            trainer.model.set_requires_gradient_sync(m == passes - 1)  # sync on the last only
+        if m < len(pairs):
+            mb, offs = pairs[m]
+            results.append(run_microbatch(trainer, m, mb, offs, controller, mine.gamma, loss_scale))
+        else:  # a zero-weight filler pass keeps this rank's collectives in step with the others
+            run_filler(trainer)
     layer_gammas = [g for r in results for g in r.gammas]
     dens = [np.mean(d) for r in results for d in r.layer_densities]
     return {
@@ -121,6 +139,8 @@ def run_rank(trainer, plan, decision, rank: int, loss_scale: float) -> dict:
         "predicted_before_s": mine.predicted_before,
         "predicted_s": mine.predicted_after,
         "gamma": mine.gamma,
+        "dst_role": mine.role,
+        "target_s": mine.target_seconds,
         "gamma_min": min(layer_gammas, default=mine.gamma),
         "gamma_mean": float(np.mean(layer_gammas)) if layer_gammas else mine.gamma,
         "gamma_max": max(layer_gammas, default=mine.gamma),
@@ -161,9 +181,11 @@ def train_step(trainer, samples: list[Sample]) -> tuple[list[dict], dict]:
     loss_scale = rt.world_size / max(global_weight, 1e-9)
     if cfg.emulate_ranks:
         everyone = [run_rank(trainer, plan, decision, r, loss_scale) for r in range(world)]
+        # The gradient all-reduce the emulated ranks would run: the profile's figure if it has
+        # one (measured on CPU, analytic for GPUs), else 0 — recorded as sync time.
+        sync = float(latency.profile.allreduce_seconds or 0.0)
         for e in everyone:
-            e["bubble_s"], e["sync_s"] = 0.0, 0.0
-        sync = 0.0
+            e["bubble_s"], e["sync_s"] = 0.0, sync
     else:
         local = run_rank(trainer, plan, decision, rt.rank, loss_scale)
         t0 = time.perf_counter()
@@ -211,6 +233,10 @@ def train_step(trainer, samples: list[Sample]) -> tuple[list[dict], dict]:
         "tokens_per_s": tokens / step_s,
         "optimizer_s": optim,
         "mean_density": float(np.mean([e["density"] for e in everyone])),
+        "dst_anchor_seconds": decision.targets.anchor_seconds,
+        "dst_post_cut_seconds": decision.targets.post_cut_seconds,
+        "dst_budget_cut": decision.budget_cut,
+        "dst_budget_given": decision.budget_given,
         "predicted_max_before_s": decision.step_seconds_before,
         "predicted_max_s": decision.step_seconds_after,
         "plan_hash": hashes[0],

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..batching import HistoryEstimator
 from ..data import load_corpus, load_tokenizer
 from ..data.dataset import apply_vocabulary, compact_vocabulary
-from ..latency import LatencyModel, default_latency_model, fingerprint, load_profile
+from ..latency import LatencyModel, Profile, default_latency_model, fingerprint, load_profile
 from ..models import ModelShapes
 from ..models.hf import build_model
 from ..tuning import DSTTuner
@@ -27,23 +27,33 @@ from .step import train_step
 from .telemetry import Telemetry
 
 
+def training_kernel(device, backend: str) -> tuple[str, str]:
+    """(dtype, attention backend) a run uses on ``device``: bf16 + flex on CUDA, fp32 + torch on
+    CPU, unless ``--backend`` names one."""
+    if device.type == "cuda":
+        return "bf16", "flex" if backend == "auto" else backend
+    return "fp32", "torch" if backend == "auto" else backend
+
+
 def epoch_order(seed: int, epoch: int, num_docs: int) -> np.ndarray:
     """The documents' order in one epoch (seeded; the same on every rank and in every run)."""
     return np.random.default_rng([seed, epoch]).permutation(num_docs)
 
 
+def next_position(epoch: int, cursor: int, num_docs: int, global_batch: int) -> tuple[int, int]:
+    """Where the next global batch starts: a new epoch when this one's tail is too short (the tail
+    is dropped, so a batch never holds the same document twice)."""
+    return (epoch + 1, 0) if cursor + global_batch > num_docs else (epoch, cursor)
+
+
 def batch_schedule(seed: int, num_docs: int, global_batch: int, steps: int) -> list[list[int]]:
-    """Document indices of each step's global batch, as :meth:`Trainer.next_batch` draws them."""
-    out, epoch, order, cursor = [], 0, epoch_order(seed, 0, num_docs), 0
+    """Document indices of each step's global batch, exactly as :meth:`Trainer.next_batch`."""
+    out, epoch, cursor = [], 0, 0
     for _ in range(steps):
-        batch = []
-        while len(batch) < global_batch:
-            if cursor >= num_docs:
-                epoch, cursor = epoch + 1, 0
-                order = epoch_order(seed, epoch, num_docs)
-            batch.append(int(order[cursor]))
-            cursor += 1
-        out.append(batch)
+        epoch, cursor = next_position(epoch, cursor, num_docs, global_batch)
+        order = epoch_order(seed, epoch, num_docs)
+        out.append([int(i) for i in order[cursor : cursor + global_batch]])
+        cursor += global_batch
     return out
 
 
@@ -73,6 +83,15 @@ class Trainer:
         if max(int(d.max()) for d in corpus.docs) >= vocab:
             corpus = apply_vocabulary(corpus, compact_vocabulary(corpus, vocab))
         self.corpus = corpus
+        if cfg.global_batch > len(corpus):
+            raise ValueError(
+                f"--global-batch {cfg.global_batch} exceeds the dataset's {len(corpus)} documents"
+            )
+        if cfg.global_batch < self.num_ranks:
+            raise ValueError(
+                f"--global-batch {cfg.global_batch} is smaller than the {self.num_ranks} ranks: "
+                "every rank needs at least one document per step"
+            )
         shapes = ModelShapes.from_hf_config(self.model.config.to_dict(), name=Path(cfg.model).name)
         self.latency = self._latency_model(shapes)
         self.estimator = HistoryEstimator()
@@ -97,18 +116,22 @@ class Trainer:
         return out
 
     def _latency_model(self, shapes: ModelShapes) -> LatencyModel:
+        """Rank 0 loads (or measures) the profile and sends it to every rank, so all ranks plan
+        with the same model even across nodes with different caches."""
         cfg, dev = self.cfg, self.rt.device
-        dtype = "bf16" if dev.type == "cuda" else "fp32"
-        backend = "flex" if cfg.backend == "auto" and dev.type == "cuda" else cfg.backend
-        backend = "torch" if backend == "auto" else backend
-        if cfg.profile:
-            profile = load_profile(cfg.profile)
-            profile.check_fingerprint(fingerprint(shapes, dev, dtype, backend, cfg.block_size))
-            return LatencyModel(profile)
-        top = cfg.capacity or max(cfg.max_len, int(self.corpus.lengths().max()))
-        return self._on_main_first(
-            lambda: default_latency_model(shapes, dev, dtype, backend, cfg.block_size, max_len=top)
-        )
+        dtype, backend = training_kernel(dev, cfg.backend)
+        profile = None
+        if self.rt.is_main:
+            if cfg.profile:
+                profile = load_profile(cfg.profile)
+                profile.check_fingerprint(fingerprint(shapes, dev, dtype, backend, cfg.block_size))
+            else:
+                top = cfg.capacity or max(cfg.max_len, int(self.corpus.lengths().max()))
+                profile = default_latency_model(
+                    shapes, dev, dtype, backend, cfg.block_size, max_len=top
+                ).profile
+        data = self.rt.all_gather_object(profile.to_json() if profile is not None else None)[0]
+        return LatencyModel(Profile.from_json(data))
 
     def _parallelize(self) -> None:
         if self.cfg.parallel == "fsdp2":
@@ -140,15 +163,13 @@ class Trainer:
 
     def next_batch(self) -> list[Sample]:
         """The next ``global_batch`` documents in the seeded order (same on every rank)."""
-        out = []
-        while len(out) < self.cfg.global_batch:
-            if self.cursor >= len(self.order):
-                self.epoch, self.cursor = self.epoch + 1, 0
-                self.order = self._epoch_order(self.epoch)
-            i = int(self.order[self.cursor])
-            self.cursor += 1
-            out.append(Sample(i, len(self.corpus.docs[i]), self.corpus.sources[i]))
-        return out
+        g = self.cfg.global_batch
+        epoch, self.cursor = next_position(self.epoch, self.cursor, len(self.corpus), g)
+        if epoch != self.epoch:
+            self.epoch, self.order = epoch, self._epoch_order(epoch)
+        ids = self.order[self.cursor : self.cursor + g]
+        self.cursor += g
+        return [Sample(int(i), len(self.corpus.docs[i]), self.corpus.sources[i]) for i in ids]
 
     def label_weight(self, mb, offsets) -> float:
         """Total loss weight of a micro-batch (what its loss sum is normalised by)."""
@@ -166,8 +187,12 @@ class Trainer:
                 if not self.cfg.deterministic and seconds > 0:
                     self.latency.update(lengths, np.asarray(layer_dens), seconds)
                 dens = np.clip(np.asarray(layer_dens), 1e-6, 1.0)  # (layers, N)
-                exps = curve.exponent(np.asarray(gammas))[:, None]
-                d0 = np.clip(dens ** (1.0 / exps), 1e-6, 1.0).mean(0)  # density at gamma0
+                g = np.asarray(gammas)
+                informative = g < 1.0  # at gamma = 1 every block is kept: no density signal
+                if not informative.any():
+                    continue
+                exps = curve.exponent(g[informative])[:, None]
+                d0 = np.clip(dens[informative] ** (1.0 / exps), 1e-6, 1.0).mean(0)  # at gamma0
                 for sid, d in zip(sample_ids, d0, strict=True):
                     by_sample[sid].append(float(d))
         if by_sample:

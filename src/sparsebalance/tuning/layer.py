@@ -87,7 +87,10 @@ class LayerController:
             dens = curve.density(np.asarray(mb.densities, dtype=np.float64), self.gamma)
             attention[i] = np.sum(cost_model.layer_attention_seconds(self.lengths[i], dens))
             self.fixed[i, :] = cost_model.layer_other_seconds(mb.num_tokens)
-            self.fixed[i, 0] += cost_model.microbatch_overhead()
+            # Layer 0 also carries what is outside the layers (embedding, head, loss), defined so
+            # that the units of a micro-batch add up to exactly the model's prediction for it.
+            total = cost_model.predict(self.lengths[i], dens)
+            self.fixed[i, 0] += max(total - num_layers * (attention[i] + self.fixed[i, 1]), 0.0)
         self.planned = attention[:, None] + self.fixed  # (M, L) predicted seconds at self.gamma
         self._chosen = np.zeros((m, num_layers), dtype=bool)
         self._predicted = np.full((m, num_layers), np.nan)  # at the chosen gamma
