@@ -33,14 +33,14 @@ import numpy as np
 
 from ..workload import CostModel, Sample
 from .estimate import DensityEstimator
-from .plan import Items, Plan, build_plan, predict_packs
+from .plan import FlatPacks, Items, Plan, build_plan, flatten_packs, predict_packs
 from .strategies import (
     Regime,
     fit_linear_coef,
     flops_key,
     local_search,
     lpt_ranks,
-    pack_balanced,
+    pack_balanced_ranks,
     pack_in_order,
     shard_contiguous,
 )
@@ -117,16 +117,62 @@ def plan_batch(
     """
     t0 = time.perf_counter()
     dens = _densities(samples, densities, estimator)
-    items, overlong = _items(samples, dens, cost_model, config)
+    ids = np.array([s.id for s in samples], dtype=np.int64)
+    lens = np.array([s.num_tokens for s in samples], dtype=np.int64)
+    a = _assign(ids, lens, dens, cost_model, config)
+    bound = _lower_bound(a.items, a.regime, config)
+    extra = {**a.extra, "plan_seconds": time.perf_counter() - t0}
+    return build_plan(
+        config.strategy, a.packs, a.items, a.times, bound, config.capacity, a.overlong, extra
+    )
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A strategy's decision before any :class:`Plan` object is built (what the simulator reads:
+    thousands of ranks, where one ``MicroBatch`` per micro-batch would dominate)."""
+
+    packs: list[list[list[int]]]
+    """rank -> micro-batch -> item index (into ``items``); empty micro-batches possible."""
+    flat: FlatPacks
+    """``packs`` as flat arrays, empty micro-batches dropped."""
+    items: Items
+    times: tuple[np.ndarray, np.ndarray]
+    """:func:`~sparsebalance.batching.plan.predict_packs`: ``(B,)`` and ``(R,)`` seconds."""
+    regime: Regime
+    overlong: dict
+    extra: dict
+
+
+def assign_batch(
+    lengths: np.ndarray, densities: np.ndarray, cost_model: CostModel, config: PlanConfig
+) -> Assignment:
+    """:func:`plan_batch`'s assignment for samples ``0..N-1`` of ``lengths`` (int ``(N,)``, each
+    >= 1) and ``densities`` (``(N,)`` in (0, 1]), without building the :class:`Plan`: the same
+    packs, items and times as ``plan_batch([Sample(i, n) ...], ..., densities=densities)``."""
+    lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    if lens.size == 0:
+        raise ValueError("the global batch is empty: nothing to plan")
+    if not np.all(lens > 0):
+        raise ValueError(f"sample lengths must be >= 1, got {int(lens.min())}")
+    dens = np.asarray(densities, dtype=np.float64).reshape(-1)
+    if dens.size != lens.size:
+        raise ValueError(f"{lens.size} samples but {dens.size} densities")
+    if not (np.all(dens > 0) and np.all(dens <= 1.0)):
+        raise ValueError("densities must lie in (0, 1]")
+    return _assign(np.arange(lens.size, dtype=np.int64), lens, dens, cost_model, config)
+
+
+def _assign(ids, lens, dens, cost_model, config: PlanConfig) -> Assignment:
+    items, overlong = _items(ids, lens, dens, cost_model, config)
     regime = Regime(config.micro_batches, config.capacity, float(cost_model.microbatch_overhead()))
     if config.strategy == "sab":
-        packs, times, extra = _sab(items, regime, cost_model, config)
+        packs, flat, times, extra = _sab(items, regime, cost_model, config)
     else:
         packs = _baseline(config.strategy, items, regime, cost_model, config)
-        times, extra = predict_packs(packs, items, cost_model), {}
-    bound = _lower_bound(items, regime, config)
-    extra["plan_seconds"] = time.perf_counter() - t0
-    return build_plan(config.strategy, packs, items, times, bound, config.capacity, overlong, extra)
+        flat = flatten_packs(packs)
+        times, extra = predict_packs(flat, items, cost_model), {}
+    return Assignment(packs, flat, items, times, regime, overlong, extra)
 
 
 def _densities(samples, densities, estimator) -> np.ndarray:
@@ -146,10 +192,8 @@ def _densities(samples, densities, estimator) -> np.ndarray:
     return d
 
 
-def _items(samples, dens, cost_model, config) -> tuple[Items, dict]:
-    """Samples -> items, applying the over-long policy (C only)."""
-    ids = np.array([s.id for s in samples], dtype=np.int64)
-    lens = np.array([s.num_tokens for s in samples], dtype=np.int64)
+def _items(ids, lens, dens, cost_model, config) -> tuple[Items, dict]:
+    """Samples (``(N,)`` ids and lengths) -> items, applying the over-long policy (C only)."""
     offs = np.zeros_like(lens)
     stats = {"num_overlong": 0, "num_split_chunks": 0, "truncated_tokens": 0, "skipped_ids": ()}
     cap = config.capacity
@@ -211,7 +255,7 @@ def _baseline(strategy, items: Items, regime: Regime, cost_model, config) -> lis
             order = np.argsort(items.tokens, kind="stable")
         return [pack_in_order(rank, items.tokens, regime) for rank in shard_contiguous(order, r)]
     key = _rank_key(strategy, items, cost_model, config)
-    return [pack_balanced(rank, key, items.tokens, regime) for rank in lpt_ranks(key, r)]
+    return pack_balanced_ranks(lpt_ranks(key, r), key, items.tokens, regime)
 
 
 def _sab(items: Items, regime: Regime, cost_model, config: PlanConfig):
@@ -221,11 +265,14 @@ def _sab(items: Items, regime: Regime, cost_model, config: PlanConfig):
     r = config.world_size
     iters = 4 * r + 64 if config.local_search_iters is None else config.local_search_iters
     tokens_packs = _baseline("tokens", items, regime, cost_model, config)
-    tokens_times = predict_packs(tokens_packs, items, cost_model)
+    tokens_flat = flatten_packs(tokens_packs)
+    tokens_times = predict_packs(tokens_flat, items, cost_model)
     ranks = lpt_ranks(items.cost, r, regime, items.tokens)
     ranks, moves = local_search(ranks, items.cost, items.tokens, regime, iters, config.neighbors)
-    packs = [pack_balanced(rk, items.cost, items.tokens, regime) for rk in ranks]
-    times = predict_packs(packs, items, cost_model)
+    packs = pack_balanced_ranks(ranks, items.cost, items.tokens, regime)
+    flat = flatten_packs(packs)
+    times = predict_packs(flat, items, cost_model)
     if not times[1].max() < tokens_times[1].max() * (1 - 1e-12):
-        return tokens_packs, tokens_times, {"local_search_moves": 0, "candidate": "tokens"}
-    return packs, times, {"local_search_moves": moves, "candidate": "cost"}
+        extra = {"local_search_moves": 0, "candidate": "tokens"}
+        return tokens_packs, tokens_flat, tokens_times, extra
+    return packs, flat, times, {"local_search_moves": moves, "candidate": "cost"}

@@ -54,7 +54,18 @@ def descending(key: np.ndarray) -> np.ndarray:
 
 def shard_contiguous(order: np.ndarray, num_ranks: int) -> RankItems:
     """Items in ``order`` cut into ``num_ranks`` contiguous shards of equal count (±1). O(N)."""
-    return [part.tolist() for part in np.array_split(order, num_ranks)]
+    return _split_even(order.tolist(), num_ranks)
+
+
+def _split_even(items: list, parts: int) -> list[list]:
+    """``np.array_split`` on a list: the first ``len % parts`` parts hold one item more."""
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for p in range(parts):
+        stop = start + size + (p < extra)
+        out.append(items[start:stop])
+        start = stop
+    return out
 
 
 def lpt_ranks(
@@ -69,21 +80,26 @@ def lpt_ranks(
     heap = [(0.0, r) for r in range(num_ranks)]  # already a heap
     order = descending(key).tolist()
     keys = key.tolist()  # Python floats: numpy scalar indexing would dominate the loop
+    # heap[0] then heapreplace: one sift instead of a pop and a push. Entries are distinct by
+    # rank, so the minimum taken at every step (and the result) is the same as pop + push.
     if regime is None or regime.overhead == 0.0:
         for i in order:
-            load, r = heapq.heappop(heap)
+            load, r = heap[0]
             ranks[r].append(i)
-            heapq.heappush(heap, (load + keys[i], r))
+            heapq.heapreplace(heap, (load + keys[i], r))
         return ranks
     toks_of = tokens.tolist()
     sums, toks = [0.0] * num_ranks, [0] * num_ranks
+    c0, m, cap = regime.overhead, regime.micro_batches, regime.capacity
     for i in order:
-        _, r = heapq.heappop(heap)
-        ranks[r].append(i)
+        r = heap[0][1]
+        rank = ranks[r]
+        rank.append(i)
         sums[r] += keys[i]
         toks[r] += toks_of[i]
-        load = sums[r] + regime.overhead * regime.num_mb(len(ranks[r]), toks[r])
-        heapq.heappush(heap, (load, r))
+        # regime.num_mb inlined (the count is >= 1 here)
+        nmb = min(len(rank), m) if cap is None else -(-toks[r] // cap)
+        heapq.heapreplace(heap, (sums[r] + c0 * nmb, r))
     return ranks
 
 
@@ -205,16 +221,57 @@ def pack_in_order(items: list[int], tokens: np.ndarray, regime: Regime) -> list[
     if not items:
         return []
     if regime.capacity is None:
-        parts = np.array_split(np.asarray(items), min(len(items), regime.micro_batches))
-        return [p.tolist() for p in parts]
+        return _split_even(list(items), min(len(items), regime.micro_batches))
     packs, room = [[]], regime.capacity
-    for i in items:
-        t = int(tokens[i])
+    for i, t in zip(items, tokens[items].tolist(), strict=True):
         if t > room:
             packs.append([])
             room = regime.capacity
         packs[-1].append(i)
         room -= t
+    return packs
+
+
+def pack_balanced_ranks(
+    ranks: RankItems, key: np.ndarray, tokens: np.ndarray, regime: Regime
+) -> RankPacks:
+    """:func:`pack_balanced` of every rank. With a fixed ``M`` the per-rank LPTs run together,
+    one numpy round per item position (the j-th largest item of every rank at once), with the
+    same order, tie-breaks and float additions as the per-rank heaps. O(N log N) numpy."""
+    if regime.capacity is not None or not ranks:
+        return [pack_balanced(rank, key, tokens, regime) for rank in ranks]
+    counts = np.array([len(rank) for rank in ranks], dtype=np.int64)
+    if counts.sum() == 0:
+        return [[] for _ in ranks]
+    item = np.fromiter((i for rank in ranks for i in rank), dtype=np.int64, count=counts.sum())
+    rank_of = np.repeat(np.arange(len(ranks)), counts)
+    k = key[item]
+    # Per rank: decreasing key, ties by item index (pack_balanced's sort).
+    srt = np.lexsort((item, -k, rank_of))
+    item, rank_of, k = item[srt], rank_of[srt], k[srt]
+    pos = np.arange(item.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    m = regime.micro_batches
+    bins = np.minimum(counts, m)
+    loads = np.where(np.arange(m)[None, :] < bins[:, None], 0.0, np.inf)  # (R, M)
+    bin_of = np.empty(item.size, dtype=np.int64)
+    for j in range(int(counts.max())):
+        at = np.flatnonzero(pos == j)  # the j-th item of every rank holding more than j
+        rows = rank_of[at]
+        b = np.argmin(loads[rows], axis=1)  # least-loaded bin, ties by lower index (the heap's)
+        loads[rows, b] += k[at]
+        bin_of[at] = b
+    # Items per (rank, bin) in placement order, as nested lists.
+    order = np.lexsort((pos, bin_of, rank_of))
+    flat_items = item[order].tolist()
+    sizes = np.bincount(rank_of * m + bin_of, minlength=len(ranks) * m).tolist()
+    packs, start = [], 0
+    for r, nb in enumerate(bins.tolist()):
+        rank_packs = []
+        for b in range(nb):
+            stop = start + sizes[r * m + b]
+            rank_packs.append(flat_items[start:stop])
+            start = stop
+        packs.append(rank_packs)
     return packs
 
 

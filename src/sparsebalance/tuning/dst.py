@@ -86,8 +86,17 @@ class DSTConfig:
                 raise ValueError(f"{flag} must be finite, got {value}")
         if self.p < 0:
             raise ValueError(f"--tolerance must be >= 0, got {self.p}")
+        if self.mode == "off":  # a fixed budget: gamma0 = 1 is dense attention; bounds unused
+            if not 0.0 < self.gamma0 <= 1.0:
+                raise ValueError(
+                    f"--gamma0 must be in (0, 1] with --dst-mode off, got {self.gamma0}"
+                )
+            return
         if not 0.0 < self.gamma0 < 1.0:
-            raise ValueError(f"--gamma0 must be in (0, 1), got {self.gamma0}")
+            raise ValueError(
+                f"--gamma0 must be in (0, 1) when DST tunes budgets, got {self.gamma0} "
+                "(--gamma0 1 = dense attention needs --dst-mode off)"
+            )
         if not 0.0 < self.gamma_min <= self.gamma0:
             raise ValueError(
                 f"--gamma-min must be in (0, --gamma0={self.gamma0}], got {self.gamma_min}"
@@ -173,6 +182,20 @@ class RankWorkload:
         """Length²-weighted mean density at ``gamma`` (1.0 for an empty rank)."""
         total = self._weights.sum()
         return float((self._weights * self.densities(gamma)).sum() / total) if total else 1.0
+
+
+@dataclass(frozen=True)
+class StepArrays:
+    """:meth:`DSTTuner.decide_arrays`: a :class:`StepDecision`'s numbers as ``(R,)`` float64
+    arrays (rank order), the per-rank fields of :class:`RankDecision` by name."""
+
+    targets: StepTargets
+    gammas: np.ndarray
+    times_after: np.ndarray
+    density_before: np.ndarray
+    density_after: np.ndarray
+    attention_before: np.ndarray
+    attention_after: np.ndarray
 
 
 class DSTTuner:
@@ -277,16 +300,29 @@ class DSTTuner:
         """
         if len(plan) == 0:
             raise ValueError("DST needs at least one rank in the plan, got 0")
-        # Every rank priced at once (PlanWorkload); the same numbers as decide_rank per rank.
-        cfg = self.config
         if workload is None:
             workload = PlanWorkload(plan, cost_model, self.curve)
-        elif not (
-            workload.num_ranks == len(plan)
-            and workload.cost_model is cost_model
-            and workload.curve == self.curve
-        ):
+        elif not (workload.num_ranks == len(plan) and workload.cost_model is cost_model):
             raise ValueError("decide: the workload was built for another plan, cost model or curve")
+        a = self.decide_arrays(workload)
+        ranks = tuple(
+            RankDecision(r, role, g, t, b, t, db, da, ab, aa)
+            for r, (role, g, t, b, db, da, ab, aa) in enumerate(zip(
+                a.targets.roles, a.gammas.tolist(), a.times_after.tolist(),
+                a.targets.times_before, a.density_before.tolist(), a.density_after.tolist(),
+                a.attention_before.tolist(), a.attention_after.tolist(), strict=True,
+            ))
+        )  # fmt: skip
+        return self.assemble(a.targets, ranks)
+
+    def decide_arrays(self, workload: PlanWorkload) -> StepArrays:
+        """:meth:`decide` on a plan's :class:`PlanWorkload`, as ``(R,)`` arrays without one
+        :class:`RankDecision` per rank (what the simulator reads for thousands of ranks)."""
+        if workload.num_ranks == 0:
+            raise ValueError("DST needs at least one rank in the plan, got 0")
+        if workload.curve != self.curve:
+            raise ValueError("decide: the workload was built for another plan, cost model or curve")
+        cfg = self.config
         work = workload
         num_ranks = work.num_ranks
         full = np.ones(num_ranks, dtype=bool)
@@ -304,18 +340,15 @@ class DSTTuner:
         limit = np.full(num_ranks, targets.post_cut_seconds)
         gamma = np.where(raised, largest_feasible_many(work, g0, gmax, limit, raised, _GAMMA_TOL),
                          gamma)  # fmt: skip
-        after = work.seconds(gamma, full)
-        dens_before, dens_after = work.mean_density(g0), work.mean_density(gamma)
-        att_before, att_after = work.attention_seconds(g0), work.attention_seconds(gamma)
-        ranks = tuple(
-            RankDecision(r, role, g, t, b, t, db, da, ab, aa)
-            for r, (role, g, t, b, db, da, ab, aa) in enumerate(zip(
-                targets.roles, gamma.tolist(), after.tolist(), targets.times_before,
-                dens_before.tolist(), dens_after.tolist(), att_before.tolist(),
-                att_after.tolist(), strict=True,
-            ))
-        )  # fmt: skip
-        return self.assemble(targets, ranks)
+        return StepArrays(
+            targets=targets,
+            gammas=gamma,
+            times_after=work.seconds(gamma, full),
+            density_before=work.mean_density(g0),
+            density_after=work.mean_density(gamma),
+            attention_before=work.attention_seconds(g0),
+            attention_after=work.attention_seconds(gamma),
+        )
 
     def assemble(self, targets: StepTargets, ranks: Sequence[RankDecision]) -> StepDecision:
         """A :class:`StepDecision` from shared targets and every rank's decision."""

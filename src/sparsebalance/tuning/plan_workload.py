@@ -26,12 +26,44 @@ from .curve import DensityCurve
 
 
 class _Group:
-    """Ranks sharing one padded shape: ``lengths``/``d0`` ``(n, M, K)``, ``ranks`` ``(n,)``."""
+    """Ranks sharing one padded shape: ``lengths``/``d0`` ``(n, M, K)``, ``ranks`` ``(n,)``.
 
-    def __init__(self, ranks: list[int], lengths: np.ndarray, d0: np.ndarray) -> None:
+    With a cost model that has ``prepare(lengths)`` (:meth:`LatencyModel.prepare
+    <sparsebalance.latency.LatencyModel.prepare>`), the length half of every prediction is done
+    once per group and per set of priced ranks (a bisection prices the same set at ~23 gammas).
+    """
+
+    def __init__(self, ranks: list[int], lengths: np.ndarray, d0: np.ndarray, cost_model) -> None:
         self.ranks = np.asarray(ranks, dtype=np.int64)
         self.lengths = lengths
         self.d0 = d0
+        self.cost_model = cost_model
+        n, m, k = lengths.shape
+        prepare = getattr(cost_model, "prepare", None)
+        self._prepared = None if prepare is None else prepare(lengths.reshape(n * m, k))
+        self._subsets: dict[bytes, object] = {}
+
+    def predict(self, sel: np.ndarray | None, dens: np.ndarray) -> np.ndarray:
+        """``(n', M)`` micro-batch seconds of the selected ranks (``sel`` bool ``(n,)``, None =
+        all) at ``dens`` ``(n', M, K)``; exactly ``cost_model.predict_many`` on those rows."""
+        lengths = self.lengths if sel is None else self.lengths[sel]
+        n, m, k = lengths.shape
+        if self._prepared is None:
+            t = self.cost_model.predict_many(lengths.reshape(n * m, k), dens.reshape(n * m, k))
+        else:
+            t = self._subset(sel).predict(dens.reshape(n * m, k))
+        return np.asarray(t, dtype=np.float64).reshape(n, m)
+
+    def _subset(self, sel: np.ndarray | None):
+        if sel is None or sel.all():
+            return self._prepared
+        key = sel.tobytes()
+        if key not in self._subsets:
+            if len(self._subsets) >= 4:  # a bisection reuses one or two sets; keep a few
+                self._subsets.clear()
+            rows = np.flatnonzero(np.repeat(sel, self.lengths.shape[1]))
+            self._subsets[key] = self._prepared.take(rows)
+        return self._subsets[key]
 
 
 class PlanWorkload:
@@ -44,29 +76,69 @@ class PlanWorkload:
     def __init__(
         self, plan: Sequence[Sequence[MicroBatch]], cost_model: CostModel, curve: DensityCurve
     ) -> None:
-        self.num_ranks = len(plan)
+        mb_rank = [r for r, mbs in enumerate(plan) for _ in mbs]
+        sizes = [len(mb.lengths) for mbs in plan for mb in mbs]
+        lengths = [n for mbs in plan for mb in mbs for n in mb.lengths]
+        d0 = [d for mbs in plan for mb in mbs for d in mb.densities]
+        self._build(
+            len(plan), np.array(mb_rank, dtype=np.int64), np.array(sizes, dtype=np.int64),
+            np.array(lengths, dtype=np.int64), np.array(d0, dtype=np.float64), cost_model, curve,
+        )  # fmt: skip
+
+    @classmethod
+    def from_flat(
+        cls,
+        num_ranks: int,
+        mb_rank: np.ndarray,
+        mb_sizes: np.ndarray,
+        lengths: np.ndarray,
+        d0: np.ndarray,
+        cost_model: CostModel,
+        curve: DensityCurve,
+    ) -> PlanWorkload:
+        """The same workload from flat arrays in plan order (no ``MicroBatch`` objects):
+        ``mb_rank`` ``(B,)`` non-decreasing rank of each micro-batch, ``mb_sizes`` ``(B,)`` its
+        document count, ``lengths`` / ``d0`` ``(D,)`` its documents' tokens and densities."""
+        self = cls.__new__(cls)
+        self._build(num_ranks, mb_rank, mb_sizes, lengths, d0, cost_model, curve)
+        return self
+
+    def _build(self, num_ranks, mb_rank, mb_sizes, lengths, d0, cost_model, curve) -> None:
+        self.num_ranks = num_ranks
         self.cost_model = cost_model
         self.curve = curve
-        by_shape: dict[tuple[int, int], list[int]] = {}
-        for r, mbs in enumerate(plan):
-            if mbs:
-                k = max(len(mb.lengths) for mb in mbs)
-                by_shape.setdefault((len(mbs), k), []).append(r)
-        self.groups: list[_Group] = []
         # Prices at one gamma for every rank, kept: the tuners of several ablations (modes,
         # anchors) on one plan all start from the times at gamma0 and gamma_min.
         self._memo: dict[tuple[str, float], np.ndarray] = {}
-        # Per-rank length**2 weights and (rank, document) pairs for densities and attention.
-        self._weight = np.zeros(self.num_ranks)
-        for (m, k), ranks in sorted(by_shape.items()):
-            lengths = np.zeros((len(ranks), m, k), dtype=np.int64)
-            d0 = np.ones((len(ranks), m, k), dtype=np.float64)
-            for i, r in enumerate(ranks):
-                for j, mb in enumerate(plan[r]):
-                    lengths[i, j, : len(mb.lengths)] = mb.lengths
-                    d0[i, j, : len(mb.densities)] = mb.densities
-            group = _Group(ranks, lengths, d0)
-            self._weight[group.ranks] = _row_sums(lengths.astype(np.float64) ** 2)
+        self.groups: list[_Group] = []
+        self._weight = np.zeros(num_ranks)
+        # Each document's rank, micro-batch (inside its rank) and slot (inside its micro-batch).
+        num_mb = np.bincount(mb_rank, minlength=num_ranks)
+        width = np.zeros(num_ranks, dtype=np.int64)
+        np.maximum.at(width, mb_rank, mb_sizes)
+        mb_pos = np.arange(mb_rank.size) - np.repeat(np.cumsum(num_mb) - num_mb, num_mb)
+        doc_mb = np.repeat(np.arange(mb_rank.size), mb_sizes)
+        doc_pos = np.arange(doc_mb.size) - np.repeat(np.cumsum(mb_sizes) - mb_sizes, mb_sizes)
+        doc_rank = mb_rank[doc_mb]
+        # Ranks grouped by padded shape (M, K), shapes in increasing order, ranks increasing.
+        busy = np.flatnonzero(num_mb > 0)
+        shapes, group_of = np.unique(
+            np.stack([num_mb[busy], width[busy]], axis=1), axis=0, return_inverse=True
+        )
+        rank_group = np.full(num_ranks, -1, dtype=np.int64)
+        rank_group[busy] = group_of.reshape(-1)
+        slot = np.zeros(num_ranks, dtype=np.int64)  # a rank's index inside its group
+        for gi, (m, k) in enumerate(shapes.tolist()):
+            ranks = busy[group_of.reshape(-1) == gi]
+            slot[ranks] = np.arange(ranks.size)
+            docs = rank_group[doc_rank] == gi
+            at = (slot[doc_rank[docs]], mb_pos[doc_mb[docs]], doc_pos[docs])
+            g_lengths = np.zeros((ranks.size, m, k), dtype=np.int64)
+            g_d0 = np.ones((ranks.size, m, k), dtype=np.float64)
+            g_lengths[at] = lengths[docs]
+            g_d0[at] = d0[docs]
+            group = _Group(ranks.tolist(), g_lengths, g_d0, cost_model)
+            self._weight[group.ranks] = _row_sums(g_lengths.astype(np.float64) ** 2)
             self.groups.append(group)
 
     def seconds(self, gammas: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
@@ -81,11 +153,8 @@ class PlanWorkload:
             ranks = g.ranks[sel]
             if ranks.size == 0:
                 continue
-            lengths, d0 = g.lengths[sel], g.d0[sel]
-            n, m, k = lengths.shape
-            dens = self.curve.density(d0, gammas[ranks][:, None, None])
-            t = self.cost_model.predict_many(lengths.reshape(n * m, k), dens.reshape(n * m, k))
-            out[ranks] = np.asarray(t, dtype=np.float64).reshape(n, m).sum(axis=-1)
+            dens = self.curve.density(g.d0[sel], gammas[ranks][:, None, None])
+            out[ranks] = g.predict(None if active is None else sel, dens).sum(axis=-1)
         return self._remember(key, out)
 
     def attention_seconds(self, gammas: np.ndarray) -> np.ndarray:
