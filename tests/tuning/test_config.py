@@ -49,3 +49,13 @@ def test_from_args_validates():
     add_dst_arguments(parser)
     with pytest.raises(ValueError, match="--gamma-min"):
         DSTConfig.from_args(parser.parse_args(["--gamma-min", "0.95"]))
+
+
+def test_gamma0_one_means_dense_and_needs_dst_off():
+    from sparsebalance.tuning import DensityCurve
+
+    assert DSTConfig(mode="off", gamma0=1.0).gamma0 == 1.0
+    with pytest.raises(ValueError, match="--dst-mode off"):
+        DSTConfig(mode="bidirectional", gamma0=1.0, gamma_max=1.0)
+    curve = DensityCurve(gamma0=1.0)
+    assert curve.density(0.3, 1.0) == pytest.approx(1.0)

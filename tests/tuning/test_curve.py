@@ -74,7 +74,7 @@ def test_fit_without_usable_points_keeps_default():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"gamma0": 1.0}, "--gamma0"),
+        ({"gamma0": 1.5}, "--gamma0"),
         ({"gamma0": 0.0}, "--gamma0"),
         ({"alpha_low": 0.0}, "alpha_low"),
         ({"alpha_high": float("nan")}, "alpha_high"),

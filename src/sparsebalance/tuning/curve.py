@@ -43,9 +43,9 @@ class DensityCurve:
     """Shape exponent of ``e`` for ``gamma >= gamma0`` (> 0)."""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.gamma0) and 0.0 < self.gamma0 < 1.0):
+        if not (math.isfinite(self.gamma0) and 0.0 < self.gamma0 <= 1.0):
             raise ValueError(
-                f"DensityCurve: gamma0 (--gamma0) must be in (0, 1), got {self.gamma0}"
+                f"DensityCurve: gamma0 (--gamma0) must be in (0, 1], got {self.gamma0}"
             )
         for name in ("alpha_low", "alpha_high"):
             value = getattr(self, name)
@@ -55,7 +55,8 @@ class DensityCurve:
     def exponent(self, gamma: ArrayLike) -> np.ndarray:
         """``e(gamma)``, float64, same shape as ``gamma`` (each in (0, 1])."""
         g = _check_gamma(gamma)
-        x = (1.0 - g) / (1.0 - self.gamma0)
+        # gamma = 1 keeps every block (exponent 0, density 1), also when gamma0 = 1 (dense runs).
+        x = np.where(g >= 1.0, 0.0, (1.0 - g) / max(1.0 - self.gamma0, 1e-12))
         return np.where(g < self.gamma0, x**self.alpha_low, x**self.alpha_high)
 
     def density(self, d0: ArrayLike, gamma: ArrayLike) -> np.ndarray:
