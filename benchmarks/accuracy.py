@@ -120,7 +120,7 @@ def train_config(args, variant: str, seed: int, out: Path) -> TrainConfig:
         strategy="sab", block_size=args.block_size, lr=args.lr,
         warmup_steps=args.warmup_steps, schedule="cosine",
         seed=seed, deterministic=True, emulate_ranks=args.ranks, device="cpu",
-        out=str(out / f"{variant}-s{seed}"), dst=dst,
+        out=str(out / f"{variant}-s{seed}"), dst=dst, overwrite=True,  # scratch runs
     )  # fmt: skip
 
 

@@ -75,7 +75,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
         trainer.run()
     good = latest_checkpoint(tmp_path / "run")
     assert good is not None
-    fresh = Trainer(replace(cfg, lr=1e-3), CPU1)
+    fresh = Trainer(replace(cfg, lr=1e-3, overwrite=True), CPU1)  # only to load the checkpoint
     state = load_checkpoint(good, fresh.model, fresh.optimizer, fresh.scheduler)
     assert 1 <= state["trainer"]["step"] < 5
     assert all(torch.isfinite(p).all() for p in fresh.model.parameters())
@@ -86,3 +86,13 @@ def test_default_tokenizer_is_offline_qwen():
     ids = tok.encode("The passkey is 12345.")
     assert tok.decode(ids) == "The passkey is 12345."
     assert tok.eos_token_id > 150000  # Qwen2.5 special tokens sit above the BPE vocabulary
+
+
+def test_a_fresh_run_never_mixes_into_an_earlier_one(tmp_path):
+    cfg = base_config(tmp_path, steps=1)
+    Trainer(cfg, CPU1).run()
+    with pytest.raises(ValueError, match="--resume to continue it or --overwrite"):
+        Trainer(cfg, CPU1)
+    Trainer(replace(cfg, overwrite=True), CPU1).run()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"rank": "all"' in x for x in lines) == 1  # the earlier run's metrics are gone

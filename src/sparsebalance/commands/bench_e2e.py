@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -28,6 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="processes (default: 2 on CPU; 1 with --emulate-ranks)",
     )
     p.add_argument("--results-dir", default="benchmarks/results", help="'' to write nothing")
+    p.add_argument(
+        "--reuse-runs",
+        action="store_true",
+        help="report the runs already in --out instead of training again",
+    )
     p.add_argument("--json", action="store_true", help="print only JSON to stdout")
     add_train_arguments(p)  # fmt: skip
 
@@ -41,8 +47,9 @@ def main(args: argparse.Namespace) -> int:
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     nproc = args.nproc or (1 if cfg.emulate_ranks else torch.cuda.device_count() if cuda else 2)
     world = cfg.emulate_ranks or nproc
-    measured = measure(configs, nproc)
-    predicted = predict(cfg, list(configs), world)["strategies"]
+    measured = measure(configs, nproc, reuse=args.reuse_runs)
+    baseline_dir = Path(configs["baseline"].out)
+    predicted = predict(cfg, list(configs), world, baseline_dir)["strategies"]
     base = measured["baseline"]
     rows, payload = [], {}
     for name, m in measured.items():
@@ -67,9 +74,9 @@ def main(args: argparse.Namespace) -> int:
         f"{mode}, model {cfg.model}, {cfg.steps} steps (step 1 excluded), global batch "
         f"{cfg.global_batch}, capacity {cfg.capacity}, gamma0 {cfg.dst.gamma0}. Speedup: baseline "
         "mean step time / strategy's; compute speedup uses the slowest rank's compute time. "
-        "Predicted: the simulator on the same batches with the starting latency model and "
-        "estimator (no online recalibration); its error is against the measured slowest-rank "
-        "compute time."
+        "Predicted: the simulator on the same batches with the baseline run's latency model "
+        "(its profile, recalibrated online up to its last step) and the estimator's starting "
+        "densities; its error is against the measured slowest-rank compute time."
     )
     result = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "strategies": payload}
     if args.results_dir:

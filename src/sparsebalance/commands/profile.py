@@ -68,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-batches", type=int, default=30, help="held-out micro-batches (--validate)"
     )
+    p.add_argument(
+        "--calibration-batches", type=int, default=None,
+        help="end-to-end micro-batches that fit the component scales (8; 2 with --quick)",
+    )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens per held-out micro-batch")
     p.add_argument(
         "--strict", action="store_true", help="error (not warn) on a fingerprint mismatch"
@@ -100,9 +104,15 @@ def main(args: argparse.Namespace) -> int:
     world = args.allreduce_world_size
     world = (2 if device.type == "cpu" and not args.quick else 0) if world is None else world
     grid = default_grid(shapes, args.block_size, args.quick, args.max_len)
-    profile = measure_profile(
-        shapes, device, dtype, args.backend, args.block_size, grid, world, quiet=args.json
+    calib = (
+        args.calibration_batches
+        if args.calibration_batches is not None
+        else (2 if args.quick else 8)
     )
+    profile = measure_profile(
+        shapes, device, dtype, args.backend, args.block_size, grid, world, quiet=args.json,
+        calibration_batches=calib,
+    )  # fmt: skip
     profile.save(args.out)
     summary = {
         "wrote": args.out,
@@ -110,6 +120,7 @@ def main(args: argparse.Namespace) -> int:
         "optimizer_seconds": profile.optimizer_seconds,
         "allreduce_seconds": profile.allreduce_seconds,
         "attention_call_seconds": profile.attention_call_seconds,
+        "scales": profile.scales,
     }
     return _report(summary, args)
 

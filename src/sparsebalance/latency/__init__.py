@@ -54,7 +54,9 @@ def default_latency_model(
             if profile.fingerprint == running:
                 return LatencyModel(profile)
     grid = default_grid(shapes, block_size, quick=True, max_len=running["max_len"])
-    profile = measure_profile(shapes, device, dtype, backend, block_size, grid, quiet=True)
+    profile = measure_profile(
+        shapes, device, dtype, backend, block_size, grid, quiet=True, calibration_batches=3
+    )
     profile.fingerprint["max_len"] = running["max_len"]
     profile.save(cache)
     return LatencyModel(profile)

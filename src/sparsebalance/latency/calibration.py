@@ -12,7 +12,8 @@ import numpy as np
 
 
 class RecursiveScales:
-    """RLS estimate of component scale factors, starting at 1 (trust the profile)."""
+    """RLS estimate of component scale factors, starting at ``initial`` (the profile's own
+    end-to-end calibration; 1 = trust the tables as measured)."""
 
     def __init__(
         self,
@@ -20,6 +21,7 @@ class RecursiveScales:
         forgetting: float = 0.95,
         prior_std: float = 0.5,
         noise_std: float = 0.05,
+        initial=None,
     ) -> None:
         """``prior_std``: how far from 1 the scales may plausibly be; ``noise_std``: relative
         noise of one measured time. Their ratio sets how much one measurement moves the scales."""
@@ -29,7 +31,8 @@ class RecursiveScales:
             raise ValueError("prior_std and noise_std must be > 0")
         self.forgetting = forgetting
         self.noise_var = noise_std**2
-        self.theta = np.ones(num)
+        self.initial = np.ones(num) if initial is None else np.asarray(initial, dtype=float)
+        self.theta = self.initial.copy()
         self.p0 = np.eye(num) * prior_std**2
         self.cov = self.p0.copy()
         self.num_updates = 0

@@ -66,6 +66,7 @@ def measure_profile(
     grid: Grid | None = None,
     allreduce_world_size: int = 0,
     quiet: bool = False,
+    calibration_batches: int = 8,
 ) -> Profile:
     """Measure every table of a :class:`Profile` on this machine."""
     grid = grid or default_grid(shapes, block_size, quick=False, max_len=None)
@@ -133,7 +134,7 @@ def measure_profile(
     allreduce = (
         measure_allreduce(num_params, allreduce_world_size) if allreduce_world_size > 1 else None
     )
-    return Profile(
+    profile = Profile(
         fingerprint=fingerprint(shapes, device, dtype, backend, block_size),
         attention=AttentionTable(list(grid.lengths), list(grid.densities), attn.tolist()),
         layer_other=Table1D(list(grid.tokens), other),
@@ -145,6 +146,45 @@ def measure_profile(
         meta={"model": shapes.name, "source": "measured", "num_params": num_params,
               "allreduce_world_size": allreduce_world_size or None},
     )  # fmt: skip
+    if calibration_batches:
+        profile.scales = calibrate_scales(
+            profile, shapes, device, dtype, backend, block_size, calibration_batches,
+            repeats=grid.repeats, max_tokens=min(4096, grid.lengths[-1]),
+        )  # fmt: skip
+    return profile
+
+
+def calibrate_scales(
+    profile: Profile,
+    shapes: ModelShapes,
+    device,
+    dtype: str,
+    backend: str,
+    block_size: int,
+    count: int,
+    repeats: int,
+    max_tokens: int,
+) -> list[float]:
+    """Fit the (attention, rest, head) scales on ``count`` random micro-batches timed end to end
+    (seed 12345: never the validation batches). Parts timed alone carry their own call and
+    autograd overheads, so their sum over-predicts a fused step; this removes that bias.
+
+    Relative least squares, ridge-pulled towards one common scale (the components are
+    correlated across batches): ``min sum((x_i . s / y_i - 1)^2) + lam |s - s_common|^2``.
+    """
+    model = LatencyModel(profile)
+    batches = random_microbatches(profile, count, max_tokens, seed=12345)
+    proxy = ProxyModel(shapes).to(device, DTYPES[dtype])
+    x = np.array([model._components(lengths, dens) for lengths, dens in batches])
+    y = np.array([
+        measure_microbatch(shapes, n, d, device, dtype, backend, block_size, 1, repeats, proxy)
+        for n, d in batches
+    ])  # fmt: skip
+    common = float(np.median(y / x.sum(1)))
+    a = x / y[:, None]
+    lam = 0.5
+    scales = np.linalg.solve(a.T @ a + lam * np.eye(3), a.T @ np.ones(len(y)) + lam * common)
+    return np.clip(scales, 0.2, 5.0).tolist()
 
 
 def _allreduce_worker(rank: int, world: int, init: str, numel: int, out: str) -> None:

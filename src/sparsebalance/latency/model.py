@@ -51,7 +51,7 @@ class LatencyModel:
         self._call = profile.attention_call_seconds
         self._other = self._table1d(profile.layer_other.tokens, profile.layer_other.seconds)
         self._head = self._table1d(profile.head.tokens, profile.head.seconds)
-        self.calibration = RecursiveScales(3)
+        self.calibration = RecursiveScales(3, initial=profile.scales)
         self._warned = False
 
     # ------------------------------------------------------------------ tables

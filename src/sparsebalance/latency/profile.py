@@ -94,9 +94,14 @@ class Profile:
     attention_call_seconds: float = 0.0
     """Fixed cost of one attention call (selection + kernel setup), paid once per layer and
     micro-batch however many documents it packs; included in every ``attention`` entry."""
+    scales: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    """End-to-end calibration of the (attention, rest of layer, head) tables, fitted when the
+    profile is measured: parts timed alone cost more than inside a fused step."""
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if len(self.scales) != 3 or not all(0 < x < 100 for x in self.scales):
+            raise ValueError(f"profile: scales must be 3 positive factors, got {self.scales}")
         if self.num_layers <= 0:
             raise ValueError(f"profile: num_layers must be > 0, got {self.num_layers}")
         if not 0.0 <= self.attention_call_seconds <= min(map(min, self.attention.seconds)):
@@ -123,6 +128,7 @@ class Profile:
                 optimizer_seconds=float(data.get("optimizer_seconds", 0.0)),
                 allreduce_seconds=data.get("allreduce_seconds"),
                 attention_call_seconds=float(data.get("attention_call_seconds", 0.0)),
+                scales=[float(x) for x in data.get("scales", [1.0, 1.0, 1.0])],
                 meta=data.get("meta", {}),
             )
         except (KeyError, TypeError) as err:

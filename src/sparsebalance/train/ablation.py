@@ -11,14 +11,14 @@ import torch
 
 from ..batching import HistoryEstimator
 from ..data import load_corpus, load_tokenizer
-from ..latency import LatencyModel, default_latency_model, load_profile
-from ..models import load_shapes
+from ..latency import LatencyModel, load_profile
 from ..report import load_run, summarize
 from ..simulate import simulate_steps
 from ..workload import Sample
+from .checkpoint import latest_checkpoint
 from .config import TrainConfig
 from .launch import launch
-from .trainer import batch_schedule, training_kernel
+from .trainer import batch_schedule
 
 ABLATION = {  # name -> (planner strategy, DST mode)
     "baseline": ("sequential", "off"),
@@ -35,35 +35,35 @@ def ablation_configs(cfg: TrainConfig, names: list[str]) -> dict[str, TrainConfi
     names = ["baseline", *[n for n in names if n != "baseline"]]
     return {
         n: replace(cfg, strategy=ABLATION[n][0], dst=replace(cfg.dst, mode=ABLATION[n][1]),
-                   out=str(Path(cfg.out) / n.replace("+", "_")))
+                   out=str(Path(cfg.out) / n.replace("+", "_")), overwrite=True)
         for n in names
     }  # fmt: skip
 
 
-def measure(configs: dict[str, TrainConfig], nproc: int) -> dict[str, dict]:
-    """Train every configuration; summaries from their metrics.jsonl (step 1 excluded)."""
+def measure(configs: dict[str, TrainConfig], nproc: int, reuse: bool = False) -> dict[str, dict]:
+    """Train every configuration (``reuse``: read runs already there); summaries from their
+    metrics.jsonl (step 1 excluded)."""
     out = {}
     for name, cfg in configs.items():
-        launch(cfg, nproc)
+        if not reuse:
+            launch(cfg, nproc)
         _, steps = load_run(Path(cfg.out))
         out[name] = summarize(steps)
     return out
 
 
-def predict(cfg: TrainConfig, names: list[str], world_size: int) -> dict:
-    """The simulator on the same global batches, with the latency model the trainer starts from
-    and the estimator's starting densities (what the first plan sees)."""
+def predict(cfg: TrainConfig, names: list[str], world_size: int, baseline_dir: Path) -> dict:
+    """The simulator on the same global batches, with the latency model of the measured baseline
+    run (its profile, recalibrated online to its final step) and the estimator's starting
+    densities (what the first plan sees)."""
     tokenizer = load_tokenizer(cfg.tokenizer)
     corpus = load_corpus(cfg.data, tokenizer, cfg.text_field, cfg.num_builtin, cfg.seed,
                          cfg.min_len, cfg.max_len)  # fmt: skip
-    shapes = load_shapes(cfg.model)
-    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
-    if cfg.profile:
-        latency = LatencyModel(load_profile(cfg.profile))
-    else:
-        dtype, backend = training_kernel(device, cfg.backend)
-        top = cfg.capacity or max(cfg.max_len, int(corpus.lengths().max()))
-        latency = default_latency_model(shapes, device, dtype, backend, cfg.block_size, max_len=top)
+    latency = LatencyModel(load_profile(baseline_dir / "latency_profile.json"))
+    ckpt = latest_checkpoint(baseline_dir)
+    if ckpt is not None:
+        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
+        latency.load_state_dict(state["trainer"]["latency"])
     estimator = HistoryEstimator()
     batches = []
     for ids in batch_schedule(cfg.seed, len(corpus), cfg.global_batch, cfg.steps):

@@ -80,6 +80,9 @@ class TrainConfig:
     """Save every N steps (0 = only at the end)."""
     resume: bool = False
     """Continue from the latest checkpoint in --out."""
+    overwrite: bool = False
+    """Start afresh in an --out folder that holds an earlier run (its metrics and checkpoints are
+    deleted); without it such a folder is refused, so no run is mixed into or lost silently."""
     profile: str | None = None
     """Latency profile JSON; default: shipped/cached profile (measured quickly on first use)."""
     dst: DSTConfig = field(default_factory=DSTConfig)

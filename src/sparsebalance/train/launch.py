@@ -41,11 +41,12 @@ def launch(cfg: TrainConfig, nproc: int) -> None:
 
 
 def demo_configs(cfg: TrainConfig) -> dict[str, TrainConfig]:
-    """The two runs of the demo: same data, seed and steps; only batching and tuning differ."""
+    """The two runs of the demo: same data, seed and steps; only batching and tuning differ.
+    They are scratch runs: a new demo replaces the previous one's folders."""
     out = Path(cfg.out)
     return {
         "baseline": replace(cfg, strategy="sequential", dst=replace(cfg.dst, mode="off"),
-                            out=str(out / "baseline")),
+                            out=str(out / "baseline"), overwrite=True),
         "sparsebalance": replace(cfg, strategy="sab", dst=replace(cfg.dst, mode="bidirectional"),
-                                 out=str(out / "sparsebalance")),
+                                 out=str(out / "sparsebalance"), overwrite=True),
     }  # fmt: skip

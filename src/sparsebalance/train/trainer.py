@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections import defaultdict
 from pathlib import Path
 
@@ -102,8 +103,20 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.step, self.epoch, self.cursor = 0, 0, 0
         self.order = self._epoch_order(0)
+        earlier = [
+            self.run_dir / n
+            for n in ("metrics.jsonl", "checkpoints")
+            if (self.run_dir / n).exists()
+        ]
         if cfg.resume:
             self._resume()
+        elif earlier and not cfg.overwrite:
+            raise ValueError(
+                f"--out {self.run_dir} holds an earlier run "
+                f"({', '.join(p.name for p in earlier)}): pass --resume to continue it or "
+                "--overwrite to replace it"
+            )
+        self._stale = [] if cfg.resume else earlier
 
     # ------------------------------------------------------------------ setup
     def _on_main_first(self, fn):
@@ -245,10 +258,13 @@ class Trainer:
     def run(self) -> dict:
         cfg = self.cfg
         if self.rt.is_main:
+            for path in self._stale:  # --overwrite: the earlier run's files go
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(
                 json.dumps(to_dict(cfg), indent=1, default=str)
             )
+            self.latency.profile.save(self.run_dir / "latency_profile.json")  # what planned it
         label = f"{cfg.strategy}+dst-{cfg.dst.mode}"
         tel = Telemetry(self.run_dir, cfg.steps, self.step, self.rt.is_main, label)
         summaries = []
