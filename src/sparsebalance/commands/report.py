@@ -1,20 +1,46 @@
-"""``sparsebalance report RUN_DIR``: markdown + PNG report of one training run or several."""
+"""``sparsebalance report RUN_DIR``: markdown + PNG report of one training run or several;
+``--results-dir`` also writes the comparison as a dated results file (for figures you quote)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+
+import torch
 
 from ..report import write_report
+from ..results import write_results
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="a run folder (metrics.jsonl) or a folder of run folders")
     p.add_argument("--no-plots", action="store_true", help="markdown only")
-    p.add_argument("--json", action="store_true", help="print only JSON to stdout")
+    p.add_argument(
+        "--results-dir",
+        default=None,
+        help="also write <date>-<name>-<device>.md/.json there (e.g. benchmarks/results)",
+    )
+    p.add_argument("--name", default="train-report", help="results file name (with --results-dir)")
+    p.add_argument("--json", action="store_true", help="print only JSON to stdout")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
     path, comparison = write_report(args.run_dir, plots=not args.no_plots)
+    if args.results_dir:
+        root = Path(args.run_dir)
+        configs = {
+            p.parent.name: json.loads(p.read_text()) for p in sorted(root.glob("**/config.json"))
+        }
+        table = path.read_text().split("\n\n")[1]
+        device = torch.device(
+            "cuda" if any(c.get("device") == "cuda" for c in configs.values()) else "cpu"
+        )
+        notes = f"Runs in `{root}` (their configurations are in the JSON file). " + (
+            "Means over steps 2..N; speedup = baseline mean step time / run's."
+        )
+        md, _ = write_results(args.results_dir, args.name, device, table,
+                              {"comparison": comparison, "configs": configs}, notes)  # fmt: skip
+        comparison = {**comparison, "results_file": str(md)}
     print(json.dumps(comparison, indent=2) if args.json else f"wrote {path}")
     return 0
