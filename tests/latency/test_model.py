@@ -144,7 +144,7 @@ def test_recalibration_converges_to_a_different_true_machine():
     """The profile is 'foreign': the true machine is 1.5x slower at attention, 0.8x at the rest."""
     model = LatencyModel(synthetic_profile())
     truth = LatencyModel(synthetic_profile())
-    truth.calibration.theta = np.array([1.5, 0.8, 1.2])
+    truth.calibration.theta = np.array([1.5, 0.8])  # attention, everything token-proportional
     rng = np.random.default_rng(0)
     batches = [
         (rng.integers(128, 1300, rng.integers(1, 4)), rng.uniform(0.05, 1, 3)) for _ in range(200)
@@ -176,3 +176,21 @@ def test_update_rejects_bad_measurements():
     for bad in (0.0, -1.0, float("inf")):
         with pytest.raises(ValueError, match="measured"):
             model.update([500], [0.5], bad)
+
+
+def test_recalibration_stays_sane_when_rest_and_head_move_apart():
+    """Rest-of-layer and head both scale with tokens, so no update can tell them apart: the
+    online factors must neither drift to their bounds nor lose accuracy (seen in a real run)."""
+    model = LatencyModel(synthetic_profile())
+    truth_profile = synthetic_profile()
+    truth_profile.scales = [1.2, 0.7, 1.4]
+    truth = LatencyModel(truth_profile)
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        n = rng.integers(128, 1300, rng.integers(1, 4))
+        d = rng.uniform(0.05, 1, len(n))
+        model.update(n, d, truth.predict(n, d) * (1 + 0.05 * rng.standard_normal()))
+    assert np.all((model.calibration.theta > 0.3) & (model.calibration.theta < 3))
+    probe = [(rng.integers(128, 1300, 2), rng.uniform(0.05, 1, 2)) for _ in range(50)]
+    err = np.mean([abs(model.predict(n, d) / truth.predict(n, d) - 1) for n, d in probe])
+    assert err < 0.05

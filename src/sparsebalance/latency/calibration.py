@@ -46,7 +46,9 @@ class RecursiveScales:
         x, y = x / base, measured / base
         px = self.cov @ x
         gain = px / (self.forgetting * self.noise_var + float(x @ px))
-        self.theta = np.clip(self.theta + gain * (y - float(x @ self.theta)), 0.05, 20.0)
+        # A machine is rarely 5x off its profile; the bounds keep a burst of noise from
+        # carrying the scales somewhere absurd.
+        self.theta = np.clip(self.theta + gain * (y - float(x @ self.theta)), 0.2, 5.0)
         self.cov = (self.cov - np.outer(gain, px)) / self.forgetting
         cap = np.trace(self.p0)
         if np.trace(self.cov) > cap:

@@ -51,7 +51,11 @@ class LatencyModel:
         self._call = profile.attention_call_seconds
         self._other = self._table1d(profile.layer_other.tokens, profile.layer_other.seconds)
         self._head = self._table1d(profile.head.tokens, profile.head.seconds)
-        self.calibration = RecursiveScales(3, initial=profile.scales)
+        # Online recalibration fits two factors on top of the profile's own calibration:
+        # attention, and everything proportional to tokens (layer rest + head). The rest and the
+        # head both grow with tokens, so separate online factors for them are not identifiable.
+        self._base = np.asarray(profile.scales, dtype=float)
+        self.calibration = RecursiveScales(2)
         self._warned = False
 
     # ------------------------------------------------------------------ tables
@@ -153,8 +157,9 @@ class LatencyModel:
     # ------------------------------------------------------------------ CostModel
     @property
     def scales(self) -> np.ndarray:
-        """Current (attention, other, head) calibration factors."""
-        return self.calibration.theta
+        """Current (attention, rest of layer, head) factors: profile calibration x online."""
+        att, rest = self.calibration.theta
+        return self._base * np.array([att, rest, rest])
 
     def predict(
         self, lengths: Sequence[int], densities: float | Sequence[float] | np.ndarray
@@ -209,7 +214,8 @@ class LatencyModel:
     # ------------------------------------------------------------------ recalibration
     def update(self, lengths: Sequence[int], densities, measured_seconds: float) -> None:
         """Fold a measured micro-batch time into the calibration (call once per micro-batch)."""
-        self.calibration.update(self._components(lengths, densities), float(measured_seconds))
+        x = self._base * self._components(lengths, densities)
+        self.calibration.update(np.array([x[0], x[1] + x[2]]), float(measured_seconds))
 
     def state_dict(self) -> dict:
         return {"calibration": self.calibration.state_dict()}
