@@ -14,6 +14,7 @@ import torch
 from ..results import markdown_table, write_results
 from ..train import add_train_arguments, config_from_args
 from ..train.ablation import ABLATION, ablation_configs, measure, predict
+from ..train.launch import default_nproc, uses_cuda
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,8 +45,8 @@ def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     names = [n.strip() for n in args.strategies.split(",") if n.strip()]
     configs = ablation_configs(cfg, names)
-    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    nproc = args.nproc or (1 if cfg.emulate_ranks else torch.cuda.device_count() if cuda else 2)
+    cuda = uses_cuda(cfg)
+    nproc = default_nproc(cfg, args.nproc)
     world = cfg.emulate_ranks or nproc
     measured = measure(configs, nproc, reuse=args.reuse_runs)
     baseline_dir = Path(configs["baseline"].out)

@@ -8,11 +8,9 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
 from ..report import write_report
 from ..train import add_train_arguments, config_from_args
-from ..train.launch import demo_configs, launch
+from ..train.launch import default_nproc, demo_configs, launch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,8 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    nproc = args.nproc or (1 if cfg.emulate_ranks else torch.cuda.device_count() if cuda else 2)
+    nproc = default_nproc(cfg, args.nproc)
     runs = demo_configs(cfg) if args.demo else {"run": cfg}
     for name, run_cfg in runs.items():
         if not args.json:

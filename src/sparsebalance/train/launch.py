@@ -9,6 +9,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from .config import TrainConfig, to_dict
 
 
@@ -17,6 +19,20 @@ def dst_flags(cfg: TrainConfig) -> list[str]:
     return ["--dst-mode", d.mode, "--anchor", d.anchor, "--tolerance", str(d.p),
             "--gamma0", str(d.gamma0), "--gamma-min", str(d.gamma_min),
             "--gamma-max", str(d.gamma_max), "--dst-probes", str(d.layer_probes)]  # fmt: skip
+
+
+def uses_cuda(cfg: TrainConfig) -> bool:
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def default_nproc(cfg: TrainConfig, requested: int | None) -> int:
+    """Processes to launch: ``--nproc``, else 1 with ``--emulate-ranks``, else the GPU count on
+    CUDA and 2 on CPU."""
+    if requested:
+        return requested
+    if cfg.emulate_ranks:
+        return 1
+    return torch.cuda.device_count() if uses_cuda(cfg) else 2
 
 
 def launch(cfg: TrainConfig, nproc: int) -> None:
