@@ -243,16 +243,33 @@ def random_layout(
         dens = dens.expand(cu.numel() - 1)
     if dens.numel() != cu.numel() - 1 or not bool(((dens > 0) & (dens <= 1)).all()):
         raise ValueError("density must be one value or one per document, each in (0, 1]")
-    lo = causal_block_range(cu, total, block_size)
     qb = torch.arange(nb)
     last_tok = torch.clamp((qb + 1) * block_size, max=total) - 1
     row_density = dens[torch.searchsorted(cu[1:], last_tok, right=True)]
     prio = torch.rand(num_heads, nb, nb, generator=torch.Generator().manual_seed(seed))
+    return layout_from_priorities(prio, cu, block_size, row_density)
+
+
+def layout_from_priorities(
+    prio: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int, density: float | torch.Tensor
+) -> BlockLayout:
+    """Keep, per (head, query block), the ``max(1, round(d * causal blocks))`` causal key blocks
+    of highest priority, always including the diagonal and the document's first block.
+
+    Args:
+        prio: float ``(H, nb, nb)`` priority of each (query block, key block); modified in place.
+        cu_seqlens: ``(N + 1,)`` document offsets.
+        block_size: tokens per block.
+        density: ``d``, one value or ``(nb,)`` per query block, in (0, 1].
+    """
+    cu = cu_seqlens.to("cpu", torch.int64)
+    lo = causal_block_range(cu, int(cu[-1]), block_size)
+    qb = torch.arange(prio.shape[1])
     prio[:, qb, qb] = 3.0
-    prio[:, qb, lo] = torch.maximum(prio[:, qb, lo], torch.tensor(2.0))
+    prio[:, qb, lo] = torch.maximum(prio[:, qb, lo], prio.new_tensor(2.0))
     causal = (qb[None, :] >= lo[:, None]) & (qb[None, :] <= qb[:, None])
     prio = prio.masked_fill(~causal[None], -1.0)
-    n_keep = torch.clamp(torch.round(row_density * causal.sum(-1)), min=1).long()
+    n_keep = torch.clamp(torch.round(density * causal.sum(-1)), min=1).long()
     rank = prio.argsort(-1, descending=True).argsort(-1)
     keep = (rank < n_keep[None, :, None]) & causal[None]
-    return BlockLayout.from_block_mask(keep, cu.to(torch.int32), block_size, num_heads)
+    return BlockLayout.from_block_mask(keep, cu.to(torch.int32), block_size, prio.shape[0])

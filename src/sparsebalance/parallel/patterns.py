@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.layout import BlockLayout, causal_block_range, num_blocks
+from ..ops.layout import BlockLayout, layout_from_priorities, num_blocks
 from ..ops.varlen import check_cu_seqlens
 
 
@@ -55,7 +55,6 @@ def vertical_slash_layout(
     nb = num_blocks(total, block_size)
     cu = cu_seqlens.to("cpu", torch.int64)
     gen = torch.Generator().manual_seed(seed)
-    lo = causal_block_range(cu, total, block_size)
     qb = torch.arange(nb)
     offset = (qb[:, None] - qb[None, :]).clamp_min(0)  # (nb, nb)
 
@@ -72,12 +71,4 @@ def vertical_slash_layout(
         vertical[h, picks[num_slash:]] = weights[num_slash:]
     prio = torch.maximum(slash[:, offset], vertical[:, None, :])  # (H, nb, nb)
     prio += 1e-3 * torch.rand(prio.shape, generator=gen, dtype=torch.float64)
-    prio[:, qb, qb] = 3.0
-    prio[:, qb, lo] = torch.maximum(prio[:, qb, lo], torch.tensor(2.0, dtype=torch.float64))
-
-    causal = (qb[None, :] >= lo[:, None]) & (qb[None, :] <= qb[:, None])
-    prio = prio.masked_fill(~causal[None], -1.0)
-    n_keep = torch.clamp(torch.round(density * causal.sum(-1)), min=1).long()
-    rank = prio.argsort(-1, descending=True).argsort(-1)
-    keep = (rank < n_keep[None, :, None]) & causal[None]
-    return BlockLayout.from_block_mask(keep, cu.to(torch.int32), block_size, num_heads)
+    return layout_from_priorities(prio, cu, block_size, density)
