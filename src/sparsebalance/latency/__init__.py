@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..models import ModelShapes
+from ..models import ModelShapes, load_shapes
 from .analytic import ACCELERATORS, allreduce_seconds, analytic_profile
 from .model import LatencyModel
 from .profile import Profile, ProfileMismatchWarning, fingerprint, load_profile
@@ -62,6 +62,18 @@ def default_latency_model(
     return LatencyModel(profile)
 
 
+def load_cost_model(
+    profile: str | None, model: str = "tiny", accelerator: str = "h100"
+) -> tuple[LatencyModel, str]:
+    """``(LatencyModel, one-line description)``: from the measured ``profile`` file (``--profile``)
+    if given, else from the analytic (FLOP-count) profile of ``model`` (``--model``) on
+    ``accelerator`` (``--accelerator``)."""
+    if profile is not None:
+        return LatencyModel(load_profile(profile)), f"LatencyModel(profile {profile})"
+    desc = f"LatencyModel(analytic profile: {model} on {accelerator})"
+    return LatencyModel(analytic_profile(load_shapes(model), accelerator)), desc
+
+
 __all__ = [
     "ACCELERATORS",
     "LatencyModel",
@@ -71,5 +83,6 @@ __all__ = [
     "analytic_profile",
     "default_latency_model",
     "fingerprint",
+    "load_cost_model",
     "load_profile",
 ]

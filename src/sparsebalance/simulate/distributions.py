@@ -13,9 +13,9 @@ Qwen2.5 context):
 - ``bimodal``: 80 % around 1K (log-normal, sigma 0.3) and 20 % around max_len / 2 (sigma 0.2): chat
   turns mixed with long documents.
 
-A file (``--lengths FILE``) is read with :func:`sparsebalance.commands.plan.read_batch`: one length
-per line, or JSON with a ``lengths`` list (optionally ``densities`` of the same size, measured at
-the default budget). Steps resample its entries with replacement (lengths and their densities stay
+A file (``--lengths FILE``) is read with :func:`sparsebalance.data.read_lengths`: one length per
+line, or JSON with a ``lengths`` list (optionally ``densities`` of the same size, measured at the
+default budget). Steps resample its entries with replacement (lengths and their densities stay
 paired). Everything is drawn from a ``numpy.random.Generator``: deterministic under a seed.
 """
 
@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..data import read_lengths
 
 BUILTIN = ("heavy", "uniform", "bimodal")
 
@@ -65,9 +67,7 @@ class LengthDistribution:
     @classmethod
     def from_file(cls, path: str) -> LengthDistribution:
         """The empirical distribution of a lengths file (see the module docstring)."""
-        from ..commands.plan import read_batch  # the one reader of length files
-
-        samples, dens = read_batch(path)
+        samples, dens = read_lengths(path)
         lengths = tuple(s.num_tokens for s in samples)
         densities = None if dens is None else tuple(float(d) for d in dens)
         if densities is not None and not all(0.0 < d <= 1.0 for d in densities):
