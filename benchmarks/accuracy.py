@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from sparsebalance.commands.eval import make_codec
 from sparsebalance.data import load_tokenizer
+from sparsebalance.data.tokenizer import make_codec
 from sparsebalance.evaluation import HFRunner, evaluate_task, perplexity, summarize
 from sparsebalance.results import markdown_table, write_results
 from sparsebalance.tasks import synthetic_mix

@@ -53,34 +53,43 @@ def summarize(steps: list[dict]) -> dict:
     }
 
 
-def comparison_table(runs: dict[str, dict], baseline: str | None = None) -> tuple[str, dict]:
+def comparison_table(
+    runs: dict[str, dict], baseline: str | None = None, predicted: dict[str, dict] | None = None
+) -> tuple[str, dict]:
+    """The ablation table (``report``, ``train --demo``, ``bench-e2e``): markdown and JSON-ready.
+
+    Args:
+        runs: run name -> :func:`summarize` of its steps.
+        baseline: the run speed-ups are measured against (default ``baseline``, else the first).
+        predicted: run name -> the simulator's summary of the same strategy (``step_seconds``,
+            ``speedup``, ``mean_density``); adds the predicted speed-up and the prediction's error
+            against the measured slowest-rank compute time.
+    """
     base = runs.get(baseline or "baseline") or next(iter(runs.values()))
+    headers = ["run", "steps", "mean step (s)", "speedup", "compute speedup", "balance eff.",
+               "bubble frac.", "mean density", "final loss"]  # fmt: skip
+    if predicted is not None:
+        headers += ["predicted speedup", "prediction error (step)"]
     rows, out = [], {}
     for name, s in runs.items():
-        speedup = base["mean_step_s"] / s["mean_step_s"]
-        out[name] = {**s, "speedup": speedup}
-        rows.append(
-            [
-                name,
-                s["steps"],
-                s["mean_step_s"],
-                speedup,
-                s["efficiency"],
-                s["bubble_fraction"],
-                s["mean_density"],
-                s["final_loss"],
-            ]
-        )
-    headers = [
-        "run",
-        "steps",
-        "mean step (s)",
-        "speedup",
-        "balance eff.",
-        "bubble frac.",
-        "mean density",
-        "final loss",
-    ]
+        entry = {
+            **s,
+            "speedup": base["mean_step_s"] / s["mean_step_s"],
+            "compute_speedup": base["mean_max_compute_s"] / s["mean_max_compute_s"],
+        }
+        rows.append([name, s["steps"], s["mean_step_s"], entry["speedup"],
+                     entry["compute_speedup"], s["efficiency"], s["bubble_fraction"],
+                     s["mean_density"], s["final_loss"]])  # fmt: skip
+        if predicted is not None:
+            p = predicted[name]
+            entry.update(
+                predicted_speedup=p["speedup"],
+                predicted_step_s=p["step_seconds"],
+                prediction_error=p["step_seconds"] / s["mean_max_compute_s"] - 1,
+                predicted_density=p.get("mean_density"),
+            )
+            rows[-1] += [p["speedup"], f"{100 * entry['prediction_error']:+.0f} %"]
+        out[name] = entry
     return markdown_table(headers, rows), out
 
 
@@ -163,8 +172,9 @@ def write_report(root: Path, plots: bool = True) -> tuple[Path, dict]:
     data = {name: load_run(path) for name, path in runs.items()}
     table, comparison = comparison_table({n: summarize(st) for n, (_, st) in data.items()})
     note = (
-        "Means over steps 2..N (step 1 is warm-up). Speedup = baseline mean step time / run's. "
-        "Balance efficiency = mean / max rank compute time; bubble fraction = 1 - efficiency."
+        "Means over steps 2..N (step 1 is warm-up). Speedup = baseline mean step time / run's; "
+        "compute speedup uses the slowest rank's compute time. Balance efficiency = mean / max "
+        "rank compute time; bubble fraction = 1 - efficiency."
     )
     lines = [f"# Training report: {root}", "", table, "", note, ""]
     if plots:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from ..results import markdown_table, write_results
+from ..report import comparison_table
+from ..results import write_results
 from ..train import add_train_arguments, config_from_args
 from ..train.ablation import ABLATION, ablation_configs, measure, predict
 from ..train.launch import default_nproc, uses_cuda
@@ -51,25 +52,7 @@ def main(args: argparse.Namespace) -> int:
     measured = measure(configs, nproc, reuse=args.reuse_runs)
     baseline_dir = Path(configs["baseline"].out)
     predicted = predict(cfg, list(configs), world, baseline_dir)["strategies"]
-    base = measured["baseline"]
-    rows, payload = [], {}
-    for name, m in measured.items():
-        p = predicted[name]
-        entry = {
-            **m, "speedup": base["mean_step_s"] / m["mean_step_s"],
-            "compute_speedup": base["mean_max_compute_s"] / m["mean_max_compute_s"],
-            "predicted_speedup": p["speedup"], "predicted_step_s": p["step_seconds"],
-            "prediction_error": p["step_seconds"] / m["mean_max_compute_s"] - 1,
-            "predicted_density": p.get("mean_density"),
-        }  # fmt: skip
-        payload[name] = entry
-        rows.append([name, m["mean_step_s"], entry["speedup"], entry["compute_speedup"],
-                     p["speedup"], m["efficiency"], m["bubble_fraction"], m["mean_density"],
-                     m["final_loss"], f"{100 * entry['prediction_error']:+.0f} %"])  # fmt: skip
-    headers = ["strategy", "step (s)", "speedup", "compute speedup", "predicted speedup",
-               "balance eff.", "bubble frac.", "mean density", "final loss",
-               "prediction error (step)"]  # fmt: skip
-    table = markdown_table(headers, rows)
+    table, payload = comparison_table(measured, "baseline", predicted)
     mode = f"{cfg.emulate_ranks} emulated ranks" if cfg.emulate_ranks else f"{nproc} processes"
     notes = (
         f"{mode}, model {cfg.model}, {cfg.steps} steps (step 1 excluded), global batch "

@@ -6,10 +6,11 @@ eval-split examples, by context length and needle depth; a heatmap PNG for niah/
 split), ``longbench`` (local LongBench v1 jsonl under ``--data``, prompts middle-truncated to each
 ``--lengths`` value, greedy generation, official metrics).
 
-``--model``: a built-in config (``tiny``, ``qwen2.5-0.5b``, ``qwen2.5-3b``: random weights, for
-smoke tests), a local Hugging Face model directory (``config.json`` + safetensors), a trainer
-checkpoint directory (``model.pt``; its base model from ``meta.json``'s ``model`` or ``--base``),
-or a trainer run directory (its ``checkpoints/latest``). A model whose vocabulary is smaller than
+``--model`` (loaded by :func:`sparsebalance.train.weights.load_trained_model`): a built-in config
+(``tiny``, ``qwen2.5-0.5b``, ``qwen2.5-3b``: random weights, for smoke tests), a local Hugging Face
+model directory (``config.json`` + safetensors), a trainer checkpoint directory (``model.pt``; its
+base model from ``meta.json``'s ``model`` or ``--base``), or a trainer run directory (its
+``checkpoints/latest``). A model whose vocabulary is smaller than
 the tokenizer's needs the trainer's id map: ``vocab_map.json`` beside ``model.pt`` or in the run
 directory, or ``--vocab-map``. ``--attn dense`` is the same op at gamma 1.0 (exact attention).
 """
@@ -99,91 +100,18 @@ def check_args(args: argparse.Namespace) -> float:
     return gamma
 
 
-def resolve_checkpoint(path: Path) -> Path | None:
-    """The checkpoint folder (with ``model.pt``) that ``path`` names, if any."""
-    if (path / "model.pt").is_file():
-        return path
-    pointer = path / "checkpoints" / "latest"
-    if pointer.is_file():
-        ckpt = pointer.parent / pointer.read_text().strip()
-        if (ckpt / "model.pt").is_file():
-            return ckpt
-    return None
-
-
-def load_model(args: argparse.Namespace):
-    """``(model, vocab_map or None)`` for ``--model`` (see module docstring)."""
-    from ..models.hf import build_model
-
-    dtype = DTYPES[args.dtype]
-    path = Path(args.model)
-    ckpt = resolve_checkpoint(path) if path.is_dir() else None
-    if ckpt is None:
-        return build_model(args.model, args.device, dtype), _read_map(args.vocab_map, [])
-    meta_file = ckpt / "meta.json"
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
-    base = args.base or meta.get("model")
-    if base is None:
-        raise ValueError(f"--model {ckpt}: a trainer checkpoint; give its base model with --base")
-    model = build_model(base, args.device, dtype)
-    state = torch.load(ckpt / "model.pt", map_location=args.device, weights_only=True)
-    model.load_state_dict(state)
-    candidates = [ckpt / "vocab_map.json", ckpt.parent.parent / "vocab_map.json"]
-    return model, _read_map(args.vocab_map, candidates)
-
-
-def _read_map(explicit: str | None, candidates: list[Path]) -> dict[int, int] | None:
-    files = [Path(explicit)] if explicit else [c for c in candidates if c.is_file()]
-    if not files:
-        return None
-    try:
-        raw = json.loads(files[0].read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"--vocab-map {files[0]}: not a readable JSON object ({err})") from None
-    return {int(k): int(v) for k, v in raw.items()}
-
-
-def make_codec(tokenizer, vocab_map: dict[int, int] | None, vocab_size: int):
-    """``(encode, decode, eos_id)`` in model ids. Unmapped tokenizer ids become id 0 (unknown)."""
-    if vocab_map is None:
-        if tokenizer.vocab_size_hint > vocab_size:
-            raise ValueError(
-                f"--model has {vocab_size} embeddings but the tokenizer has "
-                f"{tokenizer.vocab_size_hint} ids: give the trainer's --vocab-map"
-            )
-        return tokenizer.encode, tokenizer.decode, tokenizer.eos_token_id
-    inverse = {v: k for k, v in vocab_map.items()}
-
-    def encode(text: str) -> list[int]:
-        return [vocab_map.get(t, 0) for t in tokenizer.encode(text)]
-
-    def decode(ids) -> str:
-        return tokenizer.decode([inverse[i] for i in ids if i in inverse])
-
-    return encode, decode, vocab_map.get(tokenizer.eos_token_id)
-
-
-class _Tokenizer:
-    """The data package's tokenizer; ``vocab_size_hint`` is a lower bound of its id range (the
-    end-of-document id is among its highest), enough to catch a compact-vocabulary model."""
-
-    def __init__(self, path: str | None):
-        from ..data.tokenizer import load_tokenizer
-
-        self._tok = load_tokenizer(path)
-        self.encode, self.decode = self._tok.encode, self._tok.decode
-        self.eos_token_id = self._tok.eos_token_id
-        self.vocab_size_hint = int(self.eos_token_id or 0) + 1
-
-
 def run(args: argparse.Namespace) -> dict:
     """Evaluate; return the JSON-ready result."""
     gamma = check_args(args)
+    from ..data.tokenizer import load_tokenizer, make_codec
     from ..evaluation import HFRunner
+    from ..train.weights import load_trained_model
 
-    model, vocab_map = load_model(args)
+    model, vocab_map = load_trained_model(
+        args.model, args.device, DTYPES[args.dtype], args.base, args.vocab_map
+    )
     vocab_size = model.get_input_embeddings().num_embeddings
-    encode, decode, eos = make_codec(_Tokenizer(args.tokenizer), vocab_map, vocab_size)
+    encode, decode, eos = make_codec(load_tokenizer(args.tokenizer), vocab_map, vocab_size)
     runner = HFRunner(model, gamma, args.block_size, args.backend)
     result = {"model": args.model, "task": args.task, "attn": args.attn, "gamma": gamma,
               "lengths": args.lengths, "seed": args.seed}  # fmt: skip

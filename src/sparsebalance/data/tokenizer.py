@@ -51,3 +51,30 @@ class HFTokenizer:
 def load_tokenizer(path: str | None = None):
     """The default Qwen2.5 tokenizer, or local HF tokenizer files at ``path``."""
     return QwenTokenizer() if path is None else HFTokenizer(path)
+
+
+def make_codec(tokenizer, vocab_map: dict[int, int] | None, vocab_size: int):
+    """``(encode, decode, eos_id)`` in model ids, for a model with ``vocab_size`` embeddings.
+
+    With a compact vocabulary (``vocab_map``: tokenizer id -> model id, from the trainer)
+    unmapped tokenizer ids become id 0 (unknown) and model ids outside the map decode to nothing.
+    Without one, a model smaller than the tokenizer's id range is refused: the end-of-document id
+    is among a tokenizer's highest, so ``eos_token_id + 1`` is a lower bound of that range.
+    """
+    if vocab_map is None:
+        id_range = int(tokenizer.eos_token_id or 0) + 1
+        if id_range > vocab_size:
+            raise ValueError(
+                f"--model has {vocab_size} embeddings but the tokenizer has "
+                f"{id_range} ids: give the trainer's --vocab-map"
+            )
+        return tokenizer.encode, tokenizer.decode, tokenizer.eos_token_id
+    inverse = {v: k for k, v in vocab_map.items()}
+
+    def encode(text: str) -> list[int]:
+        return [vocab_map.get(t, 0) for t in tokenizer.encode(text)]
+
+    def decode(ids) -> str:
+        return tokenizer.decode([inverse[i] for i in ids if i in inverse])
+
+    return encode, decode, vocab_map.get(tokenizer.eos_token_id)

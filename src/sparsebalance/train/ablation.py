@@ -13,31 +13,31 @@ from ..batching import HistoryEstimator
 from ..data import load_corpus, load_tokenizer
 from ..latency import LatencyModel, load_profile
 from ..report import load_run, summarize
-from ..simulate import simulate_steps
+from ..simulate import ABLATIONS, simulate_steps
 from ..workload import Sample
 from .checkpoint import latest_checkpoint
 from .config import TrainConfig
 from .launch import launch
 from .trainer import batch_schedule
 
-ABLATION = {  # name -> (planner strategy, DST mode)
-    "baseline": ("sequential", "off"),
-    "sab": ("sab", "off"),
-    "dst": ("sequential", "bidirectional"),
-    "sab+dst": ("sab", "bidirectional"),
-}
+ABLATION = ("baseline", "sab", "dst", "sab+dst")
+"""The runs ``bench-e2e`` measures by default; each name's planner strategy and DST mode come from
+the simulator's :data:`~sparsebalance.simulate.ABLATIONS` (one table for both)."""
 
 
 def ablation_configs(cfg: TrainConfig, names: list[str]) -> dict[str, TrainConfig]:
-    unknown = [n for n in names if n not in ABLATION]
+    """One training configuration per ablation name (``baseline`` always first), each writing to
+    its own folder under ``cfg.out``."""
+    unknown = [n for n in names if n not in ABLATIONS]
     if unknown:
-        raise ValueError(f"--strategies: unknown {unknown}; allowed: {', '.join(ABLATION)}")
-    names = ["baseline", *[n for n in names if n != "baseline"]]
-    return {
-        n: replace(cfg, strategy=ABLATION[n][0], dst=replace(cfg.dst, mode=ABLATION[n][1]),
-                   out=str(Path(cfg.out) / n.replace("+", "_")), overwrite=True)
-        for n in names
-    }  # fmt: skip
+        raise ValueError(f"--strategies: unknown {unknown}; allowed: {', '.join(ABLATIONS)}")
+    out = {}
+    for name in ["baseline", *[n for n in names if n != "baseline"]]:
+        s = ABLATIONS[name]
+        dst = replace(cfg.dst, mode=s.dst_mode, anchor=s.anchor or cfg.dst.anchor)
+        out[name] = replace(cfg, strategy=s.planner, dst=dst, overwrite=True,
+                            out=str(Path(cfg.out) / name.replace("+", "_")))  # fmt: skip
+    return out
 
 
 def measure(configs: dict[str, TrainConfig], nproc: int, reuse: bool = False) -> dict[str, dict]:

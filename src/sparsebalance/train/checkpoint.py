@@ -63,12 +63,20 @@ def save_checkpoint(
     return final
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def latest_checkpoint(run_dir: Path, needs: str = "state.pt") -> Path | None:
+    """The folder ``checkpoints/latest`` of a run points to, if it holds the file ``needs``."""
     pointer = Path(run_dir) / "checkpoints" / "latest"
     if not pointer.is_file():
         return None
     path = pointer.parent / pointer.read_text().strip()
-    return path if (path / "state.pt").is_file() else None
+    return path if (path / needs).is_file() else None
+
+
+def resolve_checkpoint(path: Path) -> Path | None:
+    """The checkpoint folder (with ``model.pt``) that ``path`` names: ``path`` itself, or the
+    latest checkpoint of the run folder ``path``; None if it names neither."""
+    path = Path(path)
+    return path if (path / "model.pt").is_file() else latest_checkpoint(path, needs="model.pt")
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, fsdp: bool = False) -> dict:

@@ -1,0 +1,60 @@
+"""Trained weights for evaluation: a model named by a built-in config, a Hugging Face directory, a
+trainer checkpoint folder or a trainer run folder, with the vocabulary map a compact-vocabulary
+model was trained with (tokenizer id -> model id)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .checkpoint import resolve_checkpoint
+
+
+def load_trained_model(
+    model: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    base: str | None = None,
+    vocab_map: str | None = None,
+) -> tuple[torch.nn.Module, dict[int, int] | None]:
+    """``(model, vocab_map or None)``.
+
+    Args:
+        model: ``--model``: a built-in name or Hugging Face directory (see
+            :func:`sparsebalance.models.hf.build_model`), a checkpoint folder (``model.pt``; its
+            base model from ``meta.json``'s ``model`` or ``base``) or a run folder (its
+            ``checkpoints/latest``).
+        base: ``--base``: the base model of a checkpoint whose ``meta.json`` does not name it.
+        vocab_map: ``--vocab-map``: a JSON ``{tokenizer id: model id}`` file; default: the
+            checkpoint's ``vocab_map.json``, else the run folder's, else none.
+    """
+    from ..models.hf import build_model
+
+    path = Path(model)
+    ckpt = resolve_checkpoint(path) if path.is_dir() else None
+    if ckpt is None:
+        return build_model(model, device, dtype), read_vocab_map(vocab_map, [])
+    meta_file = ckpt / "meta.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    base = base or meta.get("model")
+    if base is None:
+        raise ValueError(f"--model {ckpt}: a trainer checkpoint; give its base model with --base")
+    net = build_model(base, device, dtype)
+    state = torch.load(ckpt / "model.pt", map_location=device, weights_only=True)
+    net.load_state_dict(state)
+    candidates = [ckpt / "vocab_map.json", ckpt.parent.parent / "vocab_map.json"]
+    return net, read_vocab_map(vocab_map, candidates)
+
+
+def read_vocab_map(explicit: str | None, candidates: list[Path]) -> dict[int, int] | None:
+    """The map in ``explicit`` (``--vocab-map``), else in the first existing candidate file."""
+    files = [Path(explicit)] if explicit else [c for c in candidates if c.is_file()]
+    if not files:
+        return None
+    try:
+        raw = json.loads(files[0].read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--vocab-map {files[0]}: not a readable JSON object ({err})") from None
+    return {int(k): int(v) for k, v in raw.items()}

@@ -1,0 +1,44 @@
+"""The one ablation table: names -> planner + DST mode (shared with the simulator), and the
+measured comparison table of ``report`` / ``train --demo`` / ``bench-e2e``."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparsebalance.report import comparison_table
+from sparsebalance.simulate import ABLATIONS
+from sparsebalance.train import TrainConfig
+from sparsebalance.train.ablation import ABLATION, ablation_configs
+
+
+def test_ablation_configs_follow_the_simulator_table(tmp_path):
+    cfg = TrainConfig(out=str(tmp_path))
+    configs = ablation_configs(cfg, ["sab+dst", *ABLATION, "sab+dst@max"])
+    assert list(configs) == ["baseline", "sab+dst", "sab", "dst", "sab+dst@max"]
+    for name, c in configs.items():
+        assert (c.strategy, c.dst.mode) == (ABLATIONS[name].planner, ABLATIONS[name].dst_mode)
+        assert c.out == str(tmp_path / name.replace("+", "_")) and c.overwrite
+    assert configs["sab+dst@max"].dst.anchor == "max"
+    assert configs["sab+dst"].dst.anchor == cfg.dst.anchor
+    with pytest.raises(ValueError, match="--strategies: unknown"):
+        ablation_configs(cfg, ["fast"])
+
+
+def _summary(step, compute, loss=1.0):
+    return {"steps": 5, "mean_step_s": step, "mean_max_compute_s": compute, "efficiency": 0.9,
+            "bubble_fraction": 0.1, "mean_density": 0.5, "tokens_per_s": 1.0,
+            "final_loss": loss}  # fmt: skip
+
+
+def test_comparison_table_measured_and_predicted():
+    runs = {"baseline": _summary(2.0, 1.6), "sab": _summary(1.0, 0.8)}
+    table, out = comparison_table(runs)
+    assert out["sab"]["speedup"] == 2.0 and out["sab"]["compute_speedup"] == 2.0
+    assert out["baseline"]["speedup"] == 1.0 and "predicted speedup" not in table
+    predicted = {"baseline": {"step_seconds": 1.6, "speedup": 1.0},
+                 "sab": {"step_seconds": 1.0, "speedup": 1.6, "mean_density": 0.4}}  # fmt: skip
+    table, out = comparison_table(runs, "baseline", predicted)
+    assert out["sab"]["prediction_error"] == pytest.approx(1.0 / 0.8 - 1)
+    assert out["sab"]["predicted_density"] == 0.4 and out["baseline"]["predicted_density"] is None
+    assert "predicted speedup" in table and "+25 %" in table
+    assert table.count("\n") == 3  # header, rule, two rows

@@ -1,0 +1,66 @@
+"""Finding a checkpoint and loading trained weights for evaluation (``train/checkpoint.py``,
+``train/weights.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sparsebalance.train.checkpoint import latest_checkpoint, resolve_checkpoint
+from sparsebalance.train.weights import load_trained_model, read_vocab_map
+
+
+def _checkpoint(run, step, files=("model.pt", "state.pt"), latest=True):
+    ckpt = run / "checkpoints" / f"step-{step:06d}"
+    ckpt.mkdir(parents=True)
+    for name in files:
+        (ckpt / name).write_bytes(b"")
+    if latest:
+        (run / "checkpoints" / "latest").write_text(ckpt.name + "\n")
+    return ckpt
+
+
+def test_latest_and_resolve(tmp_path):
+    run = tmp_path / "run"
+    assert latest_checkpoint(run) is None and resolve_checkpoint(run) is None
+    _checkpoint(run, 2)
+    ckpt = _checkpoint(run, 4, files=("model.pt",))  # weights only: no trainer state
+    assert latest_checkpoint(run) is None  # resuming needs state.pt
+    assert latest_checkpoint(run, needs="model.pt") == ckpt
+    assert resolve_checkpoint(run) == ckpt  # a run folder -> its latest checkpoint
+    assert resolve_checkpoint(ckpt) == ckpt  # a checkpoint folder -> itself
+    (run / "checkpoints" / "latest").write_text("step-000009\n")  # points at nothing
+    assert resolve_checkpoint(run) is None
+
+
+def test_load_trained_model_from_a_run_folder(tmp_path):
+    from sparsebalance.models.hf import build_model
+
+    trained = build_model("tiny", seed=3)
+    run = tmp_path / "run"
+    ckpt = _checkpoint(run, 1)
+    torch.save(trained.state_dict(), ckpt / "model.pt")
+    (ckpt / "meta.json").write_text(json.dumps({"step": 1, "model": "tiny"}))
+    (run / "vocab_map.json").write_text(json.dumps({"151643": 1, "7": 2}))
+    model, vmap = load_trained_model(str(run))
+    for (name, a), b in zip(model.state_dict().items(), trained.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert vmap == {151643: 1, 7: 2}
+    (ckpt / "meta.json").write_text(json.dumps({"step": 1}))  # base model not recorded
+    with pytest.raises(ValueError, match="--base"):
+        load_trained_model(str(run))
+    _, vmap = load_trained_model(str(ckpt), base="tiny", vocab_map=None)
+    assert vmap == {151643: 1, 7: 2}  # found in the run folder two levels up
+
+
+def test_read_vocab_map(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="--vocab-map"):
+        read_vocab_map(str(bad), [])
+    good = tmp_path / "good.json"
+    good.write_text('{"5": 1}')
+    assert read_vocab_map(None, [tmp_path / "missing.json", good]) == {5: 1}
+    assert read_vocab_map(None, [tmp_path / "missing.json"]) is None
