@@ -5,18 +5,42 @@ mask), so any decoder whose attention goes through that interface (Qwen2/Qwen2.5
 runs packed, document-causal, dynamically sparse attention. Per forward the caller passes a
 :class:`PackedAttention` as ``model(..., sb_attention=ctx, use_cache=False)``; transformers hands
 extra keyword arguments through to the attention function.
+
+Activation checkpointing (:mod:`.checkpointing`) reruns a layer's forward in the backward. The
+rerun must not choose again: :func:`recompute_phase` tells this function whether it runs in a
+checkpointed layer's first forward (choose, keep the ``(budget, layout)`` in
+``PackedAttention.layouts``) or in its recomputation (take them back: no block selection, no call to
+``choose_budget``, no ``on_layer_end``, no stats).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..ops import Budget, block_sparse_attention, estimate_block_mass, select_blocks
+from ..ops import BlockLayout, Budget, block_sparse_attention, estimate_block_mass, select_blocks
 
 IMPLEMENTATION = "sparsebalance"
+
+# None: not inside a checkpointed layer; "forward": its first forward; "recompute": the rerun.
+_PHASE: ContextVar[str | None] = ContextVar("sparsebalance_checkpoint_phase", default=None)
+
+
+@contextmanager
+def recompute_phase(phase: str | None) -> Iterator[None]:
+    """Mark the code inside as a checkpointed layer's ``"forward"`` or ``"recompute"``."""
+    if phase not in (None, "forward", "recompute"):
+        raise ValueError(f"phase must be None, 'forward' or 'recompute', got {phase!r}")
+    token = _PHASE.set(phase)
+    try:
+        yield
+    finally:
+        _PHASE.reset(token)
 
 
 @dataclass
@@ -44,6 +68,9 @@ class PackedAttention:
     on_layer_end: Any = None
     """Optional ``(layer_idx) -> None`` called after each attention (for per-layer timing)."""
     stats: list[LayerStats] = field(default_factory=list)
+    layouts: dict[int, tuple[Budget, BlockLayout]] = field(default_factory=dict)
+    """Per layer, what a checkpointed layer's forward chose, held until its recomputation takes it
+    back (then dropped). Empty without activation checkpointing."""
 
     def mean_density(self) -> float:
         return sum(s.density for s in self.stats) / max(1, len(self.stats))
@@ -68,6 +95,19 @@ def sparsebalance_attention(module, query, key, value, attention_mask, scaling=N
         raise ValueError(f"packed attention expects batch size 1, got {query.shape[0]}")
     ctx = sb_attention
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
+    phase = _PHASE.get()
+    if phase == "recompute":
+        layer = int(module.layer_idx)
+        if layer not in ctx.layouts:
+            raise RuntimeError(
+                f"layer {layer} is recomputed but its forward left no layout: the recomputation "
+                "must run with the PackedAttention of the forward it repeats"
+            )
+        budget, layout = ctx.layouts.pop(layer)  # the forward's choice; nothing chosen again
+        out = block_sparse_attention(
+            q, k, v, layout, ctx.cu_seqlens, scale=scaling, backend=ctx.backend
+        )
+        return out.unsqueeze(0), None
     layer = int(getattr(module, "layer_idx", len(ctx.stats)))
     if ctx.choose_budget is not None:
         estimate = estimate_block_mass(q, k, ctx.cu_seqlens, ctx.block_size, scale=scaling)
@@ -76,6 +116,8 @@ def sparsebalance_attention(module, query, key, value, attention_mask, scaling=N
     else:
         budget = ctx.budget
         layout = select_blocks(q, k, ctx.cu_seqlens, budget, ctx.block_size, scale=scaling)
+    if phase == "forward":
+        ctx.layouts[layer] = (budget, layout)
     out = block_sparse_attention(
         q, k, v, layout, ctx.cu_seqlens, scale=scaling, backend=ctx.backend
     )
