@@ -1,105 +1,232 @@
-"""Documents to tokens: user data (jsonl / parquet / text / a local HF ``datasets`` folder) or the
-built-in synthetic long-context tasks; tokenized once and cached; a compact vocabulary for small
-models whose embedding is smaller than the tokenizer's vocabulary."""
+"""Documents for training: token stores (``--data STORE``), raw inputs prepared once into a store
+in the cache, weighted mixtures of both, or the built-in synthetic long-context tasks (also kept
+as a cached store); a compact vocabulary for small models whose embedding is smaller than the
+tokenizer's vocabulary.
+
+:func:`resolve_data` turns ``--data`` into store folders (preparing raw inputs into the cache,
+keyed by the inputs' content hash and the tokenizer, never by path or mtime); run it on one rank.
+:func:`open_corpus` maps them read-only on every rank. Documents have global ids: component by
+component, in ``--data`` order.
+"""
 
 from __future__ import annotations
 
-import hashlib
-import itertools
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .mixture import parse_mixture
+from .prepare import PrepareConfig, describe_inputs, prepare, store_key, tokenizer_info
+from .store import VERSION, StoreWriter, TokenStore, is_store
+
 CACHE_DIR = Path.home() / ".cache" / "sparsebalance" / "tokens"
+BUILTIN_LEN = (128, 4096)
+"""Length range of the built-in synthetic documents when --min-len / --max-len are not given."""
 
 
-@dataclass
-class TokenizedCorpus:
-    """Tokenized documents and their source keys (task / domain)."""
+@dataclass(frozen=True)
+class DataSource:
+    """One component of ``--data``: where its store is and its mixture weight."""
 
-    docs: list[np.ndarray]
-    sources: list[str]
-    vocab_map: dict[int, int] | None = None
-    """Tokenizer id -> model id when the model's vocabulary is compact; unknown ids map to 0."""
-    meta: dict = field(default_factory=dict)
+    name: str
+    """As given to --data (a store, raw inputs, or ``builtin``)."""
+    store: str
+    """The store folder (for raw inputs: the prepared store in the cache)."""
+    weight: float
+    """Share of the documents drawn from this component (the weights sum to 1)."""
+
+
+def _builtin_store(tokenizer, num, seed, min_len, max_len, cache_dir: Path) -> Path:
+    from ..tasks import synthetic_mix
+
+    info = tokenizer_info(tokenizer)
+    key = store_key([], info["identity"], f"builtin:{num}:{seed}:{min_len}:{max_len}", 2)
+    out = cache_dir / "stores" / f"builtin-{key}"
+    if is_store(out):
+        return out
+    examples = synthetic_mix(num, tokenizer.encode, seed, min_len=min_len, max_len=max_len)
+    docs = [np.asarray(tokenizer.encode(e.prompt + e.answer), np.int64) for e in examples]
+    keep = [i for i, d in enumerate(docs) if len(d) >= 2]
+    with StoreWriter(out, info, overwrite=True) as w:
+        w.add_many([docs[i] for i in keep], [examples[i].task for i in keep])
+        w.close({"builtin": {"num": num, "seed": seed, "min_len": min_len, "max_len": max_len}})
+    return out
+
+
+def resolve_data(
+    data: str | None,
+    tokenizer,
+    text_field: str = "text",
+    num_builtin: int = 256,
+    seed: int = 0,
+    min_len: int | None = None,
+    max_len: int | None = None,
+    cache_dir: Path | None = None,
+    on_bad_record: str = "error",
+    progress: bool = False,
+) -> list[DataSource]:
+    """``--data`` -> store folders with weights (raw inputs prepared into the cache once)."""
+    cache_dir = Path(cache_dir or CACHE_DIR)
+    identity = tokenizer_info(tokenizer)["identity"]
+    if data is None:
+        lo, hi = min_len or BUILTIN_LEN[0], max_len or BUILTIN_LEN[1]
+        path = _builtin_store(tokenizer, num_builtin, seed, lo, hi, cache_dir)
+        return [DataSource("builtin", str(path), 1.0)]
+    out = []
+    for name, weight in parse_mixture(data):
+        if is_store(name):
+            store = TokenStore(name)
+            if store.tokenizer["identity"] != identity:
+                raise ValueError(
+                    f"--data {name}: the store was prepared with tokenizer "
+                    f"{store.tokenizer['identity']}, this run uses {identity} (--tokenizer)"
+                )
+            out.append(DataSource(name, name, weight))
+            continue
+        inputs = describe_inputs([name], "--data")
+        key = store_key(inputs, identity, text_field, 2)
+        path = cache_dir / "stores" / key
+        if not is_store(path):
+            cfg = PrepareConfig(
+                [name],
+                str(path),
+                text_field=text_field,
+                on_bad_record=on_bad_record,
+                overwrite=True,
+                progress=progress,
+            )
+            prepare(cfg, tokenizer, inputs)
+        out.append(DataSource(name, str(path), weight))
+    return out
+
+
+class _DocView:
+    """``corpus.docs[i]``: document ``i``'s tokens (mapped through the compact vocabulary)."""
+
+    def __init__(self, corpus: TokenizedCorpus) -> None:
+        self.corpus = corpus
 
     def __len__(self) -> int:
-        return len(self.docs)
+        return len(self.corpus)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.corpus.doc(int(i))
+
+    def __iter__(self):
+        return (self.corpus.doc(i) for i in range(len(self.corpus)))
+
+
+class _SourceView:
+    def __init__(self, corpus: TokenizedCorpus) -> None:
+        self.corpus = corpus
+
+    def __len__(self) -> int:
+        return len(self.corpus)
+
+    def __getitem__(self, i: int) -> str:
+        c, j = self.corpus.locate(int(i))
+        return self.corpus.stores[c].source(j)
+
+
+class TokenizedCorpus:
+    """Stores mapped read-only under global document ids, with the read-time length filter.
+
+    ``docs[i]`` / ``sources[i]``: tokens and source of document ``i``; ``lengths()``: int64
+    ``(N,)`` from the offsets (no token read); ``pools()``: per component, the local indices
+    that pass ``min_len <= length <= max_len``; ``filtered``: what the filter removed.
+    """
+
+    def __init__(
+        self,
+        sources: list[DataSource],
+        min_len: int | None = None,
+        max_len: int | None = None,
+    ) -> None:
+        if not sources:
+            raise ValueError("--data: no data source")
+        self.data_sources = list(sources)
+        self.stores = [TokenStore(s.store) for s in sources]
+        ids = {s.tokenizer["identity"] for s in self.stores}
+        if len(ids) > 1:
+            raise ValueError(f"--data: stores prepared with different tokenizers ({sorted(ids)})")
+        sizes = [len(s) for s in self.stores]
+        self.bases = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self._lengths = np.concatenate([s.lengths() for s in self.stores])
+        self.docs = _DocView(self)
+        self.sources = _SourceView(self)
+        self.vocab_map: dict[int, int] | None = None
+        self._lut: np.ndarray | None = None
+        self.meta: dict = {"stores": [s.store for s in sources]}
+        self.min_len, self.max_len = min_len, max_len
+        self._pools, self.filtered = [], {}
+        for src, store in zip(sources, self.stores, strict=True):
+            n = store.lengths()
+            short = n < (min_len or 0)
+            long = n > max_len if max_len is not None else np.zeros(len(n), bool)
+            self._pools.append(np.nonzero(~(short | long))[0])
+            self.filtered[src.name] = {
+                "shorter than --min-len": int(short.sum()),
+                "longer than --max-len": int(long.sum()),
+            }
+
+    def __len__(self) -> int:
+        return int(self.bases[-1])
 
     def lengths(self) -> np.ndarray:
-        return np.array([len(d) for d in self.docs])
+        return self._lengths
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """Global id -> (component, local index)."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"document {i} out of range [0, {len(self)})")
+        c = int(np.searchsorted(self.bases, i, side="right")) - 1
+        return c, i - int(self.bases[c])
+
+    def global_id(self, component: int, local: int) -> int:
+        return int(self.bases[component]) + int(local)
+
+    def doc(self, i: int) -> np.ndarray:
+        c, j = self.locate(i)
+        d = self.stores[c].doc(j)
+        return d if self._lut is None else self._lut[d]
+
+    def pools(self) -> list[np.ndarray]:
+        return self._pools
+
+    @property
+    def weights(self) -> list[float]:
+        return [s.weight for s in self.data_sources]
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.data_sources]
+
+    def token_counts(self) -> np.ndarray:
+        """int64 ``(vocab_size,)`` summed over the stores (from their manifests' count files)."""
+        return sum(s.token_counts() for s in self.stores)
+
+    def max_token_id(self) -> int:
+        return int(np.nonzero(self.token_counts())[0].max())
+
+    def identity(self) -> dict:
+        """What a checkpoint records about its data: resume refuses when this differs."""
+        return {
+            "format_version": VERSION,
+            "tokenizer": self.stores[0].tokenizer["identity"],
+            "components": [
+                {"name": src.name, "content_hash": st.content_hash, "weight": round(src.weight, 9)}
+                for src, st in zip(self.data_sources, self.stores, strict=True)
+            ],
+            "min_len": self.min_len,
+            "max_len": self.max_len,
+        }
 
 
-def _read_texts(path: Path, text_field: str) -> tuple[list[str], list[str]]:
-    """Texts (and sources) from a jsonl / json / parquet / txt file or a directory of them."""
-    if path.is_dir():
-        if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
-            try:
-                import datasets
-            except ImportError:
-                raise ValueError(
-                    f"--data {path}: a saved HF dataset needs `pip install datasets`"
-                ) from None
-            ds = datasets.load_from_disk(str(path))
-            ds = ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
-            if text_field not in ds.column_names:
-                raise ValueError(
-                    f"--data {path}: no field {text_field!r} (fields: {ds.column_names})"
-                )
-            return list(ds[text_field]), [str(path.name)] * len(ds)
-        files = sorted(
-            p for p in path.rglob("*") if p.suffix in (".jsonl", ".json", ".parquet", ".txt")
-        )
-        if not files:
-            raise ValueError(f"--data {path}: no .jsonl/.json/.parquet/.txt files in the directory")
-        texts, sources = [], []
-        for f in files:
-            t, s = _read_texts(f, text_field)
-            texts += t
-            sources += s
-        return texts, sources
-    if not path.is_file():
-        raise ValueError(f"--data {path}: no such file or directory")
-    if path.suffix == ".txt":
-        return [path.read_text()], [path.stem]
-    if path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ValueError(f"--data {path}: parquet needs `pip install pyarrow`") from None
-        table = pq.read_table(path)
-        if text_field not in table.column_names:
-            raise ValueError(
-                f"--data {path}: no field {text_field!r} (fields: {table.column_names})"
-            )
-        return [str(x) for x in table.column(text_field).to_pylist()], [path.stem] * table.num_rows
-    records = []
-    lines = path.read_text().splitlines() if path.suffix == ".jsonl" else None
-    if lines is None:
-        data = json.loads(path.read_text())
-        records = data if isinstance(data, list) else [data]
-    else:
-        for i, line in enumerate(lines, 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"--data {path}:{i}: invalid JSON ({err})") from None
-    texts, sources = [], []
-    for i, r in enumerate(records):
-        if text_field not in r:
-            raise ValueError(
-                f"--data {path}: record {i} has no field {text_field!r} (--text-field)"
-            )
-        texts.append(str(r[text_field]))
-        sources.append(str(r.get("source", r.get("task", path.stem))))
-    return texts, sources
-
-
-def _cache_key(*parts) -> str:
-    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+def open_corpus(
+    sources: list[DataSource], min_len: int | None = None, max_len: int | None = None
+) -> TokenizedCorpus:
+    return TokenizedCorpus(sources, min_len, max_len)
 
 
 def load_corpus(
@@ -108,63 +235,35 @@ def load_corpus(
     text_field: str = "text",
     num_builtin: int = 256,
     seed: int = 0,
-    min_len: int = 128,
-    max_len: int = 8192,
+    min_len: int | None = None,
+    max_len: int | None = None,
     cache_dir: Path | None = None,
+    on_bad_record: str = "error",
 ) -> TokenizedCorpus:
-    """Tokenize ``data`` (or the built-in synthetic task mix when ``data`` is None), cached."""
-    cache_dir = Path(cache_dir or CACHE_DIR)
-    if data is None:
-        from ..tasks import synthetic_mix
-
-        key = _cache_key("builtin", num_builtin, seed, min_len, max_len, tokenizer.name)
-        texts = sources = None
-    else:
-        path = Path(data)
-        stat = path.stat() if path.exists() else None
-        key = _cache_key(str(path.resolve()), stat and stat.st_mtime_ns, text_field, tokenizer.name)
-    cached = cache_dir / f"{key}.npz"
-    if cached.is_file():
-        with np.load(cached, allow_pickle=False) as z:
-            flat, offsets, sources = z["flat"], z["offsets"], list(z["sources"])
-        docs = [flat[a:b] for a, b in itertools.pairwise(offsets)]
-        return TokenizedCorpus(docs, [str(s) for s in sources], meta={"cache": str(cached)})
-    if data is None:
-        examples = synthetic_mix(
-            num_builtin, tokenizer.encode, seed, min_len=min_len, max_len=max_len
-        )
-        texts = [e.prompt + e.answer for e in examples]
-        sources = [e.task for e in examples]
-    else:
-        texts, sources = _read_texts(Path(data), text_field)
-    docs = [np.asarray(tokenizer.encode(t), dtype=np.int32) for t in texts]
-    keep = [i for i, d in enumerate(docs) if len(d) >= 2]
-    if not keep:
-        raise ValueError(f"--data {data}: the dataset is empty (no document with >= 2 tokens)")
-    docs, sources = [docs[i] for i in keep], [sources[i] for i in keep]
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])])
-    tmp = cache_dir / f"{key}.tmp.npz"
-    np.savez(tmp, flat=np.concatenate(docs), offsets=offsets, sources=np.array(sources))
-    tmp.replace(cached)
-    return TokenizedCorpus(docs, sources, meta={"cache": str(cached)})
+    """:func:`resolve_data` then :func:`open_corpus` in one process."""
+    sources = resolve_data(
+        data, tokenizer, text_field, num_builtin, seed, min_len, max_len, cache_dir, on_bad_record
+    )
+    return open_corpus(sources, min_len, max_len)
 
 
 def compact_vocabulary(corpus: TokenizedCorpus, vocab_size: int) -> dict[int, int]:
-    """Map the ``vocab_size - 1`` most frequent tokenizer ids to 1..vocab_size-1 (0 = unknown),
-    for small models whose embedding is smaller than the tokenizer's vocabulary."""
-    ids, counts = np.unique(np.concatenate(corpus.docs), return_counts=True)
-    order = np.lexsort((ids, -counts))[: vocab_size - 1]
+    """Map the ``vocab_size - 1`` most frequent tokenizer ids (ties: smaller id first) to
+    1..vocab_size-1 (0 = unknown), for small models whose embedding is smaller than the
+    tokenizer's vocabulary. Counts come from the stores' manifests: no token is read."""
+    counts = corpus.token_counts()
+    ids = np.nonzero(counts)[0]
+    order = np.lexsort((ids, -counts[ids]))[: vocab_size - 1]
     return {int(ids[i]): rank + 1 for rank, i in enumerate(order)}
 
 
 def apply_vocabulary(corpus: TokenizedCorpus, vocab_map: dict[int, int]) -> TokenizedCorpus:
-    lut_size = max(max(vocab_map), int(max(d.max() for d in corpus.docs))) + 1
-    lut = np.zeros(lut_size, dtype=np.int32)
-    for k, v in vocab_map.items():
-        lut[k] = v
-    docs = [lut[d] for d in corpus.docs]
-    unknown = sum(int((d == 0).sum()) for d in docs)
-    return TokenizedCorpus(
-        docs, corpus.sources, vocab_map, {**corpus.meta, "unknown_tokens": unknown}
-    )
+    """Map every document through ``vocab_map`` when read (in place; returns ``corpus``)."""
+    counts = corpus.token_counts()
+    lut = np.zeros(max(len(counts), max(vocab_map) + 1), dtype=np.int64)
+    keys = np.fromiter(vocab_map.keys(), np.int64, len(vocab_map))
+    lut[keys] = np.fromiter(vocab_map.values(), np.int64, len(vocab_map))
+    corpus._lut, corpus.vocab_map = lut, vocab_map
+    known = counts[keys[keys < len(counts)]].sum()
+    corpus.meta["unknown_tokens"] = int(counts.sum() - known)
+    return corpus

