@@ -107,3 +107,16 @@ def test_empty_store_refused(tmp_path):
     with pytest.raises(ValueError, match="empty"), StoreWriter(tmp_path / "s", TOK) as w:
         w.close()
     assert not (tmp_path / "s").exists()
+
+
+def test_plan_reads_lengths_from_a_store(tmp_path):
+    from sparsebalance.data import read_lengths
+
+    path = _write(tmp_path / "s", [np.arange(7), np.arange(3), np.arange(12)], ["a", "b", "a"])
+    samples, dens = read_lengths(str(path))
+    assert [(s.id, s.num_tokens, s.source) for s in samples] == [
+        (0, 7, "a"),
+        (1, 3, "b"),
+        (2, 12, "a"),
+    ]
+    assert dens is None

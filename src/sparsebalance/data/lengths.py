@@ -15,13 +15,23 @@ from pathlib import Path
 import numpy as np
 
 from ..workload import Sample
+from .store import TokenStore, is_store
 
 
 def read_lengths(path: str, text_field: str = "text") -> tuple[list[Sample], np.ndarray | None]:
     """Samples (ids = position in the file) and their densities ``(N,)`` if the file has them.
 
-    Raises ``ValueError`` naming ``--lengths`` for an unreadable, empty or malformed file.
+    Raises ``ValueError`` naming ``--lengths`` for an unreadable, empty or malformed file. A
+    token store (``sparsebalance prepare``) gives its lengths from the offsets (no token read).
     """
+    if is_store(path):
+        store = TokenStore(path)
+        names = store.source_names
+        src = np.asarray(store.source_index)
+        return [
+            Sample(i, int(n), names[s])
+            for i, (n, s) in enumerate(zip(store.lengths(), src, strict=True))
+        ], None
     try:
         text = Path(path).read_text()
     except OSError as err:
