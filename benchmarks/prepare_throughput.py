@@ -37,13 +37,14 @@ from sparsebalance.data.prepare import PrepareConfig, prepare
 from sparsebalance.data.tokenizer import load_tokenizer
 from sparsebalance.results import markdown_table, write_results
 
-WORDS = (
+_WORDS = (
     "the of and to in a is that for it as was with be by on not he this are or his from at which "
     "but have an they you were her she there been one all we their has would when if so no more "
     "attention context training sparse balance model layer token budget window memory retrieval "
     "passkey document sequence gradient optimizer schedule distributed rank latency throughput "
     "Alice Bob Paris 2024 3.14 42 (note) [ref] data-parallel long-context naïve café"
-).split()
+)
+WORDS = _WORDS.split()
 
 
 def write_input(path: Path, megabytes: int, seed: int = 0) -> int:
