@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-attn": ("bench_attn", "time block-sparse attention vs density and vs dense SDPA"),
     "eval": ("eval", "accuracy under an attention setting: synthetic tasks, perplexity, LongBench"),
     "prepare": ("prepare", "tokenize inputs once into a memory-mapped token store (--data STORE)"),
+    "memory": ("memory", "longest trainable micro-batch / document from the memory model"),
     "plan": ("plan", "pack a global batch into ranks x micro-batches (sparsity-aware batching)"),
     "profile": ("profile", "measure, validate or build the latency profile of a model"),
     "ring-balance": ("ring_balance", "per-rank / per-ring-step work imbalance of CP placements"),

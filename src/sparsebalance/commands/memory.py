@@ -1,0 +1,145 @@
+"""``sparsebalance memory``: how long a micro-batch or document fits, from the memory model.
+
+    sparsebalance memory --model qwen2.5-3b --analytic a100 --devices 1,8,32
+    sparsebalance memory --model tiny --device cpu --memory-budget 8GiB
+    sparsebalance memory --model qwen2.5-3b --analytic a100 --check 524288 --devices 32
+
+For every feature combination (activation checkpointing off / selective / full x plain or chunked
+loss) it prints the largest micro-batch per rank (FSDP2 over N devices shards the weights, gradients
+and optimizer state) and the longest document (context parallelism over all N devices, plus FSDP2)
+whose predicted peak fits the budget (default: 90% of the GPU's memory; required on CPU).
+Predicted, not measured: see ``sparsebalance.latency.memory`` for what the model counts.
+``--check TOKENS`` prints the peak's breakdown for a document of that length instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..latency.memory import (
+    ANALYTIC,
+    CHECKPOINTING,
+    GIB,
+    LOSSES,
+    MemoryConfig,
+    MemoryModel,
+    cpu_coefficients,
+    current_rss_bytes,
+    parse_bytes,
+    with_budget_fraction,
+)
+from ..models import BUILTIN_MODELS, load_shapes
+from ..results import markdown_table
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen2.5-0.5b", help=f"built-in {BUILTIN_MODELS} or a path")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--analytic",
+        choices=sorted(ANALYTIC),
+        default=None,
+        help="a GPU's analytic coefficients (bf16 autocast, fp32 AdamW)",
+    )
+    where.add_argument(
+        "--device",
+        choices=["cpu"],
+        default=None,
+        help="fp32 CPU training (this process's resident size as the base)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        help="bytes per device, e.g. 72GB or 16GiB (default: 90%% of the GPU)",
+    )
+    p.add_argument("--devices", default="1,8,32", help="comma-separated device counts")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument(
+        "--density",
+        type=float,
+        default=0.1,
+        help="attention density assumed for the layout metadata (default 0.1)",
+    )
+    p.add_argument(
+        "--check",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="breakdown of one document of TOKENS over the largest --devices",
+    )
+    p.add_argument("--json", action="store_true", help="print only JSON")
+
+
+def _coefficients(args):
+    if args.analytic:
+        return ANALYTIC[args.analytic]
+    return cpu_coefficients(current_rss_bytes())
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.analytic is None and args.device is None:
+        raise ValueError("give --analytic h100|h200|a100 or --device cpu")
+    devices = [int(x) for x in str(args.devices).split(",") if x.strip()]
+    if not devices or min(devices) < 1:
+        raise ValueError(f"--devices must be positive integers, got {args.devices!r}")
+    coeffs = _coefficients(args)
+    if args.memory_budget is not None:
+        budget = parse_bytes(args.memory_budget)
+    else:
+        budget = with_budget_fraction(coeffs)
+    shapes = load_shapes(args.model)
+    model = MemoryModel(shapes, coeffs)
+    base = {"block_size": args.block_size, "density": args.density}
+    if args.check is not None:
+        n = max(devices)
+        rows = []
+        for ckpt in CHECKPOINTING:
+            for loss in LOSSES:
+                cfg = MemoryConfig(ckpt, loss, shard=n, cp=n, **base)
+                parts = model.breakdown(args.check, cfg)
+                rows.append(
+                    {
+                        "checkpointing": ckpt,
+                        "loss": loss,
+                        "devices": n,
+                        "fits": parts["peak"] <= budget,
+                        "moment": parts["moment"],
+                        **{f"{k} GiB": v / GIB for k, v in parts.items() if k != "moment"},
+                    }
+                )
+        return _emit(args, rows, budget, coeffs, f"{args.check:,} tokens over {n} devices")
+    rows = []
+    for ckpt in CHECKPOINTING:
+        for loss in LOSSES:
+            row = {"checkpointing": ckpt, "loss": loss}
+            for n in devices:
+                mb = model.max_tokens(budget, MemoryConfig(ckpt, loss, shard=n, **base))
+                doc = model.max_tokens(budget, MemoryConfig(ckpt, loss, shard=n, cp=n, **base))
+                row[f"micro-batch/rank @{n}"] = mb
+                if n > 1:
+                    row[f"document (CP) @{n}"] = doc
+            rows.append(row)
+    return _emit(args, rows, budget, coeffs, "longest trainable (tokens)")
+
+
+def _emit(args, rows, budget, coeffs, title) -> int:
+    meta = {
+        "model": args.model,
+        "coefficients": coeffs.name,
+        "budget_bytes": budget,
+        "block_size": args.block_size,
+        "density": args.density,
+        "predicted": True,
+    }
+    if args.json:
+        print(json.dumps({**meta, "rows": rows}, indent=1))
+        return 0
+    print(
+        f"{Path(str(args.model)).name} on {coeffs.name}, budget {budget / GIB:.1f} GiB per "
+        f"device — {title} (predicted by the memory model)"
+    )
+    headers = list(rows[0])
+    print(markdown_table(headers, [[r[h] for h in headers] for r in rows]))
+    return 0
