@@ -15,7 +15,9 @@ from sparsebalance.latency.memory import (
     LOSS_CHUNK_ELEMS,
     MemoryConfig,
     MemoryModel,
+    auto_capacity,
     cpu_coefficients,
+    device_coefficients,
     parse_bytes,
     with_budget_fraction,
 )
@@ -131,3 +133,16 @@ def test_memory_command(capsys):
     assert main(["memory", "--model", "qwen2.5-3b", "--analytic", "a100", "--devices", "32",
                  "--check", "524288"]) == 0  # fmt: skip
     assert "524,288 tokens over 32 devices" in capsys.readouterr().out
+
+
+def test_auto_capacity_and_device_coefficients():
+    shapes = replace(load_shapes("qwen2.5-0.5b"), num_layers=2)
+    coeffs = device_coefficients(torch.device("cpu"), base_bytes=0.5 * 2**30)
+    assert coeffs.base_bytes == 0.5 * 2**30 and coeffs.device_bytes is None
+    mem = MemoryModel(shapes, coeffs)
+    cfg = MemoryConfig("full", "chunked", block_size=64)
+    cap = auto_capacity(mem, 8 * 2**30, cfg)
+    assert cap % 64 == 0 and mem.peak_bytes(cap, cfg) <= 8 * 2**30 < mem.peak_bytes(cap + 64, cfg)
+    assert auto_capacity(mem, 8 * 2**30, replace(cfg, checkpointing="off")) < cap
+    with pytest.raises(ValueError, match="fits no micro-batch"):
+        auto_capacity(mem, 2**30, cfg)  # weights + AdamW alone exceed 1 GiB

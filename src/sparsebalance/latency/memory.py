@@ -38,7 +38,7 @@ per saved element on average); :func:`cpu_coefficients` the fp32 CPU ones, whose
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..models import ModelShapes
@@ -80,6 +80,8 @@ class MemoryCoefficients:
     """Device memory (GPUs); None on CPU (the budget must be given)."""
 
 
+# Device memory as ``torch.cuda.get_device_properties().total_memory`` reports it (GiB).
+_GPU_GIB = {"h100": 79.1, "h200": 139.8, "a100": 79.2}
 ANALYTIC: dict[str, MemoryCoefficients] = {
     name: MemoryCoefficients(
         f"{name}-bf16 (analytic)",
@@ -88,9 +90,9 @@ ANALYTIC: dict[str, MemoryCoefficients] = {
         logit_bytes=20.0,
         workspace_bytes=256 * 2**20,
         blockmask=True,
-        device_bytes=size * 1e9,
+        device_bytes=gib * GIB,
     )
-    for name, size in (("h100", 80.0), ("h200", 141.0), ("a100", 80.0))
+    for name, gib in _GPU_GIB.items()
 }
 
 
@@ -240,6 +242,32 @@ class MemoryModel:
         return lo * step
 
 
+def device_coefficients(device, base_bytes: float = 0.0) -> MemoryCoefficients:
+    """Coefficients for a ``torch.device``: the analytic bf16 ones with this GPU's memory on CUDA
+    (the trainer's CUDA path: bf16 autocast, flex), fp32 ones with ``base_bytes`` on CPU."""
+    if getattr(device, "type", device) == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(device)
+        return replace(ANALYTIC["h100"], name=f"{props.name} bf16 (analytic)",
+                       device_bytes=float(props.total_memory))  # fmt: skip
+    return cpu_coefficients(base_bytes)
+
+
+def auto_capacity(model: MemoryModel, budget_bytes: float, cfg: MemoryConfig) -> int:
+    """``--capacity auto``: the largest micro-batch (tokens per rank) whose predicted peak fits
+    ``budget_bytes``. Raises ValueError when not even one block fits."""
+    tokens = model.max_tokens(budget_bytes, cfg)
+    if tokens == 0:
+        need = model.peak_bytes(cfg.block_size, cfg)
+        raise ValueError(
+            f"--capacity auto: --memory-budget {budget_bytes / GIB:.2f} GiB fits no micro-batch "
+            f"({cfg.block_size} tokens need {need / GIB:.2f} GiB, mostly weights and optimizer "
+            "state); raise the budget, shard with --parallel fsdp2, or give --capacity"
+        )
+    return tokens
+
+
 def with_budget_fraction(coefficients: MemoryCoefficients, fraction: float = 0.9) -> float:
     """The default memory budget on a GPU: ``fraction`` of its memory."""
     if coefficients.device_bytes is None:
@@ -297,8 +325,10 @@ __all__ = [
     "MemoryCoefficients",
     "MemoryConfig",
     "MemoryModel",
+    "auto_capacity",
     "cpu_coefficients",
     "current_rss_bytes",
+    "device_coefficients",
     "parse_bytes",
     "with_budget_fraction",
 ]

@@ -11,9 +11,14 @@ from __future__ import annotations
 import torch
 
 
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a DistributedDataParallel wrapper (FSDP2 wraps in place)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
 def output_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(weight (V, H), bias (V,) or None)`` of the model's lm-head."""
-    head = model.get_output_embeddings()
+    head = _unwrap(model).get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
         raise ValueError(f"{type(model).__name__} has no output embedding (lm-head) weight")
     return head.weight, getattr(head, "bias", None)
@@ -28,7 +33,7 @@ def forward_hidden(model: torch.nn.Module, **inputs) -> torch.Tensor:
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
         captured.append(hidden)
 
-    handle = model.get_decoder().register_forward_hook(hook)
+    handle = _unwrap(model).get_decoder().register_forward_hook(hook)
     try:
         device = inputs["input_ids"].device
         out = model(**inputs, logits_to_keep=torch.zeros(0, dtype=torch.long, device=device))
