@@ -37,3 +37,12 @@ class FakeCost:
 
     def layer_other_seconds(self, num_tokens):
         return self.a * num_tokens / self.num_layers
+
+
+def fake_context(cost=None, per_node: int = 4, bandwidth: float = 1e9, **kwargs):
+    """A :class:`~sparsebalance.latency.context.ContextCost` over ``FakeCost`` (what ``sab-cp``
+    needs): ``per_node`` ranks per node, inter-node links 8x slower than ``bandwidth``."""
+    from sparsebalance.latency.context import ContextCost, Links
+
+    links = Links(bandwidth, bandwidth / 8, per_node, latency_s=1e-6, source="test")
+    return ContextCost(cost or FakeCost(), links, 64.0, 64.0, block_size=64, **kwargs)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from sparsebalance.batching import STRATEGIES, HistoryEstimator, PlanConfig, plan_batch
 from sparsebalance.workload import Sample
-from tests.batching.fake_cost import FakeCost
+from tests.batching.fake_cost import FakeCost, fake_context
 
 MODES = [pytest.param({"micro_batches": 3}, id="M3"), pytest.param({"capacity": 4096}, id="C4k")]
 
@@ -38,22 +38,26 @@ def token_count(plan):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_sample_exactly_once(strategy, mode):
     samples, dens = random_batch(97, seed=1)
-    plan = plan_batch(samples, FakeCost(), PlanConfig(5, strategy=strategy, **mode), dens)
+    cost = fake_context() if strategy == "sab-cp" else FakeCost()
+    plan = plan_batch(samples, cost, PlanConfig(5, strategy=strategy, **mode), dens)
     assert plan.num_ranks == 5
     placed = [sid for rank in plan.ranks for mb in rank for sid in mb.sample_ids]
     assert sorted(placed) == sorted(s.id for s in samples)
     assert token_count(plan) == {s.id: s.num_tokens for s in samples}
+    # CP units (sab-cp) are checked in test_context.py; here the one-rank micro-batches.
+    units = plan.rank_units or [[-1] * len(rank) for rank in plan.ranks]
     if "micro_batches" in mode:
-        assert all(len(rank) <= 3 for rank in plan.ranks)
+        assert all(sum(u < 0 for u in us) <= 3 for us in units)
     else:
         assert all(mb.num_tokens <= 4096 for rank in plan.ranks for mb in rank)
     assert plan.metrics.max_time >= plan.metrics.lower_bound * (1 - 1e-12)
     assert len(plan.rank_times) == 5
     assert np.isclose(max(plan.rank_times), plan.metrics.max_time)
     # Times are the cost model's own predictions of each micro-batch.
-    for rank, times in zip(plan.ranks, plan.microbatch_times, strict=True):
-        for mb, t in zip(rank, times, strict=True):
-            assert t == pytest.approx(FakeCost().predict(mb.lengths, mb.densities))
+    for rank, times, us in zip(plan.ranks, plan.microbatch_times, units, strict=True):
+        for mb, t, u in zip(rank, times, us, strict=True):
+            if u < 0:
+                assert t == pytest.approx(FakeCost().predict(mb.lengths, mb.densities))
 
 
 def test_overlong_split_truncate_skip():
@@ -149,13 +153,19 @@ HASH_SCRIPT = """
 import numpy as np
 from sparsebalance.batching import PlanConfig, plan_batch
 from sparsebalance.workload import Sample
-from tests.batching.fake_cost import FakeCost
+from tests.batching.fake_cost import FakeCost, fake_context
 rng = np.random.default_rng(7)
 lens = rng.integers(50, 5000, 300)
 samples = [Sample(i, int(n), "s%d" % (i % 4)) for i, n in enumerate(lens)]
 dens = rng.uniform(0.05, 1, 300)
 for mode in ({"micro_batches": 3}, {"capacity": 5000}):
     print(plan_batch(samples, FakeCost(), PlanConfig(16, strategy="sab", **mode), dens).hash())
+long = samples + [Sample(300 + i, 40000 + 997 * i) for i in range(3)]
+for mode in ({"micro_batches": 3}, {"capacity": 5000}):
+    plan = plan_batch(long, fake_context(), PlanConfig(16, strategy="sab-cp", **mode),
+                      np.concatenate([dens, [0.3, 0.2, 0.1]]))
+    assert plan.metrics.num_split_documents > 0
+    print(plan.hash())
 """
 
 
@@ -167,7 +177,7 @@ def test_deterministic_across_calls_and_processes():
         run = subprocess.run([sys.executable, "-c", HASH_SCRIPT], cwd=root, env=env,
                              capture_output=True, text=True, check=True)  # fmt: skip
         outs.append(run.stdout.split())
-    assert outs[0] == outs[1] and len(outs[0]) == 2
+    assert outs[0] == outs[1] and len(outs[0]) == 4
     rng = np.random.default_rng(7)
     lens = rng.integers(50, 5000, 300)
     samples = [Sample(i, int(n), f"s{i % 4}") for i, n in enumerate(lens)]

@@ -24,6 +24,7 @@ from .estimate import (
 )
 from .plan import Plan, PlanMetrics
 from .planner import OVERLONG, STRATEGIES, PlanConfig, plan_batch
+from .units import Unit, check_units
 
 __all__ = [
     "OVERLONG",
@@ -35,6 +36,8 @@ __all__ = [
     "PlanMetrics",
     "ProbeEstimator",
     "ProbeModel",
+    "Unit",
+    "check_units",
     "estimator_report",
     "mape",
     "plan_batch",

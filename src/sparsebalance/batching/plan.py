@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..workload import CostModel, MicroBatch
+from .units import PLACEMENT_WHOLE, Unit
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,13 @@ class PlanMetrics:
     """For ``sab``: ``cost`` (its own plan) or ``tokens`` (the fallback was predicted faster)."""
     plan_seconds: float = 0.0
     """Wall time spent planning (not part of :meth:`Plan.hash`)."""
+    num_split_documents: int = 0
+    """Documents (or ``--overlong`` chunks) run on a context-parallel unit of k > 1 ranks."""
+    cp_degrees: tuple[int, ...] = ()
+    """The CP degree k of every split document, largest first."""
+    comm_seconds: float = 0.0
+    """Predicted exposed communication (ring transfers, selection all-gather) of the rank that
+    has the most of it."""
 
 
 @dataclass(frozen=True)
@@ -79,18 +87,48 @@ class Plan:
     microbatch_times: tuple[tuple[float, ...], ...]
     rank_times: tuple[float, ...]
     metrics: PlanMetrics = field(compare=False)
+    units: tuple[Unit, ...] = ()
+    """The context-parallel units (k > 1) in slot order (see :mod:`.units`); empty for plans
+    without any. :meth:`execution` adds the one-rank micro-batches as units."""
+    rank_units: tuple[tuple[int, ...], ...] = ()
+    """Same nesting as ``ranks``: the index in ``units`` of each entry of ``ranks[r]``, -1 for a
+    one-rank micro-batch; empty when ``units`` is."""
 
     @property
     def num_ranks(self) -> int:
         return len(self.ranks)
 
-    def canonical(self) -> list:
-        """The assignment alone, as nested lists ``[rank][mb] -> [[id, offset, tokens], ...]``."""
-        return [
+    def canonical(self) -> list | dict:
+        """The assignment alone, as nested lists ``[rank][mb] -> [[id, offset, tokens], ...]``;
+        a plan with CP units adds them (``{"ranks": ..., "units": [...]}``), so a plan whose
+        units all have k = 1 hashes exactly as the data-parallel plan it equals."""
+        ranks = [
             [[[i, o, n] for i, o, n in zip(mb.sample_ids, offs, mb.lengths, strict=True)]
              for mb, offs in zip(rank, rank_offs, strict=True)]
             for rank, rank_offs in zip(self.ranks, self.offsets, strict=True)
         ]  # fmt: skip
+        cp = [u.canonical() for u in self.units]
+        return {"ranks": ranks, "units": cp} if cp else ranks
+
+    def execution(self) -> tuple[tuple[Unit, ...], tuple[tuple[int, ...], ...]]:
+        """``(units, rank_units)``: what a trainer runs — rank r runs ``units[j]`` for j in
+        ``rank_units[r]``, in order. CP units keep their slots ``0 .. U-1``; every one-rank
+        micro-batch becomes a unit with the next slot, rank by rank (see :mod:`.units`)."""
+        units = list(self.units)
+        rank_units = []
+        for r, (rank, offs, ts, idx) in enumerate(zip(
+            self.ranks, self.offsets, self.microbatch_times,
+            self.rank_units or [(-1,) * len(rank) for rank in self.ranks], strict=True,
+        )):  # fmt: skip
+            order = []
+            for mb, o, t, u in zip(rank, offs, ts, idx, strict=True):
+                if u < 0:
+                    u = len(units)
+                    units.append(Unit(u, (r,), PLACEMENT_WHOLE, "none", 1, mb.sample_ids, o,
+                                      mb.lengths, mb.densities, t))  # fmt: skip
+                order.append(u)
+            rank_units.append(tuple(order))
+        return tuple(units), tuple(rank_units)
 
     def hash(self) -> str:
         """16 hex digits of SHA-256 over the assignment (not the times): equal on every rank that
@@ -111,16 +149,23 @@ class Plan:
         """Metrics plus the hash, JSON-ready."""
         d = asdict(self.metrics)
         d["skipped_ids"] = list(d["skipped_ids"])
+        d["cp_degrees"] = list(d["cp_degrees"])
         return {"strategy": self.strategy, "hash": self.hash(), **d}
 
     def to_dict(self) -> dict:
-        """Everything, JSON-ready (the assignment as in :meth:`canonical`)."""
-        return {
+        """Everything, JSON-ready (the assignment as in :meth:`canonical`; hybrid plans add
+        ``units`` and ``rank_units``)."""
+        out = {
             **self.summary(),
             "assignment": self.canonical(),
             "microbatch_times": [list(t) for t in self.microbatch_times],
             "rank_times": list(self.rank_times),
         }
+        if self.units:
+            units, rank_units = self.execution()
+            out["units"] = [u.to_dict() for u in units]
+            out["rank_units"] = [list(o) for o in rank_units]
+        return out
 
 
 @dataclass(frozen=True)

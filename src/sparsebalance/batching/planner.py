@@ -14,7 +14,11 @@ Strategies (one interface, :data:`STRATEGIES`):
 - ``sab``: LPT on predicted seconds (density-aware, micro-batch overheads counted), refined by
   moves/swaps between the heaviest and the lightest ranks; the plain ``tokens`` plan is also
   timed and kept if it is predicted faster, so ``sab`` is never worse than ``tokens`` under the
-  same cost model (``metrics.candidate`` says which won).
+  same cost model (``metrics.candidate`` says which won);
+- ``sab-cp``: ``sab`` plus context parallelism per document (:mod:`.context`): long documents
+  run on units of k ranks when that shortens the step; never slower than ``sab`` (it times both).
+  Needs a :class:`~sparsebalance.latency.context.ContextCost`; ``--overlong`` applies above
+  ``R x C`` tokens only (shorter documents over C run on ``ceil(L / C)`` ranks or more).
 
 Inside a rank, ``sequential``/``sorted`` pack in order; the others balance their own key across
 the rank's micro-batches (the secondary objective). Only the cost model's protocol is used.
@@ -32,6 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..workload import CostModel, Sample
+from .context import CPResult, plan_cp
+from .cp_plan import build_cp_plan
 from .estimate import DensityEstimator
 from .plan import FlatPacks, Items, Plan, build_plan, flatten_packs, predict_packs
 from .strategies import (
@@ -45,7 +51,7 @@ from .strategies import (
     shard_contiguous,
 )
 
-STRATEGIES = ("sequential", "sorted", "tokens", "flops", "sab")
+STRATEGIES = ("sequential", "sorted", "tokens", "flops", "sab", "sab-cp")
 OVERLONG = ("split", "truncate", "skip")
 
 
@@ -63,7 +69,8 @@ class PlanConfig:
     """One of :data:`STRATEGIES` (``--strategy``)."""
     overlong: str = "split"
     """Documents longer than C (``--overlong``): ``split`` into C-token chunks trained as separate
-    documents, ``truncate`` to their first C tokens, or ``skip``. Counted in the metrics."""
+    documents, ``truncate`` to their first C tokens, or ``skip``. Counted in the metrics. With
+    ``sab-cp`` the limit is ``R x C`` (a unit of R ranks holds R x C tokens)."""
     local_search_iters: int | None = None
     """Most exchanges in ``sab``'s refinement (``--local-search-iters``); default 4 R + 64."""
     neighbors: int = 4
@@ -121,6 +128,13 @@ def plan_batch(
     lens = np.array([s.num_tokens for s in samples], dtype=np.int64)
     a = _assign(ids, lens, dens, cost_model, config)
     bound = _lower_bound(a.items, a.regime, config)
+    if a.cp is not None:
+        extra = {**a.extra, "plan_seconds": time.perf_counter() - t0}
+        return build_cp_plan(
+            config.strategy, a.cp, a.items, cost_model, config.capacity, a.overlong, extra
+        )
+    if "cp_bound" in a.extra:
+        bound = a.extra.pop("cp_bound")
     extra = {**a.extra, "plan_seconds": time.perf_counter() - t0}
     return build_plan(
         config.strategy, a.packs, a.items, a.times, bound, config.capacity, a.overlong, extra
@@ -142,6 +156,9 @@ class Assignment:
     regime: Regime
     overlong: dict
     extra: dict
+    cp: CPResult | None = None
+    """``sab-cp`` when its hybrid plan won (``packs``/``flat``/``times`` are then its
+    whole-document part); None otherwise."""
 
 
 def assign_batch(
@@ -166,6 +183,8 @@ def assign_batch(
 def _assign(ids, lens, dens, cost_model, config: PlanConfig) -> Assignment:
     items, overlong = _items(ids, lens, dens, cost_model, config)
     regime = Regime(config.micro_batches, config.capacity, float(cost_model.microbatch_overhead()))
+    if config.strategy == "sab-cp":
+        return _sab_cp(items, regime, cost_model, config, overlong)
     if config.strategy == "sab":
         packs, flat, times, extra = _sab(items, regime, cost_model, config)
     else:
@@ -197,6 +216,8 @@ def _items(ids, lens, dens, cost_model, config) -> tuple[Items, dict]:
     offs = np.zeros_like(lens)
     stats = {"num_overlong": 0, "num_split_chunks": 0, "truncated_tokens": 0, "skipped_ids": ()}
     cap = config.capacity
+    if cap is not None and config.strategy == "sab-cp":
+        cap = cap * config.world_size  # a unit of R ranks holds R x C tokens
     if cap is not None:
         if cap < lens.min():
             raise ValueError(
@@ -276,3 +297,29 @@ def _sab(items: Items, regime: Regime, cost_model, config: PlanConfig):
         extra = {"local_search_moves": 0, "candidate": "tokens"}
         return tokens_packs, tokens_flat, tokens_times, extra
     return packs, flat, times, {"local_search_moves": moves, "candidate": "cost"}
+
+
+def _sab_cp(items: Items, regime: Regime, cost_model, config: PlanConfig, overlong: dict):
+    """``sab`` and the best hybrid plan of :func:`~sparsebalance.batching.context.plan_cp`; the
+    hybrid one is kept only if predicted strictly faster (or if memory forces splits)."""
+    if not hasattr(cost_model, "table"):
+        raise ValueError(
+            "--strategy sab-cp needs a ContextCost (sparsebalance.latency.context) as the cost "
+            "model: it prices documents split over k ranks"
+        )
+    r = config.world_size
+    iters = 4 * r + 64 if config.local_search_iters is None else config.local_search_iters
+    forced = regime.capacity is not None and bool((items.tokens > regime.capacity).any())
+    sab = None
+    if not forced:
+        sab = _sab(items, regime, cost_model, config)
+    sab_time = float(sab[2][1].max()) if sab is not None else np.inf
+    cp = plan_cp(items, regime, cost_model, r, iters, config.neighbors, sab_time)
+    if cp is not None and (forced or cp.rank_times.max() < sab_time * (1 - 1e-12)):
+        extra = {"local_search_moves": cp.local_search_moves, "candidate": "cp"}
+        return Assignment(cp.packs, cp.flat, items, cp.dp_times, regime, overlong, extra, cp)
+    packs, flat, times, extra = sab
+    extra = {**extra, "candidate": f"sab/{extra['candidate']}"}
+    if cp is not None:
+        extra["cp_bound"] = cp.lower_bound
+    return Assignment(packs, flat, items, times, regime, overlong, extra)

@@ -69,15 +69,22 @@ def _split_even(items: list, parts: int) -> list[list]:
 
 
 def lpt_ranks(
-    key: np.ndarray, num_ranks: int, regime: Regime | None = None, tokens: np.ndarray | None = None
+    key: np.ndarray,
+    num_ranks: int,
+    regime: Regime | None = None,
+    tokens: np.ndarray | None = None,
+    base: list[float] | None = None,
 ) -> RankItems:
     """Longest-processing-time greedy: items by decreasing ``key``, each to the least-loaded rank.
 
-    With ``regime`` (and ``tokens``) a rank's load also counts its micro-batch overheads. LPT is
+    With ``regime`` (and ``tokens``) a rank's load also counts its micro-batch overheads; ``base``
+    ``(R,)`` is load a rank already carries (its context-parallel units), 0 by default. LPT is
     within 4/3 of the optimal maximum. O(N log N + N log R).
     """
     ranks: RankItems = [[] for _ in range(num_ranks)]
-    heap = [(0.0, r) for r in range(num_ranks)]  # already a heap
+    base = [0.0] * num_ranks if base is None else [float(b) for b in base]
+    heap = [(base[r], r) for r in range(num_ranks)]
+    heapq.heapify(heap)  # a no-op order for equal loads
     order = descending(key).tolist()
     keys = key.tolist()  # Python floats: numpy scalar indexing would dominate the loop
     # heap[0] then heapreplace: one sift instead of a pop and a push. Entries are distinct by
@@ -89,7 +96,7 @@ def lpt_ranks(
             heapq.heapreplace(heap, (load + keys[i], r))
         return ranks
     toks_of = tokens.tolist()
-    sums, toks = [0.0] * num_ranks, [0] * num_ranks
+    sums, toks = list(base), [0] * num_ranks
     c0, m, cap = regime.overhead, regime.micro_batches, regime.capacity
     for i in order:
         r = heap[0][1]
@@ -110,9 +117,11 @@ def local_search(
     regime: Regime,
     max_iters: int,
     neighbors: int = 4,
+    base: list[float] | None = None,
 ) -> tuple[RankItems, int]:
     """Lower the maximum rank load by moves and swaps between the heaviest rank and the
     ``neighbors`` lightest ones. Returns the new assignment and the number of exchanges made.
+    ``base`` ``(R,)``: fixed load per rank that no exchange moves (context-parallel units).
 
     Per step, for the heaviest rank h and each light rank l in turn: the best single move of an
     item h -> l (O(n_h)) and the best swap (for each item of h, the two items of l whose cost is
@@ -133,7 +142,8 @@ def local_search(
         return min(count, m) if cap is None else -(-tok // cap)
 
     num_ranks = len(ranks)
-    sums = [sum(costs[i] for i in rk) for rk in ranks]
+    fixed = [0.0] * num_ranks if base is None else [float(b) for b in base]
+    sums = [fixed[r] + sum(costs[i] for i in rk) for r, rk in enumerate(ranks)]
     toks = [sum(toks_of[i] for i in rk) for rk in ranks]
     load = [sums[r] + c0 * nmb(len(ranks[r]), toks[r]) for r in range(num_ranks)]
     version = [0] * num_ranks
@@ -167,7 +177,7 @@ def local_search(
         i, j, l = best
         _exchange(ranks, h, l, i, j)
         for r in (h, l):
-            sums[r] = sum(costs[x] for x in ranks[r])
+            sums[r] = fixed[r] + sum(costs[x] for x in ranks[r])
             toks[r] = sum(toks_of[x] for x in ranks[r])
             load[r] = sums[r] + c0 * nmb(len(ranks[r]), toks[r])
             version[r] += 1

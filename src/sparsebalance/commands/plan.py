@@ -24,7 +24,7 @@ import numpy as np
 
 from ..batching import OVERLONG, STRATEGIES, HistoryEstimator, PlanConfig, plan_batch
 from ..data import read_lengths
-from ..latency import ACCELERATORS, load_cost_model
+from ..latency import ACCELERATORS, context_cost, load_cost_model
 from ..results import markdown_table
 
 
@@ -68,6 +68,10 @@ def main(args: argparse.Namespace) -> int:
         samples = [samples[i] for i in order]
         densities = None if densities is None else densities[order]
     cost_model, cost_name = load_cost_model(args.profile, args.model, args.accelerator)
+    # sab-cp prices split documents with link speeds (the profile's measured ones, else the
+    # analytic --accelerator's); every other strategy sees the plain latency model through it.
+    cost_model = context_cost(cost_model, args.accelerator)
+    cost_name += f"; links {cost_model.links.source}"
     source = "file" if densities is not None else "HistoryEstimator prior"
     kwargs = (
         {"densities": densities} if densities is not None else {"estimator": HistoryEstimator()}
@@ -107,12 +111,24 @@ def main(args: argparse.Namespace) -> int:
 def format_table(plans: list) -> str:
     """One row per strategy; times in milliseconds."""
     headers = ["strategy", "max ms", "mean ms", "lower bound ms", "efficiency", "gap to bound",
-               "micro-batches", "capacity waste", "plan ms", "hash"]  # fmt: skip
+               "micro-batches", "capacity waste", "split docs", "CP degrees", "comm ms",
+               "plan ms", "hash"]  # fmt: skip
     rows = [
         [p.strategy, p.metrics.max_time * 1e3, p.metrics.mean_time * 1e3,
          p.metrics.lower_bound * 1e3, p.metrics.efficiency, p.metrics.gap_to_bound,
-         p.metrics.num_microbatches, p.metrics.capacity_waste, p.metrics.plan_seconds * 1e3,
-         p.hash()]
+         p.metrics.num_microbatches, p.metrics.capacity_waste, p.metrics.num_split_documents,
+         _degrees(p.metrics.cp_degrees), p.metrics.comm_seconds * 1e3,
+         p.metrics.plan_seconds * 1e3, p.hash()]
         for p in plans
     ]  # fmt: skip
     return markdown_table(headers, rows)
+
+
+def _degrees(degrees: tuple[int, ...]) -> str:
+    """``(4, 4, 2)`` -> ``"4x2, 2x1"`` (degree x count); ``-`` when nothing is split."""
+    if not degrees:
+        return "-"
+    counts: dict[int, int] = {}
+    for k in degrees:
+        counts[k] = counts.get(k, 0) + 1
+    return ", ".join(f"{k}x{n}" for k, n in counts.items())

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..latency import LatencyModel, analytic_profile, fingerprint, load_profile
+from ..latency import ACCELERATORS, LatencyModel, analytic_profile, fingerprint, load_profile
 from ..latency.measure import (
     DTYPES,
     default_grid,
@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--analytic",
-        choices=["h100", "h200"],
+        choices=sorted(ACCELERATORS),
         default=None,
         help="write an analytic (FLOP-count) profile for this GPU instead of measuring",
     )

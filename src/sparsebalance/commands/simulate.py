@@ -18,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..latency import ACCELERATORS
 from ..models import BUILTIN_MODELS
 from ..results import markdown_table
 from ..simulate import BUILTIN, DEFAULT_STRATEGIES, LengthDistribution, SimConfig, SparsityModel
@@ -54,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     cost = p.add_mutually_exclusive_group()
     cost.add_argument("--profile", metavar="P", help="measured latency profile")
-    cost.add_argument("--analytic", choices=("h100", "h200"), default="h100")
+    cost.add_argument("--analytic", choices=sorted(ACCELERATORS), default="h100")
     p.add_argument("--model", default="qwen2.5-0.5b", help=f"one of {', '.join(BUILTIN_MODELS)}")
     p.add_argument("--efficiency", type=float, default=0.45, help="GEMM fraction of peak")
     p.add_argument("--attention-efficiency", type=float, default=0.35)

@@ -17,6 +17,7 @@ import torch
 
 from ..models import ModelShapes, load_shapes
 from .analytic import ACCELERATORS, allreduce_seconds, analytic_profile
+from .context import ContextCost, Links, analytic_links, context_cost, links_from_profile
 from .model import LatencyModel
 from .profile import Profile, ProfileMismatchWarning, fingerprint, load_profile
 
@@ -76,13 +77,18 @@ def load_cost_model(
 
 __all__ = [
     "ACCELERATORS",
+    "ContextCost",
     "LatencyModel",
+    "Links",
     "Profile",
     "ProfileMismatchWarning",
     "allreduce_seconds",
+    "analytic_links",
     "analytic_profile",
+    "context_cost",
     "default_latency_model",
     "fingerprint",
+    "links_from_profile",
     "load_cost_model",
     "load_profile",
 ]

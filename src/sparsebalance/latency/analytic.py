@@ -34,11 +34,23 @@ class Accelerator:
     intra_node_bytes_per_s: float  # per-GPU all-reduce bus bandwidth inside a node (NVLink)
     inter_node_bytes_per_s: float  # per-GPU bandwidth across nodes (InfiniBand)
     gpus_per_node: int = 8
+    p2p_intra_bytes_per_s: float = 450e9
+    """One direction of a GPU's NVLink, point to point (what a context-parallel ring step uses)."""
 
 
+# NVLink per direction: 450 GB/s (NVLink 4, H100/H200), 300 GB/s (NVLink 3, A100); InfiniBand
+# per GPU: 400 Gb/s NDR ~ 45 GB/s effective (H100/H200), 200 Gb/s HDR ~ 22.5 GB/s (A100).
 ACCELERATORS = {
     "h100": Accelerator("NVIDIA H100 SXM (analytic)", 989e12, 3.35e12, 360e9, 45e9),
     "h200": Accelerator("NVIDIA H200 SXM (analytic)", 989e12, 4.8e12, 360e9, 45e9),
+    "a100": Accelerator(
+        "NVIDIA A100 SXM 80GB (analytic)",
+        312e12,
+        2.04e12,
+        240e9,
+        22.5e9,
+        p2p_intra_bytes_per_s=300e9,
+    ),
 }
 
 
