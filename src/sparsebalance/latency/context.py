@@ -22,7 +22,7 @@ backward:
 - ``imbalance >= 1``: the striped placement's ring time over perfect balance. Default 1.04 flat
   and 1.11 hierarchical: the worst striped cases of ``benchmarks/results/2026-11-22-ring-balance-
   cpu.md`` (computed from ``ring_work`` on vertical-slash layouts), a calibrated constant; or
-  :func:`estimate_ring_imbalance` on an estimated layout.
+  :func:`sparsebalance.parallel.imbalance.estimate_ring_imbalance` on an estimated layout.
 
 At k = 1, ``t`` is exactly ``base.predict_many([[L]], [[d]])`` (today's micro-batch cost).
 Memory: a rank holds ``ceil(L / k)`` tokens, so ``k >= ceil(L / capacity)`` (:func:`min_degree`).
@@ -294,27 +294,3 @@ def context_cost(model, accelerator: str = "h100", shapes=None, **kwargs) -> Con
     elem = 4 if fp.get("dtype") == "fp32" else 2
     kwargs.setdefault("block_size", int(fp.get("block_size", 128)))
     return ContextCost.for_shapes(model, shapes, links, elem_bytes=elem, **kwargs)
-
-
-def estimate_ring_imbalance(
-    seq_len: int,
-    density: float,
-    degree: int,
-    placement: str = "striped",
-    block_size: int = 128,
-    inner_size: int | None = None,
-    num_heads: int = 2,
-    seed: int = 0,
-) -> float:
-    """``imbalance(ring_work(layout, placement))["ring"]`` on a vertical-slash layout of one
-    document (an estimated layout: the pattern MInference / MTraining report). Costs one
-    ``(heads, nb, nb)`` block mask: keep ``seq_len / block_size`` to a few thousand."""
-    import torch
-
-    from ..parallel.layouts import imbalance, make_placement, ring_work
-    from ..parallel.patterns import vertical_slash_layout
-
-    cu = torch.tensor([0, seq_len], dtype=torch.int32)
-    layout = vertical_slash_layout(cu, num_heads, block_size, density, seed=seed)
-    pl = make_placement(placement, seq_len, block_size, degree)
-    return float(imbalance(ring_work(layout, pl, inner_size), inner_size)["ring"])
