@@ -93,3 +93,24 @@ def test_bad_inputs_raise():
         curve.density(0.5, 1.5)
     with pytest.raises(ValueError, match="one shape"):
         DensityCurve.fit(0.9, [0.5], [0.5, 0.6], [0.1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(curve=curves, d0=st.floats(1e-3, 1.0), g=st.floats(0.05, 0.999))
+def test_d0_for_inverts_density_in_d0(curve, d0, g):
+    measured = float(curve.density(d0, g))
+    if measured <= 1e-12 or (measured >= 1.0 and d0 < 1.0):  # floored or rounded to dense
+        return
+    assert float(curve.d0_for(measured, g)) == pytest.approx(d0, rel=1e-6)
+
+
+def test_d0_for_broadcasts_and_rejects_gamma_one():
+    curve = DensityCurve(gamma0=0.9)
+    dens = np.array([[0.2, 0.5], [0.3, 0.6]])  # (layers, documents)
+    gam = np.array([[0.8], [0.95]])  # (layers, 1)
+    np.testing.assert_allclose(curve.d0_for(dens, gam), dens ** (1.0 / curve.exponent(gam)))
+    assert curve.d0_for(0.5, 0.9) == pytest.approx(0.5)  # at gamma0 the density is d0
+    with pytest.raises(ValueError, match="gamma = 1"):
+        curve.d0_for(0.5, 1.0)
+    with pytest.raises(ValueError, match="density"):
+        curve.d0_for(0.0, 0.5)

@@ -19,6 +19,7 @@ from pathlib import Path
 from ..batching import OVERLONG, STRATEGIES
 from ..data.mixture import parse_mixture
 from ..tuning import DSTConfig, add_dst_arguments
+from .parallelize import MEASURE_BUBBLE, PARALLEL
 
 
 @dataclass
@@ -70,7 +71,11 @@ class TrainConfig:
     """Global gradient-norm clip (0 = off)."""
     seed: int = 0
     parallel: str = "ddp"
-    """ddp (replicated, one bucketed gradient all-reduce per step) | fsdp2 (fully_shard)."""
+    """ddp (replicated: DistributedDataParallel) | fsdp2 (fully_shard on every decoder layer)."""
+    measure_bubble: str = "overlap"
+    """How the gradient sync runs and the bubble is measured: overlap (the sync overlaps the last
+    micro-batch's backward; bubble from per-rank timestamps) | exact (a barrier, then a separate
+    all-reduce: bubble and sync timed apart, no overlap)."""
     emulate_ranks: int = 0
     """Emulate this many data-parallel ranks in one process (each rank's micro-batches run in turn
     and are timed alone; step time = slowest rank + sync): measures imbalance on one device."""
@@ -108,8 +113,12 @@ class TrainConfig:
             raise ValueError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.overlong not in OVERLONG:
             raise ValueError(f"--overlong must be one of {OVERLONG}, got {self.overlong!r}")
-        if self.parallel not in ("ddp", "fsdp2"):
-            raise ValueError(f"--parallel must be ddp or fsdp2, got {self.parallel!r}")
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"--parallel must be one of {PARALLEL}, got {self.parallel!r}")
+        if self.measure_bubble not in MEASURE_BUBBLE:
+            raise ValueError(
+                f"--measure-bubble must be one of {MEASURE_BUBBLE}, got {self.measure_bubble!r}"
+            )
         if self.schedule not in ("cosine", "linear", "constant"):
             raise ValueError(
                 f"--schedule must be cosine, linear or constant, got {self.schedule!r}"

@@ -81,31 +81,3 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def allreduce_gradients(
-    params: list[torch.nn.Parameter], world_size: int, bucket_elems: int = 1 << 24
-) -> None:
-    """Average gradients over ranks with a few flat buckets (what DDP's reducer does, without its
-    overlap with the backward: SparseBalance times compute, wait and sync separately). A rank that
-    had no document this step joins with zero gradients."""
-    if world_size <= 1:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    bucket: list[torch.Tensor] = []
-    size = 0
-    grads = [p.grad for p in params]
-    for i, g in enumerate(grads):
-        bucket.append(g)
-        size += g.numel()
-        if size >= bucket_elems or i == len(grads) - 1:
-            flat = torch.cat([b.reshape(-1) for b in bucket])
-            dist.all_reduce(flat)
-            flat /= world_size
-            offset = 0
-            for b in bucket:
-                b.copy_(flat[offset : offset + b.numel()].view_as(b))
-                offset += b.numel()
-            bucket, size = [], 0

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .records import StepResult
+
 
 class Telemetry:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, is_main: bool, label: str):
@@ -36,13 +38,14 @@ class Telemetry:
         except ImportError:  # tensorboard is optional
             self._tb = None
 
-    def log(self, step: int, per_rank: list[dict], summary: dict) -> None:
+    def log(self, step: int, result: StepResult) -> None:
         """Append every rank's record; update the bar with the step summary (rank 0 only)."""
         if not self.is_main:
             return
+        summary = result.summary.to_json()
         with self.path.open("a") as f:
-            for rec in per_rank:
-                f.write(json.dumps({"step": step, **rec}) + "\n")
+            for rec in result.records:
+                f.write(json.dumps({"step": step, **rec.to_json()}) + "\n")
             f.write(json.dumps({"step": step, "rank": "all", **summary}) + "\n")
         if self._bar is not None:
             self._bar.set_postfix(

@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..batching import HistoryEstimator
 from ..data import load_corpus, load_tokenizer
@@ -23,8 +21,11 @@ from ..tuning import DSTTuner
 from ..workload import Sample
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, to_dict
+from .execute import RankExecutor
+from .parallelize import parallelize
+from .records import StepResult
 from .runtime import Runtime, rng_state, seed_everything, set_rng_state
-from .step import train_step
+from .step import StepRunner
 from .telemetry import Telemetry
 
 
@@ -97,11 +98,18 @@ class Trainer:
         shapes = ModelShapes.from_hf_config(self.model.config.to_dict(), name=Path(cfg.model).name)
         self.latency = self._latency_model(shapes)
         self.estimator = HistoryEstimator()
-        self.tuner = DSTTuner(cfg.dst)
-        self._parallelize()
+        self.par = parallelize(self.model, rt, cfg.parallel, cfg.measure_bubble)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        time_layers = not cfg.deterministic and rt.device.type == "cpu"
+        executor = RankExecutor(self.par, corpus.docs, self.latency, cfg.dst, rt.device,
+                                cfg.block_size, cfg.backend, cfg.per_doc_loss_weighting,
+                                time_layers)  # fmt: skip
+        self.runner = StepRunner(
+            cfg, rt, self.num_ranks, self.latency, self.estimator, DSTTuner(cfg.dst), self.par,
+            executor, self.params, self.optimizer, self.scheduler, self.sample,
+        )  # fmt: skip
         self.step, self.epoch, self.cursor = 0, 0, 0
         self.order = self._epoch_order(0)
         earlier = [
@@ -147,19 +155,6 @@ class Trainer:
         data = self.rt.all_gather_object(profile.to_json() if profile is not None else None)[0]
         return LatencyModel(Profile.from_json(data))
 
-    def _parallelize(self) -> None:
-        if self.cfg.parallel == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-
-            if not self.rt.distributed:
-                raise ValueError("--parallel fsdp2 needs several processes (--nproc >= 2)")
-            for layer in self.model.model.layers:
-                fully_shard(layer)
-            fully_shard(self.model)
-        elif self.rt.distributed:  # replicas start identical: broadcast rank 0's parameters
-            for p in self.model.parameters():
-                dist.broadcast(p.data, 0)
-
     def _lr_factor(self, step: int) -> float:
         cfg = self.cfg
         if step < cfg.warmup_steps:
@@ -185,34 +180,24 @@ class Trainer:
         self.cursor += g
         return [Sample(int(i), len(self.corpus.docs[i]), self.corpus.sources[i]) for i in ids]
 
-    def label_weight(self, mb, offsets) -> float:
-        """Total loss weight of a micro-batch (what its loss sum is normalised by)."""
-        if self.cfg.per_doc_loss_weighting:
-            return float(sum(1 for n in mb.lengths if n > 1))
-        return float(sum(n - 1 for n in mb.lengths))
+    def sample(self, index: int) -> Sample:
+        """The corpus document ``index`` as a :class:`Sample`."""
+        return Sample(index, len(self.corpus.docs[index]), self.corpus.sources[index])
 
-    # ------------------------------------------------------------------ feedback
-    def feedback(self, per_rank: list[list[tuple]]) -> None:
-        """Fold every rank's measurements in, in rank order, so all ranks stay identical."""
-        curve = self.tuner.curve
-        by_sample: dict[int, list[float]] = defaultdict(list)
-        for rank_items in per_rank:
-            for lengths, layer_dens, seconds, sample_ids, gammas in rank_items:
-                if not self.cfg.deterministic and seconds > 0:
-                    self.latency.update(lengths, np.asarray(layer_dens), seconds)
-                dens = np.clip(np.asarray(layer_dens), 1e-6, 1.0)  # (layers, N)
-                g = np.asarray(gammas)
-                informative = g < 1.0  # at gamma = 1 every block is kept: no density signal
-                if not informative.any():
-                    continue
-                exps = curve.exponent(g[informative])[:, None]
-                d0 = np.clip(dens[informative] ** (1.0 / exps), 1e-6, 1.0).mean(0)  # at gamma0
-                for sid, d in zip(sample_ids, d0, strict=True):
-                    by_sample[sid].append(float(d))
-        if by_sample:
-            ids = sorted(by_sample)
-            samples = [Sample(i, len(self.corpus.docs[i]), self.corpus.sources[i]) for i in ids]
-            self.estimator.observe(samples, [float(np.mean(by_sample[i])) for i in ids])
+    @property
+    def tuner(self) -> DSTTuner:
+        """DST's step-level tuner (replaceable: the accuracy benchmark's dense variant)."""
+        return self.runner.tuner
+
+    @tuner.setter
+    def tuner(self, tuner: DSTTuner) -> None:
+        self.runner.tuner = tuner
+
+    def run_step(self) -> StepResult:
+        """One step on the next global batch (:class:`StepRunner`); advances ``self.step``."""
+        result = self.runner.run(self.next_batch(), self.step + 1)
+        self.step += 1
+        return result
 
     # ------------------------------------------------------------------ checkpoints
     def _state(self) -> dict:
@@ -237,7 +222,7 @@ class Trainer:
             self._state(),
             rngs,
             self.rt.is_main,
-            fsdp=self.cfg.parallel == "fsdp2",
+            fsdp=self.par.sharded,
         )
         self.rt.barrier()
 
@@ -245,9 +230,8 @@ class Trainer:
         path = latest_checkpoint(self.run_dir)
         if path is None:
             raise ValueError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}")
-        state = load_checkpoint(
-            path, self.model, self.optimizer, self.scheduler, fsdp=self.cfg.parallel == "fsdp2"
-        )
+        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler,
+                                fsdp=self.par.sharded)  # fmt: skip
         tr = state["trainer"]
         self.step, self.epoch, self.cursor = tr["step"], tr["epoch"], tr["cursor"]
         self.order = self._epoch_order(self.epoch)
@@ -271,10 +255,9 @@ class Trainer:
         summaries = []
         try:
             while self.step < cfg.steps:
-                per_rank, summary = train_step(self, self.next_batch())
-                self.step += 1
-                tel.log(self.step, per_rank, summary)
-                summaries.append(summary)
+                result = self.run_step()
+                tel.log(self.step, result)
+                summaries.append(result.summary.to_json())
                 if (
                     cfg.checkpoint_every
                     and self.step % cfg.checkpoint_every == 0

@@ -9,11 +9,10 @@ ctl.observe(mb, layer, seconds)                  # closed loop
 ```
 
 Modules: ``curve`` (density vs gamma), ``dst`` (config, step level), ``layer`` (closed-loop
-controller), ``distributed`` (one all-gather), ``records`` (what was decided and measured).
+controller), ``records`` (what was decided and measured).
 """
 
 from .curve import DensityCurve
-from .distributed import decide_distributed, gather_rank_values
 from .dst import ANCHORS, MODES, DSTConfig, DSTTuner, RankWorkload, add_dst_arguments
 from .layer import LayerController
 from .plan_workload import PlanWorkload
@@ -42,6 +41,4 @@ __all__ = [
     "StepTargets",
     "add_dst_arguments",
     "bubbles",
-    "decide_distributed",
-    "gather_rank_values",
 ]

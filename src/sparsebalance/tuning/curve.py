@@ -16,7 +16,9 @@ with one exponent ``alpha`` below ``gamma0`` and one above it (both 1.0 by defau
 The default is a prior, not a measurement: :meth:`DensityCurve.fit` estimates both exponents from
 measured ``(gamma, density)`` pairs (for instance ``BlockMassEstimate.density`` at a few gammas),
 least squares on ``log e``. The inverse, :meth:`DensityCurve.gamma_for`, gives the gamma that
-reaches a target density. Everything is vectorized numpy and broadcasts like ufuncs.
+reaches a target density, and :meth:`DensityCurve.d0_for` recovers ``d0`` from a density
+measured at any gamma below 1 (the trainer's feedback into the density estimator). Everything is
+vectorized numpy and broadcasts like ufuncs.
 """
 
 from __future__ import annotations
@@ -86,6 +88,19 @@ class DensityCurve:
         with np.errstate(over="ignore"):
             gamma = 1.0 - (1.0 - self.gamma0) * e_star ** (1.0 / alpha)
         return np.clip(gamma, _TINY, 1.0)
+
+    def d0_for(self, density: ArrayLike, gamma: ArrayLike) -> np.ndarray:
+        """The density at ``gamma0`` of documents measured at ``density`` under ``gamma``: the
+        inverse of :meth:`density` in ``d0`` (``density ** (1 / e(gamma))``).
+
+        ``density`` in (0, 1] and ``gamma`` in (0, 1) broadcast; float64 result in [1e-12, 1].
+        ``gamma == 1`` keeps every block, so its density says nothing about ``d0``: ValueError.
+        """
+        density = _check_density(density, "density")
+        g = _check_gamma(gamma)
+        if np.any(g >= 1.0):
+            raise ValueError("d0_for: gamma = 1 keeps every block and carries no density signal")
+        return np.clip(density ** (1.0 / self.exponent(g)), _TINY, 1.0)
 
     @classmethod
     def fit(

@@ -12,8 +12,7 @@ The rule (``mode="bidirectional"``):
    whose predicted time is ``<= (1 + p) T*`` (bisection on the monotone predicted time), or
    ``gamma_min`` when even that is above.
 3. ``T'`` = max over ranks after the cuts. A cut rank counts as ``max((1 + p) T*, time at
-   gamma_min)``, the value its cut aims at, so ``T'`` follows from two numbers per rank and every
-   rank can compute it after one small all-gather (:mod:`sparsebalance.tuning.distributed`).
+   gamma_min)``, the value its cut aims at, so ``T'`` follows from two numbers per rank.
 4. Every other rank whose time is below ``T'`` gets the largest gamma in ``[gamma0, gamma_max]``
    whose predicted time is ``<= T'``: it fills its bubble and never becomes the new straggler.
 
@@ -137,7 +136,9 @@ def add_dst_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class RankWorkload:
-    """One rank's micro-batches as padded ``(M, K)`` arrays, priced at any gamma.
+    """One rank's micro-batches as padded ``(M, K)`` arrays, priced at any gamma: the scalar
+    reference that :class:`PlanWorkload` (all ranks at once, what :meth:`DSTTuner.decide` uses)
+    is tested against, bit for bit, through :meth:`DSTTuner.decide_rank`.
 
     ``lengths`` int64 ``(M, K)`` (0 = empty slot) and ``d0`` float64 ``(M, K)`` (1.0 in empty
     slots); ``seconds(gamma)`` is ``sum(cost_model.predict_many(lengths, curve(d0, gamma)))``.
@@ -255,7 +256,8 @@ class DSTTuner:
         cost_model: CostModel,
         targets: StepTargets,
     ) -> RankDecision:
-        """One rank's budget given the shared ``targets`` (needs only its own micro-batches)."""
+        """One rank's budget given the shared ``targets`` (needs only its own micro-batches):
+        the per-rank reference of :meth:`decide`, one scalar bisection per rank."""
         cfg = self.config
         w = self.workload(microbatches, cost_model)
         role = targets.roles[rank]

@@ -1,0 +1,200 @@
+"""The one parallelism seam: :func:`parallelize` applies DDP or FSDP2 to the model and returns a
+:class:`Parallelized` that the step asks *how* to run and sync its micro-batches. Nothing else
+in the trainer looks at ``--parallel`` (context parallelism plugs in here next).
+
+Gradient sync, ``--measure-bubble``:
+
+- ``overlap`` (default): DDP's reducer (``torch.nn.parallel.DistributedDataParallel``) all-reduces
+  gradient buckets while the last micro-batch's backward still runs; earlier micro-batches run
+  under ``no_sync()``. FSDP2 reduce-scatters in the last backward the same way. The bubble is
+  derived afterwards from per-rank timestamps (one all-gather, no barrier in the hot path).
+- ``exact``: every micro-batch runs without sync, then a barrier (its wait is the bubble) and one
+  bucketed all-reduce (timed alone): bubble and sync measured apart, for experiments.
+
+Both modes compute the same weights: on 2 ranks bit for bit (``a / 2 + b / 2 == (a + b) / 2`` in
+binary floating point), on more ranks within rounding (the summation order of the all-reduce).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .runtime import Runtime
+
+PARALLEL = ("ddp", "fsdp2")
+MEASURE_BUBBLE = ("overlap", "exact")
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks, found as Hugging Face tooling does: instances of the classes
+    ``model._no_split_modules`` names (``Qwen2DecoderLayer``, ``LlamaDecoderLayer``, ...),
+    outermost first, never one nested inside another."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if not names:
+        raise ValueError(
+            f"--parallel fsdp2: {type(model).__name__} names no _no_split_modules, so its "
+            "decoder layers cannot be found to shard them"
+        )
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in names and not any(
+            name.startswith(prefix + ".") for prefix, _ in found
+        ):
+            found.append((name, module))
+    if not found:
+        raise ValueError(
+            f"--parallel fsdp2: no module of {sorted(names)} (the model's _no_split_modules) "
+            f"in {type(model).__name__}"
+        )
+    return [m for _, m in found]
+
+
+class _ReadyClock:
+    """DDP comm hook state: stamps when each gradient bucket is handed to the all-reduce (the
+    last stamp of a backward = this rank's gradients are computed), then runs the default hook."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+
+    @staticmethod
+    def hook(state, bucket):  # no annotations: DDP checks them against the real classes
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        state.last = time.perf_counter()
+        return allreduce_hook(None, bucket)
+
+
+@dataclass
+class Parallelized:
+    """A model made parallel, and how a step runs and syncs its micro-batches on it."""
+
+    model: nn.Module
+    """What the forward calls: the DDP wrapper, the FSDP2-sharded model, or the model itself."""
+    module: nn.Module
+    """The Hugging Face model underneath (state-dict keys without DDP's ``module.`` prefix)."""
+    kind: str
+    """``"single"`` (one process), ``"ddp"`` or ``"fsdp2"``."""
+    measure_bubble: str
+    """``"overlap"`` or ``"exact"`` (see the module docstring)."""
+    world_size: int
+    _clock: _ReadyClock | None = None
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters are sharded (checkpoints gather full state dicts collectively)."""
+        return self.kind == "fsdp2"
+
+    @property
+    def exact(self) -> bool:
+        """Barrier, then a separately timed all-reduce (only meaningful with several ranks)."""
+        return self.measure_bubble == "exact" and self.kind != "single"
+
+    def passes(self, mine: int, most: int) -> int:
+        """Forward/backward passes this rank runs for ``mine`` micro-batches when the busiest
+        rank has ``most``: FSDP2 gathers parameters in every pass, so all ranks run ``most``;
+        overlapped DDP syncs in one backward, so an empty rank still runs one (a zero-weight
+        filler); otherwise just its own."""
+        if self.kind == "fsdp2":
+            return most
+        if self.kind == "ddp" and not self.exact:
+            return max(mine, 1)
+        return mine
+
+    @contextlib.contextmanager
+    def microbatch(self, index: int, passes: int) -> Iterator[None]:
+        """Context for pass ``index`` of ``passes``: gradients sync (overlapped with the
+        backward) on the last pass only, and never in ``exact`` mode (synced afterwards)."""
+        sync = index == passes - 1 and not self.exact
+        if self._clock is not None:
+            self._clock.last = None  # stamped again only if this pass syncs
+        if self.kind == "fsdp2":  # reduce-scatter in the last backward, in both modes
+            self.model.set_requires_gradient_sync(index == passes - 1)
+            yield
+        elif self.kind == "ddp" and not sync:
+            with self.model.no_sync():
+                yield
+        else:
+            yield
+
+    def ready_time(self) -> float | None:
+        """``perf_counter`` when the last overlapped backward handed its last gradient bucket to
+        the sync (``None`` if no bucket was synced: a pass under ``no_sync``, or not DDP)."""
+        return self._clock.last if self._clock is not None else None
+
+    def sync_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """``exact`` mode's separate gradient all-reduce (FSDP2 already reduced in its last
+        backward); a no-op otherwise."""
+        if self.exact and self.kind == "ddp":
+            allreduce_gradients(params, self.world_size)
+
+
+def parallelize(model: nn.Module, runtime: Runtime, parallel: str, measure_bubble: str):
+    """Apply data parallelism to ``model`` (replicas start from rank 0's weights).
+
+    Args:
+        model: a Hugging Face causal LM on ``runtime.device``.
+        runtime: the process group's rank / world size (one process: the model is returned as is).
+        parallel: ``"ddp"`` (replicated; DDP's bucketed all-reduce) or ``"fsdp2"``
+            (``fully_shard`` on every decoder layer, then the root).
+        measure_bubble: ``"overlap"`` or ``"exact"``.
+    """
+    if parallel not in PARALLEL:
+        raise ValueError(f"--parallel must be one of {PARALLEL}, got {parallel!r}")
+    if measure_bubble not in MEASURE_BUBBLE:
+        raise ValueError(
+            f"--measure-bubble must be one of {MEASURE_BUBBLE}, got {measure_bubble!r}"
+        )
+    world = runtime.world_size
+    if parallel == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        if not runtime.distributed:
+            raise ValueError("--parallel fsdp2 needs several processes (--nproc >= 2)")
+        for layer in decoder_layers(model):
+            fully_shard(layer)
+        fully_shard(model)
+        return Parallelized(model, model, "fsdp2", measure_bubble, world)
+    if not runtime.distributed:
+        return Parallelized(model, model, "single", measure_bubble, world)
+    # device_ids=None: inputs are already on the device, and DDP would otherwise copy the
+    # PackedAttention dataclass in the kwargs (losing the layer statistics it collects).
+    # broadcast_buffers=False: the only buffers (rotary frequencies) are identical constants.
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=None, broadcast_buffers=False)
+    clock = _ReadyClock()
+    ddp.register_comm_hook(clock, _ReadyClock.hook)
+    return Parallelized(ddp, model, "ddp", measure_bubble, world, clock)
+
+
+def allreduce_gradients(
+    params: list[torch.nn.Parameter], world_size: int, bucket_elems: int = 1 << 24
+) -> None:
+    """Average gradients over ranks with a few flat buckets (DDP's reducer without its overlap
+    with the backward: ``--measure-bubble exact`` times wait and sync apart). A rank that had no
+    document this step joins with zero gradients."""
+    if world_size <= 1:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    bucket: list[torch.Tensor] = []
+    size = 0
+    grads = [p.grad for p in params]
+    for i, g in enumerate(grads):
+        bucket.append(g)
+        size += g.numel()
+        if size >= bucket_elems or i == len(grads) - 1:
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            dist.all_reduce(flat)
+            flat /= world_size
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+            bucket, size = [], 0

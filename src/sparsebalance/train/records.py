@@ -1,0 +1,204 @@
+"""What flows through one training step, stage by stage (see :mod:`.step`)::
+
+    list[Sample] --plan--> StepPlan --tune--> TunedStep --execute--> LocalWork
+      --synchronize--> list[RankRecord] --update--> StepResult (StepSummary + StepFeedback)
+
+- :class:`StepPlan`: the SAB plan of one global batch, agreed by every rank (hash checked).
+- :class:`TunedStep`: the plan plus DST's :class:`~sparsebalance.tuning.StepDecision` and the
+  loss scale every rank's backward uses.
+- :class:`MicroBatchResult`: one forward + backward: measured time, densities, budgets, loss.
+- :class:`LocalWork`: what this process ran (its own rank, or every emulated rank) before the
+  gradient sync, with the timestamps the bubble is derived from.
+- :class:`RankRecord`: one rank's share of the step, as logged (one ``metrics.jsonl`` line).
+- :class:`StepSummary`: the step over all ranks (the ``"rank": "all"`` line).
+- :class:`StepFeedback`: every measured micro-batch in rank order, what recalibrates the latency
+  model and the density estimator.
+
+The JSON field names are those ``sparsebalance report`` and earlier runs use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+
+from ..batching import Plan
+from ..tuning import RankDecision, StepDecision
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Stage 1 (plan): the global batch assigned to ranks and micro-batches."""
+
+    plan: Plan
+    plan_hash: str
+    """16 hex digits, identical on every rank (checked with one all-gather)."""
+    global_weight: float
+    """Total loss weight of the global batch over all ranks (the loss normaliser)."""
+
+
+@dataclass(frozen=True)
+class TunedStep:
+    """Stage 2 (tune): the plan with DST's budgets."""
+
+    planned: StepPlan
+    decision: StepDecision
+    loss_scale: float
+    """Multiplies each micro-batch's loss sum before its backward: ``world_size / global_weight``
+    (the gradient sync averages over processes, so the result is the global token mean)."""
+
+
+@dataclass(frozen=True)
+class MicroBatchResult:
+    """One micro-batch's forward + backward on one rank."""
+
+    seconds: float
+    """Measured forward + backward (the wait for other ranks excluded where it can be told)."""
+    lengths: tuple[int, ...]
+    """``(N,)`` tokens per document of the pack."""
+    sample_ids: tuple[int, ...]
+    """``(N,)`` the documents' sample ids."""
+    layer_densities: tuple[tuple[float, ...], ...]
+    """``(num_layers, N)`` realized attention density per layer and document."""
+    gammas: tuple[float, ...]
+    """``(num_layers,)`` the budget each layer ran with."""
+    loss_sum: float
+    """Weighted sum of the token losses (before the loss scale)."""
+    weight_sum: float
+    """Sum of the token loss weights."""
+
+
+@dataclass
+class RankRecord:
+    """One rank's share of a step: one ``metrics.jsonl`` line (``to_json``), field order kept."""
+
+    rank: int
+    compute_s: float
+    """Sum of the rank's micro-batch seconds."""
+    tokens: int
+    microbatch_s: list[float]
+    predicted_before_s: float
+    """Predicted seconds at ``gamma0`` (before DST)."""
+    predicted_s: float
+    """Predicted seconds at the rank's budget."""
+    gamma: float
+    dst_role: str
+    target_s: float
+    gamma_min: float
+    gamma_mean: float
+    gamma_max: float
+    density: float
+    """Mean realized density over the rank's (micro-batch, layer) pairs."""
+    bubble_s: float = 0.0
+    """Measured wait for the slowest rank (see :class:`LocalWork`)."""
+    sync_s: float = 0.0
+    """Gradient sync seconds after the slowest rank was ready."""
+    derived_bubble_s: float = 0.0
+    """``max(compute_s over ranks) - compute_s``."""
+    loss_sum: float = field(default=0.0, repr=False)
+    weight: float = field(default=0.0, repr=False)
+    microbatches: tuple[MicroBatchResult, ...] = field(default=(), repr=False)
+
+    _NOT_LOGGED = ("loss_sum", "weight", "microbatches")
+
+    @classmethod
+    def from_results(cls, decision: RankDecision, results: list[MicroBatchResult]) -> RankRecord:
+        """Aggregate one rank's micro-batch results under its DST decision."""
+        layer_gammas = [g for r in results for g in r.gammas]
+        dens = [np.mean(d) for r in results for d in r.layer_densities]
+        return cls(
+            rank=decision.rank,
+            compute_s=sum(r.seconds for r in results),
+            tokens=sum(sum(r.lengths) for r in results),
+            microbatch_s=[r.seconds for r in results],
+            predicted_before_s=decision.predicted_before,
+            predicted_s=decision.predicted_after,
+            gamma=decision.gamma,
+            dst_role=decision.role,
+            target_s=decision.target_seconds,
+            gamma_min=min(layer_gammas, default=decision.gamma),
+            gamma_mean=float(np.mean(layer_gammas)) if layer_gammas else decision.gamma,
+            gamma_max=max(layer_gammas, default=decision.gamma),
+            density=float(np.mean(dens)) if dens else 0.0,
+            loss_sum=sum(r.loss_sum for r in results),
+            weight=sum(r.weight_sum for r in results),
+            microbatches=tuple(results),
+        )
+
+    def to_json(self) -> dict:
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if f.name not in self._NOT_LOGGED
+        }
+
+
+@dataclass
+class LocalWork:
+    """Stage 3 (execute): the ranks this process ran, before the gradient sync.
+
+    Timestamps are ``time.perf_counter()`` seconds after the step's plan agreement (an
+    all-gather every rank leaves together), so they compare across ranks without a shared clock.
+    """
+
+    records: list[RankRecord]
+    """One record per rank run here: this process's rank, or all ranks with ``--emulate-ranks``."""
+    ready_s: float = 0.0
+    """When this rank's gradients were computed (the last gradient bucket was handed to the
+    overlapped sync, or the last backward returned)."""
+    done_s: float = 0.0
+    """When this rank's gradients were synchronized (its last backward returned)."""
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """The step over all ranks: the ``"rank": "all"`` line of ``metrics.jsonl``."""
+
+    loss: float
+    """Global mean token loss."""
+    step_seconds: float
+    max_compute_s: float
+    mean_compute_s: float
+    efficiency: float
+    """mean / max rank compute (1.0 = balanced)."""
+    imbalance: float
+    bubble_fraction: float
+    tokens: int
+    tokens_per_s: float
+    optimizer_s: float
+    mean_density: float
+    dst_anchor_seconds: float
+    dst_post_cut_seconds: float
+    dst_budget_cut: float
+    dst_budget_given: float
+    predicted_max_before_s: float
+    predicted_max_s: float
+    plan_hash: str
+    strategy: str
+    dst_mode: str
+    plan_efficiency: float
+    num_overlong: int
+    lr: float
+    emulated: bool
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StepFeedback:
+    """Every rank's measured micro-batches, in rank order (identical on every rank)."""
+
+    microbatches: tuple[MicroBatchResult, ...]
+
+    @classmethod
+    def from_records(cls, records: list[RankRecord]) -> StepFeedback:
+        return cls(tuple(mb for rec in records for mb in rec.microbatches))
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What :meth:`Trainer.step <sparsebalance.train.Trainer.step>` returns and telemetry logs."""
+
+    records: list[RankRecord]
+    summary: StepSummary
+    feedback: StepFeedback

@@ -1,0 +1,72 @@
+"""The step's typed records: the metrics.jsonl schema is kept, and the feedback stage teaches the
+density estimator through the curve's inverse (gamma-1 layers carry no signal)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparsebalance.train.feedback import apply_feedback
+from sparsebalance.train.records import MicroBatchResult, RankRecord, StepFeedback
+from sparsebalance.tuning import DensityCurve, RankDecision
+from sparsebalance.workload import Sample
+
+# metrics.jsonl per-rank fields, in the order earlier runs wrote them (the report reads them).
+LEGACY_RANK_FIELDS = [
+    "rank", "compute_s", "tokens", "microbatch_s", "predicted_before_s", "predicted_s", "gamma",
+    "dst_role", "target_s", "gamma_min", "gamma_mean", "gamma_max", "density", "bubble_s",
+    "sync_s", "derived_bubble_s",
+]  # fmt: skip
+
+
+def _mb(ids, lengths, dens, gammas, seconds=0.5):
+    return MicroBatchResult(seconds, tuple(lengths), tuple(ids), dens, tuple(gammas), 3.0, 2.0)
+
+
+def _decision(rank=1):
+    return RankDecision(rank, "raised", 0.95, 1.2, 1.0, 1.2, 0.4, 0.5, 0.3, 0.4)
+
+
+def test_rank_record_keeps_the_jsonl_schema_and_aggregates():
+    a = _mb([4, 7], [10, 20], ((0.5, 0.25), (0.5, 0.75)), [0.9, 0.99], seconds=0.5)
+    b = _mb([9], [5], ((1.0,), (0.5,)), [0.8, 0.95], seconds=0.25)
+    rec = RankRecord.from_results(_decision(), [a, b])
+    out = rec.to_json()
+    assert list(out) == LEGACY_RANK_FIELDS
+    assert out["compute_s"] == 0.75 and out["tokens"] == 35 and out["microbatch_s"] == [0.5, 0.25]
+    assert (out["gamma_min"], out["gamma_max"]) == (0.8, 0.99)
+    assert out["gamma_mean"] == pytest.approx(np.mean([0.9, 0.99, 0.8, 0.95]))
+    assert out["density"] == pytest.approx(np.mean([0.375, 0.625, 1.0, 0.5]))
+    assert (rec.loss_sum, rec.weight) == (6.0, 4.0)
+    empty = RankRecord.from_results(_decision(0), []).to_json()
+    assert empty["gamma_min"] == empty["gamma_max"] == 0.95 and empty["density"] == 0.0
+    both = StepFeedback.from_records([RankRecord.from_results(_decision(0), [b]), rec])
+    assert both.microbatches == (b, a, b)  # rank order, then micro-batch order
+
+
+class _Recorder:
+    def __init__(self):
+        self.seen: list = []
+
+    def observe(self, samples, densities):
+        self.seen.append(([s.id for s in samples], list(densities)))
+
+    def update(self, lengths, densities, seconds):
+        self.seen.append(("latency", list(lengths), seconds))
+
+
+def test_feedback_recovers_d0_per_document_and_skips_dense_layers():
+    curve = DensityCurve(gamma0=0.9)
+    d0 = np.array([0.3, 0.6])
+    measured = tuple(tuple(curve.density(d0, g).tolist()) for g in (0.8, 0.95))
+    informative = _mb([4, 7], [10, 20], (*measured, (1.0, 1.0)), [0.8, 0.95, 1.0])
+    dense = _mb([9], [5], ((1.0,),), [1.0])
+    est, lat = _Recorder(), _Recorder()
+    sample = lambda i: Sample(i, 10)  # noqa: E731
+    apply_feedback(StepFeedback((informative, dense)), lat, est, curve, sample, use_timings=False)
+    assert lat.seen == []  # --deterministic: no timing is fed back
+    ((ids, dens),) = est.seen
+    assert ids == [4, 7]  # sample 9 ran only at gamma 1: nothing to learn
+    np.testing.assert_allclose(dens, d0, rtol=1e-9)
+    apply_feedback(StepFeedback((dense,)), lat, est, curve, sample, use_timings=True)
+    assert lat.seen == [("latency", [5], 0.5)]
