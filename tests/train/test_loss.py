@@ -9,13 +9,13 @@ import torch
 
 from sparsebalance.data import pack
 from sparsebalance.models.attention import PackedAttention
-from sparsebalance.models.head import forward_hidden, output_head
 from sparsebalance.models.hf import build_model
 from sparsebalance.ops import Budget
 from sparsebalance.train.loss import (
     ChunkedLinearCrossEntropy,
     default_chunk_tokens,
     linear_cross_entropy,
+    packed_loss,
     resolve_loss,
 )
 
@@ -64,7 +64,8 @@ def test_ignored_tokens_and_weights_count():
 
 
 def test_model_loss_and_grads_match_full_logits():
-    """Through the real model: forward_hidden + chunked loss == logits + cross_entropy."""
+    """Through the real model (per-document weights, ignored document ends): the chunked loss on
+    forward_hidden == logits + cross_entropy, value and every parameter's gradient."""
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 4096, (n,), generator=g).numpy() for n in (97, 140)]
     batch = pack(docs, "cpu", per_doc_weighting=True)
@@ -73,18 +74,8 @@ def test_model_loss_and_grads_match_full_logits():
     for chunked in (False, True):
         model = copy.deepcopy(first)
         ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=0.7), 32, "torch")
-        kw = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx,
-                  use_cache=False)  # fmt: skip
-        w = batch.loss_weights[0].double()
-        if chunked:
-            hidden = forward_hidden(model, **kw)[0]
-            weight, bias = output_head(model)
-            loss = linear_cross_entropy(hidden, weight, batch.labels[0], w, bias, "chunked",
-                                        chunk_tokens=60)  # fmt: skip
-        else:
-            logits = model(**kw).logits[0]
-            ce = torch.nn.functional.cross_entropy(logits, batch.labels[0], reduction="none")
-            loss = (ce * w).sum()
+        batch.loss_weights = batch.loss_weights.double()
+        loss = packed_loss(model, batch, ctx, "chunked" if chunked else "plain", chunk_tokens=60)
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
     (l0, g0), (l1, g1) = results

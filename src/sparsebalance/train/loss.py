@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from ..models.head import forward_hidden, output_head
+
 LOSS_IMPLS = ("auto", "chunked", "plain", "liger")
 IGNORE_INDEX = -100
 # Logit elements per chunk: 2**26 float32 = 256 MiB per temporary (~440 tokens at V = 151,936).
@@ -150,7 +152,8 @@ def linear_cross_entropy(
                          f"{tuple(token_weights.shape)}")  # fmt: skip
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    uniform = token_weights is None or bool((token_weights == 1).all())
+    # Liger has no per-token weights: usable when every counted token weighs 1.
+    uniform = token_weights is None or bool((token_weights[labels != ignore_index] == 1).all())
     impl = resolve_loss(impl, hidden.device, uniform)
     if token_weights is None:
         token_weights = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
@@ -170,3 +173,35 @@ def linear_cross_entropy(
     return ChunkedLinearCrossEntropy.apply(
         hidden, weight, bias, labels, token_weights, chunk, ignore_index
     )
+
+
+def packed_loss(
+    model: torch.nn.Module,
+    batch,
+    attention,
+    impl: str = "auto",
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """Forward one packed micro-batch and return its weighted loss sum (scalar).
+
+    ``batch`` is a ``data.PackedBatch`` (``input_ids``, ``position_ids``, ``labels``,
+    ``loss_weights``, each ``(1, T)``), ``attention`` its ``PackedAttention``. On CUDA the model
+    and the lm-head run under bf16 autocast; ``plain`` computes the cross-entropy on float32
+    logits, the others never build them (module docstring).
+    """
+    device = batch.input_ids.device
+    kw = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=attention,
+              use_cache=False)  # fmt: skip
+    labels, weights = batch.labels[0], batch.loss_weights[0]
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        if impl == "plain":
+            logits = model(**kw).logits[0]
+        else:
+            hidden = forward_hidden(model, **kw)[0]
+            weight, bias = output_head(model)
+            return linear_cross_entropy(hidden, weight, labels, weights, bias, impl, chunk_tokens)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    ce = torch.nn.functional.cross_entropy(
+        logits, labels, ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    return (ce * weights.to(ce.dtype)).sum()
