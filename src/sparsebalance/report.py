@@ -19,8 +19,16 @@ def load_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
     if not path.is_file():
         raise ValueError(f"{run_dir}: no metrics.jsonl (not a training run folder)")
     ranks, steps = [], []
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
+    lines = path.read_text().split("\n")
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines):  # torn last line (killed mid-write; no newline yet): not a step
+                continue
+            raise ValueError(f"{path}:{i}: not a JSON record") from None
         (steps if rec.get("rank") == "all" else ranks).append(rec)
     if not steps:
         raise ValueError(f"{path}: no completed step")

@@ -92,11 +92,20 @@ def test_overlong_is_reported(capsys, tmp_path):
     assert "1 documents longer than C: --overlong truncate" in out
 
 
+@OUTSIDE_GRID
+def test_split_plans_a_batch_of_only_overlong_documents(capsys, tmp_path):
+    path = tmp_path / "l.txt"
+    path.write_text("300\n500\n")
+    code, out, _ = run(capsys, "--lengths", str(path), "--world-size", "2", "--capacity", "140")
+    assert code == 0
+    assert "2 documents longer than C: --overlong split" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--world-size", "0", "--capacity", "100"], "--world-size must be >= 1"),
-        (["--world-size", "2", "--capacity", "50"], "smaller than the smallest sample (100"),
+        (["--world-size", "2", "--capacity", "50", "--overlong", "skip"], "every sample is longer"),
         (["--world-size", "2", "--capacity", "900", "--strategy", "kk"], "--strategy must be"),
         (["--world-size", "2", "--micro-batches", "0"], "--micro-batches must be >= 1"),
         (["--world-size", "2", "--capacity", "900", "--profile", "nope.json"], "profile"),

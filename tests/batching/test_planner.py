@@ -84,6 +84,20 @@ def test_overlong_split_truncate_skip():
     assert skip.metrics.num_samples == 2
 
 
+@pytest.mark.parametrize("overlong", ["split", "truncate"])
+def test_a_batch_of_only_overlong_documents_is_plannable(overlong):
+    """Regression: C below every length used to raise "smaller than the smallest sample"."""
+    lengths = [300, 500, 141]
+    samples = [Sample(i, n) for i, n in enumerate(lengths)]
+    plan = plan_batch(
+        samples, FakeCost(), PlanConfig(2, capacity=140, overlong=overlong), [0.5] * 3
+    )
+    assert plan.metrics.num_overlong == 3
+    assert all(mb.num_tokens <= 140 for rank in plan.ranks for mb in rank)
+    want = dict(enumerate(lengths)) if overlong == "split" else {0: 140, 1: 140, 2: 140}
+    assert token_count(plan) == want
+
+
 def test_near_perfect_split_reaches_high_efficiency():
     # R ranks' worth of identical groups, shuffled: a perfect split exists.
     rng = np.random.default_rng(3)
@@ -216,8 +230,8 @@ def test_bad_batches():
     cfg = PlanConfig(2, capacity=8192)
     with pytest.raises(ValueError, match="empty"):
         plan_batch([], FakeCost(), cfg, densities=[])
-    with pytest.raises(ValueError, match="smaller than the smallest sample"):
-        plan_batch(samples, FakeCost(), PlanConfig(2, capacity=100), dens)
+    with pytest.raises(ValueError, match="every sample is longer than --capacity 100"):
+        plan_batch(samples, FakeCost(), PlanConfig(2, capacity=100, overlong="skip"), dens)
     with pytest.raises(ValueError, match="distinct"):
         plan_batch([Sample(1, 10), Sample(1, 20)], FakeCost(), cfg, densities=[0.5, 0.5])
     with pytest.raises(ValueError, match=r"\(0, 1\]"):

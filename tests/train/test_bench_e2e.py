@@ -49,8 +49,14 @@ def test_bad_ablation_names_and_emulation_values(capsys):
 def test_global_batch_must_cover_ranks_and_dataset(tmp_path, capsys):
     common = ["--data", str(write_dataset(tmp_path)), "--profile", str(write_profile(tmp_path)),
               "--out", str(tmp_path / "r"), "--steps", "1", "--nproc", "1"]  # fmt: skip
-    assert main(["train", "--emulate-ranks", "4", "--global-batch", "3", *common]) == 1
-    assert main(["train", "--global-batch", "1000", *common]) == 1
+    # user errors are found before launching: one line, exit 2
+    assert main(["train", "--emulate-ranks", "4", "--global-batch", "3", *common]) == 2
+    assert capsys.readouterr().err.strip().endswith("smaller than the 4 ranks: every rank needs "
+                                                    "at least one document per step")  # fmt: skip
+    assert main(["train", "--global-batch", "1000", *common]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "exceeds the dataset's 32 documents" in err
+    assert not (tmp_path / "r").exists()  # a refused run leaves no folder behind
     (tmp_path / "run.toml").write_text('steps = 2\n[dst]\nmode = "off"\n')
     assert main(["train", "--config", str(tmp_path / "run.toml")]) == 2
     assert "DST options are flags" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..report import write_report
 from ..train import add_train_arguments, config_from_args
-from ..train.launch import default_nproc, demo_configs, launch
+from ..train.launch import RunFailed, default_nproc, demo_configs, launch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,12 @@ def main(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"== {name}: strategy={run_cfg.strategy}, dst={run_cfg.dst.mode}, ranks={nproc}, "
                   f"steps={run_cfg.steps} -> {run_cfg.out}", flush=True)  # fmt: skip
-        launch(run_cfg, nproc)
+        try:
+            launch(run_cfg, nproc)
+        except RunFailed as err:
+            if err.reported:  # rank 0 already said why in one line
+                return err.code
+            raise
     path, comparison = write_report(Path(cfg.out))
     if args.json:
         print(json.dumps(comparison, indent=2))

@@ -1,29 +1,62 @@
-"""torchrun entry point: ``torchrun --nproc_per_node N -m sparsebalance.train [flags]``."""
+"""torchrun entry point: ``torchrun --nproc_per_node N -m sparsebalance.train [flags]``.
+
+Every way a run ends is one line from rank 0 (user error: exit 2; non-finite loss: 3; stopped by
+a signal: 128 + signal) and the other ranks stay silent. Rank 0 holds the run folder's lock."""
 
 import argparse
+import os
+import signal
 import sys
+from pathlib import Path
 
 from .config import add_train_arguments, config_from_args
+from .runlock import ENV_TOKEN, RunLock, join
+from .signals import Stopped, StopSignals, die_with_parent
 from .step import NonFiniteLoss
 from .trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's worker: never outlive the agent
+        die_with_parent(signal.SIGKILL)
+    elif ENV_TOKEN in os.environ:  # the launcher's single process: stop cleanly if it dies
+        die_with_parent(signal.SIGTERM)
+    stops = StopSignals().install()
+    lock = None
+
+    def say(message: str) -> None:
+        if rank == 0:
+            print(f"sparsebalance train: {message}", file=sys.stderr, flush=True)
+
     parser = argparse.ArgumentParser(prog="python -m sparsebalance.train")
     add_train_arguments(parser)
     try:
         cfg = config_from_args(parser.parse_args(argv))
+        if rank == 0 and not join(Path(cfg.out), os.environ.get(ENV_TOKEN, "")):
+            lock = RunLock(Path(cfg.out)).acquire()
+            if lock.note:
+                say(f"note: {lock.note}")
         trainer = Trainer(cfg)
+        trainer.stops = stops
         trainer.run()
         trainer.rt.close()
     except ValueError as err:
-        print(f"sparsebalance train: error: {err}", file=sys.stderr)
+        say(f"error: {err}")
         return 2
     except NonFiniteLoss as err:
-        print(
-            f"sparsebalance train: stopped: {err}; the last checkpoint is intact", file=sys.stderr
-        )
+        say(f"stopped: {err}; the last checkpoint is intact")
         return 3
+    except Stopped as err:
+        say(str(err))
+        return err.exit_code
+    except Exception:
+        if stops.signum is not None:  # a peer stopping broke a collective: not a new error
+            return 128 + stops.signum
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
     return 0
 
 

@@ -1,11 +1,18 @@
 """Checkpoints: model, optimizer, scheduler, every rank's RNG state, data position, latency-model
 calibration and density-estimator state. Atomic: written to a temporary folder, then renamed, and
-``latest`` is replaced last, so a crash never leaves a corrupt latest checkpoint."""
+``latest`` is replaced last, so a crash never leaves a half-written checkpoint.
+
+Every file's SHA-256 is saved in ``checksums.json`` and verified at load (the error names the
+file). :func:`find_checkpoint` returns the newest *intact* checkpoint: a corrupt one or a
+``latest`` pointer to a missing step falls back to the one before, with a line saying so.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -55,6 +62,8 @@ def save_checkpoint(
     (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
     if trainer_state.get("vocab_map") is not None:  # tokenizer id -> model id (compact vocab)
         (tmp / "vocab_map.json").write_text(json.dumps(trainer_state["vocab_map"]) + "\n")
+    sums = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
+    (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     latest_tmp = root / "latest.tmp"
@@ -63,13 +72,68 @@ def save_checkpoint(
     return final
 
 
+CHECKSUMS = "checksums.json"
+_STEP = re.compile(r"step-(\d+)")
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raise ``ValueError`` naming the first missing or corrupt file of checkpoint ``path``.
+    Checkpoints written before checksums existed are accepted when their files are present."""
+    sums_path = path / CHECKSUMS
+    if not sums_path.is_file():
+        missing = [n for n in ("model.pt", "state.pt") if not (path / n).is_file()]
+        if missing or not path.is_dir():
+            raise ValueError(f"checkpoint {path}: {missing[0] if missing else 'folder'} is missing")
+        return
+    try:
+        sums = json.loads(sums_path.read_text())
+    except ValueError:
+        raise ValueError(f"checkpoint {sums_path}: unreadable checksum list") from None
+    for name, want in sums.items():
+        f = path / name
+        if not f.is_file():
+            raise ValueError(f"checkpoint {f}: missing")
+        if sha256(f) != want:
+            raise ValueError(f"checkpoint {f}: corrupt (SHA-256 differs from the one saved)")
+
+
+def find_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
+    """The newest intact checkpoint of ``run_dir`` (None if there is none) and one line per
+    newer one skipped (corrupt, incomplete, or named by ``latest`` but missing)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None, []
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.fullmatch(p.name)))
+    notes = []
+    pointer = root / "latest"
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if not (root / name).is_dir():
+            notes.append(f"checkpoints/latest names {name}, which is missing")
+    for _, path in reversed(found):
+        try:
+            verify_checkpoint(path)
+        except ValueError as err:
+            notes.append(str(err))
+            continue
+        if notes:
+            notes[-1] += f"; resuming from {path.name} instead"
+        return path, notes
+    return None, notes
+
+
 def latest_checkpoint(run_dir: Path, needs: str = "state.pt") -> Path | None:
-    """The folder ``checkpoints/latest`` of a run points to, if it holds the file ``needs``."""
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if (path / needs).is_file() else None
+    """The newest intact checkpoint (see :func:`find_checkpoint`) holding the file ``needs``."""
+    path = find_checkpoint(run_dir)[0]
+    return path if path is not None and (path / needs).is_file() else None
 
 
 def resolve_checkpoint(path: Path) -> Path | None:
@@ -80,9 +144,9 @@ def resolve_checkpoint(path: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, fsdp: bool = False) -> dict:
-    """Restore model/optimizer/scheduler in place; return the saved ``state`` dict."""
-    model_sd = torch.load(path / "model.pt", map_location="cpu", weights_only=False)
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    """Restore model/optimizer/scheduler in place; return the saved ``state`` dict. ``path`` must
+    have passed :func:`verify_checkpoint` (as :func:`find_checkpoint`'s result has)."""
+    model_sd, state = (_load(path / name) for name in ("model.pt", "state.pt"))
     if fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -98,3 +162,10 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, fsdp: bool = False)
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return state
+
+
+def _load(path: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # pickle / zip errors of a damaged file, whatever their type
+        raise ValueError(f"checkpoint {path}: unreadable ({type(err).__name__}: {err})") from None

@@ -12,6 +12,8 @@ import dataclasses
 import inspect
 import itertools
 import json
+import math
+import os
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -139,6 +141,49 @@ class TrainConfig:
             for path, _ in parse_mixture(self.data):
                 if not Path(path).exists():
                     raise ValueError(f"--data {path!r}: no such file or directory")
+        for name in ("num_builtin", "checkpoint_every", "micro_batches", "capacity"):
+            value, low = getattr(self, name), 0 if name == "checkpoint_every" else 1
+            if value is not None and value < low:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be >= {low}, got {value}")
+        if not math.isfinite(self.lr) or not self.weight_decay >= 0:
+            raise ValueError(f"--lr must be finite and --weight-decay >= 0, got {self.lr}, "
+                             f"{self.weight_decay}")  # fmt: skip
+        for flag, path in (("--tokenizer", self.tokenizer), ("--profile", self.profile)):
+            if path is not None and not Path(path).exists():
+                raise ValueError(f"{flag} {path!r}: no such file or directory")
+        check_out_folder(Path(self.out), self.resume, self.overwrite)
+
+
+def check_batch(cfg: TrainConfig, num_docs: int, num_ranks: int) -> None:
+    """The global batch must fit the dataset and give every rank a document."""
+    if cfg.global_batch > num_docs:
+        raise ValueError(
+            f"--global-batch {cfg.global_batch} exceeds the dataset's {num_docs} documents"
+        )
+    if cfg.global_batch < num_ranks:
+        raise ValueError(
+            f"--global-batch {cfg.global_batch} is smaller than the {num_ranks} ranks: "
+            "every rank needs at least one document per step"
+        )
+
+
+def check_out_folder(out: Path, resume: bool, overwrite: bool) -> None:
+    """Cheap checks of ``--out`` before anything expensive: a folder (or creatable as one) that
+    this user can write, holding a checkpoint when resuming."""
+    if resume and overwrite:
+        raise ValueError("--resume continues the run in --out, --overwrite replaces it: pick one")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a folder")
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {parent} is not writable")
+    if resume and not any((out / "checkpoints").glob("step-*")):
+        raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}")
 
 
 _SKIP = {"dst"}

@@ -3,7 +3,11 @@ and SparseBalance on the same samples and compares them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -11,7 +15,11 @@ from pathlib import Path
 
 import torch
 
-from .config import TrainConfig, to_dict
+from .config import TrainConfig, check_batch, to_dict
+from .runlock import ENV_TOKEN, RunLock
+from .signals import HANDLED, die_with_parent
+
+LAUNCHER_PID = "SPARSEBALANCE_LAUNCHER_PID"
 
 
 def dst_flags(cfg: TrainConfig) -> list[str]:
@@ -28,32 +36,130 @@ def uses_cuda(cfg: TrainConfig) -> bool:
 def default_nproc(cfg: TrainConfig, requested: int | None) -> int:
     """Processes to launch: ``--nproc``, else 1 with ``--emulate-ranks``, else the GPU count on
     CUDA and 2 on CPU."""
-    if requested:
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--nproc must be >= 1, got {requested}")
+        if cfg.emulate_ranks and requested != 1:
+            raise ValueError(f"--emulate-ranks runs in one process: use --nproc 1, not {requested}")
         return requested
     if cfg.emulate_ranks:
         return 1
     return torch.cuda.device_count() if uses_cuda(cfg) else 2
 
 
+class RunFailed(RuntimeError):
+    """Training ended with a non-zero exit code. ``reported``: the run already said why (rank 0
+    printed its one line), so the launcher adds nothing."""
+
+    def __init__(self, code: int, message: str, reported: bool) -> None:
+        super().__init__(message)
+        self.code, self.reported = code, reported
+
+
+REPORTED_CODES = {2, 3} | {128 + s for s in HANDLED}  # user error, non-finite loss, signals
+
+
+def preflight(cfg: TrainConfig, nproc: int) -> None:
+    """Everything cheap that can fail, before any process starts or anything is profiled: the
+    model's config, the tokenizer, the data (read and tokenized into the shared cache, which the
+    workers then read), and the global batch against the dataset and the ranks."""
+    from ..data import load_corpus, load_tokenizer
+    from ..models import load_shapes
+
+    load_shapes(cfg.model)
+    corpus = load_corpus(cfg.data, load_tokenizer(cfg.tokenizer), cfg.text_field, cfg.num_builtin,
+                         cfg.seed, cfg.min_len, cfg.max_len,
+                         on_bad_record=cfg.on_bad_record)  # fmt: skip
+    check_batch(cfg, len(corpus), cfg.emulate_ranks or nproc)
+
+
 def launch(cfg: TrainConfig, nproc: int) -> None:
     """Run ``torchrun --standalone --nproc_per_node nproc -m sparsebalance.train`` (or a single
-    process when ``nproc == 1``); raises ``RuntimeError`` if training fails."""
+    process when ``nproc == 1``) holding the run folder's lock; raises ``ValueError`` for bad
+    input found before launching and :class:`RunFailed` if training fails or is stopped.
+
+    The workers die with this process: torchrun runs in its own session (only this process
+    receives the terminal's Ctrl-C and forwards it once) and gets SIGTERM when this process dies,
+    even by SIGKILL; its workers get SIGKILL when torchrun dies (:func:`die_with_parent`).
+    A first SIGINT/SIGTERM stops the run (at the next step boundary, with a checkpoint); a second
+    one kills it."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg_path = out / "launch-config.json"
-    values = {k: v for k, v in to_dict(cfg).items() if k != "dst"}
-    cfg_path.write_text(json.dumps(values, indent=1) + "\n")
-    worker = ["-m", "sparsebalance.train", "--config", str(cfg_path), *dst_flags(cfg)]
-    if nproc == 1:
-        cmd = [sys.executable, *worker]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", *worker]  # fmt: skip
-    rc = subprocess.call(cmd)
+    created = not out.exists()
+    lock = RunLock(out)
+    try:
+        with lock:
+            if lock.note:
+                print(f"sparsebalance train: note: {lock.note}", file=sys.stderr, flush=True)
+            preflight(cfg, nproc)
+            cfg_path = out / "launch-config.json"
+            values = {k: v for k, v in to_dict(cfg).items() if k != "dst"}
+            cfg_path.write_text(json.dumps(values, indent=1) + "\n")
+            worker = ["-m", "sparsebalance.train", "--config", str(cfg_path), *dst_flags(cfg)]
+            if nproc == 1:
+                cmd = [sys.executable, *worker]
+            else:
+                cmd = [sys.executable, "-c", TORCHRUN, "--standalone",
+                       f"--nproc_per_node={nproc}", *worker]  # fmt: skip
+            env = {**os.environ, ENV_TOKEN: lock.token, LAUNCHER_PID: str(os.getpid())}
+            rc = supervise(cmd, env)
+    except ValueError:
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # a refused run leaves no empty folder behind
+        raise
     if rc != 0:
-        raise RuntimeError(f"training exited with code {rc} (command: {' '.join(cmd)})")
+        reported = rc in REPORTED_CODES
+        raise RunFailed(rc, f"training exited with code {rc}", reported)
+
+
+def supervise(cmd: list[str], env: dict[str, str]) -> int:
+    """Run ``cmd`` in a new session and wait; the first SIGINT/SIGTERM/SIGHUP here is forwarded
+    to it, any later one becomes SIGKILL. Returns its exit code (``128 + signal`` if
+    it was killed)."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    received: list[int] = []
+
+    def forward(signum: int, frame) -> None:
+        received.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signum if len(received) == 1 else signal.SIGKILL)
+
+    previous = {sig: signal.signal(sig, forward) for sig in HANDLED}
+    try:
+        rc = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - rc if rc < 0 else rc
+
+
+# torchrun through a wrapper that dies with the launcher and ends quietly: the ranks print
+# their own one-line message; torchrun's failure table and signal traceback add nothing.
+TORCHRUN = "from sparsebalance.train.launch import torchrun_main; torchrun_main()"
+
+
+def torchrun_main() -> None:
+    """``python -m torch.distributed.run`` (arguments from ``sys.argv[1:]``) that gets SIGTERM
+    when its launcher dies and exits with the first failed worker's code (no traceback)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    die_with_parent(signal.SIGTERM, int(os.environ.get(LAUNCHER_PID, os.getppid())))
+    for name in ("torch.distributed.run", "torch.distributed.elastic"):
+        logging.getLogger(name).setLevel(logging.ERROR)  # no banner, no shutdown chatter
+    try:
+        main()
+    except SignalException as err:
+        sys.exit(128 + int(err.sigval))
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
+        if code not in REPORTED_CODES:
+            print(f"sparsebalance train: rank {rank} failed with exit code {code}",
+                  file=sys.stderr)  # fmt: skip
+        sys.exit(code)
 
 
 def demo_configs(cfg: TrainConfig) -> dict[str, TrainConfig]:

@@ -1,5 +1,9 @@
 """Telemetry: one JSON line per step and rank (``metrics.jsonl``), a progress bar on rank 0, and
-TensorBoard scalars when ``tensorboard`` is installed."""
+TensorBoard scalars when ``tensorboard`` is installed.
+
+``metrics.jsonl`` always matches the checkpoint a run continues from: on (re)start every record
+after the starting step, and a torn last line (a kill mid-write), are cut off, so a resumed run
+never logs a step twice."""
 
 from __future__ import annotations
 
@@ -23,6 +27,11 @@ class Telemetry:
         if not is_main:
             return
         Path(run_dir).mkdir(parents=True, exist_ok=True)
+        dropped, torn = truncate_metrics(self.path, start_step)
+        if dropped or torn:
+            print(f"sparsebalance train: metrics.jsonl cut back to step {start_step} "
+                  f"({dropped} records after it dropped{', and a torn last line' if torn else ''})",
+                  file=sys.stderr, flush=True)  # fmt: skip
         self._bar = tqdm(
             total=total_steps,
             initial=start_step,
@@ -43,10 +52,12 @@ class Telemetry:
         if not self.is_main:
             return
         summary = result.summary.to_json()
-        with self.path.open("a") as f:
-            for rec in result.records:
-                f.write(json.dumps({"step": step, **rec.to_json()}) + "\n")
-            f.write(json.dumps({"step": step, "rank": "all", **summary}) + "\n")
+        lines = [json.dumps({"step": step, **rec.to_json()}) for rec in result.records]
+        lines.append(json.dumps({"step": step, "rank": "all", **summary}))
+        with self.path.open("a") as f:  # one write per step: a kill tears at most the last line
+            f.write("
+".join(lines) + "
+")
         if self._bar is not None:
             self._bar.set_postfix(
                 loss=f"{summary['loss']:.3f}",
@@ -63,3 +74,28 @@ class Telemetry:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def truncate_metrics(path: Path, step: int) -> tuple[int, bool]:
+    """Keep the records of steps ``<= step`` in ``path`` (rewritten atomically); returns (records
+    dropped, whether a torn last line was dropped). A bad line elsewhere is an error."""
+    if not path.is_file():
+        return 0, False
+    text = path.read_text()
+    lines = text.split("\n")
+    torn = bool(lines[-1])  # a complete file ends with "\n": the last piece is empty
+    keep, dropped = [], 0
+    for i, line in enumerate(lines[:-1], 1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{i}: not a JSON record; fix or remove the file") from None
+        if rec.get("step", 0) <= step:
+            keep.append(line)
+        else:
+            dropped += 1
+    if dropped or torn:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(path)
+    return dropped, torn
