@@ -27,12 +27,13 @@ def test_latest_and_resolve(tmp_path):
     assert latest_checkpoint(run) is None and resolve_checkpoint(run) is None
     _checkpoint(run, 2)
     ckpt = _checkpoint(run, 4, files=("model.pt",))  # weights only: no trainer state
-    assert latest_checkpoint(run) is None  # resuming needs state.pt
+    # resuming needs state.pt: the newest checkpoint that has it
+    assert latest_checkpoint(run) == run / "checkpoints" / "step-000002"
     assert latest_checkpoint(run, needs="model.pt") == ckpt
     assert resolve_checkpoint(run) == ckpt  # a run folder -> its latest checkpoint
     assert resolve_checkpoint(ckpt) == ckpt  # a checkpoint folder -> itself
     (run / "checkpoints" / "latest").write_text("step-000009\n")  # points at nothing
-    assert resolve_checkpoint(run) is None
+    assert resolve_checkpoint(run) == ckpt  # falls back to the newest intact checkpoint
 
 
 def test_load_trained_model_from_a_run_folder(tmp_path):

@@ -73,6 +73,7 @@ def save_checkpoint(
 
 
 CHECKSUMS = "checksums.json"
+RESUME_FILES = ("model.pt", "state.pt")
 _STEP = re.compile(r"step-(\d+)")
 
 
@@ -84,14 +85,15 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def verify_checkpoint(path: Path) -> None:
-    """Raise ``ValueError`` naming the first missing or corrupt file of checkpoint ``path``.
-    Checkpoints written before checksums existed are accepted when their files are present."""
+def verify_checkpoint(path: Path, needs: tuple[str, ...] = RESUME_FILES) -> None:
+    """Raise ``ValueError`` naming the first missing or corrupt file of checkpoint ``path``
+    (``needs``: the files it must hold). Checkpoints written before checksums existed are
+    accepted when those files are present."""
+    missing = [n for n in needs if not (path / n).is_file()]
+    if missing:
+        raise ValueError(f"checkpoint {path / missing[0]}: missing")
     sums_path = path / CHECKSUMS
     if not sums_path.is_file():
-        missing = [n for n in ("model.pt", "state.pt") if not (path / n).is_file()]
-        if missing or not path.is_dir():
-            raise ValueError(f"checkpoint {path}: {missing[0] if missing else 'folder'} is missing")
         return
     try:
         sums = json.loads(sums_path.read_text())
@@ -105,9 +107,12 @@ def verify_checkpoint(path: Path) -> None:
             raise ValueError(f"checkpoint {f}: corrupt (SHA-256 differs from the one saved)")
 
 
-def find_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
-    """The newest intact checkpoint of ``run_dir`` (None if there is none) and one line per
-    newer one skipped (corrupt, incomplete, or named by ``latest`` but missing)."""
+def find_checkpoint(
+    run_dir: Path, needs: tuple[str, ...] = RESUME_FILES
+) -> tuple[Path | None, list[str]]:
+    """The newest intact checkpoint of ``run_dir`` holding the files ``needs`` (None if there is
+    none) and one line per newer one skipped (corrupt, incomplete, or named by ``latest`` but
+    missing)."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return None, []
@@ -120,7 +125,7 @@ def find_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
             notes.append(f"checkpoints/latest names {name}, which is missing")
     for _, path in reversed(found):
         try:
-            verify_checkpoint(path)
+            verify_checkpoint(path, needs)
         except ValueError as err:
             notes.append(str(err))
             continue
@@ -132,8 +137,7 @@ def find_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
 
 def latest_checkpoint(run_dir: Path, needs: str = "state.pt") -> Path | None:
     """The newest intact checkpoint (see :func:`find_checkpoint`) holding the file ``needs``."""
-    path = find_checkpoint(run_dir)[0]
-    return path if path is not None and (path / needs).is_file() else None
+    return find_checkpoint(run_dir, (needs,))[0]
 
 
 def resolve_checkpoint(path: Path) -> Path | None:
