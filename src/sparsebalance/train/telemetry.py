@@ -55,9 +55,7 @@ class Telemetry:
         lines = [json.dumps({"step": step, **rec.to_json()}) for rec in result.records]
         lines.append(json.dumps({"step": step, "rank": "all", **summary}))
         with self.path.open("a") as f:  # one write per step: a kill tears at most the last line
-            f.write("
-".join(lines) + "
-")
+            f.write("\n".join(lines) + "\n")
         if self._bar is not None:
             self._bar.set_postfix(
                 loss=f"{summary['loss']:.3f}",
