@@ -4,7 +4,8 @@ Tasks: ``passkey | niah | vt | kv`` (teacher-forced greedy exact match on freshl
 eval-split examples, by context length and needle depth; a heatmap PNG for niah/passkey with
 ``--out``), ``ppl`` (perplexity per window length on ``--data`` text, default the synthetic eval
 split), ``longbench`` (local LongBench v1 jsonl under ``--data``, prompts middle-truncated to each
-``--lengths`` value, greedy generation, official metrics).
+``--lengths`` value (``--truncation``), greedy generation, official metrics; ``--code-sim-backend``
+for lcc / repobench-p).
 
 ``--model`` (loaded by :func:`sparsebalance.train.weights.load_trained_model`): a built-in config
 (``tiny``, ``qwen2.5-0.5b``, ``qwen2.5-3b``: random weights, for smoke tests), a local Hugging Face
@@ -25,6 +26,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..evaluation.longbench import TRUNCATIONS
+from ..evaluation.metrics import CODE_SIM_BACKENDS
 from ..results import markdown_table
 
 SYNTHETIC = ("passkey", "niah", "vt", "kv")
@@ -71,6 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="longbench jsonl file/dir; ppl text/jsonl")
     p.add_argument("--prompts", default=None, help="longbench templates (dataset2prompt format)")
+    p.add_argument("--truncation", choices=TRUNCATIONS, default=TRUNCATIONS[0],
+                   help="longbench middle truncation: text = official (decode both halves, join, "
+                   "re-tokenize), tokens = keep the token ids")  # fmt: skip
+    p.add_argument("--code-sim-backend", choices=CODE_SIM_BACKENDS, default=CODE_SIM_BACKENDS[0],
+                   help="longbench lcc / repobench-p fuzz.ratio: difflib = official requirements' "
+                   "fuzzywuzzy, rapidfuzz = fuzzywuzzy with python-Levenshtein")  # fmt: skip
     p.add_argument("--max-windows", type=int, default=32, help="ppl windows per length")
     p.add_argument("--base", default=None, help="base model of a trainer checkpoint")
     p.add_argument("--vocab-map", default=None, help="JSON {tokenizer id: model id}")
@@ -177,9 +186,12 @@ def _longbench(args, runner, encode, decode, eos, show) -> dict:
         def bar(items, n=n):
             return tqdm(items, desc=f"longbench {n}", file=sys.stderr, disable=not show)
 
-        res = evaluate_longbench(records, gen, encode, decode, n, templates, progress=bar)
+        res = evaluate_longbench(records, gen, encode, decode, n, templates, progress=bar,
+                                 truncation=args.truncation,
+                                 code_sim_backend=args.code_sim_backend)  # fmt: skip
         per_length[str(n)] = res.to_dict()
-    return {"longbench": per_length}
+    return {"longbench": per_length, "truncation": args.truncation,
+            "code_sim_backend": args.code_sim_backend}  # fmt: skip
 
 
 def format_table(result: dict) -> str:

@@ -16,22 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..latency import ACCELERATORS, LatencyModel, analytic_profile, fingerprint, load_profile
-from ..latency.measure import (
-    DTYPES,
-    default_grid,
-    measure_microbatch,
-    measure_profile,
-    random_microbatches,
-    recalibration_steps,
-)
-from ..latency.proxy import ProxyModel
+from ..latency import ACCELERATORS, analytic_profile, fingerprint, load_profile
+from ..latency.measure import DTYPES, default_grid, measure_profile
+from ..latency.validate import validate_profile
 from ..models import BUILTIN_MODELS, load_shapes
 from ..results import markdown_table, write_results
 
@@ -131,40 +122,22 @@ def _validate(args, shapes, device, dtype) -> int:
         shapes, device, dtype, profile.fingerprint.get("backend", "torch"), args.block_size
     )
     profile.check_fingerprint(running, strict=args.strict)
-    if args.num_batches < 1:
-        raise ValueError(f"--num-batches must be >= 1, got {args.num_batches}")
-    model = LatencyModel(profile)
-    batches = random_microbatches(profile, args.num_batches, args.max_tokens, seed=1)
-    proxy = ProxyModel(shapes).to(device, DTYPES[dtype])
-    measured, predicted = [], []
     show = not args.json and sys.stderr.isatty()
-    for lengths, dens in tqdm(batches, desc="validate", file=sys.stderr, disable=not show):
-        measured.append(measure_microbatch(
-            shapes, lengths, dens, device, dtype, running["backend"], args.block_size, model=proxy
-        ))  # fmt: skip
-        predicted.append(model.predict(lengths, dens))
-    meas, pred = np.asarray(measured), np.asarray(predicted)
-    err = np.abs(pred - meas) / meas
-    steps, final = recalibration_steps(profile, batches, measured)
-    predict_10k = _time_predict_many(model, profile)
-    result = {
-        "profile": args.validate,
-        "num_batches": len(batches),
-        "mape": float(err.mean()),
-        "max_error": float(err.max()),
-        "recalibration_steps_from_1.5x": steps,
-        "recalibrated_mape": final,
-        "predict_many_10k_seconds": predict_10k,
-        "batches": [
-            {"lengths": b[0], "densities": b[1], "measured": m, "predicted": p}
-            for b, m, p in zip(batches, measured, predicted, strict=True)
-        ],
-    }
+
+    def progress(items):
+        return tqdm(items, desc="validate", file=sys.stderr, disable=not show)
+
+    result = {"profile": args.validate}
+    result.update(validate_profile(
+        profile, shapes, device, dtype, running["backend"], args.block_size, args.num_batches,
+        args.max_tokens, progress,
+    ))  # fmt: skip
     table = markdown_table(
         ["held-out micro-batches", "MAPE", "max error", "recalibration steps (1.5x profile)",
          "predict 10,000 micro-batches"],
-        [[len(batches), f"{100 * result['mape']:.1f} %", f"{100 * result['max_error']:.1f} %",
-          str(steps), f"{1e3 * predict_10k:.1f} ms"]],
+        [[result["num_batches"], f"{100 * result['mape']:.1f} %",
+          f"{100 * result['max_error']:.1f} %", str(result["recalibration_steps_from_1.5x"]),
+          f"{1e3 * result['predict_many_10k_seconds']:.1f} ms"]],
     )  # fmt: skip
     if args.results_dir:
         md, _ = write_results(
@@ -176,18 +149,6 @@ def _validate(args, shapes, device, dtype) -> int:
     else:
         print(table + (f"\nwrote {result['results_file']}" if "results_file" in result else ""))
     return 0
-
-
-def _time_predict_many(model: LatencyModel, profile, count: int = 10_000) -> float:
-    """Seconds to predict ``count`` random in-grid micro-batches of 1-4 documents at once."""
-    rng = np.random.default_rng(0)
-    lo, hi = profile.attention.lengths[0], profile.attention.lengths[-1] // 4
-    lengths = rng.integers(lo, max(lo + 1, hi), (count, 4)) * (rng.random((count, 4)) < 0.7)
-    lengths[:, 0] = np.maximum(lengths[:, 0], lo)
-    dens = rng.uniform(profile.attention.densities[0], 1.0, (count, 4))
-    t0 = time.perf_counter()
-    model.predict_many(lengths, dens)
-    return time.perf_counter() - t0
 
 
 def _report(summary: dict, args) -> int:

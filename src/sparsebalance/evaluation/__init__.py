@@ -7,6 +7,7 @@ setting); :class:`HFRunner` implements it for the package's Hugging Face models.
 
 from .longbench import (
     MAX_NEW_TOKENS,
+    TRUNCATIONS,
     LongBenchRecord,
     LongBenchResult,
     build_prompt,
@@ -15,16 +16,26 @@ from .longbench import (
     read_dir,
     read_jsonl,
     truncate_middle,
+    truncate_prompt,
 )
-from .metrics import DATASET_METRIC, METRICS, dataset_metric, score_by_length, score_dataset
+from .metrics import (
+    CODE_SIM_BACKENDS,
+    DATASET_METRIC,
+    METRICS,
+    dataset_metric,
+    score_by_length,
+    score_dataset,
+)
 from .perplexity import perplexity, read_texts
 from .runner import HFRunner, ModelRunner
 from .synthetic import ExampleScore, evaluate_task, plot_heatmap, score_examples, summarize
 
 __all__ = [
+    "CODE_SIM_BACKENDS",
     "DATASET_METRIC",
     "MAX_NEW_TOKENS",
     "METRICS",
+    "TRUNCATIONS",
     "ExampleScore",
     "HFRunner",
     "LongBenchRecord",
@@ -45,4 +56,5 @@ __all__ = [
     "score_examples",
     "summarize",
     "truncate_middle",
+    "truncate_prompt",
 ]

@@ -6,9 +6,14 @@ the dataset name comes from the record (``dataset``) or, when absent, from the f
 (``hotpotqa.jsonl`` -> ``hotpotqa``).
 
 Prompts: ``templates/longbench_prompts.json`` (``{context}``/``{input}`` per dataset; see its
-``_comment``), or any file of the official ``dataset2prompt.json`` format. A prompt longer than
-``max_length`` tokens keeps its first and last ``max_length // 2`` tokens (the official middle
-truncation, which keeps the instructions and the question); every truncation is counted.
+``_comment``), or any file of the official ``dataset2prompt.json`` format.
+
+Middle truncation (:data:`TRUNCATIONS`) of a prompt longer than ``max_length`` tokens keeps the
+instructions and the question at its two ends. ``text`` (default, the official ``pred.py``):
+decode the first and the last ``max_length // 2`` tokens, join the two texts and tokenize the
+result again, so tokens that merge across the join (and the re-tokenized length, which may differ
+from ``max_length`` by a few tokens) are as in published runs. ``tokens``: keep exactly those
+token ids (no decode / re-encode round trip). Every truncation is counted.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _PLACEHOLDER = re.compile(r"\{(context|input)\}")
+TRUNCATIONS = ("text", "tokens")
+"""Middle-truncation modes (see the module docstring); the first is the default."""
 TEMPLATES_PATH = Path(__file__).with_name("templates") / "longbench_prompts.json"
 
 MAX_NEW_TOKENS: dict[str, int] = {
@@ -69,10 +76,14 @@ class LongBenchRecord:
 
 
 def read_jsonl(path: str | Path) -> list[LongBenchRecord]:
-    """Records of one LongBench jsonl file; ``ValueError`` names the file and line on bad input."""
+    """Records of one LongBench jsonl file; ``ValueError`` names the file and line on bad input.
+
+    Records are split on ``"\\n"`` only: U+2028, U+2029, U+0085 (and other characters that
+    ``str.splitlines`` breaks on) may stand raw inside a JSON string (``ensure_ascii=False``).
+    """
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8").split("\n")
     except OSError as err:
         raise ValueError(f"--data {path}: cannot read ({err.strerror})") from None
     default_dataset = path.stem
@@ -143,6 +154,24 @@ def truncate_middle(ids: Sequence[int], max_length: int) -> tuple[list[int], boo
     return [*ids[:half], *ids[len(ids) - half :]], True
 
 
+def truncate_prompt(
+    prompt: str,
+    max_length: int,
+    encode: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+    mode: str = "text",
+) -> tuple[list[int], bool]:
+    """The prompt's token ids after middle truncation to ``max_length`` (``mode``: one of
+    :data:`TRUNCATIONS`, see the module docstring); and whether it cut."""
+    if mode not in TRUNCATIONS:
+        raise ValueError(f"--truncation must be one of {', '.join(TRUNCATIONS)}, got {mode!r}")
+    kept, cut = truncate_middle(encode(prompt), max_length)
+    if not cut or mode == "tokens":
+        return kept, cut
+    half = max_length // 2
+    return encode(decode(kept[:half]) + decode(kept[half:])), True
+
+
 @dataclass
 class LongBenchResult:
     """Per-dataset scores of one evaluation."""
@@ -154,6 +183,8 @@ class LongBenchResult:
     num_examples: dict[str, int]
     num_truncated: int
     predictions: list[dict]
+    num_without_answers: int = 0
+    """Examples with an empty gold answer list (scored 0, as officially)."""
 
     @property
     def average(self) -> float:
@@ -167,6 +198,7 @@ class LongBenchResult:
             "by_length": self.by_length,
             "num_examples": self.num_examples,
             "num_truncated": self.num_truncated,
+            "num_without_answers": self.num_without_answers,
         }
 
 
@@ -178,20 +210,29 @@ def evaluate_longbench(
     max_length: int,
     templates: dict[str, str] | None = None,
     progress: Callable | None = None,
+    truncation: str = "text",
+    code_sim_backend: str = "difflib",
 ) -> LongBenchResult:
     """Prompt, truncate to ``max_length`` tokens, ``generate(prompt_ids, max_new_tokens)``, score.
 
     ``generate`` returns the new token ids only (greedy decoding in the official setup).
+    ``truncation``: one of :data:`TRUNCATIONS`; ``code_sim_backend``: one of
+    :data:`~sparsebalance.evaluation.metrics.CODE_SIM_BACKENDS` (lcc, repobench-p).
     """
-    from .metrics import score_by_length, score_dataset
+    from .metrics import fuzz_ratio, score_by_length, score_dataset
 
+    if truncation not in TRUNCATIONS:  # bad choices fail before any generation
+        allowed = ", ".join(TRUNCATIONS)
+        raise ValueError(f"--truncation must be one of {allowed}, got {truncation!r}")
+    fuzz_ratio("", "", code_sim_backend)  # raises on an unknown backend
     templates = load_templates() if templates is None else templates
     per: dict[str, list[tuple[LongBenchRecord, str]]] = {}
     truncated = 0
     rows = []
     iterator = progress(records) if progress is not None else records
     for rec in iterator:
-        ids, cut = truncate_middle(encode(build_prompt(rec, templates)), max_length)
+        ids, cut = truncate_prompt(build_prompt(rec, templates), max_length, encode, decode,
+                                   truncation)  # fmt: skip
         truncated += cut
         new = generate(ids, MAX_NEW_TOKENS.get(rec.base_dataset, 64))
         pred = decode(new)
@@ -202,7 +243,9 @@ def evaluate_longbench(
         preds = [p for _, p in items]
         golds = [r.answers for r, _ in items]
         classes = items[0][0].all_classes
-        scores[name] = score_dataset(name, preds, golds, classes)
-        by_length[name] = score_by_length(name, preds, golds, [r.length for r, _ in items], classes)
+        lengths = [r.length for r, _ in items]
+        scores[name] = score_dataset(name, preds, golds, classes, code_sim_backend)
+        by_length[name] = score_by_length(name, preds, golds, lengths, classes, code_sim_backend)
         counts[name] = len(items)
-    return LongBenchResult(scores, by_length, counts, truncated, rows)
+    no_answers = sum(not r.answers for r in records)
+    return LongBenchResult(scores, by_length, counts, truncated, rows, no_answers)

@@ -12,12 +12,18 @@ behaviour, quirks included, so scores are comparable with published tables:
 - ``retrieval`` / ``retrieval_zh``: fraction of numbers in the prediction that equal the gold
   paragraph id (``Paragraph N`` / ``段落N``); ``count``: same with the gold count.
 - ``code_sim``: first prediction line without a backtick, ``#`` or ``//``, compared with
-  ``fuzz.ratio`` / 100. rapidfuzz's ratio is the normalised Indel similarity that fuzzywuzzy
-  computes with python-Levenshtein; it is rounded to an integer percentage like fuzzywuzzy's,
-  with fuzzywuzzy's rules for equal (100) and empty (0) strings.
+  fuzzywuzzy's ``fuzz.ratio`` / 100, computed by one of two backends (:data:`CODE_SIM_BACKENDS`):
+  ``difflib`` (default): ``round(100 * difflib.SequenceMatcher(None, a, b).ratio())``, what
+  fuzzywuzzy computes when python-Levenshtein is absent, as with the official LongBench v1
+  requirements; ``rapidfuzz``: the normalised Indel similarity, what fuzzywuzzy computes with
+  python-Levenshtein installed (and thefuzz >= 0.20 always). The two differ on a minority of
+  samples (difflib's matching blocks are greedy, not a longest common subsequence, and it treats
+  characters frequent in strings of 200+ characters as junk). Both use fuzzywuzzy's rules for
+  equal strings (100, even both empty) and one empty string (0), and round half to even.
 
 Each metric takes ``(prediction, ground_truth, all_classes=None)`` and returns a float in [0, 1];
-:func:`score_dataset` takes the max over gold answers and averages over examples (x100, 2 dp).
+:func:`score_dataset` takes the max over gold answers, starting from 0 (an example without gold
+answers scores 0, as officially), and averages over examples (x100, 2 dp).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import re
 import string
 from collections import Counter
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 Metric = Callable[..., float]
 
@@ -98,7 +106,8 @@ def rouge_l_zh(prediction: str, ground_truth: str, **_) -> float:
 
 
 def classification(prediction: str, ground_truth: str, all_classes=None, **_) -> float:
-    if not all_classes:
+    """Official: an empty class list finds nothing (0.0); a missing one (None) is an error."""
+    if all_classes is None:
         raise ValueError("classification needs the record's all_classes list")
     found = [name for name in all_classes if name in prediction]
     # the official loop removes from the list it iterates over, so the element right after a
@@ -129,24 +138,41 @@ def count(prediction: str, ground_truth: str, **_) -> float:
     return _number_share(prediction, str(ground_truth))
 
 
-def fuzz_ratio(a: str, b: str) -> int:
-    """fuzzywuzzy's ``fuzz.ratio`` (python-Levenshtein flavour) via rapidfuzz: 0..100 int."""
-    from rapidfuzz import fuzz
+CODE_SIM_BACKENDS = ("difflib", "rapidfuzz")
+"""``fuzz.ratio`` implementations for ``code_sim`` (see the module docstring); first = default."""
 
+
+def fuzz_ratio(a: str, b: str, backend: str = "difflib") -> int:
+    """fuzzywuzzy's ``fuzz.ratio``: an int in 0..100 (``backend``: one of
+    :data:`CODE_SIM_BACKENDS`)."""
+    if backend not in CODE_SIM_BACKENDS:
+        raise ValueError(
+            f"--code-sim-backend must be one of {', '.join(CODE_SIM_BACKENDS)}, got {backend!r}"
+        )
     if a == b:
         return 100
     if not a or not b:
         return 0
+    if backend == "difflib":
+        from difflib import SequenceMatcher
+
+        return round(100 * SequenceMatcher(None, a, b).ratio())
+    try:
+        from rapidfuzz import fuzz
+    except ImportError:
+        raise ValueError(
+            "--code-sim-backend rapidfuzz needs `pip install rapidfuzz` (the eval extra)"
+        ) from None
     return round(fuzz.ratio(a, b))
 
 
-def code_sim(prediction: str, ground_truth: str, **_) -> float:
+def code_sim(prediction: str, ground_truth: str, backend: str = "difflib", **_) -> float:
     line = next(
         (ln for ln in prediction.lstrip("\n").split("\n") if not any(m in ln for m in "`#")
          and "//" not in ln),
         "",
     )  # fmt: skip
-    return fuzz_ratio(line, ground_truth) / 100
+    return fuzz_ratio(line, ground_truth, backend) / 100
 
 
 METRICS: dict[str, Metric] = {
@@ -200,15 +226,24 @@ def dataset_metric(dataset: str) -> str:
     return DATASET_METRIC[name]
 
 
-def score_example(dataset: str, prediction: str, answers: Sequence[str], all_classes=None) -> float:
-    """Best score over the gold ``answers`` (0..1), with the official first-line cut."""
-    if not answers:
-        raise ValueError(f"{dataset}: an example has no gold answers")
+def score_example(
+    dataset: str,
+    prediction: str,
+    answers: Sequence[str],
+    all_classes=None,
+    code_sim_backend: str = "difflib",
+) -> float:
+    """Best score over the gold ``answers`` (0..1; 0 without answers, as officially), with the
+    official first-line cut."""
     name = dataset[:-2] if dataset.endswith("_e") else dataset
     if name in FIRST_LINE_DATASETS:
         prediction = prediction.lstrip("\n").split("\n")[0]
-    metric = METRICS[dataset_metric(dataset)]
-    return max(metric(prediction, gold, all_classes=all_classes) for gold in answers)
+    metric_name = dataset_metric(dataset)
+    metric = METRICS[metric_name]
+    extra = {"backend": code_sim_backend} if metric_name == "code_sim" else {}
+    return max(
+        [0.0, *(metric(prediction, gold, all_classes=all_classes, **extra) for gold in answers)]
+    )
 
 
 def score_dataset(
@@ -216,6 +251,7 @@ def score_dataset(
     predictions: Sequence[str],
     answers: Sequence[Sequence[str]],
     all_classes=None,
+    code_sim_backend: str = "difflib",
 ) -> float:
     """Official LongBench score: mean of :func:`score_example` x 100, rounded to 2 decimals."""
     if len(predictions) != len(answers) or not predictions:
@@ -223,7 +259,8 @@ def score_dataset(
             f"{dataset}: {len(predictions)} predictions for {len(answers)} answer lists"
         )
     total = sum(
-        score_example(dataset, p, a, all_classes) for p, a in zip(predictions, answers, strict=True)
+        score_example(dataset, p, a, all_classes, code_sim_backend)
+        for p, a in zip(predictions, answers, strict=True)
     )
     return round(100 * total / len(predictions), 2)
 
@@ -234,11 +271,14 @@ def score_by_length(
     answers: Sequence[Sequence[str]],
     lengths: Sequence[int],
     all_classes=None,
+    code_sim_backend: str = "difflib",
 ) -> dict[str, float]:
-    """LongBench-E style: mean score x100 per ``length`` bucket ``0-4k``, ``4-8k``, ``8k+``
-    (buckets with no example are left out)."""
+    """LongBench-E (the official ``scorer_e``): ``round(100 * np.mean(scores), 2)`` per
+    ``length`` bucket ``0-4k``, ``4-8k``, ``8k+``; a bucket with no example is NaN."""
     buckets: dict[str, list[float]] = {"0-4k": [], "4-8k": [], "8k+": []}
     for p, a, n in zip(predictions, answers, lengths, strict=True):
         key = "0-4k" if n < 4000 else "4-8k" if n < 8000 else "8k+"
-        buckets[key].append(score_example(dataset, p, a, all_classes))
-    return {k: round(100 * sum(v) / len(v), 2) for k, v in buckets.items() if v}
+        buckets[key].append(score_example(dataset, p, a, all_classes, code_sim_backend))
+    # np.mean (pairwise summation) can differ from sum / len in the last digit after rounding,
+    # and numpy rounds a float64 its own way (scale, rint, unscale): both kept for parity
+    return {k: float(round(100 * np.mean(v), 2)) if v else float("nan") for k, v in buckets.items()}
