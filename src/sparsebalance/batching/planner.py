@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..sizes import check_memory, plan_bytes
 from ..workload import CostModel, Sample
 from .context import CPResult, plan_cp
 from .cp_plan import build_cp_plan
@@ -181,6 +182,7 @@ def assign_batch(
 
 
 def _assign(ids, lens, dens, cost_model, config: PlanConfig) -> Assignment:
+    _check_size(lens, config)
     items, overlong = _items(ids, lens, dens, cost_model, config)
     regime = Regime(config.micro_batches, config.capacity, float(cost_model.microbatch_overhead()))
     if config.strategy == "sab-cp":
@@ -192,6 +194,18 @@ def _assign(ids, lens, dens, cost_model, config: PlanConfig) -> Assignment:
         flat = flatten_packs(packs)
         times, extra = predict_packs(flat, items, cost_model), {}
     return Assignment(packs, flat, items, times, regime, overlong, extra)
+
+
+def _check_size(lens: np.ndarray, config: PlanConfig) -> None:
+    """Refuse, before allocating, a plan this machine cannot hold (items after splitting)."""
+    cap = config.capacity
+    split = cap is not None and config.overlong == "split"
+    num_items = int(np.sum(-(-lens // cap))) if split else int(lens.size)
+    check_memory(
+        "--world-size / --micro-batches / --capacity",
+        f"a plan of {num_items:,} items over {config.world_size:,} ranks",
+        plan_bytes(num_items, config.world_size, config.micro_batches),
+    )
 
 
 def _densities(samples, densities, estimator) -> np.ndarray:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..sizes import check_document_length
 from ..workload import Sample
 from .store import TokenStore, is_store
 
@@ -72,6 +73,7 @@ def _from_lists(path: str, record: dict) -> tuple[list[Sample], np.ndarray | Non
     for i, (n, src) in enumerate(zip(lengths, sources, strict=True)):
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"--lengths {path}: entry {i} is {n!r}, lengths must be integers > 0")
+        check_document_length(f"--lengths {path}: entry {i}", n)
         samples.append(Sample(i, n, str(src)))
     return samples, None if dens is None else np.asarray(dens, dtype=np.float64)
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..data import read_lengths
+from ..sizes import check_document_length
 
 BUILTIN = ("heavy", "uniform", "bimodal")
 
@@ -63,6 +64,7 @@ class LengthDistribution:
             raise ValueError(f"--min-len must be >= 1, got {self.min_len}")
         if self.max_len < self.min_len:
             raise ValueError(f"--max-len ({self.max_len}) must be >= --min-len ({self.min_len})")
+        check_document_length("--max-len", self.max_len)
 
     @classmethod
     def from_file(cls, path: str) -> LengthDistribution:

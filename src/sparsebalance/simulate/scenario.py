@@ -23,6 +23,7 @@ import numpy as np
 
 from ..latency import ACCELERATORS, LatencyModel, allreduce_seconds, analytic_profile, load_profile
 from ..models import ModelShapes, load_shapes
+from ..sizes import SIM_BYTES_PER_DOCUMENT, check_memory, plan_bytes
 from ..tuning import DensityCurve, DSTConfig
 from .distributions import LengthDistribution
 from .engine import DEFAULT_STRATEGIES, StepBatch, resolve_strategies, simulate_steps
@@ -153,6 +154,13 @@ def step_overhead(model: LatencyModel, shapes: ModelShapes | None, config: SimCo
 
 def run_simulation(config: SimConfig) -> dict:
     """Every world size of ``config``: JSON-ready results plus what was assumed."""
+    for r in config.world_sizes:  # refuse what cannot fit before simulating anything
+        n = r * config.samples_per_rank
+        check_memory(
+            "--world-size / --samples-per-rank / --steps",
+            f"R = {r:,}: {config.steps:,} steps of {n:,} documents",
+            SIM_BYTES_PER_DOCUMENT * n * config.steps + plan_bytes(n, r, config.micro_batches),
+        )
     model, shapes, desc = build_cost_model(config)
     results = []
     for r in config.world_sizes:
