@@ -86,3 +86,20 @@ def test_distributions_and_sparsity_model():
         LengthDistribution("zipf")
     with pytest.raises(ValueError, match="--density-at-4k"):
         SparsityModel(density_at_4k=0.0)
+
+
+def test_hybrid_strategies_keep_the_json_shape(capsys):
+    args = ["simulate", "--world-size", "8", "--steps", "2", "--samples-per-rank", "6",
+            "--micro-batches", "2", "--dist", "longtail", "--max-len", "131072",
+            "--strategy", "sab,sab-cp,sab-cp+dst", "--json"]  # fmt: skip
+    assert main(args) == 0
+    table = json.loads(capsys.readouterr().out)["results"][0]["strategies"]
+    assert set(table["sab-cp"]) == set(table["sab"]) == set(table["sab-cp+dst"])
+    assert table["sab-cp"]["planner"] == "sab-cp" and table["sab-cp+dst"]["dst_mode"] != "off"
+    assert table["sab-cp"]["split_documents"] > 0 == table["sab"]["split_documents"]
+    assert table["sab-cp"]["step_seconds"] <= table["sab"]["step_seconds"]
+    assert table["sab-cp+dst"]["step_seconds"] <= table["sab-cp"]["step_seconds"] * (1 + 1e-9)
+    with pytest.raises(ValueError, match="--ring must be one of"):
+        from sparsebalance.simulate import SimConfig
+
+        SimConfig(micro_batches=2, ring="star")

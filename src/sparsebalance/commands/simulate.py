@@ -61,8 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-efficiency", type=float, default=0.35)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument(
+        "--ring", choices=("auto", "flat", "hierarchical"), default="auto",
+        help="ring of documents sab-cp splits over several ranks (auto)",
+    )  # fmt: skip
+    p.add_argument(
         "--strategy", default=",".join(DEFAULT_STRATEGIES),
-        help="comma list: baseline, sab, dst, sab+dst, sab+dst@ANCHOR, PLANNER[+dst|+down]",
+        help="comma list: baseline, sab, dst, sab+dst, sab+dst@ANCHOR, sab-cp, sab-cp+dst, "
+        "PLANNER[+dst|+down]",
     )  # fmt: skip
     add_dst_arguments(p)
     p.add_argument("--seed", type=int, default=0)
@@ -107,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         efficiency=args.efficiency,
         attention_efficiency=args.attention_efficiency,
         block_size=args.block_size,
+        ring=args.ring,
         show_step=args.show_step,
         workers=args.workers,
     )
@@ -115,11 +121,13 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 def format_table(result: dict) -> str:
     """One row per strategy of one world size; times in milliseconds."""
     headers = ["strategy", "step ms", "speedup", "balance eff", "bubble frac", "mean density",
-               "budget cut %", "budget given %", "ranks cut", "ranks raised"]  # fmt: skip
+               "budget cut %", "budget given %", "ranks cut", "ranks raised", "split docs",
+               "comm ms"]  # fmt: skip
     rows = [
         [name, s["step_seconds"] * 1e3, s["speedup"], s["balance_efficiency"],
          s["bubble_fraction"], s["mean_density"], 100 * s["budget_cut_fraction"],
-         100 * s["budget_given_fraction"], s["ranks_cut"], s["ranks_raised"]]
+         100 * s["budget_given_fraction"], s["ranks_cut"], s["ranks_raised"],
+         s["split_documents"], s["comm_seconds"] * 1e3]
         for name, s in result["strategies"].items()
     ]  # fmt: skip
     return markdown_table(headers, rows)

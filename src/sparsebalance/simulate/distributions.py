@@ -9,6 +9,10 @@ Qwen2.5 context):
   tokens and 83 % of the L^2 (dense attention) work. **An assumption**: the bands mimic the shape of
   long-context SFT mixes (LongAlign-style: most instructions short, a long tail of book / code /
   paper documents); they are not fitted to a particular dataset.
+- ``longtail``: ``heavy`` with a book-length tail, for context parallelism: 60 % in [128, 2K),
+  28 % in [2K, 8K), 10 % in [8K, 32K), 2 % in [32K, max_len] (log-uniform). Meant for a
+  ``--max-len`` far above the capacity (e.g. 262,144 with ``--capacity 32768``): the tail is what
+  ``sab-cp`` splits over several ranks. The same kind of assumption as ``heavy``.
 - ``uniform``: uniform on ``[min_len, max_len]``.
 - ``bimodal``: 80 % around 1K (log-normal, sigma 0.3) and 20 % around max_len / 2 (sigma 0.2): chat
   turns mixed with long documents.
@@ -28,10 +32,11 @@ import numpy as np
 from ..data import read_lengths
 from ..sizes import check_document_length
 
-BUILTIN = ("heavy", "uniform", "bimodal")
+BUILTIN = ("heavy", "uniform", "bimodal", "longtail")
 
 # (share of documents, low, high) bands of the heavy mix; log-uniform inside a band.
 HEAVY_BANDS = ((0.6, 128, 2048), (0.3, 2048, 8192), (0.1, 8192, None))
+LONGTAIL_BANDS = ((0.6, 128, 2048), (0.28, 2048, 8192), (0.1, 8192, 32768), (0.02, 32768, None))
 
 
 @dataclass(frozen=True)
@@ -96,9 +101,10 @@ class LengthDistribution:
             sigma = np.where(long, 0.2, 0.3)
             x = centre * np.exp(sigma * rng.standard_normal(n))
         else:
-            band = rng.choice(len(HEAVY_BANDS), size=n, p=[b[0] for b in HEAVY_BANDS])
-            low = np.array([b[1] for b in HEAVY_BANDS], dtype=np.float64)[band]
-            high = np.array([b[2] or hi for b in HEAVY_BANDS], dtype=np.float64)[band]
+            bands = LONGTAIL_BANDS if self.name == "longtail" else HEAVY_BANDS
+            band = rng.choice(len(bands), size=n, p=[b[0] for b in bands])
+            low = np.array([b[1] for b in bands], dtype=np.float64)[band]
+            high = np.array([b[2] or hi for b in bands], dtype=np.float64)[band]
             low, high = np.clip(low, lo, hi), np.clip(high, lo, hi)
             x = np.exp(rng.uniform(np.log(low), np.log(np.maximum(high, low))))
         return np.clip(np.floor(x), lo, hi).astype(np.int64), None

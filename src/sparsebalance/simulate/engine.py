@@ -25,7 +25,7 @@ import numpy as np
 from ..batching import STRATEGIES as PLANNERS
 from ..batching import PlanConfig
 from ..batching.planner import Assignment, assign_batch
-from ..tuning import ANCHORS, DensityCurve, DSTConfig, DSTTuner, PlanWorkload
+from ..tuning import ANCHORS, DensityCurve, DSTConfig, DSTTuner, PlanWorkload, UnitWorkload
 from ..tuning.dst import StepArrays
 from ..tuning.records import CUT, RAISED
 from ..workload import CostModel
@@ -153,34 +153,48 @@ class _Job:
         for s in self.strategies:
             if s.planner not in works:  # one plan per planner (baseline and dst share one)
                 cfg = PlanConfig(self.world_size, self.micro_batches, self.capacity, s.planner)
-                works[s.planner] = _workload(
-                    assign_batch(batch.lengths, batch.densities, self.cost_model, cfg),
-                    self.cost_model, self.curve,
-                )  # fmt: skip
+                a = assign_batch(batch.lengths, batch.densities, self.cost_model, cfg)
+                works[s.planner] = (_workload(a, self.cost_model, self.curve), _cp_stats(a))
             cfg = replace(self.dst, mode=s.dst_mode, anchor=s.anchor or self.dst.anchor)
             # sab+dst and sab+dst@<default anchor> are the same decision: made once.
             if (s.planner, cfg) not in decided:
-                work = works[s.planner]
+                work, stats = works[s.planner]
                 dec = DSTTuner(cfg, self.curve).decide_arrays(work)
-                decided[s.planner, cfg] = _record(dec, work.weights)
+                decided[s.planner, cfg] = {**_record(dec, work), **stats}
             out[s.name] = decided[s.planner, cfg]
         return out
 
 
-def _workload(a: Assignment, cost_model: CostModel, curve: DensityCurve) -> PlanWorkload:
+def _workload(a: Assignment, cost_model: CostModel, curve: DensityCurve):
     """The DST workload of an assignment: ``PlanWorkload(plan_batch(...).ranks, ...)`` without
-    the plan's ``MicroBatch`` objects."""
+    the plan's ``MicroBatch`` objects; a :class:`~sparsebalance.tuning.UnitWorkload` (workers =
+    ranks joined by CP units) for a hybrid ``sab-cp`` plan."""
     f = a.flat
-    return PlanWorkload.from_flat(
-        f.num_ranks, f.mb_rank, f.mb_sizes, a.items.tokens[f.item], a.items.density[f.item],
-        cost_model, curve,
-    )  # fmt: skip
+    args = (f.mb_rank, f.mb_sizes, a.items.tokens[f.item], a.items.density[f.item], cost_model,
+            curve)  # fmt: skip
+    if a.cp is None:
+        return PlanWorkload.from_flat(f.num_ranks, *args)
+    u = a.cp.units
+    return UnitWorkload(f.num_ranks, a.items.tokens[u.item], a.items.density[u.item], u.degree,
+                        u.start_rank, *args)  # fmt: skip
 
 
-def _record(dec: StepArrays, w: np.ndarray) -> dict:
+def _cp_stats(a: Assignment) -> dict:
+    """Split documents and the busiest rank's exposed communication of a plan (0 without CP)."""
+    if a.cp is None:
+        return {"split": 0, "comm": 0.0}
+    u = a.cp.units
+    comm = np.zeros(a.flat.num_ranks)
+    for s, k, c in zip(u.start_rank.tolist(), u.degree.tolist(), u.comm.tolist(), strict=True):
+        comm[s : s + k] += c
+    return {"split": int(u.item.size), "comm": float(comm.max())}
+
+
+def _record(dec: StepArrays, work) -> dict:
     """One ablation's step: what :func:`_summarize` reads (the sums as ``StepDecision`` forms
-    them: Python sums in rank order)."""
-    times, dens = dec.times_after, dec.density_after
+    them: Python sums in rank order). Times are per rank (a hybrid plan's workers expanded)."""
+    w, dens = work.weights, dec.density_after
+    times = work.rank_seconds(dec.gammas) if isinstance(work, UnitWorkload) else dec.times_after
     delta = (dec.attention_after - dec.attention_before).tolist()
     roles = dec.targets.roles
     return {
@@ -224,6 +238,8 @@ def _summarize(records, strats, world_size, step_overhead, show_step) -> dict:
             "budget_given_fraction": float((series(s.name, "given") / attention).mean()),
             "ranks_cut": float(series(s.name, "num_cut").mean()),
             "ranks_raised": float(series(s.name, "num_raised").mean()),
+            "split_documents": float(series(s.name, "split").mean()),
+            "comm_seconds": float(series(s.name, "comm").mean()),
         }
         per_step[s.name] = step.tolist()
     return {

@@ -21,7 +21,15 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..latency import ACCELERATORS, LatencyModel, allreduce_seconds, analytic_profile, load_profile
+from ..latency import (
+    ACCELERATORS,
+    LatencyModel,
+    allreduce_seconds,
+    analytic_profile,
+    context_cost,
+    load_profile,
+)
+from ..latency.context import RING_KINDS
 from ..models import ModelShapes, load_shapes
 from ..sizes import SIM_BYTES_PER_DOCUMENT, check_memory, plan_bytes
 from ..tuning import DensityCurve, DSTConfig
@@ -68,12 +76,17 @@ class SimConfig:
     """[--attention-efficiency] fraction of peak reached by block-sparse attention."""
     block_size: int = 128
     """[--block-size] sparse-attention block size (analytic profile and density floor)."""
+    ring: str = "auto"
+    """[--ring] ring of split documents (``sab-cp``): ``auto`` (hierarchical once a unit spans
+    nodes and k is a multiple of the node size), ``flat`` or ``hierarchical``."""
     show_step: int = 0
     """[--show-step] the step whose per-rank times are kept (for the plot)."""
     workers: int = 1
     """[--workers] processes over steps (results are identical for any value)."""
 
     def __post_init__(self) -> None:
+        if self.ring not in RING_KINDS:
+            raise ValueError(f"--ring must be one of {', '.join(RING_KINDS)}, got {self.ring!r}")
         if not self.world_sizes:
             raise ValueError("--world-size needs at least one value")
         for r in self.world_sizes:
@@ -162,6 +175,11 @@ def run_simulation(config: SimConfig) -> dict:
             SIM_BYTES_PER_DOCUMENT * n * config.steps + plan_bytes(n, r, config.micro_batches),
         )
     model, shapes, desc = build_cost_model(config)
+    # Every planner sees the latency model through a ContextCost (sab-cp also prices split
+    # documents with its links; the others read only the base model's numbers).
+    cost = context_cost(model, config.analytic, shapes, ring=config.ring,
+                        block_size=config.block_size)  # fmt: skip
+    desc += f"; CP links {cost.links.source}, ring {config.ring}"
     results = []
     for r in config.world_sizes:
         t0 = time.perf_counter()
@@ -170,15 +188,15 @@ def run_simulation(config: SimConfig) -> dict:
                 # The analytic profile is linear in density and its fit is the same FLOP count
                 # outside the grid: leaving the grid (densities < 0.02 after cuts) is not an error.
                 warnings.filterwarnings("ignore", message="latency model: some inputs lie outside")
-            res = _simulate_one(config, model, shapes, r)
+            res = _simulate_one(config, model, cost, shapes, r)
         res["wall_seconds"] = time.perf_counter() - t0
         results.append(res)
     return _describe(config, desc, results)
 
 
-def _simulate_one(config: SimConfig, model: LatencyModel, shapes, r: int) -> dict:
+def _simulate_one(config: SimConfig, model: LatencyModel, cost, shapes, r: int) -> dict:
     return simulate_steps(
-        draw_batches(config, r), r, model,
+        draw_batches(config, r), r, cost,
         micro_batches=config.micro_batches, capacity=config.capacity,
         strategies=config.strategies, dst=config.dst, curve=config.curve,
         step_overhead=step_overhead(model, shapes, config, r),

@@ -24,6 +24,7 @@ from .records import (
     StepTargets,
     bubbles,
 )
+from .unit_workload import UnitWorkload
 
 __all__ = [
     "ANCHORS",
@@ -39,6 +40,7 @@ __all__ = [
     "RankWorkload",
     "StepDecision",
     "StepTargets",
+    "UnitWorkload",
     "add_dst_arguments",
     "bubbles",
 ]

@@ -1,0 +1,119 @@
+"""DST over context-parallel units: the workers of a hybrid plan, priced at per-worker gammas.
+
+A CP unit's ranks share one budget (one layout per document), so DST cannot give them different
+gammas. Workers: the connected groups of ranks that CP units join (ranks of overlapping unit
+windows are merged; they are contiguous ranges), and every rank in no CP unit on its own. A
+worker's time at gamma is the finish time of its slowest rank: CP units run first in slot order,
+each starting when all its ranks are free (its seconds from the
+:class:`~sparsebalance.latency.context.ContextCost` at the unit's density ``curve(d0, gamma)``),
+then each rank's whole-document micro-batches (a :class:`PlanWorkload`). The tuner cuts and raises
+workers exactly as it does ranks: :class:`UnitWorkload` has :class:`PlanWorkload`'s interface
+(``num_ranks`` is the number of workers), so :meth:`DSTTuner.decide_arrays
+<sparsebalance.tuning.dst.DSTTuner.decide_arrays>` runs unchanged.
+
+Cost per pricing: one ``PlanWorkload.seconds`` over the ranks, one vectorised ``unit_seconds``
+over the U units and a Python pass over them in slot order (O(U) slices).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .curve import DensityCurve
+from .plan_workload import PlanWorkload
+
+
+class UnitWorkload:
+    """Workers of a hybrid plan (see the module docstring).
+
+    Args:
+        num_ranks: R.
+        unit_lengths / unit_d0: ``(U,)`` tokens and density at gamma0 of each CP unit's document.
+        unit_degree / unit_start: ``(U,)`` k and first rank (the unit runs on ``start .. start +
+            k - 1``), in slot order.
+        mb_rank / mb_sizes / lengths / d0: the whole-document micro-batches as flat arrays (see
+            :meth:`PlanWorkload.from_flat`).
+        cost_model: a ``ContextCost``; curve: the density response.
+    """
+
+    def __init__(
+        self, num_ranks: int, unit_lengths, unit_d0, unit_degree, unit_start,
+        mb_rank, mb_sizes, lengths, d0, cost_model, curve: DensityCurve,
+    ) -> None:  # fmt: skip
+        self.cost_model = cost_model
+        self.curve = curve
+        self.num_rank_slots = num_ranks
+        self.dp = PlanWorkload.from_flat(num_ranks, mb_rank, mb_sizes, lengths, d0, cost_model,
+                                         curve)  # fmt: skip
+        self.u_len = np.asarray(unit_lengths, dtype=np.int64)
+        self.u_d0 = np.asarray(unit_d0, dtype=np.float64)
+        self.u_k = np.asarray(unit_degree, dtype=np.int64)
+        self.u_start = np.asarray(unit_start, dtype=np.int64)
+        # Workers: merge the unit windows [start, start + k) into contiguous rank ranges.
+        joined = np.zeros(num_ranks, dtype=bool)  # rank r belongs to the worker of rank r - 1
+        for s, k in zip(self.u_start.tolist(), self.u_k.tolist(), strict=True):
+            joined[s + 1 : s + k] = True
+        self.worker_start = np.flatnonzero(~joined)
+        self.worker_of = np.cumsum(~joined) - 1  # (R,)
+        self.num_ranks = int(self.worker_start.size)  # the tuner's "ranks" are workers
+        self.unit_worker = self.worker_of[self.u_start]
+        self._weight = np.bincount(self.worker_of, self.dp.weights, self.num_ranks) + np.bincount(
+            self.unit_worker, self.u_len.astype(np.float64) ** 2, self.num_ranks
+        )
+        self._memo: dict[float, np.ndarray] = {}
+
+    # ------------------------------------------------------------------ pricing
+    def rank_seconds(self, gammas: np.ndarray) -> np.ndarray:
+        """``(R,)`` finish time of every rank with worker w at ``gammas[w]`` (``(W,)``)."""
+        g_rank = np.asarray(gammas, dtype=np.float64)[self.worker_of]
+        ready = np.zeros(self.num_rank_slots)
+        if self.u_len.size:
+            dens = self.curve.density(self.u_d0, g_rank[self.u_start])
+            secs, _ = self.cost_model.unit_seconds(self.u_len, dens, self.u_k)
+            for s, k, t in zip(self.u_start.tolist(), self.u_k.tolist(), secs.tolist(),
+                               strict=True):  # fmt: skip
+                ready[s : s + k] = ready[s : s + k].max() + t
+        return ready + self.dp.seconds(g_rank)
+
+    def seconds(self, gammas: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
+        """``(W,)`` each worker's time (its slowest rank) at ``gammas`` ``(W,)``; workers outside
+        ``active`` (bool ``(W,)``) read 0, like :meth:`PlanWorkload.seconds`."""
+        key = float(gammas[0]) if gammas.size and np.all(gammas == gammas[0]) else None
+        if key is not None and key in self._memo:
+            out = self._memo[key].copy()
+        else:
+            out = np.maximum.reduceat(self.rank_seconds(gammas), self.worker_start)
+            if key is not None:
+                self._memo[key] = out.copy()
+        if active is not None:
+            out = np.where(active, out, 0.0)
+        return out
+
+    def attention_seconds(self, gammas: np.ndarray) -> np.ndarray:
+        """``(W,)`` predicted attention seconds (all layers, all the worker's ranks)."""
+        g_rank = np.asarray(gammas, dtype=np.float64)[self.worker_of]
+        out = np.bincount(self.worker_of, self.dp.attention_seconds(g_rank), self.num_ranks)
+        if self.u_len.size:
+            dens = self.curve.density(self.u_d0, gammas[self.unit_worker])
+            attn = self.cost_model.num_layers * np.asarray(
+                self.cost_model.layer_attention_seconds(self.u_len, dens), dtype=np.float64
+            )
+            out += np.bincount(self.unit_worker, attn, self.num_ranks)
+        return out
+
+    def mean_density(self, gammas: np.ndarray) -> np.ndarray:
+        """``(W,)`` length²-weighted mean density (1.0 for an empty worker)."""
+        g_rank = np.asarray(gammas, dtype=np.float64)[self.worker_of]
+        num = np.bincount(self.worker_of, self.dp.weights * self.dp.mean_density(g_rank),
+                          self.num_ranks)  # fmt: skip
+        if self.u_len.size:
+            dens = self.curve.density(self.u_d0, gammas[self.unit_worker])
+            num += np.bincount(self.unit_worker, self.u_len.astype(np.float64) ** 2 * dens,
+                               self.num_ranks)  # fmt: skip
+        w = self._weight
+        return np.where(w > 0, num / np.where(w > 0, w, 1.0), 1.0)
+
+    @property
+    def weights(self) -> np.ndarray:
+        """``(W,)`` sum of length² over each worker's documents."""
+        return self._weight
