@@ -75,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--efficiency", type=float, default=0.45, help="GEMM efficiency (--analytic)")
     p.add_argument("--results-dir", default="benchmarks/results", help="where --validate writes")
+    p.add_argument(
+        "--measure-links", action="store_true",
+        help="also time gloo point-to-point transfers (2 processes) for context-parallel rings; "
+        "stored in the profile's meta['links']",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print only JSON to stdout")  # fmt: skip
 
 
@@ -104,9 +109,14 @@ def main(args: argparse.Namespace) -> int:
         shapes, device, dtype, args.backend, args.block_size, grid, world, quiet=args.json,
         calibration_batches=calib,
     )  # fmt: skip
+    if args.measure_links:
+        from ..latency.links import measure_p2p
+
+        profile.meta["links"] = measure_p2p().to_dict()
     profile.save(args.out)
     summary = {
         "wrote": args.out,
+        "links": profile.meta.get("links"),
         "fingerprint": profile.fingerprint,
         "optimizer_seconds": profile.optimizer_seconds,
         "allreduce_seconds": profile.allreduce_seconds,
