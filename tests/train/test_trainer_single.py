@@ -1,4 +1,5 @@
-"""Single-process trainer checks: attention equivalence, bad input, non-finite loss."""
+"""Single-process trainer checks: bad input, non-finite loss, tokenizer, fresh runs. (The
+attention hook is tested in ``tests/models``, packing in ``tests/data``.)"""
 
 from __future__ import annotations
 
@@ -7,10 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from sparsebalance.data import load_tokenizer, pack
-from sparsebalance.models.attention import PackedAttention
-from sparsebalance.models.hf import build_model
-from sparsebalance.ops import Budget
+from sparsebalance.data import load_tokenizer
 from sparsebalance.train import TrainConfig, Trainer
 from sparsebalance.train.checkpoint import latest_checkpoint, load_checkpoint
 from sparsebalance.train.runtime import Runtime
@@ -20,37 +18,6 @@ from tests.train.harness import base_config
 CPU1 = Runtime(0, 1, torch.device("cpu"))
 # The tests use an analytic (GPU) profile on purpose: the fingerprint warning is expected.
 pytestmark = pytest.mark.filterwarnings("ignore::sparsebalance.latency.ProfileMismatchWarning")
-
-
-@pytest.mark.parametrize("model_type", ["tiny"])
-def test_gamma_one_logits_equal_eager_attention_on_packed_input(model_type):
-    model = build_model(model_type, seed=1)
-    eager = build_model(model_type, attn_implementation="eager", seed=1)
-    eager.load_state_dict(model.state_dict())
-    g = torch.Generator().manual_seed(0)
-    docs = [torch.randint(0, 4096, (n,), generator=g).numpy() for n in (70, 1, 130, 33)]
-    batch = pack(docs)
-    ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=1.0), block_size=32, backend="torch")
-    with torch.no_grad():
-        packed = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                       sb_attention=ctx, use_cache=False).logits[0]  # fmt: skip
-        start, refs = 0, []
-        for d in docs:
-            ids = torch.as_tensor(d, dtype=torch.long)[None]
-            refs.append(eager(input_ids=ids, use_cache=False).logits[0])
-            start += len(d)
-    torch.testing.assert_close(packed, torch.cat(refs), rtol=1e-4, atol=1e-4)
-    assert len(ctx.stats) == model.config.num_hidden_layers
-    assert all(s.density == 1.0 for s in ctx.stats)
-
-
-def test_packing_labels_stay_inside_documents():
-    batch = pack([torch.arange(3).numpy(), torch.arange(10, 12).numpy()])
-    assert batch.labels.tolist() == [[1, 2, -100, 11, -100]]
-    assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1]]
-    assert batch.cu_seqlens.tolist() == [0, 3, 5]
-    weighted = pack([torch.arange(3).numpy(), torch.arange(10, 12).numpy()], per_doc_weighting=True)
-    assert weighted.loss_weights.tolist() == [[0.5, 0.5, 0.0, 1.0, 0.0]]
 
 
 def test_bad_input_is_reported_clearly(tmp_path):
