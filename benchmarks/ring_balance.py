@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from sparsebalance.commands.ring_balance import COLUMNS, analyse
+from sparsebalance.parallel.placement_study import COLUMNS, analyse
 from sparsebalance.results import markdown_table, write_results
 
 DENSITIES = [1.0, 0.3, 0.1]

@@ -12,14 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
-from ..ops import random_layout
-from ..parallel import PLACEMENTS, imbalance, make_placement, ring_work, vertical_slash_layout
+from ..parallel import PLACEMENTS
+from ..parallel.placement_study import COLUMNS, PATTERNS, analyse
 from ..results import markdown_table
-
-PATTERNS = ("vslash", "random")
-COLUMNS = ("rank", "ring", "lockstep", "step_min", "step_max")
 
 
 def _size(s: str) -> int:
@@ -29,53 +24,6 @@ def _size(s: str) -> int:
 
 def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",")]
-
-
-def document_lengths(seq_len: int, num_docs: int) -> list[int]:
-    """``num_docs`` documents halving in length (1/2, 1/4, ..., last two equal), summing to T."""
-    if not 1 <= num_docs <= seq_len:
-        raise ValueError(f"--docs must be in [1, --seq-len], got {num_docs}")
-    lengths, left = [], seq_len
-    for _ in range(num_docs - 1):
-        lengths.append(max(1, left // 2))
-        left -= lengths[-1]
-    return [*lengths, left]
-
-
-def analyse(
-    seq_len: int,
-    world: int,
-    densities: list[float],
-    layouts: list[str],
-    pattern: str = "vslash",
-    num_docs: int = 1,
-    block_size: int = 64,
-    heads: int = 4,
-    inner_size: int | None = None,
-    seed: int = 0,
-) -> list[dict]:
-    """One row per (density, placement): the imbalance ratios, per-rank totals, per-step maxima."""
-    if pattern not in PATTERNS:
-        raise ValueError(f"--pattern must be one of {', '.join(PATTERNS)}, got {pattern!r}")
-    lengths = document_lengths(seq_len, num_docs)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    rows = []
-    for density in densities:
-        if not 0.0 < density <= 1.0:
-            raise ValueError(f"--density values must be in (0, 1], got {density}")
-        if pattern == "vslash":
-            layout = vertical_slash_layout(cu, heads, block_size, density, seed=seed)
-        else:
-            layout = random_layout(cu, heads, block_size, density, seed=seed)
-        for kind in layouts:
-            work = ring_work(layout, make_placement(kind, seq_len, block_size, world), inner_size)
-            rows.append({
-                "pattern": pattern, "docs": num_docs, "target_density": density,
-                "density": round(layout.density(), 4), "layout": kind,
-                **imbalance(work, inner_size),
-                "rank_work": work.sum(1).tolist(), "step_max_work": work.max(0).values.tolist(),
-            })  # fmt: skip
-    return rows
 
 
 def format_table(rows: list[dict]) -> str:
