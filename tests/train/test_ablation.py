@@ -42,3 +42,18 @@ def test_comparison_table_measured_and_predicted():
     assert out["sab"]["predicted_density"] == 0.4 and out["baseline"]["predicted_density"] is None
     assert "predicted speedup" in table and "+25 %" in table
     assert table.count("\n") == 3  # header, rule, two rows
+
+
+def test_demo_runs_come_from_the_same_table(tmp_path):
+    from sparsebalance.train.launch import demo_configs
+
+    cfg = TrainConfig(out=str(tmp_path))
+    runs = demo_configs(cfg)
+    assert list(runs) == ["baseline", "sparsebalance"]
+    assert (runs["baseline"].strategy, runs["baseline"].dst.mode) == ("sequential", "off")
+    assert (runs["sparsebalance"].strategy, runs["sparsebalance"].dst.mode) == (
+        "sab",
+        "bidirectional",
+    )
+    assert runs["sparsebalance"].out == str(tmp_path / "sparsebalance")
+    assert all(r.overwrite and r.seed == cfg.seed for r in runs.values())

@@ -165,10 +165,11 @@ def torchrun_main() -> None:
 def demo_configs(cfg: TrainConfig) -> dict[str, TrainConfig]:
     """The two runs of the demo: same data, seed and steps; only batching and tuning differ.
     They are scratch runs: a new demo replaces the previous one's folders."""
-    out = Path(cfg.out)
+    from ..simulate import ABLATIONS  # the one ablation table (planner, DST mode per name)
+
+    runs = {"baseline": ABLATIONS["baseline"], "sparsebalance": ABLATIONS["sab+dst"]}
     return {
-        "baseline": replace(cfg, strategy="sequential", dst=replace(cfg.dst, mode="off"),
-                            out=str(out / "baseline"), overwrite=True),
-        "sparsebalance": replace(cfg, strategy="sab", dst=replace(cfg.dst, mode="bidirectional"),
-                                 out=str(out / "sparsebalance"), overwrite=True),
+        name: replace(cfg, strategy=s.planner, dst=replace(cfg.dst, mode=s.dst_mode),
+                      out=str(Path(cfg.out) / name), overwrite=True)
+        for name, s in runs.items()
     }  # fmt: skip
