@@ -11,14 +11,13 @@ import torch
 
 from ..batching import HistoryEstimator
 from ..data import load_corpus, load_tokenizer
+from ..data.batches import BatchSource
 from ..latency import LatencyModel, load_profile
 from ..report import load_run, summarize
 from ..simulate import ABLATIONS, simulate_steps
-from ..workload import Sample
 from .checkpoint import latest_checkpoint
 from .config import TrainConfig
 from .launch import launch
-from .trainer import batch_schedule
 
 ABLATION = ("baseline", "sab", "dst", "sab+dst")
 """The runs ``bench-e2e`` measures by default; each name's planner strategy and DST mode come from
@@ -58,7 +57,7 @@ def predict(cfg: TrainConfig, names: list[str], world_size: int, baseline_dir: P
     densities (what the first plan sees)."""
     tokenizer = load_tokenizer(cfg.tokenizer)
     corpus = load_corpus(cfg.data, tokenizer, cfg.text_field, cfg.num_builtin, cfg.seed,
-                         cfg.min_len, cfg.max_len)  # fmt: skip
+                         cfg.min_len, cfg.max_len, on_bad_record=cfg.on_bad_record)  # fmt: skip
     latency = LatencyModel(load_profile(baseline_dir / "latency_profile.json"))
     ckpt = latest_checkpoint(baseline_dir)
     if ckpt is not None:
@@ -66,8 +65,9 @@ def predict(cfg: TrainConfig, names: list[str], world_size: int, baseline_dir: P
         latency.load_state_dict(state["trainer"]["latency"])
     estimator = HistoryEstimator()
     batches = []
-    for ids in batch_schedule(cfg.seed, len(corpus), cfg.global_batch, cfg.steps):
-        samples = [Sample(i, len(corpus.docs[i]), corpus.sources[i]) for i in ids]
+    source = BatchSource(corpus, cfg.seed, cfg.global_batch)  # the trainer's batches
+    for _ in range(cfg.steps):
+        samples = source.next_batch()
         batches.append((np.array([s.num_tokens for s in samples]), estimator.estimate(samples)))
     return simulate_steps(batches[1:] or batches, world_size, latency,
                           micro_batches=cfg.micro_batches, capacity=cfg.capacity,

@@ -179,6 +179,8 @@ class StepSummary:
     num_overlong: int
     lr: float
     emulated: bool
+    data_documents: dict[str, int] = field(default_factory=dict)
+    """Documents drawn from each --data component this step (set by the Trainer)."""
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -6,14 +6,24 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..batching import HistoryEstimator
-from ..data import load_corpus, load_tokenizer
-from ..data.dataset import apply_vocabulary, compact_vocabulary
+from ..data import load_tokenizer
+from ..data.batches import BatchSource
+from ..data.dataset import (
+    DataSource,
+    apply_vocabulary,
+    compact_vocabulary,
+    open_corpus,
+    resolve_data,
+)
+from ..data.mixture import MixtureSampler
+from ..data.store import is_store
 from ..latency import LatencyModel, Profile, default_latency_model, fingerprint, load_profile
 from ..models import ModelShapes
 from ..models.hf import build_model
@@ -37,26 +47,11 @@ def training_kernel(device, backend: str) -> tuple[str, str]:
     return "fp32", "torch" if backend == "auto" else backend
 
 
-def epoch_order(seed: int, epoch: int, num_docs: int) -> np.ndarray:
-    """The documents' order in one epoch (seeded; the same on every rank and in every run)."""
-    return np.random.default_rng([seed, epoch]).permutation(num_docs)
-
-
-def next_position(epoch: int, cursor: int, num_docs: int, global_batch: int) -> tuple[int, int]:
-    """Where the next global batch starts: a new epoch when this one's tail is too short (the tail
-    is dropped, so a batch never holds the same document twice)."""
-    return (epoch + 1, 0) if cursor + global_batch > num_docs else (epoch, cursor)
-
-
 def batch_schedule(seed: int, num_docs: int, global_batch: int, steps: int) -> list[list[int]]:
-    """Document indices of each step's global batch, exactly as :meth:`Trainer.next_batch`."""
-    out, epoch, cursor = [], 0, 0
-    for _ in range(steps):
-        epoch, cursor = next_position(epoch, cursor, num_docs, global_batch)
-        order = epoch_order(seed, epoch, num_docs)
-        out.append([int(i) for i in order[cursor : cursor + global_batch]])
-        cursor += global_batch
-    return out
+    """Document indices of each step's global batch for one unfiltered source of ``num_docs``
+    documents, exactly as :meth:`Trainer.next_batch` draws them."""
+    sampler = MixtureSampler([np.arange(num_docs)], [1.0], seed, global_batch)
+    return [[i for _, i in sampler.next_batch()] for _ in range(steps)]
 
 
 class Trainer:
@@ -69,32 +64,18 @@ class Trainer:
         seed_everything(cfg.seed)
         self.run_dir = Path(cfg.out)
         tokenizer = load_tokenizer(cfg.tokenizer)
-        corpus = self._on_main_first(
-            lambda: load_corpus(
-                cfg.data,
-                tokenizer,
-                cfg.text_field,
-                cfg.num_builtin,
-                cfg.seed,
-                cfg.min_len,
-                cfg.max_len,
-                on_bad_record=cfg.on_bad_record,
-            )
-        )
+        corpus = open_corpus(self._resolve_data(tokenizer), cfg.min_len, cfg.max_len)
         self.model = build_model(cfg.model, rt.device, torch.float32, seed=cfg.seed)
         vocab = int(self.model.config.vocab_size)
         if corpus.max_token_id() >= vocab:
             corpus = apply_vocabulary(corpus, compact_vocabulary(corpus, vocab))
         self.corpus = corpus
-        if cfg.global_batch > len(corpus):
-            raise ValueError(
-                f"--global-batch {cfg.global_batch} exceeds the dataset's {len(corpus)} documents"
-            )
         if cfg.global_batch < self.num_ranks:
             raise ValueError(
                 f"--global-batch {cfg.global_batch} is smaller than the {self.num_ranks} ranks: "
                 "every rank needs at least one document per step"
             )
+        self.data = BatchSource(corpus, cfg.seed, cfg.global_batch)
         shapes = ModelShapes.from_hf_config(self.model.config.to_dict(), name=Path(cfg.model).name)
         self.latency = self._latency_model(shapes)
         self.estimator = HistoryEstimator()
@@ -110,8 +91,7 @@ class Trainer:
             cfg, rt, self.num_ranks, self.latency, self.estimator, DSTTuner(cfg.dst), self.par,
             executor, self.params, self.optimizer, self.scheduler, self.sample,
         )  # fmt: skip
-        self.step, self.epoch, self.cursor = 0, 0, 0
-        self.order = self._epoch_order(0)
+        self.step = 0
         earlier = [
             self.run_dir / n
             for n in ("metrics.jsonl", "checkpoints")
@@ -128,14 +108,22 @@ class Trainer:
         self._stale = [] if cfg.resume else earlier
 
     # ------------------------------------------------------------------ setup
-    def _on_main_first(self, fn):
-        """Run ``fn`` on rank 0 first (it fills caches), then on the others."""
-        if self.rt.is_main:
-            out = fn()
-        self.rt.barrier()
-        if not self.rt.is_main:
-            out = fn()
-        return out
+    def _resolve_data(self, tokenizer) -> list[DataSource]:
+        """Rank 0 resolves ``--data`` (preparing raw inputs into the cache once) while the others
+        wait; every rank then maps rank 0's stores (a rank that cannot see them, e.g. on another
+        node with its own cache, resolves for itself)."""
+        cfg = self.cfg
+
+        def resolve():
+            return resolve_data(cfg.data, tokenizer, cfg.text_field, cfg.num_builtin, cfg.seed,
+                                cfg.min_len, cfg.max_len, on_bad_record=cfg.on_bad_record,
+                                progress=self.rt.is_main)  # fmt: skip
+
+        mine = resolve() if self.rt.is_main else None
+        sources = self.rt.all_gather_object(mine)[0]
+        if not all(is_store(s.store) for s in sources):
+            sources = resolve()
+        return sources
 
     def _latency_model(self, shapes: ModelShapes) -> LatencyModel:
         """Rank 0 loads (or measures) the profile and sends it to every rank, so all ranks plan
@@ -167,22 +155,17 @@ class Trainer:
         return 1.0
 
     # ------------------------------------------------------------------ data
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        return epoch_order(self.cfg.seed, epoch, len(self.corpus))
+    @property
+    def epoch(self) -> int:
+        return self.data.epoch
 
     def next_batch(self) -> list[Sample]:
-        """The next ``global_batch`` documents in the seeded order (same on every rank)."""
-        g = self.cfg.global_batch
-        epoch, self.cursor = next_position(self.epoch, self.cursor, len(self.corpus), g)
-        if epoch != self.epoch:
-            self.epoch, self.order = epoch, self._epoch_order(epoch)
-        ids = self.order[self.cursor : self.cursor + g]
-        self.cursor += g
-        return [Sample(int(i), len(self.corpus.docs[i]), self.corpus.sources[i]) for i in ids]
+        """The next ``global_batch`` documents (seeded mixture sampler; same on every rank)."""
+        return self.data.next_batch()
 
     def sample(self, index: int) -> Sample:
-        """The corpus document ``index`` as a :class:`Sample`."""
-        return Sample(index, len(self.corpus.docs[index]), self.corpus.sources[index])
+        """The corpus document ``index`` as a :class:`Sample` (length from the store offsets)."""
+        return self.data.sample(index)
 
     @property
     def tuner(self) -> DSTTuner:
@@ -197,14 +180,14 @@ class Trainer:
         """One step on the next global batch (:class:`StepRunner`); advances ``self.step``."""
         result = self.runner.run(self.next_batch(), self.step + 1)
         self.step += 1
-        return result
+        counts = self.data.metrics()["documents"]  # documents per --data component
+        return replace(result, summary=replace(result.summary, data_documents=counts))
 
     # ------------------------------------------------------------------ checkpoints
     def _state(self) -> dict:
         return {
             "step": self.step,
-            "epoch": self.epoch,
-            "cursor": self.cursor,
+            "data": self.data.state_dict(),
             "latency": self.latency.state_dict(),
             "estimator": self.estimator.state_dict(),
             "vocab_map": self.corpus.vocab_map,
@@ -233,8 +216,15 @@ class Trainer:
         state = load_checkpoint(path, self.model, self.optimizer, self.scheduler,
                                 fsdp=self.par.sharded)  # fmt: skip
         tr = state["trainer"]
-        self.step, self.epoch, self.cursor = tr["step"], tr["epoch"], tr["cursor"]
-        self.order = self._epoch_order(self.epoch)
+        if "data" not in tr:
+            raise ValueError(
+                f"--resume: {path} predates data identities (no sampler state): it cannot be "
+                "resumed exactly; start a new run"
+            )
+        self.data.load_state_dict(tr["data"])
+        if tr.get("vocab_map") != self.corpus.vocab_map:
+            raise ValueError("--resume: the checkpoint's compact vocabulary differs from this one")
+        self.step = tr["step"]
         self.latency.load_state_dict(tr["latency"])
         self.estimator.load_state_dict(tr["estimator"])
         set_rng_state(state["rng"][self.rt.rank])
