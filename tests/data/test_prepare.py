@@ -134,3 +134,28 @@ def test_cli_prepare_and_refusals(tmp_path, tokenizer, capsys):
     assert "no such file" in capsys.readouterr().err
     assert cli(["prepare", str(src), "--out", str(tmp_path / "t"), "--workers", "0"]) == 2
     assert "--workers must be >= 1" in capsys.readouterr().err
+
+
+def test_hf_tokenizer_batch_encode_round_trip_uint16(tmp_path):
+    """A local HF tokenizer folder: the fast batch encoder gives ``encode``'s ids; small
+    vocabulary -> uint16 tokens; the identity is the files' hash, not the folder's path."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from sparsebalance.data.tokenizer import HFTokenizer
+
+    words = sorted({w for t in TEXTS for w in t.split()})
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    for d in ("t1", "t2"):
+        (tmp_path / d).mkdir()
+        tok.save(str(tmp_path / d / "tokenizer.json"))
+        (tmp_path / d / "tokenizer_config.json").write_text(
+            json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]"})
+        )
+    hf = HFTokenizer(str(tmp_path / "t1"))
+    assert hf.identity == HFTokenizer(str(tmp_path / "t2")).identity
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in TEXTS])
+    _, st = _run(tmp_path, [src], hf, chunk_bytes=50)
+    assert st.dtype == np.uint16
+    assert _docs(st) == [hf.encode(t) for t in TEXTS if len(hf.encode(t)) >= 2]

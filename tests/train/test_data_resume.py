@@ -38,6 +38,8 @@ def test_mixture_resume_is_exact_and_other_data_is_refused(tmp_path, mixture):
     counts = [x["data_documents"] for x in lines if x["rank"] == "all"]
     assert len(counts) == 4 and all(sum(c.values()) == 4 for c in counts)
     assert set(counts[0]) == {p.rpartition(":")[0] for p in mixture.split(",")}
+    described = json.loads((tmp_path / "run" / "data.json").read_text())
+    assert [c["documents"] for c in described["components"]] == [12, 12]
 
     first = replace(cfg, steps=2, out=str(tmp_path / "part"))
     _run(first)

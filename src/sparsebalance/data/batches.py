@@ -51,6 +51,20 @@ class BatchSource:
             "epochs": dict(zip(self.corpus.names, self.sampler.epochs, strict=True)),
         }
 
+    def describe(self) -> dict:
+        """Per component: store, documents, tokens, documents usable after the length filter and
+        what the filter removed (``data.json`` in the run folder)."""
+        c = self.corpus
+        return {
+            "identity": c.identity(),
+            "components": [
+                {"name": src.name, "store": src.store, "weight": src.weight,
+                 "documents": len(st), "tokens": st.num_tokens, "usable": len(pool),
+                 "filtered": c.filtered[src.name]}
+                for src, st, pool in zip(c.data_sources, c.stores, c.pools(), strict=True)
+            ],
+        }  # fmt: skip
+
     def state_dict(self) -> dict:
         return {
             "identity": {**self.corpus.identity(), "vocab_map_size": _map_size(self.corpus)},

@@ -240,6 +240,13 @@ class Trainer:
                 json.dumps(to_dict(cfg), indent=1, default=str)
             )
             self.latency.profile.save(self.run_dir / "latency_profile.json")  # what planned it
+            data = self.data.describe()
+            (self.run_dir / "data.json").write_text(json.dumps(data, indent=1) + "\n")
+            for comp in data["components"]:
+                if comp["usable"] < comp["documents"]:
+                    dropped = comp["documents"] - comp["usable"]
+                    print(f"data {comp['name']}: {dropped} of {comp['documents']} documents "
+                          f"filtered out ({comp['filtered']})")  # fmt: skip
         label = f"{cfg.strategy}+dst-{cfg.dst.mode}"
         tel = Telemetry(self.run_dir, cfg.steps, self.step, self.rt.is_main, label)
         summaries = []
