@@ -33,22 +33,36 @@ def test_analytic_profiles_scale_with_model_size_and_density():
         analytic_profile(load_shapes("tiny"), "tpu")
 
 
-def test_cli_quick_profile_then_validate(tmp_path, capsys):
+def test_cli_quick_profile_then_validate(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "p.json"
-    assert main(["profile", "--model", "tiny", "--quick", "--out", str(out), "--json"]) == 0
-    summary = json.loads(capsys.readouterr().out)
+    argv = ["profile", "--model", "tiny", "--quick", "--max-len", "512", "--out", str(out),
+            "--json"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
     assert summary["wrote"] == str(out)
+    assert "timing noise" in captured.err  # the one-line noise report
     profile = load_profile(out)
     assert profile.num_layers == load_shapes("tiny").num_layers
     assert profile.fingerprint["shapes"]["hidden_size"] == 256
     assert np.all(np.asarray(profile.attention.seconds) > 0)
-    argv = ["profile", "--validate", str(out), "--num-batches", "2", "--max-tokens", "600",
-            "--results-dir", str(tmp_path), "--json"]  # fmt: skip
+    assert len(profile.fit["coefficients"]) == 5 and min(profile.fit["coefficients"]) >= 0
+    assert profile.noise["rounds"] >= 2 and profile.noise["cv_median"] >= 0
+    assert max(max(p["lengths"]) for p in profile.fit["design"]) <= 512
+    argv = ["profile", "--validate", str(out), "--num-batches", "3", "--json"]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["num_batches"] == 2 and result["mape"] >= 0
+    assert result["num_batches"] == 3 and result["mape"] >= 0
+    assert result["mape_ci95"][0] <= result["mape"] <= result["mape_ci95"][1]
     assert all(b["measured"] > 0 and b["predicted"] > 0 for b in result["batches"])
-    assert list(tmp_path.glob("*profile-validate-tiny-cpu.md"))
+    assert all(sum(b["lengths"]) <= 512 for b in result["batches"])  # the profile's max length
+    assert set(result["breakdown"]["component_error"]) == {"attention", "per_token", "overhead"}
+    assert not list(tmp_path.rglob("*profile-validate*"))  # no results file unless asked
+    argv += ["--results-dir", str(tmp_path / "res")]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert list((tmp_path / "res").glob("*profile-validate-tiny-cpu.md"))
 
 
 def test_cli_errors_are_clear(tmp_path, capsys):
@@ -63,10 +77,14 @@ def test_cli_errors_are_clear(tmp_path, capsys):
 
 def test_default_model_is_measured_once_then_cached(tmp_path):
     shapes = load_shapes("tiny")
-    first = default_latency_model(shapes, torch.device("cpu"), cache_dir=tmp_path)
+    cpu = torch.device("cpu")
+    first = default_latency_model(shapes, cpu, cache_dir=tmp_path, max_len=384, budget_s=3)
     cached = list(tmp_path.glob("*.json"))
     assert len(cached) == 1
     mtime = cached[0].stat().st_mtime_ns
-    second = default_latency_model(shapes, torch.device("cpu"), cache_dir=tmp_path)
+    second = default_latency_model(shapes, cpu, cache_dir=tmp_path, max_len=384, budget_s=3)
     assert cached[0].stat().st_mtime_ns == mtime  # reused, not re-measured
-    assert second.predict([500], [0.3]) == first.predict([500], [0.3])
+    assert second.predict([300], [0.3]) == first.predict([300], [0.3])
+    # The cache key carries the schema: profiles of the old interpolated-grid schema (1) are
+    # re-measured, not reused.
+    assert first.profile.fingerprint["schema"] == "sparsebalance.profile/2"

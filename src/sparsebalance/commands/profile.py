@@ -1,14 +1,16 @@
 """``sparsebalance profile``: measure a latency profile, validate one, or build an analytic one.
 
-    sparsebalance profile --model tiny --device cpu --out profile.json [--quick]
-    sparsebalance profile --validate profile.json [--num-batches 30] [--strict]
+    sparsebalance profile --model tiny --device cpu --out profile.json [--max-len N] [--budget 40]
+    sparsebalance profile --validate profile.json [--num-batches 30] [--json] [--results-dir DIR]
     sparsebalance profile --analytic h100 --model qwen2.5-0.5b --out h100.json
 
-Measuring sweeps attention (length x density, with the training backend and the block
-selection), one decoder layer without attention (by tokens), embedding + head + loss (by tokens),
-the optimizer step and, on CPU, a gloo all-reduce. Validation times held-out random micro-batches
-(off-grid lengths and densities) end to end and reports the prediction error, plus how many steps
-of online recalibration a profile scaled by 1.5x needs to get back within 5 %.
+Measuring times whole micro-batches of the model's shapes (attention with the training backend
+and the block selection included) in interleaved rounds, fits the physical form of
+:mod:`sparsebalance.latency.form`, and prints the timing noise and the fit's leave-one-out error
+in one line. Validation times held-out micro-batches (off-design lengths, random densities) and
+reports MAPE with a 95 % bootstrap interval, what is mispredicted (attention by length and
+density, per-token part, overheads), and how many steps of online recalibration a profile scaled
+by 1.5x needs to get back. It writes a results file only with ``--results-dir``.
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ import json
 import sys
 
 import torch
-from tqdm import tqdm
 
 from ..latency import ACCELERATORS, analytic_profile, fingerprint, load_profile
-from ..latency.measure import DTYPES, default_grid, measure_profile
+from ..latency.measure import DTYPES, measure_profile, noise_line
 from ..latency.validate import validate_profile
 from ..models import BUILTIN_MODELS, load_shapes
 from ..results import markdown_table, write_results
@@ -40,15 +41,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--out", default="profile.json", help="where to write the profile")
-    p.add_argument("--quick", action="store_true", help="a 3x3 grid (seconds; for tests)")
     p.add_argument(
-        "--max-len", type=int, default=None, help="longest document (default: model max)"
-    )
+        "--max-len", type=int, default=None,
+        help="most tokens per micro-batch to profile (default: 4096, the trainer's default "
+             "--capacity, capped at the model's context)",
+    )  # fmt: skip
+    p.add_argument(
+        "--budget", type=float, default=40.0,
+        help="seconds spent timing micro-batches (default 40; total profiling ~1.3x this)",
+    )  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="--budget 6 (a coarse profile, for tests)")
     p.add_argument(
         "--allreduce-world-size",
         type=int,
-        default=None,
-        help="gloo processes for the all-reduce timing (default 2 on CPU, 0 = skip)",
+        default=0,
+        help="gloo processes for an all-reduce timing (default 0 = skip)",
     )
     p.add_argument(
         "--validate",
@@ -60,10 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--num-batches", type=int, default=30, help="held-out micro-batches (--validate)"
     )
     p.add_argument(
-        "--calibration-batches", type=int, default=None,
-        help="end-to-end micro-batches that fit the component scales (8; 2 with --quick)",
+        "--max-tokens", type=int, default=None,
+        help="tokens per held-out micro-batch (default: the profile's max length)",
     )  # fmt: skip
-    p.add_argument("--max-tokens", type=int, default=4096, help="tokens per held-out micro-batch")
+    p.add_argument("--rounds", type=int, default=3, help="timings per micro-batch (median)")
     p.add_argument(
         "--strict", action="store_true", help="error (not warn) on a fingerprint mismatch"
     )
@@ -74,7 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="write an analytic (FLOP-count) profile for this GPU instead of measuring",
     )
     p.add_argument("--efficiency", type=float, default=0.45, help="GEMM efficiency (--analytic)")
-    p.add_argument("--results-dir", default="benchmarks/results", help="where --validate writes")
+    p.add_argument(
+        "--results-dir", default=None, help="--validate also writes a dated results file here"
+    )
     p.add_argument(
         "--measure-links", action="store_true",
         help="also time gloo point-to-point transfers (2 processes) for context-parallel rings; "
@@ -95,60 +104,56 @@ def main(args: argparse.Namespace) -> int:
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     if args.block_size <= 0:
         raise ValueError(f"--block-size must be > 0, got {args.block_size}")
+    if args.rounds < 2:
+        raise ValueError(f"--rounds must be >= 2 (the noise needs repeats), got {args.rounds}")
     if args.validate:
         return _validate(args, shapes, device, dtype)
-    world = args.allreduce_world_size
-    world = (2 if device.type == "cpu" and not args.quick else 0) if world is None else world
-    grid = default_grid(shapes, args.block_size, args.quick, args.max_len)
-    calib = (
-        args.calibration_batches
-        if args.calibration_batches is not None
-        else (2 if args.quick else 8)
-    )
+    max_len = args.max_len or min(4096, shapes.max_context)
+    if not args.block_size <= max_len <= shapes.max_context:
+        raise ValueError(
+            f"--max-len must be in [--block-size, {shapes.max_context}], got {max_len}"
+        )
+    budget = 6.0 if args.quick else args.budget
+    if budget <= 0:
+        raise ValueError(f"--budget must be > 0 seconds, got {budget}")
     profile = measure_profile(
-        shapes, device, dtype, args.backend, args.block_size, grid, world, quiet=args.json,
-        calibration_batches=calib,
+        shapes, device, dtype, args.backend, args.block_size, max_len, budget, args.rounds,
+        args.allreduce_world_size, quiet=True,
     )  # fmt: skip
     if args.measure_links:
         from ..latency.links import measure_p2p
 
         profile.meta["links"] = measure_p2p().to_dict()
     profile.save(args.out)
+    print(noise_line(profile), file=sys.stderr)
     summary = {
         "wrote": args.out,
         "links": profile.meta.get("links"),
         "fingerprint": profile.fingerprint,
+        "profiling_seconds": profile.meta["profiling_seconds"],
+        "noise": profile.noise,
+        "fit": {k: v for k, v in profile.fit.items() if k != "design"},
         "optimizer_seconds": profile.optimizer_seconds,
         "allreduce_seconds": profile.allreduce_seconds,
-        "attention_call_seconds": profile.attention_call_seconds,
-        "scales": profile.scales,
     }
     return _report(summary, args)
 
 
 def _validate(args, shapes, device, dtype) -> int:
     profile = load_profile(args.validate)
-    running = fingerprint(
-        shapes, device, dtype, profile.fingerprint.get("backend", "torch"), args.block_size
-    )
-    profile.check_fingerprint(running, strict=args.strict)
-    show = not args.json and sys.stderr.isatty()
-
-    def progress(items):
-        return tqdm(items, desc="validate", file=sys.stderr, disable=not show)
-
+    backend = profile.fingerprint.get("backend", "torch")
+    running = fingerprint(shapes, device, dtype, backend, args.block_size)
+    profile.check_fingerprint(
+        {**running, **{k: profile.fingerprint[k] for k in ("max_len", "schema")
+                       if k in profile.fingerprint}},
+        strict=args.strict,
+    )  # fmt: skip
     result = {"profile": args.validate}
     result.update(validate_profile(
-        profile, shapes, device, dtype, running["backend"], args.block_size, args.num_batches,
-        args.max_tokens, progress,
+        profile, shapes, device, dtype, backend, args.block_size, args.num_batches,
+        args.max_tokens, args.rounds,
     ))  # fmt: skip
-    table = markdown_table(
-        ["held-out micro-batches", "MAPE", "max error", "recalibration steps (1.5x profile)",
-         "predict 10,000 micro-batches"],
-        [[result["num_batches"], f"{100 * result['mape']:.1f} %",
-          f"{100 * result['max_error']:.1f} %", str(result["recalibration_steps_from_1.5x"]),
-          f"{1e3 * result['predict_many_10k_seconds']:.1f} ms"]],
-    )  # fmt: skip
+    table = _tables(result)
     if args.results_dir:
         md, _ = write_results(
             args.results_dir, f"profile-validate-{shapes.name}", device, table, result
@@ -159,6 +164,35 @@ def _validate(args, shapes, device, dtype) -> int:
     else:
         print(table + (f"\nwrote {result['results_file']}" if "results_file" in result else ""))
     return 0
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:+.1f} %"
+
+
+def _tables(r: dict) -> str:
+    lo, hi = r["mape_ci95"]
+    main_t = markdown_table(
+        ["held-out micro-batches", "MAPE [95 % CI]", "max error", "bias",
+         "timing noise (CV)", "recalibration steps (1.5x profile)", "predict 10,000"],
+        [[r["num_batches"], f"{100 * r['mape']:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}]",
+          f"{100 * r['max_error']:.1f} %", _pct(r["bias"]),
+          f"{100 * r['validation_noise']['cv_median']:.1f} %",
+          str(r["recalibration_steps_from_1.5x"]),
+          f"{1e3 * r['predict_many_10k_seconds']:.1f} ms"]],
+    )  # fmt: skip
+    b = r["breakdown"]
+    comp = markdown_table(
+        ["component", "share of prediction", "error on its own"],
+        [[c, f"{100 * b['mean_share'][c]:.0f} %", _pct(b["component_error"][c])]
+         for c in b["mean_share"]],
+    )  # fmt: skip
+    groups = markdown_table(
+        ["micro-batches", "n", "MAPE", "bias"],
+        [[g["group"], g["n"], "-" if g["mape"] is None else f"{100 * g['mape']:.1f} %",
+          _pct(g["bias"])] for g in b["groups"]],
+    )  # fmt: skip
+    return "\n\n".join([main_t, comp, groups])
 
 
 def _report(summary: dict, args) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from ..models import ModelShapes, load_shapes
 from .analytic import ACCELERATORS, allreduce_seconds, analytic_profile
 from .context import ContextCost, Links, analytic_links, context_cost, links_from_profile
 from .model import LatencyModel
-from .profile import Profile, ProfileMismatchWarning, fingerprint, load_profile
+from .profile import SCHEMA, Profile, ProfileMismatchWarning, fingerprint, load_profile
 
 SHIPPED_DIR = Path(__file__).parent / "profiles"
 CACHE_DIR = Path.home() / ".cache" / "sparsebalance" / "profiles"
@@ -33,17 +34,21 @@ def default_latency_model(
     block_size: int = 64,
     cache_dir: Path | None = None,
     max_len: int | None = None,
+    budget_s: float = 40.0,
 ) -> LatencyModel:
     """A latency model for the running setup with no manual step.
 
     Order: a cached profile with this exact fingerprint; a profile shipped with the package with
-    this fingerprint; otherwise a quick profile up to ``max_len`` tokens (default: the model's
-    context) is measured now (seconds) and cached.
+    this fingerprint; otherwise a profile for micro-batches up to ``max_len`` tokens (default: the
+    model's context) is measured now (about 45 s on a 2-core CPU, see :mod:`.measure`), its noise
+    line printed, and cached. Cache entries carry the profile schema: profiles of an older
+    schema (the interpolated grids) are re-measured, not reused.
     """
-    from .measure import default_grid, measure_profile
+    from .measure import measure_profile, noise_line
 
     running = fingerprint(shapes, device, dtype, backend, block_size)
     running["max_len"] = max_len or shapes.max_context
+    running["schema"] = SCHEMA
     key = hashlib.sha1(json.dumps(running, sort_keys=True).encode()).hexdigest()[:12]
     cache = Path(cache_dir or CACHE_DIR) / f"{shapes.name.replace('/', '_')}-{key}.json"
     for path in [cache, *sorted(SHIPPED_DIR.glob("*.json"))]:
@@ -54,11 +59,12 @@ def default_latency_model(
                 continue
             if profile.fingerprint == running:
                 return LatencyModel(profile)
-    grid = default_grid(shapes, block_size, quick=True, max_len=running["max_len"])
     profile = measure_profile(
-        shapes, device, dtype, backend, block_size, grid, quiet=True, calibration_batches=3
+        shapes, device, dtype, backend, block_size, running["max_len"], budget_s, quiet=True
     )
+    print(noise_line(profile), file=sys.stderr)
     profile.fingerprint["max_len"] = running["max_len"]
+    profile.fingerprint["schema"] = SCHEMA
     profile.save(cache)
     return LatencyModel(profile)
 

@@ -1,7 +1,17 @@
-"""The profiling sweep (``sparsebalance profile``) and held-out validation (``--validate``).
+"""Measuring a profile (``sparsebalance profile``, and the trainer's first run) in <= ~1 minute.
 
-Everything is timed with :func:`sparsebalance.timing.median_time` (warm-up, median of repeats,
-CUDA events on GPU) on the :mod:`proxy` model built with the model's shapes.
+1. A warm-up and a *pilot*: two micro-batches timed once give a rough cost per attention pair and
+   per token, enough to price candidate micro-batches.
+2. A *design*: micro-batches at the corners of the feature space (long sparse, long dense,
+   many short documents, tiny) plus random ones, as many as fit the time budget.
+3. Interleaved rounds (:func:`sweep.time_interleaved`): the median over rounds per micro-batch,
+   the spread across rounds is the timing noise.
+4. The physical form (:mod:`form`) fitted by relative-error non-negative least squares on those
+   whole-micro-batch times (what validation and training measure), with leave-one-out errors.
+5. *Refinement*: budget left over buys more micro-batches like the worst-predicted one, then
+   a refit.
+
+The optimizer step and (optionally) a gloo all-reduce are timed separately: once per step.
 """
 
 from __future__ import annotations
@@ -9,52 +19,31 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tqdm import tqdm
 
 from ..models import ModelShapes
-from ..ops import (
-    Budget,
-    block_sparse_attention,
-    estimate_block_mass,
-    random_layout,
-    resolve_backend,
-)
+from ..ops import resolve_backend
 from ..timing import median_time
+from .form import FEATURES, features, fit_form, form_tables
 from .model import LatencyModel
 from .profile import AttentionTable, Profile, Table1D, fingerprint
-from .proxy import ProxyHead, ProxyLayer, ProxyModel, rotary
+from .proxy import ProxyModel
+from .sweep import (
+    Batch,
+    Timings,
+    choose_design,
+    prepare_microbatch,
+    random_batches,
+    time_interleaved,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class Grid:
-    lengths: tuple[int, ...]
-    densities: tuple[float, ...]
-    tokens: tuple[int, ...]
-    warmup: int = 1
-    repeats: int = 3
-
-
-def default_grid(shapes: ModelShapes, block_size: int, quick: bool, max_len: int | None) -> Grid:
-    """Lengths doubling from ``2 * block_size`` to the model's max context (or ``max_len``)."""
-    top = max_len or shapes.max_context
-    if quick:  # lengths x4 apart up to ``top``: seconds to measure, coarse but covering the run
-        lengths = sorted({*(n for n in (128, 512, 2048, 8192, 32768) if n < top), top})
-        return Grid(tuple(lengths), (0.05, 0.3, 1.0), tuple(lengths), warmup=1, repeats=3)
-    lengths = tuple(2 * block_size * 2**i for i in range(20) if 2 * block_size * 2**i <= top)
-    densities = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
-    return Grid(lengths, densities, (*lengths, 2 * lengths[-1]))
-
-
-def _progress(total: int, desc: str, quiet: bool):
-    return tqdm(total=total, desc=desc, file=sys.stderr, disable=quiet or not sys.stderr.isatty())
+TARGET_MAPE = 0.10  # the accuracy a profile is meant to reach on held-out micro-batches
 
 
 def measure_profile(
@@ -63,128 +52,138 @@ def measure_profile(
     dtype: str = "fp32",
     backend: str = "auto",
     block_size: int = 64,
-    grid: Grid | None = None,
+    max_len: int | None = None,
+    budget_s: float = 40.0,
+    rounds: int = 3,
     allreduce_world_size: int = 0,
     quiet: bool = False,
-    calibration_batches: int = 8,
+    seed: int = 7,
 ) -> Profile:
-    """Measure every table of a :class:`Profile` on this machine."""
-    grid = grid or default_grid(shapes, block_size, quick=False, max_len=None)
-    tdtype = DTYPES[dtype]
+    """Measure a :class:`Profile` for micro-batches of up to ``max_len`` tokens (default: the
+    model's context) spending about ``budget_s`` seconds timing micro-batches."""
+    if budget_s <= 0 or rounds < 2:
+        raise ValueError(f"need budget_s > 0 and rounds >= 2, got {budget_s}, {rounds}")
+    t_start = time.perf_counter()
+    top = int(max_len or shapes.max_context)
     backend = resolve_backend(backend, device)
     torch.manual_seed(0)
-    cells = len(grid.lengths) * len(grid.densities) + 2 * len(grid.tokens) + 1
-    bar = _progress(cells, "profile", quiet)
-    attn = np.zeros((len(grid.lengths), len(grid.densities)))
-    h, hkv, d = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
-    budget = Budget(gamma=0.9)
-    for i, length in enumerate(grid.lengths):
-        q, k, v = (torch.randn(length, n, d, device=device, dtype=tdtype).requires_grad_()
-                   for n in (h, hkv, hkv))  # fmt: skip
-        grad = torch.randn_like(q)
-        cu = torch.tensor([0, length], dtype=torch.int32, device=device)
-        for j, density in enumerate(grid.densities):
-            layout = random_layout(cu.cpu(), h, block_size, density, seed=i).to(device)
+    model = ProxyModel(shapes).to(device, DTYPES[dtype])
+    nl = shapes.num_layers
 
-            def step(layout=layout, q=q, k=k, v=v, cu=cu, grad=grad):
-                estimate_block_mass(q, k, cu, block_size).layout(budget)
-                block_sparse_attention(q, k, v, layout, cu, backend=backend).backward(grad)
+    def prep(batch: Batch, i: int):
+        return prepare_microbatch(model, batch[0], batch[1], device, backend, block_size, seed + i)
 
-            attn[i, j] = median_time(step, device, grid.warmup, grid.repeats)
-            bar.update()
-    # The per-call part: the same call on a one-block document.
-    q, k, v = (torch.randn(block_size, n, d, device=device, dtype=tdtype).requires_grad_()
-               for n in (h, hkv, hkv))  # fmt: skip
-    cu = torch.tensor([0, block_size], dtype=torch.int32, device=device)
-    layout = random_layout(cu.cpu(), h, block_size, 1.0).to(device)
+    # Warm-up + pilot: a rough (per pair, per token) cost prices the candidates.
+    pilot = [([min(top, 8 * block_size + 5)], [1.0]), ([min(top, 4 * block_size + 3)], [0.1])]
+    fns = [prep(b, i) for i, b in enumerate(pilot)]
+    fns[0]()
+    pt = np.array([median_time(f, device, 0, 1) for f in fns])
+    px = features(pilot, nl, block_size)[:, :2]
+    rough = np.maximum(np.linalg.lstsq(px / pt[:, None], np.ones(2), rcond=None)[0], 1e-12)
 
-    def one_block():
-        estimate_block_mass(q, k, cu, block_size).layout(budget)
-        block_sparse_attention(q, k, v, layout, cu, backend=backend).backward(torch.ones_like(q))
+    def cost(batch: Batch) -> float:
+        return float(features([batch], nl, block_size)[0, :2] @ rough)
 
-    call_s = min(median_time(one_block, device, grid.warmup + 2, max(5, grid.repeats)), attn.min())
-    layer = ProxyLayer(shapes).to(device, tdtype)
-    head = ProxyHead(shapes).to(device, tdtype)
-    other, head_t = [], []
-    for tokens in grid.tokens:
-        x = torch.randn(tokens, shapes.hidden_size, device=device, dtype=tdtype, requires_grad=True)
-        pos = torch.arange(tokens, device=device)
-        cos, sin = rotary(pos, d, tdtype)
-        other.append(median_time(lambda x=x, c=cos, s=sin: layer(x, c, s, None).sum().backward(),
-                                 device, grid.warmup, grid.repeats))  # fmt: skip
-        bar.update()
-        ids = torch.randint(0, shapes.vocab_size, (tokens,), device=device)
-
-        def head_step(ids=ids):
-            hidden = head.embed(ids)
-            head.loss(hidden + 0.0, torch.roll(ids, -1)).backward()
-
-        head_t.append(median_time(head_step, device, grid.warmup, grid.repeats))
-        bar.update()
-    # The optimizer step over a full-size model's parameters (a proxy with every layer).
-    model = ProxyModel(shapes).to(device, tdtype)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    opt_s = median_time(opt.step, device, 1, grid.repeats)
-    num_params = sum(p.numel() for p in model.parameters())
-    del model, opt
-    bar.update()
-    bar.close()
+    design = choose_design(top, block_size, cost, budget_s * 0.75, rounds, seed=seed)
+    timings = time_interleaved([prep(b, i) for i, b in enumerate(design)], device, rounds,
+                               budget_s=budget_s * 0.9, seed=seed)  # fmt: skip
+    x, y = features(design, nl, block_size), timings.median
+    fit = fit_form(x, y)
+    # Refinement: what is left of the budget goes to micro-batches like the worst LOO point.
+    left = budget_s - (time.perf_counter() - t_start)
+    extra = _refine(design, fit.loo_errors, top, block_size, seed)
+    extra = [b for b in extra if (left := left - timings.seconds.shape[0] * cost(b)) > 0][:4]
+    if extra:
+        more = time_interleaved([prep(b, 100 + i) for i, b in enumerate(extra)], device,
+                                timings.seconds.shape[0], seed=seed + 1)  # fmt: skip
+        design += extra
+        x = np.vstack([x, features(extra, nl, block_size)])
+        y = np.concatenate([y, more.median])
+        timings.seconds = np.hstack([timings.seconds, more.seconds])
+        fit = fit_form(x, y)
+    opt_s, num_params = _optimizer_seconds(model, device)
     allreduce = (
         measure_allreduce(num_params, allreduce_world_size) if allreduce_world_size > 1 else None
     )
+    share = nl * shapes.layer_params() / (nl * shapes.layer_params() + _head_params(shapes))
+    t = form_tables(fit.coefficients, nl, block_size, top, share)
+    noise = {**timings.noise(), "load_1min": _load(), "design_points": len(design)}
     profile = Profile(
         fingerprint=fingerprint(shapes, device, dtype, backend, block_size),
-        attention=AttentionTable(list(grid.lengths), list(grid.densities), attn.tolist()),
-        layer_other=Table1D(list(grid.tokens), other),
-        head=Table1D(list(grid.tokens), head_t),
-        num_layers=shapes.num_layers,
+        attention=AttentionTable(t["lengths"], t["densities"], t["attention"]),
+        layer_other=Table1D(t["lengths"], t["layer_other"]),
+        head=Table1D(t["lengths"], t["head"]),
+        num_layers=nl,
         optimizer_seconds=opt_s,
         allreduce_seconds=allreduce,
-        attention_call_seconds=call_s,
         meta={"model": shapes.name, "source": "measured", "num_params": num_params,
-              "allreduce_world_size": allreduce_world_size or None},
+              "allreduce_world_size": allreduce_world_size or None, "max_len": top,
+              "profiling_seconds": time.perf_counter() - t_start},
+        fit={"features": list(FEATURES), "coefficients": fit.coefficients,
+             "loo_mape": fit.loo_mape, "loo_max_error": float(np.max(np.abs(fit.loo_errors))),
+             "layer_token_share": share, "block_size": block_size,
+             "design": [{"lengths": b[0], "densities": b[1], "seconds": float(s), "cv": float(c)}
+                        for b, s, c in zip(design, y, timings.cv, strict=True)]},
+        noise=noise,
     )  # fmt: skip
-    if calibration_batches:
-        profile.scales = calibrate_scales(
-            profile, shapes, device, dtype, backend, block_size, calibration_batches,
-            repeats=grid.repeats, max_tokens=min(4096, grid.lengths[-1]),
-        )  # fmt: skip
+    if not quiet:
+        print(noise_line(profile), file=sys.stderr)
     return profile
 
 
-def calibrate_scales(
-    profile: Profile,
-    shapes: ModelShapes,
-    device,
-    dtype: str,
-    backend: str,
-    block_size: int,
-    count: int,
-    repeats: int,
-    max_tokens: int,
-) -> list[float]:
-    """Fit the (attention, rest, head) scales on ``count`` random micro-batches timed end to end
-    (seed 12345: never the validation batches). Parts timed alone carry their own call and
-    autograd overheads, so their sum over-predicts a fused step; this removes that bias.
+def noise_line(profile: Profile, target: float = TARGET_MAPE) -> str:
+    """One line: the timing noise and the fit's own leave-one-out error, and whether ``target``
+    MAPE is reachable on this machine now."""
+    n, f = profile.noise, profile.fit
+    if not n or not f:
+        return "profile: no noise measurement (analytic or schema-1 profile)"
+    cv, loo = n["cv_median"], f["loo_mape"]
+    head = (f"profile: timing noise {100 * cv:.1f} % (CV of one timing, median of "
+            f"{n['design_points']} micro-batches x {n['rounds']} rounds; "
+            f"load {n['load_1min']:.1f}),"
+            f" fit leave-one-out error {100 * loo:.1f} %")  # fmt: skip
+    # A median of 3 timings has about 0.6x the spread of one; |N(0, s)| averages 0.8 s.
+    floor = 0.8 * 0.6 * cv
+    if floor > target:
+        return head + (f"; the {100 * target:.0f} % target is NOT reachable at this noise "
+                       "(rerun on a quieter machine)")  # fmt: skip
+    if loo > target:
+        return head + f"; above the {100 * target:.0f} % target: the form misses something here"
+    return head
 
-    Relative least squares, ridge-pulled towards one common scale (the components are
-    correlated across batches): ``min sum((x_i . s / y_i - 1)^2) + lam |s - s_common|^2``.
-    """
-    model = LatencyModel(profile)
-    batches = random_microbatches(profile, count, max_tokens, seed=12345)
-    proxy = ProxyModel(shapes).to(device, DTYPES[dtype])
-    x = np.array([model._components(lengths, dens) for lengths, dens in batches])
-    y = np.array([
-        measure_microbatch(shapes, n, d, device, dtype, backend, block_size, 1, repeats, proxy)
-        for n, d in batches
-    ])  # fmt: skip
-    common = float(np.median(y / x.sum(1)))
-    a = x / y[:, None]
-    lam = 0.5
-    scales = np.linalg.solve(a.T @ a + lam * np.eye(3), a.T @ np.ones(len(y)) + lam * common)
-    return np.clip(scales, 0.2, 5.0).tolist()
+
+def _refine(design: list[Batch], loo: list[float], top: int, block_size: int, seed: int):
+    """Candidates near the worst leave-one-out micro-batch: same document count, lengths within
+    x1.5, densities re-drawn (the fit is weakest there)."""
+    if not loo:
+        return []
+    lengths, _ = design[int(np.argmax(np.abs(loo)))]
+    rng = np.random.default_rng(seed + 1)
+    out = []
+    for _ in range(16):
+        ls = [max(1, int(n * rng.uniform(0.67, 1.5))) for n in lengths]
+        if sum(ls) <= top:
+            out.append((ls, rng.uniform(0.02, 1.0, len(ls)).round(3).tolist()))
+    return out
+
+
+def _head_params(shapes: ModelShapes) -> int:
+    return shapes.vocab_size * shapes.hidden_size
+
+
+def _load() -> float:
+    try:
+        return float(os.getloadavg()[0])
+    except OSError:  # not available on every platform
+        return float("nan")
+
+
+def _optimizer_seconds(model: ProxyModel, device: torch.device) -> tuple[float, int]:
+    """The AdamW step over a full-size model's parameters."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return median_time(opt.step, device, 1, 3), sum(p.numel() for p in model.parameters())
 
 
 def _allreduce_worker(rank: int, world: int, init: str, numel: int, out: str) -> None:
@@ -206,43 +205,36 @@ def measure_allreduce(num_params: int, world_size: int) -> float:
             return float(f.read())
 
 
-def random_microbatches(
-    profile: Profile, count: int, max_tokens: int, seed: int = 0
-) -> list[tuple[list[int], list[float]]]:
-    """Held-out micro-batches: 1-4 documents of off-grid lengths and densities."""
-    rng = np.random.default_rng(seed)
-    lo = profile.attention.lengths[0]
-    out = []
-    while len(out) < count:
-        n = int(rng.integers(1, 5))
-        lengths = np.exp(rng.uniform(np.log(lo), np.log(max_tokens), n)).astype(int)
-        if lengths.sum() > max_tokens or np.isin(lengths, profile.attention.lengths).any():
-            continue
-        dens = rng.uniform(0.04, 0.95, n).round(3)
-        out.append((lengths.tolist(), dens.tolist()))
-    return out
+def heldout_batches(profile: Profile, count: int, max_tokens: int, seed: int = 1) -> list[Batch]:
+    """Held-out micro-batches: 1-4 documents of 128 .. ``max_tokens`` tokens (none of the
+    profile's design lengths), densities in [0.04, 0.95]."""
+    design = [n for point in profile.fit.get("design", []) for n in point["lengths"]]
+    return random_batches(count, max_tokens, min(128, max_tokens), seed, design)
+
+
+def measure_heldout(
+    shapes: ModelShapes, batches: list[Batch], device: torch.device, dtype: str, backend: str,
+    block_size: int, rounds: int = 3,
+) -> Timings:  # fmt: skip
+    """Median of ``rounds`` interleaved timings of each held-out micro-batch, and their noise."""
+    torch.manual_seed(1)
+    proxy = ProxyModel(shapes).to(device, DTYPES[dtype])
+    fns = [
+        prepare_microbatch(proxy, b[0], b[1], device, backend, block_size, seed=1000 + i)
+        for i, b in enumerate(batches)
+    ]
+    fns[0]()  # warm-up
+    return time_interleaved(fns, device, rounds, rounds, seed=1)
 
 
 def measure_microbatch(
     shapes: ModelShapes, lengths: list[int], densities: list[float], device: torch.device,
     dtype: str, backend: str, block_size: int, warmup: int = 1, repeats: int = 3, model=None,
 ) -> float:  # fmt: skip
-    """End-to-end fwd+bwd seconds of one packed micro-batch on the proxy model."""
+    """End-to-end fwd+bwd seconds (median of ``repeats``) of one packed micro-batch."""
     model = model or ProxyModel(shapes).to(device, DTYPES[dtype])
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
-    positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
-    ids = torch.randint(0, shapes.vocab_size, (int(cu[-1]),), device=device)
-    layouts = [
-        random_layout(cu, shapes.num_heads, block_size, densities, seed=i).to(device)
-        for i in range(len(model.layers))
-    ]
-    cu = cu.to(device)
-    return median_time(
-        lambda: model.step(ids, positions, cu, layouts, block_size, backend),
-        device,
-        warmup,
-        repeats,
-    )
+    fn = prepare_microbatch(model, lengths, densities, device, backend, block_size)
+    return median_time(fn, device, warmup, repeats)
 
 
 def recalibration_steps(

@@ -9,6 +9,11 @@ Tables (all forward + backward seconds):
 - ``attention_call_seconds``: the part of every attention entry paid once per call (per layer
   and micro-batch), not per document;
 - ``optimizer_seconds`` and ``allreduce_seconds``: once per step, reported separately.
+
+A measured profile (schema 2) holds tables *evaluated from a fitted physical form* (see
+:mod:`sparsebalance.latency.form`); ``fit`` keeps the form's coefficients and the design it was
+fitted on, ``noise`` the timing noise seen while measuring. Schema-1 files (interpolated grids)
+still load; the trainer's profile cache only reuses schema-2 entries.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import torch
 from ..models import ModelShapes
 from ..results import machine_info
 
-SCHEMA = "sparsebalance.profile/1"
+SCHEMA = "sparsebalance.profile/2"
+READABLE_SCHEMAS = ("sparsebalance.profile/1", SCHEMA)
 
 
 class ProfileMismatchWarning(UserWarning):
@@ -98,6 +104,12 @@ class Profile:
     """End-to-end calibration of the (attention, rest of layer, head) tables, fitted when the
     profile is measured: parts timed alone cost more than inside a fused step."""
     meta: dict = field(default_factory=dict)
+    fit: dict = field(default_factory=dict)
+    """The fitted form (``features``, ``coefficients``, leave-one-out errors, the timed design);
+    empty for analytic and schema-1 profiles."""
+    noise: dict = field(default_factory=dict)
+    """Timing noise while measuring: coefficient of variation of repeats (median, p90), rounds,
+    outliers rejected, machine load."""
 
     def __post_init__(self) -> None:
         if len(self.scales) != 3 or not all(0 < x < 100 for x in self.scales):
@@ -115,7 +127,7 @@ class Profile:
 
     @classmethod
     def from_json(cls, data: dict) -> Profile:
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        if not isinstance(data, dict) or data.get("schema") not in READABLE_SCHEMAS:
             found = data.get("schema") if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"not a SparseBalance profile (schema {found!r}, expected {SCHEMA!r})")
         try:
@@ -130,6 +142,8 @@ class Profile:
                 attention_call_seconds=float(data.get("attention_call_seconds", 0.0)),
                 scales=[float(x) for x in data.get("scales", [1.0, 1.0, 1.0])],
                 meta=data.get("meta", {}),
+                fit=data.get("fit", {}),
+                noise=data.get("noise", {}),
             )
         except (KeyError, TypeError) as err:
             raise ValueError(f"profile is missing or has a malformed field: {err}") from None

@@ -1,19 +1,125 @@
-"""Validation of a latency profile: end-to-end timings of held-out random micro-batches (off-grid
-lengths and densities) against the model's predictions, how many online recalibration steps a
-profile scaled by 1.5x needs to recover, and the cost of one batched prediction."""
+"""Held-out validation of a profile: errors, a bootstrap confidence interval, and a breakdown
+that says *what* is mispredicted (attention by length and density, the per-token part, the
+fixed overheads).
+
+The breakdown splits every prediction into three parts with the model's own per-layer units:
+attention (``num_layers * sum layer_attention_seconds``), the fixed part (``microbatch_overhead``)
+and the rest (token-proportional: projections, MLP, head). The relative error of micro-batch i is
+then regressed on those shares, ``err_i ~ sum_c share_ic * delta_c``: ``delta_c`` is how far off
+component c is on its own (+0.10 = predicted 10 % too high).
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from ..models import ModelShapes
-from .measure import DTYPES, measure_microbatch, random_microbatches, recalibration_steps
+from .measure import heldout_batches, measure_heldout, recalibration_steps
 from .model import LatencyModel
 from .profile import Profile
+from .sweep import Batch
+
+COMPONENTS = ("attention", "per_token", "overhead")
+
+
+def bootstrap_ci(
+    errors: np.ndarray, stat=np.mean, draws: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``stat(|errors|)`` over micro-batches."""
+    e = np.abs(np.asarray(errors, float))
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, e.size, (draws, e.size))
+    vals = stat(e[idx], axis=1)
+    lo, hi = np.quantile(vals, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def shares(model: LatencyModel, batches: Sequence[Batch]) -> np.ndarray:
+    """``(M, 3)`` fraction of each prediction that is attention, per-token work, fixed overhead."""
+    out = []
+    for lengths, dens in batches:
+        total = model.predict(lengths, dens)
+        attn = model.num_layers * float(
+            np.sum(model.layer_attention_seconds(np.asarray(lengths, float), np.asarray(dens)))
+        )
+        fixed = min(model.microbatch_overhead(), max(total - attn, 0.0))
+        out.append([attn, total - attn - fixed, fixed])
+    arr = np.asarray(out)
+    return arr / arr.sum(1, keepdims=True)
+
+
+def _group(name: str, mask: np.ndarray, err: np.ndarray) -> dict:
+    n = int(mask.sum())
+    return {
+        "group": name,
+        "n": n,
+        "mape": float(np.mean(np.abs(err[mask]))) if n else None,
+        "bias": float(np.mean(err[mask])) if n else None,
+    }
+
+
+def breakdown(model: LatencyModel, batches: Sequence[Batch], err: np.ndarray) -> dict:
+    """Per-component errors (see module docstring) and MAPE by length, density, documents."""
+    err = np.asarray(err, float)
+    sh = shares(model, batches)
+    used = sh.max(0) > 0.02  # a component that is ~0 everywhere cannot be judged
+    delta = np.full(3, np.nan)
+    if used.sum() and len(err) > used.sum():
+        delta[used] = np.linalg.lstsq(sh[:, used], err, rcond=None)[0]
+    longest = np.array([max(b[0]) for b in batches])
+    mean_d = np.array([np.average(b[1], weights=b[0]) for b in batches])
+    ndocs = np.array([len(b[0]) for b in batches])
+    groups = [
+        _group("longest doc <= 512", longest <= 512, err),
+        _group("longest doc 513-2048", (longest > 512) & (longest <= 2048), err),
+        _group("longest doc > 2048", longest > 2048, err),
+        _group("density < 0.3", mean_d < 0.3, err),
+        _group("density 0.3-0.7", (mean_d >= 0.3) & (mean_d <= 0.7), err),
+        _group("density > 0.7", mean_d > 0.7, err),
+        _group("1 document", ndocs == 1, err),
+        _group("2-4 documents", ndocs > 1, err),
+        _group("attention-dominated (> 50 %)", sh[:, 0] > 0.5, err),
+        _group("per-token / overhead-dominated", sh[:, 0] <= 0.5, err),
+    ]
+    return {
+        "component_error": {
+            c: (None if np.isnan(d) else float(d)) for c, d in zip(COMPONENTS, delta, strict=True)
+        },
+        "mean_share": {c: float(s) for c, s in zip(COMPONENTS, sh.mean(0), strict=True)},
+        "groups": groups,
+    }
+
+
+def validation_summary(
+    model: LatencyModel, batches: Sequence[Batch], measured: Sequence[float]
+) -> dict:
+    """MAPE with a 95 % bootstrap interval, max error, bias and the breakdown."""
+    meas = np.asarray(measured, float)
+    pred = np.array([model.predict(lengths, dens) for lengths, dens in batches])
+    err = pred / meas - 1.0
+    lo, hi = bootstrap_ci(err)
+    return {
+        "num_batches": len(batches),
+        "mape": float(np.mean(np.abs(err))),
+        "mape_ci95": [lo, hi],
+        "max_error": float(np.max(np.abs(err))),
+        "bias": float(np.mean(err)),
+        "breakdown": breakdown(model, batches, err),
+        "batches": [
+            {
+                "lengths": list(b[0]),
+                "densities": list(b[1]),
+                "measured": float(m),
+                "predicted": float(p),
+                "error": float(e),
+            }
+            for b, m, p, e in zip(batches, meas, pred, err, strict=True)
+        ],
+    }
 
 
 def validate_profile(
@@ -24,43 +130,31 @@ def validate_profile(
     backend: str,
     block_size: int,
     num_batches: int = 30,
-    max_tokens: int = 4096,
-    progress: Callable[[Iterable], Iterable] = iter,
+    max_tokens: int | None = None,
+    rounds: int = 3,
 ) -> dict:
-    """JSON-ready: ``mape``, ``max_error``, ``recalibration_steps_from_1.5x``,
-    ``recalibrated_mape``, ``predict_many_10k_seconds`` and every held-out ``batches`` entry
-    (``lengths``, ``densities``, ``measured`` and ``predicted`` seconds).
-
-    ``progress`` wraps the iteration over held-out micro-batches (e.g. a tqdm bar).
+    """Time ``num_batches`` held-out micro-batches (:func:`measure.heldout_batches`, up to
+    ``max_tokens``, default the profile's max length; median of ``rounds`` interleaved rounds)
+    and return :func:`validation_summary` plus ``recalibration_steps_from_1.5x``,
+    ``recalibrated_mape``, ``predict_many_10k_seconds``, ``validation_noise``, ``profile_noise``.
     """
-    from .proxy import ProxyModel
-
-    if num_batches < 1:
-        raise ValueError(f"--num-batches must be >= 1, got {num_batches}")
+    if num_batches < 2:
+        raise ValueError(f"--num-batches must be >= 2, got {num_batches}")
+    max_tokens = max_tokens or int(profile.meta.get("max_len", 4096))
+    if max_tokens < 128:
+        raise ValueError(f"--max-tokens must be >= 128, got {max_tokens}")
     model = LatencyModel(profile)
-    batches = random_microbatches(profile, num_batches, max_tokens, seed=1)
-    proxy = ProxyModel(shapes).to(device, DTYPES[dtype])
-    measured, predicted = [], []
-    for lengths, dens in progress(batches):
-        measured.append(measure_microbatch(
-            shapes, lengths, dens, device, dtype, backend, block_size, model=proxy
-        ))  # fmt: skip
-        predicted.append(model.predict(lengths, dens))
-    meas, pred = np.asarray(measured), np.asarray(predicted)
-    err = np.abs(pred - meas) / meas
+    batches = heldout_batches(profile, num_batches, max_tokens, seed=1)
+    timings = measure_heldout(shapes, batches, device, dtype, backend, block_size, rounds)
+    measured = timings.median.tolist()
+    result = {"max_tokens": max_tokens, **validation_summary(model, batches, measured)}
     steps, final = recalibration_steps(profile, batches, measured)
-    return {
-        "num_batches": len(batches),
-        "mape": float(err.mean()),
-        "max_error": float(err.max()),
-        "recalibration_steps_from_1.5x": steps,
-        "recalibrated_mape": final,
-        "predict_many_10k_seconds": time_predict_many(model, profile),
-        "batches": [
-            {"lengths": b[0], "densities": b[1], "measured": m, "predicted": p}
-            for b, m, p in zip(batches, measured, predicted, strict=True)
-        ],
-    }
+    result["recalibration_steps_from_1.5x"] = steps
+    result["recalibrated_mape"] = final
+    result["predict_many_10k_seconds"] = time_predict_many(model, profile)
+    result["validation_noise"] = timings.noise()
+    result["profile_noise"] = profile.noise
+    return result
 
 
 def time_predict_many(model: LatencyModel, profile: Profile, count: int = 10_000) -> float:

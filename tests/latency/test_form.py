@@ -1,0 +1,106 @@
+"""The physical form: kept-pair counts, the relative NNLS fit, tables that reproduce the form,
+and the validation breakdown that names the mispredicted component."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sparsebalance.latency import LatencyModel
+from sparsebalance.latency.form import (
+    features,
+    fit_form,
+    form_tables,
+    kept_pairs,
+    length_grid,
+    nnls,
+)
+from sparsebalance.latency.profile import AttentionTable, Profile, Table1D
+from sparsebalance.latency.sweep import random_batches
+from sparsebalance.latency.validate import bootstrap_ci, breakdown, validation_summary
+from sparsebalance.ops import random_layout
+
+TRUE = np.array([4e-4, 1.8e-4, 2e-6, 2e-3, 2e-2])  # a, b, c, e, f: CPU-like magnitudes
+
+
+def profile_from(coef, layers=4, block=64, max_len=4096, share=0.7) -> Profile:
+    t = form_tables(coef, layers, block, max_len, share)
+    return Profile(
+        fingerprint={"device": "synthetic"},
+        attention=AttentionTable(t["lengths"], t["densities"], t["attention"]),
+        layer_other=Table1D(t["lengths"], t["layer_other"]),
+        head=Table1D(t["lengths"], t["head"]),
+        num_layers=layers,
+    )
+
+
+@pytest.mark.parametrize("length,density", [(64, 1.0), (640, 0.3), (1000, 0.05), (2049, 0.77)])
+def test_kept_pairs_match_the_layout_rule(length, density):
+    cu = torch.tensor([0, length], dtype=torch.int32)
+    layout = random_layout(cu, 2, 64, density)
+    counted = layout.num_kept_pairs() / 2  # per head
+    est = float(kept_pairs(np.array([length]), np.array([density]), 64)[0])
+    # Exact at whole blocks; a partial last block is interpolated (at most one row apart).
+    row = max(1.0, round(density * np.ceil(length / 64)))
+    assert abs(est - counted) <= (1e-9 if length % 64 == 0 else row)
+    assert kept_pairs(np.array([4096]), np.array([1.0]), 64)[0] == 64 * 65 / 2
+
+
+def test_nnls_matches_lstsq_when_unconstrained_and_clips_negatives():
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0, 1, (40, 4))
+    x_true = np.array([1.0, 2.0, 0.5, 3.0])
+    np.testing.assert_allclose(nnls(a, a @ x_true), x_true, rtol=1e-8)
+    x = nnls(a, a @ np.array([1.0, -2.0, 0.5, 3.0]))
+    assert np.all(x >= 0) and x[1] == 0
+
+
+def test_fit_recovers_the_form_under_noise():
+    batches = random_batches(30, 4096, 32, seed=3, densities=(0.02, 1.0))
+    x = features(batches, 4, 64)
+    rng = np.random.default_rng(0)
+    y = (x @ TRUE) * (1 + 0.02 * rng.standard_normal(len(batches)))
+    fit = fit_form(x, y)
+    assert fit.loo_mape < 0.04
+    assert fit.coefficients[0] == pytest.approx(TRUE[0], rel=0.1)  # attention dominates: pinned
+    probe = random_batches(20, 4096, 128, seed=9)
+    xp = features(probe, 4, 64)
+    assert np.mean(np.abs(fit.predict(xp) / (xp @ TRUE) - 1)) < 0.03
+    with pytest.raises(ValueError, match="> 0"):
+        fit_form(x, -y)
+
+
+def test_tables_reproduce_the_form_between_grid_points():
+    model = LatencyModel(profile_from(TRUE))
+    batches = random_batches(40, 4096, 100, seed=5)
+    x = features(batches, 4, 64)
+    pred = np.array([model.predict(n, d) for n, d in batches])
+    rel = np.abs(pred / (x @ TRUE) - 1)  # tables are the form up to interpolation
+    assert rel.max() < 0.025 and rel.mean() < 0.005
+    assert length_grid(4096)[0] == 1 and length_grid(4096)[-1] == 4096
+
+
+def test_breakdown_names_the_mispredicted_component():
+    model = LatencyModel(profile_from(TRUE))
+    batches = random_batches(40, 4096, 64, seed=2)
+    wrong = TRUE * np.array([1.0, 1.0, 1.0, 1.0, 1.0])
+    wrong[0] *= 1.3  # the truth's attention is 1/1.3: the model over-predicts attention by 30 %
+    truth = LatencyModel(profile_from(TRUE / np.array([1.3, 1, 1, 1, 1])))
+    measured = [truth.predict(n, d) for n, d in batches]
+    summary = validation_summary(model, batches, measured)
+    comp = summary["breakdown"]["component_error"]
+    assert comp["attention"] == pytest.approx(0.3, abs=0.03)
+    assert abs(comp["per_token"]) < 0.05
+    lo, hi = summary["mape_ci95"]
+    assert lo <= summary["mape"] <= hi
+    groups = {g["group"]: g for g in summary["breakdown"]["groups"]}
+    assert groups["1 document"]["n"] + groups["2-4 documents"]["n"] == 40
+    assert breakdown(model, batches, np.zeros(40))["component_error"]["attention"] == 0.0
+
+
+def test_bootstrap_interval_shrinks_with_more_batches():
+    rng = np.random.default_rng(0)
+    wide = bootstrap_ci(rng.normal(0, 0.1, 10))
+    narrow = bootstrap_ci(rng.normal(0, 0.1, 400))
+    assert wide[1] - wide[0] > narrow[1] - narrow[0] > 0
