@@ -36,7 +36,7 @@ def test_analytic_profiles_scale_with_model_size_and_density():
 def test_cli_quick_profile_then_validate(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "p.json"
-    argv = ["profile", "--model", "tiny", "--quick", "--max-len", "512", "--out", str(out),
+    argv = ["profile", "--model", "tiny", "--quick", "--max-len", "384", "--out", str(out),
             "--json"]  # fmt: skip
     assert main(argv) == 0
     captured = capsys.readouterr()
@@ -49,8 +49,8 @@ def test_cli_quick_profile_then_validate(tmp_path, capsys, monkeypatch):
     assert np.all(np.asarray(profile.attention.seconds) > 0)
     assert len(profile.fit["coefficients"]) == 5 and min(profile.fit["coefficients"]) >= 0
     assert profile.noise["rounds"] >= 2 and profile.noise["cv_median"] >= 0
-    assert max(max(p["lengths"]) for p in profile.fit["design"]) <= 512
-    argv = ["profile", "--validate", str(out), "--num-batches", "3", "--json"]
+    assert max(max(p["lengths"]) for p in profile.fit["design"]) <= 384
+    argv = ["profile", "--validate", str(out), "--num-batches", "3", "--rounds", "2", "--json"]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["num_batches"] == 3 and result["mape"] >= 0
