@@ -85,6 +85,7 @@ def measure_profile(
         return float(features([batch], nl, block_size)[0, :2] @ rough)
 
     design = choose_design(top, block_size, cost, budget_s * 0.75, rounds, seed=seed)
+    t_pilot = time.perf_counter() - t_start
     timings = time_interleaved([prep(b, i) for i, b in enumerate(design)], device, rounds,
                                budget_s=budget_s * 0.9, seed=seed)  # fmt: skip
     x, y = features(design, nl, block_size), timings.median
@@ -101,6 +102,7 @@ def measure_profile(
         y = np.concatenate([y, more.median])
         timings.seconds = np.hstack([timings.seconds, more.seconds])
         fit = fit_form(x, y)
+    t_design = time.perf_counter() - t_start - t_pilot
     opt_s, num_params = _optimizer_seconds(model, device)
     allreduce = (
         measure_allreduce(num_params, allreduce_world_size) if allreduce_world_size > 1 else None
@@ -118,7 +120,9 @@ def measure_profile(
         allreduce_seconds=allreduce,
         meta={"model": shapes.name, "source": "measured", "num_params": num_params,
               "allreduce_world_size": allreduce_world_size or None, "max_len": top,
-              "profiling_seconds": time.perf_counter() - t_start},
+              "profiling_seconds": time.perf_counter() - t_start,
+              "pilot_seconds": t_pilot, "design_seconds": t_design,
+              "rounds_seconds": timings.wall_seconds},
         fit={"features": list(FEATURES), "coefficients": fit.coefficients,
              "loo_mape": fit.loo_mape, "loo_max_error": float(np.max(np.abs(fit.loo_errors))),
              "layer_token_share": share, "block_size": block_size,
@@ -148,7 +152,10 @@ def noise_line(profile: Profile, target: float = TARGET_MAPE) -> str:
         return head + (f"; the {100 * target:.0f} % target is NOT reachable at this noise "
                        "(rerun on a quieter machine)")  # fmt: skip
     if loo > target:
-        return head + f"; above the {100 * target:.0f} % target: the form misses something here"
+        return head + (
+            f"; above the {100 * target:.0f} % target (too few points for this noise, "
+            "or a shape the form misses: see `profile --validate --json`)"
+        )
     return head
 
 
