@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import sparsebalance.ops.block_sparse_torch as bst
-from sparsebalance.ops import BlockLayout, Budget, block_sparse_attention, select_blocks
+from sparsebalance.ops import BlockLayout, BlockPairs, Budget, block_sparse_attention, select_blocks
 from tests.conftest import cu_from_lengths, make_qkv
 
 CASES = [
@@ -126,8 +126,8 @@ def test_cost_follows_the_layout():
     sparse = BlockLayout.from_block_mask(
         torch.eye(32, dtype=torch.bool).expand(2, 32, 32).clone(), cu, 64, 2
     )
-    geo_dense = bst._Geometry(dense, 2, 2, q.device)
-    geo_sparse = bst._Geometry(sparse, 2, 2, q.device)
-    pairs = lambda geo: sum(int(c.valid.sum()) for c in geo.chunks)  # noqa: E731
-    assert pairs(geo_dense) == dense.num_kept_pairs() == 2 * 32 * 33 // 2
-    assert pairs(geo_sparse) == sparse.num_kept_pairs() == 64
+    blocks = torch.arange(32)
+    for layout, want in ((dense, 2 * 32 * 33 // 2), (sparse, 64)):
+        pairs = BlockPairs(layout, blocks, blocks, 2, q.device)
+        slots = sum(int((c.kv_row >= 0).sum() - (~c.valid).sum()) for c in pairs.chunks)
+        assert pairs.num_pairs == slots == layout.num_kept_pairs() == want

@@ -102,3 +102,43 @@ def test_bad_block_size_and_budget_type(inputs):
         select_blocks(q, k, cu, Budget(), block_size=0)
     with pytest.raises(TypeError, match="budget"):
         select_blocks(q, k, cu, 0.9, block_size=16)
+
+
+def test_zero_head_dim_and_bad_scale(inputs):
+    """head_dim = 0 gave ZeroDivisionError; scale = nan/inf was not checked."""
+    q, k, v, cu, layout = inputs
+    with pytest.raises(ValueError, match="head dim"):
+        block_sparse_attention(q[..., :0], k[..., :0], v[..., :0], layout, cu)
+    with pytest.raises(ValueError, match="head dim"):
+        select_blocks(q[..., :0], k[..., :0], cu, Budget(), block_size=16)
+    for scale in (float("nan"), float("inf"), 0.0, -1.0):
+        with pytest.raises(ValueError, match="scale"):
+            block_sparse_attention(q, k, v, layout, cu, scale=scale)
+        with pytest.raises(ValueError, match="scale"):
+            select_blocks(q, k, cu, Budget(), block_size=16, scale=scale)
+    with pytest.raises(TypeError, match="scale"):
+        block_sparse_attention(q, k, v, layout, cu, scale="big")
+
+
+@pytest.mark.parametrize("densities", ["2,-1", "0.5,nan", "0"])
+def test_bench_attn_quick_validates_densities(densities):
+    """--quick used to overwrite --densities silently (so 2,-1 was never checked)."""
+    from sparsebalance.commands import bench_attn
+
+    parser = __import__("argparse").ArgumentParser()
+    bench_attn.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--densities", densities, "--device", "cpu"])
+    with pytest.raises(ValueError, match="--densities"):
+        bench_attn.main(args)
+
+
+def test_bench_attn_quick_keeps_explicit_densities():
+    from sparsebalance.commands import bench_attn
+
+    parser = __import__("argparse").ArgumentParser()
+    bench_attn.add_arguments(parser)
+    argv = ["--quick", "--densities", "0.5", "--seq-lens", "128", "--device", "cpu", "--json"]
+    args = bench_attn.prepare_args(parser.parse_args([*argv, "--warmup", "0", "--repeats", "1"]))
+    args.backends = ["torch"]
+    result = bench_attn.run_benchmark(args)
+    assert [r["target_density"] for r in result["rows"]] == [0.5]

@@ -138,3 +138,102 @@ def test_estimate_once_many_budgets_matches_select_blocks():
         torch.testing.assert_close(est.document_density(budget), direct.document_density())
         densities.append(est.density(budget))
     assert densities == sorted(densities) and densities[0] < densities[-1] == 1.0
+
+
+def _select_dense_reference(q, k, cu, budget, block_size):
+    """The pre-bucketing estimator (one (S x S) matrix over all segments), kept as the spec for
+    budgets without a cap: per-document batching must give the identical layout."""
+    import math
+
+    from sparsebalance.ops import BlockLayout
+    from sparsebalance.ops.select import pool_segments, segments
+
+    total = q.shape[0]
+    start, length, sb, sd = segments(cu, total, block_size)
+    seg_of_token = torch.searchsorted(start, torch.arange(total), right=True) - 1
+    qp = pool_segments(q, seg_of_token, length).permute(1, 0, 2)
+    kp = pool_segments(k, seg_of_token, length).permute(1, 0, 2)
+    n = length.numel()
+    idx = torch.arange(n)
+    allowed = (sd[:, None] == sd[None, :]) & (idx[None, :] <= idx[:, None])
+    bias = torch.log(length.to(qp.dtype))[None, :].expand(n, n).clone()
+    bias.diagonal().copy_(torch.log((length.to(qp.dtype) + 1) / 2))
+    bias = bias.masked_fill(~allowed, -math.inf)
+    kv = torch.arange(q.shape[1]) // (q.shape[1] // k.shape[1])
+    logits = torch.baddbmm(bias, qp, kp[kv].transpose(1, 2), alpha=q.shape[-1] ** -0.5)
+    prob = torch.softmax(logits, -1)
+    sorted_p, order = torch.sort(prob, dim=-1, descending=True, stable=True)
+    before = sorted_p.cumsum(-1) - sorted_p
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n).expand_as(order))
+    n_allowed = allowed.sum(-1, keepdim=True)
+    keep_n = (before < budget.gamma).sum(-1, keepdim=True) if budget.gamma < 1 else n_allowed
+    keep_n = torch.maximum(keep_n, torch.clamp(n_allowed, max=budget.min_blocks))
+    first = sb[torch.searchsorted(sd, sd)]
+    anchors = (sb - first < budget.sink_blocks)[None, :] | (
+        sb[:, None] - sb[None, :] < budget.local_blocks
+    )
+    keep = ((rank < keep_n) & allowed) | (anchors & allowed)
+    nb = -(-total // block_size)
+    mask = torch.zeros(q.shape[1], nb, nb, dtype=torch.bool)
+    h, i, j = keep.nonzero(as_tuple=True)
+    mask[h, sb[i], sb[j]] = True
+    return BlockLayout.from_block_mask(mask, cu, block_size, q.shape[1])
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("gamma", [0.3, 0.7, 0.95])
+def test_per_document_estimator_equals_the_dense_one(seed, gamma):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [*torch.randint(1, 150, (40,), generator=g).tolist(), 700]
+    cu = cu_from_lengths(lengths)
+    q, k, _ = make_qkv(sum(lengths), 4, 2, 16, requires_grad=False, seed=seed)
+    budget = Budget(gamma=gamma)
+    got = select_blocks(q * 3, k, cu, budget, block_size=32)
+    want = _select_dense_reference(q * 3, k, cu, budget, 32)
+    assert torch.equal(got.to_block_mask(), want.to_block_mask())
+
+
+@pytest.mark.timeout(60)
+def test_many_tiny_documents_scale_linearly():
+    """10,000 one-token documents (was 52 s and 11 GB: an (S x S) matrix over all segments), and
+    2,000 random small ones: the estimate holds O(sum_d s_d^2) elements, not O(S^2)."""
+    from sparsebalance.ops import estimate_block_mass
+
+    n = 10_000
+    cu = torch.arange(n + 1, dtype=torch.int32)
+    q, k, _ = make_qkv(n, 2, 2, 16, dtype=torch.float32, requires_grad=False)
+    est = estimate_block_mass(q, k, cu, block_size=64)
+    assert sum(b.prob.numel() for b in est.batches) == 2 * n  # one 1x1 matrix per doc and head
+    layout = est.layout(Budget(gamma=0.5))
+    assert layout.density() == 1.0  # every one-token document keeps its only block pair
+
+    lengths = torch.randint(1, 40, (2000,), generator=torch.Generator().manual_seed(0)).tolist()
+    cu = cu_from_lengths(lengths)
+    q, k, _ = make_qkv(sum(lengths), 2, 2, 16, dtype=torch.float32, requires_grad=False)
+    est = estimate_block_mass(q, k, cu, block_size=16)
+    slots = sum(b.allowed.shape[0] * b.allowed.shape[1] for b in est.batches)  # padded segments
+    assert slots <= 2 * (sum(lengths) // 16 + 1 + 2000)
+    assert sum(b.prob.numel() for b in est.batches) <= 2 * 4 * slots  # <= 4 segments per doc
+    assert 0.0 < est.density(Budget(gamma=0.5)) <= 1.0
+
+
+def test_max_density_caps_the_total_including_anchors():
+    """Budget(gamma=1, max_density=0.1) on one 8K document (block 64) kept 0.136 before."""
+    from sparsebalance.ops import estimate_block_mass
+
+    cu = cu_from_lengths([8192])
+    q, k, _ = make_qkv(8192, 2, 2, 16, dtype=torch.float32, requires_grad=False)
+    est = estimate_block_mass(q, k, cu, 64)
+    for cap in (0.1, 0.25, 0.5):
+        layout = est.layout(Budget(gamma=1.0, max_density=cap))
+        assert cap - 0.02 < layout.density() <= cap
+        qb = torch.arange(128)
+        limit = torch.clamp(torch.floor((qb + 1) * cap + 1e-9), min=2).long()
+        assert bool((layout.kv_num_blocks <= limit).all())
+        bm = layout.to_block_mask()
+        assert bool(bm[:, qb, qb].all()) and bool(bm[:, :, 0].all())  # anchors kept
+    # anchors alone exceed the cap (a 4-block document): exactly the anchors are kept
+    cu = cu_from_lengths([256])
+    q, k, _ = make_qkv(256, 2, 2, 16, dtype=torch.float32, requires_grad=False)
+    layout = select_blocks(q, k, cu, Budget(gamma=1.0, max_density=0.1), block_size=64)
+    assert torch.equal(layout.kv_num_blocks[0], torch.tensor([1, 2, 2, 2], dtype=torch.int32))

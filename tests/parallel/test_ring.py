@@ -71,7 +71,39 @@ def check_case(rank, world, kind, dtype, gamma, inner_size=None, share_kv_groups
             assert err <= 2e-6, f"{tag}: relative RMS error {err:.2e}"
 
 
+def _nan_checks(rank, world):
+    """Issue 13 item 8 in the ring: a NaN in document 2 (tokens 51..129) of q, k or v, or in the
+    output gradient, leaves every other document's outputs and gradients exactly clean."""
+    cu = cu_from_lengths(LENGTHS)
+    q, k, v = make_qkv(int(cu[-1]), 4, 2, 8, requires_grad=False, seed=5)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(6), dtype=q.dtype)
+    layout = select_blocks(q, k, cu, Budget(gamma=1.0), BLOCK)
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    want = block_sparse_attention(*ref, layout, cu, backend="torch")
+    want.backward(grad)
+    want = [want.detach()] + [x.grad for x in ref]
+    outside = torch.ones(int(cu[-1]), dtype=torch.bool)
+    outside[51:130] = False
+    for kind in ("striped", "zigzag"):
+        placement = make_placement(kind, int(cu[-1]), BLOCK, world)
+        for where in ("q", "k", "v", "grad"):
+            inputs = {"q": q.clone(), "k": k.clone(), "v": v.clone(), "grad": grad.clone()}
+            inputs[where][60, 0, 0] = float("nan")
+            ql, kl, vl = (placement.shard(inputs[n], rank).requires_grad_() for n in "qkv")
+            out = ring_attention(None, ql, kl, vl, layout, placement)
+            out.backward(placement.shard(inputs["grad"], rank))
+            mine = outside[placement.token_index(rank).clamp(max=int(cu[-1]) - 1)]
+            mine &= placement.token_index(rank) < int(cu[-1])
+            for name, got, ref_t in zip(
+                ("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), want, strict=True
+            ):
+                got, exp = got.detach()[mine], placement.shard(ref_t, rank)[mine]
+                assert bool(torch.isfinite(got).all()), f"{name} {kind} {where}: NaN crossed"
+                assert float((got - exp).abs().max()) <= 1e-10, f"{name} {kind} {where}"
+
+
 def _flat_worker(rank, world):
+    _nan_checks(rank, world)
     for kind in PLACEMENTS:
         for gamma in (1.0, 0.8, "random"):
             check_case(rank, world, kind, torch.float64, gamma)

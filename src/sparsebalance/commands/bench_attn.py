@@ -111,7 +111,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated T, e.g. 4k,8k (default 4k,8k,16k on CPU; 32k,64k,128k on CUDA)",
     )
-    p.add_argument("--densities", type=_float_list, default=list(DEFAULT_DENSITIES))
+    p.add_argument(
+        "--densities",
+        type=_float_list,
+        default=None,
+        help="comma-separated, each in (0, 1] (default 1,0.5,0.25,0.1,0.05; --quick 1,0.25,0.05)",
+    )
     p.add_argument("--heads", type=int, default=4, help="query heads Hq")
     p.add_argument("--kv-heads", type=int, default=4, help="key/value heads Hkv (Hq %% Hkv == 0)")
     p.add_argument("--head-dim", type=int, default=64)
@@ -132,7 +137,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
-        "--quick", action="store_true", help="T=2048, densities 1/0.25/0.05, no results file"
+        "--quick",
+        action="store_true",
+        help="T=2048, densities 1/0.25/0.05 unless given, no results file",
     )
     p.add_argument(
         "--out", default="benchmarks/results", help="results folder ('' to write nothing)"
@@ -140,13 +147,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print only JSON to stdout")  # fmt: skip
 
 
-def main(args: argparse.Namespace) -> int:
+def prepare_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Apply the ``--quick`` / device defaults and validate every flag (``ValueError``)."""
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but CUDA is not available")
-    if args.quick:  # a small default grid; explicit --seq-lens still win
+    if args.quick:  # a small default grid; explicit --seq-lens and --densities still win
         args.seq_lens = args.seq_lens or [2048]
-        args.densities = [1.0, 0.25, 0.05]
+        args.densities = args.densities or [1.0, 0.25, 0.05]
+    args.densities = args.densities or list(DEFAULT_DENSITIES)
     if args.seq_lens is None:
         args.seq_lens = [32768, 65536, 131072] if cuda else [4096, 8192, 16384]
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
@@ -154,10 +163,15 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})"
         )
-    if any(not 0.0 < d <= 1.0 for d in args.densities):
+    if any(not 0.0 < d <= 1.0 for d in args.densities):  # also rejects nan
         raise ValueError(f"--densities must lie in (0, 1], got {args.densities}")
     if any(t <= 0 for t in args.seq_lens) or args.block_size <= 0:
         raise ValueError("--seq-lens and --block-size must be positive")
+    return args
+
+
+def main(args: argparse.Namespace) -> int:
+    args = prepare_args(args)
     result = run_benchmark(args)
     table = format_table(result["rows"])
     if args.out and not args.quick:

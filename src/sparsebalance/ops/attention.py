@@ -8,7 +8,7 @@ from .block_sparse_flex import flex_block_sparse_attention
 from .block_sparse_torch import torch_block_sparse_attention
 from .layout import BlockLayout
 from .reference import reference_attention
-from .varlen import check_cu_seqlens, check_qkv
+from .varlen import check_cu_seqlens, check_qkv, resolve_scale
 
 BACKENDS = ("reference", "torch", "flex", "triton")
 
@@ -77,7 +77,7 @@ def block_sparse_attention(
     layout.check_compatible(q, k, cu_seqlens)
     if layout.device != q.device:
         layout = layout.to(q.device)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = resolve_scale(scale, q.shape[-1])
     backend = resolve_backend(backend, q.device)
     if backend == "reference":
         return reference_attention(q, k, v, layout, cu_seqlens, scale)

@@ -4,11 +4,17 @@ Block pairs strictly inside one document and strictly below the diagonal are pas
 blocks (no ``mask_mod`` evaluated); the others carry the document-causal ``mask_mod``.
 On CPU, FlexAttention in torch 2.13 is forward-only and its eager path ignores block lists, so
 ``backend="auto"`` never picks it there.
+
+Non-finite values: FlexAttention masks the scores, not the products ``p @ v``, so a NaN or inf
+value at a masked position would reach other queries (other documents included). When ``v`` is
+not finite, the call runs on the cleaned values (non-finite set to 0) and a second call on the
+0/1 indicator of the non-finite entries marks, as NaN, exactly the outputs that read one.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -62,5 +68,16 @@ def flex_block_sparse_attention(q, k, v, layout: BlockLayout, scale: float) -> t
     hq, hkv = q.shape[1], k.shape[1]
     block_mask = build_block_mask(layout, hq, q.device)
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, H, T, D)
-    out = _compiled_flex()(qt, kt, vt, block_mask=block_mask, scale=scale, enable_gqa=hq != hkv)
-    return out[0].transpose(0, 1)
+
+    def attend(values: torch.Tensor) -> torch.Tensor:
+        return _compiled_flex()(
+            qt, kt, values, block_mask=block_mask, scale=scale, enable_gqa=hq != hkv
+        )[0].transpose(0, 1)
+
+    bad = ~torch.isfinite(vt)
+    if not bool(bad.any()):
+        return attend(vt)
+    out = attend(vt.masked_fill(bad, 0.0))
+    with torch.no_grad():
+        hits = attend(bad.to(vt.dtype))
+    return out.masked_fill(hits > 0, math.nan)

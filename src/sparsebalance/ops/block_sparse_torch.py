@@ -1,27 +1,35 @@
 """Block-sparse attention in plain PyTorch (the CPU training path; also runs on CUDA).
 
-Work and memory are proportional to the kept block pairs. A *row* is one (layout head, query block):
-its ``Hq / H_layout`` query heads times ``B`` query tokens against the row's kept key blocks. Rows
-are sorted by their number of key blocks and cut into chunks of similar width, so each chunk is one
-batched matmul with little padding, and the chunk size bounds peak memory. Softmax is exact per row
-(all of a row's key blocks are in the same chunk); the backward recomputes the probabilities from
-the saved log-sum-exp, flash-attention style, instead of storing them.
+Three layers, flash-attention style: the raw kernel (:func:`block_pairs_forward`,
+:func:`block_pairs_backward`) over a :class:`~.block_pairs.BlockPairs`, the autograd Function, the
+thin public function. Work and memory are proportional to the kept block pairs. Softmax is exact
+per row (all of a row's key blocks are in the same chunk); the backward recomputes the
+probabilities from the saved log-sum-exp instead of storing them. The context-parallel ring calls
+the same raw kernel once per ring step and merges the steps with :func:`merge_attention` (the
+rhythm of ring-flash-attention's ``update_out_and_lse``).
+
+Non-finite inputs. Positions a query does not see (other documents, causally later keys, pairs
+outside the layout) contribute exact zeros to its output and to every gradient, even when they
+hold NaN or inf: the products over partial blocks are masked on the value path, not only on the
+scores. That masked path runs only when an operand is non-finite (checked once per call), so
+finite inputs take the fast path. A non-finite value a query *does* see makes its output NaN
+(or inf, through an interior block), as in dense attention.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from .block_pairs import (
+    BlockPairs,
+    blocks_to_tokens,
+    query_rows,
+    rows_to_tokens,
+    token_blocks,
+)
 from .layout import BlockLayout
-
-# Score elements (query rows x key columns) per chunk: bounds the temporaries (~6 of this size).
-_CHUNK_ELEMS = 1 << 23
-# Rows whose key-block count is within this factor share a chunk (padding waste <= 25%).
-_WIDTH_RATIO = 1.25
 
 
 def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -29,180 +37,186 @@ def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-@dataclass
-class _Chunk:
-    row: torch.Tensor  # int64 (n,): flat row id, layout head * nb + query block
-    kv_row: torch.Tensor  # int64 (n, W): flat key block id, kv head * nb + key block
-    kblocks: torch.Tensor  # int64 (n, W): key blocks; full slots first, masked slots last
-    valid: torch.Tensor  # bool (n, W)
-    num_masked: int  # the last num_masked slots of every row need the token mask
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """True when no element of the tensors is NaN or +-inf (one host sync)."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-def _chunks(layout: BlockLayout, g: int, kv_of_layout: torch.Tensor, start_last: torch.Tensor):
-    """Group the layout's rows into chunks of similar width (see module docstring).
+def merge_attention(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
+    """Merge a partial result into running accumulators, in place (log-sum-exp weights).
 
-    Inside a row, slots are reordered so that *partial* key blocks (the diagonal, blocks crossing
-    the query block's document start, padding) come last: softmax does not care about order, and
-    only the chunk's trailing ``num_masked`` slots then need the token mask.
+    Args:
+        out: ``(..., D)`` normalised output so far; ``lse`` ``(...)`` its log-sum-exp, ``-inf``
+            where a query has seen no key yet (then ``out`` is 0).
+        block_out, block_lse: the same for another, disjoint set of keys.
     """
-    h, nb, max_kv = layout.kv_indices.shape
-    dev = layout.device
-    counts = layout.kv_num_blocks.reshape(-1).long()
-    order = torch.argsort(counts, stable=True)
-    counts_sorted = counts[order].cpu()
-    bucket = torch.floor(torch.log(counts_sorted.clamp_min(1).double()) / math.log(_WIDTH_RATIO))
-    row_elems = g * layout.block_size * layout.block_size
-    flat_idx = layout.kv_indices.reshape(h * nb, max_kv).long()
-    chunks: list[_Chunk] = []
-    i = int((counts_sorted == 0).sum())  # rows without keys get zeros; no chunk
-    while i < len(order):
-        j = int(torch.searchsorted(bucket, bucket[i], right=True))
-        width = int(counts_sorted[j - 1])
-        per_chunk = max(1, _CHUNK_ELEMS // (row_elems * width))
-        for s in range(i, j, per_chunk):
-            rows = order[s : min(j, s + per_chunk)].to(dev)
-            kb = flat_idx[rows, :width]
-            valid = torch.arange(width, device=dev) < counts[rows, None]
-            qb = (rows % nb)[:, None]
-            full = valid & (kb < qb) & (kb * layout.block_size >= start_last[qb])
-            slot_order = torch.argsort((~full).to(torch.int8), dim=1, stable=True)
-            kb, valid = kb.gather(1, slot_order), valid.gather(1, slot_order)
-            kb = torch.where(valid, kb, kb[:, :1])
-            num_masked = int((~full).sum(1).max())
-            kv_row = kv_of_layout[rows // nb][:, None] * nb + kb
-            chunks.append(_Chunk(rows, kv_row, kb, valid, num_masked))
-        i = j
-    return chunks, order[:i].to(dev)
+    new = torch.logaddexp(lse, block_lse)
+    seen = new > -math.inf  # both -inf: nothing yet, keep zeros (and avoid -inf - -inf)
+    w_old = torch.where(seen, (lse - new).exp(), 0.0)[..., None]
+    w_new = torch.where(seen, (block_lse - new).exp(), 0.0)[..., None]
+    out.mul_(w_old).add_(block_out * w_new)
+    lse.copy_(new)
 
 
-class _Geometry:
-    """Per-call index tensors shared by forward and backward."""
+def _masked_bmm(a: torch.Tensor, ok: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` where entries of ``a`` outside ``ok`` contribute exact zeros, even against NaN or
+    inf in ``b``; a non-finite ``b`` row read through an ``ok`` entry gives NaN.
 
-    def __init__(self, layout: BlockLayout, hq: int, hkv: int, device: torch.device):
-        self.B = layout.block_size
-        self.nb = layout.num_blocks
-        self.T = layout.seq_len
-        self.hl = layout.num_heads
-        self.g = hq // self.hl  # query heads per layout head
-        tpad = self.nb * self.B
-        pos = torch.arange(tpad, device=device)
-        start = torch.empty(tpad, dtype=torch.long, device=device)
-        cu = layout.cu_seqlens.to(device).long()
-        start[: self.T] = cu[torch.searchsorted(cu[1:], pos[: self.T], right=True)]
-        start[self.T :] = pos[self.T :]  # padded queries see only themselves
-        self.qpos = pos.view(self.nb, self.B).repeat(1, self.g)  # (nb, g*B)
-        self.qstart = start.view(self.nb, self.B).repeat(1, self.g)
-        self.koff = torch.arange(self.B, device=device)
-        kv_of_layout = torch.arange(self.hl, device=device) // (self.hl // hkv)
-        self.chunks, self.empty_rows = _chunks(
-            layout, self.g, kv_of_layout, start.view(self.nb, self.B)[:, -1]
-        )
-
-    def mask(self, c: _Chunk) -> torch.Tensor:
-        """Bool ``(n, g*B, num_masked*B)``: doc-causal mask of the chunk's trailing slots."""
-        kb, valid = c.kblocks[:, -c.num_masked :], c.valid[:, -c.num_masked :]
-        n, w = kb.shape
-        kpos = (kb[:, :, None] * self.B + self.koff).reshape(n, 1, w * self.B)
-        kpos = torch.where(valid.repeat_interleave(self.B, 1)[:, None, :], kpos, -1)
-        qb = c.row % self.nb
-        return (kpos <= self.qpos[qb][:, :, None]) & (kpos >= self.qstart[qb][:, :, None])
-
-    def masked_scores_(self, s: torch.Tensor, c: _Chunk) -> torch.Tensor:
-        """Set the disallowed entries of the chunk's scores ``(n, g*B, W*B)`` to -inf, in place."""
-        if c.num_masked:
-            s[:, :, -c.num_masked * self.B :].masked_fill_(~self.mask(c), -math.inf)
-        return s
+    ``a`` ``(c, X, Y)``, ``ok`` bool ``(c, X, Y)``, ``b`` ``(c, Y, D)`` -> ``(c, X, D)``.
+    """
+    bad = ~torch.isfinite(b)
+    out = torch.bmm(a.masked_fill(~ok, 0), b.masked_fill(bad, 0))
+    hits = torch.bmm(ok.to(b.dtype), bad.to(b.dtype))
+    return out.masked_fill_(hits > 0, math.nan)
 
 
-def _to_blocks(x: torch.Tensor, geo: _Geometry) -> torch.Tensor:
-    """``(T, H, D)`` -> ``(H*nb, B*D)`` flat blocks, zero-padding the last block."""
-    pad = geo.nb * geo.B - x.shape[0]
-    x = F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x
-    h = x.shape[1]
-    return x.view(geo.nb, geo.B, h, -1).permute(2, 0, 1, 3).reshape(h * geo.nb, -1)
+def _cols(a, b, ok, masked: int) -> torch.Tensor:
+    """``a (c, X, W*B) @ b (c, W*B, D)``; the last ``masked`` columns of ``a`` go through ``ok``."""
+    if ok is None:
+        return torch.bmm(a, b)
+    f = a.shape[-1] - masked
+    tail = _masked_bmm(a[..., f:], ok, b[:, f:])
+    return tail if f == 0 else torch.bmm(a[..., :f], b[:, :f]).add_(tail)
 
 
-def _q_rows(x: torch.Tensor, geo: _Geometry) -> torch.Tensor:
-    """``(T, Hq, D)`` -> ``(H_layout*nb, g*B, D)``: each row's query heads stacked."""
-    pad = geo.nb * geo.B - x.shape[0]
-    x = F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x
-    d = x.shape[-1]
-    x = x.view(geo.nb, geo.B, geo.hl, geo.g, d).permute(2, 0, 3, 1, 4)
-    return x.reshape(geo.hl * geo.nb, geo.g * geo.B, d)
+def _rows(a_t, b, ok, masked: int) -> torch.Tensor:
+    """``a_t (c, W*B, X) @ b (c, X, D)``; the last ``masked`` rows of ``a_t`` go through ``ok``."""
+    if ok is None:
+        return torch.bmm(a_t, b)
+    f = a_t.shape[1] - masked
+    tail = _masked_bmm(a_t[:, f:], ok.transpose(1, 2), b)
+    return tail if f == 0 else torch.cat([torch.bmm(a_t[:, :f], b), tail], dim=1)
 
 
-def _from_q_rows(x: torch.Tensor, geo: _Geometry) -> torch.Tensor:
-    """Inverse of :func:`_q_rows`: ``(H_layout*nb, g*B, D)`` -> ``(T, Hq, D)``."""
-    d = x.shape[-1]
-    x = x.view(geo.hl, geo.nb, geo.g, geo.B, d).permute(1, 3, 0, 2, 4)
-    return x.reshape(geo.nb * geo.B, geo.hl * geo.g, d)[: geo.T]
+def block_pairs_forward(
+    qr: torch.Tensor,
+    kb: torch.Tensor,
+    vb: torch.Tensor,
+    pairs: BlockPairs,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    merge: bool = False,
+) -> None:
+    """Raw forward over the pairs' chunks, writing (or merging into) ``out`` and ``lse``.
+
+    Args:
+        qr: query rows ``(R, g*B, D)`` with the softmax scale folded in.
+        kb, vb: key and value blocks ``(Hkv*m, B*D)``.
+        pairs: the block pairs; rows are ``R = H_layout * n``.
+        out: ``(R, g*B, D)`` normalised outputs (any float dtype); ``lse`` ``(R, g*B)`` in the
+            accumulation dtype, ``-inf`` for a query without keys (its output is 0).
+        merge: False: write the chunk rows (rows in no chunk are left untouched);
+            True: merge them into the running ``out``/``lse`` (:func:`merge_attention`).
+    """
+    acc, span = lse.dtype, pairs.B
+    masked_values = not all_finite(vb)
+    for c in pairs.chunks:
+        vc = pairs.gather(vb, c)
+        s = torch.bmm(qr.index_select(0, c.row), pairs.gather(kb, c).transpose(1, 2))
+        s = s.to(acc)
+        ok = pairs.masked_scores_(s, c)
+        m = s.amax(-1, keepdim=True).nan_to_num_(neginf=0.0)
+        p = s.sub_(m).exp_()
+        denom = p.sum(-1, keepdim=True)
+        ok = ok if masked_values else None
+        o = _cols(p.to(vb.dtype), vc, ok, c.num_masked * span).to(acc)
+        o = o.div_(denom.clamp_min(1e-30))
+        step_lse = torch.where(denom > 0, m + denom.log(), -math.inf).squeeze(-1)
+        if merge:
+            o_old, l_old = out.index_select(0, c.row).to(acc), lse.index_select(0, c.row)
+            merge_attention(o_old, l_old, o, step_lse)
+            o, step_lse = o_old, l_old
+        out[c.row] = o.to(out.dtype)
+        lse[c.row] = step_lse
 
 
-def _from_blocks(x: torch.Tensor, geo: _Geometry, heads: int) -> torch.Tensor:
-    """Inverse of :func:`_to_blocks`: ``(H*nb, B*D)`` -> ``(T, H, D)``."""
-    x = x.view(heads, geo.nb, geo.B, -1).permute(1, 2, 0, 3)
-    return x.reshape(geo.nb * geo.B, heads, -1)[: geo.T]
+def block_pairs_backward(
+    qr: torch.Tensor,
+    dor: torch.Tensor,
+    kb: torch.Tensor,
+    vb: torch.Tensor,
+    pairs: BlockPairs,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+) -> None:
+    """Raw backward over the pairs' chunks; gradients are *added* to ``dq``, ``dk``, ``dv``.
+
+    Args:
+        qr: scaled query rows ``(R, g*B, D)``; ``dor``: output-gradient rows, same shape.
+        kb, vb: key and value blocks ``(Hkv*m, B*D)``.
+        lse: the *final* log-sum-exp ``(R, g*B)`` (``-inf`` or ``+inf``: the query has no key).
+        delta: ``(R, g*B, 1)``, ``sum(dout * out)`` per query.
+        dq: ``(R, g*B, D)`` accumulation dtype; gradient w.r.t. the *scaled* queries.
+        dk, dv: ``(Hkv*m, B*D)`` accumulation dtype.
+    """
+    acc, span = lse.dtype, pairs.B
+    lse = lse.masked_fill(lse == -math.inf, math.inf)  # no key: p = exp(-inf - inf) = 0
+    safe = all_finite(qr, dor, kb, vb, delta) and not bool(lse.isnan().any())
+    for c in pairs.chunks:
+        qc, doc = qr.index_select(0, c.row), dor.index_select(0, c.row)
+        kc, vc = pairs.gather(kb, c), pairs.gather(vb, c)
+        s = torch.bmm(qc, kc.transpose(1, 2)).to(acc)
+        ok = pairs.masked_scores_(s, c)
+        ok = None if safe else ok
+        p = s.sub_(lse.index_select(0, c.row)[:, :, None]).exp_()
+        mb = c.num_masked * span
+        if ok is not None:
+            p[..., -mb:].masked_fill_(~ok, 0.0)
+        flat = c.kv_row.reshape(-1)
+        dv_c = _rows(p.to(qr.dtype).transpose(1, 2), doc, ok, mb)
+        dv.index_add_(0, flat, dv_c.reshape(flat.numel(), -1).to(acc))
+        dp = torch.bmm(doc, vc.transpose(1, 2)).to(acc)
+        ds = p.mul_(dp.sub_(delta.index_select(0, c.row)))
+        if ok is not None:
+            ds[..., -mb:].masked_fill_(~ok, 0.0)
+        ds = ds.to(qr.dtype)
+        dq.index_add_(0, c.row, _cols(ds, kc, ok, mb).to(acc))
+        dk_c = _rows(ds.transpose(1, 2), qc, ok, mb)  # q was pre-scaled: no extra factor
+        dk.index_add_(0, flat, dk_c.reshape(flat.numel(), -1).to(acc))
 
 
-def _gather(x: torch.Tensor, c: _Chunk, geo: _Geometry) -> torch.Tensor:
-    """Flat blocks ``(Hkv*nb, B*D)`` -> ``(n, W*B, D)``: the chunk's key (or value) blocks."""
-    n, w = c.kv_row.shape
-    return x.index_select(0, c.kv_row.reshape(-1)).view(n, w * geo.B, -1)
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 inputs accumulate in fp64, everything else in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: BlockLayout, scale: float):  # type: ignore[override]
-        geo = _Geometry(layout, q.shape[1], k.shape[1], q.device)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        qr = _q_rows(q * scale, geo)  # the scale is folded into q once
-        kb, vb = _to_blocks(k, geo), _to_blocks(v, geo)
+        hl, b, t = layout.num_heads, layout.block_size, q.shape[0]
+        blocks = torch.arange(layout.num_blocks, device=q.device)
+        pairs = BlockPairs(layout, blocks, blocks, k.shape[1], q.device)
+        acc = accumulation_dtype(q.dtype)
+        qr = query_rows(q * scale, hl, b)  # the scale is folded into q once
         out = _new_output(qr.shape, q.dtype, q.device)
-        out[geo.empty_rows] = 0
-        # Rows with no key at all keep lse=+inf, which makes their outputs and gradients zero.
-        lse = torch.full(qr.shape[:2], math.inf, dtype=acc, device=q.device)
-        for c in geo.chunks:
-            s = torch.bmm(qr.index_select(0, c.row), _gather(kb, c, geo).transpose(1, 2))
-            s = geo.masked_scores_(s.to(acc), c)
-            m = s.amax(-1, keepdim=True)
-            m.nan_to_num_(neginf=0.0)
-            p = s.sub_(m).exp_()
-            denom = p.sum(-1, keepdim=True)
-            o = torch.bmm(p.to(v.dtype), _gather(vb, c, geo))
-            out[c.row] = o.div_(denom.clamp_min(1e-30)).to(q.dtype)
-            lse[c.row] = torch.where(denom > 0, m + denom.log(), math.inf).squeeze(-1)
+        out[pairs.empty_rows] = 0
+        lse = torch.full(qr.shape[:2], -math.inf, dtype=acc, device=q.device)
+        block_pairs_forward(qr, token_blocks(k, b), token_blocks(v, b), pairs, out, lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.geo, ctx.scale = geo, scale
-        return _from_q_rows(out, geo)
+        ctx.pairs, ctx.scale, ctx.hl, ctx.b = pairs, scale, hl, b
+        return rows_to_tokens(out, hl, b)[:t]
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        geo, scale = ctx.geo, ctx.scale
+        hl, b, t = ctx.hl, ctx.b, q.shape[0]
         acc = lse.dtype
-        qr = _q_rows(q * scale, geo)
-        dor = _q_rows(grad_out.to(q.dtype), geo)
-        kb, vb = _to_blocks(k, geo), _to_blocks(v, geo)
+        qr = query_rows(q * ctx.scale, hl, b)
+        dor = query_rows(grad_out.to(q.dtype), hl, b)
+        kb, vb = token_blocks(k, b), token_blocks(v, b)
         delta = (dor.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # (rows, g*B, 1)
-        dq = _new_output(qr.shape, acc, q.device)
-        dq[geo.empty_rows] = 0
+        dq = torch.zeros(qr.shape, dtype=acc, device=q.device)
         dk = torch.zeros(kb.shape, dtype=acc, device=q.device)
         dv = torch.zeros_like(dk)
-        for c in geo.chunks:
-            qc, doc = qr.index_select(0, c.row), dor.index_select(0, c.row)
-            kc, vc = _gather(kb, c, geo), _gather(vb, c, geo)
-            s = geo.masked_scores_(torch.bmm(qc, kc.transpose(1, 2)).to(acc), c)
-            p = s.sub_(lse.index_select(0, c.row)[:, :, None]).exp_()
-            dv_c = torch.bmm(p.to(q.dtype).transpose(1, 2), doc)
-            dv.index_add_(0, c.kv_row.reshape(-1), dv_c.view(c.kv_row.numel(), -1).to(acc))
-            dp = torch.bmm(doc, vc.transpose(1, 2)).to(acc)
-            ds = p.mul_(dp.sub_(delta.index_select(0, c.row))).to(q.dtype)
-            dq[c.row] = torch.bmm(ds, kc).to(acc)
-            dk_c = torch.bmm(ds.transpose(1, 2), qc)  # q was pre-scaled: no extra factor
-            dk.index_add_(0, c.kv_row.reshape(-1), dk_c.view(c.kv_row.numel(), -1).to(acc))
+        block_pairs_backward(qr, dor, kb, vb, ctx.pairs, lse, delta, dq, dk, dv)
         hkv = k.shape[1]
-        dq = _from_q_rows(dq.mul_(scale), geo)
-        dk, dv = _from_blocks(dk, geo, hkv), _from_blocks(dv, geo, hkv)
+        dq = rows_to_tokens(dq.mul_(ctx.scale), hl, b)[:t]
+        dk, dv = blocks_to_tokens(dk, hkv, b)[:t], blocks_to_tokens(dv, hkv, b)[:t]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 

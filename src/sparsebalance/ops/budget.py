@@ -11,7 +11,8 @@ class Budget:
     """Threshold budget for dynamic block selection (validated on construction).
 
     Per query block, :func:`~sparsebalance.ops.select_blocks` keeps the fewest key blocks whose
-    estimated attention mass reaches ``gamma``, plus the anchor blocks, within the optional cap.
+    estimated attention mass reaches ``gamma`` (at least ``min_blocks``), plus the anchor blocks,
+    within the optional cap. Precedence: anchors > ``min_blocks`` > ``max_density`` > ``gamma``.
     """
 
     gamma: float = 0.9
@@ -21,7 +22,11 @@ class Budget:
     local_blocks: int = 1
     """The diagonal block and the ``local_blocks - 1`` blocks before it are always kept."""
     max_density: float | None = None
-    """Optional cap: at most ``ceil(max_density * causal blocks)`` per query block, plus anchors."""
+    """Optional cap on the *total* kept per query block (per document it touches), anchors
+    included: at most ``max(floor(max_density * causal blocks), anchors, min_blocks)``. So the
+    density of a pack never exceeds ``max_density`` unless the anchors (or the ``min_blocks``
+    floor) alone exceed it in some rows (short documents, early blocks): those rows keep exactly
+    their anchors and floor, which keeps every query's own block."""
     min_blocks: int = 1
     """Floor: keep at least this many key blocks per query block (when that many are causal)."""
 

@@ -5,12 +5,19 @@ end of one document and the start of the next is scored per document. Queries an
 mean-pooled per segment; the logit of (query segment i, key segment j) is
 ``scale * q̄_i · k̄_j + log(n_j)`` (a segment of ``n_j`` similar keys carries ``n_j`` times the mass
 of one; the diagonal segment counts ``(n_j + 1) / 2`` as half of it is causally hidden), softmaxed
-over the causal key segments of i's document. Cost: O(S^2 * D) per head with S ≈ T/B + N segments,
-a few percent of the attention itself (O(T^2 * D)).
+over the causal key segments of i's document. A document only scores its own segments: documents
+with a similar segment count ``s_d`` are batched together (padded to the batch's largest), so the
+cost is O(sum_d s_d^2 * D) per head with ``sum_d s_d ≈ T/B + N`` — linear in the number of
+documents, a few percent of the attention itself (O(T^2 * D)) for long ones.
 
-Rule. Per query segment, keep the fewest key segments whose estimated mass reaches ``gamma``, then
-add anchors (first ``sink_blocks`` blocks of the document, ``local_blocks`` diagonal blocks), apply
-the ``min_blocks`` floor and ``max_density`` cap; a query block keeps the union over its segments.
+Rule. Per query segment, keep the fewest key segments whose estimated mass reaches ``gamma``
+(at least ``min_blocks``), add the anchors (first ``sink_blocks`` blocks of the document,
+``local_blocks`` diagonal blocks), then apply the ``max_density`` cap to the total, anchors
+included (see :class:`~.budget.Budget`); a query block keeps the union over its segments.
+
+Non-finite input. A query segment whose estimate is NaN/inf (a NaN or inf in its queries or in a
+causal key of its document) keeps every causal block, whatever the budget: the NaN then reaches the
+attention output as it would with dense attention, instead of being hidden by the selection.
 """
 
 from __future__ import annotations
@@ -22,14 +29,18 @@ import torch
 
 from .budget import Budget
 from .layout import BlockLayout, causal_block_mask, document_density, num_blocks
-from .varlen import check_cu_seqlens, check_qkv, doc_ids, token_mask
+from .varlen import check_cu_seqlens, check_qkv, doc_ids, resolve_scale, token_mask
 
-# Bound on (heads x S x S) elements processed at once, so long contexts do not blow up memory.
+# Bound on (heads x documents x s x s) elements processed at once, so long contexts fit in memory.
 _MAX_SCORE_ELEMS = 1 << 26
 
 
-def _segments(cu_seqlens: torch.Tensor, total: int, block_size: int):
-    """Cut [0, T) at block and document boundaries. Returns start, length, block, doc (all (S,))."""
+def segments(cu_seqlens: torch.Tensor, total: int, block_size: int):
+    """Cut [0, T) at block and document boundaries.
+
+    Returns int64 ``(S,)`` tensors: start token, length, block and document of every segment,
+    in token order.
+    """
     dev = cu_seqlens.device
     cuts = torch.cat([torch.arange(0, total, block_size, device=dev), cu_seqlens[:-1].long()])
     start = torch.unique(cuts)  # sorted
@@ -37,8 +48,13 @@ def _segments(cu_seqlens: torch.Tensor, total: int, block_size: int):
     return start, length, start // block_size, doc_ids(cu_seqlens, total)[start]
 
 
-def _pool(x: torch.Tensor, seg_of_token: torch.Tensor, seg_len: torch.Tensor) -> torch.Tensor:
-    """Mean of ``x (T, H, D)`` per segment -> ``(S, H, D)`` in float32 (float64 kept)."""
+def pool_segments(
+    x: torch.Tensor, seg_of_token: torch.Tensor, seg_len: torch.Tensor
+) -> torch.Tensor:
+    """Mean of ``x (T, H, D)`` per segment -> ``(S, H, D)`` in float32 (float64 kept).
+
+    ``seg_of_token`` int64 ``(T,)`` is each token's segment, ``seg_len`` ``(S,)`` the lengths.
+    """
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     out = torch.zeros(seg_len.numel(), *x.shape[1:], dtype=dtype, device=x.device)
     out.index_add_(0, seg_of_token, x.to(dtype))
@@ -51,21 +67,54 @@ def _sort_rows(prob: torch.Tensor):
     before = sorted_p.cumsum(-1) - sorted_p
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-    return before, rank
+    return before, rank, order
 
 
-def _keep_by_mass(prob, allowed, budget: Budget, sorted_rows=None) -> torch.Tensor:
-    """Threshold rule on ``prob (H, S, S)``: bool keep mask of the fewest entries reaching gamma.
-    ``sorted_rows`` (from :func:`_sort_rows`) lets many budgets share one sort."""
+def _keep_by_mass(prob, allowed, anchors, budget: Budget, sorted_rows) -> torch.Tensor:
+    """The budget rule on ``prob (H, n, s, s)``: bool keep mask (anchors included)."""
     if budget.is_dense:
-        return allowed.expand_as(prob).clone()
-    before, rank = sorted_rows if sorted_rows is not None else _sort_rows(prob)
+        return allowed.expand_as(prob)
+    before, rank, order = sorted_rows
     n_allowed = allowed.sum(-1, keepdim=True)
     keep_n = (before < budget.gamma).sum(-1, keepdim=True) if budget.gamma < 1.0 else n_allowed
-    keep_n = torch.maximum(keep_n, torch.clamp(n_allowed, max=budget.min_blocks))
-    if budget.max_density is not None:
-        keep_n = torch.minimum(keep_n, torch.ceil(n_allowed * budget.max_density).long())
-    return (rank < keep_n) & allowed
+    floor_n = torch.clamp(n_allowed, max=budget.min_blocks)
+    keep = (rank < torch.maximum(keep_n, floor_n)) & allowed
+    anchors = anchors & allowed
+    if budget.max_density is None:
+        return keep | anchors
+    # The cap counts every kept block, anchors included; the floors (anchors, min_blocks) win.
+    limit = torch.maximum(torch.floor(n_allowed * budget.max_density + 1e-9).long(), floor_n)
+    quota = (limit - anchors.sum(-1, keepdim=True)).clamp_min(0)
+    extra = keep & ~anchors
+    extra_sorted = extra.gather(-1, order).long()
+    extra_rank = torch.empty_like(order).scatter_(-1, order, extra_sorted.cumsum(-1) - extra_sorted)
+    return anchors | (extra & (extra_rank < quota))
+
+
+@dataclass(frozen=True)
+class DocumentBatch:
+    """The segments of documents with similar segment counts, padded to ``s`` per document."""
+
+    prob: torch.Tensor
+    """``(H_layout, n, s, s)``: estimated mass of key segment j for query segment i of a document
+    (rows sum to 1; padded rows are 0)."""
+    allowed: torch.Tensor
+    """bool ``(n, s, s)``: key segment j is causal for query segment i (j <= i, both real)."""
+    seg_block: torch.Tensor
+    """int64 ``(n, s)``: block of each segment (padding repeats the first)."""
+    non_finite: torch.Tensor
+    """bool ``(H_layout, n, s, 1)``: the row's estimate is NaN/inf (keeps every causal block)."""
+
+    def keep(self, budget: Budget, cache: dict) -> torch.Tensor:
+        """Bool ``(H_layout, n, s, s)``: the kept segment pairs under ``budget``."""
+        if "rows" not in cache and not budget.is_dense:
+            cache["rows"] = _sort_rows(self.prob)  # shared by every later budget
+        sb = self.seg_block
+        anchors = (sb - sb[:, :1] < budget.sink_blocks)[:, None, :] | (
+            sb[:, :, None] - sb[:, None, :] < budget.local_blocks
+        )
+        keep = _keep_by_mass(self.prob, self.allowed, anchors, budget, cache.get("rows"))
+        return torch.where(self.non_finite, self.allowed, keep)
 
 
 @dataclass(frozen=True)
@@ -77,18 +126,13 @@ class BlockMassEstimate:
     which is what run-time budget tuning needs.
     """
 
-    prob: torch.Tensor
-    """``(H_layout, S, S)``: estimated mass of key segment j for query segment i (rows sum to 1)."""
-    allowed: torch.Tensor
-    """bool ``(S, S)``: key segment j is causal for query segment i (same document, j <= i)."""
-    seg_block: torch.Tensor
-    """int64 ``(S,)``: block of each segment."""
-    first_block_of_doc: torch.Tensor
-    """int64 ``(S,)``: first block of each segment's document."""
+    batches: tuple[DocumentBatch, ...]
+    """The documents, batched by segment count."""
     cu_seqlens: torch.Tensor
     seq_len: int
     block_size: int
     num_q_heads: int
+    num_layout_heads: int
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def block_mask(self, budget: Budget) -> torch.Tensor:
@@ -97,22 +141,17 @@ class BlockMassEstimate:
             raise TypeError(
                 f"budget must be a sparsebalance.ops.Budget, got {type(budget).__name__}"
             )
-        if "rows" not in self._cache and not budget.is_dense:
-            self._cache["rows"] = _sort_rows(self.prob)  # shared by every later budget
-        sb = self.seg_block
-        anchors = (sb - self.first_block_of_doc < budget.sink_blocks)[None, :] | (
-            sb[:, None] - sb[None, :] < budget.local_blocks
-        )
-        keep = _keep_by_mass(self.prob, self.allowed, budget, self._cache.get("rows"))
-        keep_seg = keep | (anchors & self.allowed)
-        # Segments -> blocks: a query block keeps the union over its query segments.
-        h, n_seg = self.prob.shape[0], sb.numel()
         nb = num_blocks(self.seq_len, self.block_size)
-        by_qblock = torch.zeros(h, nb, n_seg, dtype=torch.int32, device=sb.device)
-        by_qblock.index_add_(1, sb, keep_seg.to(torch.int32))
-        block_keep = torch.zeros(h, nb, nb, dtype=torch.int32, device=sb.device)
-        block_keep.index_add_(2, sb, by_qblock)
-        return block_keep > 0
+        h = self.num_layout_heads
+        dev = self.cu_seqlens.device
+        out = torch.zeros(h, nb * nb, dtype=torch.bool, device=dev)
+        for i, batch in enumerate(self.batches):
+            keep = batch.keep(budget, self._cache.setdefault(i, {}))
+            # Segments -> blocks: a query block keeps the union over its query segments.
+            heads, docs, qs, ks = keep.nonzero(as_tuple=True)
+            sb = batch.seg_block
+            out[heads, sb[docs, qs] * nb + sb[docs, ks]] = True
+        return out.view(h, nb, nb)
 
     def layout(self, budget: Budget) -> BlockLayout:
         """The :class:`BlockLayout` this budget keeps."""
@@ -146,11 +185,11 @@ def estimate_block_mass(
     total = q.shape[0]
     cu = cu_seqlens.to(q.device)
     with torch.no_grad():
-        start, length, _, _ = _segments(cu, total, block_size)
+        start, length, _, _ = segments(cu, total, block_size)
         tokens = torch.arange(total, device=q.device)
         seg_of_token = torch.searchsorted(start, tokens, right=True) - 1
-        qp = _pool(q.detach(), seg_of_token, length)  # (S, Hq, D)
-        kp = _pool(k.detach(), seg_of_token, length)  # (S, Hkv, D)
+        qp = pool_segments(q.detach(), seg_of_token, length)  # (S, Hq, D)
+        kp = pool_segments(k.detach(), seg_of_token, length)  # (S, Hkv, D)
     return estimate_from_pooled(qp, kp, cu, block_size, share_kv_groups, scale)
 
 
@@ -164,48 +203,66 @@ def estimate_from_pooled(
 ) -> BlockMassEstimate:
     """:func:`estimate_block_mass` from the per-segment means ``qp (S, Hq, D)``, ``kp (S, Hkv, D)``.
 
-    The segments are those of ``_segments(cu_seqlens, T, block_size)`` in order. Context
+    The segments are those of :func:`segments` ``(cu_seqlens, T, block_size)`` in order. Context
     parallelism gathers the (small) pooled tensors from the ranks and calls this, so every rank
     gets the layout one device would.
     """
     total = int(cu_seqlens[-1])
     hq, dim = qp.shape[1:]
     hkv = kp.shape[1]
-    group = hq // hkv
-    scale = dim**-0.5 if scale is None else scale
+    scale = resolve_scale(scale, dim)
     cu = cu_seqlens.to(qp.device)
+    n_layout = hkv if share_kv_groups else hq
     with torch.no_grad():
-        _, length, seg_block, seg_doc = _segments(cu, total, block_size)
-        n_seg = length.numel()
-        qp, kp = qp.permute(1, 0, 2), kp.permute(1, 0, 2)  # (Hq, S, D), (Hkv, S, D)
+        _, length, seg_block, seg_doc = segments(cu, total, block_size)
+        num_docs = cu.numel() - 1
+        first = torch.searchsorted(seg_doc, torch.arange(num_docs, device=qp.device))
+        count = torch.diff(first, append=first.new_tensor([seg_doc.numel()]))  # s_d, all >= 1
+        # Documents whose segment counts share a power of two are scored together.
+        group = torch.floor(torch.log2(count.double())).long().cpu()
+        batches = []
+        for g in torch.unique(group).tolist():
+            docs = torch.nonzero(group == g).flatten().to(qp.device)
+            batches.append(
+                _score_documents(
+                    qp, kp, length, seg_block, first[docs], count[docs], scale, n_layout
+                )
+            )
+    return BlockMassEstimate(tuple(batches), cu.to(torch.int32), total, block_size, hq, n_layout)
 
-        idx = torch.arange(n_seg, device=qp.device)
-        allowed = (seg_doc[:, None] == seg_doc[None, :]) & (idx[None, :] <= idx[:, None])
-        bias = torch.log(length.to(qp.dtype))[None, :].expand(n_seg, n_seg).clone()
-        bias.diagonal().copy_(torch.log((length.to(qp.dtype) + 1) / 2))
-        bias = bias.masked_fill(~allowed, -math.inf)
 
-        n_layout = hkv if share_kv_groups else hq
-        per_layout = hq // n_layout  # query heads per layout head
-        prob = torch.empty(n_layout, n_seg, n_seg, dtype=qp.dtype, device=qp.device)
-        chunk = max(1, _MAX_SCORE_ELEMS // max(1, n_seg * n_seg * per_layout))
-        for h0 in range(0, n_layout, chunk):
-            h1 = min(n_layout, h0 + chunk)
-            qh = qp[h0 * per_layout : h1 * per_layout]  # (chunk*per_layout, S, D)
-            kv_head = torch.arange(h0 * per_layout, h1 * per_layout, device=qp.device) // group
-            logits = torch.baddbmm(bias, qh, kp[kv_head].transpose(1, 2), alpha=scale)
-            p = torch.softmax(logits, dim=-1)
-            prob[h0:h1] = p.view(h1 - h0, per_layout, n_seg, n_seg).mean(1)
-    return BlockMassEstimate(
-        prob,
-        allowed,
-        seg_block,
-        seg_block[torch.searchsorted(seg_doc, seg_doc)],
-        cu.to(torch.int32),
-        total,
-        block_size,
-        hq,
-    )
+def _score_documents(qp, kp, length, seg_block, first, count, scale, n_layout) -> DocumentBatch:
+    """The :class:`DocumentBatch` of ``n`` documents: their first segment ``first (n,)`` and
+    segment counts ``count (n,)``; ``qp (S, Hq, D)``, ``kp (S, Hkv, D)`` pooled means."""
+    hq, hkv = qp.shape[1], kp.shape[1]
+    s = int(count.max())
+    n = first.numel()
+    slot = torch.arange(s, device=qp.device)
+    real = slot[None, :] < count[:, None]  # (n, s)
+    seg = torch.where(real, first[:, None] + slot, first[:, None])  # (n, s) segment ids
+    allowed = (slot[None, :] <= slot[:, None])[None] & real[:, None, :] & real[:, :, None]
+    seg_len = length[seg].to(qp.dtype)
+    bias = torch.log(seg_len)[:, None, :].expand(n, s, s).clone()
+    bias.diagonal(dim1=1, dim2=2).copy_(torch.log((seg_len + 1) / 2))
+    qd = qp[seg].permute(2, 0, 1, 3)  # (Hq, n, s, D)
+    kd = kp[seg].permute(2, 0, 1, 3)  # (Hkv, n, s, D)
+
+    per_layout = hq // n_layout  # query heads per layout head
+    prob = torch.empty(n_layout, n, s, s, dtype=qp.dtype, device=qp.device)
+    chunk = max(1, _MAX_SCORE_ELEMS // max(1, n * s * s * per_layout))
+    for h0 in range(0, n_layout, chunk):
+        h1 = min(n_layout, h0 + chunk)
+        heads = torch.arange(h0 * per_layout, h1 * per_layout, device=qp.device)
+        qh = qd[heads].reshape(-1, s, qd.shape[-1])  # (heads*n, s, D)
+        kh = kd[heads // (hq // hkv)].reshape(-1, s, kd.shape[-1])
+        logits = torch.baddbmm(
+            bias.repeat(heads.numel(), 1, 1), qh, kh.transpose(1, 2), alpha=scale
+        )
+        logits = logits.view(heads.numel(), n, s, s).masked_fill_(~allowed, -math.inf)
+        p = torch.softmax(logits, dim=-1).masked_fill_(~allowed.any(-1, keepdim=True), 0.0)
+        prob[h0:h1] = p.view(h1 - h0, per_layout, n, s, s).mean(1)
+    non_finite = ~torch.isfinite(prob).all(-1, keepdim=True)
+    return DocumentBatch(prob, allowed, seg_block[seg], non_finite)
 
 
 def select_blocks(
@@ -254,7 +311,7 @@ def attention_recall(
     check_cu_seqlens(cu_seqlens, q.shape[0])
     layout.check_compatible(q, k, cu_seqlens)
     total, hq, dim = q.shape
-    scale = dim**-0.5 if scale is None else scale
+    scale = resolve_scale(scale, dim)
     with torch.no_grad():
         kk = k.double().repeat_interleave(hq // k.shape[1], dim=1)
         logits = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale

@@ -7,6 +7,8 @@ never crosses documents, so query token ``i`` may see exactly the keys ``doc_sta
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -52,9 +54,26 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -
             raise ValueError(f"{name} has head dim {t.shape[2]} but q has {q.shape[2]}")
     if v is not None and v.shape != k.shape:
         raise ValueError(f"v shape {tuple(v.shape)} differs from k shape {tuple(k.shape)}")
+    if q.shape[2] == 0:
+        raise ValueError("q, k and v need a head dim D >= 1, got D=0")
     hq, hkv = q.shape[1], k.shape[1]
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"Hq % Hkv must be 0 (grouped-query attention), got Hq={hq}, Hkv={hkv}")
+
+
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    """The softmax scale: ``head_dim ** -0.5`` by default, else finite and > 0."""
+    if head_dim <= 0:
+        raise ValueError(f"the head dim D must be >= 1, got D={head_dim}")
+    if scale is None:
+        return head_dim**-0.5
+    try:
+        value = float(scale)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"scale must be a number or None, got {scale!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"scale must be finite and > 0 (or None for D ** -0.5), got {scale}")
+    return value
 
 
 def doc_ids(

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.layout import BlockLayout
+from ..ops.varlen import resolve_scale
 from .blockwise import ShardState, backward_step, check_shard_inputs, forward_step
 from .layouts import Placement, ring_sources
 from .ring import RingComm, ring_pass, ring_pass_grad
@@ -114,7 +115,7 @@ def hierarchical_ring_attention(
     if world % inner_size:
         raise ValueError(f"inner_size ({inner_size}) must divide the group size ({world})")
     check_shard_inputs(q, k, v, layout, placement, world)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = resolve_scale(scale, q.shape[-1])
     return HierarchicalRingAttention.apply(
         q, k, v, group, layout.to(q.device), placement, inner_size, scale
     )

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.layout import BlockLayout
+from ..ops.varlen import resolve_scale
 from .blockwise import ShardState, backward_step, check_shard_inputs, forward_step
 from .layouts import Placement, ring_sources
 
@@ -153,5 +154,5 @@ def ring_attention(
     """
     world = dist.get_world_size(group)
     check_shard_inputs(q, k, v, layout, placement, world)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = resolve_scale(scale, q.shape[-1])
     return RingAttention.apply(q, k, v, group, layout.to(q.device), placement, scale)

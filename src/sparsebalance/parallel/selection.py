@@ -5,8 +5,8 @@
 each rank pools its own segments exactly as ``select_blocks`` would (same order of additions),
 one ``all_gather`` of those means (``S ≈ T/B + N`` vectors per head, about ``1/B`` of the keys)
 gives every rank the full pooled tensors, and the estimator and the budget rule run unchanged
-(:func:`sparsebalance.ops.select.estimate_from_pooled`). Every rank gets the same
-:class:`~sparsebalance.ops.BlockLayout` as ``select_blocks`` on the whole sequence (bit for bit
+(:func:`sparsebalance.ops.select.estimate_from_pooled`, public in the op). Every rank gets the
+same :class:`~sparsebalance.ops.BlockLayout` as ``select_blocks`` on the whole sequence (bit for bit
 on CPU; on CUDA ``index_add_`` itself is not deterministic, on one device or many).
 """
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..ops.budget import Budget
 from ..ops.layout import BlockLayout
-from ..ops.select import BlockMassEstimate, _pool, _segments, estimate_from_pooled
+from ..ops.select import BlockMassEstimate, estimate_from_pooled, pool_segments, segments
 from ..ops.varlen import check_cu_seqlens, check_qkv
 from .layouts import Placement
 
@@ -25,7 +25,7 @@ from .layouts import Placement
 def local_segments(placement: Placement, cu_seqlens: torch.Tensor, rank: int):
     """Segments of this rank's real tokens: (global segment ids ``(S_r,)``, segment of every
     real local token ``(n_real,)`` as an index into those ids, real-token mask ``(Tl,)``)."""
-    start, _, _, _ = _segments(cu_seqlens.cpu().long(), placement.seq_len, placement.block_size)
+    start, _, _, _ = segments(cu_seqlens.cpu().long(), placement.seq_len, placement.block_size)
     pos = placement.token_index(rank)
     real = pos < placement.seq_len
     seg = torch.searchsorted(start, pos[real], right=True) - 1
@@ -61,11 +61,11 @@ def estimate_block_mass_distributed(
     if q.shape[0] != placement.local_len:
         raise ValueError(f"q has {q.shape[0]} tokens, the placement gives {placement.local_len}")
     hq = q.shape[1]
-    _, length, _, _ = _segments(cu_seqlens.cpu().long(), placement.seq_len, placement.block_size)
+    _, length, _, _ = segments(cu_seqlens.cpu().long(), placement.seq_len, placement.block_size)
     per_rank = [local_segments(placement, cu_seqlens, r)[0] for r in range(world)]
     ids, local, real = local_segments(placement, cu_seqlens, rank)
     x = torch.cat([q.detach(), k.detach()], dim=1)[real.to(q.device)]
-    pooled = _pool(x, local.to(q.device), length[ids].to(q.device))  # (S_r, Hq+Hkv, D)
+    pooled = pool_segments(x, local.to(q.device), length[ids].to(q.device))  # (S_r, Hq+Hkv, D)
     width = max(len(i) for i in per_rank)
     send = torch.zeros(width, *pooled.shape[1:], dtype=pooled.dtype, device=q.device)
     send[: len(ids)] = pooled
