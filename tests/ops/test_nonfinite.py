@@ -67,6 +67,9 @@ def test_torch_and_reference_agree_on_nan_values(gamma):
 
 
 def test_flex_forward_on_cpu_keeps_nan_in_its_document():
+    # Fresh compile: after other flex shapes, torch 2.13's CPU inductor recompiles with dynamic
+    # shapes and its generated C++ for flex does not build (a torch bug, not ours).
+    torch._dynamo.reset()
     cu = cu_from_lengths(LENGTHS)
     q, k, v = make_qkv(128, 4, 2, 16, dtype=torch.float32, requires_grad=False)
     layout = select_blocks(q, k, cu, Budget(gamma=1.0), block_size=BLOCK)
