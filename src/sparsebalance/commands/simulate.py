@@ -16,106 +16,48 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from ..latency import ACCELERATORS
-from ..models import BUILTIN_MODELS
+from .. import flags
 from ..results import markdown_table
-from ..simulate import BUILTIN, DEFAULT_STRATEGIES, LengthDistribution, SimConfig, SparsityModel
+from ..simulate import LengthDistribution, SimConfig
 from ..simulate.scenario import run_simulation
-from ..tuning import DSTConfig, add_dst_arguments
 
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x.replace("_", "")) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 8,64,512, got {text!r}") from None
+# Filled by the command itself: the lengths file (``--lengths FILE``) and the sparsity model's
+# block size (= ``--block-size``).
+_SKIP = ("lengths.lengths", "lengths.densities", "sparsity.block_size")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world-size", type=_int_list, required=True, metavar="R[,R2,...]")
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches per rank")
-    group.add_argument("--capacity", type=int, metavar="C", help="tokens per micro-batch")
-    p.add_argument("--steps", type=int, default=20, help="global batches to replay (20)")
-    p.add_argument("--samples-per-rank", type=int, default=8, help="documents per rank (8)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--dist", choices=BUILTIN, default="heavy", help="length distribution")
-    src.add_argument("--lengths", metavar="FILE", help="lengths file (resampled)")
-    p.add_argument("--min-len", type=int, default=128, help="shortest built-in length (128)")
-    p.add_argument("--max-len", type=int, default=32768, help="longest built-in length (32768)")
-    sm = SparsityModel()
-    p.add_argument("--density-at-4k", type=float, default=sm.density_at_4k)
-    p.add_argument("--density-slope", type=float, default=sm.slope)
-    p.add_argument("--density-noise", type=float, default=sm.noise)
+    """:class:`SimConfig`'s flags (generated from its fields), ``--lengths FILE``, output flags."""
     p.add_argument(
-        "--curve-alpha", default="1,1", metavar="LOW,HIGH",
-        help="density-response exponents below/above gamma0 (1,1)",
+        "--config", default=None,
+        help="TOML (or JSON) file: keys = SimConfig fields, sections [lengths] [sparsity] [dst]",
     )  # fmt: skip
-    cost = p.add_mutually_exclusive_group()
-    cost.add_argument("--profile", metavar="P", help="measured latency profile")
-    cost.add_argument("--analytic", choices=sorted(ACCELERATORS), default="h100")
-    p.add_argument("--model", default="qwen2.5-0.5b", help=f"one of {', '.join(BUILTIN_MODELS)}")
-    p.add_argument("--efficiency", type=float, default=0.45, help="GEMM fraction of peak")
-    p.add_argument("--attention-efficiency", type=float, default=0.35)
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument(
-        "--ring", choices=("auto", "flat", "hierarchical"), default="auto",
-        help="ring of documents sab-cp splits over several ranks (auto)",
+    groups = flags.add_arguments(
+        p, SimConfig, skip=_SKIP,
+        exclusive=[("micro_batches", "capacity"), ("lengths.name",), ("profile", "analytic")],
     )  # fmt: skip
-    p.add_argument(
-        "--strategy", default=",".join(DEFAULT_STRATEGIES),
-        help="comma list: baseline, sab, dst, sab+dst, sab+dst@ANCHOR, sab-cp, sab-cp+dst, "
-        "PLANNER[+dst|+down]",
+    groups["lengths.name"].add_argument(
+        "--lengths", dest="lengths_file", metavar="FILE",
+        help="lengths file (one per line, or JSON with lengths [+ densities]), resampled",
     )  # fmt: skip
-    add_dst_arguments(p)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=1, help="processes over steps (1)")
-    p.add_argument("--show-step", type=int, default=0, help="step drawn in the rank-time plot")
     p.add_argument("--json", action="store_true", help="print only JSON to stdout")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots to DIR")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
-    """Validate everything (``ValueError`` naming the flag) before any work."""
-    if args.lengths is not None:
-        lengths = LengthDistribution.from_file(args.lengths)
-    else:
-        lengths = LengthDistribution(args.dist, args.min_len, args.max_len)
-    try:
-        alpha = tuple(float(x) for x in args.curve_alpha.split(","))
-    except ValueError:
-        alpha = ()
-    if len(alpha) != 2:
-        raise ValueError(f"--curve-alpha must be LOW,HIGH (two numbers), got {args.curve_alpha!r}")
-    names = tuple(x.strip() for x in args.strategy.split(",") if x.strip())
-    if not names:
+    """Defaults < ``--config`` < flags; validated (``ValueError`` naming the flag) before any
+    work."""
+    values = flags.load_file(args.config) if args.config else {}
+    values = flags.merge(values, flags.values_from_args(args, SimConfig))
+    if values.get("strategies") == ():
         raise ValueError("--strategy needs at least one name")
-    return SimConfig(
-        world_sizes=args.world_size,
-        micro_batches=args.micro_batches,
-        capacity=args.capacity,
-        samples_per_rank=args.samples_per_rank,
-        steps=args.steps,
-        seed=args.seed,
-        lengths=lengths,
-        sparsity=SparsityModel(
-            args.density_at_4k, args.density_slope, args.density_noise, args.block_size
-        ),
-        dst=DSTConfig.from_args(args),
-        curve_alpha=alpha,
-        strategies=names,
-        profile=args.profile,
-        analytic=args.analytic,
-        model=args.model,
-        efficiency=args.efficiency,
-        attention_efficiency=args.attention_efficiency,
-        block_size=args.block_size,
-        ring=args.ring,
-        show_step=args.show_step,
-        workers=args.workers,
-    )
+    config = flags.build(SimConfig, values, f"--config {args.config}" if args.config else "flags")
+    if args.lengths_file is not None:
+        config = replace(config, lengths=LengthDistribution.from_file(args.lengths_file))
+    return replace(config, sparsity=replace(config.sparsity, block_size=config.block_size))
 
 
 def format_table(result: dict) -> str:

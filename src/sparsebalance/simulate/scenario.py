@@ -40,7 +40,9 @@ from .sparsity import SparsityModel
 
 @dataclass(frozen=True)
 class SimConfig:
-    """Settings of ``sparsebalance simulate`` (validated on construction; flags in brackets)."""
+    """Settings of ``sparsebalance simulate`` (validated on construction). Flags and TOML keys
+    are generated from the fields (:mod:`sparsebalance.flags`): ``--steps``,
+    ``--lengths.max-len``, ``--dst.gamma-min``; the short aliases in brackets."""
 
     world_sizes: tuple[int, ...] = (8,)
     """[--world-size] data-parallel ranks R, one simulation per value (each >= 1)."""
@@ -55,13 +57,16 @@ class SimConfig:
     seed: int = 0
     """[--seed] seeds every batch (per world size and step)."""
     lengths: LengthDistribution = field(default_factory=LengthDistribution)
-    """[--dist / --lengths / --min-len / --max-len]"""
+    """Document lengths: a built-in shape (``--dist``, ``--min-len``, ``--max-len``) or a file
+    (``--lengths FILE``, read by the command)."""
     sparsity: SparsityModel = field(default_factory=SparsityModel)
-    """[--density-at-4k / --density-slope / --density-noise]"""
+    """Densities at gamma0 (``--density-at-4k``, ``--density-slope``, ``--density-noise``); its
+    block size is ``block_size``."""
     dst: DSTConfig = field(default_factory=DSTConfig)
-    """[DST flags] mode and anchor are set per strategy; p, gammas apply to all."""
+    """DST flags (``--dst.FIELD`` / ``--gamma-min`` ...): mode and anchor are set per strategy; p
+    and the gammas apply to all."""
     curve_alpha: tuple[float, float] = (1.0, 1.0)
-    """[--curve-alpha LOW,HIGH] the density-response exponents below / above gamma0."""
+    """[--curve-alpha] LOW,HIGH: the density-response exponents below / above gamma0."""
     strategies: tuple[str, ...] = DEFAULT_STRATEGIES
     """[--strategy] ablations to run (baseline is always added)."""
     profile: str | None = None

@@ -22,13 +22,6 @@ from .signals import HANDLED, die_with_parent
 LAUNCHER_PID = "SPARSEBALANCE_LAUNCHER_PID"
 
 
-def dst_flags(cfg: TrainConfig) -> list[str]:
-    d = cfg.dst
-    return ["--dst-mode", d.mode, "--anchor", d.anchor, "--tolerance", str(d.p),
-            "--gamma0", str(d.gamma0), "--gamma-min", str(d.gamma_min),
-            "--gamma-max", str(d.gamma_max), "--dst-probes", str(d.layer_probes)]  # fmt: skip
-
-
 def uses_cuda(cfg: TrainConfig) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
@@ -94,9 +87,8 @@ def launch(cfg: TrainConfig, nproc: int) -> None:
                 print(f"sparsebalance train: note: {lock.note}", file=sys.stderr, flush=True)
             preflight(cfg, nproc)
             cfg_path = out / "launch-config.json"
-            values = {k: v for k, v in to_dict(cfg).items() if k != "dst"}
-            cfg_path.write_text(json.dumps(values, indent=1) + "\n")
-            worker = ["-m", "sparsebalance.train", "--config", str(cfg_path), *dst_flags(cfg)]
+            cfg_path.write_text(json.dumps(to_dict(cfg), indent=1) + "\n")  # whole nested config
+            worker = ["-m", "sparsebalance.train", "--config", str(cfg_path)]
             if nproc == 1:
                 cmd = [sys.executable, *worker]
             else:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import flags
 from ..workload import CostModel, MicroBatch
 from .curve import DensityCurve
 from .plan_workload import PlanWorkload, largest_feasible_many
@@ -48,7 +49,8 @@ _GAMMA_TOL = 1e-7
 
 @dataclass(frozen=True)
 class DSTConfig:
-    """Dynamic sparsity tuning settings (validated on construction; CLI flags in brackets)."""
+    """Dynamic sparsity tuning settings (validated on construction). Flags ``--dst.FIELD``
+    (:mod:`sparsebalance.flags`); the short aliases in brackets; TOML table ``[dst]``."""
 
     mode: str = "bidirectional"
     """[--dst-mode] ``off`` (fixed gamma0), ``down`` (cut stragglers only) or ``bidirectional``
@@ -110,29 +112,14 @@ class DSTConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DSTConfig:
-        """Build from the flags :func:`add_dst_arguments` defines."""
-        return cls(
-            mode=args.dst_mode,
-            anchor=args.anchor,
-            p=args.tolerance,
-            gamma0=args.gamma0,
-            gamma_min=args.gamma_min,
-            gamma_max=args.gamma_max,
-            layer_probes=args.dst_probes,
-        )
+        """Build from the flags :func:`add_dst_arguments` defines (unset flags keep defaults)."""
+        return flags.build(cls, flags.values_from_args(args, cls, ("dst",)), "DST flags")
 
 
 def add_dst_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the DST flags (one argument group) to a trainer / simulator / bench parser."""
-    d = DSTConfig()
-    g = parser.add_argument_group("dynamic sparsity tuning (DST)")
-    g.add_argument("--dst-mode", choices=MODES, default=d.mode, help="off = fixed --gamma0")
-    g.add_argument("--anchor", choices=ANCHORS, default=d.anchor, help="target rank time T*")
-    g.add_argument("--tolerance", type=float, default=d.p, help="p: cut ranks above (1+p)T*")
-    g.add_argument("--gamma0", type=float, default=d.gamma0, help="default budget")
-    g.add_argument("--gamma-min", type=float, default=d.gamma_min, help="lowest budget")
-    g.add_argument("--gamma-max", type=float, default=d.gamma_max, help="highest budget")
-    g.add_argument("--dst-probes", type=int, default=d.layer_probes, help="probes per layer")
+    """Add the DST flags (one argument group, generated from :class:`DSTConfig`'s fields:
+    ``--dst.gamma-min`` etc., with the short aliases ``--gamma-min``, ``--anchor``, ...)."""
+    flags.add_arguments(parser, DSTConfig, ("dst",), title="dynamic sparsity tuning (DST)")
 
 
 class RankWorkload:
