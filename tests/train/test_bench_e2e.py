@@ -57,6 +57,7 @@ def test_global_batch_must_cover_ranks_and_dataset(tmp_path, capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "exceeds the dataset's 32 documents" in err
     assert not (tmp_path / "r").exists()  # a refused run leaves no folder behind
-    (tmp_path / "run.toml").write_text('steps = 2\n[dst]\nmode = "off"\n')
+    # A [dst] table is read (tests/train/test_config.py); its values are validated like flags.
+    (tmp_path / "run.toml").write_text('steps = 2\n[dst]\nmode = "sideways"\n')
     assert main(["train", "--config", str(tmp_path / "run.toml")]) == 2
-    assert "DST options are flags" in capsys.readouterr().err
+    assert "--dst-mode must be one of" in capsys.readouterr().err
