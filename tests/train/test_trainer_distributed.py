@@ -36,6 +36,7 @@ def test_two_ranks_learn_and_stay_identical(tmp_path):
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(tmp_path / "run" / "checkpoints", resumed / "run" / "checkpoints")
+    shutil.rmtree(resumed / "run" / "checkpoints" / "step-000006")  # resume takes the newest
     (resumed / "run" / "checkpoints" / "latest").write_text("step-000003\n")
     cfg2 = replace(cfg, out=str(resumed / "run"), resume=True)
     res2 = run_ranks(cfg2, 2, resumed)
