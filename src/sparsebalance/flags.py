@@ -203,6 +203,8 @@ def _converter(kind: Any):
     base = _base(kind)
     if base in (bool, int, float, str):
         return base
+    if base is None and set(typing.get_args(kind)) - {type(None)} == {int, str}:
+        return _int_or_str
     if typing.get_origin(base) is tuple:
         args = typing.get_args(base)
         item = args[0]
@@ -212,6 +214,15 @@ def _converter(kind: Any):
         size = None if len(args) == 2 and args[1] is Ellipsis else len(args)
         return _comma_list(item, size)
     return None
+
+
+def _int_or_str(text: str) -> int | str:
+    """An ``int | str`` field: a number when it parses as one (``--capacity 4096``), else the
+    word (``--capacity auto``); the config's validation names what is allowed."""
+    try:
+        return int(text.replace("_", ""))
+    except ValueError:
+        return text
 
 
 def _comma_list(item: type, size: int | None):

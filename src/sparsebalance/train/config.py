@@ -17,7 +17,10 @@ from pathlib import Path
 from .. import flags
 from ..batching import OVERLONG, STRATEGIES
 from ..data.mixture import parse_mixture
+from ..latency.memory import parse_bytes
+from ..models.checkpointing import MODES as CHECKPOINT_MODES
 from ..tuning import DSTConfig
+from .loss import LOSS_IMPLS
 from .parallelize import MEASURE_BUBBLE, PARALLEL
 
 
@@ -49,8 +52,18 @@ class TrainConfig:
     """Documents per step, over all ranks."""
     micro_batches: int | None = None
     """Micro-batches per rank (exclusive with --capacity)."""
-    capacity: int | None = 4096
-    """Token capacity per micro-batch (the memory bound)."""
+    capacity: int | str | None = 4096
+    """Token capacity per micro-batch (the memory bound), or ``auto``: the largest whose peak the
+    memory model predicts within --memory-budget."""
+    memory_budget: str | None = None
+    """Bytes per device for --capacity auto (e.g. 16GiB, 70GB); default 90% of the GPU's memory,
+    required on CPU."""
+    activation_checkpointing: str = "off"
+    """off | full (every decoder layer rerun in the backward, reusing its sparse layout) |
+    selective (only each layer's MLP rerun; attention keeps its activations)."""
+    loss: str = "auto"
+    """LM loss: auto (liger on CUDA when installed and weights are 1, else chunked) | chunked
+    (never builds the T x V logits) | plain (full float32 logits) | liger."""
     overlong: str = "split"
     """Documents longer than the capacity: split | truncate | skip (counted in the metrics)."""
     strategy: str = "sab"
@@ -112,6 +125,7 @@ class TrainConfig:
             raise ValueError(f"--global-batch must be >= 1, got {self.global_batch}")
         if (self.micro_batches is None) == (self.capacity is None):
             raise ValueError("give exactly one of --micro-batches and --capacity")
+        self._check_memory_options()
         if self.strategy not in STRATEGIES:
             raise ValueError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.overlong not in OVERLONG:
@@ -185,6 +199,28 @@ def check_out_folder(out: Path, resume: bool, overwrite: bool) -> None:
         raise ValueError(f"--out {out}: {parent} is not writable")
     if resume and not any((out / "checkpoints").glob("step-*")):
         raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}")
+
+    def _check_memory_options(self) -> None:
+        if isinstance(self.capacity, str) and self.capacity != "auto":
+            try:
+                self.capacity = int(self.capacity)
+            except ValueError:
+                raise ValueError(
+                    f"--capacity must be a token count or 'auto', got {self.capacity!r}"
+                ) from None
+        if isinstance(self.capacity, int) and self.capacity < 1:
+            raise ValueError(f"--capacity must be >= 1, got {self.capacity}")
+        if self.memory_budget is not None:
+            parse_bytes(self.memory_budget)  # raises naming --memory-budget
+        elif self.capacity == "auto" and self.device == "cpu":
+            raise ValueError("--capacity auto on CPU needs --memory-budget (e.g. 8GiB)")
+        if self.activation_checkpointing not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"--activation-checkpointing must be one of {CHECKPOINT_MODES}, "
+                f"got {self.activation_checkpointing!r}"
+            )
+        if self.loss not in LOSS_IMPLS:
+            raise ValueError(f"--loss must be one of {LOSS_IMPLS}, got {self.loss!r}")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:

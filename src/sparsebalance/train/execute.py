@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..data import pack
 from ..latency import LatencyModel
@@ -17,6 +16,7 @@ from ..models.attention import PackedAttention
 from ..ops import Budget
 from ..tuning import DSTConfig, LayerController
 from ..workload import MicroBatch
+from .loss import packed_loss
 from .parallelize import Parallelized
 from .records import LocalWork, MicroBatchResult, RankRecord, TunedStep
 
@@ -38,6 +38,8 @@ class RankExecutor:
     per_doc_weighting: bool
     time_layers: bool
     """Feed per-layer forward times to DST's closed loop (CPU, not ``--deterministic``)."""
+    loss: str = "auto"
+    """LM loss implementation (``train.loss``): auto | chunked | plain | liger."""
 
     def run(self, step: TunedStep, rank: int) -> LocalWork:
         """Rank ``rank``'s micro-batches (real or emulated rank); ``perf_counter`` stamps."""
@@ -88,13 +90,7 @@ class RankExecutor:
                               choose_budget=choose, on_layer_end=on_layer_end)  # fmt: skip
         t0 = time.perf_counter()
         last[0] = t0
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            logits = self.par.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                                    sb_attention=ctx, use_cache=False).logits  # fmt: skip
-        token_loss = F.cross_entropy(
-            logits[0].float(), batch.labels[0], ignore_index=-100, reduction="none"
-        )
-        loss_sum = (token_loss * batch.loss_weights[0]).sum()
+        loss_sum = packed_loss(self.par.model, batch, ctx, self.loss)
         (loss_sum * loss_scale).backward()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

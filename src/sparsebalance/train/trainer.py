@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,7 +26,18 @@ from ..data.dataset import (
 from ..data.mixture import MixtureSampler
 from ..data.store import is_store
 from ..latency import LatencyModel, Profile, default_latency_model, fingerprint, load_profile
+from ..latency.memory import (
+    GIB,
+    MemoryConfig,
+    MemoryModel,
+    auto_capacity,
+    current_rss_bytes,
+    device_coefficients,
+    parse_bytes,
+    with_budget_fraction,
+)
 from ..models import ModelShapes
+from ..models.checkpointing import apply_activation_checkpointing
 from ..models.hf import build_model
 from ..tuning import DSTTuner
 from ..workload import Sample
@@ -56,6 +68,7 @@ def batch_schedule(seed: int, num_docs: int, global_batch: int, steps: int) -> l
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, runtime: Runtime | None = None):
+        base_rss = current_rss_bytes()  # libraries loaded, no model yet: the memory model's base
         self.cfg = cfg
         self.rt = rt = runtime or Runtime.init(cfg.device)
         if cfg.emulate_ranks and rt.distributed:
@@ -66,6 +79,7 @@ class Trainer:
         tokenizer = load_tokenizer(cfg.tokenizer)
         corpus = open_corpus(self._resolve_data(tokenizer), cfg.min_len, cfg.max_len)
         self.model = build_model(cfg.model, rt.device, torch.float32, seed=cfg.seed)
+        apply_activation_checkpointing(self.model, cfg.activation_checkpointing)
         vocab = int(self.model.config.vocab_size)
         if corpus.max_token_id() >= vocab:
             corpus = apply_vocabulary(corpus, compact_vocabulary(corpus, vocab))
@@ -77,6 +91,8 @@ class Trainer:
             )
         self.data = BatchSource(corpus, cfg.seed, cfg.global_batch)
         shapes = ModelShapes.from_hf_config(self.model.config.to_dict(), name=Path(cfg.model).name)
+        if cfg.capacity == "auto":
+            self.cfg = cfg = replace(cfg, capacity=self._auto_capacity(shapes, base_rss))
         self.latency = self._latency_model(shapes)
         self.estimator = HistoryEstimator()
         self.par = parallelize(self.model, rt, cfg.parallel, cfg.measure_bubble)
@@ -86,7 +102,7 @@ class Trainer:
         time_layers = not cfg.deterministic and rt.device.type == "cpu"
         executor = RankExecutor(self.par, corpus.docs, self.latency, cfg.dst, rt.device,
                                 cfg.block_size, cfg.backend, cfg.per_doc_loss_weighting,
-                                time_layers)  # fmt: skip
+                                time_layers, cfg.loss)  # fmt: skip
         self.runner = StepRunner(
             cfg, rt, self.num_ranks, self.latency, self.estimator, DSTTuner(cfg.dst), self.par,
             executor, self.params, self.optimizer, self.scheduler, self.sample,
@@ -124,6 +140,27 @@ class Trainer:
         if not all(is_store(s.store) for s in sources):
             sources = resolve()
         return sources
+
+    def _auto_capacity(self, shapes: ModelShapes, base_rss: int) -> int:
+        """``--capacity auto``: the largest micro-batch whose predicted peak fits the budget (the
+        smallest over ranks, so every rank plans with the same bound)."""
+        cfg = self.cfg
+        coeffs = device_coefficients(self.rt.device, base_rss)
+        budget = (
+            parse_bytes(cfg.memory_budget) if cfg.memory_budget else with_budget_fraction(coeffs)
+        )
+        mem_cfg = MemoryConfig(
+            cfg.activation_checkpointing, "plain" if cfg.loss == "plain" else "chunked",
+            shard=self.rt.world_size if cfg.parallel == "fsdp2" else 1, block_size=cfg.block_size,
+        )  # fmt: skip
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", True))
+        memory = MemoryModel(shapes, coeffs, tied)
+        cap = min(self.rt.all_gather_object(auto_capacity(memory, budget, mem_cfg)))
+        if self.rt.is_main:
+            print(f"sparsebalance train: --capacity auto = {cap} tokens per micro-batch (predicted "
+                  f"peak {memory.peak_bytes(cap, mem_cfg) / GIB:.2f} GiB of a "
+                  f"{budget / GIB:.2f} GiB budget, {coeffs.name})", file=sys.stderr)  # fmt: skip
+        return cap
 
     def _latency_model(self, shapes: ModelShapes) -> LatencyModel:
         """Rank 0 loads (or measures) the profile and sends it to every rank, so all ranks plan
