@@ -158,7 +158,7 @@ class TrainConfig:
                     raise ValueError(f"--data {path!r}: no such file or directory")
         for name in ("num_builtin", "checkpoint_every", "micro_batches", "capacity"):
             value, low = getattr(self, name), 0 if name == "checkpoint_every" else 1
-            if value is not None and value < low:
+            if value is not None and value != "auto" and value < low:  # capacity may be "auto"
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be >= {low}, got {value}")
         if not math.isfinite(self.lr) or not self.weight_decay >= 0:
@@ -168,6 +168,28 @@ class TrainConfig:
             if path is not None and not Path(path).exists():
                 raise ValueError(f"{flag} {path!r}: no such file or directory")
         check_out_folder(Path(self.out), self.resume, self.overwrite)
+
+    def _check_memory_options(self) -> None:
+        if isinstance(self.capacity, str) and self.capacity != "auto":
+            try:
+                self.capacity = int(self.capacity)
+            except ValueError:
+                raise ValueError(
+                    f"--capacity must be a token count or 'auto', got {self.capacity!r}"
+                ) from None
+        if isinstance(self.capacity, int) and self.capacity < 1:
+            raise ValueError(f"--capacity must be >= 1, got {self.capacity}")
+        if self.memory_budget is not None:
+            parse_bytes(self.memory_budget)  # raises naming --memory-budget
+        elif self.capacity == "auto" and self.device == "cpu":
+            raise ValueError("--capacity auto on CPU needs --memory-budget (e.g. 8GiB)")
+        if self.activation_checkpointing not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"--activation-checkpointing must be one of {CHECKPOINT_MODES}, "
+                f"got {self.activation_checkpointing!r}"
+            )
+        if self.loss not in LOSS_IMPLS:
+            raise ValueError(f"--loss must be one of {LOSS_IMPLS}, got {self.loss!r}")
 
 
 def check_batch(cfg: TrainConfig, num_docs: int, num_ranks: int) -> None:
@@ -199,28 +221,6 @@ def check_out_folder(out: Path, resume: bool, overwrite: bool) -> None:
         raise ValueError(f"--out {out}: {parent} is not writable")
     if resume and not any((out / "checkpoints").glob("step-*")):
         raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}")
-
-    def _check_memory_options(self) -> None:
-        if isinstance(self.capacity, str) and self.capacity != "auto":
-            try:
-                self.capacity = int(self.capacity)
-            except ValueError:
-                raise ValueError(
-                    f"--capacity must be a token count or 'auto', got {self.capacity!r}"
-                ) from None
-        if isinstance(self.capacity, int) and self.capacity < 1:
-            raise ValueError(f"--capacity must be >= 1, got {self.capacity}")
-        if self.memory_budget is not None:
-            parse_bytes(self.memory_budget)  # raises naming --memory-budget
-        elif self.capacity == "auto" and self.device == "cpu":
-            raise ValueError("--capacity auto on CPU needs --memory-budget (e.g. 8GiB)")
-        if self.activation_checkpointing not in CHECKPOINT_MODES:
-            raise ValueError(
-                f"--activation-checkpointing must be one of {CHECKPOINT_MODES}, "
-                f"got {self.activation_checkpointing!r}"
-            )
-        if self.loss not in LOSS_IMPLS:
-            raise ValueError(f"--loss must be one of {LOSS_IMPLS}, got {self.loss!r}")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
