@@ -39,6 +39,7 @@ from sparsebalance.results import markdown_table
 
 HERE = Path(__file__).parent
 CONFIGS = [  # (tokens, checkpointing, loss)
+    (1024, "full", "chunked"),
     (2048, "off", "plain"),
     (2048, "full", "plain"),
     (4096, "off", "chunked"),
