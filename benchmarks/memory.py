@@ -43,6 +43,7 @@ CONFIGS = [  # (tokens, checkpointing, loss)
     (2048, "off", "plain"),
     (2048, "full", "plain"),
     (4096, "off", "chunked"),
+    (4096, "full", "chunked"),
     (8192, "off", "chunked"),
     (8192, "full", "chunked"),
     (16384, "off", "chunked"),
