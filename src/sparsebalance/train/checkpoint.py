@@ -3,8 +3,8 @@ calibration and density-estimator state. Atomic: written to a temporary folder, 
 ``latest`` is replaced last, so a crash never leaves a half-written checkpoint.
 
 Every file's SHA-256 is saved in ``checksums.json`` and verified at load (the error names the
-file). :func:`find_checkpoint` returns the newest *intact* checkpoint: a corrupt one or a
-``latest`` pointer to a missing step falls back to the one before, with a line saying so.
+file). :func:`find_checkpoint` returns the checkpoint ``latest`` names, or when it is corrupt or
+missing the newest *intact* one before it, with a line saying so.
 """
 
 from __future__ import annotations
@@ -58,8 +58,10 @@ def save_checkpoint(
         },
         tmp / "state.pt",
     )
-    meta = {"step": step, "model": trainer_state.get("config", {}).get("model")}
-    (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
+    config = trainer_state.get("config", {})  # what defines the run: read by --resume
+    meta = {"step": step, "model": config.get("model"), "config": config,
+            "data": trainer_state.get("data")}  # fmt: skip
+    (tmp / "meta.json").write_text(json.dumps(meta, default=str) + "\n")
     if trainer_state.get("vocab_map") is not None:  # tokenizer id -> model id (compact vocab)
         (tmp / "vocab_map.json").write_text(json.dumps(trainer_state["vocab_map"]) + "\n")
     sums = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
@@ -110,9 +112,9 @@ def verify_checkpoint(path: Path, needs: tuple[str, ...] = RESUME_FILES) -> None
 def find_checkpoint(
     run_dir: Path, needs: tuple[str, ...] = RESUME_FILES
 ) -> tuple[Path | None, list[str]]:
-    """The newest intact checkpoint of ``run_dir`` holding the files ``needs`` (None if there is
-    none) and one line per newer one skipped (corrupt, incomplete, or named by ``latest`` but
-    missing)."""
+    """The checkpoint ``latest`` names if intact, else the newest intact one before it (or, with
+    no usable pointer, the newest intact one); it must hold the files ``needs``. Returns it (None
+    if there is none) and one line per checkpoint skipped (corrupt, incomplete, or missing)."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return None, []
@@ -123,6 +125,8 @@ def find_checkpoint(
         name = pointer.read_text().strip()
         if not (root / name).is_dir():
             notes.append(f"checkpoints/latest names {name}, which is missing")
+        elif m := _STEP.fullmatch(name):  # a run rolled back by hand: nothing after it
+            found = [(step, p) for step, p in found if step <= int(m.group(1))]
     for _, path in reversed(found):
         try:
             verify_checkpoint(path, needs)
@@ -136,7 +140,7 @@ def find_checkpoint(
 
 
 def latest_checkpoint(run_dir: Path, needs: str = "state.pt") -> Path | None:
-    """The newest intact checkpoint (see :func:`find_checkpoint`) holding the file ``needs``."""
+    """The checkpoint to resume from (see :func:`find_checkpoint`) holding the file ``needs``."""
     return find_checkpoint(run_dir, (needs,))[0]
 
 

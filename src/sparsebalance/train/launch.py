@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import find_checkpoint
 from .config import TrainConfig, check_batch, to_dict
+from .resume import check_same_run
 from .runlock import ENV_TOKEN, RunLock
 from .signals import HANDLED, die_with_parent
 
@@ -55,7 +57,8 @@ REPORTED_CODES = {2, 3} | {128 + s for s in HANDLED}  # user error, non-finite l
 def preflight(cfg: TrainConfig, nproc: int) -> None:
     """Everything cheap that can fail, before any process starts or anything is profiled: the
     model's config, the tokenizer, the data (read and tokenized into the shared cache, which the
-    workers then read), and the global batch against the dataset and the ranks."""
+    workers then read), the global batch against the dataset and the ranks, and with ``--resume``
+    that the checkpoint belongs to this run."""
     from ..data import load_corpus, load_tokenizer
     from ..models import load_shapes
 
@@ -64,6 +67,11 @@ def preflight(cfg: TrainConfig, nproc: int) -> None:
                          cfg.seed, cfg.min_len, cfg.max_len,
                          on_bad_record=cfg.on_bad_record)  # fmt: skip
     check_batch(cfg, len(corpus), cfg.emulate_ranks or nproc)
+    if cfg.resume:  # the same run or a refusal listing the differences (rank 0 repeats it)
+        path = find_checkpoint(Path(cfg.out))[0]
+        if path is None:
+            raise ValueError(f"--resume: no intact checkpoint in {Path(cfg.out) / 'checkpoints'}")
+        check_same_run(path, cfg, None)  # the data's content is checked by rank 0
 
 
 def launch(cfg: TrainConfig, nproc: int) -> None:

@@ -3,9 +3,11 @@ tuner, parallelism, optimizer) and runs steps (:mod:`.step`), with checkpoints a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -41,12 +43,14 @@ from ..models.checkpointing import apply_activation_checkpointing
 from ..models.hf import build_model
 from ..tuning import DSTTuner
 from ..workload import Sample
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, to_dict
 from .execute import RankExecutor
 from .parallelize import parallelize
 from .records import StepResult
+from .resume import check_same_run
 from .runtime import Runtime, rng_state, seed_everything, set_rng_state
+from .signals import Stopped, StopSignals
 from .step import StepRunner
 from .telemetry import Telemetry
 
@@ -90,6 +94,10 @@ class Trainer:
                 "every rank needs at least one document per step"
             )
         self.data = BatchSource(corpus, cfg.seed, cfg.global_batch)
+        # --resume: the same run or a refusal, decided before anything expensive (profiling)
+        self._checkpoint = self._resume_checkpoint() if cfg.resume else None
+        self.stops: StopSignals | None = None
+        """Set by the worker entry point: SIGINT/SIGTERM stop at a step boundary, saved."""
         shapes = ModelShapes.from_hf_config(self.model.config.to_dict(), name=Path(cfg.model).name)
         if cfg.capacity == "auto":
             self.cfg = cfg = replace(cfg, capacity=self._auto_capacity(shapes, base_rss))
@@ -246,12 +254,32 @@ class Trainer:
         )
         self.rt.barrier()
 
-    def _resume(self) -> None:
-        path = latest_checkpoint(self.run_dir)
+    def _resume_checkpoint(self) -> Path:
+        """The checkpoint to resume from, checked to belong to this run (one line per skipped
+        checkpoint and per allowed change, from rank 0)."""
+        path, notes = find_checkpoint(self.run_dir)
+        for note in notes:
+            self._say(note)
         if path is None:
-            raise ValueError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}")
+            raise ValueError(f"--resume: no intact checkpoint in {self.run_dir / 'checkpoints'}")
+        changes = check_same_run(path, self.cfg, self.data.state_dict()["identity"])
+        self._say(f"resuming from {path.name}" + (f" ({'; '.join(changes)})" if changes else ""))
+        return path
+
+    def _say(self, line: str) -> None:
+        if self.rt.is_main:
+            print(f"sparsebalance train: {line}", file=sys.stderr, flush=True)
+
+    def _resume(self) -> None:
+        path = self._checkpoint
         state = load_checkpoint(path, self.model, self.optimizer, self.scheduler,
                                 fsdp=self.par.sharded)  # fmt: skip
+        # The LR of the next step follows this run's schedule (its --steps may have changed),
+        # not the one the checkpoint's scheduler last computed.
+        factor = self._lr_factor(self.scheduler.last_epoch)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = base * factor
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         tr = state["trainer"]
         if "data" not in tr:
             raise ValueError(
@@ -267,6 +295,20 @@ class Trainer:
         set_rng_state(state["rng"][self.rt.rank])
 
     # ------------------------------------------------------------------ loop
+    def _stop_if_asked(self, saved: bool) -> None:
+        """At a step boundary: if any rank got SIGINT/SIGTERM, save (all ranks) and stop."""
+        signum = self.stops.agreed(self.rt) if self.stops is not None else None
+        if signum is None or self.step >= self.cfg.steps:
+            return
+        if not saved:
+            self.save()
+        name = signal.Signals(signum).name
+        raise Stopped(
+            signum,
+            f"stopped by {name} after step {self.step}: checkpoint step-{self.step:06d} saved, "
+            "continue with --resume",
+        )
+
     def run(self) -> dict:
         cfg = self.cfg
         if self.rt.is_main:
@@ -287,18 +329,18 @@ class Trainer:
         label = f"{cfg.strategy}+dst-{cfg.dst.mode}"
         tel = Telemetry(self.run_dir, cfg.steps, self.step, self.rt.is_main, label)
         summaries = []
+        stops = self.stops.deferred() if self.stops is not None else contextlib.nullcontext()
         try:
-            while self.step < cfg.steps:
-                result = self.run_step()
-                tel.log(self.step, result)
-                summaries.append(result.summary.to_json())
-                if (
-                    cfg.checkpoint_every
-                    and self.step % cfg.checkpoint_every == 0
-                    and self.step < cfg.steps
-                ):
-                    self.save()
-            self.save()
+            with stops:
+                while self.step < cfg.steps:
+                    result = self.run_step()
+                    tel.log(self.step, result)
+                    summaries.append(result.summary.to_json())
+                    periodic = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
+                    if periodic and self.step < cfg.steps:
+                        self.save()
+                    self._stop_if_asked(saved=bool(periodic))
+                self.save()
         finally:
             tel.close()
         return {

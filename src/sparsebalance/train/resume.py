@@ -1,0 +1,102 @@
+"""Resuming a run: ``--resume`` continues *the same run* or refuses, listing what differs.
+
+What defines a run is every :class:`~.config.TrainConfig` field (data, tokenizer, model, seed,
+global batch, batching, optimizer, schedule, DST, ...) and the data's content fingerprint, except
+the few that may change between a run and its resumption (:data:`SAFE_ON_RESUME`). A field added
+to the config later is run-defining unless listed there.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, fields
+from pathlib import Path
+
+from .config import TrainConfig, to_dict
+
+SAFE_ON_RESUME = {
+    "steps": "a longer or shorter run; the LR schedule follows the new total from the first "
+    "resumed step",
+    "checkpoint_every": "how often checkpoints are written",
+    "out": "the run folder may have been moved",
+    "resume": "how the run is started",
+    "overwrite": "how the run is started",
+    "profile": "latency profile used for planning (timing predictions only)",
+    "device": "where it runs (e.g. another machine)",
+    "backend": "attention kernel (same maths, different implementation)",
+    "measure_bubble": "how the bubble is timed",
+}
+"""Fields a resumed run may change, and why each is safe."""
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _defaults() -> dict:
+    out = {}
+    for f in fields(TrainConfig):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out.update(_flat({f.name: asdict(f.default_factory())}))
+    return out
+
+
+def differences(saved: dict, current: TrainConfig, skip: tuple[str, ...] = ()) -> list[str]:
+    """``--flag saved -> current`` for every run-defining field that differs."""
+    now, before, defaults = _flat(to_dict(current)), _flat(saved), _defaults()
+    out = []
+    for key in sorted(set(now) | set(before)):
+        if key.split(".")[0] in SAFE_ON_RESUME or key in skip:
+            continue
+        old = before.get(key, defaults.get(key))  # a field newer than the checkpoint: default
+        new = now.get(key)
+        if old != new and not (isinstance(old, list) and tuple(old) == new):
+            flag = "--" + key.split(".")[-1].replace("_", "-")
+            out.append(f"{flag} {old!r} -> {new!r}")
+    return out
+
+
+def saved_identity(checkpoint: Path) -> tuple[dict, dict | None]:
+    """(config, data fingerprint) a checkpoint was written with (``meta.json``; older
+    checkpoints: their ``state.pt``)."""
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    if "config" in meta:
+        return meta["config"], (meta.get("data") or {}).get("identity")
+    import torch
+
+    state = torch.load(checkpoint / "state.pt", map_location="cpu", weights_only=False)
+    return state["trainer"]["config"], (state["trainer"].get("data") or {}).get("identity")
+
+
+def check_same_run(checkpoint: Path, cfg: TrainConfig, data: dict | None) -> list[str]:
+    """Raise ``ValueError`` listing what differs from the run ``checkpoint`` belongs to; return
+    the safe changes (one ``--flag old -> new`` each) to report."""
+    saved, saved_data = saved_identity(checkpoint)
+    # with a content fingerprint the data's path may change (a moved file), its content not
+    diffs = differences(saved, cfg, skip=("data",) if saved_data is not None else ())
+    if saved_data is not None and data is not None:  # the data's content identity
+        from ..data.batches import check_same_data
+
+        try:
+            check_same_data(saved_data, data)
+        except ValueError as err:
+            diffs.append(f"data content: {err}")
+    if diffs:
+        raise ValueError(
+            f"--resume: {checkpoint} belongs to a different run ({'; '.join(diffs)}); only "
+            f"{', '.join('--' + k.replace('_', '-') for k in SAFE_ON_RESUME)} may change. "
+            "Start a new run in another --out (or --overwrite this one)"
+        )
+    return [
+        f"--{k.replace('_', '-')} {saved.get(k)!r} -> {v!r}"
+        for k, v in to_dict(cfg).items()
+        if k in SAFE_ON_RESUME and k not in ("resume", "overwrite") and saved.get(k) != v
+    ]
