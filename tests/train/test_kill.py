@@ -80,8 +80,9 @@ def test_kill_9_of_the_launcher_kills_the_workers_and_resume_matches(data):
                          timeout=600)  # fmt: skip
     assert ref.returncode == 0, ref.stderr[-2000:]
     out = data / "killed"
+    log = (data / "killed.log").open("w")
     proc = subprocess.Popen(_argv(data, out), env=_env(), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+                            stdout=subprocess.DEVNULL, stderr=log)  # fmt: skip
     try:
         _wait_for_step(out, 2, proc)
         second = subprocess.run(_argv(data, out, "--resume"), env=_env(), capture_output=True,
@@ -107,12 +108,15 @@ def test_kill_9_of_the_launcher_kills_the_workers_and_resume_matches(data):
 
 def test_sigterm_stops_with_one_line_and_a_checkpoint(data):
     out = data / "run"
-    proc = subprocess.Popen(_argv(data, out, "--steps", "50"), env=_env(), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    log = data / "run.log"
+    proc = subprocess.Popen(_argv(data, out, "--steps", "50"), env=_env(),
+                            start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=log.open("w"))  # fmt: skip
     try:
         _wait_for_step(out, 1, proc)
         proc.send_signal(signal.SIGTERM)  # the CLI alone: it forwards to torchrun -> ranks
-        _, err = proc.communicate(timeout=300)
+        proc.wait(timeout=300)
+        err = log.read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
