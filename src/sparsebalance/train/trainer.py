@@ -70,6 +70,18 @@ def batch_schedule(seed: int, num_docs: int, global_batch: int, steps: int) -> l
     return [[i for _, i in sampler.next_batch()] for _ in range(steps)]
 
 
+def profile_length(cfg: TrainConfig, lengths: np.ndarray) -> int:
+    """Longest micro-batch the latency profile must cover: ``--capacity`` (with ``--micro-batches``
+    the longest document), but never more than the ``--global-batch`` longest documents together
+    (a capacity of 10^6 with short documents must not profile 10^6 tokens), and at least 256
+    tokens (the quick profile needs two lengths; ``--capacity 64`` is valid)."""
+    if isinstance(cfg.capacity, int):
+        top = min(cfg.capacity, int(np.sort(lengths)[-cfg.global_batch :].sum()))
+    else:
+        top = max(cfg.max_len or 0, int(lengths.max()))
+    return max(top, 256)
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, runtime: Runtime | None = None):
         base_rss = current_rss_bytes()  # libraries loaded, no model yet: the memory model's base
@@ -181,7 +193,7 @@ class Trainer:
                 profile = load_profile(cfg.profile)
                 profile.check_fingerprint(fingerprint(shapes, dev, dtype, backend, cfg.block_size))
             else:
-                top = cfg.capacity or max(cfg.max_len or 0, int(self.corpus.lengths().max()))
+                top = profile_length(cfg, self.corpus.lengths())
                 profile = default_latency_model(
                     shapes, dev, dtype, backend, cfg.block_size, max_len=top
                 ).profile
