@@ -104,3 +104,13 @@ def test_bootstrap_interval_shrinks_with_more_batches():
     wide = bootstrap_ci(rng.normal(0, 0.1, 10))
     narrow = bootstrap_ci(rng.normal(0, 0.1, 400))
     assert wide[1] - wide[0] > narrow[1] - narrow[0] > 0
+
+
+def test_design_keeps_the_corners_when_the_pilot_says_everything_is_expensive():
+    """Under heavy load the pilot prices every point over budget: the corner points (up to the
+    capacity) must still be timed, else the fit extrapolates from small micro-batches only."""
+    from sparsebalance.latency.sweep import choose_design, core_design
+
+    design = choose_design(4096, 64, cost=lambda b: 100.0, budget_s=40, rounds=3)
+    assert all(c in design for c in core_design(4096, 64))
+    assert max(sum(b[0]) for b in design) == 4096 and len(design) >= 10

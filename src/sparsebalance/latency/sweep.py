@@ -163,20 +163,21 @@ def choose_design(
     min_points: int = 10,
     seed: int = 7,
 ) -> list[Batch]:
-    """The core design plus random micro-batches while their estimated cost (``cost(batch)``
-    seconds, x ``rounds``) fits in ``budget_s``; points that overrun it are skipped, except that
-    the cheapest ones fill the design up to ``min_points`` (the fit needs them)."""
-    pool = core_design(max_tokens, block_size)
-    pool += random_batches(4 * max_points, max_tokens, max(1, block_size // 2), seed, (),
-                           (0.02, 1.0))  # fmt: skip
+    """The core design (always: the corners must be covered, or the fit extrapolates) plus
+    random micro-batches while their estimated cost (``cost(batch)`` seconds, x ``rounds``) fits
+    in ``budget_s``; the cheapest random ones fill the design up to ``min_points``."""
+    core = core_design(max_tokens, block_size)
+    pool = core + random_batches(4 * max_points, max_tokens, max(1, block_size // 2), seed, (),
+                                 (0.02, 1.0))  # fmt: skip
     costs = [rounds * cost(b) for b in pool]
-    chosen, spent = [], 0.0
-    for i, t in enumerate(costs):
-        if spent + t <= budget_s:
-            chosen.append(i)
-            spent += t
+    chosen = list(range(len(core)))
+    spent = sum(costs[: len(core)])
+    for i in range(len(core), len(pool)):
         if len(chosen) >= max_points:
             break
+        if spent + costs[i] <= budget_s:
+            chosen.append(i)
+            spent += costs[i]
     for i in np.argsort(costs, kind="stable"):
         if len(chosen) >= min_points:
             break
