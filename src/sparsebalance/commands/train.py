@@ -11,6 +11,7 @@ from pathlib import Path
 from ..report import write_report
 from ..train import add_train_arguments, config_from_args
 from ..train.launch import RunFailed, default_nproc, demo_configs, launch
+from ..train.multinode import Rendezvous
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,8 +19,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--nproc",
         type=int,
         default=None,
-        help="ranks to launch (default: 2 on CPU, the number of GPUs on CUDA)",
+        help="ranks to launch on this machine (default: 2 on CPU, the number of GPUs on CUDA)",
     )
+    p.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="machines in the run (default 1: torchrun --standalone)",
+    )
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index in [0, nnodes)")
+    p.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        help="HOST:PORT of the c10d rendezvous (node 0), required with --nnodes > 1",
+    )
+    p.add_argument("--rdzv-id", default="sparsebalance",
+                   help="job id shared by all machines of one run")  # fmt: skip
     p.add_argument(
         "--demo",
         action="store_true",
@@ -32,17 +47,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     nproc = default_nproc(cfg, args.nproc)
+    rdzv = Rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id)
+    if rdzv.multinode and args.demo:
+        raise ValueError("--demo runs on one machine: drop --nnodes")
     runs = demo_configs(cfg) if args.demo else {"run": cfg}
     for name, run_cfg in runs.items():
         if not args.json:
-            print(f"== {name}: strategy={run_cfg.strategy}, dst={run_cfg.dst.mode}, ranks={nproc}, "
-                  f"steps={run_cfg.steps} -> {run_cfg.out}", flush=True)  # fmt: skip
+            print(f"== {name}: strategy={run_cfg.strategy}, dst={run_cfg.dst.mode}, "
+                  f"ranks={nproc * rdzv.nnodes}, steps={run_cfg.steps} -> {run_cfg.out}",
+                  flush=True)  # fmt: skip
         try:
-            launch(run_cfg, nproc)
+            launch(run_cfg, nproc, rdzv)
         except RunFailed as err:
             if err.reported:  # rank 0 already said why in one line
                 return err.code
             raise
+    if rdzv.node_rank > 0:  # node 0 writes the run folder and its report
+        return 0
     path, comparison = write_report(Path(cfg.out))
     if args.json:
         print(json.dumps(comparison, indent=2))

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from .config import add_train_arguments, config_from_args
+from .multinode import adopt_slurm_env
 from .runlock import ENV_TOKEN, RunLock, join
 from .signals import Stopped, StopSignals, die_with_parent
 from .step import NonFiniteLoss
@@ -17,6 +18,11 @@ from .trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        adopt_slurm_env()  # under srun without torchrun: SLURM_* -> RANK/WORLD_SIZE/LOCAL_RANK
+    except ValueError as err:
+        print(f"sparsebalance train: error: {err}", file=sys.stderr, flush=True)
+        return 2
     rank = int(os.environ.get("RANK", "0"))
     if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's worker: never outlive the agent
         die_with_parent(signal.SIGKILL)

@@ -17,6 +17,7 @@ import torch
 
 from .checkpoint import find_checkpoint
 from .config import TrainConfig, check_batch, to_dict
+from .multinode import Rendezvous
 from .resume import check_same_run
 from .runlock import ENV_TOKEN, RunLock
 from .signals import HANDLED, die_with_parent
@@ -74,10 +75,13 @@ def preflight(cfg: TrainConfig, nproc: int) -> None:
         check_same_run(path, cfg, None)  # the data's content is checked by rank 0
 
 
-def launch(cfg: TrainConfig, nproc: int) -> None:
+def launch(cfg: TrainConfig, nproc: int, rdzv: Rendezvous | None = None) -> None:
     """Run ``torchrun --standalone --nproc_per_node nproc -m sparsebalance.train`` (or a single
     process when ``nproc == 1``) holding the run folder's lock; raises ``ValueError`` for bad
     input found before launching and :class:`RunFailed` if training fails or is stopped.
+
+    With ``rdzv.nnodes > 1`` torchrun joins the c10d rendezvous instead; node 0 holds the lock
+    and writes the run folder, the other nodes only read their own copy of the config.
 
     The workers die with this process: torchrun runs in its own session (only this process
     receives the terminal's Ctrl-C and forwards it once) and gets SIGTERM when this process dies,
@@ -86,6 +90,9 @@ def launch(cfg: TrainConfig, nproc: int) -> None:
     one kills it."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    rdzv = rdzv or Rendezvous()
+    if rdzv.node_rank > 0:
+        return launch_follower(cfg, nproc, rdzv)
     out = Path(cfg.out)
     created = not out.exists()
     lock = RunLock(out)
@@ -93,24 +100,41 @@ def launch(cfg: TrainConfig, nproc: int) -> None:
         with lock:
             if lock.note:
                 print(f"sparsebalance train: note: {lock.note}", file=sys.stderr, flush=True)
-            preflight(cfg, nproc)
+            preflight(cfg, nproc * rdzv.nnodes)
             cfg_path = out / "launch-config.json"
             cfg_path.write_text(json.dumps(to_dict(cfg), indent=1) + "\n")  # whole nested config
             worker = ["-m", "sparsebalance.train", "--config", str(cfg_path)]
-            if nproc == 1:
+            if nproc == 1 and not rdzv.multinode:
                 cmd = [sys.executable, *worker]
             else:
-                cmd = [sys.executable, "-c", TORCHRUN, "--standalone",
-                       f"--nproc_per_node={nproc}", *worker]  # fmt: skip
+                cmd = [sys.executable, "-c", TORCHRUN, *rdzv.torchrun_args(nproc), *worker]
             env = {**os.environ, ENV_TOKEN: lock.token, LAUNCHER_PID: str(os.getpid())}
             rc = supervise(cmd, env)
     except ValueError:
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # a refused run leaves no empty folder behind
         raise
+    check_exit(rc)
+
+
+def check_exit(rc: int) -> None:
     if rc != 0:
         reported = rc in REPORTED_CODES
         raise RunFailed(rc, f"training exited with code {rc}", reported)
+
+
+def launch_follower(cfg: TrainConfig, nproc: int, rdzv: Rendezvous) -> None:
+    """A node other than 0: torchrun joins the rendezvous with this machine's ``nproc`` ranks;
+    no lock, nothing written to the run folder (its config goes to a private temporary file)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="sparsebalance-node") as tmp:
+        cfg_path = Path(tmp) / "launch-config.json"
+        cfg_path.write_text(json.dumps(to_dict(cfg), indent=1) + "\n")
+        worker = ["-m", "sparsebalance.train", "--config", str(cfg_path)]
+        cmd = [sys.executable, "-c", TORCHRUN, *rdzv.torchrun_args(nproc), *worker]
+        rc = supervise(cmd, {**os.environ, LAUNCHER_PID: str(os.getpid())})
+    check_exit(rc)
 
 
 def supervise(cmd: list[str], env: dict[str, str]) -> int:
