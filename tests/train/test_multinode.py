@@ -61,3 +61,11 @@ def test_slurm_without_master_addr_is_a_clear_error():
     env = {k: v for k, v in SLURM.items() if k != "MASTER_ADDR"}
     with pytest.raises(ValueError, match="MASTER_ADDR"):
         slurm_env(env)
+
+
+def test_a_rank_on_another_node_joins_node_0s_lock(tmp_path):
+    from sparsebalance.train.runlock import FOLLOW, RunLock, join
+
+    assert not join(tmp_path / "run", FOLLOW)  # no lock yet: the worker takes it itself
+    with RunLock(tmp_path / "run"):
+        assert join(tmp_path / "run", FOLLOW)

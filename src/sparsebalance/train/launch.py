@@ -19,7 +19,7 @@ from .checkpoint import find_checkpoint
 from .config import TrainConfig, check_batch, to_dict
 from .multinode import Rendezvous
 from .resume import check_same_run
-from .runlock import ENV_TOKEN, RunLock
+from .runlock import ENV_TOKEN, FOLLOW, RunLock
 from .signals import HANDLED, die_with_parent
 
 LAUNCHER_PID = "SPARSEBALANCE_LAUNCHER_PID"
@@ -125,7 +125,9 @@ def check_exit(rc: int) -> None:
 
 def launch_follower(cfg: TrainConfig, nproc: int, rdzv: Rendezvous) -> None:
     """A node other than 0: torchrun joins the rendezvous with this machine's ``nproc`` ranks;
-    no lock, nothing written to the run folder (its config goes to a private temporary file)."""
+    no lock of its own, nothing written here (its config goes to a private temporary file). The
+    rendezvous may make one of these ranks global rank 0: it then joins node 0's lock in the
+    shared ``--out`` folder and writes the run folder."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="sparsebalance-node") as tmp:
@@ -133,7 +135,8 @@ def launch_follower(cfg: TrainConfig, nproc: int, rdzv: Rendezvous) -> None:
         cfg_path.write_text(json.dumps(to_dict(cfg), indent=1) + "\n")
         worker = ["-m", "sparsebalance.train", "--config", str(cfg_path)]
         cmd = [sys.executable, "-c", TORCHRUN, *rdzv.torchrun_args(nproc), *worker]
-        rc = supervise(cmd, {**os.environ, LAUNCHER_PID: str(os.getpid())})
+        env = {**os.environ, ENV_TOKEN: FOLLOW, LAUNCHER_PID: str(os.getpid())}
+        rc = supervise(cmd, env)
     check_exit(rc)
 
 

@@ -21,6 +21,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 LOCK_NAME = "run.lock"
+FOLLOW = "follow-node-0"
+"""``SPARSEBALANCE_RUN_LOCK`` on nodes other than 0: join the lock node 0's launcher holds
+(torchrun's c10d rendezvous may place global rank 0 on any node; ``--out`` is shared)."""
 ENV_TOKEN = "SPARSEBALANCE_RUN_LOCK"
 
 
@@ -156,6 +159,8 @@ def join(run_dir: Path, token: str) -> bool:
     lock is not that launcher's (then the caller must take it itself)."""
     path = Path(run_dir) / LOCK_NAME
     held = read(path)
+    if held is not None and token == FOLLOW:
+        token = held.get("token", "")
     if held is None or held.get("token") != token:
         return False
     held["owners"].append(asdict(Owner.this_process()))
