@@ -69,3 +69,50 @@ def test_a_rank_on_another_node_joins_node_0s_lock(tmp_path):
     assert not join(tmp_path / "run", FOLLOW)  # no lock yet: the worker takes it itself
     with RunLock(tmp_path / "run"):
         assert join(tmp_path / "run", FOLLOW)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _losses(run) -> list[float]:
+    import json
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_two_nodes_on_localhost_match_one_node(tmp_path):
+    """2 "nodes" x 1 process (two launchers, c10d rendezvous on 127.0.0.1) train the same
+    2 steps as 1 node x 2 processes: same losses."""
+    import os
+    import subprocess
+    import sys
+
+    flags = ["--model", "tiny", "--nproc", "1", "--steps", "2", "--deterministic",
+             "--num-builtin", "16", "--max-len", "256", "--global-batch", "4"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "sparsebalance", "train"]
+    one = subprocess.run([*cli, *flags, "--nproc", "2", "--out", str(tmp_path / "one")],
+                         env=env, capture_output=True, text=True, timeout=280)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-2000:]
+    multi = [*cli, *flags, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+             "--rdzv-id", "test", "--out", str(tmp_path / "two")]  # fmt: skip
+    procs = [subprocess.Popen([*multi, "--node-rank", str(i)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i in (0, 1)]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=280) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(a) == 2 and a == pytest.approx(b, rel=1e-5)
