@@ -116,3 +116,18 @@ def test_two_nodes_on_localhost_match_one_node(tmp_path):
         assert p.returncode == 0, err[-2000:]
     a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(a) == 2 and a == pytest.approx(b, rel=1e-5)
+    import json
+
+    topo = json.loads((tmp_path / "two" / "topology.json").read_text())
+    assert (topo["nodes"], topo["ranks_per_node"]) == (2, 1)
+    assert json.loads((tmp_path / "one" / "topology.json").read_text())["nodes"] == 1
+
+
+def test_topology_from_the_launchers_environment():
+    from sparsebalance.train.multinode import Topology
+
+    topo = Topology.from_env(8, {"LOCAL_WORLD_SIZE": "4"})
+    assert (topo.nodes, topo.ranks_per_node, topo.node_of(3), topo.node_of(4)) == (2, 4, 0, 1)
+    assert Topology.from_env(4, {}).nodes == 1  # no launcher variables: one machine
+    with pytest.raises(ValueError, match="--ranks-per-node \\(3\\) must divide the world size"):
+        Topology(8, 3)

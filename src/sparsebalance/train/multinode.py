@@ -75,3 +75,39 @@ def slurm_env(environ: dict[str, str]) -> dict[str, str]:
 def adopt_slurm_env() -> None:
     """Apply :func:`slurm_env` to this process's environment (a no-op outside ``srun``)."""
     os.environ.update(slurm_env(dict(os.environ)))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which ranks share a machine: ranks ``[n * ranks_per_node, (n + 1) * ranks_per_node)`` are
+    node ``n`` (torchrun and ``srun`` number ranks node by node)."""
+
+    world_size: int
+    """All ranks of the run."""
+    ranks_per_node: int
+    """Ranks on each machine (every machine runs the same number)."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {self.world_size}")
+        if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
+            raise ValueError(f"--ranks-per-node ({self.ranks_per_node}) must divide the world "
+                             f"size ({self.world_size})")  # fmt: skip
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    @classmethod
+    def from_env(cls, world_size: int, environ: dict[str, str] | None = None) -> Topology:
+        """From the launcher's ``LOCAL_WORLD_SIZE`` (torchrun, or ``srun`` via :func:`slurm_env`);
+        one node holding every rank when it is absent."""
+        env = os.environ if environ is None else environ
+        return cls(world_size, int(env.get("LOCAL_WORLD_SIZE", world_size)))
+
+    def describe(self) -> dict:
+        return {"world_size": self.world_size, "nodes": self.nodes,
+                "ranks_per_node": self.ranks_per_node}  # fmt: skip

@@ -46,6 +46,7 @@ from ..workload import Sample
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, to_dict
 from .execute import RankExecutor
+from .multinode import Topology
 from .parallelize import parallelize
 from .records import StepResult
 from .resume import check_same_run
@@ -331,6 +332,8 @@ class Trainer:
                 json.dumps(to_dict(cfg), indent=1, default=str)
             )
             self.latency.profile.save(self.run_dir / "latency_profile.json")  # what planned it
+            topology = Topology.from_env(self.rt.world_size).describe()
+            (self.run_dir / "topology.json").write_text(json.dumps(topology) + "\n")
             data = self.data.describe()
             (self.run_dir / "data.json").write_text(json.dumps(data, indent=1) + "\n")
             for comp in data["components"]:
