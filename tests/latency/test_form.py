@@ -114,3 +114,27 @@ def test_design_keeps_the_corners_when_the_pilot_says_everything_is_expensive():
     design = choose_design(4096, 64, cost=lambda b: 100.0, budget_s=40, rounds=3)
     assert all(c in design for c in core_design(4096, 64))
     assert max(sum(b[0]) for b in design) == 4096 and len(design) >= 10
+
+
+def test_time_interleaved_warms_up_untimed():
+    """A first call that is slow (allocation for new shapes) must not reach the median."""
+    import time as _time
+
+    from sparsebalance.latency.sweep import time_interleaved
+
+    calls = [0, 0]
+
+    def make(i):
+        def fn():
+            calls[i] += 1
+            if calls[i] == 1:
+                _time.sleep(0.2)
+
+        return fn
+
+    t = time_interleaved([make(0), make(1)], torch.device("cpu"), rounds=2, min_rounds=2)
+    assert calls == [3, 3]  # one untimed warm-up + 2 rounds each
+    assert t.seconds.shape == (2, 2) and float(t.seconds.max()) < 0.1
+    calls[0] = 0  # cold again: without the warm-up the slow first call is timed
+    cold = time_interleaved([make(0)], torch.device("cpu"), rounds=1, min_rounds=1, warmup=False)
+    assert calls[0] == 1 and float(cold.seconds.max()) >= 0.2

@@ -90,13 +90,21 @@ def time_interleaved(
     min_rounds: int = 2,
     budget_s: float | None = None,
     seed: int = 0,
+    warmup: bool = True,
 ) -> Timings:
     """Time every ``fns[i]`` once per round, rounds in random order; stop after ``min_rounds``
-    once the next round would overrun ``budget_s`` (None = always ``rounds``)."""
+    once the next round would overrun ``budget_s`` (None = always ``rounds``).
+
+    With ``warmup`` every function first runs once untimed: a micro-batch's first call allocates
+    its buffers for new shapes and is much slower, and with only 2-3 rounds that one call would
+    move the median (it is not counted in ``wall_seconds`` nor in the budget)."""
     if not 1 <= min_rounds <= rounds:
         raise ValueError(f"need 1 <= min_rounds <= rounds, got {min_rounds}, {rounds}")
     rng = np.random.default_rng(seed)
     out = []
+    if warmup:
+        for fn in fns:
+            fn()
     synchronize(device)
     t0 = time.perf_counter()
     for r in range(rounds):
