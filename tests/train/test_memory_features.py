@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from sparsebalance.latency.memory import current_rss_bytes
 from sparsebalance.train import TrainConfig, Trainer
 from sparsebalance.train.runtime import Runtime
 from sparsebalance.tuning import LayerController
@@ -61,11 +62,15 @@ def test_controller_chooses_and_observes_each_layer_once(tmp_path, monkeypatch):
 
 
 def test_capacity_auto(tmp_path):
-    cfg = base_config(tmp_path, steps=1, capacity="auto", memory_budget="3GiB",
+    # On CPU the model's base is this process's resident size (in a full test session: ~1 GB of
+    # loaded modules), so the budgets are set relative to it.
+    base = current_rss_bytes()
+    cfg = base_config(tmp_path, steps=1, capacity="auto", memory_budget=str(base + 2 * 2**30),
                       activation_checkpointing="full")  # fmt: skip
     trainer = Trainer(cfg, CPU1)
     assert isinstance(trainer.cfg.capacity, int) and trainer.cfg.capacity >= 512
-    small = Trainer(replace(cfg, memory_budget="1.2GiB", out=str(tmp_path / "s")), CPU1)
+    small_budget = str(current_rss_bytes() + int(0.3 * 2**30))
+    small = Trainer(replace(cfg, memory_budget=small_budget, out=str(tmp_path / "s")), CPU1)
     assert small.cfg.capacity < trainer.cfg.capacity
     with pytest.raises(ValueError, match="--memory-budget"):
         TrainConfig(capacity="auto", device="cpu")  # CPU: no device memory to take 90% of
