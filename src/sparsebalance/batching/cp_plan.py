@@ -17,7 +17,7 @@ import numpy as np
 from ..latency.context import ring_kind
 from ..workload import MicroBatch
 from .context import CPResult
-from .plan import Items, Plan, PlanMetrics
+from .plan import Items, Plan, PlanMetrics, time_metrics
 from .units import PLACEMENT_STRIPED, Unit
 
 
@@ -75,18 +75,10 @@ def build_cp_plan(
         offsets.append(tuple(offs))
         times.append(tuple(ts))
     rank_times = res.rank_times
-    mx, mean = float(rank_times.max()), float(rank_times.mean())
     cap = capacity if capacity is not None else max(rank_tokens, default=0)
     num_tokens = int(items.tokens.sum())
-    bound = res.lower_bound
     metrics = PlanMetrics(
-        max_time=mx,
-        mean_time=mean,
-        min_time=float(rank_times.min()),
-        lower_bound=bound,
-        efficiency=mean / mx if mx > 0 else 1.0,
-        gap_to_bound=mx / bound - 1.0 if bound > 0 else 0.0,
-        microbatch_balance=float(np.mean(balance)) if balance else 1.0,
+        **time_metrics(rank_times, res.lower_bound, balance),
         capacity_waste=(1.0 - sum(rank_tokens) / (len(rank_tokens) * cap)) if cap else 0.0,
         num_samples=len(set(ids)),
         num_tokens=num_tokens,

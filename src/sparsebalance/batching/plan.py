@@ -220,6 +220,21 @@ def predict_packs(flat: FlatPacks, items: Items, cost_model: CostModel):
     return times, rank_times
 
 
+def time_metrics(rank_times: np.ndarray, lower_bound: float, balance: list[float]) -> dict:
+    """The :class:`PlanMetrics` fields that follow from the predicted rank times ``(R,)``, the
+    step-time lower bound and the per-rank micro-batch balances (shared by every plan builder)."""
+    mx, mean = float(rank_times.max()), float(rank_times.mean())
+    return {
+        "max_time": mx,
+        "mean_time": mean,
+        "min_time": float(rank_times.min()),
+        "lower_bound": lower_bound,
+        "efficiency": mean / mx if mx > 0 else 1.0,
+        "gap_to_bound": mx / lower_bound - 1.0 if lower_bound > 0 else 0.0,
+        "microbatch_balance": float(np.mean(balance)) if balance else 1.0,
+    }
+
+
 def build_plan(
     strategy: str,
     packs: list[list[list[int]]],
@@ -262,15 +277,8 @@ def build_plan(
         cap = capacity
     else:
         cap = max((mb.num_tokens for r in ranks for mb in r), default=0)
-    mx, mean = float(rank_times.max()), float(rank_times.mean())
     metrics = PlanMetrics(
-        max_time=mx,
-        mean_time=mean,
-        min_time=float(rank_times.min()),
-        lower_bound=lower_bound,
-        efficiency=mean / mx if mx > 0 else 1.0,
-        gap_to_bound=mx / lower_bound - 1.0 if lower_bound > 0 else 0.0,
-        microbatch_balance=float(np.mean(balance)) if balance else 1.0,
+        **time_metrics(rank_times, lower_bound, balance),
         capacity_waste=1.0 - num_tokens / (num_mb * cap) if num_mb and cap else 0.0,
         num_samples=len(set(items.sample_id.tolist())),
         num_tokens=num_tokens,
