@@ -42,8 +42,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..models import ModelShapes
+from ..models.checkpointing import MODES as CHECKPOINT_MODES
 
-CHECKPOINTING = ("off", "full", "selective")
+CHECKPOINTING = CHECKPOINT_MODES  # one list of modes: what models.checkpointing applies
 LOSSES = ("plain", "chunked")
 GIB = 1024**3
 # Mirrors ``train.loss.CHUNK_ELEMS`` (logit elements per chunk; a test keeps them equal).
