@@ -120,3 +120,21 @@ def test_plan_reads_lengths_from_a_store(tmp_path):
         (2, 12, "a"),
     ]
     assert dens is None
+
+
+def test_killed_writers_temporary_folder_is_swept(tmp_path):
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer runs
+    dead = tmp_path / f".s.tmp-{gone.pid}-abcd1234"
+    dead.mkdir()
+    (dead / "tokens.bin").write_bytes(b"x" * 10)
+    import os
+
+    alive = tmp_path / f".s.tmp-{os.getpid()}-00000000"  # a live writer's folder is kept
+    alive.mkdir()
+    w = StoreWriter(tmp_path / "s", TOK)
+    assert w.swept == [dead] and not dead.exists() and alive.exists()
+    w.abort()

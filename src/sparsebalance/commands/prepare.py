@@ -81,4 +81,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nskipped {short['documents']} documents with < {cfg.min_tokens} tokens")
     for reason, info in m["bad_records"].items():
         print(f"skipped {info['count']} records: {reason} (first: {', '.join(info['first'])})")
+    for tmp in m["swept"]:
+        print(f"removed {tmp}: the temporary folder of an earlier, killed prepare")
     return 0

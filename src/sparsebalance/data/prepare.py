@@ -172,7 +172,8 @@ def prepare(cfg: PrepareConfig, tokenizer, inputs: list[dict] | None = None) -> 
             )
         path = writer.close(extra)
     manifest = json.loads((Path(path) / "manifest.json").read_text())
-    return {**manifest, "elapsed": elapsed}
+    swept = [str(t) for t in writer.swept]
+    return {**manifest, "elapsed": elapsed, "swept": swept}
 
 
 class _Progress:

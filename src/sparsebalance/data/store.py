@@ -51,6 +51,30 @@ def is_store(path: str | Path) -> bool:
         return False
 
 
+def sweep_stale_temporaries(path: str | Path) -> list[Path]:
+    """Remove ``.NAME.tmp-PID-*`` folders beside ``path`` left by a writer that was killed
+    (SIGKILL, power loss: no ``__exit__`` ran) whose process no longer exists on this host.
+
+    A folder of a live process (another ``prepare`` writing the same store) is kept. Returns the
+    removed folders."""
+    path = Path(path)
+    removed = []
+    for tmp in path.parent.glob(f".{path.name}.tmp-*-*"):
+        pid_text = tmp.name[len(f".{path.name}.tmp-") :].split("-", 1)[0]
+        if not pid_text.isdigit() or not tmp.is_dir():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, owned by someone else
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    return removed
+
+
 class StoreWriter:
     """Appends documents to a new store; :meth:`close` renames it into place atomically.
 
@@ -70,6 +94,7 @@ class StoreWriter:
         self.vocab_size = int(tokenizer["vocab_size"])
         self.dtype = token_dtype(self.vocab_size)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.swept = sweep_stale_temporaries(self.path)
         self.tmp = self.path.parent / f".{self.path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         self.tmp.mkdir()
         self._tokens = open(self.tmp / "tokens.bin", "wb")  # noqa: SIM115 (closed in close/abort)
