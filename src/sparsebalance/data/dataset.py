@@ -239,11 +239,11 @@ def load_corpus(
     max_len: int | None = None,
     cache_dir: Path | None = None,
     on_bad_record: str = "error",
+    progress: bool = False,
 ) -> TokenizedCorpus:
     """:func:`resolve_data` then :func:`open_corpus` in one process."""
-    sources = resolve_data(
-        data, tokenizer, text_field, num_builtin, seed, min_len, max_len, cache_dir, on_bad_record
-    )
+    sources = resolve_data(data, tokenizer, text_field, num_builtin, seed, min_len, max_len,
+                           cache_dir, on_bad_record, progress)  # fmt: skip
     return open_corpus(sources, min_len, max_len)
 
 

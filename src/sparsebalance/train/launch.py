@@ -66,7 +66,8 @@ def preflight(cfg: TrainConfig, nproc: int) -> None:
     load_shapes(cfg.model)
     corpus = load_corpus(cfg.data, load_tokenizer(cfg.tokenizer), cfg.text_field, cfg.num_builtin,
                          cfg.seed, cfg.min_len, cfg.max_len,
-                         on_bad_record=cfg.on_bad_record)  # fmt: skip
+                         on_bad_record=cfg.on_bad_record,
+                         progress=sys.stderr.isatty())  # fmt: skip
     check_batch(cfg, len(corpus), cfg.emulate_ranks or nproc)
     if cfg.resume:  # the same run or a refusal listing the differences (rank 0 repeats it)
         path = find_checkpoint(Path(cfg.out))[0]
