@@ -1,6 +1,8 @@
 """Run reports: ``sparsebalance report RUN_DIR`` reads ``metrics.jsonl`` of one run (or of every
 run folder inside RUN_DIR, e.g. the demo's baseline and sparsebalance) and writes ``report.md``
-with a comparison table and PNG plots: per-rank timeline (compute vs bubble per step), step-time
+with a comparison table, a line per run on its over-long documents (trained whole over how many
+ranks, or cut by ``--overlong split``) and PNG plots: per-rank timeline (compute vs bubble per
+step), the last step's units per rank (context-parallel units spanning ranks), step-time
 distribution per run, gamma and density per rank, loss curves."""
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .results import markdown_table
+from .timeline import draw_timeline, record_bars
 
 
 def load_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -101,6 +104,41 @@ def comparison_table(
     return markdown_table(headers, rows), out
 
 
+def long_documents(steps: list[dict]) -> str:
+    """One line on a run's over-long documents: which were trained whole over how many ranks (CP
+    units, ``cp_documents`` of the step lines) and how many ``--overlong split`` chunks were cut
+    (``num_split_chunks``); runs before these fields say nothing (empty string)."""
+    if not any("cp_documents" in s for s in steps):
+        return ""
+    seen: dict[tuple[int, int], dict] = {}
+    for s in steps:
+        for d in s.get("cp_documents", ()):
+            entry = seen.setdefault((d["id"], d["offset"]), {**d, "steps": [], "degrees": set()})
+            entry["steps"].append(s["step"])
+            entry["degrees"].add(d["degree"])
+    chunks = sum(int(s.get("num_split_chunks", 0)) for s in steps)
+    cut = sum(int(s.get("num_overlong", 0)) for s in steps if s.get("num_split_chunks", 0))
+    parts = []
+    for (i, off), d in sorted(seen.items()):
+        ks = "/".join(str(k) for k in sorted(d["degrees"]))
+        where = f"document {i}" + (f" (from token {off:,})" if off else "")
+        parts.append(
+            f"{where}, {d['tokens']:,} tokens, on {ks} ranks ({d['ring']} ring) at step"
+            f"{'s' if len(d['steps']) > 1 else ''} {', '.join(map(str, d['steps']))}"
+        )
+    whole = (
+        f"trained whole over context-parallel ranks: {'; '.join(parts)}"
+        if parts
+        else "no document ran over several ranks"
+    )
+    split = (
+        f"--overlong split cut {cut} document{'s' if cut != 1 else ''} into {chunks} chunks"
+        if chunks
+        else "no split counted (--overlong cut no document)"
+    )
+    return f"{whole}. {split}."
+
+
 def _plots(run_data: dict[str, tuple[list[dict], list[dict]]], out_dir: Path) -> list[str]:
     import matplotlib
 
@@ -130,6 +168,19 @@ def _plots(run_data: dict[str, tuple[list[dict], list[dict]]], out_dir: Path) ->
         ax.set(title=f"{name}: compute vs bubble", xlabel="step", ylabel="seconds")
         ax.legend(fontsize=7)
     files.append(_save(fig, out_dir / "timeline.png"))
+    fig, axes = plt.subplots(len(run_data), 1, figsize=(9, 1.2 + 0.5 * _max_ranks(run_data)
+                             * len(run_data)), squeeze=False)  # fmt: skip
+    for ax, (name, (ranks, steps)) in zip(axes[:, 0], run_data.items(), strict=True):
+        step = steps[-1]["step"]
+        recs = [x for x in ranks if x["step"] == step]
+        draw_timeline(
+            ax,
+            record_bars(recs),
+            max(r["rank"] for r in ranks) + 1,
+            f"{name}, step {step}: units per rank (a bar over several ranks is one "
+            "context-parallel unit; hatched: waiting for the unit's last rank)",
+        )
+    files.append(_save(fig, out_dir / "units.png"))
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.boxplot([[s["step_seconds"] for s in st[1:] or st] for _, st in run_data.values()])
     ax.set_xticks(range(1, len(run_data) + 1), list(run_data))
@@ -164,6 +215,10 @@ def _plots(run_data: dict[str, tuple[list[dict], list[dict]]], out_dir: Path) ->
     return files
 
 
+def _max_ranks(run_data) -> int:
+    return max(max(r["rank"] for r in ranks) + 1 for ranks, _ in run_data.values())
+
+
 def _save(fig, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -185,6 +240,10 @@ def write_report(root: Path, plots: bool = True) -> tuple[Path, dict]:
         "rank compute time; bubble fraction = 1 - efficiency."
     )
     lines = [f"# Training report: {root}", "", table, "", note, ""]
+    for name, (_, steps) in data.items():
+        line = long_documents(steps)
+        if line:
+            lines += [f"Long documents, {name}: {line}", ""]
     if plots:
         try:
             for f in _plots(data, root):

@@ -3,6 +3,8 @@ density estimator through the curve's inverse (gamma-1 layers carry no signal)."
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -32,7 +34,9 @@ def test_rank_record_keeps_the_jsonl_schema_and_aggregates():
     b = _mb([9], [5], ((1.0,), (0.5,)), [0.8, 0.95], seconds=0.25)
     rec = RankRecord.from_results(_decision(), [a, b])
     out = rec.to_json()
-    assert list(out) == LEGACY_RANK_FIELDS
+    assert list(out) == [*LEGACY_RANK_FIELDS, "ring_wait_s", "units"]  # new fields appended
+    assert [u["slot"] for u in out["units"]] == [-1, -1] and out["ring_wait_s"] == 0.0
+    assert out["units"][0]["degree"] == 1 and out["units"][0]["sample_ids"] == [4, 7]
     assert out["compute_s"] == 0.75 and out["tokens"] == 35 and out["microbatch_s"] == [0.5, 0.25]
     assert (out["gamma_min"], out["gamma_max"]) == (0.8, 0.99)
     assert out["gamma_mean"] == pytest.approx(np.mean([0.9, 0.99, 0.8, 0.95]))
@@ -42,6 +46,33 @@ def test_rank_record_keeps_the_jsonl_schema_and_aggregates():
     assert empty["gamma_min"] == empty["gamma_max"] == 0.95 and empty["density"] == 0.0
     both = StepFeedback.from_records([RankRecord.from_results(_decision(0), [b]), rec])
     assert both.microbatches == (b, a, b)  # rank order, then micro-batch order
+
+
+def test_rank_record_says_which_unit_a_rank_ran_and_its_ring_wait():
+    cp = MicroBatchResult(
+        2.0,
+        (12288,),
+        (17,),
+        ((0.5,),),
+        (0.9,),
+        3.0,
+        2.0,
+        slot=0,
+        unit_ranks=(1, 2, 3),
+        ring="flat",
+        ring_wait_s=0.25,
+        start_s=0.125,
+    )
+    dp = MicroBatchResult(0.5, (100, 200), (3, 4), ((1.0, 1.0),), (0.9,), 1.0, 1.0, slot=5,
+                          start_s=2.25)  # fmt: skip
+    out = RankRecord.from_results(_decision(2), [cp, dp]).to_json()
+    assert out["ring_wait_s"] == 0.25
+    first, second = out["units"]
+    assert first == {"slot": 0, "ranks": [1, 2, 3], "degree": 3, "ring": "flat",
+                     "sample_ids": [17], "tokens": 12288, "start_s": 0.125, "seconds": 2.0,
+                     "ring_wait_s": 0.25}  # fmt: skip
+    assert (second["slot"], second["degree"], second["ranks"], second["ring"]) == (5, 1, [], "none")
+    assert json.loads(json.dumps(out)) == out  # a metrics.jsonl line
 
 
 class _Recorder:

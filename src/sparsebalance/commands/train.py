@@ -68,5 +68,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(comparison, indent=2))
     else:
-        print((path.read_text().split("\n\n")[1]) + f"\n\nreport: {path}")
+        text = path.read_text()
+        longdocs = [x for x in text.split("\n") if x.startswith("Long documents")]
+        print("\n\n".join([text.split("\n\n")[1], *longdocs]) + f"\n\nreport: {path}")
     return 0

@@ -46,6 +46,7 @@ import numpy as np
 
 from ..workload import CostModel
 from .analytic import ACCELERATORS
+from .ring_calibration import RingCalibration, UnitTiming
 
 RING_KINDS = ("auto", "flat", "hierarchical")
 # Attention backward / forward time (FLOPs 2.5 : 1 in the analytic profile).
@@ -160,6 +161,13 @@ class ContextCost:
         self.imbalance = {"flat": float(imbalance_flat), "hierarchical": float(imbalance_hier)}
         self.ring = ring
         self.num_layers = base.num_layers
+        self.compute_scale = 1.0
+        """Measured / modelled compute of a CP shard (c0, rest / k and the ring's attention)."""
+        self.comm_scale = 1.0
+        """Measured / modelled transfer time (ring K/V steps and the selection all-gather)."""
+        self.calibration = RingCalibration()
+        """Online recalibration of ``compute_scale``, ``comm_scale`` and ``imbalance`` from
+        measured CP units (:meth:`update`)."""
 
     @classmethod
     def for_shapes(cls, base: CostModel, shapes, links: Links, elem_bytes: int = 2, **kw):
@@ -170,7 +178,20 @@ class ContextCost:
 
     def describe(self) -> dict:
         return {"links": self.links.to_dict(), "kv_bytes_per_token": self.kv_bytes_per_token,
-                "ring": self.ring, "imbalance": self.imbalance}  # fmt: skip
+                "ring": self.ring, "imbalance": self.imbalance,
+                "compute_scale": self.compute_scale, "comm_scale": self.comm_scale}  # fmt: skip
+
+    def update(self, timing: UnitTiming) -> dict:
+        """Fold one measured CP unit into ``compute_scale``, ``imbalance`` and ``comm_scale``
+        (:class:`~sparsebalance.latency.ring_calibration.RingCalibration`); returns the targets
+        the measurement implied. Units of one rank are the base model's business."""
+        return self.calibration.update(self, timing)
+
+    def state_dict(self) -> dict:
+        return self.calibration.state_dict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calibration.load_state_dict(self, state)
 
     def unit_seconds(
         self, lengths: np.ndarray, densities: np.ndarray, degrees: np.ndarray
@@ -217,10 +238,14 @@ class ContextCost:
         t[:, one], c[:, one] = full[:, None], 0.0
         return t, c
 
-    def _split(self, lengths, attn, k, full):
+    def _split(self, lengths, attn, k, full, comm_scale=None, imbalance=None):
         """Broadcastable ``lengths``, one layer's ``attn`` seconds, degrees ``k`` (>= 2 where
-        used), the k = 1 time ``full`` -> (seconds, exposed comm) per rank."""
+        used), the k = 1 time ``full`` -> (seconds, exposed comm) per rank. ``comm_scale`` /
+        ``imbalance`` (broadcastable) replace the calibrated ones (the calibration's probes)."""
         layers = self.num_layers
+        k = np.asarray(k)
+        cs = self.compute_scale
+        xs = self.comm_scale if comm_scale is None else np.asarray(comm_scale, np.float64)
         c0 = float(self.base.microbatch_overhead())
         rest = np.maximum(full - c0 - layers * attn, 0.0)
         uniq, inv = np.unique(k, return_inverse=True)
@@ -228,8 +253,11 @@ class ContextCost:
         hier = np.array([kd == "hierarchical" for kd, _ in kinds])[inv].reshape(k.shape)
         inner = np.array([g for _, g in kinds], dtype=np.float64)[inv].reshape(k.shape)
         kf = k.astype(np.float64)
-        imb = np.where(hier, self.imbalance["hierarchical"], self.imbalance["flat"])
-        a = attn * imb / kf  # one layer's attention per rank
+        if imbalance is None:
+            imb = np.where(hier, self.imbalance["hierarchical"], self.imbalance["flat"])
+        else:
+            imb = np.asarray(imbalance, np.float64)
+        a = cs * attn * imb / kf  # one layer's attention per rank
         step = a / kf
         lk = self.links
         shard = self.kv_bytes_per_token * np.ceil(lengths / kf)
@@ -238,19 +266,44 @@ class ContextCost:
         ring = 0.0
         for share, mult in ((_FWD_SHARE, 1.0), (1.0 - _FWD_SHARE, 2.0)):
             c = step * share
-            x_flat = mult * shard / bw_flat + lk.latency_s
+            x_flat = xs * (mult * shard / bw_flat + lk.latency_s)
             flat = c + (kf - 1) * np.maximum(c, x_flat)
-            x_in = mult * shard / lk.intra_bytes_per_s + lk.latency_s
-            x_out = mult * shard / lk.inter_bytes_per_s + lk.latency_s
+            x_in = xs * (mult * shard / lk.intra_bytes_per_s + lk.latency_s)
+            x_out = xs * (mult * shard / lk.inter_bytes_per_s + lk.latency_s)
             t_in = c + (inner - 1) * np.maximum(c, x_in)
             outer = np.maximum(kf / inner, 1.0)
             hier_t = t_in + (outer - 1) * np.maximum(t_in, x_out)
             ring = ring + np.where(hier, hier_t, flat)
         gathered = self.query_bytes_per_block * np.ceil(lengths / self.block_size)
-        select = (kf - 1) / kf * gathered / bw_flat + np.log2(kf) * lk.latency_s
+        select = xs * ((kf - 1) / kf * gathered / bw_flat + np.log2(kf) * lk.latency_s)
         per_layer = ring + select
-        seconds = c0 + rest / kf + layers * per_layer
+        seconds = cs * (c0 + rest / kf) + layers * per_layer
         return seconds, layers * (per_layer - a)
+
+    def unit_terms(self, length: int, density: float, degree: int) -> tuple[float, float]:
+        """``(fixed, attention)`` per-rank seconds of one document on ``degree`` ranks as
+        modelled at ``compute_scale`` 1 and perfect balance: ``c0 + rest(L) / k`` and
+        ``layers * attn(L, d) / k`` (what the calibration compares measured compute with)."""
+        lengths, dens = np.array([float(length)]), np.array([float(density)])
+        full = float(np.asarray(self.base.predict_many(lengths[:, None], dens[:, None]))[0])
+        attn = float(np.asarray(self.base.layer_attention_seconds(lengths, dens))[0])
+        c0 = float(self.base.microbatch_overhead())
+        layers = self.num_layers
+        rest = max(full - c0 - layers * attn, 0.0)
+        return c0 + rest / degree, layers * attn / degree
+
+    def probe(self, length: int, density: float, degree: int, comm_scales: np.ndarray,
+              imbalance: float | None = None) -> np.ndarray:  # fmt: skip
+        """``(S,)`` per-rank seconds of one document on ``degree`` >= 2 ranks at each of
+        ``comm_scales`` (``(S,)``), the other terms as calibrated (``imbalance`` replaces the
+        ring kind's factor when given)."""
+        lengths, dens = np.array([float(length)]), np.array([float(density)])
+        full = np.asarray(self.base.predict_many(lengths[:, None], dens[:, None]), np.float64)
+        attn = np.asarray(self.base.layer_attention_seconds(lengths, dens), np.float64)
+        xs = np.asarray(comm_scales, np.float64)
+        k = np.full(xs.shape, int(degree))
+        seconds, _ = self._split(lengths, attn, k, full, comm_scale=xs, imbalance=imbalance)
+        return seconds
 
     # ------------------------------------------------------------------ CostModel (the base's)
     def predict(self, lengths, densities) -> float:

@@ -67,6 +67,31 @@ class MicroBatchResult:
     """Weighted sum of the token losses (before the loss scale)."""
     weight_sum: float
     """Sum of the token loss weights."""
+    slot: int = -1
+    """The unit's slot in the plan's execution order (:meth:`Plan.execution`); -1 if unknown."""
+    unit_ranks: tuple[int, ...] = ()
+    """``(k,)`` the ranks of the unit in ring order; ``()`` = this rank alone (k = 1)."""
+    ring: str = "none"
+    """``none`` (one rank), ``flat`` or ``hierarchical``: how the unit's attention ran."""
+    ring_wait_s: float = 0.0
+    """Seconds this rank waited inside the unit (for its peers to arrive and for ring transfers
+    its own compute did not hide); part of ``seconds``."""
+    start_s: float | None = None
+    """When the micro-batch started, ``perf_counter`` seconds after the step's plan agreement
+    (comparable across ranks, see :class:`LocalWork`); None where it was not stamped."""
+
+    @property
+    def degree(self) -> int:
+        """k, the number of ranks that ran this micro-batch together (1 = data parallel)."""
+        return max(len(self.unit_ranks), 1)
+
+    def unit_json(self) -> dict:
+        """What ``metrics.jsonl`` says about the unit (one entry of a rank's ``units``)."""
+        return {
+            "slot": self.slot, "ranks": list(self.unit_ranks), "degree": self.degree,
+            "ring": self.ring, "sample_ids": list(self.sample_ids), "tokens": sum(self.lengths),
+            "start_s": self.start_s, "seconds": self.seconds, "ring_wait_s": self.ring_wait_s,
+        }  # fmt: skip
 
 
 @dataclass
@@ -96,6 +121,12 @@ class RankRecord:
     """Gradient sync seconds after the slowest rank was ready."""
     derived_bubble_s: float = 0.0
     """``max(compute_s over ranks) - compute_s``."""
+    ring_wait_s: float = 0.0
+    """Sum of the rank's waits inside context-parallel units (part of ``compute_s``)."""
+    units: list[dict] = field(default_factory=list)
+    """One entry per micro-batch in execution order (:meth:`MicroBatchResult.unit_json`): slot,
+    the unit's ranks and degree k, ring kind, sample ids, tokens on this rank, start, seconds and
+    ring wait. Appended after the earlier fields: older readers see the same first fields."""
     loss_sum: float = field(default=0.0, repr=False)
     weight: float = field(default=0.0, repr=False)
     microbatches: tuple[MicroBatchResult, ...] = field(default=(), repr=False)
@@ -121,6 +152,8 @@ class RankRecord:
             gamma_mean=float(np.mean(layer_gammas)) if layer_gammas else decision.gamma,
             gamma_max=max(layer_gammas, default=decision.gamma),
             density=float(np.mean(dens)) if dens else 0.0,
+            ring_wait_s=sum(r.ring_wait_s for r in results),
+            units=[r.unit_json() for r in results],
             loss_sum=sum(r.loss_sum for r in results),
             weight=sum(r.weight_sum for r in results),
             microbatches=tuple(results),
@@ -181,6 +214,12 @@ class StepSummary:
     emulated: bool
     data_documents: dict[str, int] = field(default_factory=dict)
     """Documents drawn from each --data component this step (set by the Trainer)."""
+    num_split_chunks: int = 0
+    """Chunks ``--overlong split`` cut over-long documents into this step (0: none was cut)."""
+    cp_documents: tuple[dict, ...] = ()
+    """Documents trained whole on a context-parallel unit of k > 1 ranks this step: ``id``,
+    ``offset`` and ``tokens`` (a later ``--overlong`` chunk has offset > 0), ``degree`` k,
+    ``ranks`` and ``ring`` (from the plan's units)."""
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -207,6 +207,19 @@ class StepRunner:
             dst_mode=cfg.dst.mode,
             plan_efficiency=plan.metrics.efficiency,
             num_overlong=plan.metrics.num_overlong,
+            num_split_chunks=plan.metrics.num_split_chunks,
+            cp_documents=tuple(
+                {
+                    "id": i,
+                    "offset": o,
+                    "tokens": n,
+                    "degree": u.degree,
+                    "ranks": list(u.ranks),
+                    "ring": u.ring,
+                }
+                for u in plan.units
+                for i, o, n in zip(u.sample_ids, u.offsets, u.lengths, strict=True)
+            ),
             lr=self.scheduler.get_last_lr()[0],
             emulated=bool(cfg.emulate_ranks),
         )
