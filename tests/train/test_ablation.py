@@ -57,3 +57,27 @@ def test_demo_runs_come_from_the_same_table(tmp_path):
     )
     assert runs["sparsebalance"].out == str(tmp_path / "sparsebalance")
     assert all(r.overwrite and r.seed == cfg.seed for r in runs.values())
+
+
+def test_hybrid_rows_are_priced_by_the_simulator_with_long_documents_whole():
+    import numpy as np
+
+    from sparsebalance.simulate import simulate_steps
+    from sparsebalance.train.ablation import HYBRID
+    from tests.batching.fake_cost import fake_context
+
+    cfg = TrainConfig(out="unused")
+    configs = ablation_configs(cfg, ["sab", *HYBRID])
+    assert [configs[n].strategy for n in HYBRID] == ["sab-cp", "sab-cp"]
+    assert [configs[n].dst.mode for n in HYBRID] == ["off", "bidirectional"]
+    rng = np.random.default_rng(1)
+    lengths = np.array([*rng.integers(100, 900, 11), 3000])  # one document ~3x the capacity
+    batch = (lengths, rng.uniform(0.3, 1.0, lengths.size))
+    out = simulate_steps([batch], 4, fake_context(), capacity=1024, overlong="split",
+                         strategies=["sab", *HYBRID])  # fmt: skip
+    rows = out["strategies"]
+    assert rows["sab"]["split_documents"] == 0  # sab cut it into --overlong chunks instead
+    assert all(rows[n]["split_documents"] == 1 for n in HYBRID)  # trained whole over a CP unit
+    assert all(rows[n]["step_seconds"] > 0 for n in ("sab", *HYBRID))
+    with pytest.raises(ValueError, match="--overlong"):
+        simulate_steps([batch], 4, fake_context(), capacity=1024, overlong="cut")

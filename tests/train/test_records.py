@@ -4,6 +4,7 @@ density estimator through the curve's inverse (gamma-1 layers carry no signal)."
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -101,3 +102,37 @@ def test_feedback_recovers_d0_per_document_and_skips_dense_layers():
     np.testing.assert_allclose(dens, d0, rtol=1e-9)
     apply_feedback(StepFeedback((dense,)), lat, est, curve, sample, use_timings=True)
     assert lat.seen == [("latency", [5], 0.5)]
+
+
+def test_cp_units_recalibrate_the_ring_terms_not_the_base_model():
+    from sparsebalance.train.feedback import unit_timings
+    from tests.batching.fake_cost import FakeCost, fake_context
+
+    def shard(rank, start, seconds, wait, slot=0):
+        return MicroBatchResult(seconds, (8192,), (17,), ((0.5,), (0.7,)), (0.9, 0.9), 1.0, 1.0,
+                                slot=slot, unit_ranks=(1, 2, 3), ring="flat", ring_wait_s=wait,
+                                start_s=start)  # fmt: skip
+
+    # rank 3 arrives 0.5 s late; all end at 3.0: the unit took 2.5 s
+    parts = (shard(1, 0.0, 3.0, 0.9), shard(2, 0.0, 3.0, 0.8), shard(3, 0.5, 2.5, 0.2))
+    one = _mb([4], [300], ((0.5,), (0.5,)), [0.9, 0.9], seconds=0.125)
+    (t,) = unit_timings((*parts, one))
+    assert (t.length, t.degree, t.seconds) == (8192, 3, 2.5)
+    assert t.density == pytest.approx(0.6) and t.rank_compute == (2.1, 2.2, 2.3)
+    # without stamps: the last-arriving rank's seconds; without waits: no per-rank compute
+    bare = tuple(replace(p, start_s=None, ring_wait_s=0.0) for p in parts)
+    (u,) = unit_timings(bare)
+    assert (u.seconds, u.rank_compute) == (2.5, ())
+    assert unit_timings(parts[:2]) == []  # a unit missing a rank's record gives no timing
+
+    base = _Recorder()
+    ctx = fake_context(FakeCost(a=1e-5, b=1e-8), bandwidth=2e6)
+    before = ctx.state_dict()
+    apply_feedback(StepFeedback((*parts, one)), base, _Recorder(), DensityCurve(0.9),
+                   lambda i: Sample(i, 10), context=ctx)  # fmt: skip
+    assert base.seen == [("latency", [300], 0.125)]  # only the one-rank micro-batch
+    after = ctx.state_dict()
+    assert after["counts"]["comm"] == 1 and after != before
+    apply_feedback(StepFeedback(parts), base, _Recorder(), DensityCurve(0.9),
+                   lambda i: Sample(i, 10), use_timings=False, context=ctx)  # fmt: skip
+    assert ctx.state_dict() == after  # --deterministic: no timing is fed back

@@ -47,6 +47,9 @@ ABLATIONS = {
     "dst": Strategy("dst", "sequential", "bidirectional"),
     "sab+dst": Strategy("sab+dst", "sab", "bidirectional"),
     **{f"sab+dst@{a}": Strategy(f"sab+dst@{a}", "sab", "bidirectional", a) for a in ANCHORS},
+    # hybrid data x context parallel (long documents trained whole over CP units); not defaults
+    "sab+cp": Strategy("sab+cp", "sab-cp", "off"),
+    "sab+cp+dst": Strategy("sab+cp+dst", "sab-cp", "bidirectional"),
 }
 DEFAULT_STRATEGIES = ("baseline", "sab", "dst", "sab+dst", *(f"sab+dst@{a}" for a in ANCHORS))
 
@@ -92,6 +95,7 @@ def simulate_steps(
     step_overhead: float = 0.0,
     show_step: int = 0,
     workers: int = 1,
+    overlong: str = "split",
 ) -> dict:
     """Predicted ablation table for explicit global batches (the simulator's and bench-e2e's API).
 
@@ -105,6 +109,7 @@ def simulate_steps(
         step_overhead: seconds per step added to every strategy (all-reduce + optimizer).
         show_step: which step's per-rank times to return (``rank_times``).
         workers: processes over steps (results do not depend on it).
+        overlong: ``--overlong`` policy for documents over the capacity (``R x C`` for sab-cp).
 
     Returns:
         JSON-ready dict: ``world_size``, ``num_steps``, ``strategies`` (name -> summary: mean step
@@ -126,8 +131,10 @@ def simulate_steps(
     dst = dst or DSTConfig()
     curve = curve or DensityCurve(gamma0=dst.gamma0)
     strats = resolve_strategies(strategies)
-    PlanConfig(world_size, micro_batches, capacity)  # validates --micro-batches / --capacity now
-    job = _Job(world_size, cost_model, micro_batches, capacity, tuple(strats), dst, curve)
+    # validates --micro-batches / --capacity / --overlong now
+    PlanConfig(world_size, micro_batches, capacity, overlong=overlong)
+    job = _Job(world_size, cost_model, micro_batches, capacity, tuple(strats), dst, curve,
+               overlong)  # fmt: skip
     if workers == 1 or len(steps) == 1:
         records = [job.run(b) for b in steps]
     else:
@@ -147,12 +154,14 @@ class _Job:
     strategies: tuple[Strategy, ...]
     dst: DSTConfig
     curve: DensityCurve
+    overlong: str = "split"
 
     def run(self, batch: StepBatch) -> dict[str, dict]:
         works, decided, out = {}, {}, {}
         for s in self.strategies:
             if s.planner not in works:  # one plan per planner (baseline and dst share one)
-                cfg = PlanConfig(self.world_size, self.micro_batches, self.capacity, s.planner)
+                cfg = PlanConfig(self.world_size, self.micro_batches, self.capacity, s.planner,
+                                 self.overlong)  # fmt: skip
                 a = assign_batch(batch.lengths, batch.densities, self.cost_model, cfg)
                 works[s.planner] = (_workload(a, self.cost_model, self.curve), _cp_stats(a))
             cfg = replace(self.dst, mode=s.dst_mode, anchor=s.anchor or self.dst.anchor)

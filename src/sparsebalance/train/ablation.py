@@ -12,7 +12,7 @@ import torch
 from ..batching import HistoryEstimator
 from ..data import load_corpus, load_tokenizer
 from ..data.batches import BatchSource
-from ..latency import LatencyModel, load_profile
+from ..latency import LatencyModel, context_cost, load_profile
 from ..report import load_run, summarize
 from ..simulate import ABLATIONS, simulate_steps
 from .checkpoint import latest_checkpoint
@@ -22,6 +22,9 @@ from .launch import launch
 ABLATION = ("baseline", "sab", "dst", "sab+dst")
 """The runs ``bench-e2e`` measures by default; each name's planner strategy and DST mode come from
 the simulator's :data:`~sparsebalance.simulate.ABLATIONS` (one table for both)."""
+HYBRID = ("sab+cp", "sab+cp+dst")
+"""The hybrid data x context parallel runs (``--strategy sab-cp``: long documents trained whole
+over CP units), measured when named in ``--strategies``."""
 
 
 def ablation_configs(cfg: TrainConfig, names: list[str]) -> dict[str, TrainConfig]:
@@ -51,24 +54,51 @@ def measure(configs: dict[str, TrainConfig], nproc: int, reuse: bool = False) ->
     return out
 
 
-def predict(cfg: TrainConfig, names: list[str], world_size: int, baseline_dir: Path) -> dict:
+def _trainer_state(run_dir: Path) -> dict | None:
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return None
+    return torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)["trainer"]
+
+
+def predict(
+    cfg: TrainConfig,
+    names: list[str],
+    world_size: int,
+    baseline_dir: Path,
+    hybrid_dir: Path | None = None,
+) -> dict:
     """The simulator on the same global batches, with the latency model of the measured baseline
     run (its profile, recalibrated online to its final step) and the estimator's starting
-    densities (what the first plan sees)."""
+    densities (what the first plan sees). Every strategy sees it through the trainer's
+    ``ContextCost`` (``sab-cp`` prices split documents with it; the others read only the base
+    model); its multi-rank terms (shard compute, ring imbalance, transfer scale) are those the
+    measured hybrid run ``hybrid_dir`` recalibrated up to its final step, where given."""
     tokenizer = load_tokenizer(cfg.tokenizer)
     corpus = load_corpus(cfg.data, tokenizer, cfg.text_field, cfg.num_builtin, cfg.seed,
                          cfg.min_len, cfg.max_len, on_bad_record=cfg.on_bad_record)  # fmt: skip
     latency = LatencyModel(load_profile(baseline_dir / "latency_profile.json"))
-    ckpt = latest_checkpoint(baseline_dir)
-    if ckpt is not None:
-        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
-        latency.load_state_dict(state["trainer"]["latency"])
+    state = _trainer_state(baseline_dir)
+    if state is not None:
+        latency.load_state_dict(state["latency"])
+    cost = trainer_cost(latency, cfg)
+    hybrid = _trainer_state(hybrid_dir) if hybrid_dir is not None else None
+    if hybrid is not None and hybrid.get("context") is not None:
+        cost.load_state_dict(hybrid["context"])
     estimator = HistoryEstimator()
     batches = []
     source = BatchSource(corpus, cfg.seed, cfg.global_batch)  # the trainer's batches
     for _ in range(cfg.steps):
         samples = source.next_batch()
         batches.append((np.array([s.num_tokens for s in samples]), estimator.estimate(samples)))
-    return simulate_steps(batches[1:] or batches, world_size, latency,
-                          micro_batches=cfg.micro_batches, capacity=cfg.capacity,
-                          strategies=names, dst=cfg.dst)  # fmt: skip
+    out = simulate_steps(batches[1:] or batches, world_size, cost,
+                         micro_batches=cfg.micro_batches, capacity=cfg.capacity,
+                         strategies=names, dst=cfg.dst, overlong=cfg.overlong)  # fmt: skip
+    out["context_cost"] = cost.describe()
+    return out
+
+
+def trainer_cost(latency: LatencyModel, cfg: TrainConfig):
+    """The ``ContextCost`` the trainer plans ``sab-cp`` with: links measured in the profile, else
+    the analytic H100 ones; K/V sizes from the profile's model shapes."""
+    return context_cost(latency, "h100", block_size=cfg.block_size)

@@ -1,5 +1,11 @@
 """The step's last stage: measured micro-batches recalibrate the latency model and teach the
-density estimator (in rank order, so every rank's models stay identical)."""
+density estimator (in rank order, so every rank's models stay identical).
+
+One-rank micro-batches recalibrate the base :class:`~sparsebalance.latency.LatencyModel`;
+context-parallel units (k > 1 ranks) recalibrate the multi-rank terms of the
+:class:`~sparsebalance.latency.context.ContextCost` the plans are priced with (shard compute,
+ring imbalance, transfer scale: :mod:`sparsebalance.latency.ring_calibration`), one
+:class:`~sparsebalance.latency.ring_calibration.UnitTiming` per unit from its ranks' records."""
 
 from __future__ import annotations
 
@@ -10,9 +16,10 @@ import numpy as np
 
 from ..batching import HistoryEstimator
 from ..latency import LatencyModel
+from ..latency.ring_calibration import UnitTiming
 from ..tuning import DensityCurve
 from ..workload import Sample
-from .records import StepFeedback
+from .records import MicroBatchResult, StepFeedback
 
 # Measured densities are floored here before the curve's inverse (a density is never 0).
 _DENSITY_FLOOR = 1e-6
@@ -25,21 +32,35 @@ def apply_feedback(
     curve: DensityCurve,
     sample: Callable[[int], Sample],
     use_timings: bool = True,
+    context=None,
 ) -> None:
     """Fold a step's measurements in.
 
     Args:
         feedback: every rank's micro-batches, in rank order.
-        latency: recalibrated with each micro-batch's measured seconds (when ``use_timings``).
+        latency: recalibrated with each one-rank micro-batch's measured seconds (when
+            ``use_timings``); CP units' times are not fed to it.
         estimator: observes each document's density at ``gamma0``, recovered from every layer
             that ran below gamma 1 (:meth:`DensityCurve.d0_for`), averaged over its chunks.
         curve: the tuner's density curve.
         sample: sample id -> :class:`Sample` (length and source, for the estimator).
         use_timings: ``False`` with ``--deterministic``: no timing enters any decision.
+        context: the ``ContextCost`` over ``latency`` that prices CP units (``--strategy
+            sab-cp``): each measured CP unit recalibrates its multi-rank terms. CP units never
+            update ``latency`` itself (a rank's shard is not a profiled micro-batch).
     """
     by_sample: dict[int, list[float]] = defaultdict(list)
+    if use_timings and context is not None:
+        for timing in unit_timings(feedback.microbatches):
+            context.update(timing)
+    units_seen = set()
     for mb in feedback.microbatches:
-        if use_timings and mb.seconds > 0:
+        if mb.degree > 1:  # a CP unit: each of its ranks reports the same (global) densities
+            key = (mb.unit_ranks, mb.sample_ids)
+            if key in units_seen:
+                continue
+            units_seen.add(key)
+        elif use_timings and mb.seconds > 0:
             latency.update(list(mb.lengths), np.asarray(mb.layer_densities), mb.seconds)
         dens = np.clip(np.asarray(mb.layer_densities), _DENSITY_FLOOR, 1.0)  # (layers, N)
         g = np.asarray(mb.gammas)
@@ -53,3 +74,37 @@ def apply_feedback(
     if by_sample:
         ids = sorted(by_sample)
         estimator.observe([sample(i) for i in ids], [float(np.mean(by_sample[i])) for i in ids])
+
+
+def unit_timings(microbatches: tuple[MicroBatchResult, ...]) -> list[UnitTiming]:
+    """One :class:`UnitTiming` per CP unit (k > 1) of a step, in slot order, from the records of
+    its k ranks (every rank's, as :class:`StepFeedback` holds them).
+
+    The unit's time runs from its last rank's arrival to its last rank's end (``start_s``
+    stamps), or without stamps is the last-arriving rank's seconds (the smallest: the others'
+    include their wait for it). Per-rank compute (seconds minus the wait inside the ring) is
+    given only where the ring measured waits. Units of several documents, or whose k records are
+    not all there, carry no single-document timing and are left out.
+    """
+    groups: dict[tuple[int, tuple[int, ...]], list[MicroBatchResult]] = defaultdict(list)
+    for mb in microbatches:
+        if mb.degree > 1:
+            groups[mb.slot, mb.unit_ranks].append(mb)
+    out = []
+    for (_, ranks), parts in sorted(groups.items()):
+        first = parts[0]
+        if len(parts) != len(ranks) or len(first.lengths) != 1:
+            continue
+        if all(p.start_s is not None for p in parts):
+            start = max(p.start_s for p in parts)
+            seconds = max(p.start_s + p.seconds for p in parts) - start
+        else:
+            seconds = min(p.seconds for p in parts)
+        waits = [p.ring_wait_s for p in parts]
+        compute = tuple(p.seconds - w for p, w in zip(parts, waits, strict=True))
+        measured = any(w > 0 for w in waits) and min(compute) > 0
+        density = float(np.clip(np.mean(np.asarray(first.layer_densities)), _DENSITY_FLOOR, 1.0))
+        if seconds > 0:
+            out.append(UnitTiming(int(first.lengths[0]), density, len(ranks), float(seconds),
+                                  compute if measured else ()))  # fmt: skip
+    return out
