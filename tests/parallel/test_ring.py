@@ -161,3 +161,21 @@ def test_four_ranks_flat_hierarchical_2x2_and_mesh_match_single_process(tmp_path
     """One spawn (process start-up dominates on 2 cores): the flat ring at P = 4 for every
     placement, the hierarchical ring with 2 groups of 2, and a dp=2 x cp=2 DeviceMesh."""
     run_workers(_four_rank_worker, 4, tmp_path)
+
+
+def test_ring_wait_counts_the_time_blocked_on_transfers():
+    import time
+
+    from sparsebalance.parallel.ring import _Pending, ring_wait_seconds
+
+    class _SlowRequest:  # a peer whose shard arrives 50 ms late
+        def wait(self):
+            time.sleep(0.05)
+
+    before = ring_wait_seconds()
+    buf = torch.zeros(3)
+    assert _Pending(buf, [_SlowRequest()]).wait() is buf
+    assert ring_wait_seconds() - before >= 0.05
+    mid = ring_wait_seconds()
+    _Pending(buf, None).wait()  # a ring of one rank: nothing to wait for
+    assert ring_wait_seconds() - mid < 0.01

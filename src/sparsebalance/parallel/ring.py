@@ -14,6 +14,7 @@ the local queries and that shard (see :func:`~.layouts.ring_work`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -26,13 +27,24 @@ from .layouts import Placement, ring_sources
 
 
 class _Pending:
+    waited = 0.0
+    """Seconds this process has spent blocked in ring transfers, over all rings so far."""
+
     def __init__(self, buf: torch.Tensor, reqs: list | None):
         self.buf, self.reqs = buf, reqs
 
     def wait(self) -> torch.Tensor:
+        t0 = time.perf_counter()
         for req in self.reqs or ():
             req.wait()
+        _Pending.waited += time.perf_counter() - t0
         return self.buf
+
+
+def ring_wait_seconds() -> float:
+    """Seconds this process has spent waiting for ring transfers (a peer's shard or gradient
+    not there yet) since it started: the difference over a unit is its wait inside the ring."""
+    return _Pending.waited
 
 
 class RingComm:
