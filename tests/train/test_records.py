@@ -136,3 +136,13 @@ def test_cp_units_recalibrate_the_ring_terms_not_the_base_model():
     apply_feedback(StepFeedback(parts), base, _Recorder(), DensityCurve(0.9),
                    lambda i: Sample(i, 10), use_timings=False, context=ctx)  # fmt: skip
     assert ctx.state_dict() == after  # --deterministic: no timing is fed back
+
+
+def test_starts_become_seconds_into_the_step():
+    mb = MicroBatchResult(0.5, (10,), (1,), ((1.0,),), (0.9,), 1.0, 1.0, slot=3, start_s=100.25)
+    rec = RankRecord.from_results(_decision(0), [mb, replace(mb, slot=4, start_s=None)])
+    rec.relative_to(100.0)
+    assert [u["start_s"] for u in rec.units] == [0.25, None]
+    assert rec.microbatches[0].start_s == 0.25
+    rec.relative_to(None)  # emulated ranks: no schedule
+    assert [u["start_s"] for u in rec.to_json()["units"]] == [None, None]

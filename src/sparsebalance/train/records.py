@@ -19,7 +19,7 @@ The JSON field names are those ``sparsebalance report`` and earlier runs use.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
@@ -77,8 +77,9 @@ class MicroBatchResult:
     """Seconds this rank waited inside the unit (for its peers to arrive and for ring transfers
     its own compute did not hide); part of ``seconds``."""
     start_s: float | None = None
-    """When the micro-batch started, ``perf_counter`` seconds after the step's plan agreement
-    (comparable across ranks, see :class:`LocalWork`); None where it was not stamped."""
+    """When the micro-batch started: the executor stamps ``time.perf_counter()``, the step makes
+    it seconds after the step's plan agreement (:meth:`RankRecord.relative_to`; comparable across
+    ranks, see :class:`LocalWork`); None where it was not stamped."""
 
     @property
     def degree(self) -> int:
@@ -163,6 +164,16 @@ class RankRecord:
         return {
             f.name: getattr(self, f.name) for f in fields(self) if f.name not in self._NOT_LOGGED
         }
+
+    def relative_to(self, t0: float | None) -> None:
+        """Micro-batch starts as seconds after ``t0`` (the step's plan agreement, a
+        ``perf_counter`` stamp); ``None`` drops them (emulated ranks run in turn: their stamps
+        would not be a schedule)."""
+        self.microbatches = tuple(
+            replace(mb, start_s=None if t0 is None or mb.start_s is None else mb.start_s - t0)
+            for mb in self.microbatches
+        )
+        self.units = [mb.unit_json() for mb in self.microbatches]
 
 
 @dataclass

@@ -114,9 +114,13 @@ class StepRunner:
         t0 = time.perf_counter()
         if self.cfg.emulate_ranks:
             runs = [self.executor.run(tuned, r) for r in range(self.num_ranks)]
+            for w in runs:
+                w.records[0].relative_to(None)
             return LocalWork([w.records[0] for w in runs], runs[-1].ready_s - t0,
                              runs[-1].done_s - t0)  # fmt: skip
         work = self.executor.run(tuned, self.rt.rank)
+        for rec in work.records:
+            rec.relative_to(t0)
         return LocalWork(work.records, work.ready_s - t0, work.done_s - t0)
 
     def synchronize(self, local: LocalWork) -> list[RankRecord]:
