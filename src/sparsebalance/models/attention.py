@@ -11,6 +11,14 @@ rerun must not choose again: :func:`recompute_phase` tells this function whether
 checkpointed layer's first forward (choose, keep the ``(budget, layout)`` in
 ``PackedAttention.layouts``) or in its recomputation (take them back: no block selection, no call to
 ``choose_budget``, no ``on_layer_end``, no stats).
+
+Context parallelism: with ``PackedAttention.ring`` set (a :class:`RingContext`), the model runs on
+this rank's striped shard of the pack; ``q, k, v`` are local and ``cu_seqlens`` is the *global*
+pack's. Selection is distributed (one all-gather of pooled block means round the unit's ring:
+every rank gets the same estimate, so the same budget and layout) and attention is the flat or
+hierarchical block-sparse ring. A checkpointed layer's recomputation reruns the ring forward
+with the cached layout; every rank of the unit recomputes the same layers in the same
+(reverse-layer) order, so the ring's messages pair up.
 """
 
 from __future__ import annotations
@@ -24,6 +32,13 @@ from typing import Any
 import torch
 
 from ..ops import BlockLayout, Budget, block_sparse_attention, estimate_block_mass, select_blocks
+from ..parallel import (
+    Placement,
+    RankList,
+    estimate_block_mass_distributed,
+    hierarchical_ring_attention,
+    ring_attention,
+)
 
 IMPLEMENTATION = "sparsebalance"
 
@@ -53,6 +68,47 @@ class LayerStats:
     document_density: list[float]
 
 
+@dataclass(frozen=True)
+class RingContext:
+    """How one rank of a CP unit attends: the unit's ranks, the placement of the pack, the ring."""
+
+    group: RankList
+    """The unit's ranks (default group, ring order); position j holds placement rank j."""
+    placement: Placement
+    """Striped placement of the global pack over the unit (its ``block_size`` is the layout's)."""
+    kind: str = "flat"
+    """``flat`` or ``hierarchical``."""
+    inner_size: int = 1
+    """Ranks per inner ring (``hierarchical``)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("flat", "hierarchical"):
+            raise ValueError(f"ring kind must be flat or hierarchical, got {self.kind!r}")
+        if self.placement.world_size != len(self.group.ranks):
+            raise ValueError(
+                f"the placement is for {self.placement.world_size} ranks, the unit has "
+                f"{len(self.group.ranks)}"
+            )
+
+    def estimate(self, q, k, cu_seqlens, block_size: int, scale):
+        """The global ``BlockMassEstimate`` from the local ``q (Tl, Hq, D)``, ``k (Tl, Hkv, D)``."""
+        if block_size != self.placement.block_size:
+            raise ValueError(
+                f"block size {block_size} differs from the placement's {self.placement.block_size}"
+            )
+        return estimate_block_mass_distributed(
+            self.group, q, k, self.placement, cu_seqlens, scale=scale
+        )
+
+    def attend(self, q, k, v, layout: BlockLayout, scale) -> torch.Tensor:
+        """This rank's ``(Tl, Hq, D)`` rows of the block-sparse attention of the global pack."""
+        if self.kind == "hierarchical":
+            return hierarchical_ring_attention(
+                self.group, q, k, v, layout, self.placement, self.inner_size, scale
+            )
+        return ring_attention(self.group, q, k, v, layout, self.placement, scale)
+
+
 @dataclass
 class PackedAttention:
     """Per-forward attention settings for one packed micro-batch (``batch size 1``)."""
@@ -71,6 +127,8 @@ class PackedAttention:
     layouts: dict[int, tuple[Budget, BlockLayout]] = field(default_factory=dict)
     """Per layer, what a checkpointed layer's forward chose, held until its recomputation takes it
     back (then dropped). Empty without activation checkpointing."""
+    ring: RingContext | None = None
+    """Set when the model runs one rank's shard of a CP unit (see the module docstring)."""
 
     def mean_density(self) -> float:
         return sum(s.density for s in self.stats) / max(1, len(self.stats))
@@ -104,12 +162,13 @@ def sparsebalance_attention(module, query, key, value, attention_mask, scaling=N
                 "must run with the PackedAttention of the forward it repeats"
             )
         budget, layout = ctx.layouts.pop(layer)  # the forward's choice; nothing chosen again
-        out = block_sparse_attention(
-            q, k, v, layout, ctx.cu_seqlens, scale=scaling, backend=ctx.backend
-        )
-        return out.unsqueeze(0), None
+        return _attend(ctx, q, k, v, layout, scaling).unsqueeze(0), None
     layer = int(getattr(module, "layer_idx", len(ctx.stats)))
-    if ctx.choose_budget is not None:
+    if ctx.ring is not None:
+        estimate = ctx.ring.estimate(q, k, ctx.cu_seqlens, ctx.block_size, scaling)
+        budget = ctx.budget if ctx.choose_budget is None else ctx.choose_budget(layer, estimate)
+        layout = estimate.layout(budget)
+    elif ctx.choose_budget is not None:
         estimate = estimate_block_mass(q, k, ctx.cu_seqlens, ctx.block_size, scale=scaling)
         budget = ctx.choose_budget(layer, estimate)
         layout = estimate.layout(budget)
@@ -118,15 +177,22 @@ def sparsebalance_attention(module, query, key, value, attention_mask, scaling=N
         layout = select_blocks(q, k, ctx.cu_seqlens, budget, ctx.block_size, scale=scaling)
     if phase == "forward":
         ctx.layouts[layer] = (budget, layout)
-    out = block_sparse_attention(
-        q, k, v, layout, ctx.cu_seqlens, scale=scaling, backend=ctx.backend
-    )
+    out = _attend(ctx, q, k, v, layout, scaling)
     ctx.stats.append(
         LayerStats(layer, budget.gamma, layout.density(), layout.document_density().tolist())
     )
     if ctx.on_layer_end is not None:
         ctx.on_layer_end(layer)
     return out.unsqueeze(0), None
+
+
+def _attend(ctx: PackedAttention, q, k, v, layout: BlockLayout, scaling) -> torch.Tensor:
+    """The op on the whole pack, or this rank's rows through the unit's ring."""
+    if ctx.ring is not None:
+        return ctx.ring.attend(q, k, v, layout, scaling)
+    return block_sparse_attention(
+        q, k, v, layout, ctx.cu_seqlens, scale=scaling, backend=ctx.backend
+    )
 
 
 def _no_mask(*args, **kwargs):

@@ -5,6 +5,7 @@ placement = make_placement("striped", T, block_size, P)        # which blocks ea
 q, k, v = (placement.shard(x, rank) for x in (q_all, k_all, v_all))  # (Tl, H, D) per rank
 layout = select_blocks_distributed(cp_group, q, k, placement, cu_seqlens, Budget(gamma=0.9))
 out = ring_attention(cp_group, q, k, v, layout, placement)    # or hierarchical_ring_attention
+# cp_group: a ProcessGroup, or RankList((2, 3, 4)): ranks of the default group, P2P, no new group
 imbalance(ring_work(layout, placement))                         # per-rank / per-step balance
 ```
 """
@@ -28,6 +29,7 @@ from .mesh import (
     plan_context_parallel,
 )
 from .patterns import vertical_slash_layout
+from .ranks import RankList
 from .ring import ring_attention
 from .selection import estimate_block_mass_distributed, select_blocks_distributed
 
@@ -36,6 +38,7 @@ __all__ = [
     "ContextParallelCost",
     "MeshRanks",
     "Placement",
+    "RankList",
     "build_mesh",
     "estimate_block_mass_distributed",
     "hierarchical_ring_attention",

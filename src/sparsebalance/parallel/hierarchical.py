@@ -13,19 +13,19 @@ ring. The steps are the flat ring's (:mod:`.ring`), composed; rank ``r`` holds t
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..ops.layout import BlockLayout
 from ..ops.varlen import resolve_scale
 from .blockwise import ShardState, backward_step, check_shard_inputs, forward_step
 from .layouts import Placement, ring_sources
+from .ranks import Group, group_rank, group_size
 from .ring import RingComm, ring_pass, ring_pass_grad
 
 _INNER_TAG, _OUTER_TAG = 0, 2  # each ring uses tag (shards) and tag + 1 (gradients)
 
 
 def _rings(group, inner_size: int) -> tuple[RingComm, RingComm]:
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = group_size(group), group_rank(group)
     o, i = divmod(rank, inner_size)
     inner = RingComm(group, range(o * inner_size, (o + 1) * inner_size))
     outer = RingComm(group, range(i, world, inner_size))
@@ -66,7 +66,7 @@ def hierarchical_backward(inner: RingComm, outer: RingComm, state: ShardState, d
 class HierarchicalRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout, placement, inner_size, scale):  # type: ignore[override]
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        rank, world = group_rank(group), group_size(group)
         sources = ring_sources(world, inner_size)[rank]
         state = ShardState(q, k, v, layout, placement, rank, sources, scale)
         inner, outer = _rings(group, inner_size)
@@ -85,7 +85,7 @@ class HierarchicalRingAttention(torch.autograd.Function):
 
 
 def hierarchical_ring_attention(
-    group: dist.ProcessGroup | None,
+    group: Group,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -97,7 +97,8 @@ def hierarchical_ring_attention(
     """Two-level ring attention: inner rings of ``inner_size`` consecutive ranks, outer ring across.
 
     Args:
-        group: the context-parallel process group (``None``: the default group), ``P`` ranks.
+        group: the context-parallel process group (``None``: the default group), or a
+            :class:`~.ranks.RankList` of default-group ranks; ``P`` ranks.
         q: ``(Tl, Hq, D)``: this rank's query tokens, ``placement.shard(q_global, rank)``.
         k, v: ``(Tl, Hkv, D)``: this rank's key and value tokens.
         layout: the *global* :class:`BlockLayout`, identical on every rank.
@@ -109,7 +110,7 @@ def hierarchical_ring_attention(
     Returns:
         ``(Tl, Hq, D)``, equal to :func:`~.ring.ring_attention`'s output; differentiable.
     """
-    world = dist.get_world_size(group)
+    world = group_size(group)
     if isinstance(inner_size, bool) or not isinstance(inner_size, int) or inner_size <= 0:
         raise ValueError(f"inner_size must be a positive integer, got {inner_size!r}")
     if world % inner_size:

@@ -24,6 +24,7 @@ from ..ops.layout import BlockLayout
 from ..ops.varlen import resolve_scale
 from .blockwise import ShardState, backward_step, check_shard_inputs, forward_step
 from .layouts import Placement, ring_sources
+from .ranks import Group, global_rank, group_rank, group_size, p2p_group
 
 
 class _Pending:
@@ -48,16 +49,17 @@ def ring_wait_seconds() -> float:
 
 
 class RingComm:
-    """Point-to-point exchange along a ring of ranks of ``group`` (given in ring order)."""
+    """Point-to-point exchange along a ring of positions of ``group`` (given in ring order); a
+    :class:`~.ranks.RankList` group talks on the default group."""
 
-    def __init__(self, group: dist.ProcessGroup | None, ring: Sequence[int]):
-        self.group = group if group is not None else dist.group.WORLD
-        me = dist.get_rank(self.group)
+    def __init__(self, group: Group, ring: Sequence[int]):
+        self.group = p2p_group(group)
+        me = group_rank(group)
         if me not in ring:
             raise ValueError(f"rank {me} is not in the ring {list(ring)}")
         pos, self.size = list(ring).index(me), len(ring)
-        self.next = dist.get_global_rank(self.group, ring[(pos + 1) % self.size])
-        self.prev = dist.get_global_rank(self.group, ring[(pos - 1) % self.size])
+        self.next = global_rank(group, ring[(pos + 1) % self.size])
+        self.prev = global_rank(group, ring[(pos - 1) % self.size])
 
     def send_recv(self, tensor: torch.Tensor, tag: int) -> _Pending:
         """Send ``tensor`` to the next rank and receive the previous rank's, asynchronously."""
@@ -123,7 +125,7 @@ def ring_backward(comm: RingComm, state: ShardState, dor, lse, delta) -> tuple[t
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout, placement, scale):  # type: ignore[override]
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        rank, world = group_rank(group), group_size(group)
         state = ShardState(q, k, v, layout, placement, rank, ring_sources(world)[rank], scale)
         comm = RingComm(group, range(world))
         out, lse = ring_forward(comm, state)
@@ -141,7 +143,7 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_attention(
-    group: dist.ProcessGroup | None,
+    group: Group,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -152,7 +154,8 @@ def ring_attention(
     """Block-sparse, document-causal attention of a sequence sharded over ``group``.
 
     Args:
-        group: the context-parallel process group (``None``: the default group), ``P`` ranks.
+        group: the context-parallel process group (``None``: the default group), or a
+            :class:`~.ranks.RankList` of default-group ranks (no group is created); ``P`` ranks.
         q: ``(Tl, Hq, D)``: this rank's query tokens, ``placement.shard(q_global, rank)``.
         k, v: ``(Tl, Hkv, D)``: this rank's key and value tokens, ``Hq % Hkv == 0``.
         layout: the *global* :class:`BlockLayout` (identical on every rank, e.g. from
@@ -164,7 +167,7 @@ def ring_attention(
         ``(Tl, Hq, D)``: this rank's rows of ``block_sparse_attention`` on the full sequence
         (padded tokens are zeros); differentiable in q, k and v.
     """
-    world = dist.get_world_size(group)
+    world = group_size(group)
     check_shard_inputs(q, k, v, layout, placement, world)
     scale = resolve_scale(scale, q.shape[-1])
     return RingAttention.apply(q, k, v, group, layout.to(q.device), placement, scale)

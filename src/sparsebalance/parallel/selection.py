@@ -13,13 +13,13 @@ on CPU; on CUDA ``index_add_`` itself is not deterministic, on one device or man
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..ops.budget import Budget
 from ..ops.layout import BlockLayout
 from ..ops.select import BlockMassEstimate, estimate_from_pooled, pool_segments, segments
 from ..ops.varlen import check_cu_seqlens, check_qkv
 from .layouts import Placement
+from .ranks import Group, all_gather, group_rank, group_size
 
 
 def local_segments(placement: Placement, cu_seqlens: torch.Tensor, rank: int):
@@ -34,7 +34,7 @@ def local_segments(placement: Placement, cu_seqlens: torch.Tensor, rank: int):
 
 
 def estimate_block_mass_distributed(
-    group: dist.ProcessGroup | None,
+    group: Group,
     q: torch.Tensor,
     k: torch.Tensor,
     placement: Placement,
@@ -45,7 +45,8 @@ def estimate_block_mass_distributed(
     """:func:`~sparsebalance.ops.estimate_block_mass` of the whole sequence, from the shards.
 
     Args:
-        group: the context-parallel group (``None``: default group), ``placement.world_size``.
+        group: the context-parallel group (``None``: default group) or a
+            :class:`~.ranks.RankList`, ``placement.world_size`` ranks.
         q: ``(Tl, Hq, D)`` and k: ``(Tl, Hkv, D)``: this rank's shards (``placement.shard``).
         placement: the token placement; its ``block_size`` is the selection's block size.
         cu_seqlens: int32 ``(N + 1,)`` of the *global* pack (0 .. T).
@@ -55,7 +56,7 @@ def estimate_block_mass_distributed(
     """
     check_qkv(q, k)
     check_cu_seqlens(cu_seqlens, placement.seq_len)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = group_size(group), group_rank(group)
     if placement.world_size != world:
         raise ValueError(f"placement is for {placement.world_size} ranks, the group has {world}")
     if q.shape[0] != placement.local_len:
@@ -69,8 +70,7 @@ def estimate_block_mass_distributed(
     width = max(len(i) for i in per_rank)
     send = torch.zeros(width, *pooled.shape[1:], dtype=pooled.dtype, device=q.device)
     send[: len(ids)] = pooled
-    parts = [torch.empty_like(send) for _ in range(world)]
-    dist.all_gather(parts, send, group=group)
+    parts = all_gather(group, send)
     full = torch.empty(length.numel(), *pooled.shape[1:], dtype=pooled.dtype, device=q.device)
     for r, seg_ids in enumerate(per_rank):
         full[seg_ids.to(q.device)] = parts[r][: len(seg_ids)]
@@ -81,7 +81,7 @@ def estimate_block_mass_distributed(
 
 
 def select_blocks_distributed(
-    group: dist.ProcessGroup | None,
+    group: Group,
     q: torch.Tensor,
     k: torch.Tensor,
     placement: Placement,

@@ -67,7 +67,10 @@ class TrainConfig:
     overlong: str = "split"
     """Documents longer than the capacity: split | truncate | skip (counted in the metrics)."""
     strategy: str = "sab"
-    """Batching strategy: sequential | sorted | tokens | flops | sab."""
+    """Batching strategy: sequential | sorted | tokens | flops | sab | sab-cp (sab plus context
+    parallelism: a document over the capacity, or one that shortens the step when split, is
+    trained whole on a unit of k ranks through the sparse ring; --overlong then applies only to
+    documents over world size x capacity)."""
     block_size: int = 64
     """Sparse attention block size (tokens)."""
     backend: str = "auto"
@@ -128,6 +131,12 @@ class TrainConfig:
         self._check_memory_options()
         if self.strategy not in STRATEGIES:
             raise ValueError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.strategy == "sab-cp" and self.emulate_ranks:
+            raise ValueError(
+                "--strategy sab-cp cannot run with --emulate-ranks: its CP units need their ranks "
+                "to run together (a ring); emulate with --strategy sab, or launch real ranks "
+                "with --nproc"
+            )
         if self.overlong not in OVERLONG:
             raise ValueError(f"--overlong must be one of {OVERLONG}, got {self.overlong!r}")
         if self.parallel not in PARALLEL:

@@ -1,21 +1,30 @@
-"""Stage 3 of the step: one rank's micro-batches, forward + backward, each timed, with DST's
-per-layer budgets; passes and gradient-sync contexts come from :class:`.Parallelized`."""
+"""Stage 3 of the step: one rank's units, forward + backward, each timed, with DST's per-layer
+budgets; passes and gradient-sync contexts come from :class:`.Parallelized`.
+
+A one-rank unit is a packed micro-batch on the whole model. A CP unit (k > 1 ranks) runs this
+rank's striped shard through the ring (:mod:`.cp_unit`); its per-layer budgets come from a
+controller of its own, built from the step decision alone (the unit's ranks share one gamma) and
+fed no measured times, so every rank of the unit chooses the same budget from the same estimate
+without a message."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from ..batching import Unit
 from ..data import pack
 from ..latency import LatencyModel
 from ..models.attention import PackedAttention
 from ..ops import Budget
+from ..parallel.ring import ring_wait_seconds
 from ..tuning import DSTConfig, LayerController
 from ..workload import MicroBatch
+from .cp_unit import unit_batch
 from .loss import packed_loss
 from .parallelize import Parallelized
 from .records import LocalWork, MicroBatchResult, RankRecord, TunedStep
@@ -42,26 +51,80 @@ class RankExecutor:
     """LM loss implementation (``train.loss``): auto | chunked | plain | liger."""
 
     def run(self, step: TunedStep, rank: int) -> LocalWork:
-        """Rank ``rank``'s micro-batches (real or emulated rank); ``perf_counter`` stamps."""
-        plan, mine = step.planned.plan, step.decision.ranks[rank]
+        """Rank ``rank``'s units (real or emulated rank); ``perf_counter`` stamps."""
+        planned = step.planned
+        plan, mine = planned.plan, step.decision.ranks[rank]
+        units = planned.units
+        # The controller plans this rank's one-rank micro-batches (all of them without CP units).
+        solo = [plan.ranks[rank][j] for j, u in enumerate(planned.rank_units[rank])
+                if units[u].degree == 1]  # fmt: skip
         controller = None
-        if self.dst.mode != "off" and plan.ranks[rank]:
-            controller = LayerController.from_decision(mine, plan.ranks[rank], self.latency,
-                                                       self.dst)  # fmt: skip
-        pairs = list(zip(plan.ranks[rank], plan.offsets[rank], strict=True))
-        passes = self.par.passes(len(pairs), max(len(r) for r in plan.ranks))
-        results, ready = [], None
-        for m in range(passes):
+        if self.dst.mode != "off" and solo:
+            controller = LayerController.from_decision(mine, solo, self.latency, self.dst)
+            if len(solo) < len(plan.ranks[rank]):  # its CP units are not the controller's
+                controller.target_seconds = float(controller.planned.sum())
+        row = planned.rounds[rank]
+        mine_units = [u for u in row if u is not None]
+        passes = self.par.passes(len(mine_units), len(row))
+        order = list(row) if self.par.kind == "fsdp2" else mine_units
+        order += [None] * (passes - len(order))
+        results, ready, m_solo = [], None, 0
+        for m, u in enumerate(order):
             with self.par.microbatch(m, passes):
-                if m < len(pairs):
-                    mb, offs = pairs[m]
-                    res, ready = self.microbatch(m, mb, offs, controller, mine.gamma,
-                                                 step.loss_scale)  # fmt: skip
-                    results.append(res)
-                else:  # a zero-weight filler keeps this rank's collectives in step with the others
+                if u is None:  # a zero-weight filler keeps this rank's collectives in step
                     ready = self.filler()
+                elif units[u].degree > 1:
+                    res, ready = self.cp_unit(units[u], rank, mine.gamma, step.loss_scale)
+                    results.append(res)
+                else:
+                    unit = units[u]
+                    mb = MicroBatch(unit.sample_ids, unit.lengths, unit.densities)
+                    res, ready = self.microbatch(m_solo, mb, unit.offsets, controller, mine.gamma,
+                                                 step.loss_scale)  # fmt: skip
+                    results.append(replace(res, slot=unit.slot))
+                    m_solo += 1
         done = time.perf_counter()
         return LocalWork([RankRecord.from_results(mine, results)], ready or done, done)
+
+    def cp_unit(
+        self, unit: Unit, rank: int, gamma: float, loss_scale: float
+    ) -> tuple[MicroBatchResult, float]:
+        """Forward + backward of this rank's shard of CP unit ``unit`` (see the module
+        docstring); the result (this rank's loss share, the unit's layer densities)."""
+        batch, ring = unit_batch(unit, rank, self.docs, self.block_size, self.device,
+                                 self.per_doc_weighting)  # fmt: skip
+        choose = None
+        if self.dst.mode != "off":
+            mb = MicroBatch(unit.sample_ids, unit.lengths, unit.densities)
+            # Target: the unit's own prediction at its gamma; fed no measured times, the
+            # controller's choices depend on the shared estimates only (same on every rank).
+            ctl = LayerController([mb], self.latency, self.dst, 0.0, gamma=gamma)
+            ctl.target_seconds = float(ctl.planned.sum())
+            choose = lambda layer, e: ctl.choose(0, layer, e)  # noqa: E731
+        ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=gamma), self.block_size,
+                              self.backend, choose_budget=choose, ring=ring)  # fmt: skip
+        t0, wait0 = time.perf_counter(), ring_wait_seconds()
+        loss_sum = packed_loss(self.par.model, batch, ctx, self.loss)
+        (loss_sum * loss_scale).backward()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        ready = self.par.ready_time() or time.perf_counter()
+        result = MicroBatchResult(
+            seconds=ready - t0,
+            lengths=tuple(unit.lengths),
+            sample_ids=tuple(unit.sample_ids),
+            layer_densities=tuple(tuple(s.document_density) for s in ctx.stats),
+            gammas=tuple(s.gamma for s in ctx.stats),
+            loss_sum=float(loss_sum.detach()),
+            weight_sum=float(batch.loss_weights.sum()),
+            slot=unit.slot,
+            unit_ranks=tuple(unit.ranks),
+            ring=unit.ring,
+            ring_wait_s=ring_wait_seconds() - wait0,
+            start_s=t0,
+            local_tokens=_real_tokens(ring.placement, unit.ranks.index(rank)),
+        )
+        return result, ready
 
     def microbatch(
         self,
@@ -103,6 +166,7 @@ class RankExecutor:
             gammas=tuple(s.gamma for s in ctx.stats),
             loss_sum=float(loss_sum.detach()),
             weight_sum=float(batch.loss_weights.sum()),
+            start_s=t0,
         )
         return result, ready
 
@@ -115,3 +179,8 @@ class RankExecutor:
                              sb_attention=ctx, use_cache=False).logits  # fmt: skip
         (out.float().sum() * 0.0).backward()
         return self.par.ready_time() or time.perf_counter()
+
+
+def _real_tokens(placement, position: int) -> int:
+    """Tokens of the pack (padding excluded) that placement rank ``position`` holds."""
+    return int((placement.token_index(position) < placement.seq_len).sum())

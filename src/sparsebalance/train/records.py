@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
-from ..batching import Plan
+from ..batching import Plan, Unit
 from ..tuning import RankDecision, StepDecision
 
 
@@ -36,6 +36,13 @@ class StepPlan:
     """16 hex digits, identical on every rank (checked with one all-gather)."""
     global_weight: float
     """Total loss weight of the global batch over all ranks (the loss normaliser)."""
+    units: tuple[Unit, ...] = ()
+    """``plan.execution()``'s units: CP units (k > 1) first, then every one-rank micro-batch."""
+    rank_units: tuple[tuple[int, ...], ...] = ()
+    """Per rank, its units (indices into ``units``) in slot order."""
+    rounds: tuple[tuple[int | None, ...], ...] = ()
+    """Per rank, the unit run at each pass round, None for a gap
+    (:func:`~sparsebalance.train.cp_unit.pass_schedule`)."""
 
 
 @dataclass(frozen=True)
@@ -80,17 +87,25 @@ class MicroBatchResult:
     """When the micro-batch started: the executor stamps ``time.perf_counter()``, the step makes
     it seconds after the step's plan agreement (:meth:`RankRecord.relative_to`; comparable across
     ranks, see :class:`LocalWork`); None where it was not stamped."""
+    local_tokens: int = 0
+    """Tokens this rank held: its shard's real tokens for a CP unit (whose ``lengths`` are the
+    unit's whole documents); 0 = ``sum(lengths)``."""
 
     @property
     def degree(self) -> int:
         """k, the number of ranks that ran this micro-batch together (1 = data parallel)."""
         return max(len(self.unit_ranks), 1)
 
+    @property
+    def tokens(self) -> int:
+        """Tokens this rank ran (its shard's for a CP unit)."""
+        return self.local_tokens or sum(self.lengths)
+
     def unit_json(self) -> dict:
         """What ``metrics.jsonl`` says about the unit (one entry of a rank's ``units``)."""
         return {
             "slot": self.slot, "ranks": list(self.unit_ranks), "degree": self.degree,
-            "ring": self.ring, "sample_ids": list(self.sample_ids), "tokens": sum(self.lengths),
+            "ring": self.ring, "sample_ids": list(self.sample_ids), "tokens": self.tokens,
             "start_s": self.start_s, "seconds": self.seconds, "ring_wait_s": self.ring_wait_s,
         }  # fmt: skip
 
@@ -142,7 +157,7 @@ class RankRecord:
         return cls(
             rank=decision.rank,
             compute_s=sum(r.seconds for r in results),
-            tokens=sum(sum(r.lengths) for r in results),
+            tokens=sum(r.tokens for r in results),
             microbatch_s=[r.seconds for r in results],
             predicted_before_s=decision.predicted_before,
             predicted_s=decision.predicted_after,

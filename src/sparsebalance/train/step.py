@@ -21,9 +21,10 @@ import torch
 
 from ..batching import HistoryEstimator, PlanConfig, plan_batch
 from ..latency import LatencyModel
-from ..tuning import DSTTuner
-from ..workload import MicroBatch, Sample
+from ..tuning import DSTTuner, decide_units
+from ..workload import CostModel, MicroBatch, Sample
 from .config import TrainConfig
+from .cp_unit import pass_schedule
 from .execute import RankExecutor
 from .feedback import apply_feedback
 from .parallelize import Parallelized
@@ -50,6 +51,22 @@ def label_weight(mb: MicroBatch, per_doc_weighting: bool) -> float:
     return float(sum(n - 1 for n in mb.lengths))
 
 
+def check_plan_agreement(hashes: list[str], plan) -> None:
+    """Raise ``RuntimeError`` unless every rank's plan hash (``hashes[r]``) is the same, naming
+    the ranks that differ from the majority and the CP units (of this rank's plan) they are in."""
+    if len(set(hashes)) == 1:
+        return
+    common = max(set(hashes), key=lambda h: (hashes.count(h), h))
+    odd = [r for r, h in enumerate(hashes) if h != common]
+    units = [f"unit {u.slot} (ranks {list(u.ranks)})" for u in plan.units
+             if set(u.ranks) & set(odd)]  # fmt: skip
+    where = f"; CP units they take part in: {', '.join(units)}" if units else ""
+    raise RuntimeError(
+        f"ranks {odd} derived a different plan from the other ranks (hashes {hashes}): their "
+        f"inputs diverged, the step is stopped{where}"
+    )
+
+
 @dataclass
 class StepRunner:
     """Runs :meth:`run` once per step; the :class:`~sparsebalance.train.Trainer` owns it."""
@@ -69,6 +86,9 @@ class StepRunner:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sample: Callable[[int], Sample]
     """Sample id -> :class:`Sample` (for the density estimator's feedback)."""
+    cost: CostModel | None = None
+    """What plans and DST price with: a ``ContextCost`` over ``latency`` for ``sab-cp`` (it
+    prices documents split over k ranks); ``latency`` itself when None."""
 
     def run(self, samples: list[Sample], step: int) -> StepResult:
         """Step number ``step`` (1-based) on ``samples`` (the global batch, same on every rank).
@@ -83,7 +103,7 @@ class StepRunner:
         optim = self.update(records, step)
         feedback = StepFeedback.from_records(records)
         apply_feedback(feedback, self.latency, self.estimator, self.tuner.curve, self.sample,
-                       use_timings=not self.cfg.deterministic)  # fmt: skip
+                       use_timings=not self.cfg.deterministic, context=self.cost)  # fmt: skip
         summary = self.summarize(tuned, records, optim, time.perf_counter() - t_step)
         return StepResult(records, summary, feedback)
 
@@ -92,19 +112,25 @@ class StepRunner:
         cfg = self.cfg
         pcfg = PlanConfig(self.num_ranks, cfg.micro_batches, cfg.capacity, cfg.strategy,
                           cfg.overlong)  # fmt: skip
-        plan = plan_batch(samples, self.latency, pcfg, estimator=self.estimator)
+        plan = plan_batch(samples, self.cost or self.latency, pcfg, estimator=self.estimator)
         hashes = self.rt.all_gather_object(plan.hash())
-        if len(set(hashes)) != 1:
-            raise RuntimeError(f"ranks derived different plans (hashes {hashes}): inputs diverged")
-        weight = sum(label_weight(mb, cfg.per_doc_loss_weighting)
-                     for rank in plan.ranks for mb in rank)  # fmt: skip
-        return StepPlan(plan, hashes[0], weight)
+        check_plan_agreement(hashes, plan)
+        units, rank_units = plan.execution()
+        # Every unit once (a CP unit appears in each of its ranks' lists).
+        weight = sum(label_weight(MicroBatch(u.sample_ids, u.lengths, u.densities),
+                                  cfg.per_doc_loss_weighting) for u in units)  # fmt: skip
+        return StepPlan(plan, hashes[0], weight, units, rank_units,
+                        pass_schedule(units, rank_units))  # fmt: skip
 
     def tune(self, planned: StepPlan) -> TunedStep:
         """DST: a budget per rank; and the loss scale that makes every rank's loss a share of
         the global token mean (the gradient sync averages over processes; emulated ranks
         accumulate into one set of gradients)."""
-        decision = self.tuner.decide(planned.plan.ranks, self.latency)
+        plan = planned.plan
+        if plan.units:  # workers = ranks joined by CP units, one gamma each
+            decision = decide_units(self.tuner, plan, self.cost or self.latency)
+        else:
+            decision = self.tuner.decide(plan.ranks, self.latency)
         loss_scale = self.rt.world_size / max(planned.global_weight, 1e-9)
         return TunedStep(planned, decision, loss_scale)
 

@@ -27,7 +27,14 @@ from ..data.dataset import (
 )
 from ..data.mixture import MixtureSampler
 from ..data.store import is_store
-from ..latency import LatencyModel, Profile, default_latency_model, fingerprint, load_profile
+from ..latency import (
+    LatencyModel,
+    Profile,
+    context_cost,
+    default_latency_model,
+    fingerprint,
+    load_profile,
+)
 from ..latency.memory import (
     GIB,
     MemoryConfig,
@@ -124,9 +131,12 @@ class Trainer:
         executor = RankExecutor(self.par, corpus.docs, self.latency, cfg.dst, rt.device,
                                 cfg.block_size, cfg.backend, cfg.per_doc_loss_weighting,
                                 time_layers, cfg.loss)  # fmt: skip
+        cost = None
+        if cfg.strategy == "sab-cp":  # prices split documents: measured links, else analytic H100
+            cost = context_cost(self.latency, "h100", shapes, block_size=cfg.block_size)
         self.runner = StepRunner(
             cfg, rt, self.num_ranks, self.latency, self.estimator, DSTTuner(cfg.dst), self.par,
-            executor, self.params, self.optimizer, self.scheduler, self.sample,
+            executor, self.params, self.optimizer, self.scheduler, self.sample, cost,
         )  # fmt: skip
         self.step = 0
         earlier = [

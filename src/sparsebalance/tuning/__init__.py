@@ -24,7 +24,7 @@ from .records import (
     StepTargets,
     bubbles,
 )
-from .unit_workload import UnitWorkload
+from .unit_workload import UnitWorkload, decide_units
 
 __all__ = [
     "ANCHORS",
@@ -43,4 +43,5 @@ __all__ = [
     "UnitWorkload",
     "add_dst_arguments",
     "bubbles",
+    "decide_units",
 ]

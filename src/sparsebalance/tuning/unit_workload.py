@@ -11,6 +11,9 @@ workers exactly as it does ranks: :class:`UnitWorkload` has :class:`PlanWorkload
 (``num_ranks`` is the number of workers), so :meth:`DSTTuner.decide_arrays
 <sparsebalance.tuning.dst.DSTTuner.decide_arrays>` runs unchanged.
 
+:func:`decide_units` turns the tuner's per-worker decision into the trainer's per-rank
+:class:`~sparsebalance.tuning.StepDecision`.
+
 Cost per pricing: one ``PlanWorkload.seconds`` over the ranks, one vectorised ``unit_seconds``
 over the U units and a Python pass over them in slot order (O(U) slices).
 """
@@ -21,6 +24,7 @@ import numpy as np
 
 from .curve import DensityCurve
 from .plan_workload import PlanWorkload
+from .records import RankDecision, StepDecision
 
 
 class UnitWorkload:
@@ -117,3 +121,46 @@ class UnitWorkload:
     def weights(self) -> np.ndarray:
         """``(W,)`` sum of length² over each worker's documents."""
         return self._weight
+
+    @classmethod
+    def from_plan(cls, plan, cost_model, curve: DensityCurve) -> UnitWorkload:
+        """The workload of a hybrid :class:`~sparsebalance.batching.Plan` (its ``units`` each
+        hold one document, as ``sab-cp`` builds them; ``rank_units[r][j] < 0`` marks rank r's
+        whole-document micro-batches)."""
+        units = plan.units
+        if any(len(u.lengths) != 1 for u in units):
+            raise ValueError("UnitWorkload prices CP units of one document each")
+        mb_rank, sizes, lengths, d0 = [], [], [], []
+        for r, (mbs, idx) in enumerate(zip(plan.ranks, plan.rank_units, strict=True)):
+            for mb, u in zip(mbs, idx, strict=True):
+                if u < 0:
+                    mb_rank.append(r)
+                    sizes.append(len(mb.lengths))
+                    lengths.extend(mb.lengths)
+                    d0.extend(mb.densities)
+        return cls(
+            plan.num_ranks, [u.lengths[0] for u in units], [u.densities[0] for u in units],
+            [u.degree for u in units], [u.ranks[0] for u in units],
+            np.array(mb_rank, dtype=np.int64), np.array(sizes, dtype=np.int64),
+            np.array(lengths, dtype=np.int64), np.array(d0, dtype=np.float64), cost_model, curve,
+        )  # fmt: skip
+
+
+def decide_units(tuner, plan, cost_model) -> StepDecision:
+    """DST's :class:`StepDecision` for a hybrid plan, one :class:`RankDecision` per rank: the
+    ranks of a worker (ranks joined by CP units) share its gamma and role; a rank's times are
+    its own finish times (:meth:`UnitWorkload.rank_seconds`); a worker's density and attention
+    seconds are split evenly over its ranks (so the step's budget sums count them once)."""
+    work = UnitWorkload.from_plan(plan, cost_model, tuner.curve)
+    a = tuner.decide_arrays(work)
+    g0 = np.full(work.num_ranks, tuner.config.gamma0)
+    before, after = work.rank_seconds(g0), work.rank_seconds(a.gammas)
+    size = np.bincount(work.worker_of, minlength=work.num_ranks).astype(np.float64)
+    ranks = []
+    for r, w in enumerate(work.worker_of.tolist()):
+        ranks.append(RankDecision(
+            r, a.targets.roles[w], float(a.gammas[w]), float(after[r]), float(before[r]),
+            float(after[r]), float(a.density_before[w]), float(a.density_after[w]),
+            float(a.attention_before[w] / size[w]), float(a.attention_after[w] / size[w]),
+        ))  # fmt: skip
+    return tuner.assemble(a.targets, ranks)
