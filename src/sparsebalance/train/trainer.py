@@ -257,6 +257,8 @@ class Trainer:
             "step": self.step,
             "data": self.data.state_dict(),
             "latency": self.latency.state_dict(),
+            # the ContextCost's recalibrated ring terms (sab-cp), None without one
+            "context": None if self.runner.cost is None else self.runner.cost.state_dict(),
             "estimator": self.estimator.state_dict(),
             "vocab_map": self.corpus.vocab_map,
             "config": to_dict(self.cfg),
@@ -314,6 +316,8 @@ class Trainer:
             raise ValueError("--resume: the checkpoint's compact vocabulary differs from this one")
         self.step = tr["step"]
         self.latency.load_state_dict(tr["latency"])
+        if self.runner.cost is not None and tr.get("context") is not None:
+            self.runner.cost.load_state_dict(tr["context"])
         self.estimator.load_state_dict(tr["estimator"])
         set_rng_state(state["rng"][self.rt.rank])
 
