@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -39,3 +40,19 @@ def median_time(
         fn()
     synchronize(device)
     return statistics.median(time_once(fn, device) for _ in range(repeats))
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int | None) -> Iterator[int]:
+    """Run the block with ``torch.set_num_threads(num_threads)`` (None: leave it), restoring the
+    previous count after; yields the count in force. CPU timings depend on it: a profile must be
+    measured with the threads the timed work will run with."""
+    before = torch.get_num_threads()
+    if num_threads is not None and num_threads < 1:
+        raise ValueError(f"threads must be >= 1, got {num_threads}")
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

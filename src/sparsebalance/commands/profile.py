@@ -1,16 +1,19 @@
 """``sparsebalance profile``: measure a latency profile, validate one, or build an analytic one.
 
     sparsebalance profile --model tiny --device cpu --out profile.json [--max-len N] [--budget 40]
+        [--threads N]
     sparsebalance profile --validate profile.json [--num-batches 30] [--json] [--results-dir DIR]
     sparsebalance profile --analytic h100 --model qwen2.5-0.5b --out h100.json
 
 Measuring times whole micro-batches of the model's shapes (attention with the training backend
 and the block selection included) in interleaved rounds, fits the physical form of
 :mod:`sparsebalance.latency.form`, and prints the timing noise and the fit's leave-one-out error
-in one line. Validation times held-out micro-batches (off-design lengths, random densities) and
-reports MAPE with a 95 % bootstrap interval, what is mispredicted (attention by length and
-density, per-token part, overheads), and how many steps of online recalibration a profile scaled
-by 1.5x needs to get back. It writes a results file only with ``--results-dir``.
+in one line. On CPU it measures with the threads a rank of ``sparsebalance train`` runs with
+(``--threads``; the count is part of the profile's fingerprint). Validation times held-out
+micro-batches (off-design lengths, random densities) and reports MAPE with a 95 % bootstrap
+interval, what is mispredicted (attention by length and density, per-token part, overheads), and
+how many steps of online recalibration a profile scaled by 1.5x needs to get back. It writes a
+results file only with ``--results-dir``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from ..latency.measure import DTYPES, measure_profile, noise_line
 from ..latency.validate import validate_profile
 from ..models import BUILTIN_MODELS, load_shapes
 from ..results import markdown_table, write_results
+from ..timing import torch_threads
+from ..train.launch import CPU_NPROC, rank_threads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,6 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="timings per micro-batch (median)")
     p.add_argument(
+        "--threads", type=int, default=None,
+        help="CPU threads to measure with (default: what each rank of `sparsebalance train` "
+             f"uses: $OMP_NUM_THREADS, else 1 as torchrun sets for its default {CPU_NPROC} "
+             "processes; with --validate: the profile's own count)",
+    )  # fmt: skip
+    p.add_argument(
         "--strict", action="store_true", help="error (not warn) on a fingerprint mismatch"
     )
     p.add_argument(
@@ -106,6 +117,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--block-size must be > 0, got {args.block_size}")
     if args.rounds < 2:
         raise ValueError(f"--rounds must be >= 2 (the noise needs repeats), got {args.rounds}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.validate:
         return _validate(args, shapes, device, dtype)
     max_len = args.max_len or min(4096, shapes.max_context)
@@ -116,9 +129,10 @@ def main(args: argparse.Namespace) -> int:
     budget = 6.0 if args.quick else args.budget
     if budget <= 0:
         raise ValueError(f"--budget must be > 0 seconds, got {budget}")
+    threads = (args.threads or rank_threads(CPU_NPROC)) if device.type == "cpu" else None
     profile = measure_profile(
         shapes, device, dtype, args.backend, args.block_size, max_len, budget, args.rounds,
-        args.allreduce_world_size, quiet=True,
+        args.allreduce_world_size, quiet=True, threads=threads,
     )  # fmt: skip
     if args.measure_links:
         from ..latency.links import measure_p2p
@@ -142,17 +156,20 @@ def main(args: argparse.Namespace) -> int:
 def _validate(args, shapes, device, dtype) -> int:
     profile = load_profile(args.validate)
     backend = profile.fingerprint.get("backend", "torch")
-    running = fingerprint(shapes, device, dtype, backend, args.block_size)
+    threads = (args.threads or profile.fingerprint.get("threads")) if device.type == "cpu" else None
+    running = fingerprint(shapes, device, dtype, backend, args.block_size, threads)
     profile.check_fingerprint(
         {**running, **{k: profile.fingerprint[k] for k in ("max_len", "schema")
                        if k in profile.fingerprint}},
         strict=args.strict,
     )  # fmt: skip
     result = {"profile": args.validate}
-    result.update(validate_profile(
-        profile, shapes, device, dtype, backend, args.block_size, args.num_batches,
-        args.max_tokens, args.rounds,
-    ))  # fmt: skip
+    with torch_threads(threads):
+        result.update(validate_profile(
+            profile, shapes, device, dtype, backend, args.block_size, args.num_batches,
+            args.max_tokens, args.rounds,
+        ))  # fmt: skip
+    result["threads"] = threads
     table = _tables(result)
     if args.results_dir:
         md, _ = write_results(

@@ -35,18 +35,20 @@ def default_latency_model(
     cache_dir: Path | None = None,
     max_len: int | None = None,
     budget_s: float = 40.0,
+    threads: int | None = None,
 ) -> LatencyModel:
     """A latency model for the running setup with no manual step.
 
     Order: a cached profile with this exact fingerprint; a profile shipped with the package with
     this fingerprint; otherwise a profile for micro-batches up to ``max_len`` tokens (default: the
     model's context) is measured now (about 45 s on a 2-core CPU, see :mod:`.measure`), its noise
-    line printed, and cached. Cache entries carry the profile schema: profiles of an older
-    schema (the interpolated grids) are re-measured, not reused.
+    line printed, and cached. The fingerprint, hence the cache key, holds the CPU ``threads`` the
+    profile is for (default: this process's count, which is what a trainer rank runs with) and
+    the profile schema: a profile for other threads, or of an older schema, is not reused.
     """
     from .measure import measure_profile, noise_line
 
-    running = fingerprint(shapes, device, dtype, backend, block_size)
+    running = fingerprint(shapes, device, dtype, backend, block_size, threads)
     running["max_len"] = max_len or shapes.max_context
     running["schema"] = SCHEMA
     key = hashlib.sha1(json.dumps(running, sort_keys=True).encode()).hexdigest()[:12]
@@ -60,8 +62,9 @@ def default_latency_model(
             if profile.fingerprint == running:
                 return LatencyModel(profile)
     profile = measure_profile(
-        shapes, device, dtype, backend, block_size, running["max_len"], budget_s, quiet=True
-    )
+        shapes, device, dtype, backend, block_size, running["max_len"], budget_s, quiet=True,
+        threads=running["threads"],
+    )  # fmt: skip
     print(noise_line(profile), file=sys.stderr)
     profile.fingerprint["max_len"] = running["max_len"]
     profile.fingerprint["schema"] = SCHEMA

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from ..models import ModelShapes
 from ..ops import resolve_backend
-from ..timing import median_time
+from ..timing import median_time, torch_threads
 from .form import FEATURES, features, fit_form, form_tables
 from .model import LatencyModel
 from .profile import AttentionTable, Profile, Table1D, fingerprint
@@ -58,11 +58,22 @@ def measure_profile(
     allreduce_world_size: int = 0,
     quiet: bool = False,
     seed: int = 7,
+    threads: int | None = None,
 ) -> Profile:
     """Measure a :class:`Profile` for micro-batches of up to ``max_len`` tokens (default: the
-    model's context) spending about ``budget_s`` seconds timing micro-batches."""
+    model's context) spending about ``budget_s`` seconds timing micro-batches, with ``threads``
+    CPU threads (default: this process's count; recorded in the fingerprint)."""
     if budget_s <= 0 or rounds < 2:
         raise ValueError(f"need budget_s > 0 and rounds >= 2, got {budget_s}, {rounds}")
+    with torch_threads(threads if device.type == "cpu" else None):
+        return _measure_profile(shapes, device, dtype, backend, block_size, max_len, budget_s,
+                                rounds, allreduce_world_size, quiet, seed)  # fmt: skip
+
+
+def _measure_profile(
+    shapes, device, dtype, backend, block_size, max_len, budget_s, rounds, allreduce_world_size,
+    quiet, seed,
+) -> Profile:  # fmt: skip
     t_start = time.perf_counter()
     top = int(max_len or shapes.max_context)
     backend = resolve_backend(backend, device)

@@ -38,14 +38,23 @@ class ProfileMismatchWarning(UserWarning):
 
 
 def fingerprint(
-    shapes: ModelShapes, device: torch.device, dtype: str, backend: str, block_size: int
+    shapes: ModelShapes,
+    device: torch.device,
+    dtype: str,
+    backend: str,
+    block_size: int,
+    threads: int | None = None,
 ) -> dict:
-    """What a profile's numbers depend on."""
+    """What a profile's numbers depend on. ``threads``: the CPU threads per process the timings
+    hold for (default: this process's ``torch.get_num_threads()``; None on GPU) -- a profile
+    measured with 2 threads mispredicts ranks that run with 1."""
     info = machine_info(device)
+    if device.type == "cpu":
+        threads = int(threads or info["cpu_threads"])
     return {
         "device": info.get("gpu", info["cpu"]),
         "device_type": device.type,
-        "threads": info["cpu_threads"] if device.type == "cpu" else None,
+        "threads": threads if device.type == "cpu" else None,
         "torch": torch.__version__.split("+")[0],
         "dtype": dtype,
         "backend": backend,

@@ -23,6 +23,7 @@ from .runlock import ENV_TOKEN, FOLLOW, RunLock
 from .signals import HANDLED, die_with_parent
 
 LAUNCHER_PID = "SPARSEBALANCE_LAUNCHER_PID"
+CPU_NPROC = 2  # processes `sparsebalance train` starts on a CPU machine without --nproc
 
 
 def uses_cuda(cfg: TrainConfig) -> bool:
@@ -40,7 +41,21 @@ def default_nproc(cfg: TrainConfig, requested: int | None) -> int:
         return requested
     if cfg.emulate_ranks:
         return 1
-    return torch.cuda.device_count() if uses_cuda(cfg) else 2
+    return torch.cuda.device_count() if uses_cuda(cfg) else CPU_NPROC
+
+
+def rank_threads(nproc: int, env: dict[str, str] | None = None) -> int:
+    """CPU threads each training rank's torch runs with: ``OMP_NUM_THREADS`` if set, else 1 when
+    torchrun starts more than one process per machine (torchrun sets ``OMP_NUM_THREADS=1``
+    then), else torch's default (the physical cores). The latency profile must be measured with
+    this count: matmuls and attention scale differently with threads."""
+    env = os.environ if env is None else env
+    if env.get("OMP_NUM_THREADS"):
+        value = env["OMP_NUM_THREADS"]
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"OMP_NUM_THREADS must be an integer >= 1, got {value!r}")
+        return int(value)
+    return 1 if nproc > 1 else torch.get_num_threads()
 
 
 class RunFailed(RuntimeError):
