@@ -1,272 +1,359 @@
-"""Does DST's extra attention help accuracy? Train the tiny model from scratch five ways, evaluate.
+"""Accuracy under sparsity (issue 18): continue a model that retrieves densely, seven ways.
 
-    .venv/bin/python benchmarks/accuracy.py            # full run, writes benchmarks/results/
-    .venv/bin/python benchmarks/accuracy.py --quick    # smoke run (1 seed, 5 steps), no file
+    PYTHONPATH=src OMP_NUM_THREADS=1 .venv/bin/python benchmarks/accuracy.py \\
+        --pretrained runs/retrieval-dense                 # full grid, writes benchmarks/results/
+    PYTHONPATH=src .venv/bin/python benchmarks/accuracy.py --quick   # smoke run (~2 min), no file
 
-Variants (issue 8), trained on the same built-in synthetic mix (passkey / niah / kv, heavy-tailed
-lengths), same data order, steps and seeds, SAB batching over ``--ranks`` emulated data-parallel
-ranks (one process; DST needs several ranks to have anything to balance):
+Step 1 (``benchmarks/accuracy_pretrain.py``, recipe ``benchmarks/configs/accuracy-pretrain.toml``)
+trains a small model that solves passkey, single-needle NIAH and MQAR with dense attention; without
+``--pretrained`` this script runs it first (``--quick``: a few steps of a tiny recipe, so the model
+does not retrieve; the quick mode only checks that the pipeline runs).
 
-- ``dense``: every causal block (the op at gamma 1.0; the tuner's decision is overridden to 1.0
-  for every rank, since ``--gamma0`` must be < 1).
-- ``fixed``: fixed gamma0 sparse attention (``--dst-mode off``), the baseline.
-- ``dst-bidir-mean``: DST bidirectional, mean anchor (SparseBalance's default).
-- ``dst-down-mean``: DST down-only (stragglers cut, nobody raised), mean anchor.
-- ``dst-bidir-min``: DST bidirectional, min anchor (cuts hard, then raises the rest).
+Step 2: every variant continues from that checkpoint with the real trainer (``Trainer``: SAB
+planner over ``--ranks`` emulated data-parallel ranks in one process, DST tuner, the
+``sparsebalance`` attention op) on the same heavy-tailed mix of the three tasks (train split,
+lengths log-normal in ``[--min-len, --max-len]``), same documents, same order, same steps for a
+given seed (the seed also sets the data order). ``deterministic=True``: DST decides from the
+latency model's predictions, not from this loaded machine's clock, so the budgets are reproducible.
 
-The seed sets the model initialisation, the training documents and their order; every variant
-sees the same ones for a given seed. Training uses ``deterministic=True``: DST decides from the
-profiled latency model's predictions, not from wall-clock measurements, so the budgets (and hence
-the accuracies) do not depend on how loaded this shared machine was.
-
-Evaluation (held-out eval split: keys and values never seen in training): teacher-forced exact
-match and per-token answer accuracy (``sparsebalance.evaluation.evaluate_task``) per task and
-prompt length, and perplexity of held-out synthetic text. Every model is evaluated with dense
-attention, and the sparse variants also at gamma0 (the setting they were trained at).
-Time per step is the emulated cluster's step (slowest rank + optimizer), mean over steps after the
-first; it is measured on a shared 2-core CPU and is noisy.
+Step 3: each continued model is evaluated with dense attention and with its own budget (gamma0 for
+the fixed and DST variants, 1.0 for dense): exact match and per-token answer accuracy by length and
+needle depth (held-out eval split), perplexity of held-out task text, attention recall per layer.
+:mod:`accuracy_report` turns the records into tables, paired-by-seed tests and heatmaps.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime as dt
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from accuracy_pretrain import load_config, pretrain
+from accuracy_report import VARIANT_NOTES, write_report
 from sparsebalance.data import load_tokenizer
 from sparsebalance.data.tokenizer import make_codec
 from sparsebalance.evaluation import HFRunner, evaluate_task, perplexity, summarize
-from sparsebalance.results import markdown_table, write_results
-from sparsebalance.tasks import synthetic_mix
+from sparsebalance.evaluation.recall import layer_recall
+from sparsebalance.tasks import generate, sample_lengths
+from sparsebalance.tasks.generate import TASKS as BUILDERS
 from sparsebalance.train import TrainConfig, Trainer
 from sparsebalance.train.runtime import Runtime
+from sparsebalance.train.weights import load_trained_model
 from sparsebalance.tuning import DSTConfig
 
-VARIANTS: dict[str, dict] = {
-    "dense": {"mode": "off", "anchor": "mean", "dense": True},
-    "fixed": {"mode": "off", "anchor": "mean"},
-    "dst-bidir-mean": {"mode": "bidirectional", "anchor": "mean"},
-    "dst-down-mean": {"mode": "down", "anchor": "mean"},
-    "dst-bidir-min": {"mode": "bidirectional", "anchor": "min"},
-}
-TASKS = ("passkey", "niah", "kv")
+TASKS = ("passkey", "niah1", "mqar")
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
-class DenseTuner:
-    """Wraps a ``DSTTuner`` (mode off): every rank's budget becomes 1.0 (exact attention)."""
-
-    def __init__(self, tuner):
-        self._tuner = tuner
-        self.curve = tuner.curve
-        self.config = tuner.config
-
-    def decide(self, plan, cost_model, workload=None):
-        decision = self._tuner.decide(plan, cost_model, workload)
-        ranks = tuple(dataclasses.replace(r, gamma=1.0) for r in decision.ranks)
-        return dataclasses.replace(decision, ranks=ranks)
+def variants(gamma_low: float) -> dict[str, dict]:
+    """Variant name -> batching strategy, DST mode, anchor and gamma0 (see VARIANT_NOTES)."""
+    return {
+        "dense": {"strategy": "sab", "mode": "off", "anchor": "mean", "gamma0": 1.0},
+        "fixed-0.9": {"strategy": "tokens", "mode": "off", "anchor": "mean", "gamma0": 0.9},
+        f"fixed-{gamma_low}": {
+            "strategy": "tokens",
+            "mode": "off",
+            "anchor": "mean",
+            "gamma0": gamma_low,
+        },
+        "sab": {"strategy": "sab", "mode": "off", "anchor": "mean", "gamma0": 0.9},
+        "dst-bidir-mean": {
+            "strategy": "sab",
+            "mode": "bidirectional",
+            "anchor": "mean",
+            "gamma0": 0.9,
+        },
+        "dst-down-mean": {"strategy": "sab", "mode": "down", "anchor": "mean", "gamma0": 0.9},
+        "dst-bidir-min": {
+            "strategy": "sab",
+            "mode": "bidirectional",
+            "anchor": "min",
+            "gamma0": 0.9,
+        },
+    }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--seeds", type=int, default=3, help="seeds 0..N-1 per variant (>= 3 for claims)"
-    )
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    p.add_argument("--pretrained", default=None, help="step 1's output folder (else trained now)")
+    p.add_argument("--pretrain-config", default="benchmarks/configs/accuracy-pretrain.toml")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per variant (>= 3)")
+    p.add_argument("--steps", type=int, default=20, help="continuation steps")
+    p.add_argument("--variants", default=None, help="comma-separated subset (default: all)")
+    p.add_argument("--gamma-low", type=float, default=0.5, help="the lower fixed gamma")
     p.add_argument("--ranks", type=int, default=4, help="emulated data-parallel ranks")
     p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--capacity", type=int, default=2048)
-    p.add_argument("--num-builtin", type=int, default=512, help="training documents")
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--min-len", type=int, default=128)
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup-steps", type=int, default=10)
-    p.add_argument("--gamma0", type=float, default=0.7)
-    p.add_argument("--gamma-min", type=float, default=0.3)
-    p.add_argument("--gamma-max", type=float, default=0.95)
-    p.add_argument("--eval-lengths", default="256,1024")
-    p.add_argument("--eval-examples", type=int, default=8, help="per task and length")
-    p.add_argument("--ppl-windows", type=int, default=8, help="held-out windows of max length")
-    p.add_argument("--quick", action="store_true", help="1 seed, 10 steps, tiny eval; no file")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--capacity", type=int, default=4096)
+    p.add_argument("--num-docs", type=int, default=400, help="continuation training documents")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=256)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--gamma-min", type=float, default=0.5)
+    p.add_argument("--gamma-max", type=float, default=0.99)
+    p.add_argument("--tolerance", type=float, default=0.1, help="DST p")
+    p.add_argument("--eval-lengths", default="1024,2048")
+    p.add_argument("--eval-examples", type=int, default=2, help="per task, length and depth")
+    p.add_argument("--recall-docs", type=int, default=2, help="documents per task for recall")
+    p.add_argument("--ppl-docs", type=int, default=6, help="held-out documents for perplexity")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny pretrain, 1 seed, 2 steps; writes a report only with --out",
+    )
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--name", default="accuracy", help="results file: <date>-<name>-cpu.md/.json")
     args = p.parse_args(argv)
+    if args.out is None and not args.quick:
+        args.out = "benchmarks/results"
     if args.quick:
-        args.seeds, args.steps, args.eval_examples, args.ppl_windows = 1, 5, 2, 2
-    args.variants = args.variants.split(",")
-    unknown = set(args.variants) - set(VARIANTS)
+        args.name = args.name + "-quick"
+        args.seeds, args.steps, args.eval_examples, args.recall_docs = 1, 2, 1, 1
+        args.ppl_docs, args.num_docs, args.max_len, args.min_len = 2, 32, 512, 128
+        args.eval_lengths, args.capacity = "512", 2048
+    if args.seeds < 1 or args.steps < 1:
+        raise ValueError(f"--seeds and --steps must be >= 1, got {args.seeds}, {args.steps}")
+    if not 0.0 < args.gamma_low < 0.9:
+        raise ValueError(f"--gamma-low must be in (0, 0.9), got {args.gamma_low}")
+    table = variants(args.gamma_low)
+    args.variants = list(table) if args.variants is None else args.variants.split(",")
+    unknown = set(args.variants) - set(table)
     if unknown:
-        raise ValueError(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
+        raise ValueError(f"--variants: unknown {sorted(unknown)}; choose from {list(table)}")
+    args.table = table
     args.eval_lengths = [int(x) for x in args.eval_lengths.split(",")]
     return args
 
 
-def train_config(args, variant: str, seed: int, out: Path) -> TrainConfig:
-    v = VARIANTS[variant]
-    dst = DSTConfig(mode=v["mode"], anchor=v["anchor"], gamma0=args.gamma0,
-                    gamma_min=args.gamma_min, gamma_max=args.gamma_max)  # fmt: skip
-    return TrainConfig(
-        model="tiny", num_builtin=args.num_builtin, min_len=args.min_len, max_len=args.max_len,
-        steps=args.steps, global_batch=args.global_batch, capacity=args.capacity,
-        strategy="sab", block_size=args.block_size, lr=args.lr,
-        warmup_steps=args.warmup_steps, schedule="cosine",
-        seed=seed, deterministic=True, emulate_ranks=args.ranks, device="cpu",
-        out=str(out / f"{variant}-s{seed}"), dst=dst, overwrite=True,  # scratch runs
-    )  # fmt: skip
+def write_data(path: Path, args, encode) -> dict[str, int]:
+    """The continuation mix as jsonl (train split, heavy-tailed lengths); task counts."""
+    rng = np.random.default_rng([18, args.num_docs])
+    lengths = sample_lengths(args.num_docs, rng, args.min_len, args.max_len)
+    counts: dict[str, int] = {}
+    with path.open("w") as f:
+        for i, n in enumerate(lengths):
+            task = TASKS[int(rng.integers(len(TASKS)))]
+            ex = BUILDERS[task](
+                np.random.default_rng([18, i]), int(n), encode, "train", float(rng.uniform())
+            )
+            f.write(json.dumps({"text": ex.text}) + "\n")
+            counts[task] = counts.get(task, 0) + 1
+    return counts
 
 
-def evaluate(model, vocab_map, tokenizer, gamma: float, args, seed: int) -> dict:
-    """Exact match / token accuracy per task and length, and held-out perplexity, at ``gamma``."""
+def remap_embeddings(model, old_map: dict[int, int], new_map: dict[int, int]) -> int:
+    """Move embedding rows from the pretraining vocabulary map to the trainer's (tokenizer id ->
+    model id both); returns how many tokenizer ids the trainer's map has that pretraining lacked
+    (their rows keep the trainer's initialisation)."""
+    emb = model.get_input_embeddings().weight
+    missing = 0
+    with torch.no_grad():
+        old = emb.detach().clone()
+        for tok, new_id in new_map.items():
+            if tok in old_map:
+                emb[new_id] = old[old_map[tok]]
+            else:
+                missing += 1
+        emb[0] = old[0]
+    return missing
+
+
+def continue_training(args, name: str, seed: int, data: Path, pretrained: Path, work: Path):
+    v = args.table[name]
+    if v["mode"] == "off":  # fixed budget (gamma0 = 1 is dense); bounds unused
+        dst = DSTConfig(mode="off", gamma0=v["gamma0"])
+    else:
+        dst = DSTConfig(
+            mode=v["mode"],
+            anchor=v["anchor"],
+            p=args.tolerance,
+            gamma0=v["gamma0"],
+            gamma_min=args.gamma_min,
+            gamma_max=args.gamma_max,
+        )
+    cfg = TrainConfig(
+        model=str(pretrained),
+        data=str(data),
+        min_len=1,
+        steps=args.steps,
+        global_batch=args.global_batch,
+        capacity=args.capacity,
+        strategy=v["strategy"],
+        block_size=args.block_size,
+        backend="torch",
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        schedule="cosine",
+        seed=seed,
+        deterministic=True,
+        emulate_ranks=args.ranks,
+        device="cpu",
+        out=str(work / f"{name}-s{seed}"),
+        dst=dst,
+        overwrite=True,
+    )
+    trainer = Trainer(cfg, Runtime(0, 1, torch.device("cpu")))
+    old_map = json.loads((pretrained / "vocab_map.json").read_text())
+    missing = remap_embeddings(
+        trainer.model, {int(k): v for k, v in old_map.items()}, trainer.corpus.vocab_map
+    )
+    res = trainer.run()
+    return trainer.model, trainer.corpus.vocab_map, res, missing
+
+
+def evaluate(model, vocab_map, tokenizer, gamma: float, args) -> dict:
+    """Exact match / token accuracy by task, length and depth; perplexity; recall per layer."""
     vocab = model.get_input_embeddings().num_embeddings
     encode, _, eos = make_codec(tokenizer, vocab_map, vocab)
     runner = HFRunner(model, gamma=gamma, block_size=args.block_size, backend="torch")
     scores = []
-    for task in TASKS:  # the eval seed is fixed: every model sees the same held-out examples
-        scores += evaluate_task(runner, task, args.eval_lengths, encode, args.eval_examples,
-                                None, seed=1000, pack_tokens=8192)  # fmt: skip
-    summary = summarize(scores)
+    for task in TASKS:  # fixed eval seed: every model sees the same held-out examples
+        scores += evaluate_task(
+            runner,
+            task,
+            args.eval_lengths,
+            encode,
+            args.eval_examples,
+            DEPTHS,
+            seed=1000,
+            pack_tokens=8192,
+        )
+    summary = summarize(scores, num_depth_bins=None)
     n = max(args.eval_lengths)
-    texts = [ex.text for ex in synthetic_mix(max(8, args.ppl_windows * n // 300), encode, 1000,
-                                             args.min_len, args.max_len, split="eval")]  # fmt: skip
-    ppl = perplexity(runner, texts, encode, [n], eos, args.ppl_windows, 8192)[str(n)]
+    held = [ex.text for t in TASKS for ex in generate(t, args.ppl_docs, n, encode, 2000, "eval")]
+    ppl = perplexity(runner, held, encode, [n], eos, len(held), 8192)[str(n)]["ppl"]
+    density = float(np.mean(runner.densities))
+    docs = [
+        encode(ex.text)
+        for t in TASKS
+        for ex in generate(t, args.recall_docs, n, encode, 3000, "eval")
+    ]
+    recall = layer_recall(model, docs, gamma, args.block_size)
     model.train()
-    out = {"gamma": gamma, "ppl": ppl["ppl"], "mean_density": _mean(runner.densities)}
+    out = {
+        "gamma": gamma,
+        "ppl": ppl,
+        "eval_density": density,
+        "recall": {str(k): v for k, v in recall.items()},
+    }
     for task, s in summary.items():
-        out[task] = {"exact": s["accuracy"], "token_acc": s["token_accuracy"],
-                     "by_length": {k: {"exact": v["accuracy"], "token_acc": v["token_accuracy"]}
-                                   for k, v in s["by_length"].items()}}  # fmt: skip
+        out[task] = {
+            "exact": s["accuracy"],
+            "token_acc": s["token_accuracy"],
+            "by_length": {k: x["accuracy"] for k, x in s["by_length"].items()},
+            "by_depth": {k: x["accuracy"] for k, x in s["by_depth"].items()},
+            "grid": s["grid"],
+        }
     return out
 
 
-def _mean(xs) -> float:
-    return float(sum(xs) / len(xs)) if xs else float("nan")
-
-
-def run_one(args, variant: str, seed: int, work: Path, tokenizer) -> dict:
-    cfg = train_config(args, variant, seed, work)
-    trainer = Trainer(cfg, Runtime(0, 1, torch.device("cpu")))
-    if VARIANTS[variant].get("dense"):
-        trainer.tuner = DenseTuner(trainer.tuner)
+def run_one(args, name, seed, data, pretrained, work, tokenizer) -> dict:
     t0 = time.perf_counter()
-    res = trainer.run()
+    model, vmap, res, missing = continue_training(args, name, seed, data, pretrained, work)
     train_s = time.perf_counter() - t0
     sums = res["summaries"]
-    timed = sums[1:] if len(sums) > 1 else sums
+    gamma0 = args.table[name]["gamma0"]
     record = {
-        "variant": variant,
+        "variant": name,
         "seed": seed,
         "train_wall_s": train_s,
-        "step_s": _mean([s["step_seconds"] for s in timed]),
-        "train_density": _mean([s["mean_density"] for s in sums]),
-        "efficiency": _mean([s["efficiency"] for s in timed]),
-        "final_loss": _mean(res["losses"][-10:]),
+        "unmapped_ids": missing,
+        "train_density": float(np.mean([s["mean_density"] for s in sums])),
+        "predicted_step_s": float(np.mean([s["predicted_max_s"] for s in sums])),
+        "step_s": float(np.mean([s["step_seconds"] for s in sums])),
+        "efficiency": float(np.mean([s["efficiency"] for s in sums])),
+        "final_loss": float(np.mean(res["losses"][-5:])),
         "losses": res["losses"],
-        "eval": {},
+        "eval": {"dense": evaluate(model, vmap, tokenizer, 1.0, args)},
     }
-    model, vmap = trainer.model, trainer.corpus.vocab_map
-    record["eval"]["dense"] = evaluate(model, vmap, tokenizer, 1.0, args, seed)
-    if not VARIANTS[variant].get("dense"):
-        record["eval"]["gamma0"] = evaluate(model, vmap, tokenizer, args.gamma0, args, seed)
+    if gamma0 < 1.0:
+        record["eval"]["own"] = evaluate(model, vmap, tokenizer, gamma0, args)
+    else:
+        record["eval"]["own"] = record["eval"]["dense"]
     return record
 
 
-def mean_std(xs: list[float]) -> str:
-    if len(xs) < 2:
-        return f"{xs[0]:.3f}" if xs else "-"
-    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}"
-
-
-def tables(records: list[dict], args) -> str:
-    variants = [v for v in args.variants if any(r["variant"] == v for r in records)]
-    by = {v: [r for r in records if r["variant"] == v] for v in variants}
-    rows = []
-    for v in variants:
-        rs = by[v]
-        rows.append([v, len(rs), mean_std([r["step_s"] for r in rs]),
-                     mean_std([r["train_density"] for r in rs]),
-                     mean_std([r["efficiency"] for r in rs]),
-                     mean_std([r["final_loss"] for r in rs])])  # fmt: skip
-    out = ["## Training (mean ± std over seeds)", "",
-           markdown_table(["variant", "seeds", "s / step", "train density", "balance eff.",
-                           "loss (last 10)"], rows)]  # fmt: skip
-    own = f"own training setting (dense for `dense`, gamma0 = {args.gamma0} for the others)"
-    for setting, title in (("dense", "dense attention (gamma 1.0)"), ("own", own)):
-        out += ["", f"## Evaluation with {title}", ""]
-        head = ["variant", "ppl"] + [f"{t} {m}" for t in TASKS for m in ("exact", "tok acc")]
-        rows = []
-        for v in variants:
-            evs = [_pick(r, setting) for r in by[v]]
-            row = [v, mean_std([e["ppl"] for e in evs])]
-            for t in TASKS:
-                row += [mean_std([e[t]["exact"] for e in evs]),
-                        mean_std([e[t]["token_acc"] for e in evs])]  # fmt: skip
-            rows.append(row)
-        out.append(markdown_table(head, rows))
-        out += ["", "Per-token answer accuracy by prompt length:", ""]
-        head = ["variant"] + [f"{t} {n}" for t in TASKS for n in args.eval_lengths]
-        rows = []
-        for v in variants:
-            evs = [_pick(r, setting) for r in by[v]]
-            rows.append([v] + [mean_std([e[t]["by_length"][str(n)]["token_acc"] for e in evs])
-                               for t in TASKS for n in args.eval_lengths])  # fmt: skip
-        out.append(markdown_table(head, rows))
-    return "\n".join(out)
-
-
-def _pick(record: dict, setting: str) -> dict:
-    if setting == "own":
-        return record["eval"].get("gamma0", record["eval"]["dense"])
-    return record["eval"]["dense"]
+def baseline(pretrained: Path, tokenizer, args) -> dict:
+    """The pretrained checkpoint itself, dense and at each fixed gamma (where selection misses)."""
+    model, vmap = load_trained_model(str(pretrained), vocab_map=str(pretrained / "vocab_map.json"))
+    out = {}
+    for gamma in sorted({1.0, 0.9, args.gamma_low, 0.3}, reverse=True):
+        out[str(gamma)] = evaluate(model, vmap, tokenizer, gamma, args)
+    return out
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(1)
     tokenizer = load_tokenizer()
-    records = []
     start = time.perf_counter()
-    total = args.seeds * len(args.variants)
     with tempfile.TemporaryDirectory(prefix="sb-accuracy-") as tmp:
+        work = Path(tmp)
+        pretrained = Path(args.pretrained) if args.pretrained else work / "pretrained"
+        if not args.pretrained:
+            over = (
+                {
+                    "stages": ((128, 256, 4),),
+                    "eval_lengths": (256,),
+                    "eval_examples": 1,
+                    "eval_every": 0,
+                }
+                if args.quick
+                else {}
+            )
+            cfg = load_config(args.pretrain_config, over)
+            print(f"pretraining {args.pretrain_config} -> {pretrained}", flush=True)
+            pretrain(cfg, pretrained)
+        elif not (pretrained / "vocab_map.json").is_file():
+            raise ValueError(f"--pretrained {pretrained}: no vocab_map.json (not step 1's output)")
+        data = work / "continuation.jsonl"
+        task_counts = write_data(data, args, tokenizer.encode)
+        base = baseline(pretrained, tokenizer, args)
+        print(
+            "pretrained checkpoint:",
+            json.dumps({g: {t: e[t]["exact"] for t in TASKS} for g, e in base.items()}),
+            flush=True,
+        )
+        records = []
+        total = args.seeds * len(args.variants)
         for seed in range(args.seeds):  # seeds outer: load drift hits every variant alike
-            for variant in args.variants:
-                rec = run_one(args, variant, seed, Path(tmp), tokenizer)
+            for name in args.variants:
+                rec = run_one(args, name, seed, data, pretrained, work, tokenizer)
                 records.append(rec)
-                d = rec["eval"]["dense"]
-                print(f"[{len(records)}/{total} {time.perf_counter() - start:6.0f}s] "
-                      f"{variant:15s} seed {seed}: {rec['step_s']:.3f} s/step, "
-                      f"density {rec['train_density']:.3f}, loss {rec['final_loss']:.3f}, "
-                      f"dense-eval ppl {d['ppl']:.2f}, "
-                      + ", ".join(f"{t} {d[t]['exact']:.2f}/{d[t]['token_acc']:.2f}"
-                                  for t in TASKS), flush=True)  # fmt: skip
-    table = tables(records, args)
-    print("\n" + table)
-    if args.quick:
+                d, o = rec["eval"]["dense"], rec["eval"]["own"]
+                print(
+                    f"[{len(records)}/{total} {time.perf_counter() - start:5.0f}s] {name:15s} "
+                    f"s{seed}: density {rec['train_density']:.3f}, pred step "
+                    f"{rec['predicted_step_s']:.3f}s, loss {rec['final_loss']:.3f} | EM dense "
+                    + " ".join(f"{t} {d[t]['exact']:.2f}" for t in TASKS)
+                    + " | own "
+                    + " ".join(f"{t} {o[t]['exact']:.2f}" for t in TASKS),
+                    flush=True,
+                )
+    wall = time.perf_counter() - start
+    payload = {
+        "args": {k: v for k, v in vars(args).items() if k != "table"},
+        "variants": args.table,
+        "notes": VARIANT_NOTES,
+        "task_counts": task_counts,
+        "pretrained": base,
+        "records": records,
+        "wall_s": wall,
+    }
+    print(f"done in {wall:.0f} s ({len(records)} runs)")
+    if args.out is None:
         return 0
-    config = {k: v for k, v in vars(args).items() if k not in ("quick", "out", "name")}
-    config["train_config_example"] = json.loads(
-        json.dumps(dataclasses.asdict(train_config(args, "dst-bidir-mean", 0, Path("runs"))),
-                   default=str)
-    )  # fmt: skip
-    notes = (
-        f"Run {dt.date.today().isoformat()}, wall {time.perf_counter() - start:.0f} s. "
-        f"Seeds 0..{args.seeds - 1}; ± is the sample std over seeds. Exact = teacher-forced "
-        f"exact match of the whole answer; tok acc = share of answer tokens predicted right. "
-        f"{args.eval_examples} held-out examples per task and length (eval split, seed 1000), "
-        f"perplexity on {args.ppl_windows} held-out windows of {max(args.eval_lengths)} tokens. "
-        "s / step: emulated step (slowest of the ranks + optimizer) on a shared CPU."
-    )
-    payload = {"config": config, "records": records}
-    md, js = write_results(args.out, args.name, torch.device("cpu"), table, payload, notes)
-    print(f"\nwrote {md} and {js}")
+    md = write_report(payload, args, argv if argv is not None else sys.argv[1:])
+    print(f"wrote {md}")
     return 0
 
 

@@ -15,8 +15,8 @@ class _Chars:
     def encode(self, text):
         return [ord(c) for c in text]
 
-    def decode(self, ids):
-        return "".join(chr(i) for i in ids)
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 1000))
 
 
 def test_compact_vocabulary_round_trip_and_unknown():
@@ -32,3 +32,15 @@ def test_without_a_map_the_model_must_cover_the_tokenizer():
     assert encode("ab") == [97, 98] and decode([97]) == "a" and eos == 1000
     with pytest.raises(ValueError, match="--vocab-map"):
         make_codec(_Chars(), None, vocab_size=1000)
+
+
+def test_decode_skips_special_tokens_like_longbench():
+    # LongBench's pred.py decodes answers with skip_special_tokens=True
+    from sparsebalance.data import load_tokenizer
+
+    tok = load_tokenizer()
+    ids = [*tok.encode("B"), tok.eos_token_id]
+    _, decode, _ = make_codec(tok, None, vocab_size=200_000)
+    assert decode(ids) == "B" and "<|" in tok.decode(ids)
+    _, decode_toy, _ = make_codec(_Chars(), {ord("a"): 1, 1000: 2}, vocab_size=3)
+    assert decode_toy([1, 2, 1]) == "aa"

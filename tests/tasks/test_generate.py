@@ -159,3 +159,31 @@ def test_synthetic_mix_deterministic_and_in_range():
         assert 128 - 9 <= len(ENCODE(ex.prompt)) <= 2048 + 9
         assert ex.split == "train" and 0.0 <= ex.depth <= 1.0
     assert a != synthetic_mix(40, ENCODE, seed=1, min_len=128, max_len=2048, split="eval")
+
+
+def test_niah1_has_one_needle_and_its_value():
+    ex = generate("niah1", 1, 500, ENCODE, seed=4, depth=0.3)[0]
+    pairs = re.findall(r"magic number for ([a-z-]+) is: (\d+)\.", ex.prompt)
+    assert len(pairs) == 1 and ex.task == "niah1"
+    assert pairs[0][1] == ex.answer.strip()
+
+
+def test_mqar_last_query_asks_a_pair_of_the_block():
+    ex = generate("mqar", 1, 600, ENCODE, seed=9, depth=0.4)[0]
+    context, queries = ex.prompt.rsplit("\n\nRecall: ", 1)
+    pairs = dict(re.findall(r"([a-z]+) (\d{3})[,.]", context))
+    assert len(pairs) == 8  # the block's distinct keys, each with a 3-digit value
+    asked = re.findall(r"([a-z]+) (\d{3})", queries)
+    assert len(asked) == 3 and all(pairs[k] == v for k, v in asked)  # earlier queries answered
+    last = queries.rsplit(", ", 1)[1]
+    assert last in pairs and pairs[last] == ex.answer.strip()
+    assert last not in dict(asked)  # four distinct keys queried
+    body = context.index(next(iter(pairs)))
+    assert body / len(context) == pytest.approx(0.4, abs=0.05)
+
+
+def test_new_tasks_leave_existing_mixes_unchanged():
+    # random streams are fixed per task: adding niah1 / mqar must not reshuffle older data
+    ex = synthetic_mix(3, ENCODE, seed=0, max_len=512)
+    assert [e.task for e in ex] == ["niah", "niah", "niah"]  # as before the new tasks
+    assert [e.num_tokens for e in ex] == [183, 158, 212]

@@ -29,8 +29,9 @@ from tqdm import tqdm
 from ..evaluation.longbench import TRUNCATIONS
 from ..evaluation.metrics import CODE_SIM_BACKENDS
 from ..results import markdown_table
+from ..tasks import TASKS
 
-SYNTHETIC = ("passkey", "niah", "vt", "kv")
+SYNTHETIC = tuple(TASKS)  # passkey, niah, vt, kv, niah1 (single needle), mqar
 TASK_CHOICES = (*SYNTHETIC, "longbench", "ppl")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

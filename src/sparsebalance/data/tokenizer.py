@@ -52,8 +52,9 @@ class QwenTokenizer:
             for t in texts
         ]
 
-    def decode(self, ids) -> str:
-        return self._tok.decode(list(ids))
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; ``skip_special_tokens`` drops special tokens (``<|im_end|>`` ...)."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def __call__(self, text: str) -> dict:
         return {"input_ids": self.encode(text)}
@@ -91,8 +92,9 @@ class HFTokenizer:
             for e in backend.encode_batch(texts, add_special_tokens=False)
         ]
 
-    def decode(self, ids) -> str:
-        return self._tok.decode(list(ids))
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; ``skip_special_tokens`` drops special tokens (``<|im_end|>`` ...)."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 def load_tokenizer(path: str | None = None):
@@ -102,6 +104,7 @@ def load_tokenizer(path: str | None = None):
 
 def make_codec(tokenizer, vocab_map: dict[int, int] | None, vocab_size: int):
     """``(encode, decode, eos_id)`` in model ids, for a model with ``vocab_size`` embeddings.
+    ``decode`` skips special tokens (LongBench's convention).
 
     With a compact vocabulary (``vocab_map``: tokenizer id -> model id, from the trainer)
     unmapped tokenizer ids become id 0 (unknown) and model ids outside the map decode to nothing.
@@ -115,13 +118,24 @@ def make_codec(tokenizer, vocab_map: dict[int, int] | None, vocab_size: int):
                 f"--model has {vocab_size} embeddings but the tokenizer has "
                 f"{id_range} ids: give the trainer's --vocab-map"
             )
-        return tokenizer.encode, tokenizer.decode, tokenizer.eos_token_id
+        return tokenizer.encode, _skip_special(tokenizer), tokenizer.eos_token_id
     inverse = {v: k for k, v in vocab_map.items()}
 
     def encode(text: str) -> list[int]:
         return [vocab_map.get(t, 0) for t in tokenizer.encode(text)]
 
     def decode(ids) -> str:
-        return tokenizer.decode([inverse[i] for i in ids if i in inverse])
+        return _skip_special(tokenizer)([inverse[i] for i in ids if i in inverse])
 
     return encode, decode, vocab_map.get(tokenizer.eos_token_id)
+
+
+def _skip_special(tokenizer):
+    """``tokenizer.decode`` without special tokens, as LongBench's ``pred.py`` decodes both the
+    truncated prompt halves and the answers (``skip_special_tokens=True``): a generated
+    ``<|im_end|>`` or ``<|endoftext|>`` other than the stop id must not reach the metric."""
+
+    def decode(ids) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    return decode

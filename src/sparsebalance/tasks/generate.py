@@ -19,8 +19,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .associative import make_mqar
 from .example import Encode, TaskExample, task_length
-from .retrieval import make_kv, make_niah, make_passkey
+from .retrieval import make_kv, make_niah, make_niah_single, make_passkey
 from .tracking import make_vt
 from .vocab import SPLITS, check_split
 
@@ -31,11 +32,15 @@ TASKS: dict[str, Builder] = {
     "niah": make_niah,
     "vt": make_vt,
     "kv": make_kv,
+    "niah1": make_niah_single,
+    "mqar": make_mqar,
 }
 """Task name -> builder ``(rng, length, encode, split, depth) -> TaskExample``."""
 
-_TASK_IDS = {name: i for i, name in enumerate(TASKS)}
-_MIX_ID = len(TASKS)
+# Random-stream ids, fixed forever: a task added later takes new ids so every existing task's and
+# mix's examples stay the same for a given seed.
+_TASK_IDS = {"passkey": 0, "niah": 1, "vt": 2, "kv": 3, "niah1": 6, "mqar": 7}
+_MIX_ID = 4  # and _MIX_ID + 1 = 5: the mix's length stream
 
 
 def _rng(seed: int, stream: int, split: str, index: int) -> np.random.Generator:

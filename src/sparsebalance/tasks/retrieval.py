@@ -7,6 +7,8 @@ requested split only), and fits the prompt to ``length`` tokens with :func:`fit_
 - ``niah``: :data:`NIAH_NUM_NEEDLES` needles "The special magic number for KEY is: VALUE." with
   distinct two-word keys and 7-digit values; one is queried, the others are distractors at random
   depths (RULER's ``niah_multikey_1``, with the noise haystack).
+- ``niah1``: single-needle NIAH: the same needle sentence, no distractors (RULER's
+  ``niah_single_2`` with the noise haystack).
 - ``kv``: a JSON object of three-word keys and 6-digit values (no noise text: the pairs are the
   haystack); the queried pair sits at ``depth`` (Liu et al., "Lost in the Middle", with short keys
   instead of UUIDs to keep the vocabulary small).
@@ -48,12 +50,19 @@ def make_passkey(
 
 
 def make_niah(
-    rng: np.random.Generator, length: int, encode: Encode, split: str, depth: float
+    rng: np.random.Generator,
+    length: int,
+    encode: Encode,
+    split: str,
+    depth: float,
+    num_needles: int = NIAH_NUM_NEEDLES,
+    task: str = "niah",
 ) -> TaskExample:
-    """A multi-key needle example: the queried needle at ``depth``, distractors elsewhere."""
-    keys = draw_distinct(lambda: draw_key(rng, 2, split), NIAH_NUM_NEEDLES, set())
-    values = draw_distinct(lambda: draw_number(rng, 7, split), NIAH_NUM_NEEDLES, set())
-    depths = [depth, *(float(d) for d in rng.uniform(0.0, 1.0, NIAH_NUM_NEEDLES - 1))]
+    """A multi-key needle example: the queried needle at ``depth``, ``num_needles - 1``
+    distractors elsewhere."""
+    keys = draw_distinct(lambda: draw_key(rng, 2, split), num_needles, set())
+    values = draw_distinct(lambda: draw_number(rng, 7, split), num_needles, set())
+    depths = [depth, *(float(d) for d in rng.uniform(0.0, 1.0, num_needles - 1))]
     needles = [
         (d, f"The special magic number for {k} is: {v}.")
         for d, k, v in zip(depths, keys, values, strict=True)
@@ -67,7 +76,14 @@ def make_niah(
     def render(n: int) -> str:
         return NIAH_PREFIX + haystack(n, needles) + question
 
-    return finish_example("niah", render, length, encode, f" {values[0]}", depth, split)
+    return finish_example(task, render, length, encode, f" {values[0]}", depth, split)
+
+
+def make_niah_single(
+    rng: np.random.Generator, length: int, encode: Encode, split: str, depth: float
+) -> TaskExample:
+    """A single-needle example (``niah1``): one needle at ``depth``, no distractors."""
+    return make_niah(rng, length, encode, split, depth, num_needles=1, task="niah1")
 
 
 def make_kv(

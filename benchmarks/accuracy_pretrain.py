@@ -1,0 +1,330 @@
+"""Train a small model that solves retrieval with dense attention (issue 18, step 1).
+
+    PYTHONPATH=src OMP_NUM_THREADS=1 .venv/bin/python benchmarks/accuracy_pretrain.py \\
+        --config benchmarks/configs/accuracy-pretrain.toml --out runs/retrieval-dense
+
+The recipe (model shape, task mix, short-to-long curriculum, learning rate) lives in the TOML file
+(fields of :class:`PretrainConfig`). Training documents are generated on the fly from the
+synthetic tasks' train split (``sparsebalance.tasks``); each step packs documents of the current
+curriculum stage's length range up to ``tokens_per_step`` tokens into one sequence (document-causal
+attention through the ``sparsebalance`` op at gamma 1.0, i.e. dense). The loss is the mean
+next-token loss over all tokens plus ``answer_weight`` times the mean over the answer tokens (the
+only tokens a retrieval task scores; they are ~1% of a 1K-token document).
+
+Every ``eval_every`` steps and at the end: teacher-forced exact match on held-out examples (eval
+split: keys and values never trained on) of every task at ``eval_lengths``. Writes ``--out``: a
+Hugging Face directory (``config.json`` + safetensors), ``vocab_map.json`` (tokenizer id -> model
+id), ``curve.json`` (loss and exact match over steps) and ``recipe.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from sparsebalance import flags
+from sparsebalance.evaluation import HFRunner
+from sparsebalance.evaluation.synthetic import score_examples
+from sparsebalance.models.attention import IMPLEMENTATION, PackedAttention, register
+from sparsebalance.ops import Budget
+from sparsebalance.tasks import TASKS, WORDS, generate
+
+
+@dataclass
+class PretrainConfig:
+    """The dense retrieval recipe (TOML keys = field names)."""
+
+    num_layers: int = 2
+    """Decoder layers."""
+    hidden_size: int = 128
+    """Model width."""
+    num_heads: int = 4
+    """Query heads (head dim = hidden_size / num_heads)."""
+    num_kv_heads: int = 4
+    """Key/value heads (GQA when fewer than num_heads)."""
+    intermediate_size: int = 384
+    """MLP width."""
+    vocab_size: int = 1024
+    """Compact vocabulary (the synthetic tasks use ~700 tokenizer ids; the rest are unused)."""
+    tasks: tuple[str, ...] = ("passkey", "niah1", "mqar")
+    """Tasks of the training mix (drawn uniformly) and of the evaluation."""
+    stages: tuple[tuple[float, ...], ...] = (
+        (128, 512, 300),
+        (512, 1024, 200),
+        (1024, 2048, 100),
+    )
+    """Curriculum: ``(min_len, max_len, steps[, copy_fraction])`` per stage; lengths drawn
+    uniformly in range; the optional fourth value overrides ``copy_fraction`` in that stage."""
+    tokens_per_step: int = 4096
+    """Tokens packed into one step's sequence (at least one document)."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 50
+    """Linear warm-up; then cosine decay to 10% of lr over all stages."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    copy_fraction: float = 0.0
+    """Share of extra "copy" documents: a random token segment (8-32 ids of the compact
+    vocabulary) repeated to the document's length. Pure in-context copying is the densest signal
+    for forming induction heads, which every retrieval task here needs."""
+    copy_vocab: int = 0
+    """Copy documents draw their ids from the first N model ids (0: the whole vocabulary)."""
+    answer_weight: float = 1.0
+    """Weight of the answer-token loss added to the all-token loss."""
+    block_size: int = 64
+    """Attention block size of the op."""
+    seed: int = 0
+    """Initialisation and data seed."""
+    eval_lengths: tuple[int, ...] = (1024, 2048)
+    """Prompt lengths of the held-out evaluation."""
+    eval_examples: int = 16
+    """Held-out examples per task and length."""
+    eval_every: int = 100
+    """Evaluate every N steps (0: only at the end)."""
+    max_minutes: float = 20.0
+    """Stop (and evaluate) when training has run this long."""
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.tasks if t not in TASKS]
+        if unknown:
+            raise ValueError(f"tasks: unknown {unknown}; choose from {list(TASKS)}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("hidden_size % num_heads and num_heads % num_kv_heads must be 0")
+        for stage in self.stages:
+            lo, hi, steps = stage[:3]
+            if len(stage) not in (3, 4) or not 0 < lo <= hi or steps < 1:
+                raise ValueError(f"stages: need 0 < min_len <= max_len, steps >= 1; got {lo, hi}")
+
+    @property
+    def total_steps(self) -> int:
+        return int(sum(s[2] for s in self.stages))
+
+
+def hf_config(cfg: PretrainConfig) -> dict:
+    """A Qwen2 config.json for the recipe's model."""
+    return {
+        "model_type": "qwen2",
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.hidden_size // cfg.num_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    }
+
+
+def build_vocab_map(tokenizer, tasks, vocab_size: int) -> dict[int, int]:
+    """Tokenizer ids the synthetic tasks can emit -> 1..N (0 = unknown), sorted by tokenizer id so
+    the map depends on nothing but the tokenizer and the task texts."""
+    ids: set[int] = set()
+    for task in sorted(set(tasks) | {"passkey", "niah", "niah1", "kv", "mqar"}):
+        for split in ("train", "eval"):
+            for ex in generate(task, 40, 256, tokenizer.encode, seed=12345, split=split):
+                ids.update(tokenizer.encode(ex.text))
+    for word in WORDS:
+        for text in (f" {word}", word, f"-{word}", f"{{{word}", f'"{word}'):
+            ids.update(tokenizer.encode(text))
+    for d in range(10):
+        ids.update(tokenizer.encode(f" {d}{d}"))
+    if len(ids) + 1 > vocab_size:
+        raise ValueError(f"vocab_size: the tasks use {len(ids)} ids, need >= {len(ids) + 1}")
+    return {t: i + 1 for i, t in enumerate(sorted(ids))}
+
+
+class Batcher:
+    """Packs generated training documents of one length range into ``tokens`` tokens."""
+
+    def __init__(self, cfg: PretrainConfig, encode, num_ids: int):
+        self.cfg, self.encode, self.num_ids = cfg, encode, num_ids
+        self.rng = np.random.default_rng(cfg.seed)
+        self.index = 0
+
+    def next(self, lo: int, hi: int, copy_fraction: float) -> tuple[list[list[int]], list[int]]:
+        """``(docs, answer_lengths)``: token ids of each document and its answer's length."""
+        docs, answers, total = [], [], 0
+        while total < self.cfg.tokens_per_step or not docs:
+            if self.rng.uniform() < copy_fraction:
+                n = int(self.rng.integers(lo, hi + 1))
+                top = self.cfg.copy_vocab or self.num_ids
+                seg = self.rng.integers(1, top + 1, int(self.rng.integers(8, 33)))
+                doc = np.resize(seg, n).tolist()
+                if total and total + n > self.cfg.tokens_per_step:
+                    break
+                docs.append(doc)
+                answers.append(0)
+                total += n
+                continue
+            task = self.cfg.tasks[int(self.rng.integers(len(self.cfg.tasks)))]
+            n = int(self.rng.integers(lo, hi + 1))
+            self.index += 1  # a fresh example every time (its own seeded stream)
+            ex = generate(task, 1, n, self.encode, seed=self.cfg.seed * 1_000_003 + self.index)[0]
+            prompt, answer = self.encode(ex.prompt), self.encode(ex.answer)
+            if total and total + len(prompt) + len(answer) > self.cfg.tokens_per_step:
+                break
+            docs.append(prompt + answer)
+            answers.append(len(answer))
+            total += len(docs[-1])
+        return docs, answers
+
+
+def step_loss(
+    model, docs, answers, block_size: int, answer_weight: float
+) -> tuple[torch.Tensor, float]:
+    """``(all-token loss + answer_weight x answer-token loss, answer-token loss)`` of one packed
+    sequence."""
+    lengths = [len(d) for d in docs]
+    ids = torch.tensor([t for d in docs for t in d])
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32)
+    ctx = PackedAttention(cu, Budget(gamma=1.0), block_size, "torch")
+    logits = model(input_ids=ids[None], position_ids=pos[None], sb_attention=ctx, use_cache=False)
+    logits = logits.logits[0]
+    # target of position t is token t + 1 of the same document; the last token of each has none
+    target = torch.cat([ids[1:], ids[:1]])
+    valid = torch.ones(len(ids), dtype=torch.bool)
+    is_answer = torch.zeros(len(ids), dtype=torch.bool)
+    for end, n_ans in zip(cu[1:].tolist(), answers, strict=True):
+        valid[end - 1] = False
+        is_answer[end - 1 - n_ans : end - 1] = True
+    nll = F.cross_entropy(logits, target, reduction="none")
+    if not is_answer.any():  # only copy documents in this step
+        return nll[valid].mean(), float("nan")
+    answer_loss = nll[is_answer].mean()
+    return nll[valid].mean() + answer_weight * answer_loss, float(answer_loss.detach())
+
+
+def evaluate(model, cfg: PretrainConfig, encode) -> dict[str, dict[str, float]]:
+    """Exact match per task and length on held-out examples (eval split, seed 1000)."""
+    runner = HFRunner(model, gamma=1.0, block_size=cfg.block_size, backend="torch")
+    out: dict[str, dict[str, float]] = {}
+    for task in cfg.tasks:
+        out[task] = {}
+        for n in cfg.eval_lengths:
+            exs = generate(task, cfg.eval_examples, n, encode, seed=1000, split="eval")
+            scores = score_examples(runner, exs, encode, pack_tokens=8192)
+            out[task][str(n)] = sum(s.correct for s in scores) / len(scores)
+    model.train()
+    return out
+
+
+def lr_at(cfg: PretrainConfig, step: int) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def pretrain(cfg: PretrainConfig, out: Path, log=print) -> dict:
+    """Train, evaluate, save; returns the curve (also in ``out/curve.json``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sparsebalance.data import load_tokenizer
+    from sparsebalance.data.tokenizer import make_codec
+
+    register()
+    torch.manual_seed(cfg.seed)
+    tokenizer = load_tokenizer()
+    vocab_map = build_vocab_map(tokenizer, cfg.tasks, cfg.vocab_size)
+    encode, _, _ = make_codec(tokenizer, vocab_map, cfg.vocab_size)
+    config = AutoConfig.for_model(**hf_config(cfg))
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=IMPLEMENTATION)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
+    )
+    batcher = Batcher(cfg, encode, len(vocab_map))
+    curve: dict = {"steps": [], "loss": [], "answer_loss": [], "seconds": [], "evals": []}
+    start, step, stopped = time.perf_counter(), 0, False
+    for stage in cfg.stages:
+        lo, hi, steps = (int(x) for x in stage[:3])
+        copy_fraction = stage[3] if len(stage) == 4 else cfg.copy_fraction
+        for _ in range(steps):
+            docs, answers = batcher.next(lo, hi, copy_fraction)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(cfg, step)
+            loss, answer_loss = step_loss(model, docs, answers, cfg.block_size, cfg.answer_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            elapsed = time.perf_counter() - start
+            curve["steps"].append(step)
+            curve["loss"].append(float(loss.detach()))
+            curve["answer_loss"].append(answer_loss)
+            curve["seconds"].append(elapsed)
+            if step % 20 == 0:
+                recent = [x for x in curve["answer_loss"][-20:] if x == x] or [float("nan")]
+                log(
+                    f"step {step:5d} [{lo}-{hi}] loss {float(loss):.3f} answer loss "
+                    f"{sum(recent) / len(recent):.3f} {elapsed:6.0f}s",
+                    flush=True,
+                )
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                em = evaluate(model, cfg, encode)
+                curve["evals"].append({"step": step, "seconds": elapsed, "exact": em})
+                log(f"step {step:5d} eval {json.dumps(em)}", flush=True)
+            if elapsed > cfg.max_minutes * 60:
+                log(f"stopping at step {step}: {cfg.max_minutes} minutes reached")
+                stopped = True
+                break
+        if stopped:
+            break
+    train_s = time.perf_counter() - start
+    if not curve["evals"] or curve["evals"][-1]["step"] != step:
+        em = evaluate(model, cfg, encode)
+        curve["evals"].append({"step": step, "seconds": train_s, "exact": em})
+        log(f"final eval {json.dumps(em)}")
+    curve.update(train_seconds=train_s, steps_done=step, stopped_early=stopped)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "vocab_map.json").write_text(json.dumps({str(k): v for k, v in vocab_map.items()}))
+    (out / "curve.json").write_text(json.dumps(curve))
+    (out / "recipe.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    return curve
+
+
+def load_config(path: str | None, overrides: dict) -> PretrainConfig:
+    values = flags.load_file(path) if path else {}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    values = {
+        k: (tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v)
+        for k, v in values.items()
+    }
+    names = {f.name for f in dataclasses.fields(PretrainConfig)}
+    unknown = set(values) - names
+    if unknown:
+        raise ValueError(f"--config {path}: unknown keys {sorted(unknown)}")
+    return PretrainConfig(**values)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="benchmarks/configs/accuracy-pretrain.toml")
+    p.add_argument("--out", default="runs/retrieval-dense")
+    p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    cfg = load_config(args.config, {"max_minutes": args.max_minutes, "seed": args.seed})
+    curve = pretrain(cfg, Path(args.out))
+    print(json.dumps(curve["evals"][-1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
