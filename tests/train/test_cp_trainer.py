@@ -10,8 +10,10 @@ import shutil
 from dataclasses import replace
 
 import pytest
+import torch
 
-from sparsebalance.train import TrainConfig
+from sparsebalance.train import TrainConfig, Trainer
+from sparsebalance.train.runtime import Runtime
 from tests.train.harness import base_config, run_ranks
 
 # The harness documents have 48, 60, 89 and 93 tokens: with a capacity of 40 every one of them
@@ -82,3 +84,13 @@ def test_sab_cp_refuses_emulated_ranks(tmp_path):
     with pytest.raises(ValueError, match="--strategy sab-cp cannot run with --emulate-ranks"):
         TrainConfig(strategy="sab-cp", emulate_ranks=4, out=str(tmp_path / "run"))
     TrainConfig(strategy="sab", emulate_ranks=4, out=str(tmp_path / "run"))  # plans without units
+
+
+def test_cp_k_is_checked_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="--cp must be >= 2 and needs --strategy sab-cp"):
+        TrainConfig(strategy="sab", cp=2, out=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="--cp must be >= 2"):
+        TrainConfig(strategy="sab-cp", cp=1, out=str(tmp_path / "run"))
+    cfg = TrainConfig(strategy="sab-cp", cp=2, out=str(tmp_path / "run"), device="cpu")
+    with pytest.raises(ValueError, match=r"--cp 2 must divide the world size \(3\)"):
+        Trainer(cfg, Runtime(0, 3, torch.device("cpu")))

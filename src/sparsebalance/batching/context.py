@@ -104,9 +104,10 @@ def allowed_starts(k: int, num_ranks: int, per_node: int) -> np.ndarray:
     return np.arange(num_ranks - k + 1)
 
 
-def place_units(degree, seconds, num_ranks: int, per_node: int):
+def place_units(degree, seconds, num_ranks: int, per_node: int, aligned: bool = False):
     """Greedy contiguous placement of rigid units, longest first: each goes to the allowed window
-    that frees earliest (ties: lowest rank).
+    that frees earliest (ties: lowest rank). ``aligned``: a k-rank unit only on the groups
+    ``[jk, (j + 1) k)`` (a fixed ``(dp, cp)`` mesh).
 
     Args: ``degree`` int ``(U,)``, ``seconds`` ``(U,)``. Returns ``(order (U,), start_rank (U,),
     start (U,), ready (R,))``: units in placement (= slot) order and their windows. O(U S k)
@@ -122,7 +123,11 @@ def place_units(degree, seconds, num_ranks: int, per_node: int):
     for u in order.tolist():
         k = degs[u]
         if k not in windows:
-            s = allowed_starts(k, num_ranks, per_node)
+            s = (
+                np.arange(0, num_ranks - k + 1, k)
+                if aligned
+                else allowed_starts(k, num_ranks, per_node)
+            )
             windows[k] = (s, s[:, None] + np.arange(k)[None, :])
         s, idx = windows[k]
         top = ready[idx].max(axis=1)
@@ -134,10 +139,11 @@ def place_units(degree, seconds, num_ranks: int, per_node: int):
 
 
 def plan_cp(items: Items, regime: Regime, cost, num_ranks: int, iters: int, neighbors: int,
-            sab_time: float) -> CPResult | None:  # fmt: skip
+            sab_time: float, fixed: int | None = None) -> CPResult | None:  # fmt: skip
     """The best CP plan found (see the module docstring), or None when no document gains from
     a split and none needs one (``sab`` is then the plan). ``sab_time``: the ``sab`` plan's
-    predicted step time (the scan's upper end)."""
+    predicted step time (the scan's upper end). ``fixed``: the only CP degree allowed (``--cp
+    K``: units of exactly K ranks on aligned groups; items are at most K x C tokens)."""
     r, cap = num_ranks, regime.capacity
     kmin = np.ones(items.tokens.size, dtype=np.int64)
     if cap is not None:
@@ -153,14 +159,18 @@ def plan_cp(items: Items, regime: Regime, cost, num_ranks: int, iters: int, neig
     # Degrees tabled for the scan: up to what the longest document needs to reach the mean load
     # (the scan's targets are >= it), with room for the ring's imbalance and communication.
     kcap = int(min(r, max(int(kmin.max()), int(np.ceil(1.5 * whole.max() / mean_load)) + 2)))
+    if fixed is not None:
+        kcap = fixed
     ks = np.arange(1, kcap + 1)
     t, comm = cost.table(items.tokens[cand], items.density[cand], ks)
     feasible = ks[None, :] >= kmin[cand][:, None]
+    if fixed is not None:  # whole (k = 1) or exactly K
+        feasible &= ((ks == 1) | (ks == fixed))[None, :]
     t_feas = np.where(feasible, t, np.inf)
     # The bound's max term needs the best time over every k <= R: exact for the longest
     # candidates (min_k t grows with the document), the tabled range for the rest.
     best_t = t_feas.min(axis=1)
-    if kcap < r:
+    if kcap < r and fixed is None:
         top = np.argsort(-whole[cand], kind="stable")[:32]
         t_all, _ = cost.table(items.tokens[cand[top]], items.density[cand[top]],
                               np.arange(1, r + 1))  # fmt: skip
@@ -172,7 +182,7 @@ def plan_cp(items: Items, regime: Regime, cost, num_ranks: int, iters: int, neig
     bound = max((other + float(area.min(axis=1).sum())) / r, float(best_t.max()))
     per_node = cost.links.ranks_per_node
     rows = np.arange(cand.size)
-    at_min = t_feas[rows, kmin[cand] - 1]  # each document at its memory minimum
+    at_min = t_feas[rows, np.argmax(feasible, axis=1)]  # each at its smallest feasible k
     forced = bool((kmin > 1).any())
     hi = max(float(at_min.max()), sab_time if not forced else 0.0, bound * (1 + 1e-9))
     targets = bound * (hi / bound) ** (np.arange(_SCAN) / (_SCAN - 1))
@@ -183,7 +193,8 @@ def plan_cp(items: Items, regime: Regime, cost, num_ranks: int, iters: int, neig
     scored.sort(key=lambda x: (x[0], x[1]))
     builds = [scored[0][2]]
     if forced:  # the memory-minimum plan: the whole-document reference when C forces splits
-        builds.append(np.maximum(kmin[cand], 1))
+        builds.append(np.maximum(kmin[cand], 1) if fixed is None else
+                      np.where(kmin[cand] > 1, fixed, 1))  # fmt: skip
     best: CPResult | None = None
     tried = set()
     for deg in builds:
@@ -192,7 +203,7 @@ def plan_cp(items: Items, regime: Regime, cost, num_ranks: int, iters: int, neig
             continue
         tried.add(key)
         res = _build(deg, t_feas, comm, cand, items, regime, r, per_node, iters, neighbors, bound,
-                     cost)  # fmt: skip
+                     cost, fixed is not None)  # fmt: skip
         if res is not None and (best is None or res.rank_times.max() < best.rank_times.max()):
             best = res
     return best
@@ -231,11 +242,11 @@ def _estimate(deg, t_feas, cand, items, regime, r):
 
 
 def _build(deg, t_feas, comm, cand, items: Items, regime, r, per_node, iters, neighbors, bound,
-           cost):  # fmt: skip
+           cost, aligned=False):  # fmt: skip
     rows, idx, k, secs = _split_sets(deg, t_feas, cand)
     if rows.size and k.max() > r:
         return None
-    order, start_rank, start, ready = place_units(k, secs, r, per_node)
+    order, start_rank, start, ready = place_units(k, secs, r, per_node, aligned)
     units = CPUnits(
         idx[order], k[order], start_rank, start, secs[order],
         comm[rows, k - 1][order],

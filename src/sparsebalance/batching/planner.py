@@ -78,6 +78,10 @@ class PlanConfig:
     """Light ranks tried against the heaviest one per refinement step."""
     flops_linear_coef: float | None = None
     """``c`` of the ``flops`` key; default fitted to the cost model."""
+    cp_degree: int | None = None
+    """A fixed CP degree K (``--cp``, ``sab-cp`` only): every CP unit has exactly K ranks, on
+    the aligned groups ``[jK, (j + 1) K)`` of a ``(dp, cp)`` mesh, and ``--overlong`` applies
+    above ``K x C``. None: ``sab-cp`` picks any k per document."""
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
@@ -102,6 +106,17 @@ class PlanConfig:
             raise ValueError(f"--local-search-iters must be >= 0, got {self.local_search_iters}")
         if self.neighbors <= 0:
             raise ValueError(f"neighbors must be >= 1, got {self.neighbors}")
+        if self.cp_degree is not None:
+            k = self.cp_degree
+            if isinstance(k, bool) or not isinstance(k, int) or k < 2:
+                raise ValueError(f"--cp must be an integer >= 2, got {k!r}")
+            if self.strategy != "sab-cp":
+                raise ValueError(f"--cp {k} needs --strategy sab-cp (got {self.strategy!r})")
+            if self.world_size % k:
+                raise ValueError(
+                    f"--cp {k} must divide the world size ({self.world_size}): the ranks form "
+                    f"{self.world_size} / K context-parallel groups"
+                )
 
 
 def plan_batch(
@@ -231,7 +246,7 @@ def _items(ids, lens, dens, cost_model, config) -> tuple[Items, dict]:
     stats = {"num_overlong": 0, "num_split_chunks": 0, "truncated_tokens": 0, "skipped_ids": ()}
     cap = config.capacity
     if cap is not None and config.strategy == "sab-cp":
-        cap = cap * config.world_size  # a unit of R ranks holds R x C tokens
+        cap = cap * (config.cp_degree or config.world_size)  # a unit of k ranks holds k x C
     if cap is not None:  # split and truncate fit any C >= 1; skip refuses an empty batch below
         over = lens > cap
         stats["num_overlong"] = int(over.sum())
@@ -324,7 +339,8 @@ def _sab_cp(items: Items, regime: Regime, cost_model, config: PlanConfig, overlo
     if not forced:
         sab = _sab(items, regime, cost_model, config)
     sab_time = float(sab[2][1].max()) if sab is not None else np.inf
-    cp = plan_cp(items, regime, cost_model, r, iters, config.neighbors, sab_time)
+    cp = plan_cp(items, regime, cost_model, r, iters, config.neighbors, sab_time,
+                 config.cp_degree)  # fmt: skip
     if cp is not None and (forced or cp.rank_times.max() < sab_time * (1 - 1e-12)):
         extra = {"local_search_moves": cp.local_search_moves, "candidate": "cp"}
         return Assignment(cp.packs, cp.flat, items, cp.dp_times, regime, overlong, extra, cp)

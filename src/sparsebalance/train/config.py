@@ -71,6 +71,10 @@ class TrainConfig:
     parallelism: a document over the capacity, or one that shortens the step when split, is
     trained whole on a unit of k ranks through the sparse ring; --overlong then applies only to
     documents over world size x capacity)."""
+    cp: int | None = None
+    """A fixed context-parallel degree K for --strategy sab-cp: every CP unit has exactly K ranks,
+    on the aligned groups [jK, (j+1)K) of a (dp, cp) mesh, and --overlong applies above K x
+    capacity; must divide the world size. Default: the planner picks k per document."""
     block_size: int = 64
     """Sparse attention block size (tokens)."""
     backend: str = "auto"
@@ -131,6 +135,11 @@ class TrainConfig:
         self._check_memory_options()
         if self.strategy not in STRATEGIES:
             raise ValueError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.cp is not None and (self.cp < 2 or self.strategy != "sab-cp"):
+            raise ValueError(
+                f"--cp must be >= 2 and needs --strategy sab-cp, got --cp {self.cp} with "
+                f"--strategy {self.strategy}"
+            )
         if self.strategy == "sab-cp" and self.emulate_ranks:
             raise ValueError(
                 "--strategy sab-cp cannot run with --emulate-ranks: its CP units need their ranks "

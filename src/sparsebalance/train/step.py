@@ -111,7 +111,7 @@ class StepRunner:
         """SAB: samples -> ranks -> micro-batches; checks that every rank derived the same."""
         cfg = self.cfg
         pcfg = PlanConfig(self.num_ranks, cfg.micro_batches, cfg.capacity, cfg.strategy,
-                          cfg.overlong)  # fmt: skip
+                          cfg.overlong, cp_degree=cfg.cp)  # fmt: skip
         plan = plan_batch(samples, self.cost or self.latency, pcfg, estimator=self.estimator)
         hashes = self.rt.all_gather_object(plan.hash())
         check_plan_agreement(hashes, plan)

@@ -98,6 +98,11 @@ class Trainer:
         if cfg.emulate_ranks and rt.distributed:
             raise ValueError("--emulate-ranks runs in one process: launch it with --nproc 1")
         self.num_ranks = cfg.emulate_ranks or rt.world_size
+        if cfg.cp is not None and self.num_ranks % cfg.cp:
+            raise ValueError(
+                f"--cp {cfg.cp} must divide the world size ({self.num_ranks}): the ranks form "
+                "world / K context-parallel groups"
+            )
         seed_everything(cfg.seed)
         self.run_dir = Path(cfg.out)
         tokenizer = load_tokenizer(cfg.tokenizer)
