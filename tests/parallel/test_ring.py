@@ -33,7 +33,8 @@ def _layouts(q, k, cu, gamma, share_kv_groups=False):
     return select_blocks(q, k, cu, Budget(gamma=gamma), BLOCK, share_kv_groups=share_kv_groups)
 
 
-def check_case(rank, world, kind, dtype, gamma, inner_size=None, share_kv_groups=False, hq=4):
+def check_case(rank, world, kind, dtype, gamma, inner_size=None, share_kv_groups=False, hq=4,
+               default_inner=False):  # fmt: skip
     """One configuration on this rank: layout, output and all three gradients."""
     cu = cu_from_lengths(LENGTHS)
     q, k, v = make_qkv(int(cu[-1]), hq, 2, 8, dtype=dtype, seed=1)
@@ -51,7 +52,9 @@ def check_case(rank, world, kind, dtype, gamma, inner_size=None, share_kv_groups
         )
         assert torch.equal(mine.to_block_mask(), layout.to_block_mask()), (kind, gamma)
         layout = mine
-    if inner_size is None:
+    if default_inner:  # hierarchical, inner size from the launcher's topology
+        out = hierarchical_ring_attention(None, ql, kl, vl, layout, placement)
+    elif inner_size is None:
         out = ring_attention(None, ql, kl, vl, layout, placement)
     else:
         out = hierarchical_ring_attention(None, ql, kl, vl, layout, placement, inner_size)
@@ -114,6 +117,15 @@ def _flat_worker(rank, world):
 
 
 def _hierarchical_checks(rank, world):
+    import os
+
+    from sparsebalance.parallel.hierarchical import default_inner_size
+
+    assert default_inner_size(None) == world  # no launcher variables: one node, a flat ring
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # 2 "nodes" of 2: the default inner ring is a node
+    assert default_inner_size(None) == 2
+    check_case(rank, world, "striped", torch.float64, 0.8, inner_size=None, default_inner=True)
+    del os.environ["LOCAL_WORLD_SIZE"]
     for kind in PLACEMENTS:
         check_case(rank, world, kind, torch.float64, 1.0, inner_size=2)
         check_case(rank, world, kind, torch.float64, 0.8, inner_size=2)

@@ -103,3 +103,21 @@ def test_hybrid_strategies_keep_the_json_shape(capsys):
         from sparsebalance.simulate import SimConfig
 
         SimConfig(micro_batches=2, ring="star")
+
+
+def test_ranks_per_node_reaches_the_links_and_the_all_reduce(capsys):
+    """2 ranks per node at R = 8: the gradient all-reduce crosses nodes (slower than inside one
+    8-GPU node) and the cost model says which node size it priced."""
+    args = ["simulate", "--world-size", "8", "--steps", "2", "--samples-per-rank", "3",
+            "--micro-batches", "2", "--dist", "longtail", "--max-len", "65536",
+            "--strategy", "sab-cp", "--json"]  # fmt: skip
+    runs = {}
+    for g in (None, 2):
+        assert main(args + ([] if g is None else ["--ranks-per-node", str(g)])) == 0
+        runs[g] = json.loads(capsys.readouterr().out)
+    assert "2 ranks per node" in runs[2]["cost_model"]
+    assert "one node" in runs[None]["cost_model"]  # analytic h100: 8 GPUs per node, R = 8
+    base = [runs[g]["results"][0]["strategies"]["baseline"]["step_seconds"] for g in (None, 2)]
+    assert base[1] > base[0]
+    assert main(["simulate", *FAST, "--micro-batches", "2", "--ranks-per-node", "0"]) != 0
+    assert "--ranks-per-node must be >= 1" in capsys.readouterr().err

@@ -131,3 +131,92 @@ def test_topology_from_the_launchers_environment():
     assert Topology.from_env(4, {}).nodes == 1  # no launcher variables: one machine
     with pytest.raises(ValueError, match="--ranks-per-node \\(3\\) must divide the world size"):
         Topology(8, 3)
+
+
+def _placements(nodes, per_node):
+    return [{"group_rank": r // per_node, "local_rank": r % per_node, "local_world_size": per_node}
+            for r in range(nodes * per_node)]  # fmt: skip
+
+
+def test_topology_from_every_ranks_launcher_variables():
+    from sparsebalance.train.multinode import Topology
+
+    topo, note = Topology.from_launcher(4, _placements(2, 2))
+    assert (topo.nodes, topo.ranks_per_node, topo.source, note) == (2, 2, "launcher", None)
+    topo, note = Topology.from_launcher(4, _placements(2, 2), ranks_per_node=4)
+    assert (topo.nodes, topo.source) == (1, "--ranks-per-node")
+    assert note == "--ranks-per-node 4 overrides the launcher's 2 ranks per machine"
+    assert Topology.from_launcher(4, [{}] * 4)[0].nodes == 1  # no launcher variables: one node
+    assert Topology.from_launcher(8, [], ranks_per_node=2)[0].nodes == 4  # emulated ranks
+    uneven = _placements(2, 2)
+    uneven[3] = {**uneven[3], "local_world_size": 3}
+    with pytest.raises(ValueError, match="same --nproc"):
+        Topology.from_launcher(4, uneven)
+    cyclic = _placements(2, 2)
+    cyclic[1], cyclic[2] = cyclic[2], cyclic[1]  # srun --distribution=cyclic
+    with pytest.raises(ValueError, match="not numbered node by node"):
+        Topology.from_launcher(4, cyclic)
+    with pytest.raises(ValueError, match="--ranks-per-node \\(3\\) must divide"):
+        Topology.from_launcher(4, _placements(2, 2), ranks_per_node=3)
+
+
+def test_inner_ring_of_a_unit_is_its_ranks_on_one_node():
+    from sparsebalance.train.multinode import Topology
+
+    topo = Topology(8, 4)
+    assert topo.inner_size(range(8)) == 4  # two whole nodes: hierarchical, inner = a node
+    assert topo.inner_size([4, 5]) == 2  # inside one node: a flat ring
+    assert topo.inner_size([2, 3, 4, 5]) == 2  # two halves of two nodes
+    with pytest.raises(ValueError, match="unevenly"):
+        topo.inner_size([1, 2, 3, 4])
+
+
+def test_node_local_caches_are_written_by_one_rank_per_node():
+    """4 ranks (threads) on 2 nodes of 2; node 1 cannot see node 0's cache: rank 0 resolves
+    for node 0, rank 2 (node 1's LOCAL_RANK 0) for node 1, ranks 1 and 3 write nothing."""
+    import threading
+
+    from sparsebalance.train.multinode import node_leaders, resolve_on_nodes
+
+    world, barrier, lock = 4, threading.Barrier(4), threading.Lock()
+    slots: list = [None] * world
+    calls: list[int] = []
+    results: dict[int, str] = {}
+    leaders = node_leaders(_placements(2, 2))
+    assert leaders == [0, 0, 2, 2]
+
+    def gather(rank):
+        def all_gather(obj):
+            barrier.wait()
+            slots[rank] = obj
+            barrier.wait()
+            out = list(slots)
+            barrier.wait()
+            return out
+
+        return all_gather
+
+    def run(rank, visible):
+        def resolve():
+            with lock:
+                calls.append(rank)
+            return f"cache-of-node-{rank // 2}"
+
+        results[rank] = resolve_on_nodes(resolve, lambda s: visible, rank, leaders, gather(rank))
+
+    for node1_sees_node0 in (True, False):
+        calls.clear()
+        threads = [threading.Thread(target=run, args=(r, r < 2 or node1_sees_node0))
+                   for r in range(world)]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        if node1_sees_node0:
+            assert calls == [0] and set(results.values()) == {"cache-of-node-0"}
+        else:
+            assert sorted(calls) == [0, 2]
+            assert [results[r] for r in range(world)] == ["cache-of-node-0"] * 2 + [
+                "cache-of-node-1"] * 2  # fmt: skip
+    # without launcher variables every rank is its own machine's writer (today's behaviour)
+    assert node_leaders([{}, {}]) == [0, 1]

@@ -82,6 +82,10 @@ class PlanConfig:
     """A fixed CP degree K (``--cp``, ``sab-cp`` only): every CP unit has exactly K ranks, on
     the aligned groups ``[jK, (j + 1) K)`` of a ``(dp, cp)`` mesh, and ``--overlong`` applies
     above ``K x C``. None: ``sab-cp`` picks any k per document."""
+    ranks_per_node: int | None = None
+    """Ranks sharing a node G (``--ranks-per-node``, the run's topology): ``sab-cp`` keeps a unit
+    of k <= G ranks inside one node, prices rings that span nodes at the inter-node link and
+    runs them hierarchical (inner ring = a node); default: the cost model's ``links``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
@@ -117,6 +121,8 @@ class PlanConfig:
                     f"--cp {k} must divide the world size ({self.world_size}): the ranks form "
                     f"{self.world_size} / K context-parallel groups"
                 )
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ValueError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}")
 
 
 def plan_batch(
@@ -139,6 +145,7 @@ def plan_batch(
         A :class:`Plan`; split chunks carry the sample's density (the estimate of the whole).
     """
     t0 = time.perf_counter()
+    cost_model = _on_nodes(cost_model, config)
     dens = _densities(samples, densities, estimator)
     ids = np.array([s.id for s in samples], dtype=np.int64)
     lens = np.array([s.num_tokens for s in samples], dtype=np.int64)
@@ -193,7 +200,15 @@ def assign_batch(
         raise ValueError(f"{lens.size} samples but {dens.size} densities")
     if not (np.all(dens > 0) and np.all(dens <= 1.0)):
         raise ValueError("densities must lie in (0, 1]")
+    cost_model = _on_nodes(cost_model, config)
     return _assign(np.arange(lens.size, dtype=np.int64), lens, dens, cost_model, config)
+
+
+def _on_nodes(cost_model, config: PlanConfig):
+    """The cost model on ``config.ranks_per_node`` nodes (a ContextCost's links), else as is."""
+    if config.ranks_per_node is None or not hasattr(cost_model, "on_nodes"):
+        return cost_model
+    return cost_model.on_nodes(config.ranks_per_node)
 
 
 def _assign(ids, lens, dens, cost_model, config: PlanConfig) -> Assignment:

@@ -22,7 +22,7 @@ from ..report import comparison_table
 from ..results import write_results
 from ..train import add_train_arguments, config_from_args
 from ..train.ablation import ABLATION, HYBRID, ablation_configs, measure, predict
-from ..train.launch import default_nproc, uses_cuda
+from ..train.launch import add_nproc_argument, default_nproc, uses_cuda
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,12 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma-separated subset of {', '.join(ABLATION + HYBRID)} (baseline always runs; "
         "sab+cp, sab+cp+dst: hybrid data x context parallel, long documents trained whole)",
     )
-    p.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        help="processes (default: 2 on CPU; 1 with --emulate-ranks)",
-    )
+    add_nproc_argument(p)
     p.add_argument("--results-dir", default="benchmarks/results", help="'' to write nothing")
     p.add_argument(
         "--reuse-runs",

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--strategy", default="all", help=f"one of {', '.join(STRATEGIES)}, or all (default)"
     )
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="G",
+                   help="ranks sharing a node: sab-cp keeps units of <= G ranks inside one node "
+                   "(default: the links' node size, 8 for an analytic accelerator)")  # fmt: skip
     p.add_argument("--overlong", choices=OVERLONG, default="split", help="documents longer than C")
     p.add_argument("--text-field", default="text", help="jsonl field to tokenize")
     p.add_argument("--seed", type=int, default=None, help="shuffle the file order with this seed")
@@ -58,9 +61,10 @@ def main(args: argparse.Namespace) -> int:
             f"--strategy must be one of {', '.join(STRATEGIES)} or all, got {args.strategy!r}"
         )
     strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    shared = {"micro_batches": args.micro_batches, "capacity": args.capacity,
+              "overlong": args.overlong, "ranks_per_node": args.ranks_per_node}  # fmt: skip
     configs = [
-        PlanConfig(args.world_size, args.micro_batches, args.capacity, s, args.overlong)
-        for s in strategies
+        PlanConfig(args.world_size, strategy=s, **shared) for s in strategies
     ]  # validates R, M, C before any file is read
     samples, densities = read_lengths(args.lengths, args.text_field)
     if args.seed is not None:
@@ -71,7 +75,9 @@ def main(args: argparse.Namespace) -> int:
     # sab-cp prices split documents with link speeds (the profile's measured ones, else the
     # analytic --accelerator's); every other strategy sees the plain latency model through it.
     cost_model = context_cost(cost_model, args.accelerator)
-    cost_name += f"; links {cost_model.links.source}"
+    g = args.ranks_per_node or cost_model.links.ranks_per_node
+    nodes = f"{g} ranks per node" if g < args.world_size else "one node"
+    cost_name += f"; links {cost_model.links.source}, {nodes}"
     source = "file" if densities is not None else "HistoryEstimator prior"
     kwargs = (
         {"densities": densities} if densities is not None else {"estimator": HistoryEstimator()}

@@ -10,17 +10,12 @@ from pathlib import Path
 
 from ..report import write_report
 from ..train import add_train_arguments, config_from_args
-from ..train.launch import RunFailed, default_nproc, demo_configs, launch
+from ..train.launch import RunFailed, add_nproc_argument, default_nproc, demo_configs, launch
 from ..train.multinode import Rendezvous
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        help="ranks to launch on this machine (default: 2 on CPU, the number of GPUs on CUDA)",
-    )
+    add_nproc_argument(p)
     p.add_argument(
         "--nnodes",
         type=int,

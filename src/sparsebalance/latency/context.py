@@ -40,7 +40,7 @@ stored in a profile's ``meta["links"]`` (:func:`links_from_profile`, written by
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -175,6 +175,19 @@ class ContextCost:
         kv = 2 * shapes.num_kv_heads * shapes.head_dim * elem_bytes
         q = shapes.num_heads * shapes.head_dim * elem_bytes
         return cls(base, links, kv, q, **kw)
+
+    def on_nodes(self, ranks_per_node: int) -> ContextCost:
+        """This cost on nodes of ``ranks_per_node`` ranks (the run's topology, ``G``): the same
+        link speeds and base model; units of k <= G stay on the in-node link, wider ones cross
+        nodes (:func:`ring_kind`)."""
+        if ranks_per_node == self.links.ranks_per_node:
+            return self
+        links = replace(self.links, ranks_per_node=ranks_per_node)
+        imb = self.imbalance
+        return ContextCost(
+            self.base, links, self.kv_bytes_per_token, self.query_bytes_per_block,
+            self.block_size, imb["flat"], imb["hierarchical"], self.ring,
+        )  # fmt: skip
 
     def describe(self) -> dict:
         return {"links": self.links.to_dict(), "kv_bytes_per_token": self.kv_bytes_per_token,

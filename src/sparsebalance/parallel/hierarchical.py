@@ -18,8 +18,9 @@ from ..ops.layout import BlockLayout
 from ..ops.varlen import resolve_scale
 from .blockwise import ShardState, backward_step, check_shard_inputs, forward_step
 from .layouts import Placement, ring_sources
-from .ranks import Group, group_rank, group_size
+from .ranks import Group, global_rank, group_rank, group_size
 from .ring import RingComm, ring_pass, ring_pass_grad
+from .topology import Topology
 
 _INNER_TAG, _OUTER_TAG = 0, 2  # each ring uses tag (shards) and tag + 1 (gradients)
 
@@ -84,6 +85,13 @@ class HierarchicalRingAttention(torch.autograd.Function):
         return (*state.grads(dq, dkv), None, None, None, None, None)
 
 
+def default_inner_size(group: Group) -> int:
+    """Ranks per node among ``group``'s ranks (global ranks in ring order), the launcher's
+    topology."""
+    ranks = [global_rank(group, j) for j in range(group_size(group))]
+    return Topology.from_env(dist.get_world_size()).inner_size(ranks)
+
+
 def hierarchical_ring_attention(
     group: Group,
     q: torch.Tensor,
@@ -91,7 +99,7 @@ def hierarchical_ring_attention(
     v: torch.Tensor,
     layout: BlockLayout,
     placement: Placement,
-    inner_size: int,
+    inner_size: int | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Two-level ring attention: inner rings of ``inner_size`` consecutive ranks, outer ring across.
@@ -104,13 +112,17 @@ def hierarchical_ring_attention(
         layout: the *global* :class:`BlockLayout`, identical on every rank.
         placement: which blocks each rank holds (:func:`~.layouts.make_placement`).
         inner_size: G, ranks per inner ring (e.g. GPUs per node); must divide ``P``. ``G = P`` is
-            the flat ring; ``G = 1`` a flat ring with every hop crossing groups.
+            the flat ring; ``G = 1`` a flat ring with every hop crossing groups. Default: the
+            group's ranks per node, from the launcher's ``LOCAL_WORLD_SIZE``
+            (:meth:`~.topology.Topology.inner_size`; ``P`` without launcher variables).
         scale: softmax scale, default ``D ** -0.5``.
 
     Returns:
         ``(Tl, Hq, D)``, equal to :func:`~.ring.ring_attention`'s output; differentiable.
     """
     world = group_size(group)
+    if inner_size is None:
+        inner_size = default_inner_size(group)
     if isinstance(inner_size, bool) or not isinstance(inner_size, int) or inner_size <= 0:
         raise ValueError(f"inner_size must be a positive integer, got {inner_size!r}")
     if world % inner_size:

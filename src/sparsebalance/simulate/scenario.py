@@ -9,7 +9,7 @@ Cost model: a measured profile (``--profile``) or the analytic FLOP-count profil
 ``--analytic h100|h200`` at ``--efficiency`` (a stated approximation, see
 :mod:`sparsebalance.latency.analytic`). The per-step overhead is the optimizer step from the profile
 plus a ring all-reduce of bf16 gradients at each world size (``allreduce_seconds``: NVLink inside
-8-GPU nodes, InfiniBand across them), not overlapped with compute.
+8-GPU nodes, or ``--ranks-per-node``, InfiniBand across them), not overlapped with compute.
 """
 
 from __future__ import annotations
@@ -84,6 +84,11 @@ class SimConfig:
     ring: str = "auto"
     """[--ring] ring of split documents (``sab-cp``): ``auto`` (hierarchical once a unit spans
     nodes and k is a multiple of the node size), ``flat`` or ``hierarchical``."""
+    ranks_per_node: int | None = None
+    """[--ranks-per-node] ranks sharing a node G: ``sab-cp`` keeps a unit of k <= G ranks inside
+    one node (in-node link), wider units cross nodes (hierarchical ring, inner ring = a node);
+    the gradient all-reduce uses the in-node link up to G ranks. Default: the accelerator's 8
+    GPUs per node (measured profile links: one host)."""
     show_step: int = 0
     """[--show-step] the step whose per-rank times are kept (for the plot)."""
     workers: int = 1
@@ -117,6 +122,8 @@ class SimConfig:
             )
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ValueError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}")
         resolve_strategies(self.strategies)  # unknown names fail before any work
         DensityCurve(self.dst.gamma0, *self.curve_alpha)
 
@@ -166,7 +173,10 @@ def step_overhead(model: LatencyModel, shapes: ModelShapes | None, config: SimCo
     if shapes is None:
         return model.profile.optimizer_seconds
     params = shapes.layer_params() * shapes.num_layers + shapes.vocab_size * shapes.hidden_size
-    comm = allreduce_seconds(2 * params, r, ACCELERATORS[config.analytic])
+    acc = ACCELERATORS[config.analytic]
+    if config.ranks_per_node is not None:
+        acc = replace(acc, gpus_per_node=config.ranks_per_node)
+    comm = allreduce_seconds(2 * params, r, acc)
     return model.profile.optimizer_seconds + comm
 
 
@@ -184,7 +194,11 @@ def run_simulation(config: SimConfig) -> dict:
     # documents with its links; the others read only the base model's numbers).
     cost = context_cost(model, config.analytic, shapes, ring=config.ring,
                         block_size=config.block_size)  # fmt: skip
-    desc += f"; CP links {cost.links.source}, ring {config.ring}"
+    if config.ranks_per_node is not None:
+        cost = cost.on_nodes(config.ranks_per_node)
+    g = cost.links.ranks_per_node
+    nodes = f"{g} ranks per node" if g < max(config.world_sizes) else "one node"
+    desc += f"; CP links {cost.links.source}, {nodes}, ring {config.ring}"
     results = []
     for r in config.world_sizes:
         t0 = time.perf_counter()

@@ -94,6 +94,10 @@ class TrainConfig:
     the RNGs (the same on every rank; saved with checkpoints)."""
     parallel: str = "ddp"
     """ddp (replicated: DistributedDataParallel) | fsdp2 (fully_shard on every decoder layer)."""
+    ranks_per_node: int | None = None
+    """Ranks per machine: which ranks share a node's fast links (``sab-cp`` keeps a unit of up to
+    this many ranks inside one node; wider units run the hierarchical ring with a node as inner
+    ring). Default: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun, srun), else one node."""
     measure_bubble: str = "overlap"
     """How the gradient sync runs and the bubble is measured: overlap (the sync overlaps the last
     micro-batch's backward; bubble from per-rank timestamps) | exact (a barrier, then a separate
@@ -124,6 +128,8 @@ class TrainConfig:
     ``--tolerance``, ``--gamma0``, ...), TOML table ``[dst]``."""
 
     def __post_init__(self) -> None:
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ValueError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}")
         if self.emulate_ranks < 0:
             raise ValueError(f"--emulate-ranks must be >= 0, got {self.emulate_ranks}")
         if self.steps <= 0:

@@ -17,7 +17,7 @@ import torch
 
 from .checkpoint import find_checkpoint
 from .config import TrainConfig, check_batch, to_dict
-from .multinode import Rendezvous
+from .multinode import Rendezvous, Topology
 from .resume import check_same_run
 from .runlock import ENV_TOKEN, FOLLOW, RunLock
 from .signals import HANDLED, die_with_parent
@@ -28,6 +28,14 @@ CPU_NPROC = 2  # processes `sparsebalance train` starts on a CPU machine without
 
 def uses_cuda(cfg: TrainConfig) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def add_nproc_argument(p) -> None:
+    """``--nproc``, one definition for every command that launches ranks (its default:
+    :func:`default_nproc`)."""
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes on this machine (default: the number of GPUs on CUDA, 2 on "
+                   "CPU, 1 with --emulate-ranks)")  # fmt: skip
 
 
 def default_nproc(cfg: TrainConfig, requested: int | None) -> int:
@@ -73,8 +81,8 @@ REPORTED_CODES = {2, 3} | {128 + s for s in HANDLED}  # user error, non-finite l
 def preflight(cfg: TrainConfig, nproc: int) -> None:
     """Everything cheap that can fail, before any process starts or anything is profiled: the
     model's config, the tokenizer, the data (read and tokenized into the shared cache, which the
-    workers then read), the global batch against the dataset and the ranks, and with ``--resume``
-    that the checkpoint belongs to this run."""
+    workers then read), the global batch against the dataset and the ranks, ``--ranks-per-node``
+    against the ranks, and with ``--resume`` that the checkpoint belongs to this run."""
     from ..data import load_corpus, load_tokenizer
     from ..models import load_shapes
 
@@ -84,6 +92,8 @@ def preflight(cfg: TrainConfig, nproc: int) -> None:
                          on_bad_record=cfg.on_bad_record,
                          progress=sys.stderr.isatty())  # fmt: skip
     check_batch(cfg, len(corpus), cfg.emulate_ranks or nproc)
+    if cfg.ranks_per_node is not None:  # must divide the ranks (raises naming the flag)
+        Topology(cfg.emulate_ranks or nproc, cfg.ranks_per_node)
     if cfg.resume:  # the same run or a refusal listing the differences (rank 0 repeats it)
         path = find_checkpoint(Path(cfg.out))[0]
         if path is None:

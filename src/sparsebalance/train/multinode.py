@@ -1,11 +1,21 @@
 """More than one machine: the launcher's c10d rendezvous flags (``--nnodes``, ``--node-rank``,
-``--rdzv-endpoint``, ``--rdzv-id``) and SLURM's environment mapped to torchrun's variables."""
+``--rdzv-endpoint``, ``--rdzv-id``), SLURM's environment mapped to torchrun's variables, and
+node-local caches written by one rank per machine (:func:`resolve_on_nodes`). Which ranks share a
+machine: :class:`~sparsebalance.parallel.topology.Topology`."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
+from ..parallel.topology import Topology, launcher_placement
+
+__all__ = ["Rendezvous", "Topology", "adopt_slurm_env", "launcher_placement", "node_leaders",
+           "resolve_on_nodes", "slurm_env"]  # fmt: skip
+
+T = TypeVar("T")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
@@ -77,37 +87,33 @@ def adopt_slurm_env() -> None:
     os.environ.update(slurm_env(dict(os.environ)))
 
 
-@dataclass(frozen=True)
-class Topology:
-    """Which ranks share a machine: ranks ``[n * ranks_per_node, (n + 1) * ranks_per_node)`` are
-    node ``n`` (torchrun and ``srun`` number ranks node by node)."""
+def node_leaders(placements: Sequence[Mapping[str, int | None]]) -> list[int]:
+    """For every rank (index = global rank), the rank that writes its machine's node-local
+    caches: the machine's ``LOCAL_RANK`` 0 (``GROUP_RANK`` names the machine); the rank itself
+    when its launcher says neither."""
+    first = {p["group_rank"]: r for r, p in enumerate(placements)
+             if p.get("local_rank") == 0 and p.get("group_rank") is not None}  # fmt: skip
+    return [first.get(p.get("group_rank"), r) for r, p in enumerate(placements)]
 
-    world_size: int
-    """All ranks of the run."""
-    ranks_per_node: int
-    """Ranks on each machine (every machine runs the same number)."""
 
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world size must be >= 1, got {self.world_size}")
-        if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
-            raise ValueError(f"--ranks-per-node ({self.ranks_per_node}) must divide the world "
-                             f"size ({self.world_size})")  # fmt: skip
+def resolve_on_nodes(
+    resolve: Callable[[], T],
+    usable: Callable[[T], bool],
+    rank: int,
+    leaders: Sequence[int],
+    gather: Callable[[object], list],
+) -> T:
+    """Node-local caches written once per machine (a collective: every rank calls it).
 
-    @property
-    def nodes(self) -> int:
-        return self.world_size // self.ranks_per_node
-
-    def node_of(self, rank: int) -> int:
-        return rank // self.ranks_per_node
-
-    @classmethod
-    def from_env(cls, world_size: int, environ: dict[str, str] | None = None) -> Topology:
-        """From the launcher's ``LOCAL_WORLD_SIZE`` (torchrun, or ``srun`` via :func:`slurm_env`);
-        one node holding every rank when it is absent."""
-        env = os.environ if environ is None else environ
-        return cls(world_size, int(env.get("LOCAL_WORLD_SIZE", world_size)))
-
-    def describe(self) -> dict:
-        return {"world_size": self.world_size, "nodes": self.nodes,
-                "ranks_per_node": self.ranks_per_node}  # fmt: skip
+    Rank 0 runs ``resolve`` (filling its machine's cache) while the others wait; a rank that
+    cannot use rank 0's result (``usable`` false: another machine with a cache of its own) takes
+    its machine's, computed by the machine's first rank alone (``leaders``: :func:`node_leaders`)
+    while the machine's other ranks wait. ``gather``: all-gather of one object per rank.
+    """
+    first = gather(resolve() if rank == 0 else None)[0]
+    needs = gather(not usable(first))
+    if not any(needs):
+        return first
+    busy = {leaders[r] for r, need in enumerate(needs) if need}
+    own = gather(resolve() if rank in busy else None)
+    return own[leaders[rank]] if needs[rank] else first

@@ -25,6 +25,7 @@ SAFE_ON_RESUME = {
     "device": "where it runs (e.g. another machine)",
     "backend": "attention kernel (same maths, different implementation)",
     "measure_bubble": "how the bubble is timed",
+    "ranks_per_node": "the machines' layout (where CP units are placed, not what is trained)",
 }
 """Fields a resumed run may change, and why each is safe."""
 

@@ -89,6 +89,9 @@ class StepRunner:
     cost: CostModel | None = None
     """What plans and DST price with: a ``ContextCost`` over ``latency`` for ``sab-cp`` (it
     prices documents split over k ranks); ``latency`` itself when None."""
+    ranks_per_node: int | None = None
+    """The run's topology (:class:`~sparsebalance.parallel.topology.Topology`): the planner keeps
+    CP units inside a node where they fit; None: the cost model's links decide."""
 
     def run(self, samples: list[Sample], step: int) -> StepResult:
         """Step number ``step`` (1-based) on ``samples`` (the global batch, same on every rank).
@@ -111,7 +114,8 @@ class StepRunner:
         """SAB: samples -> ranks -> micro-batches; checks that every rank derived the same."""
         cfg = self.cfg
         pcfg = PlanConfig(self.num_ranks, cfg.micro_batches, cfg.capacity, cfg.strategy,
-                          cfg.overlong, cp_degree=cfg.cp)  # fmt: skip
+                          cfg.overlong, cp_degree=cfg.cp,
+                          ranks_per_node=self.ranks_per_node)  # fmt: skip
         plan = plan_batch(samples, self.cost or self.latency, pcfg, estimator=self.estimator)
         hashes = self.rt.all_gather_object(plan.hash())
         check_plan_agreement(hashes, plan)

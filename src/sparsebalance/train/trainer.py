@@ -53,7 +53,7 @@ from ..workload import Sample
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, to_dict
 from .execute import RankExecutor
-from .multinode import Topology
+from .multinode import Topology, launcher_placement, node_leaders, resolve_on_nodes
 from .parallelize import parallelize
 from .records import StepResult
 from .resume import check_same_run
@@ -103,6 +103,9 @@ class Trainer:
                 f"--cp {cfg.cp} must divide the world size ({self.num_ranks}): the ranks form "
                 "world / K context-parallel groups"
             )
+        # every rank's launcher variables: the topology and which rank writes each node's caches
+        self._placements = rt.all_gather_object(launcher_placement())
+        self.topology = self._topology()
         seed_everything(cfg.seed)
         self.run_dir = Path(cfg.out)
         tokenizer = load_tokenizer(cfg.tokenizer)
@@ -139,9 +142,11 @@ class Trainer:
         cost = None
         if cfg.strategy == "sab-cp":  # prices split documents: measured links, else analytic H100
             cost = context_cost(self.latency, "h100", shapes, block_size=cfg.block_size)
+            cost = cost.on_nodes(self.topology.ranks_per_node)  # the planner's and DST's nodes
         self.runner = StepRunner(
             cfg, rt, self.num_ranks, self.latency, self.estimator, DSTTuner(cfg.dst), self.par,
             executor, self.params, self.optimizer, self.scheduler, self.sample, cost,
+            self.topology.ranks_per_node,
         )  # fmt: skip
         self.step = 0
         earlier = [
@@ -160,10 +165,21 @@ class Trainer:
         self._stale = [] if cfg.resume else earlier
 
     # ------------------------------------------------------------------ setup
+    def _topology(self) -> Topology:
+        """Which ranks share a node: ``--ranks-per-node``, else the launcher's (checked to agree
+        on every rank), else one node. Emulated ranks have no launcher."""
+        cfg = self.cfg
+        reported = [] if cfg.emulate_ranks else self._placements
+        topology, note = Topology.from_launcher(self.num_ranks, reported, cfg.ranks_per_node)
+        if note:
+            self._say(f"note: {note}")
+        return topology
+
     def _resolve_data(self, tokenizer) -> list[DataSource]:
         """Rank 0 resolves ``--data`` (preparing raw inputs into the cache once) while the others
-        wait; every rank then maps rank 0's stores (a rank that cannot see them, e.g. on another
-        node with its own cache, resolves for itself)."""
+        wait; every rank then maps rank 0's stores. A node that cannot see them (its own cache)
+        uses the stores its first rank (``LOCAL_RANK`` 0) resolves alone (:func:`resolve_on_nodes`):
+        one writer per node-local cache."""
         cfg = self.cfg
 
         def resolve():
@@ -171,11 +187,11 @@ class Trainer:
                                 cfg.min_len, cfg.max_len, on_bad_record=cfg.on_bad_record,
                                 progress=self.rt.is_main)  # fmt: skip
 
-        mine = resolve() if self.rt.is_main else None
-        sources = self.rt.all_gather_object(mine)[0]
-        if not all(is_store(s.store) for s in sources):
-            sources = resolve()
-        return sources
+        def usable(sources) -> bool:
+            return all(is_store(s.store) for s in sources)
+
+        leaders = node_leaders(self._placements)
+        return resolve_on_nodes(resolve, usable, self.rt.rank, leaders, self.rt.all_gather_object)
 
     def _auto_capacity(self, shapes: ModelShapes, base_rss: int) -> int:
         """``--capacity auto``: the largest micro-batch whose predicted peak fits the budget (the
@@ -351,7 +367,7 @@ class Trainer:
                 json.dumps(to_dict(cfg), indent=1, default=str)
             )
             self.latency.profile.save(self.run_dir / "latency_profile.json")  # what planned it
-            topology = Topology.from_env(self.rt.world_size).describe()
+            topology = self.topology.describe()
             (self.run_dir / "topology.json").write_text(json.dumps(topology) + "\n")
             data = self.data.describe()
             (self.run_dir / "data.json").write_text(json.dumps(data, indent=1) + "\n")
