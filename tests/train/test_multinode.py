@@ -220,3 +220,29 @@ def test_node_local_caches_are_written_by_one_rank_per_node():
                 "cache-of-node-1"] * 2  # fmt: skip
     # without launcher variables every rank is its own machine's writer (today's behaviour)
     assert node_leaders([{}, {}]) == [0, 1]
+
+
+@pytest.mark.filterwarnings("ignore::sparsebalance.latency.ProfileMismatchWarning")
+def test_trainer_takes_ranks_per_node(tmp_path):
+    import torch
+
+    from sparsebalance.train import Trainer
+    from sparsebalance.train.runtime import Runtime
+    from tests.train.harness import base_config
+
+    cfg = base_config(tmp_path, steps=1, emulate_ranks=4, ranks_per_node=2)
+    trainer = Trainer(cfg, Runtime(0, 1, torch.device("cpu")))
+    assert trainer.topology.describe() == {"world_size": 4, "nodes": 2, "ranks_per_node": 2,
+                                           "source": "--ranks-per-node"}  # fmt: skip
+    assert trainer.runner.ranks_per_node == 2  # what the planner's PlanConfig gets
+    with pytest.raises(ValueError, match="--ranks-per-node must be >= 1"):
+        base_config(tmp_path, ranks_per_node=0)
+
+
+def test_launcher_refuses_ranks_per_node_that_does_not_divide_the_ranks(tmp_path, capsys):
+    rc = cli_main(["train", "--nproc", "4", "--ranks-per-node", "3", "--num-builtin", "8",
+                   "--max-len", "256", "--global-batch", "4",
+                   "--out", str(tmp_path / "bad")])  # fmt: skip
+    assert rc == 2
+    assert "--ranks-per-node (3) must divide the world size (4)" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
