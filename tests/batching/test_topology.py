@@ -74,3 +74,16 @@ def test_default_is_the_links_node_size_and_bad_input_names_the_flag():
                                                            ranks_per_node=g), dens)
            for g in (1, 4)]  # fmt: skip
     assert sab[0].hash() == sab[1].hash()
+
+
+def test_on_nodes_keeps_the_calibration_and_changes_only_the_node_size():
+    cost = fake_context(per_node=8)
+    cost.compute_scale, cost.comm_scale = 1.3, 2.0
+    two = cost.on_nodes(2)
+    assert (two.links.ranks_per_node, cost.links.ranks_per_node) == (2, 8)
+    assert (two.compute_scale, two.comm_scale, two.calibration) == (1.3, 2.0, cost.calibration)
+    assert two.links.inter_bytes_per_s == cost.links.inter_bytes_per_s
+    assert cost.on_nodes(8) is cost
+    lens, dens = np.array([20000]), np.array([0.3])
+    assert two.unit_seconds(lens, dens, np.array([4]))[0][0] > cost.unit_seconds(
+        lens, dens, np.array([4]))[0][0]  # fmt: skip

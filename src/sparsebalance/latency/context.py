@@ -40,6 +40,7 @@ stored in a profile's ``meta["links"]`` (:func:`links_from_profile`, written by
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -178,16 +179,14 @@ class ContextCost:
 
     def on_nodes(self, ranks_per_node: int) -> ContextCost:
         """This cost on nodes of ``ranks_per_node`` ranks (the run's topology, ``G``): the same
-        link speeds and base model; units of k <= G stay on the in-node link, wider ones cross
-        nodes (:func:`ring_kind`)."""
+        link speeds, base model and calibration (its current scales; the calibration object is
+        shared); units of k <= G stay on the in-node link, wider ones cross nodes
+        (:func:`ring_kind`)."""
         if ranks_per_node == self.links.ranks_per_node:
             return self
-        links = replace(self.links, ranks_per_node=ranks_per_node)
-        imb = self.imbalance
-        return ContextCost(
-            self.base, links, self.kv_bytes_per_token, self.query_bytes_per_block,
-            self.block_size, imb["flat"], imb["hierarchical"], self.ring,
-        )  # fmt: skip
+        out = copy.copy(self)
+        out.links = replace(self.links, ranks_per_node=ranks_per_node)
+        return out
 
     def describe(self) -> dict:
         return {"links": self.links.to_dict(), "kv_bytes_per_token": self.kv_bytes_per_token,

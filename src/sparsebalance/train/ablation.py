@@ -98,7 +98,9 @@ def predict(
     return out
 
 
-def trainer_cost(latency: LatencyModel, cfg: TrainConfig):
+def trainer_cost(latency: LatencyModel, cfg: TrainConfig, ranks_per_node: int | None = None):
     """The ``ContextCost`` the trainer plans ``sab-cp`` with: links measured in the profile, else
-    the analytic H100 ones; K/V sizes from the profile's model shapes."""
-    return context_cost(latency, "h100", block_size=cfg.block_size)
+    the analytic H100 ones; K/V sizes from the profile's model shapes; nodes of
+    ``ranks_per_node`` ranks (the run's ``Topology``; default: the links' own)."""
+    cost = context_cost(latency, "h100", block_size=cfg.block_size)
+    return cost if ranks_per_node is None else cost.on_nodes(ranks_per_node)
