@@ -13,6 +13,7 @@ ring. The steps are the flat ring's (:mod:`.ring`), composed; rank ``r`` holds t
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..ops.layout import BlockLayout
 from ..ops.varlen import resolve_scale
