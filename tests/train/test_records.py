@@ -71,7 +71,7 @@ def test_rank_record_says_which_unit_a_rank_ran_and_its_ring_wait():
     first, second = out["units"]
     assert first == {"slot": 0, "ranks": [1, 2, 3], "degree": 3, "ring": "flat",
                      "sample_ids": [17], "tokens": 12288, "start_s": 0.125, "seconds": 2.0,
-                     "ring_wait_s": 0.25}  # fmt: skip
+                     "ring_wait_s": 0.25, "density": 0.5}  # fmt: skip
     assert (second["slot"], second["degree"], second["ranks"], second["ring"]) == (5, 1, [], "none")
     assert json.loads(json.dumps(out)) == out  # a metrics.jsonl line
 

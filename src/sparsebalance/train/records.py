@@ -107,6 +107,7 @@ class MicroBatchResult:
             "slot": self.slot, "ranks": list(self.unit_ranks), "degree": self.degree,
             "ring": self.ring, "sample_ids": list(self.sample_ids), "tokens": self.tokens,
             "start_s": self.start_s, "seconds": self.seconds, "ring_wait_s": self.ring_wait_s,
+            "density": float(np.mean(self.layer_densities)) if self.layer_densities else None,
         }  # fmt: skip
 
 
