@@ -158,3 +158,27 @@ def test_planner_with_the_real_latency_model():
     assert plans["sab"].microbatch_times[0][0] == pytest.approx(
         model.predict(mb.lengths, mb.densities)
     )
+
+
+@OUTSIDE_GRID
+def test_ranks_per_node_places_units_inside_nodes(capsys, tmp_path):
+    """6 ranks, four documents of 1.5 C (2 ranks each): on one node the planner uses the window
+    (2, 3); on 2 nodes of 3 (``--ranks-per-node 3``) every unit stays inside a node."""
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(map(str, [6144] * 4 + [512] * 18)) + "\n")
+    save = tmp_path / "plans.json"
+    windows = {}
+    for g in (None, 3):
+        extra = [] if g is None else ["--ranks-per-node", str(g)]
+        code, out, _ = run(capsys, "--lengths", str(path), "--world-size", "6", "--capacity",
+                           "4096", "--strategy", "sab-cp", "--json", "--save", str(save),
+                           *extra)  # fmt: skip
+        assert code == 0
+        units = json.loads(save.read_text())["strategies"]["sab-cp"]["units"]
+        windows[g] = {tuple(u["ranks"]) for u in units if len(u["ranks"]) > 1}
+    assert "3 ranks per node" in json.loads(out)["cost_model"]
+    assert (2, 3) in windows[None]
+    assert windows[3] and all(len({r // 3 for r in w}) == 1 for w in windows[3])
+    code, _, err = run(capsys, "--lengths", str(path), "--world-size", "4", "--capacity",
+                       "4096", "--ranks-per-node", "0")  # fmt: skip
+    assert code != 0 and "--ranks-per-node must be >= 1" in err
