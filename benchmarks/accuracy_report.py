@@ -176,7 +176,12 @@ def tables(payload: dict) -> str:
             for v in names
         ]
         out += ["", "Exact match by prompt length:", "", markdown_table(head, rows)]
-    out += ["", "## Paired by seed (mean EM over the three tasks, own budget)", ""]
+    metrics = (
+        ("mean EM", lambda e: mean_em(e)),
+        ("mean tok acc", lambda e: sum(e[t]["token_acc"] for t in TASKS) / len(TASKS)),
+        ("ppl", lambda e: e["ppl"]),
+    )
+    out += ["", "## Paired by seed (own budget; mean over the three tasks)", ""]
     rows = []
     for ref in ("fixed-0.9", "dense"):
         if ref not in by:
@@ -184,32 +189,21 @@ def tables(payload: dict) -> str:
         for v in names:
             if v == ref:
                 continue
-            a = [mean_em(r["eval"]["own"]) for r in by[v]]
-            b = [mean_em(r["eval"]["own"]) for r in by[ref]]
-            cost = [r["predicted_step_s"] for r in by[v]]
-            cost_ref = [r["predicted_step_s"] for r in by[ref]]
-            c = paired(a, b)
-            rows.append(
-                [
-                    f"{v} - {ref}",
-                    f"{c['mean']:+.3f} ± {c['std']:.3f}",
-                    f"{c['wins']}/{c['losses']}/{c['ties']}",
-                    f"{c['p']:.2f}",
-                    f"{statistics.mean(cost) / statistics.mean(cost_ref):.3f}",
-                ]
-            )
-    out.append(
-        markdown_table(
-            [
-                "difference",
-                "ΔEM (mean ± std)",
-                "seeds better/worse/tied",
-                "paired t p (two-sided)",
-                "cost ratio (predicted s/step)",
-            ],
-            rows,
-        )
-    )
+            cost = statistics.mean(r["predicted_step_s"] for r in by[v])
+            cost_ref = statistics.mean(r["predicted_step_s"] for r in by[ref])
+            row = [f"{v} - {ref}", f"{cost / cost_ref:.3f}"]
+            for _, fn in metrics:
+                c = paired(
+                    [fn(r["eval"]["own"]) for r in by[v]], [fn(r["eval"]["own"]) for r in by[ref]]
+                )
+                row.append(
+                    f"{c['mean']:+.3f} ± {c['std']:.3f} ({c['wins']}/{c['losses']}/"
+                    f"{c['ties']}, p {c['p']:.2f})"
+                )
+            rows.append(row)
+    head = ["difference", "cost ratio (predicted s/step)"]
+    head += [f"Δ {name} (± std; seeds +/-/=, paired t p)" for name, _ in metrics]
+    out.append(markdown_table(head, rows))
     return "\n".join(out)
 
 
@@ -278,3 +272,22 @@ def write_report(payload: dict, args, argv) -> Path:
     )
     md, _ = write_results(out, args.name, torch.device("cpu"), table, payload, notes)
     return md
+
+
+def main(argv=None) -> int:
+    """Re-render a results file from its JSON: ``accuracy_report.py RESULTS.json``."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("json")
+    args = p.parse_args(argv)
+    payload = json.loads(Path(args.json).read_text())
+    print(tables(payload))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
