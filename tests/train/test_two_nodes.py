@@ -92,3 +92,17 @@ def test_two_nodes_restart_from_their_checkpoint_bit_identical(two_by_two):
     _two_nodes([*flags, "--resume"], run)
     assert _losses(run) == _losses(tmp / "two")  # bit-identical, all 3 steps
     assert (run / "checkpoints" / "step-000003").is_dir()
+
+
+@pytest.mark.timeout(900)
+def test_a_cp_unit_over_both_nodes_runs_the_hierarchical_ring(tmp_path):
+    """``sab-cp --cp 4`` on 2 nodes of 2 (capacity 64 tokens, documents of 128-256): every CP
+    unit spans both launchers' nodes and runs the hierarchical ring, whose inner ring is a node
+    (from the launchers' topology; on one node of 4 the same unit runs flat). 1 step."""
+    flags = [*_flags(tmp_path), "--strategy", "sab-cp", "--cp", "4", "--capacity", "64",
+             "--steps", "1"]  # fmt: skip
+    _two_nodes(flags, tmp_path / "cp")
+    rows = [json.loads(x) for x in (tmp_path / "cp" / "metrics.jsonl").read_text().splitlines()]
+    units = {(tuple(u["ranks"]), u["ring"]) for r in rows if r["rank"] != "all" for u in r["units"]}
+    wide = {unit for unit in units if len(unit[0]) > 1}  # one-rank units: documents <= 64 tokens
+    assert wide == {((0, 1, 2, 3), "hierarchical")}, units
