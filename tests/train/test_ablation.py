@@ -52,7 +52,7 @@ def test_demo_runs_come_from_the_same_table(tmp_path):
     assert list(runs) == ["baseline", "sparsebalance"]
     assert (runs["baseline"].strategy, runs["baseline"].dst.mode) == ("sequential", "off")
     assert (runs["sparsebalance"].strategy, runs["sparsebalance"].dst.mode) == (
-        "sab",
+        "sab-cp",
         "bidirectional",
     )
     assert runs["sparsebalance"].out == str(tmp_path / "sparsebalance")
@@ -81,3 +81,19 @@ def test_hybrid_rows_are_priced_by_the_simulator_with_long_documents_whole():
     assert all(rows[n]["step_seconds"] > 0 for n in ("sab", *HYBRID))
     with pytest.raises(ValueError, match="--overlong"):
         simulate_steps([batch], 4, fake_context(), capacity=1024, overlong="cut")
+
+
+def test_demo_defaults_make_the_longest_builtin_document_3x_the_capacity(tmp_path):
+    from sparsebalance.cli import build_parser
+    from sparsebalance.train import config_from_args
+    from sparsebalance.train.launch import DEMO_CPU_RANKS, DEMO_DEFAULTS, default_nproc
+
+    parser = build_parser()
+    demo = config_from_args(parser.parse_args(["train", "--demo"]), DEMO_DEFAULTS)
+    assert demo.capacity == 1368 and demo.overlong == "split"
+    assert -(-4103 // demo.capacity) == 3  # the built-in set's longest document needs 3 ranks
+    mine = parser.parse_args(["train", "--demo", "--capacity", "2048"])
+    assert config_from_args(mine, DEMO_DEFAULTS).capacity == 2048  # a flag still wins
+    assert config_from_args(parser.parse_args(["train"])).capacity == 4096  # train unchanged
+    cpu = TrainConfig(out=str(tmp_path), device="cpu")
+    assert default_nproc(cpu, None, DEMO_CPU_RANKS) == 4 and default_nproc(cpu, None) == 2

@@ -1,6 +1,6 @@
 """``sparsebalance train``: distributed training of a Hugging Face causal LM with packed sparse
 attention, SAB and DST (launches torchrun itself). ``--demo`` trains the baseline (sequential
-batching, fixed gamma) and SparseBalance (SAB + DST) on the same samples and compares them."""
+batching, fixed gamma) and SparseBalance (SAB + CP + DST) on the same samples and compares them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ from pathlib import Path
 
 from ..report import write_report
 from ..train import add_train_arguments, config_from_args
-from ..train.launch import RunFailed, add_nproc_argument, default_nproc, demo_configs, launch
+from ..train.launch import (
+    DEMO_CPU_RANKS,
+    DEMO_DEFAULTS,
+    RunFailed,
+    add_nproc_argument,
+    default_nproc,
+    demo_configs,
+    launch,
+)
 from ..train.multinode import Rendezvous
 
 
@@ -33,15 +41,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--demo",
         action="store_true",
-        help="baseline vs SparseBalance on the same samples, then a comparison + report",
+        help="baseline vs SparseBalance (SAB + CP + DST) on the same samples, then a comparison "
+        "+ report; --capacity 1368 and (on CPU) 4 ranks unless given",
     )
     p.add_argument("--json", action="store_true", help="print only JSON (the comparison) to stdout")
     add_train_arguments(p)  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    nproc = default_nproc(cfg, args.nproc)
+    cfg = config_from_args(args, DEMO_DEFAULTS if args.demo else None)
+    nproc = default_nproc(cfg, args.nproc, DEMO_CPU_RANKS if args.demo else 2)
     rdzv = Rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id)
     if rdzv.multinode and args.demo:
         raise ValueError("--demo runs on one machine: drop --nnodes")

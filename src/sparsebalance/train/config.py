@@ -257,9 +257,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     flags.add_arguments(p, TrainConfig)
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Defaults < ``--config`` file < command-line flags."""
-    values = flags.load_file(args.config) if args.config else {}
+def config_from_args(args: argparse.Namespace, base: dict | None = None) -> TrainConfig:
+    """Defaults < ``base`` (e.g. the demo's own defaults) < ``--config`` file < command-line
+    flags."""
+    values = flags.merge(base or {}, flags.load_file(args.config) if args.config else {})
     given = flags.values_from_args(args, TrainConfig)
     if "micro_batches" in given and "capacity" not in given:
         given["capacity"] = None  # --micro-batches alone replaces the default capacity bound

@@ -35,12 +35,12 @@ def add_nproc_argument(p) -> None:
     :func:`default_nproc`)."""
     p.add_argument("--nproc", type=int, default=None,
                    help="processes on this machine (default: the number of GPUs on CUDA, 2 on "
-                   "CPU, 1 with --emulate-ranks)")  # fmt: skip
+                   "CPU, 4 on CPU with --demo, 1 with --emulate-ranks)")  # fmt: skip
 
 
-def default_nproc(cfg: TrainConfig, requested: int | None) -> int:
+def default_nproc(cfg: TrainConfig, requested: int | None, cpu: int = CPU_NPROC) -> int:
     """Processes to launch: ``--nproc``, else 1 with ``--emulate-ranks``, else the GPU count on
-    CUDA and 2 on CPU."""
+    CUDA and ``cpu`` (:data:`CPU_NPROC`; the demo's :data:`DEMO_CPU_RANKS`) on CPU."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"--nproc must be >= 1, got {requested}")
@@ -49,7 +49,7 @@ def default_nproc(cfg: TrainConfig, requested: int | None) -> int:
         return requested
     if cfg.emulate_ranks:
         return 1
-    return torch.cuda.device_count() if uses_cuda(cfg) else CPU_NPROC
+    return torch.cuda.device_count() if uses_cuda(cfg) else cpu
 
 
 def rank_threads(nproc: int, env: dict[str, str] | None = None) -> int:
@@ -215,12 +215,23 @@ def torchrun_main() -> None:
         sys.exit(code)
 
 
+DEMO_DEFAULTS = {"capacity": 1368}
+"""What ``--demo`` changes from ``sparsebalance train``'s defaults (flags and ``--config`` still
+win): the built-in data (256 documents, 128..4,103 tokens) with a capacity of 1,368 tokens, so
+15 documents are longer than the capacity and the longest (4,103 tokens) is 3x it: the baseline
+cuts them (``--overlong split``), SparseBalance trains them whole on units of 2 or 3 ranks."""
+DEMO_CPU_RANKS = 4
+"""Ranks of the demo on CPU (a document 3x the capacity needs a unit of >= 3 ranks)."""
+
+
 def demo_configs(cfg: TrainConfig) -> dict[str, TrainConfig]:
-    """The two runs of the demo: same data, seed and steps; only batching and tuning differ.
-    They are scratch runs: a new demo replaces the previous one's folders."""
+    """The two runs of the demo: same data, seed and steps; only batching and tuning differ:
+    the baseline (dataset order, fixed gamma, over-long documents cut by ``--overlong``) and
+    SparseBalance (SAB + CP + DST: ``sab-cp`` plans, long documents trained whole over units of
+    ranks). They are scratch runs: a new demo replaces the previous one's folders."""
     from ..simulate import ABLATIONS  # the one ablation table (planner, DST mode per name)
 
-    runs = {"baseline": ABLATIONS["baseline"], "sparsebalance": ABLATIONS["sab+dst"]}
+    runs = {"baseline": ABLATIONS["baseline"], "sparsebalance": ABLATIONS["sab+cp+dst"]}
     return {
         name: replace(cfg, strategy=s.planner, dst=replace(cfg.dst, mode=s.dst_mode),
                       out=str(Path(cfg.out) / name), overwrite=True)
