@@ -171,14 +171,16 @@ def _plots(run_data: dict[str, tuple[list[dict], list[dict]]], out_dir: Path) ->
     fig, axes = plt.subplots(len(run_data), 1, figsize=(9, 1.2 + 0.5 * _max_ranks(run_data)
                              * len(run_data)), squeeze=False)  # fmt: skip
     for ax, (name, (ranks, steps)) in zip(axes[:, 0], run_data.items(), strict=True):
-        step = steps[-1]["step"]
+        # the last step that ran a CP unit (the point of the plot), else the last step
+        cp = [x["step"] for x in ranks if any(u["degree"] > 1 for u in x.get("units", ()))]
+        step = max(cp) if cp else steps[-1]["step"]
         recs = [x for x in ranks if x["step"] == step]
         draw_timeline(
             ax,
             record_bars(recs),
             max(r["rank"] for r in ranks) + 1,
-            f"{name}, step {step}: units per rank (a bar over several ranks is one "
-            "context-parallel unit; hatched: waiting for the unit's last rank)",
+            f"{name}, step {step}: units per rank (a bar over several ranks: one CP unit; "
+            "hatched: waiting for its last rank)",
         )
     files.append(_save(fig, out_dir / "units.png"))
     fig, ax = plt.subplots(figsize=(5, 3.5))
