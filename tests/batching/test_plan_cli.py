@@ -89,7 +89,9 @@ def test_overlong_is_reported(capsys, tmp_path):
     code, out, _ = run(capsys, "--lengths", str(path), "--world-size", "2", "--capacity", "1000",
                        "--overlong", "truncate")  # fmt: skip
     assert code == 0
-    assert "1 documents longer than C: --overlong truncate" in out
+    # each strategy's count against its own limit: C, or R x C for sab-cp
+    assert "1 documents longer than C (sequential, sorted, tokens, flops, sab): --overlong" in out
+    assert "1 documents longer than a unit of R = 2 ranks (sab-cp): --overlong truncate" in out
 
 
 @OUTSIDE_GRID

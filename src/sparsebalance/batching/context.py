@@ -9,7 +9,9 @@ Input: items (documents; ``--overlong`` applies only above ``R x C`` tokens), a
 :class:`~sparsebalance.latency.context.ContextCost` ``t(L, d, k)`` (per-rank seconds of one
 document on a unit of k ranks), R ranks, capacity C (or M micro-batches per rank).
 
-1. Memory: document i needs ``k >= kmin_i = ceil(L_i / C)`` (1 without C).
+1. Memory: document i needs ``k >= kmin_i = ceil(L_i / C)`` (1 without C), or more where the
+   cost model carries a memory bound (``--capacity auto``: the memory model's own minimum, which
+   also counts the ring's buffer and the whole document's layout metadata).
 2. Candidates: documents with ``kmin > 1`` or whose whole time exceeds half the mean rank load
    (smaller ones are never worth splitting: they fill gaps). Their times ``t(i, k)`` are tabled
    for every k (any k, not only powers of two) up to what the longest one needs to reach the
@@ -145,9 +147,7 @@ def plan_cp(items: Items, regime: Regime, cost, num_ranks: int, iters: int, neig
     predicted step time (the scan's upper end). ``fixed``: the only CP degree allowed (``--cp
     K``: units of exactly K ranks on aligned groups; items are at most K x C tokens)."""
     r, cap = num_ranks, regime.capacity
-    kmin = np.ones(items.tokens.size, dtype=np.int64)
-    if cap is not None:
-        kmin = -(-items.tokens // cap)
+    kmin = cost.min_degree(items.tokens, cap, r)  # ceil(L / C), or the memory model's minimum
     whole = items.cost + regime.overhead
     mean_load = float(items.cost.sum()) / r
     cand = np.flatnonzero((kmin > 1) | (whole > 0.5 * mean_load))

@@ -261,7 +261,11 @@ def _items(ids, lens, dens, cost_model, config) -> tuple[Items, dict]:
     stats = {"num_overlong": 0, "num_split_chunks": 0, "truncated_tokens": 0, "skipped_ids": ()}
     cap = config.capacity
     if cap is not None and config.strategy == "sab-cp":
-        cap = cap * (config.cp_degree or config.world_size)  # a unit of k ranks holds k x C
+        k_max = config.cp_degree or config.world_size
+        cap = cap * k_max  # a unit of k ranks holds k x C
+        memory = getattr(cost_model, "memory", None)  # --capacity auto: the memory model's limit
+        if memory is not None:
+            cap = min(cap, memory.max_document(k_max))
     if cap is not None:  # split and truncate fit any C >= 1; skip refuses an empty batch below
         over = lens > cap
         stats["num_overlong"] = int(over.sum())

@@ -12,6 +12,14 @@ Densities: those given in the file, else the history estimator's prior (no measu
 Cost model: a :class:`~sparsebalance.latency.LatencyModel` from ``--profile P`` (made by
 ``sparsebalance profile``), else from the analytic FLOP-count profile of ``--model`` (default the
 built-in ``tiny``) on ``--accelerator``. The model used is printed.
+
+``--capacity auto``: C is the largest micro-batch whose peak the memory model
+(:mod:`sparsebalance.latency.memory`, analytic coefficients of ``--accelerator`` for ``--model``)
+predicts within ``--memory-budget`` (default 90% of the accelerator's memory), with the run's
+``--activation-checkpointing``, ``--loss`` and ``--parallel`` (fsdp2 shards the weights, gradients
+and optimizer state over R ranks). ``sab-cp`` then also takes each long document's minimum CP
+degree from the memory model (which counts the ring's buffer and the document's layout metadata
+beyond ``ceil(L / C)``), and documents that fit on no R ranks follow ``--overlong``.
 """
 
 from __future__ import annotations
@@ -24,7 +32,18 @@ import numpy as np
 
 from ..batching import OVERLONG, STRATEGIES, HistoryEstimator, PlanConfig, plan_batch
 from ..data import read_lengths
-from ..latency import ACCELERATORS, context_cost, load_cost_model
+from ..latency import ACCELERATORS, context_cost, load_cost_model, load_profile
+from ..latency.memory import (
+    ANALYTIC,
+    CHECKPOINTING,
+    GIB,
+    MemoryBound,
+    MemoryConfig,
+    MemoryModel,
+    parse_bytes,
+    with_budget_fraction,
+)
+from ..models import load_shapes
 from ..results import markdown_table
 
 
@@ -33,7 +52,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, required=True, metavar="R", help="ranks")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches per rank")
-    group.add_argument("--capacity", type=int, metavar="C", help="tokens per micro-batch")
+    group.add_argument(
+        "--capacity", metavar="C",
+        help="tokens per micro-batch, or auto (the memory model's largest within --memory-budget)",
+    )  # fmt: skip
+    p.add_argument(
+        "--memory-budget", default=None,
+        help="--capacity auto: bytes per device, e.g. 72GB (default 90%% of --accelerator's)",
+    )  # fmt: skip
+    p.add_argument("--activation-checkpointing", choices=CHECKPOINTING, default="off",
+                   help="--capacity auto: the run's checkpointing")  # fmt: skip
+    p.add_argument("--loss", choices=["chunked", "plain"], default="chunked",
+                   help="--capacity auto: the run's loss")  # fmt: skip
+    p.add_argument("--parallel", choices=["ddp", "fsdp2"], default="ddp",
+                   help="--capacity auto: fsdp2 shards weights, optimizer over R")  # fmt: skip
     p.add_argument("--profile", metavar="P", help="latency profile (default: analytic profile)")
     p.add_argument("--model", default="tiny", help="model for the analytic profile")
     p.add_argument(
@@ -61,7 +93,8 @@ def main(args: argparse.Namespace) -> int:
             f"--strategy must be one of {', '.join(STRATEGIES)} or all, got {args.strategy!r}"
         )
     strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
-    shared = {"micro_batches": args.micro_batches, "capacity": args.capacity,
+    capacity, memory = _capacity(args)
+    shared = {"micro_batches": args.micro_batches, "capacity": capacity,
               "overlong": args.overlong, "ranks_per_node": args.ranks_per_node}  # fmt: skip
     configs = [
         PlanConfig(args.world_size, strategy=s, **shared) for s in strategies
@@ -74,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
     cost_model, cost_name = load_cost_model(args.profile, args.model, args.accelerator)
     # sab-cp prices split documents with link speeds (the profile's measured ones, else the
     # analytic --accelerator's); every other strategy sees the plain latency model through it.
-    cost_model = context_cost(cost_model, args.accelerator)
+    cost_model = context_cost(cost_model, args.accelerator, memory=memory)
     g = args.ranks_per_node or cost_model.links.ranks_per_node
     nodes = f"{g} ranks per node" if g < args.world_size else "one node"
     cost_name += f"; links {cost_model.links.source}, {nodes}"
@@ -88,7 +121,8 @@ def main(args: argparse.Namespace) -> int:
         "num_tokens": int(sum(s.num_tokens for s in samples)),
         "world_size": args.world_size,
         "micro_batches": args.micro_batches,
-        "capacity": args.capacity,
+        "capacity": capacity,
+        "capacity_source": "memory model" if memory is not None else "given",
         "overlong": args.overlong,
         "cost_model": cost_name,
         "densities": source,
@@ -100,18 +134,61 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    bound = f"M = {args.micro_batches}" if args.capacity is None else f"C = {args.capacity}"
+    bound = f"M = {args.micro_batches}" if capacity is None else f"C = {capacity}"
+    if memory is not None:
+        peak = memory.model.peak_bytes(capacity, memory.config)
+        bound += (f" (--capacity auto: predicted peak {peak / GIB:.2f} of "
+                  f"{memory.budget_bytes / GIB:.2f} GiB, {memory.model.c.name})")  # fmt: skip
     print(
         f"{len(samples)} samples, {result['num_tokens']} tokens, R = {args.world_size}, {bound}\n"
         f"cost model: {cost_name}; densities: {source}\n"
     )
     print(format_table(plans))
-    over = plans[0].metrics.num_overlong
-    if over:
-        print(f"\n{over} documents longer than C: --overlong {args.overlong}")
+    for line in overlong_lines(plans, args.world_size, args.overlong):
+        print(line)
     if args.save:
         print(f"\nwrote {args.save}")
     return 0
+
+
+def _capacity(args) -> tuple[int | None, MemoryBound | None]:
+    """``--capacity`` as a token count, or ``auto``'s: (C, the memory bound it came from)."""
+    if args.capacity is None:
+        return None, None
+    if str(args.capacity) != "auto":
+        try:
+            return int(args.capacity), None
+        except ValueError:
+            raise ValueError(
+                f"--capacity must be a token count or auto, got {args.capacity!r}"
+            ) from None
+    coeffs = ANALYTIC[args.accelerator]
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else with_budget_fraction(coeffs)
+    shard = args.world_size if args.parallel == "fsdp2" else 1
+    block = 128  # the analytic profile's; a measured --profile's own
+    if args.profile:
+        block = int(load_profile(args.profile).fingerprint.get("block_size", block))
+    cfg = MemoryConfig(args.activation_checkpointing, args.loss, shard=max(1, shard),
+                       block_size=block)  # fmt: skip
+    memory = MemoryBound(MemoryModel(load_shapes(args.model), coeffs), budget, cfg)
+    return memory.capacity(), memory
+
+
+def overlong_lines(plans: list, world_size: int, policy: str) -> list[str]:
+    """What ``--overlong`` did, per limit: ``sab-cp``'s is a unit of R ranks (R x C tokens, or
+    the memory model's longest document on R ranks), the other strategies' is C; the strategies
+    are named when the counts differ between them."""
+    groups: dict[tuple[int, bool], list[str]] = {}
+    for p in plans:
+        if p.metrics.num_overlong:
+            key = (p.metrics.num_overlong, p.strategy == "sab-cp")
+            groups.setdefault(key, []).append(p.strategy)
+    lines = []
+    for (n, cp), names in groups.items():
+        limit = f"a unit of R = {world_size} ranks" if cp else "C"
+        which = f" ({', '.join(names)})" if len(names) < len(plans) else ""
+        lines.append(f"\n{n} documents longer than {limit}{which}: --overlong {policy}")
+    return lines
 
 
 def format_table(plans: list) -> str:

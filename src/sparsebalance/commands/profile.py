@@ -4,6 +4,7 @@
         [--threads N]
     sparsebalance profile --validate profile.json [--num-batches 30] [--json] [--results-dir DIR]
     sparsebalance profile --analytic h100 --model qwen2.5-0.5b --out h100.json
+    sparsebalance profile --model tiny --device cpu --memory-only [--memory-tokens 1024,2048,4096]
 
 Measuring times whole micro-batches of the model's shapes (attention with the training backend
 and the block selection included) in interleaved rounds, fits the physical form of
@@ -14,6 +15,14 @@ micro-batches (off-design lengths, random densities) and reports MAPE with a 95 
 interval, what is mispredicted (attention by length and density, per-token part, overheads), and
 how many steps of online recalibration a profile scaled by 1.5x needs to get back. It writes a
 results file only with ``--results-dir``.
+
+``--memory`` also measures the memory model's coefficients (``--memory-only``: only them): one
+fresh process per ``--memory-tokens`` count runs a training micro-batch (chunked loss,
+``--memory-checkpointing``) and reports its peak (CPU: peak RSS; CUDA:
+``torch.cuda.max_memory_allocated``); the bytes per saved activation element and a constant
+overhead are fitted to the peaks (:mod:`sparsebalance.latency.memory_fit`) and stored in the
+profile's ``meta["memory"]`` and the cache, where ``train --capacity auto`` finds them (for runs
+in the same checkpointing mode).
 """
 
 from __future__ import annotations
@@ -26,11 +35,15 @@ import torch
 
 from ..latency import ACCELERATORS, analytic_profile, fingerprint, load_profile
 from ..latency.measure import DTYPES, measure_profile, noise_line
+from ..latency.memory import CHECKPOINTING
+from ..latency.memory_fit import memory_fingerprint, save_calibration
 from ..latency.validate import validate_profile
 from ..models import BUILTIN_MODELS, load_shapes
+from ..ops import resolve_backend
 from ..results import markdown_table, write_results
 from ..timing import torch_threads
 from ..train.launch import CPU_NPROC, rank_threads
+from ..train.memory_probe import measure_memory, tied_embeddings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,6 +113,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also time gloo point-to-point transfers (2 processes) for context-parallel rings; "
         "stored in the profile's meta['links']",
     )  # fmt: skip
+    p.add_argument(
+        "--memory", action="store_true",
+        help="also measure the memory model's coefficients (one fresh process per "
+        "--memory-tokens count); stored in the profile's meta['memory'] and the cache",
+    )  # fmt: skip
+    p.add_argument(
+        "--memory-only", action="store_true",
+        help="only measure the memory coefficients (written to the cache; no latency profile)",
+    )  # fmt: skip
+    p.add_argument(
+        "--memory-checkpointing", choices=CHECKPOINTING, default="off",
+        help="activation checkpointing of the memory probes: the mode you train with (a "
+        "calibration is used only by runs in its mode)",
+    )  # fmt: skip
+    p.add_argument(
+        "--memory-tokens", default=None,
+        help="token counts of the memory probes, >= 2 distinct (default: --max-len / 4, / 2, x 1)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print only JSON to stdout")  # fmt: skip
 
 
@@ -130,6 +161,10 @@ def main(args: argparse.Namespace) -> int:
     if budget <= 0:
         raise ValueError(f"--budget must be > 0 seconds, got {budget}")
     threads = (args.threads or rank_threads(CPU_NPROC)) if device.type == "cpu" else None
+    memory_tokens = _memory_tokens(args.memory_tokens, max_len, shapes.max_context)
+    if args.memory_only:
+        cal, path = _memory(args, shapes, device, dtype, memory_tokens)
+        return _report({"wrote": str(path), "memory": _memory_summary(cal)}, args)
     profile = measure_profile(
         shapes, device, dtype, args.backend, args.block_size, max_len, budget, args.rounds,
         args.allreduce_world_size, quiet=True, threads=threads,
@@ -138,6 +173,11 @@ def main(args: argparse.Namespace) -> int:
         from ..latency.links import measure_p2p
 
         profile.meta["links"] = measure_p2p().to_dict()
+    memory = None
+    if args.memory:
+        cal, _ = _memory(args, shapes, device, dtype, memory_tokens)
+        profile.meta["memory"] = cal.to_json()
+        memory = _memory_summary(cal)
     profile.save(args.out)
     print(noise_line(profile), file=sys.stderr)
     summary = {
@@ -149,8 +189,53 @@ def main(args: argparse.Namespace) -> int:
         "fit": {k: v for k, v in profile.fit.items() if k != "design"},
         "optimizer_seconds": profile.optimizer_seconds,
         "allreduce_seconds": profile.allreduce_seconds,
+        "memory": memory,
     }
     return _report(summary, args)
+
+
+def _memory_tokens(text: str | None, max_len: int, context: int) -> list[int]:
+    if text is None:
+        return sorted({max(64, max_len // 4), max(128, max_len // 2), max_len})
+    try:
+        tokens = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--memory-tokens must be comma-separated integers, got {text!r}"
+        ) from None
+    if len(set(tokens)) < 2 or min(tokens) < 2 or max(tokens) > context:
+        raise ValueError(
+            f"--memory-tokens needs >= 2 distinct counts in [2, {context}], got {text!r}"
+        )
+    return sorted(set(tokens))
+
+
+def _memory(args, shapes, device, dtype, tokens):
+    """Probe, fit, cache; prints the fit's line on stderr. Returns (calibration, cache path)."""
+    backend = resolve_backend(args.backend, device)
+    tied = tied_embeddings(args.model)
+    fp = memory_fingerprint(fingerprint(shapes, device, dtype, backend, args.block_size), tied)
+    cal = measure_memory(args.model, device, fp, tokens, args.memory_checkpointing,
+                         block_size=args.block_size, backend=backend)  # fmt: skip
+    path = save_calibration(cal)
+    errs = ", ".join(f"{p.tokens}: {100 * e:+.1f} %" for p, e in zip(cal.probes, cal.errors,
+                                                                     strict=True))  # fmt: skip
+    print(f"memory: act_bytes {cal.act_bytes:.2f} per saved element, overhead "
+          f"{cal.overhead_bytes / 2**20:+.0f} MiB; fit error by tokens {errs}"
+          + (" (act_bytes at the end of its range: check the probes)" if cal.at_range_end
+             else ""), file=sys.stderr)  # fmt: skip
+    return cal, path
+
+
+def _memory_summary(cal) -> dict:
+    return {
+        "act_bytes": cal.act_bytes,
+        "overhead_bytes": cal.overhead_bytes,
+        "tokens": [p.tokens for p in cal.probes],
+        "peak_bytes": [p.peak_bytes for p in cal.probes],
+        "errors": list(cal.errors),
+        "analytic_errors": list(cal.analytic_errors),
+    }
 
 
 def _validate(args, shapes, device, dtype) -> int:

@@ -136,6 +136,8 @@ class ContextCost:
         block_size: B.
         imbalance_flat / imbalance_hier: striped ring time over perfect balance (>= 1).
         ring: ``auto``, ``flat`` or ``hierarchical`` (see :func:`ring_kind`).
+        memory: a :class:`~sparsebalance.latency.memory.MemoryBound` (``--capacity auto``): the
+            memory model then sets each document's minimum degree (:meth:`min_degree`).
     """
 
     def __init__(
@@ -148,6 +150,7 @@ class ContextCost:
         imbalance_flat: float = 1.04,
         imbalance_hier: float = 1.11,
         ring: str = "auto",
+        memory=None,
     ) -> None:
         if ring not in RING_KINDS:
             raise ValueError(f"--ring must be one of {', '.join(RING_KINDS)}, got {ring!r}")
@@ -169,6 +172,21 @@ class ContextCost:
         self.calibration = RingCalibration()
         """Online recalibration of ``compute_scale``, ``comm_scale`` and ``imbalance`` from
         measured CP units (:meth:`update`)."""
+        self.memory = memory
+
+    def min_degree(self, lengths: np.ndarray, capacity: int | None, max_degree: int) -> np.ndarray:
+        """``(N,)`` smallest CP degree each document fits in memory with: ``ceil(L / capacity)``
+        (:func:`min_degree`), and with a memory bound at least the memory model's minimum
+        (``max_degree + 1`` where no degree up to ``max_degree`` fits)."""
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        k = min_degree(lengths, capacity)
+        if self.memory is not None:
+            # Documents within C fit whole (C is the bound's capacity); only longer ones can
+            # need more than ceil(L / C).
+            over = k > 1 if capacity is not None else np.ones(k.shape, dtype=bool)
+            if over.any():
+                k[over] = np.maximum(k[over], self.memory.min_degree(lengths[over], max_degree))
+        return k
 
     @classmethod
     def for_shapes(cls, base: CostModel, shapes, links: Links, elem_bytes: int = 2, **kw):

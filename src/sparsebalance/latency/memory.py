@@ -41,6 +41,8 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from ..models import ModelShapes
 from ..models.checkpointing import MODES as CHECKPOINT_MODES
 
@@ -269,6 +271,50 @@ def auto_capacity(model: MemoryModel, budget_bytes: float, cfg: MemoryConfig) ->
     return tokens
 
 
+@dataclass(frozen=True)
+class MemoryBound:
+    """What a memory budget allows, for the planners: the per-rank token capacity of a
+    micro-batch (``--capacity auto``) and each document's minimum context-parallel degree."""
+
+    model: MemoryModel
+    budget_bytes: float
+    """Bytes per device (``--memory-budget``)."""
+    config: MemoryConfig
+    """Features of the run (checkpointing, loss, FSDP2 degree, block size); its ``cp`` is
+    ignored (each query sets its own)."""
+
+    def capacity(self) -> int:
+        """The largest micro-batch (tokens per rank) that fits (:func:`auto_capacity`)."""
+        return auto_capacity(self.model, self.budget_bytes, replace(self.config, cp=1))
+
+    def fits(self, tokens: int, degree: int) -> bool:
+        """Whether one document of ``tokens`` on ``degree`` ranks (CP) fits on each of them."""
+        return self.model.peak_bytes(tokens, replace(self.config, cp=degree)) <= self.budget_bytes
+
+    def min_degree(self, lengths, max_degree: int) -> np.ndarray:
+        """``(N,)`` smallest CP degree ``k <= max_degree`` whose predicted per-rank peak for the
+        document fits the budget; ``max_degree + 1`` where none does. Counts what ``ceil(L /
+        capacity)`` misses: the ring's remote K/V shard and the layout metadata of the whole
+        document (a rank's query blocks x all key blocks), which grow with ``L``, not ``L / k``.
+        Binary search per distinct length (the peak falls as k grows)."""
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        out = np.empty_like(lengths)
+        for n in np.unique(lengths).tolist():
+            lo, hi = 1, max_degree + 1  # the answer lies in [lo, hi]; hi means "none fits"
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self.fits(n, mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            out[lengths == n] = lo
+        return out
+
+    def max_document(self, degree: int) -> int:
+        """The longest document (a multiple of the block size) that fits on ``degree`` ranks."""
+        return self.model.max_tokens(self.budget_bytes, replace(self.config, cp=degree))
+
+
 def with_budget_fraction(coefficients: MemoryCoefficients, fraction: float = 0.9) -> float:
     """The default memory budget on a GPU: ``fraction`` of its memory."""
     if coefficients.device_bytes is None:
@@ -323,6 +369,7 @@ __all__ = [
     "CHECKPOINTING",
     "GIB",
     "LOSSES",
+    "MemoryBound",
     "MemoryCoefficients",
     "MemoryConfig",
     "MemoryModel",

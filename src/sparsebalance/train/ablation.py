@@ -7,7 +7,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ..batching import HistoryEstimator
 from ..data import load_corpus, load_tokenizer
@@ -15,7 +14,7 @@ from ..data.batches import BatchSource
 from ..latency import LatencyModel, context_cost, load_profile
 from ..report import load_run, summarize
 from ..simulate import ABLATIONS, simulate_steps
-from .checkpoint import latest_checkpoint
+from .checkpoint import latest_checkpoint, load_state
 from .config import TrainConfig
 from .launch import launch
 
@@ -58,7 +57,7 @@ def _trainer_state(run_dir: Path) -> dict | None:
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         return None
-    return torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)["trainer"]
+    return load_state(ckpt)["trainer"]  # checksums verified; unreadable -> ValueError
 
 
 def predict(

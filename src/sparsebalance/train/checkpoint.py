@@ -172,6 +172,13 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, fsdp: bool = False)
     return state
 
 
+def load_state(path: Path) -> dict:
+    """The trainer state (``state.pt``) of checkpoint ``path``, verified against its checksums
+    first; ``ValueError`` naming the file when it is missing, corrupt or unreadable."""
+    verify_checkpoint(Path(path), ("state.pt",))
+    return _load(Path(path) / "state.pt")
+
+
 def _load(path: Path):
     try:
         return torch.load(path, map_location="cpu", weights_only=False)

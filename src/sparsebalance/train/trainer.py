@@ -45,6 +45,7 @@ from ..latency.memory import (
     parse_bytes,
     with_budget_fraction,
 )
+from ..latency.memory_fit import find_calibration, memory_fingerprint
 from ..models import ModelShapes
 from ..models.checkpointing import apply_activation_checkpointing
 from ..models.hf import build_model
@@ -195,9 +196,18 @@ class Trainer:
 
     def _auto_capacity(self, shapes: ModelShapes, base_rss: int) -> int:
         """``--capacity auto``: the largest micro-batch whose predicted peak fits the budget (the
-        smallest over ranks, so every rank plans with the same bound)."""
-        cfg = self.cfg
-        coeffs = device_coefficients(self.rt.device, base_rss)
+        smallest over ranks, so every rank plans with the same bound). The memory model uses the
+        coefficients ``sparsebalance profile --memory`` measured for this setup (from
+        ``--profile``'s ``meta["memory"]`` or the cache) when there are some, else the analytic
+        ones; the line printed says which."""
+        cfg, dev = self.cfg, self.rt.device
+        analytic = device_coefficients(dev, base_rss)
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", True))
+        dtype, backend = training_kernel(dev, cfg.backend)
+        running = memory_fingerprint(fingerprint(shapes, dev, dtype, backend, cfg.block_size), tied)
+        meta = load_profile(cfg.profile).meta if cfg.profile else None
+        cal, source = find_calibration(running, meta, checkpointing=cfg.activation_checkpointing)
+        coeffs = cal.coefficients(analytic) if cal is not None else analytic
         budget = (
             parse_bytes(cfg.memory_budget) if cfg.memory_budget else with_budget_fraction(coeffs)
         )
@@ -205,13 +215,14 @@ class Trainer:
             cfg.activation_checkpointing, "plain" if cfg.loss == "plain" else "chunked",
             shard=self.rt.world_size if cfg.parallel == "fsdp2" else 1, block_size=cfg.block_size,
         )  # fmt: skip
-        tied = bool(getattr(self.model.config, "tie_word_embeddings", True))
         memory = MemoryModel(shapes, coeffs, tied)
         cap = min(self.rt.all_gather_object(auto_capacity(memory, budget, mem_cfg)))
+        self.memory_source = source  # measured or analytic coefficients (tests read it)
         if self.rt.is_main:
             print(f"sparsebalance train: --capacity auto = {cap} tokens per micro-batch (predicted "
                   f"peak {memory.peak_bytes(cap, mem_cfg) / GIB:.2f} GiB of a "
-                  f"{budget / GIB:.2f} GiB budget, {coeffs.name})", file=sys.stderr)  # fmt: skip
+                  f"{budget / GIB:.2f} GiB budget, {coeffs.name}; {source})",
+                  file=sys.stderr)  # fmt: skip
         return cap
 
     def _latency_model(self, shapes: ModelShapes) -> LatencyModel:

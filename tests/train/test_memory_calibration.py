@@ -1,0 +1,58 @@
+"""``--capacity auto`` uses the memory coefficients ``profile --memory`` measured for the setup."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsebalance.latency import fingerprint, load_profile
+from sparsebalance.latency import memory_fit as mf
+from sparsebalance.latency.memory import cpu_coefficients, current_rss_bytes
+from sparsebalance.latency.memory_fit import MemoryCalibration, MemoryProbe, memory_fingerprint
+from sparsebalance.models import ModelShapes
+from sparsebalance.models.hf import build_model
+from sparsebalance.train import Trainer
+from sparsebalance.train.runtime import Runtime
+from tests.train.harness import base_config
+
+CPU1 = Runtime(0, 1, torch.device("cpu"))
+pytestmark = pytest.mark.filterwarnings("ignore::sparsebalance.latency.ProfileMismatchWarning")
+
+
+def calibration(cfg, act_bytes: float, overhead: float, **fp_over) -> MemoryCalibration:
+    """A calibration for the trainer's running fingerprint (as the trainer computes it)."""
+    model = build_model(cfg.model, "cpu", torch.float32)
+    shapes = ModelShapes.from_hf_config(model.config.to_dict(), name=Path(cfg.model).name)
+    fp = fingerprint(shapes, torch.device("cpu"), "fp32", "torch", cfg.block_size)
+    running = {**memory_fingerprint(fp, True), **fp_over}
+    probes = (MemoryProbe(512, "off", "chunked", 3e8, 4e8), MemoryProbe(1024, "off", "chunked",
+                                                                        3e8, 5e8))  # fmt: skip
+    return MemoryCalibration(running, act_bytes, overhead, probes, (0.0, 0.0), (0.1, 0.1))
+
+
+def test_capacity_auto_uses_the_profiles_measured_coefficients(tmp_path, monkeypatch):
+    monkeypatch.setattr(mf, "CACHE_DIR", tmp_path / "cache")  # no stray cached calibration
+    base = current_rss_bytes()
+    cfg = base_config(tmp_path, steps=1, capacity="auto", memory_budget=str(base + 2**30))
+    analytic = Trainer(cfg, CPU1)
+    assert "analytic coefficients" in analytic.memory_source
+    profile = load_profile(cfg.profile)
+    profile.meta["memory"] = calibration(cfg, 4 * cpu_coefficients(0).act_bytes, 0.0).to_json()
+    profile.save(cfg.profile)
+    measured = Trainer(replace(cfg, out=str(tmp_path / "m")), CPU1)
+    assert "measured coefficients from the --profile" in measured.memory_source
+    # four times the bytes per saved element: a clearly smaller micro-batch fits
+    assert measured.cfg.capacity < 0.6 * analytic.cfg.capacity
+    # a calibration of another setup (other block size) is not used
+    other = calibration(cfg, 16.0, 0.0, block_size=cfg.block_size * 2).to_json()
+    profile.meta["memory"] = other
+    profile.save(cfg.profile)
+    again = Trainer(replace(cfg, out=str(tmp_path / "o")), CPU1)
+    assert "measured on another setup" in again.memory_source
+    # (analytic again: the base is this process's resident size, which grew with each trainer)
+    assert again.cfg.capacity > 2 * measured.cfg.capacity
+    assert json.loads(json.dumps(other))["schema"] == mf.SCHEMA
