@@ -100,7 +100,11 @@ def test_split_plans_a_batch_of_only_overlong_documents(capsys, tmp_path):
     path.write_text("300\n500\n")
     code, out, _ = run(capsys, "--lengths", str(path), "--world-size", "2", "--capacity", "140")
     assert code == 0
-    assert "2 documents longer than C: --overlong split" in out
+    assert (
+        "2 documents longer than C (sequential, sorted, tokens, flops, sab): --overlong split"
+        in out
+    )
+    assert "2 documents longer than a unit of R = 2 ranks (sab-cp): --overlong split" in out
 
 
 @pytest.mark.parametrize(

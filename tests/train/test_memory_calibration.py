@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,6 +48,7 @@ def test_capacity_auto_uses_the_profiles_measured_coefficients(tmp_path, monkeyp
     assert "measured coefficients from the --profile" in measured.memory_source
     # four times the bytes per saved element: a clearly smaller micro-batch fits
     assert measured.cfg.capacity < 0.6 * analytic.cfg.capacity
+    assert measured.memory_bound.capacity() == measured.cfg.capacity
     # a calibration of another setup (other block size) is not used
     other = calibration(cfg, 16.0, 0.0, block_size=cfg.block_size * 2).to_json()
     profile.meta["memory"] = other
@@ -56,3 +58,18 @@ def test_capacity_auto_uses_the_profiles_measured_coefficients(tmp_path, monkeyp
     # (analytic again: the base is this process's resident size, which grew with each trainer)
     assert again.cfg.capacity > 2 * measured.cfg.capacity
     assert json.loads(json.dumps(other))["schema"] == mf.SCHEMA
+
+
+def test_sab_cp_plans_with_the_memory_bound(tmp_path, monkeypatch):
+    """``--strategy sab-cp --capacity auto``: the trainer's ContextCost carries the memory bound
+    (each document's minimum CP degree), built from the same model that set the capacity."""
+    monkeypatch.setattr(mf, "CACHE_DIR", tmp_path / "cache")
+    base = current_rss_bytes()
+    cfg = base_config(tmp_path, steps=1, capacity="auto", memory_budget=str(base + 2**30),
+                      strategy="sab-cp")  # fmt: skip
+    trainer = Trainer(cfg, CPU1)
+    bound = trainer.memory_bound
+    assert trainer.runner.cost.memory is bound and bound.capacity() == trainer.cfg.capacity
+    long = 3 * trainer.cfg.capacity
+    k = int(trainer.runner.cost.min_degree(np.array([long]), trainer.cfg.capacity, 8)[0])
+    assert k >= 3 and bound.fits(long, k)

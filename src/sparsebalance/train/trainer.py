@@ -37,6 +37,7 @@ from ..latency import (
 )
 from ..latency.memory import (
     GIB,
+    MemoryBound,
     MemoryConfig,
     MemoryModel,
     auto_capacity,
@@ -128,6 +129,9 @@ class Trainer:
         self.stops: StopSignals | None = None
         """Set by the worker entry point: SIGINT/SIGTERM stop at a step boundary, saved."""
         shapes = ModelShapes.from_hf_config(self.model.config.to_dict(), name=Path(cfg.model).name)
+        self.memory_bound: MemoryBound | None = None
+        """``--capacity auto``: the memory model and budget; ``sab-cp`` takes each document's
+        minimum CP degree from it."""
         if cfg.capacity == "auto":
             self.cfg = cfg = replace(cfg, capacity=self._auto_capacity(shapes, base_rss))
         self.latency = self._latency_model(shapes)
@@ -142,7 +146,8 @@ class Trainer:
                                 time_layers, cfg.loss)  # fmt: skip
         cost = None
         if cfg.strategy == "sab-cp":  # prices split documents: measured links, else analytic H100
-            cost = context_cost(self.latency, "h100", shapes, block_size=cfg.block_size)
+            cost = context_cost(self.latency, "h100", shapes, block_size=cfg.block_size,
+                                memory=self.memory_bound)  # fmt: skip
             cost = cost.on_nodes(self.topology.ranks_per_node)  # the planner's and DST's nodes
         self.runner = StepRunner(
             cfg, rt, self.num_ranks, self.latency, self.estimator, DSTTuner(cfg.dst), self.par,
@@ -215,8 +220,12 @@ class Trainer:
             cfg.activation_checkpointing, "plain" if cfg.loss == "plain" else "chunked",
             shard=self.rt.world_size if cfg.parallel == "fsdp2" else 1, block_size=cfg.block_size,
         )  # fmt: skip
+        mine = MemoryModel(shapes, coeffs, tied)
+        # Every rank plans with the most constrained rank's model (same plan, same hash).
+        gathered = self.rt.all_gather_object((auto_capacity(mine, budget, mem_cfg), coeffs, budget))
+        cap, coeffs, budget = min(gathered, key=lambda g: g[0])
         memory = MemoryModel(shapes, coeffs, tied)
-        cap = min(self.rt.all_gather_object(auto_capacity(memory, budget, mem_cfg)))
+        self.memory_bound = MemoryBound(memory, budget, mem_cfg)
         self.memory_source = source  # measured or analytic coefficients (tests read it)
         if self.rt.is_main:
             print(f"sparsebalance train: --capacity auto = {cap} tokens per micro-batch (predicted "
