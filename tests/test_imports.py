@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("workload", "results", "timing", "sizes", "flags"),  # plain types and helpers
     ("ops",),  # the attention op
     ("models", "tasks", "data", "batching", "tuning", "latency", "parallel"),  # library stages
-    ("evaluation", "simulate"),  # built from the stages
+    ("evaluation", "simulate", "timeline"),  # built from the stages
     ("report", "train"),  # the trainer and its reports
     ("commands",),  # one module per command: parse, call the library, print
     ("cli", "__main__"),  # the entry point

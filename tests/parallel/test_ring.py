@@ -178,7 +178,7 @@ def test_four_ranks_flat_hierarchical_2x2_and_mesh_match_single_process(tmp_path
 def test_ring_wait_counts_the_time_blocked_on_transfers():
     import time
 
-    from sparsebalance.parallel.ring import _Pending, ring_wait_seconds
+    from sparsebalance.parallel.p2p import _Pending, ring_wait_seconds
 
     class _SlowRequest:  # a peer whose shard arrives 50 ms late
         def wait(self):

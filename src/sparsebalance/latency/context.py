@@ -211,6 +211,10 @@ class ContextCost:
                 "ring": self.ring, "imbalance": self.imbalance,
                 "compute_scale": self.compute_scale, "comm_scale": self.comm_scale}  # fmt: skip
 
+    def ring_of(self, degree: int) -> tuple[str, int]:
+        """``(kind, inner size)`` of this cost's ring for a unit of ``degree`` ranks."""
+        return ring_kind(degree, self.links, self.ring)
+
     def update(self, timing: UnitTiming) -> dict:
         """Fold one measured CP unit into ``compute_scale``, ``imbalance`` and ``comm_scale``
         (:class:`~sparsebalance.latency.ring_calibration.RingCalibration`); returns the targets

@@ -94,9 +94,7 @@ class RingCalibration:
 
     def update(self, cost, t: UnitTiming) -> dict:
         """Move ``cost``'s terms toward what ``t`` implies; returns the targets (JSON-ready)."""
-        from .context import ring_kind
-
-        kind, _ = ring_kind(t.degree, cost.links, cost.ring)
+        kind, _ = cost.ring_of(t.degree)
         targets: dict = {"ring": kind}
         if t.rank_compute:
             fixed, attention = cost.unit_terms(t.length, t.density, t.degree)

@@ -21,12 +21,9 @@ from .layouts import (
     ring_work,
 )
 from .mesh import (
-    ContextParallelCost,
     MeshRanks,
     build_mesh,
     mesh_ranks,
-    min_context_parallel,
-    plan_context_parallel,
 )
 from .patterns import vertical_slash_layout
 from .ranks import RankList
@@ -35,7 +32,6 @@ from .selection import estimate_block_mass_distributed, select_blocks_distribute
 
 __all__ = [
     "PLACEMENTS",
-    "ContextParallelCost",
     "MeshRanks",
     "Placement",
     "RankList",
@@ -45,9 +41,7 @@ __all__ = [
     "imbalance",
     "make_placement",
     "mesh_ranks",
-    "min_context_parallel",
     "partial_attention",
-    "plan_context_parallel",
     "ring_attention",
     "ring_sources",
     "ring_work",

@@ -19,8 +19,9 @@ from ..ops.layout import BlockLayout
 from ..ops.varlen import resolve_scale
 from .blockwise import ShardState, backward_step, check_shard_inputs, forward_step
 from .layouts import Placement, ring_sources
+from .p2p import RingComm
 from .ranks import Group, global_rank, group_rank, group_size
-from .ring import RingComm, ring_pass, ring_pass_grad
+from .ring import ring_pass, ring_pass_grad
 from .topology import Topology
 
 _INNER_TAG, _OUTER_TAG = 0, 2  # each ring uses tag (shards) and tag + 1 (gradients)

@@ -3,8 +3,8 @@
 A hybrid plan forms a new CP unit (a set of ranks) for almost every step; a ``ProcessGroup`` per
 unit would cost seconds (and, on NCCL, GBs) to create each step. A :class:`RankList` is a
 plain tuple of global ranks: the rings talk point-to-point on the default group
-(:class:`~.ring.RingComm` maps ring positions to global ranks), and the selection's all-gather
-runs as a ring too (:func:`all_gather`). Every ring function takes either a ``ProcessGroup``
+(:class:`~.p2p.RingComm` maps ring positions to global ranks), and the selection's all-gather
+runs as a ring too (:func:`~.p2p.all_gather`). Every ring function takes either a ``ProcessGroup``
 (``None``: the default group) or a :class:`RankList` as its ``group``.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 
@@ -58,23 +57,3 @@ def global_rank(group: Group, position: int) -> int:
 def p2p_group(group: Group) -> dist.ProcessGroup | None:
     """The process group point-to-point messages of ``group`` travel on."""
     return None if isinstance(group, RankList) else group
-
-
-def all_gather(group: Group, tensor: torch.Tensor, tag: int = 16) -> list[torch.Tensor]:
-    """``dist.all_gather`` over ``group``: every member's ``tensor`` (same shape everywhere), in
-    group order. A :class:`RankList` gathers round a ring (``P - 1`` send/receive steps)."""
-    if not isinstance(group, RankList):
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return parts
-    from .ring import RingComm  # ring.py imports this module
-
-    size, pos = len(group.ranks), group_rank(group)
-    comm = RingComm(group, range(size))
-    parts: list[torch.Tensor | None] = [None] * size
-    cur = tensor.contiguous()
-    parts[pos] = cur
-    for s in range(1, size):  # after s hops we hold the tensor of position pos - s
-        cur = comm.send_recv(cur, tag).wait()
-        parts[(pos - s) % size] = cur
-    return parts  # type: ignore[return-value]

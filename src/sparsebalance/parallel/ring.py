@@ -14,63 +14,16 @@ the local queries and that shard (see :func:`~.layouts.ring_work`).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from ..ops.layout import BlockLayout
 from ..ops.varlen import resolve_scale
 from .blockwise import ShardState, backward_step, check_shard_inputs, forward_step
 from .layouts import Placement, ring_sources
-from .ranks import Group, global_rank, group_rank, group_size, p2p_group
-
-
-class _Pending:
-    waited = 0.0
-    """Seconds this process has spent blocked in ring transfers, over all rings so far."""
-
-    def __init__(self, buf: torch.Tensor, reqs: list | None):
-        self.buf, self.reqs = buf, reqs
-
-    def wait(self) -> torch.Tensor:
-        t0 = time.perf_counter()
-        for req in self.reqs or ():
-            req.wait()
-        _Pending.waited += time.perf_counter() - t0
-        return self.buf
-
-
-def ring_wait_seconds() -> float:
-    """Seconds this process has spent waiting for ring transfers (a peer's shard or gradient
-    not there yet) since it started: the difference over a unit is its wait inside the ring."""
-    return _Pending.waited
-
-
-class RingComm:
-    """Point-to-point exchange along a ring of positions of ``group`` (given in ring order); a
-    :class:`~.ranks.RankList` group talks on the default group."""
-
-    def __init__(self, group: Group, ring: Sequence[int]):
-        self.group = p2p_group(group)
-        me = group_rank(group)
-        if me not in ring:
-            raise ValueError(f"rank {me} is not in the ring {list(ring)}")
-        pos, self.size = list(ring).index(me), len(ring)
-        self.next = global_rank(group, ring[(pos + 1) % self.size])
-        self.prev = global_rank(group, ring[(pos - 1) % self.size])
-
-    def send_recv(self, tensor: torch.Tensor, tag: int) -> _Pending:
-        """Send ``tensor`` to the next rank and receive the previous rank's, asynchronously."""
-        if self.size == 1:
-            return _Pending(tensor, None)
-        buf = torch.empty_like(tensor)
-        ops = [
-            dist.P2POp(dist.isend, tensor.contiguous(), self.next, self.group, tag),
-            dist.P2POp(dist.irecv, buf, self.prev, self.group, tag),
-        ]
-        return _Pending(buf, dist.batch_isend_irecv(ops))
+from .p2p import RingComm
+from .ranks import Group, group_rank, group_size
 
 
 def ring_pass(

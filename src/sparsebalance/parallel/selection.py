@@ -19,7 +19,8 @@ from ..ops.layout import BlockLayout
 from ..ops.select import BlockMassEstimate, estimate_from_pooled, pool_segments, segments
 from ..ops.varlen import check_cu_seqlens, check_qkv
 from .layouts import Placement
-from .ranks import Group, all_gather, group_rank, group_size
+from .p2p import all_gather
+from .ranks import Group, group_rank, group_size
 
 
 def local_segments(placement: Placement, cu_seqlens: torch.Tensor, rank: int):

@@ -21,7 +21,7 @@ from ..data import pack
 from ..latency import LatencyModel
 from ..models.attention import PackedAttention
 from ..ops import Budget
-from ..parallel.ring import ring_wait_seconds
+from ..parallel.p2p import ring_wait_seconds
 from ..tuning import DSTConfig, LayerController
 from ..workload import MicroBatch
 from .cp_unit import unit_batch
