@@ -112,8 +112,60 @@ def test_design_keeps_the_corners_when_the_pilot_says_everything_is_expensive():
     from sparsebalance.latency.sweep import choose_design, core_design
 
     design = choose_design(4096, 64, cost=lambda b: 100.0, budget_s=40, rounds=3)
-    assert all(c in design for c in core_design(4096, 64))
+    corners, _ = core_design(4096, 64)
+    assert all(c in design for c in corners)
     assert max(sum(b[0]) for b in design) == 4096 and len(design) >= 10
+
+
+def _cost(batch) -> float:
+    return float(features([batch], 4, 64)[0] @ TRUE)
+
+
+def _featurize(batches):
+    return features(batches, 4, 64)
+
+
+def test_optimal_design_predicts_better_for_the_same_seconds():
+    """I-optimal per second: within the same timing budget, a lower mean relative prediction
+    variance over run-like micro-batches than the random fill; every token octave covered."""
+    from sparsebalance.latency.sweep import choose_design, prediction_variance
+
+    def variance(design) -> float:
+        x = _featurize(design) / np.array([_cost(b) for b in design])[:, None]
+        ref = _featurize(random_batches(200, 4096, 32, seed=11))
+        ref = ref / (ref @ TRUE)[:, None]
+        s = x.max(0)
+        return prediction_variance(ref / s, (x / s).T @ (x / s))
+
+    results = {}
+    for name, fz in (("random", None), ("optimal", _featurize)):
+        design = choose_design(4096, 64, _cost, budget_s=20, rounds=4, featurize=fz, seed=3)
+        spent = sum(4 * _cost(b) + 0.05 for b in design)
+        results[name] = (variance(design), spent, design)
+    (v_rand, _, _), (v_opt, s_opt, design) = results["random"], results["optimal"]
+    assert s_opt <= 20 + 1e-9 and v_opt < 0.8 * v_rand
+    tokens = [sum(b[0]) for b in design]
+    for k in range(4):
+        assert any(4096 / 2 ** (k + 1) < n <= 4096 / 2**k for n in tokens), k
+
+
+def test_robust_fit_drops_an_injected_outlier():
+    from sparsebalance.latency.form import fit_form_robust
+
+    batches = random_batches(24, 4096, 32, seed=4, densities=(0.02, 1.0))
+    x = features(batches, 4, 64)
+    rng = np.random.default_rng(1)
+    y = (x @ TRUE) * (1 + 0.03 * rng.standard_normal(len(batches)))
+    fit, dropped = fit_form_robust(x, y, noise=0.03)
+    assert dropped == []  # plain noise: nothing rejected
+    y_bad = y.copy()
+    y_bad[7] *= 2.0  # a burst of load that hit every timing of one micro-batch
+    plain = fit_form(x, y_bad)
+    fit, dropped = fit_form_robust(x, y_bad, noise=0.03)
+    assert dropped == [7]
+    xp = features(random_batches(30, 4096, 128, seed=9), 4, 64)
+    err = lambda f: np.mean(np.abs(f.predict(xp) / (xp @ TRUE) - 1))  # noqa: E731
+    assert err(fit) < 0.03 < err(plain)
 
 
 def test_time_interleaved_warms_up_untimed():

@@ -136,6 +136,32 @@ def fit_form(x: np.ndarray, seconds: np.ndarray, ridge: float = 1e-3) -> FormFit
     return FormFit(coef.tolist(), loo)
 
 
+def fit_form_robust(
+    x: np.ndarray,
+    seconds: np.ndarray,
+    noise: float = 0.0,
+    threshold: float = 3.5,
+    max_share: float = 0.2,
+) -> tuple[FormFit, list[int]]:
+    """:func:`fit_form`, then drop the micro-batches whose relative residual is beyond
+    ``threshold`` x a robust scale (1.4826 x the median absolute residual, at least ``noise``,
+    the expected relative spread of one measured time) and refit. At most ``max_share`` of the
+    points go (the worst first), and never so many that fewer than ``k + 2`` remain. Returns the
+    fit and the dropped indices (a burst of load that hit every round of one micro-batch passes
+    the median over rounds; it does not pass this)."""
+    x, y = np.asarray(x, float), np.asarray(seconds, float)
+    fit = fit_form(x, y)
+    resid = fit.predict(x) / y - 1.0
+    scale = max(1.4826 * float(np.median(np.abs(resid))), noise, 1e-12)
+    limit = min(int(max_share * len(y)), len(y) - x.shape[1] - 2)
+    worst = [int(i) for i in np.argsort(-np.abs(resid)) if abs(resid[i]) > threshold * scale]
+    dropped = sorted(worst[: max(limit, 0)])
+    if not dropped:
+        return fit, []
+    keep = np.setdiff1d(np.arange(len(y)), dropped)
+    return fit_form(x[keep], y[keep]), dropped
+
+
 def density_grid() -> list[float]:
     """Densities the profile tables are evaluated at (dense where the keep-one floor bends)."""
     low = [0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.125, 0.15, 0.175]

@@ -1,13 +1,20 @@
 """Measuring a profile (``sparsebalance profile``, and the trainer's first run) in <= ~1 minute.
 
-1. A warm-up and a *pilot*: two micro-batches timed once give a rough cost per attention pair and
-   per token, enough to price candidate micro-batches.
-2. A *design*: micro-batches at the corners of the feature space (long sparse, long dense,
-   many short documents, tiny) plus random ones, as many as fit the time budget.
+1. A *pilot*: three small micro-batches timed once give a rough cost per attention pair, per
+   token and per call, enough to price candidate micro-batches.
+2. A *design* (:func:`sweep.choose_design`): four corners of the feature space (the capacity at
+   low density, a long dense document, a tiny micro-batch, many short documents), then the
+   candidate that most lowers the relative prediction variance over run-like micro-batches per
+   second it costs (I-optimal), one per octave of tokens first, as many as fit the time budget.
+   The relative fit weighs every micro-batch the same, so cheap ones of the right mix carry as
+   much information as expensive ones: at 1 CPU thread the old fixed 9-point core alone
+   overran the budget.
 3. Interleaved rounds (:func:`sweep.time_interleaved`): the median over rounds per micro-batch,
    the spread across rounds is the timing noise.
 4. The physical form (:mod:`form`) fitted by relative-error non-negative least squares on those
-   whole-micro-batch times (what validation and training measure), with leave-one-out errors.
+   whole-micro-batch times (what validation and training measure), with leave-one-out errors;
+   a micro-batch whose residual is far beyond the noise (a burst of load that hit all its
+   rounds) is dropped and counted (:func:`form.fit_form_robust`).
 5. *Refinement*: budget left over buys more micro-batches like the worst-predicted one, then
    a refit.
 
@@ -29,7 +36,7 @@ import torch.multiprocessing as mp
 from ..models import ModelShapes
 from ..ops import resolve_backend
 from ..timing import median_time, torch_threads
-from .form import FEATURES, features, fit_form, form_tables
+from .form import FEATURES, features, fit_form_robust, form_tables, nnls
 from .model import LatencyModel
 from .profile import AttentionTable, Profile, Table1D, fingerprint
 from .proxy import ProxyModel
@@ -84,27 +91,33 @@ def _measure_profile(
     def prep(batch: Batch, i: int):
         return prepare_microbatch(model, batch[0], batch[1], device, backend, block_size, seed + i)
 
-    # Warm-up + pilot: a rough (per pair, per token) cost prices the candidates.
-    pilot = [([min(top, 8 * block_size + 5)], [1.0]), ([min(top, 4 * block_size + 3)], [0.1])]
-    fns = [prep(b, i) for i, b in enumerate(pilot)]
-    fns[0]()
-    pt = np.array([median_time(f, device, 0, 1) for f in fns])
-    px = features(pilot, nl, block_size)[:, :2]
-    rough = np.maximum(np.linalg.lstsq(px / pt[:, None], np.ones(2), rcond=None)[0], 1e-12)
+    # Pilot: a rough (per pair, per token, per call) cost prices the candidates.
+    pilot = [([min(top, 8 * block_size + 5)], [1.0]), ([min(top, 4 * block_size + 3)], [0.1]),
+             ([min(top, block_size + 9)], [0.5])]  # fmt: skip
+    pt = np.array([median_time(prep(b, i), device, 1, 1) for i, b in enumerate(pilot)])
+    px = features(pilot, nl, block_size)[:, [0, 1, 4]]
+    rough = np.maximum(nnls(px / pt[:, None], np.ones(len(pilot))), 1e-12)
+
+    def featurize(batches) -> np.ndarray:
+        return features(batches, nl, block_size)
 
     def cost(batch: Batch) -> float:
-        return float(features([batch], nl, block_size)[0, :2] @ rough)
+        return float(featurize([batch])[0, [0, 1, 4]] @ rough)
 
     # rounds + 1: time_interleaved runs each micro-batch once untimed first (warm-up).
-    design = choose_design(top, block_size, cost, budget_s * 0.75, rounds + 1, seed=seed)
+    design = choose_design(top, block_size, cost, budget_s * 0.75, rounds + 1, featurize,
+                           seed=seed)  # fmt: skip
     t_pilot = time.perf_counter() - t_start
     timings = time_interleaved([prep(b, i) for i, b in enumerate(design)], device, rounds,
                                budget_s=budget_s * 0.9, seed=seed)  # fmt: skip
     x, y = features(design, nl, block_size), timings.median
-    fit = fit_form(x, y)
+    fit, dropped = fit_form_robust(x, y, noise=float(np.median(timings.cv)))
     # Refinement: what is left of the budget goes to micro-batches like the worst LOO point.
     left = budget_s - (time.perf_counter() - t_start)
-    extra = _refine(design, fit.loo_errors, top, block_size, seed)
+    loo = np.zeros(len(design))
+    if fit.loo_errors:
+        loo[np.setdiff1d(np.arange(len(design)), dropped)] = fit.loo_errors
+    extra = _refine(design, loo.tolist(), top, block_size, seed)
     extra = [b for b in extra if (left := left - timings.seconds.shape[0] * cost(b)) > 0][:4]
     if extra:
         more = time_interleaved([prep(b, 100 + i) for i, b in enumerate(extra)], device,
@@ -113,7 +126,7 @@ def _measure_profile(
         x = np.vstack([x, features(extra, nl, block_size)])
         y = np.concatenate([y, more.median])
         timings.seconds = np.hstack([timings.seconds, more.seconds])
-        fit = fit_form(x, y)
+    fit, rejected = fit_form_robust(x, y, noise=float(np.median(timings.cv)))
     t_design = time.perf_counter() - t_start - t_pilot
     opt_s, num_params = _optimizer_seconds(model, device)
     allreduce = (
@@ -121,7 +134,8 @@ def _measure_profile(
     )
     share = nl * shapes.layer_params() / (nl * shapes.layer_params() + _head_params(shapes))
     t = form_tables(fit.coefficients, nl, block_size, top, share)
-    noise = {**timings.noise(), "load_1min": _load(), "design_points": len(design)}
+    noise = {**timings.noise(), "load_1min": _load(), "design_points": len(design),
+             "design_outliers": len(rejected)}  # fmt: skip
     profile = Profile(
         fingerprint=fingerprint(shapes, device, dtype, backend, block_size),
         attention=AttentionTable(t["lengths"], t["densities"], t["attention"]),
@@ -138,8 +152,9 @@ def _measure_profile(
         fit={"features": list(FEATURES), "coefficients": fit.coefficients,
              "loo_mape": fit.loo_mape, "loo_max_error": float(np.max(np.abs(fit.loo_errors))),
              "layer_token_share": share, "block_size": block_size,
-             "design": [{"lengths": b[0], "densities": b[1], "seconds": float(s), "cv": float(c)}
-                        for b, s, c in zip(design, y, timings.cv, strict=True)]},
+             "design": [{"lengths": b[0], "densities": b[1], "seconds": float(s), "cv": float(c),
+                         "rejected": i in rejected}
+                        for i, (b, s, c) in enumerate(zip(design, y, timings.cv, strict=True))]},
         noise=noise,
     )  # fmt: skip
     if not quiet:
@@ -158,6 +173,8 @@ def noise_line(profile: Profile, target: float = TARGET_MAPE) -> str:
             f"{n['design_points']} micro-batches x {n['rounds']} rounds; "
             f"load {n['load_1min']:.1f}),"
             f" fit leave-one-out error {100 * loo:.1f} %")  # fmt: skip
+    if n.get("design_outliers"):
+        head += f", {n['design_outliers']} design micro-batch(es) dropped as outliers"
     # A median of 3 timings has about 0.6x the spread of one; |N(0, s)| averages 0.8 s.
     floor = 0.8 * 0.6 * cv
     if floor > target:

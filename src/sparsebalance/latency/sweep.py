@@ -143,22 +143,33 @@ def random_batches(
     return out
 
 
-def core_design(max_tokens: int, block_size: int) -> list[Batch]:
-    """Micro-batches at the corners of the feature space: long sparse, long dense-ish, many small
-    documents, a tiny one (overheads), mixed packs. Lengths are chosen off block multiples."""
+def core_design(max_tokens: int, block_size: int) -> tuple[list[Batch], list[Batch]]:
+    """``(corners, mixes)``. Corners are always timed: the capacity at low density (selection
+    and per-token work at their largest), a long dense document, a tiny micro-batch (overheads),
+    many short documents. Mixes are good candidates (mixed packs, a long moderately dense one);
+    lengths are chosen off block multiples."""
     c, b = max_tokens, block_size
-    pick = [
+    corners = [
         ([c], [0.05]),
-        ([c], [0.3]),
         ([max(b, c // 2 - 7)], [0.9]),
-        ([max(b, c // 4 + 5)] * 3 + [max(b, c // 4 - 40)], [0.15, 0.85, 0.5, 0.3]),
         ([max(1, 2 * b - 3)], [0.6]),
         ([max(1, b + 9)] * 4, [0.2, 0.7, 0.4, 1.0]),
+    ]
+    mixes = [
+        ([c], [0.3]),
+        ([max(b, c // 4 + 5)] * 3 + [max(b, c // 4 - 40)], [0.15, 0.85, 0.5, 0.3]),
         ([max(b, c // 8 + 3)], [1.0]),
         ([max(b, c // 2 + 11), max(b, c // 8 - 5)], [0.1, 0.95]),
         ([max(b, c // 16 + 1), max(b, c // 32 + 3), max(b, c // 3)], [0.6, 0.35, 0.7]),
     ]
-    return [(ls, ds) for ls, ds in pick if sum(ls) <= c]
+    fits = [(ls, ds) for ls, ds in corners + mixes if sum(ls) <= c]
+    return [p for p in fits if p in corners], [p for p in fits if p not in corners]
+
+
+def prediction_variance(rows: np.ndarray, info: np.ndarray) -> float:
+    """Mean relative prediction variance ``r M^-1 r`` (in units of the timing noise) over
+    reference ``rows (K, k)`` for the information matrix ``info (k, k)`` of a design."""
+    return float(np.mean(np.einsum("ij,jk,ik->i", rows, np.linalg.inv(info), rows)))
 
 
 def choose_design(
@@ -167,26 +178,73 @@ def choose_design(
     cost: Callable[[Batch], float],
     budget_s: float,
     rounds: int,
+    featurize: Callable[[Sequence[Batch]], np.ndarray] | None = None,
     max_points: int = 32,
     min_points: int = 10,
     seed: int = 7,
+    prep_s: float = 0.05,
 ) -> list[Batch]:
     """The core design (always: the corners must be covered, or the fit extrapolates) plus
-    random micro-batches while their estimated cost (``cost(batch)`` seconds, x ``rounds``) fits
-    in ``budget_s``; the cheapest random ones fill the design up to ``min_points``."""
-    core = core_design(max_tokens, block_size)
-    pool = core + random_batches(4 * max_points, max_tokens, max(1, block_size // 2), seed, (),
-                                 (0.02, 1.0))  # fmt: skip
-    costs = [rounds * cost(b) for b in pool]
+    candidates while their cost (``rounds x cost(batch) + prep_s`` seconds) fits in ``budget_s``;
+    the cheapest ones fill the design up to ``min_points``.
+
+    With ``featurize`` (micro-batches -> ``(M, k)`` features of the fitted form) candidates are
+    added greedily by *I-optimality per second*: the one that most lowers the mean relative
+    prediction variance over micro-batches like the run's (random ones, 1-4 documents up to
+    ``max_tokens``) per second it costs. The relative fit weighs row ``x_i / t_i``, so a cheap
+    micro-batch of the right mix teaches as much as an expensive one; the corners stay in to
+    guard against what the form misses. Without ``featurize``: random candidates in order."""
+    core, mixes = core_design(max_tokens, block_size)
+    # Candidates (and the reference micro-batches) look like the run's: 1-4 documents of 128 ..
+    # max_tokens tokens. Tiny ones would be cheaper still, but per-token cost is not constant
+    # down there (small matmuls are less efficient), and the corners already pin the overhead.
+    min_len = min(128, max_tokens)
+    pool = core + mixes + random_batches(4 * max_points, max_tokens, min_len, seed, (),
+                                         (0.02, 1.0))  # fmt: skip
+    t = np.array([cost(b) for b in pool])
+    spend = rounds * t + prep_s
     chosen = list(range(len(core)))
-    spent = sum(costs[: len(core)])
-    for i in range(len(core), len(pool)):
-        if len(chosen) >= max_points:
-            break
-        if spent + costs[i] <= budget_s:
-            chosen.append(i)
-            spent += costs[i]
-    for i in np.argsort(costs, kind="stable"):
+    spent = float(spend[chosen].sum())
+    if featurize is None:
+        for i in range(len(core), len(pool)):
+            if len(chosen) >= max_points:
+                break
+            if spent + spend[i] <= budget_s:
+                chosen.append(i)
+                spent += spend[i]
+    else:
+        ref = random_batches(64, max_tokens, min_len, seed + 1)
+        x, xr = featurize(pool), featurize(ref)
+        scale = np.maximum((x / t[:, None]).max(0), 1e-300)  # unit columns: a conditioned M
+        rows = x / t[:, None] / scale
+        refs = xr / np.array([cost(b) for b in ref])[:, None] / scale
+        info = rows[chosen].T @ rows[chosen] + 1e-6 * np.eye(x.shape[1])
+        tokens = np.array([sum(b[0]) for b in pool])
+        # Coverage first (the form may miss something at some size): the best point of every
+        # octave of micro-batch tokens down to max_tokens / 16; then the best anywhere.
+        octaves = [(max_tokens / 2 ** (k + 1), max_tokens / 2**k) for k in range(4)]
+        masks = [(tokens > lo) & (tokens <= hi) for lo, hi in octaves] + [np.ones(len(pool), bool)]
+        for mask in masks:
+            if mask is not masks[-1] and any(mask[i] for i in chosen):
+                continue
+            while len(chosen) < max_points:
+                inv = np.linalg.inv(info)
+                # Sherman-Morrison: adding row r lowers sum_j r_j' M^-1 r_j by
+                # sum_j (r_j' M^-1 r)^2 / (1 + r' M^-1 r).
+                cross = refs @ inv @ rows.T  # (K, M)
+                drop = (cross**2).mean(0) / (1.0 + np.einsum("ij,jk,ik->i", rows, inv, rows))
+                score = np.where(mask, drop / spend, -np.inf)
+                score[chosen] = -np.inf
+                score[spent + spend > budget_s] = -np.inf
+                i = int(np.argmax(score))
+                if not np.isfinite(score[i]):
+                    break
+                chosen.append(i)
+                spent += spend[i]
+                info += np.outer(rows[i], rows[i])
+                if mask is not masks[-1]:
+                    break
+    for i in np.argsort(spend, kind="stable"):
         if len(chosen) >= min_points:
             break
         if i not in chosen:
