@@ -35,6 +35,7 @@ def test_analytic_profiles_scale_with_model_size_and_density():
 
 def test_cli_quick_profile_then_validate(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     out = tmp_path / "p.json"
     argv = ["profile", "--model", "tiny", "--quick", "--max-len", "384", "--out", str(out),
             "--json"]  # fmt: skip
@@ -51,9 +52,12 @@ def test_cli_quick_profile_then_validate(tmp_path, capsys, monkeypatch):
     assert profile.noise["rounds"] >= 2 and profile.noise["cv_median"] >= 0
     assert max(max(p["lengths"]) for p in profile.fit["design"]) <= 384
     argv = ["profile", "--validate", str(out), "--num-batches", "3", "--rounds", "2", "--json"]
+    before = set(tmp_path.rglob("*"))
     assert main(argv) == 0
+    assert set(tmp_path.rglob("*")) == before  # --validate writes nothing where it runs
     result = json.loads(capsys.readouterr().out)
     assert result["num_batches"] == 3 and result["mape"] >= 0
+    assert result["threads"] == profile.fingerprint["threads"] == 1  # a rank's, then the same
     assert result["mape_ci95"][0] <= result["mape"] <= result["mape_ci95"][1]
     assert all(b["measured"] > 0 and b["predicted"] > 0 for b in result["batches"])
     assert all(sum(b["lengths"]) <= 512 for b in result["batches"])  # the profile's max length
