@@ -83,17 +83,17 @@ def test_hybrid_rows_are_priced_by_the_simulator_with_long_documents_whole():
         simulate_steps([batch], 4, fake_context(), capacity=1024, overlong="cut")
 
 
-def test_demo_defaults_make_the_longest_builtin_document_3x_the_capacity(tmp_path):
+def test_demo_defaults_make_the_longest_builtin_document_longer_than_the_capacity(tmp_path):
     from sparsebalance.cli import build_parser
     from sparsebalance.train import config_from_args
     from sparsebalance.train.launch import DEMO_CPU_RANKS, DEMO_DEFAULTS, default_nproc
 
     parser = build_parser()
     demo = config_from_args(parser.parse_args(["train", "--demo"]), DEMO_DEFAULTS)
-    assert demo.capacity == 1368 and demo.overlong == "split"
-    assert -(-4103 // demo.capacity) == 3  # the built-in set's longest document needs 3 ranks
+    assert demo.capacity == 2100 and demo.overlong == "split"
+    assert -(-4103 // demo.capacity) == 2  # the built-in set's longest document needs both ranks
     mine = parser.parse_args(["train", "--demo", "--capacity", "2048"])
     assert config_from_args(mine, DEMO_DEFAULTS).capacity == 2048  # a flag still wins
     assert config_from_args(parser.parse_args(["train"])).capacity == 4096  # train unchanged
     cpu = TrainConfig(out=str(tmp_path), device="cpu")
-    assert default_nproc(cpu, None, DEMO_CPU_RANKS) == 4 and default_nproc(cpu, None) == 2
+    assert default_nproc(cpu, None, DEMO_CPU_RANKS) == 2 and default_nproc(cpu, None) == 2

@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--demo",
         action="store_true",
         help="baseline vs SparseBalance (SAB + CP + DST) on the same samples, then a comparison "
-        "+ report; --capacity 1368 and (on CPU) 4 ranks unless given",
+        "+ report; --capacity 2100 and (on CPU) 2 ranks unless given",
     )
     p.add_argument("--json", action="store_true", help="print only JSON (the comparison) to stdout")
     add_train_arguments(p)  # fmt: skip

@@ -215,13 +215,16 @@ def torchrun_main() -> None:
         sys.exit(code)
 
 
-DEMO_DEFAULTS = {"capacity": 1368}
+DEMO_DEFAULTS = {"capacity": 2100}
 """What ``--demo`` changes from ``sparsebalance train``'s defaults (flags and ``--config`` still
-win): the built-in data (256 documents, 128..4,103 tokens) with a capacity of 1,368 tokens, so
-15 documents are longer than the capacity and the longest (4,103 tokens) is 3x it: the baseline
-cuts them (``--overlong split``), SparseBalance trains them whole on units of 2 or 3 ranks."""
-DEMO_CPU_RANKS = 4
-"""Ranks of the demo on CPU (a document 3x the capacity needs a unit of >= 3 ranks)."""
+win): the built-in data (256 documents, 128..4,103 tokens) with a capacity of 2,100 tokens, so
+5 documents are longer than the capacity (the longest, 4,103 tokens, about 2x it): the baseline
+cuts them (``--overlong split``), SparseBalance trains them whole on a unit of both ranks."""
+DEMO_CPU_RANKS = 2
+"""Ranks of the demo on CPU: one per core of a 2-core machine. With more processes than cores a
+rank that waits frees its core for the others, so balance stops showing in step time (measured:
+4 ranks on 2 cores, 0.96x, benchmarks/results/2026-11-24-train-demo-4ranks-cpu.md);
+``--nproc 4 --capacity 1368`` trains a document 3x the capacity whole on 3 ranks."""
 
 
 def demo_configs(cfg: TrainConfig) -> dict[str, TrainConfig]:
