@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -165,8 +166,12 @@ def parallelize(model: nn.Module, runtime: Runtime, parallel: str, measure_bubbl
         return Parallelized(model, model, "single", measure_bubble, world)
     # device_ids=None: inputs are already on the device, and DDP would otherwise copy the
     # PackedAttention dataclass in the kwargs (losing the layer statistics it collects).
-    # broadcast_buffers=False: the only buffers (rotary frequencies) are identical constants.
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=None, broadcast_buffers=False)
+    # broadcast_buffers=False: the only buffers (rotary frequencies) are identical constants
+    # (torch 2.13 deprecates the name in favour of forward_sync_buffers, which still syncs at
+    # init; the old name keeps the documented behaviour, so its FutureWarning is silenced).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=None, broadcast_buffers=False)
     clock = _ReadyClock()
     ddp.register_comm_hook(clock, _ReadyClock.hook)
     return Parallelized(ddp, model, "ddp", measure_bubble, world, clock)
