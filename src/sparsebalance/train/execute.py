@@ -104,26 +104,11 @@ class RankExecutor:
         ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=gamma), self.block_size,
                               self.backend, choose_budget=choose, ring=ring)  # fmt: skip
         t0, wait0 = time.perf_counter(), ring_wait_seconds()
-        loss_sum = packed_loss(self.par.model, batch, ctx, self.loss)
-        (loss_sum * loss_scale).backward()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        ready = self.par.ready_time() or time.perf_counter()
-        result = MicroBatchResult(
-            seconds=ready - t0,
-            lengths=tuple(unit.lengths),
-            sample_ids=tuple(unit.sample_ids),
-            layer_densities=tuple(tuple(s.document_density) for s in ctx.stats),
-            gammas=tuple(s.gamma for s in ctx.stats),
-            loss_sum=float(loss_sum.detach()),
-            weight_sum=float(batch.loss_weights.sum()),
-            slot=unit.slot,
-            unit_ranks=tuple(unit.ranks),
-            ring=unit.ring,
-            ring_wait_s=ring_wait_seconds() - wait0,
-            start_s=t0,
-            local_tokens=_real_tokens(ring.placement, unit.ranks.index(rank)),
-        )
+        result, ready = self._forward_backward(batch, ctx, loss_scale, t0, unit.lengths,
+                                               unit.sample_ids)  # fmt: skip
+        local = _real_tokens(ring.placement, unit.ranks.index(rank))
+        result = replace(result, slot=unit.slot, unit_ranks=tuple(unit.ranks), ring=unit.ring,
+                         ring_wait_s=ring_wait_seconds() - wait0, local_tokens=local)  # fmt: skip
         return result, ready
 
     def microbatch(
@@ -153,6 +138,13 @@ class RankExecutor:
                               choose_budget=choose, on_layer_end=on_layer_end)  # fmt: skip
         t0 = time.perf_counter()
         last[0] = t0
+        return self._forward_backward(batch, ctx, loss_scale, t0, mb.lengths, mb.sample_ids)
+
+    def _forward_backward(self, batch, ctx: PackedAttention, loss_scale: float, t0: float,
+                          lengths: Sequence[int], sample_ids: Sequence[int],
+                          ) -> tuple[MicroBatchResult, float]:  # fmt: skip
+        """The packed loss, its backward (scaled by ``loss_scale``) and the micro-batch's
+        result; ``ready``: when its gradients were handed to the sync (``t0``: its start)."""
         loss_sum = packed_loss(self.par.model, batch, ctx, self.loss)
         (loss_sum * loss_scale).backward()
         if self.device.type == "cuda":
@@ -160,8 +152,8 @@ class RankExecutor:
         ready = self.par.ready_time() or time.perf_counter()
         result = MicroBatchResult(
             seconds=ready - t0,
-            lengths=tuple(mb.lengths),
-            sample_ids=tuple(mb.sample_ids),
+            lengths=tuple(lengths),
+            sample_ids=tuple(sample_ids),
             layer_densities=tuple(tuple(s.document_density) for s in ctx.stats),
             gammas=tuple(s.gamma for s in ctx.stats),
             loss_sum=float(loss_sum.detach()),
