@@ -35,7 +35,7 @@ def add_nproc_argument(p) -> None:
     :func:`default_nproc`)."""
     p.add_argument("--nproc", type=int, default=None,
                    help="processes on this machine (default: the number of GPUs on CUDA, 2 on "
-                   "CPU, 4 on CPU with --demo, 1 with --emulate-ranks)")  # fmt: skip
+                   "CPU, 1 with --emulate-ranks)")  # fmt: skip
 
 
 def default_nproc(cfg: TrainConfig, requested: int | None, cpu: int = CPU_NPROC) -> int:
