@@ -13,8 +13,10 @@ def test_single_node_keeps_standalone():
 def test_multinode_uses_c10d_rendezvous():
     args = Rendezvous(2, 1, "10.0.0.1:29500", "job7").torchrun_args(8)
     assert args == ["--nnodes=2", "--node_rank=1", "--rdzv_backend=c10d",
-                    "--rdzv_endpoint=10.0.0.1:29500", "--rdzv_id=job7",
-                    "--nproc_per_node=8"]  # fmt: skip
+                    "--rdzv_endpoint=10.0.0.1:29500", "--rdzv_conf=is_host=0",
+                    "--rdzv_id=job7", "--nproc_per_node=8"]  # fmt: skip
+    # node 0 alone hosts the rendezvous store (never whichever launcher started first)
+    assert "--rdzv_conf=is_host=1" in Rendezvous(2, 0, "10.0.0.1:29500").torchrun_args(8)
 
 
 @pytest.mark.parametrize(

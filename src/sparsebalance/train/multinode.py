@@ -28,7 +28,8 @@ class Rendezvous:
     node_rank: int = 0
     """This machine's index in ``[0, nnodes)``; node 0 holds the run folder's lock."""
     endpoint: str | None = None
-    """``HOST:PORT`` of the c10d rendezvous (usually node 0); required when ``nnodes > 1``."""
+    """``HOST:PORT`` of the c10d rendezvous: node 0's address and a free port there (node 0's
+    launcher hosts the rendezvous store); required when ``nnodes > 1``."""
     rdzv_id: str = "sparsebalance"
     """Job id shared by every machine of one run (distinguishes concurrent runs)."""
 
@@ -55,9 +56,15 @@ class Rendezvous:
         """torchrun's flags for ``nproc`` processes on this machine."""
         if not self.multinode:
             return ["--standalone", f"--nproc_per_node={nproc}"]
+        # node 0 hosts the rendezvous store, the others never do: left to torchrun, every
+        # launcher whose hostname matches the endpoint tries to host it (all of them when the
+        # "nodes" share a machine), the first wins, and whichever node that is may end (its
+        # workers failed, or a slow exit) while the others still poll the store
+        host = "1" if self.node_rank == 0 else "0"
         return [f"--nnodes={self.nnodes}", f"--node_rank={self.node_rank}",
                 "--rdzv_backend=c10d", f"--rdzv_endpoint={self.endpoint}",
-                f"--rdzv_id={self.rdzv_id}", f"--nproc_per_node={nproc}"]  # fmt: skip
+                f"--rdzv_conf=is_host={host}", f"--rdzv_id={self.rdzv_id}",
+                f"--nproc_per_node={nproc}"]  # fmt: skip
 
 
 def slurm_env(environ: dict[str, str]) -> dict[str, str]:
