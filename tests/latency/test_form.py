@@ -99,6 +99,20 @@ def test_breakdown_names_the_mispredicted_component():
     assert breakdown(model, batches, np.zeros(40))["component_error"]["attention"] == 0.0
 
 
+def test_level_and_shape_split_a_global_scale_from_a_misfit():
+    """A machine 10 % slower at validation (every time x 1.1) is pure level: no shape error;
+    a wrong attention coefficient is shape error that no single scale removes."""
+    model = LatencyModel(profile_from(TRUE))
+    batches = random_batches(40, 4096, 64, seed=3)
+    pred = [model.predict(n, d) for n, d in batches]
+    slow = validation_summary(model, batches, [1.1 * t for t in pred])
+    assert slow["level"] == pytest.approx(1 / 1.1 - 1, abs=1e-9)
+    assert slow["shape_mape"] < 1e-9 and slow["mape"] > 0.09
+    truth = LatencyModel(profile_from(TRUE / np.array([1.5, 1, 1, 1, 1])))
+    misfit = validation_summary(model, batches, [1.1 * truth.predict(n, d) for n, d in batches])
+    assert misfit["shape_mape"] > 0.02 and misfit["shape_max_error"] >= misfit["shape_mape"]
+
+
 def test_bootstrap_interval_shrinks_with_more_batches():
     rng = np.random.default_rng(0)
     wide = bootstrap_ci(rng.normal(0, 0.1, 10))

@@ -14,6 +14,7 @@ from sparsebalance.latency import (
     analytic_profile,
     default_latency_model,
     load_profile,
+    measure,
 )
 from sparsebalance.models import load_shapes
 
@@ -51,6 +52,12 @@ def test_cli_quick_profile_then_validate(tmp_path, capsys, monkeypatch):
     assert len(profile.fit["coefficients"]) == 5 and min(profile.fit["coefficients"]) >= 0
     assert profile.noise["rounds"] >= 2 and profile.noise["cv_median"] >= 0
     assert max(max(p["lengths"]) for p in profile.fit["design"]) <= 384
+    # every timing of every design point is kept; the median of them is the fitted time
+    rounds = profile.noise["rounds"]
+    assert 3 <= rounds <= measure.MAX_ROUNDS  # --rounds 3 at least, more while the budget lasts
+    for point in profile.fit["design"]:
+        assert len(point["rounds"]) == rounds
+        assert point["seconds"] == pytest.approx(float(np.median(point["rounds"])))
     argv = ["profile", "--validate", str(out), "--num-batches", "3", "--rounds", "2", "--json"]
     before = set(tmp_path.rglob("*"))
     assert main(argv) == 0
@@ -59,6 +66,7 @@ def test_cli_quick_profile_then_validate(tmp_path, capsys, monkeypatch):
     assert result["num_batches"] == 3 and result["mape"] >= 0
     assert result["threads"] == profile.fingerprint["threads"] == 1  # a rank's, then the same
     assert result["mape_ci95"][0] <= result["mape"] <= result["mape_ci95"][1]
+    assert result["shape_mape"] >= 0 and result["shape_max_error"] >= result["shape_mape"]
     assert all(b["measured"] > 0 and b["predicted"] > 0 for b in result["batches"])
     assert all(sum(b["lengths"]) <= 512 for b in result["batches"])  # the profile's max length
     assert set(result["breakdown"]["component_error"]) == {"attention", "per_token", "overhead"}

@@ -51,8 +51,10 @@ def _two_nodes(flags: list[str], out: Path) -> None:
             p.kill()
     codes = [p.returncode for p in procs]
     # both nodes' ends: the node that failed first is often not the one whose error is shown
-    assert codes == [0, 0], "\n".join(f"node {i} (exit {c}): ...{err[-2500:]}"
-                                       for i, (c, (_, err)) in enumerate(zip(codes, outs)))
+    assert codes == [0, 0], "\n".join(
+        f"node {i} (exit {c}): ...{err[-2500:]}"
+        for i, (c, (_, err)) in enumerate(zip(codes, outs, strict=True))
+    )
 
 
 @pytest.fixture(scope="module")

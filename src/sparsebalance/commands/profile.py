@@ -1,6 +1,6 @@
 """``sparsebalance profile``: measure a latency profile, validate one, or build an analytic one.
 
-    sparsebalance profile --model tiny --device cpu --out profile.json [--max-len N] [--budget 40]
+    sparsebalance profile --model tiny --device cpu --out profile.json [--max-len N] [--budget 50]
         [--threads N]
     sparsebalance profile --validate profile.json [--num-batches 30] [--json] [--results-dir DIR]
     sparsebalance profile --analytic h100 --model qwen2.5-0.5b --out h100.json
@@ -65,8 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "--capacity, capped at the model's context)",
     )  # fmt: skip
     p.add_argument(
-        "--budget", type=float, default=40.0,
-        help="seconds spent timing micro-batches (default 40; total profiling ~1.3x this)",
+        "--budget", type=float, default=50.0,
+        help="seconds spent timing micro-batches (default 50; total profiling ~1.1x this)",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="--budget 6 (a coarse profile, for tests)")
     p.add_argument(
@@ -88,7 +88,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-tokens", type=int, default=None,
         help="tokens per held-out micro-batch (default: the profile's max length)",
     )  # fmt: skip
-    p.add_argument("--rounds", type=int, default=3, help="timings per micro-batch (median)")
+    p.add_argument(
+        "--rounds", type=int, default=3,
+        help="timings per micro-batch (median): the least for a profile (more rounds, up to 8, "
+             "while --budget lasts), exactly this many for --validate's held-out set",
+    )  # fmt: skip
     p.add_argument(
         "--threads", type=int, default=None,
         help="CPU threads to measure with (default: what each rank of `sparsebalance train` "
@@ -275,10 +279,12 @@ def _pct(x) -> str:
 def _tables(r: dict) -> str:
     lo, hi = r["mape_ci95"]
     main_t = markdown_table(
-        ["held-out micro-batches", "MAPE [95 % CI]", "max error", "bias",
-         "timing noise (CV)", "recalibration steps (1.5x profile)", "predict 10,000"],
+        ["held-out micro-batches", "MAPE [95 % CI]", "max error", "bias", "level",
+         "shape MAPE (max)", "timing noise (CV)", "recalibration steps (1.5x profile)",
+         "predict 10,000"],
         [[r["num_batches"], f"{100 * r['mape']:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}]",
-          f"{100 * r['max_error']:.1f} %", _pct(r["bias"]),
+          f"{100 * r['max_error']:.1f} %", _pct(r["bias"]), _pct(r["level"]),
+          f"{100 * r['shape_mape']:.1f} % ({100 * r['shape_max_error']:.1f} %)",
           f"{100 * r['validation_noise']['cv_median']:.1f} %",
           str(r["recalibration_steps_from_1.5x"]),
           f"{1e3 * r['predict_many_10k_seconds']:.1f} ms"]],

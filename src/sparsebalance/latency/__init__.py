@@ -34,17 +34,17 @@ def default_latency_model(
     block_size: int = 64,
     cache_dir: Path | None = None,
     max_len: int | None = None,
-    budget_s: float = 40.0,
+    budget_s: float = 50.0,
     threads: int | None = None,
 ) -> LatencyModel:
     """A latency model for the running setup with no manual step.
 
     Order: a cached profile with this exact fingerprint; a profile shipped with the package with
     this fingerprint; otherwise a profile for micro-batches up to ``max_len`` tokens (default: the
-    model's context) is measured now (about 45 s on a 2-core CPU, see :mod:`.measure`), its noise
-    line printed, and cached. The fingerprint, hence the cache key, holds the CPU ``threads`` the
-    profile is for (default: this process's count, which is what a trainer rank runs with) and
-    the profile schema: a profile for other threads, or of an older schema, is not reused.
+    model's context) is measured now (under a minute on a 2-core CPU, see :mod:`.measure`), its
+    noise line printed, and cached. The fingerprint, hence the cache key, holds the CPU
+    ``threads`` the profile is for (default: this process's count, which is what a trainer rank
+    runs with) and the profile schema: a profile for other threads, or of an older schema, is not reused.
     """
     from .measure import measure_profile, noise_line
 

@@ -10,7 +10,9 @@
    much information as expensive ones: at 1 CPU thread the old fixed 9-point core alone
    overran the budget.
 3. Interleaved rounds (:func:`sweep.time_interleaved`): the median over rounds per micro-batch,
-   the spread across rounds is the timing noise.
+   the spread across rounds is the timing noise. The design is sized for 3 rounds in half the
+   budget; rounds go on (up to 8) while the budget lasts, so the median spans ~40 s of the
+   machine's life, not one slow phase of it.
 4. The physical form (:mod:`form`) fitted by relative-error non-negative least squares on those
    whole-micro-batch times (what validation and training measure), with leave-one-out errors;
    a micro-batch whose residual is far beyond the noise (a burst of load that hit all its
@@ -53,6 +55,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TARGET_MAPE = 0.10  # the accuracy a profile is meant to reach on held-out micro-batches
 
 
+MAX_ROUNDS = 8
+"""Most interleaved rounds of the design (more only while the budget lasts)."""
+DESIGN_SHARE = 0.5
+"""Share of the budget the design is sized for at the minimum rounds (+ warm-up), by the pilot's
+rough cost; the rest buys further rounds, then refinement points."""
+ROUNDS_SHARE = 0.85
+"""Share of the budget after which no further round of the design starts."""
+
+
 def measure_profile(
     shapes: ModelShapes,
     device: torch.device,
@@ -60,7 +71,7 @@ def measure_profile(
     backend: str = "auto",
     block_size: int = 64,
     max_len: int | None = None,
-    budget_s: float = 40.0,
+    budget_s: float = 50.0,
     rounds: int = 3,
     allreduce_world_size: int = 0,
     quiet: bool = False,
@@ -69,7 +80,10 @@ def measure_profile(
 ) -> Profile:
     """Measure a :class:`Profile` for micro-batches of up to ``max_len`` tokens (default: the
     model's context) spending about ``budget_s`` seconds timing micro-batches, with ``threads``
-    CPU threads (default: this process's count; recorded in the fingerprint)."""
+    CPU threads (default: this process's count; recorded in the fingerprint). The design is
+    sized for ``rounds`` timings of every micro-batch in about half the budget; further rounds
+    (up to :data:`MAX_ROUNDS`) follow while the budget lasts: a median over more rounds spread
+    over a longer window is what keeps a slow phase of a shared machine out of the profile."""
     if budget_s <= 0 or rounds < 2:
         raise ValueError(f"need budget_s > 0 and rounds >= 2, got {budget_s}, {rounds}")
     with torch_threads(threads if device.type == "cpu" else None):
@@ -105,11 +119,12 @@ def _measure_profile(
         return float(featurize([batch])[0, [0, 1, 4]] @ rough)
 
     # rounds + 1: time_interleaved runs each micro-batch once untimed first (warm-up).
-    design = choose_design(top, block_size, cost, budget_s * 0.75, rounds + 1, featurize,
-                           seed=seed)  # fmt: skip
+    design = choose_design(top, block_size, cost, budget_s * DESIGN_SHARE, rounds + 1,
+                           featurize, seed=seed)  # fmt: skip
     t_pilot = time.perf_counter() - t_start
-    timings = time_interleaved([prep(b, i) for i, b in enumerate(design)], device, rounds,
-                               budget_s=budget_s * 0.9, seed=seed)  # fmt: skip
+    timings = time_interleaved([prep(b, i) for i, b in enumerate(design)], device,
+                               max(MAX_ROUNDS, rounds), min_rounds=rounds,
+                               budget_s=budget_s * ROUNDS_SHARE, seed=seed)  # fmt: skip
     x, y = features(design, nl, block_size), timings.median
     fit, dropped = fit_form_robust(x, y, noise=float(np.median(timings.cv)))
     # Refinement: what is left of the budget goes to micro-batches like the worst LOO point.
@@ -153,7 +168,7 @@ def _measure_profile(
              "loo_mape": fit.loo_mape, "loo_max_error": float(np.max(np.abs(fit.loo_errors))),
              "layer_token_share": share, "block_size": block_size,
              "design": [{"lengths": b[0], "densities": b[1], "seconds": float(s), "cv": float(c),
-                         "rejected": i in rejected}
+                         "rejected": i in rejected, "rounds": timings.seconds[:, i].tolist()}
                         for i, (b, s, c) in enumerate(zip(design, y, timings.cv, strict=True))]},
         noise=noise,
     )  # fmt: skip

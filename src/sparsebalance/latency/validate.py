@@ -1,6 +1,12 @@
 """Held-out validation of a profile: errors, a bootstrap confidence interval, and a breakdown
 that says *what* is mispredicted (attention by length and density, the per-token part, the
-fixed overheads).
+fixed overheads), and the error split into *level* and *shape*.
+
+Level and shape: ``level`` is the median of prediction / measured - 1, one global scale; the
+*shape* error is what remains once it is divided out (``shape_mape``, ``shape_max_error``). The
+trainer's online recalibration fixes the level within 1-2 steps, so the shape error is what
+decides which rank a step's plan makes the straggler. On a shared machine the level also
+carries the machine's own drift between profiling and validation (other tenants, clocks).
 
 The breakdown splits every prediction into three parts with the model's own per-layer units:
 attention (``num_layers * sum layer_attention_seconds``), the fixed part (``microbatch_overhead``)
@@ -97,17 +103,23 @@ def breakdown(model: LatencyModel, batches: Sequence[Batch], err: np.ndarray) ->
 def validation_summary(
     model: LatencyModel, batches: Sequence[Batch], measured: Sequence[float]
 ) -> dict:
-    """MAPE with a 95 % bootstrap interval, max error, bias and the breakdown."""
+    """MAPE with a 95 % bootstrap interval, max error, bias, level and shape errors (module
+    docstring) and the breakdown."""
     meas = np.asarray(measured, float)
     pred = np.array([model.predict(lengths, dens) for lengths, dens in batches])
     err = pred / meas - 1.0
     lo, hi = bootstrap_ci(err)
+    level = float(np.median(pred / meas))
+    shape = pred / (meas * level) - 1.0
     return {
         "num_batches": len(batches),
         "mape": float(np.mean(np.abs(err))),
         "mape_ci95": [lo, hi],
         "max_error": float(np.max(np.abs(err))),
         "bias": float(np.mean(err)),
+        "level": level - 1.0,
+        "shape_mape": float(np.mean(np.abs(shape))),
+        "shape_max_error": float(np.max(np.abs(shape))),
         "breakdown": breakdown(model, batches, err),
         "batches": [
             {
