@@ -44,7 +44,8 @@ def default_latency_model(
     model's context) is measured now (under a minute on a 2-core CPU, see :mod:`.measure`), its
     noise line printed, and cached. The fingerprint, hence the cache key, holds the CPU
     ``threads`` the profile is for (default: this process's count, which is what a trainer rank
-    runs with) and the profile schema: a profile for other threads, or of an older schema, is not reused.
+    runs with) and the profile schema: a profile for other threads, or of an older schema, is
+    not reused.
     """
     from .measure import measure_profile, noise_line
 
