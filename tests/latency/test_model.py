@@ -7,7 +7,13 @@ import warnings
 import numpy as np
 import pytest
 
-from sparsebalance.latency import LatencyModel, Profile, ProfileMismatchWarning, load_profile
+from sparsebalance.latency import (
+    LatencyModel,
+    OutsideGridWarning,
+    Profile,
+    ProfileMismatchWarning,
+    load_profile,
+)
 from sparsebalance.latency.profile import AttentionTable, Table1D
 
 LENGTHS = [128, 256, 512, 1024, 2048]
@@ -91,7 +97,8 @@ def test_outside_grid_warns_once_and_stays_sane():
         big = m.predict([8192], [0.5])
         small = m.predict([16], [0.01])
         m.predict([100000], [1.0])
-    assert len([w for w in caught if "outside the profiled grid" in str(w.message)]) == 1
+    outside = [w for w in caught if "outside the profiled grid" in str(w.message)]
+    assert len(outside) == 1 and outside[0].category is OutsideGridWarning
     assert big > m.predict([2048], [0.5]) and 0 < small < m.predict([128], [0.05])
     # The analytic extension keeps the quadratic trend: 4x length -> ~16x attention at density 1.
     ratio = m.layer_attention_seconds(8192, 1.0) / m.layer_attention_seconds(2048, 1.0)
@@ -194,3 +201,13 @@ def test_recalibration_stays_sane_when_rest_and_head_move_apart():
     probe = [(rng.integers(128, 1300, 2), rng.uniform(0.05, 1, 2)) for _ in range(50)]
     err = np.mean([abs(model.predict(n, d) / truth.predict(n, d) - 1) for n, d in probe])
     assert err < 0.05
+
+
+def test_sab_cp_says_once_which_documents_the_form_prices_beyond_the_tables():
+    from sparsebalance.train.trainer import long_document_note
+
+    m = LatencyModel(synthetic_profile())
+    top = int(m.profile.attention.lengths[-1])
+    assert long_document_note(m, np.array([100, top])) is None
+    note = long_document_note(m, np.array([100, 2 * top + 5]))
+    assert f"{2 * top + 5:,} tokens" in note and f"{top:,}-token tables" in note

@@ -19,7 +19,7 @@ import torch
 from ..models import ModelShapes, load_shapes
 from .analytic import ACCELERATORS, allreduce_seconds, analytic_profile
 from .context import ContextCost, Links, analytic_links, context_cost, links_from_profile
-from .model import LatencyModel
+from .model import LatencyModel, OutsideGridWarning
 from .profile import SCHEMA, Profile, ProfileMismatchWarning, fingerprint, load_profile
 
 SHIPPED_DIR = Path(__file__).parent / "profiles"
@@ -90,6 +90,7 @@ __all__ = [
     "ContextCost",
     "LatencyModel",
     "Links",
+    "OutsideGridWarning",
     "Profile",
     "ProfileMismatchWarning",
     "allreduce_seconds",

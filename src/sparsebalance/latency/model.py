@@ -20,6 +20,10 @@ from .profile import Profile
 _FLOOR = 1e-9  # seconds: predictions stay strictly positive
 
 
+class OutsideGridWarning(UserWarning):
+    """A prediction outside the profile's tables: the fitted analytic form extrapolates there."""
+
+
 def _check_densities(densities: np.ndarray) -> None:
     if np.any(~np.isfinite(densities) | (densities <= 0) | (densities > 1)):
         raise ValueError("densities must lie in (0, 1]")
@@ -85,6 +89,7 @@ class LatencyModel:
                 f"(lengths {int(self._len[0])}..{int(self._len[-1])}, densities "
                 f"{self._dens[0]:g}..1, tokens {int(tok[0])}..{int(tok[-1])});"
                 " using the fitted analytic form there",
+                OutsideGridWarning,
                 stacklevel=3,
             )
 

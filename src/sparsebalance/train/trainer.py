@@ -9,6 +9,7 @@ import math
 import shutil
 import signal
 import sys
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from ..data.mixture import MixtureSampler
 from ..data.store import is_store
 from ..latency import (
     LatencyModel,
+    OutsideGridWarning,
     Profile,
     context_cost,
     default_latency_model,
@@ -92,6 +94,18 @@ def profile_length(cfg: TrainConfig, lengths: np.ndarray) -> int:
     return max(top, 256)
 
 
+def long_document_note(latency: LatencyModel, lengths: np.ndarray) -> str | None:
+    """The line saying that documents longer than the profile's tables (``sab-cp`` trains them
+    whole over several ranks) are priced by its fitted form; None when every one is inside."""
+    top, longest = int(latency.profile.attention.lengths[-1]), int(np.max(lengths))
+    if longest <= top:
+        return None
+    return (
+        f"latency: documents up to {longest:,} tokens are priced by the profile's fitted "
+        f"form beyond its {top:,}-token tables (sab-cp trains them whole over several ranks)"
+    )
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, runtime: Runtime | None = None):
         base_rss = current_rss_bytes()  # libraries loaded, no model yet: the memory model's base
@@ -149,6 +163,7 @@ class Trainer:
             cost = context_cost(self.latency, "h100", shapes, block_size=cfg.block_size,
                                 memory=self.memory_bound)  # fmt: skip
             cost = cost.on_nodes(self.topology.ranks_per_node)  # the planner's and DST's nodes
+            self._price_long_documents(corpus.lengths())
         self.runner = StepRunner(
             cfg, rt, self.num_ranks, self.latency, self.estimator, DSTTuner(cfg.dst), self.par,
             executor, self.params, self.optimizer, self.scheduler, self.sample, cost,
@@ -251,6 +266,15 @@ class Trainer:
                 ).profile
         data = self.rt.all_gather_object(profile.to_json() if profile is not None else None)[0]
         return LatencyModel(Profile.from_json(data))
+
+    def _price_long_documents(self, lengths: np.ndarray) -> None:
+        """``sab-cp`` prices whole documents longer than one rank's micro-batch with the
+        profile's fitted form: said once (rank 0) instead of a warning on every rank."""
+        note = long_document_note(self.latency, lengths)
+        if note is not None:
+            warnings.filterwarnings("ignore", category=OutsideGridWarning)
+            if self.rt.is_main:
+                print(note, file=sys.stderr)
 
     def _lr_factor(self, step: int) -> float:
         cfg = self.cfg
