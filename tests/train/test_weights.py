@@ -56,6 +56,22 @@ def test_load_trained_model_from_a_run_folder(tmp_path):
     assert vmap == {151643: 1, 7: 2}  # found in the run folder two levels up
 
 
+def test_a_hugging_face_folder_brings_its_own_vocab_map(tmp_path):
+    """A compact-vocabulary model saved as a Hugging Face folder (config + safetensors +
+    vocab_map.json, what accuracy_pretrain.py writes): evaluating it without its map would feed
+    tokenizer ids to a 768-id embedding."""
+    from sparsebalance.models.hf import build_model
+
+    folder = tmp_path / "hf"
+    build_model("tiny", seed=3).save_pretrained(folder, safe_serialization=True)
+    assert load_trained_model(str(folder))[1] is None  # no map: none
+    (folder / "vocab_map.json").write_text(json.dumps({"151643": 1}))
+    assert load_trained_model(str(folder))[1] == {151643: 1}
+    other = tmp_path / "other.json"
+    other.write_text('{"9": 2}')
+    assert load_trained_model(str(folder), vocab_map=str(other))[1] == {9: 2}  # --vocab-map wins
+
+
 def test_read_vocab_map(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

@@ -28,14 +28,16 @@ def load_trained_model(
             ``checkpoints/latest``).
         base: ``--base``: the base model of a checkpoint whose ``meta.json`` does not name it.
         vocab_map: ``--vocab-map``: a JSON ``{tokenizer id: model id}`` file; default: the
-            checkpoint's ``vocab_map.json``, else the run folder's, else none.
+            checkpoint's ``vocab_map.json``, else the run folder's; for a Hugging Face folder
+            (e.g. ``benchmarks/accuracy_pretrain.py``'s output) its own; else none.
     """
     from ..models.hf import build_model
 
     path = Path(model)
     ckpt = resolve_checkpoint(path) if path.is_dir() else None
-    if ckpt is None:
-        return build_model(model, device, dtype), read_vocab_map(vocab_map, [])
+    if ckpt is None:  # a built-in name, or a Hugging Face folder (its own map, if it has one)
+        here = [path / "vocab_map.json"] if path.is_dir() else []
+        return build_model(model, device, dtype), read_vocab_map(vocab_map, here)
     meta_file = ckpt / "meta.json"
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
     base = base or meta.get("model")
