@@ -13,7 +13,8 @@ model directory (``config.json`` + safetensors), a trainer checkpoint directory 
 base model from ``meta.json``'s ``model`` or ``--base``), or a trainer run directory (its
 ``checkpoints/latest``). A model whose vocabulary is smaller than
 the tokenizer's needs the trainer's id map: ``vocab_map.json`` beside ``model.pt``, in the run
-directory or in the Hugging Face directory, or ``--vocab-map``. ``--attn dense`` is the same op at gamma 1.0 (exact attention).
+directory or in the Hugging Face directory, or ``--vocab-map``. ``--attn dense`` is the same op
+at gamma 1.0 (exact attention).
 """
 
 from __future__ import annotations
