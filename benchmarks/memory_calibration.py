@@ -93,14 +93,14 @@ def main() -> None:
         "",
         f"Command: `PYTHONPATH=src python benchmarks/memory_calibration.py --model {a.model} "
         f"--fit-tokens {a.fit_tokens} --date {a.date}` (every probe one fresh process, "
-        "`python -m sparsebalance.train.memory_probe`, peak RSS = `ru_maxrss`)",
+        "`python -m sparsebalance.train.memory_probe`, peak RSS = "
+        f"`{cal.probes[0].source}`, the probe's own high-water mark)",
         f"Machine: 2 shared CPU cores, 24 GB RAM; load average {lb[0]:.2f} {lb[1]:.2f} "
-        f"{lb[2]:.2f} before, {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} after. Other engineers' jobs "
-        "were running on the machine (times are not measurements of anything here; peaks are "
-        "per-process and unaffected).",
+        f"{lb[2]:.2f} before, {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} after (the machine is shared: "
+        "times depend on other jobs; peaks are per-process and do not).",
         "",
         f"Fitted on {len(cal.probes)} probes (checkpointing off, chunked loss, "
-        f"{a.fit_tokens} tokens; {fit_seconds:.0f} s on the loaded machine): "
+        f"{a.fit_tokens} tokens; {fit_seconds:.0f} s): "
         f"act_bytes = {cal.act_bytes:.2f} bytes per saved element (analytic 4.0), overhead "
         f"{cal.overhead_bytes / 2**20:+.0f} MiB beyond the base.",
         "",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -17,6 +19,7 @@ from sparsebalance.latency.memory import (
     MemoryModel,
     auto_capacity,
     cpu_coefficients,
+    current_rss_bytes,
     device_coefficients,
     parse_bytes,
     with_budget_fraction,
@@ -146,3 +149,18 @@ def test_auto_capacity_and_device_coefficients():
     assert auto_capacity(mem, 8 * 2**30, replace(cfg, checkpointing="off")) < cap
     with pytest.raises(ValueError, match="fits no micro-batch"):
         auto_capacity(mem, 2**30, cfg)  # weights + AdamW alone exceed 1 GiB
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is Linux's")
+def test_a_probe_reports_its_own_peak_not_its_parents():
+    """``profile --memory`` starts probes from a process holding torch: Linux's ``ru_maxrss``
+    carries that parent's peak across fork + exec (a tiny-model probe reported ~0.7 GB at every
+    size); ``peak_rss_bytes`` is the child program's own high-water mark."""
+    ballast = bytearray(600 * 2**20)  # the parent's resident set grows by 600 MiB, touched
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    parent = current_rss_bytes()
+    code = "from sparsebalance.latency.memory import peak_rss_bytes; print(*peak_rss_bytes())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    peak, source = out.stdout.split()
+    assert source == "VmHWM" and 0 < int(peak) < parent - 400 * 2**20
+    del ballast

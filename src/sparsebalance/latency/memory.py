@@ -32,7 +32,8 @@ Coefficients: :data:`ANALYTIC` gives bf16-autocast figures for ``h100``, ``h200`
 (fp32 master weights, grads and AdamW; bf16 activations with fp32 norms and residual, ~2.5 bytes
 per saved element on average); :func:`cpu_coefficients` the fp32 CPU ones, whose ``base_bytes``
 (libraries, allocator) is measured as the resident set of a fresh process
-(``benchmarks/memory.py`` measures peaks with ``ru_maxrss`` in fresh processes).
+(``benchmarks/memory.py`` and ``profile --memory`` measure peaks in fresh processes:
+:func:`peak_rss_bytes`).
 """
 
 from __future__ import annotations
@@ -324,15 +325,37 @@ def with_budget_fraction(coefficients: MemoryCoefficients, fraction: float = 0.9
     return fraction * coefficients.device_bytes
 
 
-def current_rss_bytes() -> int:
-    """Resident bytes of this process now (Linux ``/proc/self/status``; 0 where unavailable)."""
+def _status_bytes(field: str) -> int:
+    """``field`` of Linux's ``/proc/self/status`` in bytes (0 where unavailable)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def current_rss_bytes() -> int:
+    """Resident bytes of this process now (Linux ``VmRSS``; 0 where unavailable)."""
+    return _status_bytes("VmRSS")
+
+
+def peak_rss_bytes() -> tuple[int, str]:
+    """``(bytes, source)``: this process's peak resident size since it started its program.
+
+    Linux ``VmHWM`` (the high-water mark of this program's own memory). Not ``ru_maxrss``: Linux
+    carries the parent's peak across ``fork`` + ``exec`` into it, so a probe started by a
+    ``sparsebalance profile`` process holding torch reported that process's ~0.7 GB instead of
+    its own peak. Elsewhere ``ru_maxrss`` (KiB on Linux, bytes on macOS)."""
+    hwm = _status_bytes("VmHWM")
+    if hwm:
+        return hwm, "VmHWM"
+    import resource
+    import sys
+
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale, "ru_maxrss"
 
 
 def parse_bytes(text: str) -> float:

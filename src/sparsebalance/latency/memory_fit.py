@@ -62,7 +62,7 @@ class MemoryProbe:
     seconds: float = 0.0
     """Wall time of the measured forward + backward."""
     source: str = ""
-    """``ru_maxrss`` or ``torch.cuda.max_memory_allocated``."""
+    """``VmHWM`` (``ru_maxrss`` off Linux) or ``torch.cuda.max_memory_allocated``."""
 
     def config(self, block_size: int) -> MemoryConfig:
         return MemoryConfig(self.checkpointing, self.loss, block_size=block_size)

@@ -3,7 +3,7 @@
     python -m sparsebalance.train.memory_probe --model tiny --device cpu --tokens 2048
 
 :func:`measure_memory` starts one process per probe (so that every CPU peak is that process's
-own ``ru_maxrss``) and fits the memory model's coefficients to the results. The process imports
+own peak resident size) and fits the memory model's coefficients to the results. The process imports
 what the trainer uses, notes its resident size (the memory model's ``base``: libraries, no model),
 builds the model in fp32 with activation checkpointing as asked, gives AdamW its state (one step
 on a 64-token batch, as in every step after the first), then runs one packed micro-batch of
@@ -12,7 +12,8 @@ on a 64-token batch, as in every step after the first), then runs one packed mic
 
 - ``base_bytes``: CPU: resident bytes before the model; CUDA: 0 (the allocator counts tensors only);
 - ``static_bytes``: after the warm-up step (model, optimizer state; CPU: + the libraries);
-- ``peak_bytes``: CPU: the process's peak resident size (``getrusage(RUSAGE_SELF).ru_maxrss``);
+- ``peak_bytes``: CPU: the process's peak resident size (Linux ``VmHWM``, see
+  :func:`~sparsebalance.latency.memory.peak_rss_bytes`);
   CUDA: ``torch.cuda.max_memory_allocated`` over the measured micro-batch (peak statistics reset
   after the warm-up; the optimizer's own step is not part of it, as in the memory model);
 - ``seconds``: wall time of the measured forward + backward.
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -34,7 +34,12 @@ import numpy as np
 import torch
 
 from ..data import pack
-from ..latency.memory import cpu_coefficients, current_rss_bytes, device_coefficients
+from ..latency.memory import (
+    cpu_coefficients,
+    current_rss_bytes,
+    device_coefficients,
+    peak_rss_bytes,
+)
 from ..latency.memory_fit import MemoryCalibration, MemoryProbe, fit_memory
 from ..models import BUILTIN_MODELS, load_shapes
 from ..models.attention import PackedAttention
@@ -82,8 +87,7 @@ def probe(model_name: str, device: torch.device, tokens: int, checkpointing: str
         peak = torch.cuda.max_memory_allocated(device)
         source = "torch.cuda.max_memory_allocated"
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-        source = "ru_maxrss"
+        peak, source = peak_rss_bytes()  # this program's own peak (not its parent's)
     return {
         "tokens": tokens,
         "checkpointing": checkpointing,
