@@ -21,7 +21,11 @@ CUT, RAISED, KEPT = "cut", "raised", "kept"
 
 @dataclass(frozen=True)
 class StepTargets:
-    """Step-level targets; a pure function of the ranks' predicted times and the config."""
+    """Step-level targets; a pure function of the ranks' predicted times and the config.
+
+    The per-rank tuples hold one entry per *worker*: a rank for data-parallel plans (``R``), a
+    group of ranks joined by CP units for hybrid plans (:func:`~sparsebalance.tuning.
+    unit_workload.decide_units`; ``RankDecision.role`` then carries each rank's worker's role)."""
 
     anchor_seconds: float
     """``T* = anchor(times_before)``."""
@@ -30,11 +34,11 @@ class StepTargets:
     post_cut_seconds: float
     """``T'``: the step time after the cuts; no raised rank may be predicted above it."""
     times_before: tuple[float, ...]
-    """``(R,)`` predicted rank times at ``gamma0``."""
+    """``(W,)`` predicted worker times at ``gamma0`` (W = R without CP units)."""
     times_floor: tuple[float, ...]
-    """``(R,)`` predicted rank times at ``gamma_min`` (what the deepest cut can reach)."""
+    """``(W,)`` predicted worker times at ``gamma_min`` (what the deepest cut can reach)."""
     roles: tuple[str, ...]
-    """``(R,)`` ``"cut"``, ``"raised"`` (bidirectional, below ``T'``) or ``"kept"``."""
+    """``(W,)`` ``"cut"``, ``"raised"`` (bidirectional, below ``T'``) or ``"kept"``."""
 
     @property
     def step_seconds_before(self) -> float:
