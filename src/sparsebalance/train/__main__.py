@@ -4,6 +4,7 @@ Every way a run ends is one line from rank 0 (user error: exit 2; non-finite los
 a signal: 128 + signal) and the other ranks stay silent. Rank 0 holds the run folder's lock."""
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -47,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         trainer.stops = stops
         trainer.run()
         trainer.rt.close()
+        # The trainer sits in reference cycles (bound methods handed to its parts) that hold the
+        # DDP/FSDP model and, through it, the gloo process group and its last work objects.
+        # Free them now: left to the interpreter's shutdown, gloo's threads can touch Python
+        # objects that are already gone, and a rank that trained to the end aborts (exit 134).
+        del trainer
+        gc.collect()
     except ValueError as err:
         say(f"error: {err}")
         return 2
