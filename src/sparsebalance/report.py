@@ -3,7 +3,7 @@ run folder inside RUN_DIR, e.g. the demo's baseline and sparsebalance) and write
 with a comparison table, a line per run on its over-long documents (trained whole over how many
 ranks, or cut by ``--overlong split``) and PNG plots: per-rank timeline (compute vs bubble per
 step), the last step's units per rank (context-parallel units spanning ranks), step-time
-distribution per run, gamma and density per rank, loss curves."""
+distribution per run, budget and density per rank, loss curves."""
 
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ def _plots(run_data: dict[str, tuple[list[dict], list[dict]]], out_dir: Path) ->
             recs = [x for x in ranks if x["rank"] == r]
             axes[0].plot(
                 [x["step"] for x in recs],
-                [x["gamma_mean"] for x in recs],
+                [x["budget_mean"] for x in recs],
                 ls="-" if i == 0 else "--",
                 label=f"{name} r{r}",
             )
@@ -204,7 +204,7 @@ def _plots(run_data: dict[str, tuple[list[dict], list[dict]]], out_dir: Path) ->
                 ls="-" if i == 0 else "--",
                 label=f"{name} r{r}",
             )
-    axes[0].set(title="gamma per rank (mean over layers)", xlabel="step")
+    axes[0].set(title="budget per rank (k or gamma, mean over layers)", xlabel="step")
     axes[1].set(title="realized density per rank", xlabel="step")
     axes[0].legend(fontsize=7)
     files.append(_save(fig, out_dir / "gamma_density.png"))

@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsebalance.tuning import DensityCurve, DSTConfig, DSTTuner
+
+from .gamma_rule import G
 from sparsebalance.workload import MicroBatch
 
 from .oracle import Oracle, random_plan
@@ -27,25 +29,25 @@ def test_identical_work_changes_nothing():
     plan = random_plan(np.random.default_rng(1), 1) * 5
     for mode in ("off", "down", "bidirectional"):
         for anchor in ("min", "mean", "median", "max"):
-            cfg = DSTConfig(mode=mode, anchor=anchor, p=0.0)
+            cfg = G(mode=mode, anchor=anchor, p=0.0)
             dec = DSTTuner(cfg).decide(plan, ORACLE)
-            assert np.all(dec.gammas == cfg.gamma0), (mode, anchor)
+            assert np.all(dec.budgets == cfg.gamma0), (mode, anchor)
             np.testing.assert_array_equal(dec.times_after, dec.times_before)
             assert {r.role for r in dec.ranks} == {"kept"}
 
 
 def test_off_keeps_gamma0():
-    dec = DSTTuner(DSTConfig(mode="off")).decide(_skewed_plan(), ORACLE)
-    assert np.all(dec.gammas == 0.9)
+    dec = DSTTuner(G(mode="off")).decide(_skewed_plan(), ORACLE)
+    assert np.all(dec.budgets == 0.9)
     assert dec.budget_cut == dec.budget_given == 0.0
 
 
 def test_bidirectional_cuts_straggler_and_fills_bubbles():
-    dec = DSTTuner(DSTConfig()).decide(_skewed_plan(), ORACLE)
-    assert dec.ranks[0].role == "cut" and dec.ranks[0].gamma < 0.9
+    dec = DSTTuner(G()).decide(_skewed_plan(), ORACLE)
+    assert dec.ranks[0].role == "cut" and dec.ranks[0].budget < 0.9
     assert dec.ranks[0].predicted_after <= dec.targets.cut_threshold
     raised = [r for r in dec.ranks if r.role == "raised"]
-    assert raised and all(r.gamma > 0.9 for r in raised)
+    assert raised and all(r.budget > 0.9 for r in raised)
     # raised ranks end close to T' (within what one bisection step of gamma changes)
     assert all(r.predicted_after <= dec.targets.post_cut_seconds for r in dec.ranks)
     assert dec.step_seconds_after < dec.step_seconds_before
@@ -59,18 +61,18 @@ def test_bidirectional_cuts_straggler_and_fills_bubbles():
 
 def test_empty_microbatch_and_empty_rank():
     plan = [[MicroBatch((), (), ())], [], [MicroBatch((0,), (4000,), (0.3,))]]
-    dec = DSTTuner().decide(plan, ORACLE)
+    dec = DSTTuner(G()).decide(plan, ORACLE)
     assert dec.ranks[0].predicted_before == pytest.approx(ORACLE.microbatch_overhead())
     assert dec.ranks[1].predicted_before == 0.0
     assert dec.ranks[2].role == "cut"
 
 
 def test_anchor_mean_p0_lands_stragglers_at_the_mean():
-    cfg = DSTConfig(anchor="mean", p=0.0, gamma_min=0.05)
+    cfg = G(anchor="mean", p=0.0, gamma_min=0.05)
     dec = DSTTuner(cfg).decide(_skewed_plan(seed=3), ORACLE)
     mean = float(np.mean(dec.times_before))
     cut = [r for r in dec.ranks if r.role == "cut"]
-    assert cut and all(r.gamma > cfg.gamma_min for r in cut)
+    assert cut and all(r.budget > cfg.gamma_min for r in cut)
     for r in cut:
         assert r.predicted_after == pytest.approx(mean, rel=1e-5)
         assert r.predicted_after <= mean
@@ -78,39 +80,39 @@ def test_anchor_mean_p0_lands_stragglers_at_the_mean():
 
 def test_anchor_mean_p0_with_model_error():
     """The decision uses a model 3% off on attention; the true time lands within that error."""
-    cfg = DSTConfig(anchor="mean", p=0.0, gamma_min=0.05)
+    cfg = G(anchor="mean", p=0.0, gamma_min=0.05)
     model = Oracle(b=ORACLE.b * 1.03)
     tuner = DSTTuner(cfg)
     plan = _skewed_plan(seed=4)
     dec = tuner.decide(plan, model)
     for r in dec.ranks:
         if r.role == "cut":
-            true_after = tuner.workload(plan[r.rank], ORACLE).seconds(r.gamma)
+            true_after = tuner.workload(plan[r.rank], ORACLE).seconds(r.budget)
             assert abs(true_after - r.target_seconds) <= 0.03 * r.target_seconds
 
 
 def test_floor_reached_when_cut_is_not_enough():
     plan = _skewed_plan()
     plan[0] = [MicroBatch((0,), (30000,), (0.9,))]
-    dec = DSTTuner(DSTConfig(gamma_min=0.85)).decide(plan, ORACLE)
-    assert dec.ranks[0].gamma == 0.85
+    dec = DSTTuner(G(gamma_min=0.85)).decide(plan, ORACLE)
+    assert dec.ranks[0].budget == 0.85
     assert dec.targets.post_cut_seconds == pytest.approx(dec.ranks[0].predicted_after)
 
 
 def test_curve_mismatch_raises():
     with pytest.raises(ValueError, match="--gamma0"):
-        DSTTuner(DSTConfig(gamma0=0.8), DensityCurve(gamma0=0.9))
+        DSTTuner(G(gamma0=0.8), DensityCurve(gamma0=0.9))
 
 
 def test_empty_plan_raises():
     with pytest.raises(ValueError, match="at least one rank"):
-        DSTTuner().decide([], ORACLE)
+        DSTTuner(G()).decide([], ORACLE)
 
 
 @st.composite
 def instances(draw):
     gamma0 = draw(st.floats(0.6, 0.95))
-    cfg = DSTConfig(
+    cfg = G(
         mode=draw(st.sampled_from(["off", "down", "bidirectional"])),
         anchor=draw(st.sampled_from(["min", "mean", "median", "max"])),
         p=draw(st.floats(0.0, 0.5)),
@@ -132,7 +134,7 @@ def instances(draw):
 def test_properties(inst):
     cfg, curve, plan = inst
     dec = DSTTuner(cfg, curve).decide(plan, ORACLE)
-    g = dec.gammas
+    g = dec.budgets
     assert np.all((g >= cfg.gamma_min) & (g <= cfg.gamma_max))
     if cfg.mode == "off":
         assert np.all(g == cfg.gamma0)
@@ -146,7 +148,7 @@ def test_properties(inst):
         assert np.all(dec.times_after <= t_prime * (1 + 1e-12))
     assert dec.step_seconds_after <= dec.step_seconds_before * (1 + 1e-12)
     for r in dec.ranks:  # only stragglers lose budget, only non-stragglers gain it
-        if r.gamma < cfg.gamma0:
+        if r.budget < cfg.gamma0:
             assert r.role == "cut" and r.predicted_before > dec.targets.cut_threshold
-        if r.gamma > cfg.gamma0:
+        if r.budget > cfg.gamma0:
             assert r.role == "raised" and r.predicted_before < t_prime

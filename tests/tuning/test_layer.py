@@ -6,6 +6,8 @@ import torch
 
 from sparsebalance.ops import Budget, estimate_block_mass
 from sparsebalance.tuning import DensityCurve, DSTConfig, DSTTuner, LayerController
+
+from .gamma_rule import G
 from sparsebalance.workload import MicroBatch
 from tests.conftest import cu_from_lengths, make_qkv
 
@@ -51,7 +53,7 @@ def run_rank(ctl, mbs, slow=lambda m, layer: 1.0, seed=0):
 
 def _rank(seed=0):
     plan = random_plan(np.random.default_rng(seed), 4, mbs_per_rank=3, lengths=(2048, 8192))
-    dec = DSTTuner(DSTConfig()).decide(plan, ORACLE)
+    dec = DSTTuner(G()).decide(plan, ORACLE)
     return dec, plan
 
 
@@ -62,32 +64,32 @@ def early_slow(m, layer):
 @pytest.mark.parametrize("rank", [0, 1, 2, 3])
 def test_closed_loop_compensates_slow_early_layers(rank):
     dec, plan = _rank()
-    cfg = DSTConfig()
+    cfg = G()
     ctl = LayerController.from_decision(dec.ranks[rank], plan[rank], ORACLE, cfg)
     summary = run_rank(ctl, plan[rank], slow=early_slow)
     assert abs(summary.relative_error) < 0.05, summary
     # later layers paid for it: they run at a lower budget than the early ones
-    early = np.mean(summary.layer_gamma_mean[: L // 3])
-    late = np.mean(summary.layer_gamma_mean[L // 3 :])
+    early = np.mean(summary.layer_budget_mean[: L // 3])
+    late = np.mean(summary.layer_budget_mean[L // 3 :])
     assert late < early
-    assert all(cfg.gamma_min <= r.gamma <= cfg.gamma_max for r in ctl.records)
+    assert all(cfg.gamma_min <= r.budget <= cfg.gamma_max for r in ctl.records)
 
     # the same rank without feedback (fixed step gamma) misses by more than 5%
     open_loop = LayerController.from_decision(
-        dec.ranks[rank], plan[rank], ORACLE, DSTConfig(mode="off", gamma0=0.9)
+        dec.ranks[rank], plan[rank], ORACLE, G(mode="off", gamma0=0.9)
     )
-    open_loop.gamma = open_loop.lo = open_loop.hi = dec.ranks[rank].gamma
+    open_loop.value = open_loop.lo = open_loop.hi = dec.ranks[rank].budget
     assert run_rank(open_loop, plan[rank], slow=early_slow).relative_error > 0.05
 
 
 def test_closed_loop_gives_budget_back_when_early_layers_are_cheap():
     dec, plan = _rank(seed=1)
-    r = min(dec.ranks, key=lambda r: r.gamma)  # a cut rank: room to go up to gamma_max
+    r = min(dec.ranks, key=lambda r: r.budget)  # a cut rank: room to go up to gamma_max
     assert r.role == "cut"
-    ctl = LayerController.from_decision(r, plan[r.rank], ORACLE, DSTConfig())
+    ctl = LayerController.from_decision(r, plan[r.rank], ORACLE, G())
     summary = run_rank(ctl, plan[r.rank], slow=lambda m, layer: 0.7 if layer < L // 3 else 1.0)
     assert abs(summary.relative_error) < 0.05
-    assert summary.gamma_max > r.gamma
+    assert summary.budget_max > r.budget
 
 
 def test_down_never_raises_and_off_is_fixed():
@@ -97,22 +99,22 @@ def test_down_never_raises_and_off_is_fixed():
         ("off", lambda g: g == 0.9),
     ):
         ctl = LayerController(
-            plan[0], ORACLE, DSTConfig(mode=mode), dec.ranks[0].target_seconds * 2
+            plan[0], ORACLE, G(mode=mode), dec.ranks[0].target_seconds * 2
         )
         run_rank(ctl, plan[0], slow=lambda m, layer: 0.5)
-        assert all(check(rec.gamma) for rec in ctl.records), mode
+        assert all(check(rec.budget) for rec in ctl.records), mode
 
 
 def test_on_plan_stays_near_step_gamma():
     """When every layer behaves as predicted, the controller keeps the step's gamma."""
     plan = [[MicroBatch((0, 1), (4096, 3000), (0.3, 0.2))] * 2]
-    dec = DSTTuner().decide(plan, ORACLE)
-    ctl = LayerController.from_decision(dec.ranks[0], plan[0], ORACLE, DSTConfig(layer_probes=12))
+    dec = DSTTuner(G()).decide(plan, ORACLE)
+    ctl = LayerController.from_decision(dec.ranks[0], plan[0], ORACLE, G(layer_probes=12))
     for m, mb in enumerate(plan[0]):
         for layer in range(L):
             est = SyntheticEstimate(mb, 1.0)
             budget = ctl.choose(m, layer, est)
-            assert budget.gamma == pytest.approx(dec.ranks[0].gamma, abs=0.01)
+            assert budget.gamma == pytest.approx(dec.ranks[0].budget, abs=0.01)
             ctl.observe(m, layer, ctl.records[-1].predicted_seconds)
     assert abs(ctl.summary().relative_error) < 0.01
 
@@ -128,7 +130,7 @@ def test_real_block_mass_estimate():
     mb = MicroBatch((0, 1, 2), lengths, tuple(float(x) for x in d0))
     model = Oracle(num_layers=2, a=0.0, b=1e-6, c=0.0, overhead=0.0)
     full = float(model.predict(lengths, 1.0))
-    ctl = LayerController([mb], model, DSTConfig(gamma_min=0.3), target_seconds=0.6 * full)
+    ctl = LayerController([mb], model, G(gamma_min=0.3), target_seconds=0.6 * full)
     budget = ctl.choose(0, 0, est, spent_seconds=0.0)
     rec = ctl.records[0]
     layout = est.layout(budget)
@@ -140,7 +142,7 @@ def test_real_block_mass_estimate():
 
 def test_bad_calls_raise():
     dec, plan = _rank()
-    ctl = LayerController.from_decision(dec.ranks[0], plan[0], ORACLE, DSTConfig())
+    ctl = LayerController.from_decision(dec.ranks[0], plan[0], ORACLE, G())
     est = SyntheticEstimate(plan[0][0], 1.0)
     with pytest.raises(ValueError, match="never chosen"):
         ctl.observe(0, 0, 1.0)
@@ -150,7 +152,7 @@ def test_bad_calls_raise():
     with pytest.raises(ValueError, match="outside"):
         ctl.choose(0, L, est)
     with pytest.raises(ValueError, match="target_seconds"):
-        LayerController(plan[0], ORACLE, DSTConfig(), float("nan"))
+        LayerController(plan[0], ORACLE, G(), float("nan"))
 
 
 def test_units_add_up_to_the_latency_models_prediction():
@@ -162,11 +164,11 @@ def test_units_add_up_to_the_latency_models_prediction():
     from sparsebalance.workload import MicroBatch
 
     model = LatencyModel(analytic_profile(load_shapes("tiny"), "h100", block_size=64))
-    cfg = DSTConfig(mode="bidirectional", gamma0=0.9)
+    cfg = G(mode="bidirectional", gamma0=0.9)
     mbs = [MicroBatch((0, 1), (3000, 900), (0.3, 0.6)), MicroBatch((2,), (2500,), (0.2,))]
     curve = DensityCurve(gamma0=0.9)
     target = sum(
         model.predict(mb.lengths, curve.density(np.array(mb.densities), 0.9)) for mb in mbs
     )
-    ctl = LayerController(mbs, model, cfg, target, gamma=0.9, curve=curve)
+    ctl = LayerController(mbs, model, cfg, target, value=0.9, knob=cfg.knob(64, curve))
     assert ctl.planned.sum() == pytest.approx(target, rel=1e-9)

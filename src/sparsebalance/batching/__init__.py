@@ -14,6 +14,7 @@ est.observe(samples, realized_densities)  # after the step
 ```
 """
 
+from .budget_ema import ESTIMATORS, BudgetEMAEstimator, make_estimator
 from .estimate import (
     DensityEstimator,
     HistoryEstimator,
@@ -27,8 +28,10 @@ from .planner import OVERLONG, STRATEGIES, PlanConfig, plan_batch
 from .units import Unit, check_units
 
 __all__ = [
+    "ESTIMATORS",
     "OVERLONG",
     "STRATEGIES",
+    "BudgetEMAEstimator",
     "DensityEstimator",
     "HistoryEstimator",
     "Plan",
@@ -39,6 +42,7 @@ __all__ = [
     "Unit",
     "check_units",
     "estimator_report",
+    "make_estimator",
     "mape",
     "plan_batch",
 ]

@@ -115,8 +115,14 @@ class HistoryEstimator:
     def _x(self, lengths: np.ndarray) -> np.ndarray:
         return np.log(lengths / self.ref_length)
 
-    def observe(self, samples: Sequence[Sample], densities: Sequence[float] | np.ndarray) -> None:
-        """Add the densities the trainer measured for ``samples`` (``(N,)``, in (0, 1])."""
+    def observe(
+        self,
+        samples: Sequence[Sample],
+        densities: Sequence[float] | np.ndarray,
+        budgets: Sequence[float] | np.ndarray | None = None,
+    ) -> None:
+        """Add the densities the trainer measured for ``samples`` (``(N,)``, in (0, 1]; at the
+        base budget under gamma, at the final budget under top-k); ``budgets`` are unused."""
         d = np.asarray(densities, dtype=np.float64).reshape(-1)
         if d.size != len(samples):
             raise ValueError(f"observe: {len(samples)} samples but {d.size} densities")
@@ -153,6 +159,7 @@ class HistoryEstimator:
     def state_dict(self) -> dict:
         """JSON-serialisable state for checkpoints (configuration and statistics)."""
         return {
+            "kind": "history",
             "prior": list(self.prior),
             "ref_length": self.ref_length,
             "prior_weight": self.prior_weight,
@@ -166,6 +173,12 @@ class HistoryEstimator:
         }
 
     def load_state_dict(self, state: Mapping) -> None:
+        if state.get("kind", "history") != "history":
+            raise ValueError(
+                f"the checkpoint's density estimator is a {state.get('kind')!r}, not a history "
+                "regression (saved by a run with another --estimator): resume with the same "
+                "settings"
+            )
         self.prior = (float(state["prior"][0]), float(state["prior"][1]))
         self.ref_length = int(state["ref_length"])
         self.prior_weight = float(state["prior_weight"])

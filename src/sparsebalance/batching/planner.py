@@ -8,6 +8,8 @@ Strategies (one interface, :data:`STRATEGIES`):
 
 - ``sequential``: dataset order, contiguous equal-count shards per rank (the usual baseline);
 - ``sorted``: the same on length-sorted samples (LongAlign-style sorted batching);
+- ``lbb``: length-based batching, the SparseBalance paper's baseline: length-sorted samples cut
+  into consecutive micro-batches, dealt to ranks round-robin;
 - ``tokens``: LPT on token counts;
 - ``flops``: LPT on ``c L + L^2`` (what verl / slime balance), ``c`` fitted to the cost model's
   dense document time unless given;
@@ -20,8 +22,8 @@ Strategies (one interface, :data:`STRATEGIES`):
   Needs a :class:`~sparsebalance.latency.context.ContextCost`; ``--overlong`` applies above
   ``R x C`` tokens only (shorter documents over C run on ``ceil(L / C)`` ranks or more).
 
-Inside a rank, ``sequential``/``sorted`` pack in order; the others balance their own key across
-the rank's micro-batches (the secondary objective). Only the cost model's protocol is used.
+Inside a rank, ``sequential``/``sorted`` pack in order (``lbb`` keeps its buckets); the others
+balance their own key across the rank's micro-batches (the secondary objective). Only the cost model's protocol is used.
 
 Complexity (N items, R ranks, I local-search exchanges, n = N/R): O(N log N) for LPT,
 O(I (R log R + n log n)) for the search, O(N log n) packing, one vectorised ``predict_many``.
@@ -45,6 +47,7 @@ from .strategies import (
     Regime,
     fit_linear_coef,
     flops_key,
+    length_buckets,
     local_search,
     lpt_ranks,
     pack_balanced_ranks,
@@ -52,7 +55,7 @@ from .strategies import (
     shard_contiguous,
 )
 
-STRATEGIES = ("sequential", "sorted", "tokens", "flops", "sab", "sab-cp")
+STRATEGIES = ("sequential", "sorted", "lbb", "tokens", "flops", "sab", "sab-cp")
 OVERLONG = ("split", "truncate", "skip")
 
 
@@ -312,8 +315,11 @@ def _rank_key(strategy: str, items: Items, cost_model, config) -> np.ndarray:
 
 
 def _baseline(strategy, items: Items, regime: Regime, cost_model, config) -> list:
-    """``sequential``, ``sorted``, ``tokens`` and ``flops``: rank -> micro-batch -> item."""
+    """``sequential``, ``sorted``, ``lbb``, ``tokens`` and ``flops``: rank -> micro-batch ->
+    item."""
     r = config.world_size
+    if strategy == "lbb":
+        return length_buckets(items.tokens, r, regime)
     if strategy in ("sequential", "sorted"):
         order = np.arange(len(items.tokens))
         if strategy == "sorted":

@@ -242,6 +242,23 @@ def pack_in_order(items: list[int], tokens: np.ndarray, regime: Regime) -> list[
     return packs
 
 
+def length_buckets(tokens: np.ndarray, num_ranks: int, regime: Regime) -> RankPacks:
+    """Length-based batching (the SparseBalance paper's LBB baseline): items sorted by length
+    (longest first, ties by index), cut into consecutive micro-batches (``R x M`` groups of equal
+    count, or next-fit into ``C`` tokens), dealt to ranks round-robin (micro-batch ``j`` to rank
+    ``j mod R``). Similar lengths share a micro-batch; ranks are not balanced beyond the deal.
+    O(N log N)."""
+    order = descending(tokens.astype(np.float64)).tolist()
+    if regime.capacity is None:
+        buckets = _split_even(order, min(len(order), num_ranks * regime.micro_batches))
+    else:
+        buckets = pack_in_order(order, tokens, regime)
+    packs: RankPacks = [[] for _ in range(num_ranks)]
+    for j, bucket in enumerate(buckets):
+        packs[j % num_ranks].append(bucket)
+    return packs
+
+
 def pack_balanced_ranks(
     ranks: RankItems, key: np.ndarray, tokens: np.ndarray, regime: Regime
 ) -> RankPacks:

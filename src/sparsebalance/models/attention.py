@@ -63,7 +63,8 @@ class LayerStats:
     """What one attention layer did in one forward."""
 
     layer: int
-    gamma: float
+    budget: float
+    """The knob value the layer ran with (k or gamma)."""
     density: float
     document_density: list[float]
 
@@ -179,7 +180,7 @@ def sparsebalance_attention(module, query, key, value, attention_mask, scaling=N
         ctx.layouts[layer] = (budget, layout)
     out = _attend(ctx, q, k, v, layout, scaling)
     ctx.stats.append(
-        LayerStats(layer, budget.gamma, layout.density(), layout.document_density().tolist())
+        LayerStats(layer, budget.value, layout.density(), layout.document_density().tolist())
     )
     if ctx.on_layer_end is not None:
         ctx.on_layer_end(layer)

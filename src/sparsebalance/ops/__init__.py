@@ -1,7 +1,7 @@
 """Dynamic block-sparse attention: budget -> ``select_blocks`` -> ``BlockLayout`` -> attention.
 
 ```python
-layout = select_blocks(q, k, cu_seqlens, Budget(gamma=0.9), block_size=64)
+layout = select_blocks(q, k, cu_seqlens, Budget(top_k=8), block_size=64)  # or Budget(gamma=0.9)
 out = block_sparse_attention(q, k, v, layout, cu_seqlens)   # (T, Hq, D), differentiable
 ```
 """
@@ -20,11 +20,12 @@ from .block_sparse_torch import (
     block_pairs_forward,
     merge_attention,
 )
-from .budget import Budget
+from .budget import KINDS, Budget, topk_density, topk_for_density
 from .layout import BlockLayout, causal_block_mask, random_layout
 from .select import BlockMassEstimate, attention_recall, estimate_block_mass, select_blocks
 
 __all__ = [
+    "KINDS",
     "BlockLayout",
     "BlockMassEstimate",
     "BlockPairs",
@@ -45,4 +46,6 @@ __all__ = [
     "rows_to_tokens",
     "select_blocks",
     "token_blocks",
+    "topk_density",
+    "topk_for_density",
 ]

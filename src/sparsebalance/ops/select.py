@@ -1,19 +1,31 @@
-"""Dynamic block selection: estimate block attention mass cheaply, keep blocks reaching ``gamma``.
+"""Dynamic block selection: estimate block attention mass cheaply, keep blocks by the budget.
 
-Estimator. The packed buffer is cut into *segments* = (block ∩ document), so a block that holds the
-end of one document and the start of the next is scored per document. Queries and keys are
-mean-pooled per segment; the logit of (query segment i, key segment j) is
+Estimator (the *gate*). The packed buffer is cut into *segments* = (block ∩ document), so a block
+that holds the end of one document and the start of the next is scored per document. Queries and
+keys are mean-pooled per segment; the logit of (query segment i, key segment j) is
 ``scale * q̄_i · k̄_j + log(n_j)`` (a segment of ``n_j`` similar keys carries ``n_j`` times the mass
 of one; the diagonal segment counts ``(n_j + 1) / 2`` as half of it is causally hidden), softmaxed
-over the causal key segments of i's document. A document only scores its own segments: documents
-with a similar segment count ``s_d`` are batched together (padded to the batch's largest), so the
-cost is O(sum_d s_d^2 * D) per head with ``sum_d s_d ≈ T/B + N`` — linear in the number of
-documents, a few percent of the attention itself (O(T^2 * D)) for long ones.
+over the causal key segments of i's document. For whole blocks (every block but a document's
+first, last and diagonal ones) the ranking is MoBA's gate on mean-pooled keys, here with the
+query block's mean query (per-query-block gating: what block kernels run; see the README for the
+per-token variant's recall and cost). A document only scores its own segments: documents with a
+similar segment count ``s_d`` are batched together (padded to the batch's largest), so the cost is
+O(sum_d s_d^2 * D) per head with ``sum_d s_d ≈ T/B + N`` — linear in the number of documents, a
+few percent of the attention itself (O(T^2 * D)) for long ones.
 
-Rule. Per query segment, keep the fewest key segments whose estimated mass reaches ``gamma``
-(at least ``min_blocks``), add the anchors (first ``sink_blocks`` blocks of the document,
-``local_blocks`` diagonal blocks), then apply the ``max_density`` cap to the total, anchors
-included (see :class:`~.budget.Budget`); a query block keeps the union over its segments.
+Rules. Per query segment the anchors are kept (first ``sink_blocks`` blocks of the document,
+``local_blocks`` diagonal blocks), and then
+
+- ``Budget(top_k=K)``: the ``K`` non-anchor causal key segments of highest estimated mass;
+- ``Budget(gamma=g)``: the fewest key segments whose estimated mass reaches ``g`` (at least
+  ``min_blocks``);
+
+then the ``max_density`` cap applies to the total, anchors included (see
+:class:`~.budget.Budget`); a query block keeps the union over its segments.
+
+Coverage. The estimated mass of the kept segments, per query segment (rows sum to 1), averaged
+over heads and query tokens (:meth:`BlockMassEstimate.coverage`): ``C(k)``, what DST's coverage
+bound ``C(k_base) - C(k) <= p`` is measured with.
 
 Non-finite input. A query segment whose estimate is NaN/inf (a NaN or inf in its queries or in a
 causal key of its document) keeps every causal block, whatever the budget: the NaN then reaches the
@@ -71,7 +83,7 @@ def _sort_rows(prob: torch.Tensor):
 
 
 def _keep_by_mass(prob, allowed, anchors, budget: Budget, sorted_rows) -> torch.Tensor:
-    """The budget rule on ``prob (H, n, s, s)``: bool keep mask (anchors included)."""
+    """The gamma rule on ``prob (H, n, s, s)``: bool keep mask (anchors included)."""
     if budget.is_dense:
         return allowed.expand_as(prob)
     before, rank, order = sorted_rows
@@ -79,10 +91,36 @@ def _keep_by_mass(prob, allowed, anchors, budget: Budget, sorted_rows) -> torch.
     keep_n = (before < budget.gamma).sum(-1, keepdim=True) if budget.gamma < 1.0 else n_allowed
     floor_n = torch.clamp(n_allowed, max=budget.min_blocks)
     keep = (rank < torch.maximum(keep_n, floor_n)) & allowed
+    return _cap(keep, anchors & allowed, n_allowed, floor_n, budget, order)
+
+
+def _top_k_rows(prob, allowed, anchors):
+    """Per row, each non-anchor causal segment's rank by estimated mass (0 = highest; anchors
+    and non-causal segments rank last) and the descending order."""
+    candidate = allowed & ~anchors
+    key = prob.masked_fill(~candidate, -1.0)  # masses are >= 0: non-candidates sort last
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return rank, order
+
+
+def _keep_top_k(allowed, anchors, budget: Budget, rows) -> torch.Tensor:
+    """The top-k rule: the anchors plus the ``top_k`` best non-anchor causal segments."""
+    rank, order = rows
     anchors = anchors & allowed
+    n_allowed = allowed.sum(-1, keepdim=True)
+    floor_n = torch.clamp(n_allowed, max=budget.min_blocks)
+    extra_n = torch.clamp(floor_n - anchors.sum(-1, keepdim=True), min=budget.top_k)
+    keep = (rank < extra_n) & allowed & ~anchors
+    return _cap(keep | anchors, anchors, n_allowed, floor_n, budget, order)
+
+
+def _cap(keep, anchors, n_allowed, floor_n, budget: Budget, order) -> torch.Tensor:
+    """``max_density``: the cap counts every kept block, anchors included; the floors (anchors,
+    ``min_blocks``) win. ``order``: the rows' preference order for what the cap keeps."""
     if budget.max_density is None:
         return keep | anchors
-    # The cap counts every kept block, anchors included; the floors (anchors, min_blocks) win.
     limit = torch.maximum(torch.floor(n_allowed * budget.max_density + 1e-9).long(), floor_n)
     quota = (limit - anchors.sum(-1, keepdim=True)).clamp_min(0)
     extra = keep & ~anchors
@@ -104,17 +142,37 @@ class DocumentBatch:
     """int64 ``(n, s)``: block of each segment (padding repeats the first)."""
     non_finite: torch.Tensor
     """bool ``(H_layout, n, s, 1)``: the row's estimate is NaN/inf (keeps every causal block)."""
+    seg_tokens: torch.Tensor
+    """float ``(n, s)``: tokens of each segment (0 for padding): a query row's weight."""
+    docs: torch.Tensor
+    """int64 ``(n,)``: the pack's index of each document of the batch."""
+
+    def anchors(self, budget: Budget) -> torch.Tensor:
+        """Bool ``(n, s, s)``: the anchor segments (sink, local) of every query segment."""
+        sb = self.seg_block
+        return (sb - sb[:, :1] < budget.sink_blocks)[:, None, :] | (
+            sb[:, :, None] - sb[:, None, :] < budget.local_blocks
+        )
 
     def keep(self, budget: Budget, cache: dict) -> torch.Tensor:
         """Bool ``(H_layout, n, s, s)``: the kept segment pairs under ``budget``."""
-        if "rows" not in cache and not budget.is_dense:
-            cache["rows"] = _sort_rows(self.prob)  # shared by every later budget
-        sb = self.seg_block
-        anchors = (sb - sb[:, :1] < budget.sink_blocks)[:, None, :] | (
-            sb[:, :, None] - sb[:, None, :] < budget.local_blocks
-        )
-        keep = _keep_by_mass(self.prob, self.allowed, anchors, budget, cache.get("rows"))
+        anchors = self.anchors(budget)
+        if budget.top_k is not None:
+            key = ("top-k", budget.sink_blocks, budget.local_blocks)
+            if key not in cache:  # the ranking depends on the anchors only, not on k
+                cache[key] = _top_k_rows(self.prob, self.allowed, anchors)
+            keep = _keep_top_k(self.allowed, anchors, budget, cache[key])
+        else:
+            if "rows" not in cache and not budget.is_dense:
+                cache["rows"] = _sort_rows(self.prob)  # shared by every later budget
+            keep = _keep_by_mass(self.prob, self.allowed, anchors, budget, cache.get("rows"))
         return torch.where(self.non_finite, self.allowed, keep)
+
+    def covered(self, keep: torch.Tensor) -> torch.Tensor:
+        """float64 ``(n,)``: per document, the estimated mass the kept pairs cover, summed over
+        layout heads and query tokens (divide by heads x tokens for the mean coverage)."""
+        mass = torch.nan_to_num((self.prob * keep).sum(-1), nan=1.0)  # (H, n, s)
+        return (mass.double() * self.seg_tokens.double()[None]).sum((0, 2))
 
 
 @dataclass(frozen=True)
@@ -167,6 +225,23 @@ class BlockMassEstimate:
         mask = self.block_mask(budget)
         causal = causal_block_mask(self.cu_seqlens, self.seq_len, self.block_size)
         return float((mask & causal).sum()) / float(causal.sum() * mask.shape[0])
+
+    def document_coverage(self, budget: Budget) -> torch.Tensor:
+        """float64 ``(N,)``: per document, the estimated attention mass the budget keeps, mean
+        over layout heads and query tokens (each query's estimated masses sum to 1): ``C`` of the
+        paper's coverage bound. 1.0 when every causal block is kept."""
+        num_docs = self.cu_seqlens.numel() - 1
+        out = torch.zeros(num_docs, dtype=torch.float64, device=self.cu_seqlens.device)
+        for i, batch in enumerate(self.batches):
+            keep = batch.keep(budget, self._cache.setdefault(i, {}))
+            out[batch.docs] = batch.covered(keep)
+        tokens = torch.diff(self.cu_seqlens.long()).double().clamp_min(1)
+        return out / (tokens * self.num_layout_heads)
+
+    def coverage(self, budget: Budget) -> float:
+        """The pack's coverage: :meth:`document_coverage` weighted by document tokens."""
+        tokens = torch.diff(self.cu_seqlens.long()).double()
+        return float((self.document_coverage(budget) * tokens).sum() / tokens.sum())
 
 
 def estimate_block_mass(
@@ -225,15 +300,16 @@ def estimate_from_pooled(
             docs = torch.nonzero(group == g).flatten().to(qp.device)
             batches.append(
                 _score_documents(
-                    qp, kp, length, seg_block, first[docs], count[docs], scale, n_layout
+                    qp, kp, length, seg_block, docs, first[docs], count[docs], scale, n_layout
                 )
             )
     return BlockMassEstimate(tuple(batches), cu.to(torch.int32), total, block_size, hq, n_layout)
 
 
-def _score_documents(qp, kp, length, seg_block, first, count, scale, n_layout) -> DocumentBatch:
-    """The :class:`DocumentBatch` of ``n`` documents: their first segment ``first (n,)`` and
-    segment counts ``count (n,)``; ``qp (S, Hq, D)``, ``kp (S, Hkv, D)`` pooled means."""
+def _score_documents(qp, kp, length, seg_block, docs, first, count, scale, n_layout):
+    """The :class:`DocumentBatch` of ``n`` documents ``docs (n,)``: their first segment
+    ``first (n,)`` and segment counts ``count (n,)``; ``qp (S, Hq, D)``, ``kp (S, Hkv, D)``
+    pooled means."""
     hq, hkv = qp.shape[1], kp.shape[1]
     s = int(count.max())
     n = first.numel()
@@ -262,7 +338,8 @@ def _score_documents(qp, kp, length, seg_block, first, count, scale, n_layout) -
         p = torch.softmax(logits, dim=-1).masked_fill_(~allowed.any(-1, keepdim=True), 0.0)
         prob[h0:h1] = p.view(h1 - h0, per_layout, n, s, s).mean(1)
     non_finite = ~torch.isfinite(prob).all(-1, keepdim=True)
-    return DocumentBatch(prob, allowed, seg_block[seg], non_finite)
+    seg_tokens = torch.where(real, seg_len, torch.zeros_like(seg_len))
+    return DocumentBatch(prob, allowed, seg_block[seg], non_finite, seg_tokens, docs)
 
 
 def select_blocks(
@@ -280,7 +357,7 @@ def select_blocks(
         q: ``(T, Hq, D)`` queries (any float dtype; scored in fp32, or fp64 if given fp64).
         k: ``(T, Hkv, D)`` keys, ``Hq % Hkv == 0``.
         cu_seqlens: int32 ``(N + 1,)`` document offsets of the pack.
-        budget: the :class:`Budget` (gamma, anchors, floor, cap).
+        budget: the :class:`Budget` (top_k or gamma, anchors, floor, cap).
         block_size: tokens per block (> 0).
         share_kv_groups: one layout per KV head (the query heads of a group share it, averaging
             their estimated probabilities): fewer, larger block products, faster on CPU.

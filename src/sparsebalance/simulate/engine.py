@@ -1,11 +1,17 @@
 """Replay training steps over virtual ranks with the trainer's own planner, tuner and cost model.
 
-One step: the global batch (lengths and densities at gamma0) -> :func:`~sparsebalance.batching.
+One step: the global batch (lengths, densities at gamma0) -> :func:`~sparsebalance.batching.
 plan_batch` for each planner strategy needed -> :meth:`DSTTuner.decide
 <sparsebalance.tuning.DSTTuner.decide>` per ablation (sharing one :class:`~sparsebalance.tuning.
 PlanWorkload` per plan) -> predicted rank times. Every ablation sees the same samples. Nothing is
 re-implemented here: times, budgets, densities and budget moves are the tuner's
 :class:`~sparsebalance.tuning.StepDecision`.
+
+Budgets: under gamma the planner prices each document at its density at gamma0; under top-k at
+the density the base k keeps at its length (SAB's estimate before DST has moved any budget: the
+paper's per-length-bin average starts there; the simulator does not carry it across steps).
+DST's coverage bound reads :class:`~sparsebalance.simulate.sparsity.CoverageModel` built on the
+batch's densities at gamma0 (the documents' content), whatever the budget kind.
 
 Step time = slowest rank's predicted compute + ``step_overhead`` (gradient all-reduce + optimizer,
 not overlapped with compute: an assumption that makes speed-ups conservative).
@@ -25,10 +31,11 @@ import numpy as np
 from ..batching import STRATEGIES as PLANNERS
 from ..batching import PlanConfig
 from ..batching.planner import Assignment, assign_batch
-from ..tuning import ANCHORS, DensityCurve, DSTConfig, DSTTuner, PlanWorkload, UnitWorkload
+from ..tuning import ANCHORS, DensityCurve, DSTConfig, DSTTuner, Knob, PlanWorkload, UnitWorkload
 from ..tuning.dst import StepArrays
 from ..tuning.records import CUT, RAISED
 from ..workload import CostModel
+from .sparsity import CoverageModel
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,8 @@ ABLATIONS = {
     "sab": Strategy("sab", "sab", "off"),
     "dst": Strategy("dst", "sequential", "bidirectional"),
     "sab+dst": Strategy("sab+dst", "sab", "bidirectional"),
+    "lbb": Strategy("lbb", "lbb", "off"),
+    "lbb+dst": Strategy("lbb+dst", "lbb", "bidirectional"),
     **{f"sab+dst@{a}": Strategy(f"sab+dst@{a}", "sab", "bidirectional", a) for a in ANCHORS},
     # hybrid data x context parallel (long documents trained whole over CP units); not defaults
     "sab+cp": Strategy("sab+cp", "sab-cp", "off"),
@@ -76,7 +85,8 @@ def resolve_strategies(names: Sequence[str]) -> list[Strategy]:
 
 @dataclass(frozen=True)
 class StepBatch:
-    """One step's global batch: ``lengths`` int ``(N,)``, ``densities`` at gamma0 ``(N,)``."""
+    """One step's global batch: ``lengths`` int ``(N,)``, ``densities`` at gamma0 ``(N,)`` (the
+    documents' content: planner densities under gamma, the coverage model's input always)."""
 
     lengths: np.ndarray
     densities: np.ndarray
@@ -92,6 +102,8 @@ def simulate_steps(
     strategies: Sequence[str] = DEFAULT_STRATEGIES,
     dst: DSTConfig | None = None,
     curve: DensityCurve | None = None,
+    block_size: int = 128,
+    coverage: bool = True,
     step_overhead: float = 0.0,
     show_step: int = 0,
     workers: int = 1,
@@ -105,7 +117,10 @@ def simulate_steps(
         cost_model: a :class:`~sparsebalance.workload.CostModel` (e.g. ``LatencyModel``).
         micro_batches / capacity: exactly one (``--micro-batches`` / ``--capacity``).
         strategies: names for :func:`resolve_strategies` (baseline is always added).
-        dst: DST flags (mode and anchor are set per strategy); curve: the density response.
+        dst: DST flags (mode and anchor are set per strategy); curve: gamma's density response;
+            block_size: the model's (top-k budgets are stated in tokens).
+        coverage: DST's coverage bound reads the simulated :class:`CoverageModel` (False: no
+            coverage information at the step level, as in the trainer before its forward).
         step_overhead: seconds per step added to every strategy (all-reduce + optimizer).
         show_step: which step's per-rank times to return (``rank_times``).
         workers: processes over steps (results do not depend on it).
@@ -129,12 +144,13 @@ def simulate_steps(
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"--workers must be an integer >= 1, got {workers!r}")
     dst = dst or DSTConfig()
-    curve = curve or DensityCurve(gamma0=dst.gamma0)
+    knob = dst.knob(block_size, curve)
     strats = resolve_strategies(strategies)
     # validates --micro-batches / --capacity / --overlong now
     PlanConfig(world_size, micro_batches, capacity, overlong=overlong)
-    job = _Job(world_size, cost_model, micro_batches, capacity, tuple(strats), dst, curve,
-               overlong)  # fmt: skip
+    cover = CoverageModel(knob.density, dst.gamma0) if coverage else None
+    job = _Job(world_size, cost_model, micro_batches, capacity, tuple(strats), dst, knob,
+               overlong, cover)  # fmt: skip
     if workers == 1 or len(steps) == 1:
         records = [job.run(b) for b in steps]
     else:
@@ -153,38 +169,50 @@ class _Job:
     capacity: int | None
     strategies: tuple[Strategy, ...]
     dst: DSTConfig
-    curve: DensityCurve
+    knob: Knob
     overlong: str = "split"
+    coverage: CoverageModel | None = None
+
+    def planner_densities(self, batch: StepBatch) -> np.ndarray:
+        """What SAB prices each document at: its density at gamma0 (gamma), or at the base k
+        (top-k)."""
+        if self.knob.kind == "gamma":
+            return batch.densities
+        return self.knob.density(batch.lengths, batch.densities, float(self.knob.base))
 
     def run(self, batch: StepBatch) -> dict[str, dict]:
         works, decided, out = {}, {}, {}
+        dens = self.planner_densities(batch)
         for s in self.strategies:
             if s.planner not in works:  # one plan per planner (baseline and dst share one)
                 cfg = PlanConfig(self.world_size, self.micro_batches, self.capacity, s.planner,
                                  self.overlong)  # fmt: skip
-                a = assign_batch(batch.lengths, batch.densities, self.cost_model, cfg)
-                works[s.planner] = (_workload(a, self.cost_model, self.curve), _cp_stats(a))
+                a = assign_batch(batch.lengths, dens, self.cost_model, cfg)
+                work = _workload(a, self.cost_model, self.knob, batch.densities, self.coverage)
+                works[s.planner] = (work, _cp_stats(a))
             cfg = replace(self.dst, mode=s.dst_mode, anchor=s.anchor or self.dst.anchor)
             # sab+dst and sab+dst@<default anchor> are the same decision: made once.
             if (s.planner, cfg) not in decided:
                 work, stats = works[s.planner]
-                dec = DSTTuner(cfg, self.curve).decide_arrays(work)
+                dec = DSTTuner(cfg, knob=self.knob).decide_arrays(work)
                 decided[s.planner, cfg] = {**_record(dec, work), **stats}
             out[s.name] = decided[s.planner, cfg]
         return out
 
 
-def _workload(a: Assignment, cost_model: CostModel, curve: DensityCurve):
+def _workload(a: Assignment, cost_model: CostModel, knob: Knob, content: np.ndarray, coverage):
     """The DST workload of an assignment: ``PlanWorkload(plan_batch(...).ranks, ...)`` without
     the plan's ``MicroBatch`` objects; a :class:`~sparsebalance.tuning.UnitWorkload` (workers =
-    ranks joined by CP units) for a hybrid ``sab-cp`` plan."""
+    ranks joined by CP units) for a hybrid ``sab-cp`` plan. Its per-document ``d0`` is the
+    batch's density at gamma0 (``content``, by sample), what the knob and coverage model read."""
     f = a.flat
-    args = (f.mb_rank, f.mb_sizes, a.items.tokens[f.item], a.items.density[f.item], cost_model,
-            curve)  # fmt: skip
+    d0 = content[a.items.sample_id]
+    args = (f.mb_rank, f.mb_sizes, a.items.tokens[f.item], d0[f.item], cost_model, knob,
+            coverage)  # fmt: skip
     if a.cp is None:
         return PlanWorkload.from_flat(f.num_ranks, *args)
     u = a.cp.units
-    return UnitWorkload(f.num_ranks, a.items.tokens[u.item], a.items.density[u.item], u.degree,
+    return UnitWorkload(f.num_ranks, a.items.tokens[u.item], d0[u.item], u.degree,
                         u.start_rank, *args)  # fmt: skip
 
 
@@ -203,7 +231,7 @@ def _record(dec: StepArrays, work) -> dict:
     """One ablation's step: what :func:`_summarize` reads (the sums as ``StepDecision`` forms
     them: Python sums in rank order). Times are per rank (a hybrid plan's workers expanded)."""
     w, dens = work.weights, dec.density_after
-    times = work.rank_seconds(dec.gammas) if isinstance(work, UnitWorkload) else dec.times_after
+    times = work.rank_seconds(dec.budgets) if isinstance(work, UnitWorkload) else dec.times_after
     delta = (dec.attention_after - dec.attention_before).tolist()
     roles = dec.targets.roles
     return {

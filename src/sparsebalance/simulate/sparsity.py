@@ -21,10 +21,17 @@ three constants are our assumption, chosen inside that range; they are not a fit
 data. Measured densities (``estimate_block_mass(...).density`` at ``gamma0`` for real samples)
 can be given instead, paired with their lengths in the ``--lengths`` JSON file.
 
-How a document's density moves with the budget is the tuner's
-:class:`~sparsebalance.tuning.DensityCurve` (``d = d0 ** e(gamma)``), shared by planner, tuner
-and simulator. Its exponent makes each document's sensitivity depend on its own ``d0``: a sparse
-document (small ``d0``) gains or loses far more blocks per unit of gamma than a dense one.
+How a document's density moves with the budget is the tuner's knob: under gamma the
+:class:`~sparsebalance.tuning.DensityCurve` (``d = d0 ** e(gamma)``), whose exponent makes each
+document's sensitivity depend on its own ``d0``; under top-k the length alone
+(:func:`~sparsebalance.ops.topk_density`).
+
+Coverage (:class:`CoverageModel`, what DST's coverage bound reads in simulation): the gate mass a
+document keeps at density ``d`` is ``C(d) = d ** s`` with ``s = log(gamma0) / log(d0)`` clipped to
+``[0.05, 1]``, so that ``C(d0) = gamma0`` (the threshold rule's definition of ``d0``) and ``C(1) =
+1``; concave, since a gate keeps its best blocks first. A concentrated document (small ``d0``)
+keeps most of its mass when cut (insensitive); a spread one (``d0`` near ``gamma0``) loses mass in
+proportion (sensitive). This is a model of our own, as assumed as ``d0`` itself.
 """
 
 from __future__ import annotations
@@ -84,3 +91,27 @@ class SparsityModel:
             f"d0 = {self.density_at_4k:g} (L/4096)^-{self.slope:g} x lognormal({self.noise:g}), "
             f"floor 4/(blocks+1), block {self.block_size}"
         )
+
+
+@dataclass(frozen=True)
+class CoverageModel:
+    """Simulated gate coverage per document: ``C = density ** s(d0)`` (see the module docstring).
+
+    ``density(lengths, d0, values)`` is the knob's density response (top-k: from the length;
+    gamma: the curve); ``d0`` is the document's density at ``gamma0`` (its content)."""
+
+    density: object
+    """The knob's ``density(lengths, d0, values)`` (elementwise)."""
+    gamma0: float = 0.9
+    """The mass a document covers at its density ``d0``."""
+
+    def exponent(self, d0: np.ndarray) -> np.ndarray:
+        d0 = np.clip(np.asarray(d0, dtype=np.float64), _MIN_DENSITY, 1.0 - 1e-9)
+        return np.clip(np.log(self.gamma0) / np.log(d0), 0.05, 1.0)
+
+    def document_coverage(
+        self, lengths: np.ndarray, d0: np.ndarray, values: np.ndarray
+    ) -> np.ndarray:
+        """Elementwise coverage in (0, 1] of documents ``(lengths, d0)`` at budget ``values``."""
+        dens = self.density(lengths, d0, values)
+        return np.clip(dens, _MIN_DENSITY, 1.0) ** self.exponent(d0)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import flags
-from ..batching import OVERLONG, STRATEGIES
+from ..batching import ESTIMATORS, OVERLONG, STRATEGIES
 from ..data.mixture import parse_mixture
 from ..latency.memory import parse_bytes
 from ..models.checkpointing import MODES as CHECKPOINT_MODES
@@ -77,6 +77,10 @@ class TrainConfig:
     capacity; must divide the world size. Default: the planner picks k per document."""
     block_size: int = 64
     """Sparse attention block size (tokens)."""
+    estimator: str = "auto"
+    """SAB's density estimate before the step: ema (the paper's: per length bin, a moving average
+    of the final top-k budgets) | history (a regression of realized densities on length) | auto
+    (ema under --budget top-k, history under gamma)."""
     backend: str = "auto"
     """Attention backend: auto | torch | flex | reference."""
     lr: float = 3e-4
@@ -124,8 +128,9 @@ class TrainConfig:
     profile: str | None = None
     """Latency profile JSON; default: shipped/cached profile (measured quickly on first use)."""
     dst: DSTConfig = field(default_factory=DSTConfig)
-    """Dynamic sparsity tuning: flags ``--dst.FIELD`` (aliases ``--dst-mode``, ``--anchor``,
-    ``--tolerance``, ``--gamma0``, ...), TOML table ``[dst]``."""
+    """Dynamic sparsity tuning and the budget: flags ``--dst.FIELD`` (aliases ``--budget``,
+    ``--budget-tokens``, ``--dst-mode``, ``--anchor``, ``--coverage-bound``, ``--gamma0``, ...),
+    TOML table ``[dst]``."""
 
     def __post_init__(self) -> None:
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
@@ -152,6 +157,10 @@ class TrainConfig:
                 "to run together (a ring); emulate with --strategy sab, or launch real ranks "
                 "with --nproc"
             )
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"--estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
+        if self.estimator == "ema" and self.dst.budget != "top-k":
+            raise ValueError("--estimator ema averages top-k budgets: it needs --budget top-k")
         if self.overlong not in OVERLONG:
             raise ValueError(f"--overlong must be one of {OVERLONG}, got {self.overlong!r}")
         if self.parallel not in PARALLEL:

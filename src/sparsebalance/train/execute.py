@@ -3,7 +3,7 @@ budgets; passes and gradient-sync contexts come from :class:`.Parallelized`.
 
 A one-rank unit is a packed micro-batch on the whole model. A CP unit (k > 1 ranks) runs this
 rank's striped shard through the ring (:mod:`.cp_unit`); its per-layer budgets come from a
-controller of its own, built from the step decision alone (the unit's ranks share one gamma) and
+controller of its own, built from the step decision alone (the unit's ranks share one budget) and
 fed no measured times, so every rank of the unit chooses the same budget from the same estimate
 without a message."""
 
@@ -22,7 +22,7 @@ from ..latency import LatencyModel
 from ..models.attention import PackedAttention
 from ..ops import Budget
 from ..parallel.p2p import ring_wait_seconds
-from ..tuning import DSTConfig, LayerController
+from ..tuning import DSTConfig, Knob, LayerController
 from ..workload import MicroBatch
 from .cp_unit import unit_batch
 from .loss import packed_loss
@@ -41,6 +41,8 @@ class RankExecutor:
     """Token ids of every document of the corpus (indexed by sample id)."""
     latency: LatencyModel
     dst: DSTConfig
+    knob: Knob
+    """DST's budget knob (top-k or gamma): turns the decisions' values into budgets."""
     device: torch.device
     block_size: int
     backend: str
@@ -60,7 +62,8 @@ class RankExecutor:
                 if units[u].degree == 1]  # fmt: skip
         controller = None
         if self.dst.mode != "off" and solo:
-            controller = LayerController.from_decision(mine, solo, self.latency, self.dst)
+            controller = LayerController.from_decision(mine, solo, self.latency, self.dst,
+                                                       knob=self.knob)  # fmt: skip
             if len(solo) < len(plan.ranks[rank]):  # its CP units are not the controller's
                 controller.target_seconds = float(controller.planned.sum())
         row = planned.rounds[rank]
@@ -74,20 +77,20 @@ class RankExecutor:
                 if u is None:  # a zero-weight filler keeps this rank's collectives in step
                     ready = self.filler()
                 elif units[u].degree > 1:
-                    res, ready = self.cp_unit(units[u], rank, mine.gamma, step.loss_scale)
+                    res, ready = self.cp_unit(units[u], rank, mine.budget, step.loss_scale)
                     results.append(res)
                 else:
                     unit = units[u]
                     mb = MicroBatch(unit.sample_ids, unit.lengths, unit.densities)
-                    res, ready = self.microbatch(m_solo, mb, unit.offsets, controller, mine.gamma,
-                                                 step.loss_scale)  # fmt: skip
+                    res, ready = self.microbatch(m_solo, mb, unit.offsets, controller,
+                                                 mine.budget, step.loss_scale)  # fmt: skip
                     results.append(replace(res, slot=unit.slot))
                     m_solo += 1
         done = time.perf_counter()
         return LocalWork([RankRecord.from_results(mine, results)], ready or done, done)
 
     def cp_unit(
-        self, unit: Unit, rank: int, gamma: float, loss_scale: float
+        self, unit: Unit, rank: int, value: float, loss_scale: float
     ) -> tuple[MicroBatchResult, float]:
         """Forward + backward of this rank's shard of CP unit ``unit`` (see the module
         docstring); the result (this rank's loss share, the unit's layer densities)."""
@@ -96,12 +99,12 @@ class RankExecutor:
         choose = None
         if self.dst.mode != "off":
             mb = MicroBatch(unit.sample_ids, unit.lengths, unit.densities)
-            # Target: the unit's own prediction at its gamma; fed no measured times, the
+            # Target: the unit's own prediction at its budget; fed no measured times, the
             # controller's choices depend on the shared estimates only (same on every rank).
-            ctl = LayerController([mb], self.latency, self.dst, 0.0, gamma=gamma)
+            ctl = LayerController([mb], self.latency, self.dst, 0.0, value=value, knob=self.knob)
             ctl.target_seconds = float(ctl.planned.sum())
             choose = lambda layer, e: ctl.choose(0, layer, e)  # noqa: E731
-        ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=gamma), self.block_size,
+        ctx = PackedAttention(batch.cu_seqlens, self.budget(value), self.block_size,
                               self.backend, choose_budget=choose, ring=ring)  # fmt: skip
         t0, wait0 = time.perf_counter(), ring_wait_seconds()
         result, ready = self._forward_backward(batch, ctx, loss_scale, t0, unit.lengths,
@@ -117,7 +120,7 @@ class RankExecutor:
         mb: MicroBatch,
         offsets: Sequence[int],
         controller: LayerController | None,
-        gamma: float,
+        value: float,
         loss_scale: float,
     ) -> tuple[MicroBatchResult, float]:
         """Forward + backward of micro-batch ``m``; the result and when its gradients were ready
@@ -134,7 +137,7 @@ class RankExecutor:
             last[0] = now
 
         choose = None if controller is None else (lambda layer, e: controller.choose(m, layer, e))
-        ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=gamma), self.block_size, self.backend,
+        ctx = PackedAttention(batch.cu_seqlens, self.budget(value), self.block_size, self.backend,
                               choose_budget=choose, on_layer_end=on_layer_end)  # fmt: skip
         t0 = time.perf_counter()
         last[0] = t0
@@ -155,12 +158,16 @@ class RankExecutor:
             lengths=tuple(lengths),
             sample_ids=tuple(sample_ids),
             layer_densities=tuple(tuple(s.document_density) for s in ctx.stats),
-            gammas=tuple(s.gamma for s in ctx.stats),
+            budgets=tuple(s.budget for s in ctx.stats),
             loss_sum=float(loss_sum.detach()),
             weight_sum=float(batch.loss_weights.sum()),
             start_s=t0,
         )
         return result, ready
+
+    def budget(self, value: float) -> Budget:
+        """The budget at knob ``value`` (the op's default anchors)."""
+        return self.knob.budget(Budget(top_k=0), value)
 
     def filler(self) -> float:
         """A two-token forward/backward that adds nothing to the gradients (loss x 0); returns

@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..batching import HistoryEstimator
+from ..batching import DensityEstimator
 from ..latency import LatencyModel
 from ..latency.ring_calibration import UnitTiming
-from ..tuning import DensityCurve
+from ..tuning import Knob
 from ..workload import Sample
 from .records import MicroBatchResult, StepFeedback
 
@@ -28,8 +28,8 @@ _DENSITY_FLOOR = 1e-6
 def apply_feedback(
     feedback: StepFeedback,
     latency: LatencyModel,
-    estimator: HistoryEstimator,
-    curve: DensityCurve,
+    estimator: DensityEstimator,
+    knob: Knob,
     sample: Callable[[int], Sample],
     use_timings: bool = True,
     context=None,
@@ -40,16 +40,18 @@ def apply_feedback(
         feedback: every rank's micro-batches, in rank order.
         latency: recalibrated with each one-rank micro-batch's measured seconds (when
             ``use_timings``); CP units' times are not fed to it.
-        estimator: observes each document's density at ``gamma0``, recovered from every layer
-            that ran below gamma 1 (:meth:`DensityCurve.d0_for`), averaged over its chunks.
-        curve: the tuner's density curve.
+        estimator: observes each document's density and final budget, averaged over layers and
+            over its chunks. Under gamma the density is the one at ``gamma0``, recovered from
+            every layer that ran below gamma 1 (:meth:`DensityCurve.d0_for`); under top-k it is
+            the realized density (what the document costs at the budget it ended with).
+        knob: the tuner's budget knob (its curve, for gamma).
         sample: sample id -> :class:`Sample` (length and source, for the estimator).
         use_timings: ``False`` with ``--deterministic``: no timing enters any decision.
         context: the ``ContextCost`` over ``latency`` that prices CP units (``--strategy
             sab-cp``): each measured CP unit recalibrates its multi-rank terms. CP units never
             update ``latency`` itself (a rank's shard is not a profiled micro-batch).
     """
-    by_sample: dict[int, list[float]] = defaultdict(list)
+    by_sample: dict[int, list[tuple[float, float]]] = defaultdict(list)
     if use_timings and context is not None:
         for timing in unit_timings(feedback.microbatches):
             context.update(timing)
@@ -63,17 +65,22 @@ def apply_feedback(
         elif use_timings and mb.seconds > 0:
             latency.update(list(mb.lengths), np.asarray(mb.layer_densities), mb.seconds)
         dens = np.clip(np.asarray(mb.layer_densities), _DENSITY_FLOOR, 1.0)  # (layers, N)
-        g = np.asarray(mb.gammas)
-        informative = g < 1.0  # at gamma = 1 every block is kept: no density signal
-        if not informative.any():
+        values = np.asarray(mb.budgets)
+        if knob.kind == "gamma":
+            informative = values < 1.0  # at gamma = 1 every block is kept: no density signal
+            if not informative.any():
+                continue
+            d0 = knob.curve.d0_for(dens[informative], values[informative][:, None])
+            dens = np.clip(d0, _DENSITY_FLOOR, 1.0)  # (layers', N)
+        if dens.size == 0:
             continue
-        d0 = curve.d0_for(dens[informative], g[informative][:, None])  # (layers', N)
-        d0 = np.clip(d0, _DENSITY_FLOOR, 1.0).mean(0)
-        for sid, d in zip(mb.sample_ids, d0, strict=True):
-            by_sample[sid].append(float(d))
+        for sid, d in zip(mb.sample_ids, dens.mean(0), strict=True):
+            by_sample[sid].append((float(d), float(values.mean())))
     if by_sample:
         ids = sorted(by_sample)
-        estimator.observe([sample(i) for i in ids], [float(np.mean(by_sample[i])) for i in ids])
+        pairs = [np.mean(by_sample[i], axis=0) for i in ids]
+        estimator.observe([sample(i) for i in ids], [float(p[0]) for p in pairs],
+                          budgets=[float(p[1]) for p in pairs])  # fmt: skip
 
 
 def unit_timings(microbatches: tuple[MicroBatchResult, ...]) -> list[UnitTiming]:

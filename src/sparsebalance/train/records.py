@@ -68,8 +68,8 @@ class MicroBatchResult:
     """``(N,)`` the documents' sample ids."""
     layer_densities: tuple[tuple[float, ...], ...]
     """``(num_layers, N)`` realized attention density per layer and document."""
-    gammas: tuple[float, ...]
-    """``(num_layers,)`` the budget each layer ran with."""
+    budgets: tuple[float, ...]
+    """``(num_layers,)`` the budget (knob value: k or gamma) each layer ran with."""
     loss_sum: float
     """Weighted sum of the token losses (before the loss scale)."""
     weight_sum: float
@@ -121,15 +121,17 @@ class RankRecord:
     tokens: int
     microbatch_s: list[float]
     predicted_before_s: float
-    """Predicted seconds at ``gamma0`` (before DST)."""
+    """Predicted seconds at the base budget (before DST)."""
     predicted_s: float
     """Predicted seconds at the rank's budget."""
-    gamma: float
+    budget: float
+    """The rank's step-level budget (k or gamma)."""
     dst_role: str
     target_s: float
-    gamma_min: float
-    gamma_mean: float
-    gamma_max: float
+    budget_min: float
+    """Over the rank's (micro-batch, layer) units."""
+    budget_mean: float
+    budget_max: float
     density: float
     """Mean realized density over the rank's (micro-batch, layer) pairs."""
     bubble_s: float = 0.0
@@ -153,7 +155,7 @@ class RankRecord:
     @classmethod
     def from_results(cls, decision: RankDecision, results: list[MicroBatchResult]) -> RankRecord:
         """Aggregate one rank's micro-batch results under its DST decision."""
-        layer_gammas = [g for r in results for g in r.gammas]
+        layer_budgets = [g for r in results for g in r.budgets]
         dens = [np.mean(d) for r in results for d in r.layer_densities]
         return cls(
             rank=decision.rank,
@@ -162,12 +164,12 @@ class RankRecord:
             microbatch_s=[r.seconds for r in results],
             predicted_before_s=decision.predicted_before,
             predicted_s=decision.predicted_after,
-            gamma=decision.gamma,
+            budget=decision.budget,
             dst_role=decision.role,
             target_s=decision.target_seconds,
-            gamma_min=min(layer_gammas, default=decision.gamma),
-            gamma_mean=float(np.mean(layer_gammas)) if layer_gammas else decision.gamma,
-            gamma_max=max(layer_gammas, default=decision.gamma),
+            budget_min=min(layer_budgets, default=decision.budget),
+            budget_mean=float(np.mean(layer_budgets)) if layer_budgets else decision.budget,
+            budget_max=max(layer_budgets, default=decision.budget),
             density=float(np.mean(dens)) if dens else 0.0,
             ring_wait_s=sum(r.ring_wait_s for r in results),
             units=[r.unit_json() for r in results],

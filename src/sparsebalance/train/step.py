@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..batching import HistoryEstimator, PlanConfig, plan_batch
+from ..batching import DensityEstimator, PlanConfig, plan_batch
 from ..latency import LatencyModel
 from ..tuning import DSTTuner, decide_units
 from ..workload import CostModel, MicroBatch, Sample
@@ -76,7 +76,7 @@ class StepRunner:
     num_ranks: int
     """Ranks planned for: the process group's size, or ``--emulate-ranks``."""
     latency: LatencyModel
-    estimator: HistoryEstimator
+    estimator: DensityEstimator
     tuner: DSTTuner
     par: Parallelized
     executor: RankExecutor
@@ -105,7 +105,7 @@ class StepRunner:
         records = self.synchronize(self.execute(tuned))
         optim = self.update(records, step)
         feedback = StepFeedback.from_records(records)
-        apply_feedback(feedback, self.latency, self.estimator, self.tuner.curve, self.sample,
+        apply_feedback(feedback, self.latency, self.estimator, self.tuner.knob, self.sample,
                        use_timings=not self.cfg.deterministic, context=self.cost)  # fmt: skip
         summary = self.summarize(tuned, records, optim, time.perf_counter() - t_step)
         return StepResult(records, summary, feedback)
@@ -131,7 +131,7 @@ class StepRunner:
         the global token mean (the gradient sync averages over processes; emulated ranks
         accumulate into one set of gradients)."""
         plan = planned.plan
-        if plan.units:  # workers = ranks joined by CP units, one gamma each
+        if plan.units:  # workers = ranks joined by CP units, one budget each
             decision = decide_units(self.tuner, plan, self.cost or self.latency)
         else:
             decision = self.tuner.decide(plan.ranks, self.latency)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..batching import HistoryEstimator
+from ..batching import make_estimator
 from ..data import load_tokenizer
 from ..data.batches import BatchSource
 from ..data.dataset import (
@@ -149,15 +149,16 @@ class Trainer:
         if cfg.capacity == "auto":
             self.cfg = cfg = replace(cfg, capacity=self._auto_capacity(shapes, base_rss))
         self.latency = self._latency_model(shapes)
-        self.estimator = HistoryEstimator()
+        tuner = DSTTuner(cfg.dst, block_size=cfg.block_size)
+        self.estimator = make_estimator(cfg.estimator, tuner.knob)
         self.par = parallelize(self.model, rt, cfg.parallel, cfg.measure_bubble)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         time_layers = not cfg.deterministic and rt.device.type == "cpu"
-        executor = RankExecutor(self.par, corpus.docs, self.latency, cfg.dst, rt.device,
-                                cfg.block_size, cfg.backend, cfg.per_doc_loss_weighting,
-                                time_layers, cfg.loss)  # fmt: skip
+        executor = RankExecutor(self.par, corpus.docs, self.latency, cfg.dst, tuner.knob,
+                                rt.device, cfg.block_size, cfg.backend,
+                                cfg.per_doc_loss_weighting, time_layers, cfg.loss)  # fmt: skip
         cost = None
         if cfg.strategy == "sab-cp":  # prices split documents: measured links, else analytic H100
             cost = context_cost(self.latency, "h100", shapes, block_size=cfg.block_size,
@@ -165,7 +166,7 @@ class Trainer:
             cost = cost.on_nodes(self.topology.ranks_per_node)  # the planner's and DST's nodes
             self._price_long_documents(corpus.lengths())
         self.runner = StepRunner(
-            cfg, rt, self.num_ranks, self.latency, self.estimator, DSTTuner(cfg.dst), self.par,
+            cfg, rt, self.num_ranks, self.latency, self.estimator, tuner, self.par,
             executor, self.params, self.optimizer, self.scheduler, self.sample, cost,
             self.topology.ranks_per_node,
         )  # fmt: skip

@@ -1,21 +1,25 @@
-"""DST layer level: a per-rank closed-loop controller that picks gamma per (micro-batch, layer).
+"""DST layer level: a per-rank closed-loop controller that picks the budget per (micro-batch, layer).
 
 The step level (:mod:`sparsebalance.tuning.dst`) gives each rank a target time from *predicted*
 densities. In the forward pass every attention layer has its real block scores
-(``BlockMassEstimate``), so it knows the exact density, and through the ``CostModel`` the
-predicted seconds, of any gamma. :class:`LayerController` uses that to keep the rank on track:
+(``BlockMassEstimate``, the gate), so it knows the exact density, and through the ``CostModel``
+the predicted seconds, of any budget, and the gate's coverage. :class:`LayerController` uses that
+to keep the rank on track:
 
     remaining = target - spent            (spent: measured seconds of finished units)
     allotted  = remaining * P_u / sum(P_v over units not yet decided, u included)
-    gamma_u   = largest gamma in [lo, hi] with  fixed_u + attention_u(gamma) <= allotted
+    v_time    = largest v in [lo, hi] with  fixed_u + attention_u(v) <= allotted
+    v_cov     = smallest v in [lo, base] with  C_u(base) - C_u(v) <= p     (the coverage bound)
+    v_u       = max(v_time, v_cov)
 
-``P_v`` is a unit's predicted seconds at the rank's step gamma (curve densities), ``fixed_u`` its
-non-attention part (``layer_other_seconds``, plus ``microbatch_overhead`` on layer 0) and
-``attention_u(gamma)`` is ``layer_attention_seconds`` at the layer's exact per-document densities
-for that gamma, found by bisection with ``config.layer_probes`` density evaluations. When earlier
-units cost more than predicted, ``remaining`` shrinks and later layers cut; when they cost less,
-later layers get more (``bidirectional`` only: ``down`` never goes above ``gamma0``, ``off``
-always uses ``gamma0``).
+``P_v`` is a unit's predicted seconds at the rank's step budget, ``fixed_u`` its non-attention
+part (``layer_other_seconds``, plus ``microbatch_overhead`` on layer 0), ``attention_u(v)`` is
+``layer_attention_seconds`` at the layer's exact per-document densities for budget ``v`` and
+``C_u`` the gate's coverage (:meth:`~sparsebalance.ops.BlockMassEstimate.coverage`); both searches
+are bisections (``config.layer_probes`` evaluations at most; an integer k stops at one block).
+When earlier units cost more than predicted, ``remaining`` shrinks and later layers cut, within
+the coverage bound; when they cost less, later layers get more (``bidirectional`` only: ``down``
+never goes above the base, ``off`` always uses the base). ``p = 0`` never cuts below the base.
 
 The controller only decides in the forward pass: the backward reuses the forward's layouts, so a
 unit's ``seconds`` passed to :meth:`LayerController.observe` should be its forward + backward
@@ -25,8 +29,9 @@ chosen but not yet observed counts with its predicted seconds.
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -34,8 +39,8 @@ import numpy as np
 
 from ..ops import Budget
 from ..workload import CostModel, MicroBatch
-from .curve import DensityCurve
-from .dst import DSTConfig
+from .config import DSTConfig
+from .knob import Knob, converged, midpoint
 from .records import LayerRecord, RankDecision, RankRunSummary
 
 
@@ -43,13 +48,14 @@ class LayerController:
     """Closed-loop budgets for one rank's forward passes in one step (see the module docstring).
 
     Args:
-        microbatches: the rank's micro-batches for this step (densities at ``config.gamma0``).
+        microbatches: the rank's micro-batches for this step (densities at the base budget).
         cost_model: any object following ``sparsebalance.workload.CostModel``.
-        config: the DST config (mode, gamma bounds, probes).
+        config: the DST config (mode, coverage bound p, probes).
         target_seconds: the rank's target forward + backward seconds for the step.
-        gamma: the rank's step-level gamma (default ``config.gamma0``).
-        curve: prices the plan's densities at ``gamma`` (default ``DensityCurve(gamma0)``).
-        budget: template for the returned budgets (anchors, caps); its gamma is replaced.
+        value: the rank's step-level budget (default the knob's base).
+        knob: the budget knob (default ``config.knob(64)``: pass the tuner's, whose block size
+            is the model's).
+        budget: template for the returned budgets (anchors, caps); its knob value is replaced.
     """
 
     def __init__(
@@ -58,25 +64,31 @@ class LayerController:
         cost_model: CostModel,
         config: DSTConfig,
         target_seconds: float,
-        gamma: float | None = None,
-        curve: DensityCurve | None = None,
+        value: float | None = None,
+        knob: Knob | None = None,
         budget: Budget | None = None,
     ) -> None:
         if not np.isfinite(target_seconds) or target_seconds < 0:
             raise ValueError(f"target_seconds must be finite and >= 0, got {target_seconds}")
         self.config = config
         self.cost_model = cost_model
+        self.knob = knob = knob if knob is not None else config.knob(64)
         self.target_seconds = float(target_seconds)
-        self.gamma = config.gamma0 if gamma is None else float(gamma)
+        self.base = float(knob.base)
+        self.value = self.base if value is None else float(value)
+        longest = max((max(mb.lengths) for mb in microbatches if mb.lengths), default=0)
         if config.mode == "off":
-            self.lo = self.hi = config.gamma0
+            self.lo = self.hi = self.base
         else:
-            hi = config.gamma_max if config.mode == "bidirectional" else config.gamma0
-            self.lo, self.hi = config.gamma_min, max(hi, self.gamma)
-        if not self.lo <= self.gamma <= self.hi and config.mode != "off":
-            raise ValueError(f"gamma={self.gamma} outside [{self.lo}, {self.hi}]")
-        self.budget = budget or Budget(gamma=self.gamma)
-        curve = curve or DensityCurve(gamma0=config.gamma0)
+            upper = float(knob.upper(np.array([longest]))[0])
+            hi = upper if config.mode == "bidirectional" else self.base
+            self.lo = self.base if config.p == 0 else float(knob.lo)
+            self.lo, self.hi = min(self.lo, self.value), max(hi, self.value)
+            if knob.integer:  # a layer runs a whole k; the step's value may be a mean over layers
+                self.lo, self.hi = float(math.floor(self.lo)), float(math.ceil(self.hi))
+        if not self.lo <= self.value <= self.hi and config.mode != "off":
+            raise ValueError(f"budget {self.value} outside [{self.lo}, {self.hi}]")
+        self.budget = knob.budget(budget or Budget(top_k=0), self.value)
 
         self.lengths = [np.asarray(mb.lengths, dtype=np.int64) for mb in microbatches]
         num_layers = int(cost_model.num_layers)
@@ -84,16 +96,17 @@ class LayerController:
         attention = np.zeros(m)
         self.fixed = np.zeros((m, num_layers))
         for i, mb in enumerate(microbatches):
-            dens = curve.density(np.asarray(mb.densities, dtype=np.float64), self.gamma)
+            d0 = np.asarray(mb.densities, dtype=np.float64)
+            dens = knob.density(self.lengths[i], d0, self.value)
             attention[i] = np.sum(cost_model.layer_attention_seconds(self.lengths[i], dens))
             self.fixed[i, :] = cost_model.layer_other_seconds(mb.num_tokens)
             # Layer 0 also carries what is outside the layers (embedding, head, loss), defined so
             # that the units of a micro-batch add up to exactly the model's prediction for it.
             total = cost_model.predict(self.lengths[i], dens)
             self.fixed[i, 0] += max(total - num_layers * (attention[i] + self.fixed[i, 1]), 0.0)
-        self.planned = attention[:, None] + self.fixed  # (M, L) predicted seconds at self.gamma
+        self.planned = attention[:, None] + self.fixed  # (M, L) predicted seconds at self.value
         self._chosen = np.zeros((m, num_layers), dtype=bool)
-        self._predicted = np.full((m, num_layers), np.nan)  # at the chosen gamma
+        self._predicted = np.full((m, num_layers), np.nan)  # at the chosen budget
         self._measured = np.full((m, num_layers), np.nan)
         self._records: dict[tuple[int, int], LayerRecord] = {}
 
@@ -104,7 +117,7 @@ class LayerController:
         microbatches: Sequence[MicroBatch],
         cost_model: CostModel,
         config: DSTConfig,
-        curve: DensityCurve | None = None,
+        knob: Knob | None = None,
         budget: Budget | None = None,
     ) -> LayerController:
         """The controller for a rank's step-level :class:`RankDecision`."""
@@ -113,8 +126,8 @@ class LayerController:
             cost_model,
             config,
             decision.target_seconds,
-            gamma=decision.gamma,
-            curve=curve,
+            value=decision.budget,
+            knob=knob,
             budget=budget,
         )
 
@@ -133,7 +146,8 @@ class LayerController:
         Args:
             microbatch, layer: which unit (each is decided once, in any order).
             estimate: the layer's ``BlockMassEstimate``, or anything with ``density(Budget)``
-                (one density for the pack) or ``layout(Budget).document_density()`` (``(N,)``).
+                (one density for the pack) or ``layout(Budget).document_density()`` (``(N,)``);
+                the coverage bound needs ``coverage(Budget)`` (skipped without it).
             spent_seconds: override for the seconds spent so far this step (e.g. wall clock);
                 default :meth:`spent_seconds`.
         """
@@ -148,37 +162,39 @@ class LayerController:
         lengths = self.lengths[microbatch]
         cache: dict[float, tuple[float, np.ndarray]] = {}
 
-        def cost(g: float) -> float:
-            if g not in cache:
-                dens = _document_densities(estimate, self.budget.with_gamma(g), lengths.size)
+        def cost(v: float) -> float:
+            if v not in cache:
+                dens = _document_densities(estimate, self.knob.budget(self.budget, v), lengths.size)
                 att = float(np.sum(self.cost_model.layer_attention_seconds(lengths, dens)))
-                cache[g] = (att, dens)
-            return cache[g][0]
+                cache[v] = (att, dens)
+            return cache[v][0]
 
-        lo, hi = self.lo, self.hi
-        if lo == hi or cost(hi) <= limit:
-            gamma = hi
-        elif cost(lo) > limit:
-            gamma = lo
-        else:  # invariant: cost(lo) <= limit < cost(hi)
-            for _ in range(self.config.layer_probes - 2):
-                mid = 0.5 * (lo + hi)
-                if cost(mid) <= limit:
-                    lo = mid
-                else:
-                    hi = mid
-            gamma = lo
-        cost(gamma)
-        attention, dens = cache[gamma]
+        probes = self.config.layer_probes
+        value = _bisect(self.knob, lambda v: cost(v) <= limit, self.lo, self.hi, probes)
+        coverage, limited = None, False
+        covers = getattr(estimate, "coverage", None)
+        if value < self.base and self.config.p < 1 and callable(covers):
+            def cov(v: float) -> float:
+                return float(covers(self.knob.budget(self.budget, v)))
+
+            floor_c = cov(self.base) - self.config.p
+            v_cov = _bisect(self.knob, lambda v: cov(v) >= floor_c, self.lo, self.base, probes,
+                            largest=False)  # fmt: skip
+            if v_cov > value:
+                value, limited = v_cov, True
+            coverage = cov(value)
+        cost(value)
+        attention, dens = cache[value]
         predicted = attention + self.fixed[microbatch, layer]
         weights = lengths.astype(np.float64) ** 2
         density = float(weights @ dens / weights.sum()) if weights.sum() else 1.0
         self._chosen[microbatch, layer] = True
         self._predicted[microbatch, layer] = predicted
         self._records[(microbatch, layer)] = LayerRecord(
-            microbatch, layer, gamma, density, predicted, allotted
-        )
-        return self.budget.with_gamma(gamma)
+            microbatch, layer, value, density, predicted, allotted, coverage=coverage,
+            coverage_limited=limited,
+        )  # fmt: skip
+        return self.knob.budget(self.budget, value)
 
     def observe(self, microbatch: int, layer: int, seconds: float) -> None:
         """Report what a chosen unit actually cost (forward + backward seconds)."""
@@ -197,31 +213,31 @@ class LayerController:
         return [self._records[k] for k in sorted(self._records)]
 
     def summary(self) -> RankRunSummary:
-        """Per-layer gamma min/mean/max, realized density and seconds of the decided units;
+        """Per-layer budget min/mean/max, realized density and seconds of the decided units;
         units never decided count with their planned seconds."""
         if not self._records:
             raise ValueError("no unit was chosen yet")
-        gammas = np.full(self._chosen.shape, np.nan)
+        values = np.full(self._chosen.shape, np.nan)
         dens = []
         for (m, layer), rec in self._records.items():
-            gammas[m, layer] = rec.gamma
+            values[m, layer] = rec.budget
             dens.append(rec.density)
         predicted = np.where(self._chosen, self._predicted, self.planned)
         measured = np.where(np.isnan(self._measured), predicted, self._measured)
         with warnings.catch_warnings():  # layers no micro-batch decided yet are all-NaN
             warnings.simplefilter("ignore", RuntimeWarning)
-            per_layer = [np.nanmin(gammas, 0), np.nanmean(gammas, 0), np.nanmax(gammas, 0)]
-        chosen = gammas[self._chosen]
+            per_layer = [np.nanmin(values, 0), np.nanmean(values, 0), np.nanmax(values, 0)]
+        chosen = values[self._chosen]
         return RankRunSummary(
             target_seconds=self.target_seconds,
             predicted_seconds=float(predicted.sum()),
             measured_seconds=float(measured.sum()),
-            gamma_min=float(chosen.min()),
-            gamma_mean=float(chosen.mean()),
-            gamma_max=float(chosen.max()),
-            layer_gamma_min=tuple(float(x) for x in per_layer[0]),
-            layer_gamma_mean=tuple(float(x) for x in per_layer[1]),
-            layer_gamma_max=tuple(float(x) for x in per_layer[2]),
+            budget_min=float(chosen.min()),
+            budget_mean=float(chosen.mean()),
+            budget_max=float(chosen.max()),
+            layer_budget_min=tuple(float(x) for x in per_layer[0]),
+            layer_budget_mean=tuple(float(x) for x in per_layer[1]),
+            layer_budget_max=tuple(float(x) for x in per_layer[2]),
             density_mean=float(np.mean(dens)),
         )
 
@@ -248,3 +264,29 @@ def _document_densities(estimate: Any, budget: Budget, num_docs: int) -> np.ndar
             )
         return dd
     return np.full(num_docs, float(estimate.density(budget)))
+
+
+def _bisect(
+    knob: Knob, ok: Callable[[float], bool], lo: float, hi: float, probes: int,
+    largest: bool = True,
+) -> float:  # fmt: skip
+    """The largest (smallest) value in ``[lo, hi]`` with ``ok``, for a monotone ``ok``, in at
+    most ``probes`` evaluations (2 at the ends, the rest bisecting; whole k for top-k); ``lo``
+    (``hi``) when even that end fails. Only an evaluated-feasible value is returned, or the
+    fallback end."""
+    near, far = (lo, hi) if largest else (hi, lo)
+    if lo == hi or ok(far):
+        return far
+    if not ok(near):
+        return near
+    a, b = np.array([lo]), np.array([hi])  # invariant: ok at the `near` end, not at the `far` end
+    for _ in range(probes - 2):
+        if converged(knob, a, b, integer=True)[0]:
+            break
+        mid = midpoint(knob, a, b, integer=True)
+        good = ok(float(mid[0]))
+        if largest:
+            a, b = (mid, b) if good else (a, mid)
+        else:
+            a, b = (a, mid) if good else (mid, b)
+    return float(a[0] if largest else b[0])

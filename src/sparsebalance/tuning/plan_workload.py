@@ -1,4 +1,4 @@
-"""Whole-plan DST pricing: every rank of a plan priced at its own gamma in a few vectorised calls.
+"""Whole-plan DST pricing: every rank of a plan priced at its own budget in a few vectorised calls.
 
 :meth:`DSTTuner.decide <sparsebalance.tuning.dst.DSTTuner.decide>` runs on the whole plan (the
 trainer before the step, the simulator for thousands of virtual ranks). Pricing rank by rank
@@ -9,7 +9,12 @@ group over all the ranks still bisecting.
 
 Results are bit-for-bit those of ``RankWorkload``: a rank's rows keep its own padding ``K`` and its
 micro-batch times are summed along a row of length ``M``, the same reductions numpy performs for a
-single rank. The bisection is the same rule, run for all ranks at once (ranks stop independently).
+single rank. The search is the same rule, run for all ranks at once (ranks stop independently).
+
+Coverage (optional): with a ``coverage`` model (``document_coverage(lengths, d0, values)``,
+elementwise, in [0, 1]; the simulator's :mod:`~sparsebalance.simulate.sparsity`) a rank's
+coverage at a budget is its documents' coverage weighted by tokens, what DST's coverage bound
+reads when it decides before any forward.
 
 Complexity per probe: O(total documents of the active ranks) numpy work, O(number of groups)
 Python calls; building is O(total micro-batches) Python.
@@ -22,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..workload import CostModel, MicroBatch
-from .curve import DensityCurve
+from .knob import Knob
 
 
 class _Group:
@@ -30,7 +35,7 @@ class _Group:
 
     With a cost model that has ``prepare(lengths)`` (:meth:`LatencyModel.prepare
     <sparsebalance.latency.LatencyModel.prepare>`), the length half of every prediction is done
-    once per group and per set of priced ranks (a bisection prices the same set at ~23 gammas).
+    once per group and per set of priced ranks (a bisection prices the same set at ~23 budgets).
     """
 
     def __init__(self, ranks: list[int], lengths: np.ndarray, d0: np.ndarray, cost_model) -> None:
@@ -43,7 +48,7 @@ class _Group:
         self._prepared = None if prepare is None else prepare(lengths.reshape(n * m, k))
         self._subsets: dict[bytes, object] = {}
 
-    def predict(self, sel: np.ndarray | None, dens: np.ndarray) -> np.ndarray:
+    def predict(self, sel: np.ndarray | slice | None, dens: np.ndarray) -> np.ndarray:
         """``(n', M)`` micro-batch seconds of the selected ranks (``sel`` bool ``(n,)``, None =
         all) at ``dens`` ``(n', M, K)``; exactly ``cost_model.predict_many`` on those rows."""
         lengths = self.lengths if sel is None else self.lengths[sel]
@@ -67,14 +72,18 @@ class _Group:
 
 
 class PlanWorkload:
-    """All ranks' micro-batches, priced per rank at per-rank gammas.
+    """All ranks' micro-batches, priced per rank at per-rank budgets (knob values).
 
-    ``seconds(gammas)`` equals ``[RankWorkload(plan[r]).seconds(gammas[r]) for r in range(R)]``
+    ``seconds(values)`` equals ``[RankWorkload(plan[r]).seconds(values[r]) for r in range(R)]``
     exactly; ranks without micro-batches cost 0.
     """
 
     def __init__(
-        self, plan: Sequence[Sequence[MicroBatch]], cost_model: CostModel, curve: DensityCurve
+        self,
+        plan: Sequence[Sequence[MicroBatch]],
+        cost_model: CostModel,
+        knob: Knob,
+        coverage=None,
     ) -> None:
         mb_rank = [r for r, mbs in enumerate(plan) for _ in mbs]
         sizes = [len(mb.lengths) for mbs in plan for mb in mbs]
@@ -82,7 +91,8 @@ class PlanWorkload:
         d0 = [d for mbs in plan for mb in mbs for d in mb.densities]
         self._build(
             len(plan), np.array(mb_rank, dtype=np.int64), np.array(sizes, dtype=np.int64),
-            np.array(lengths, dtype=np.int64), np.array(d0, dtype=np.float64), cost_model, curve,
+            np.array(lengths, dtype=np.int64), np.array(d0, dtype=np.float64), cost_model, knob,
+            coverage,
         )  # fmt: skip
 
     @classmethod
@@ -94,24 +104,30 @@ class PlanWorkload:
         lengths: np.ndarray,
         d0: np.ndarray,
         cost_model: CostModel,
-        curve: DensityCurve,
+        knob: Knob,
+        coverage=None,
     ) -> PlanWorkload:
         """The same workload from flat arrays in plan order (no ``MicroBatch`` objects):
         ``mb_rank`` ``(B,)`` non-decreasing rank of each micro-batch, ``mb_sizes`` ``(B,)`` its
         document count, ``lengths`` / ``d0`` ``(D,)`` its documents' tokens and densities."""
         self = cls.__new__(cls)
-        self._build(num_ranks, mb_rank, mb_sizes, lengths, d0, cost_model, curve)
+        self._build(num_ranks, mb_rank, mb_sizes, lengths, d0, cost_model, knob, coverage)
         return self
 
-    def _build(self, num_ranks, mb_rank, mb_sizes, lengths, d0, cost_model, curve) -> None:
+    def _build(self, num_ranks, mb_rank, mb_sizes, lengths, d0, cost_model, knob, coverage):
         self.num_ranks = num_ranks
         self.cost_model = cost_model
-        self.curve = curve
-        # Prices at one gamma for every rank, kept: the tuners of several ablations (modes,
-        # anchors) on one plan all start from the times at gamma0 and gamma_min.
+        self.knob = knob
+        self.coverage_model = coverage
+        # Prices at one budget for every rank, kept: the tuners of several ablations (modes,
+        # anchors) on one plan all start from the times at the base budget and the floor.
         self._memo: dict[tuple[str, float], np.ndarray] = {}
         self.groups: list[_Group] = []
         self._weight = np.zeros(num_ranks)
+        self.tokens = np.zeros(num_ranks)
+        """``(R,)`` tokens of each rank's documents."""
+        self.max_lengths = np.zeros(num_ranks, dtype=np.int64)
+        """``(R,)`` each rank's longest document (0 for an empty rank)."""
         # Each document's rank, micro-batch (inside its rank) and slot (inside its micro-batch).
         num_mb = np.bincount(mb_rank, minlength=num_ranks)
         width = np.zeros(num_ranks, dtype=np.int64)
@@ -139,12 +155,18 @@ class PlanWorkload:
             g_d0[at] = d0[docs]
             group = _Group(ranks.tolist(), g_lengths, g_d0, cost_model)
             self._weight[group.ranks] = _row_sums(g_lengths.astype(np.float64) ** 2)
+            self.tokens[group.ranks] = _row_sums(g_lengths.astype(np.float64))
+            self.max_lengths[group.ranks] = g_lengths.reshape(ranks.size, -1).max(axis=1, initial=0)
             self.groups.append(group)
 
-    def seconds(self, gammas: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
-        """``(R,)`` predicted seconds of each rank at ``gammas[r]`` (``(R,)``); with ``active``
+    def _density(self, g: _Group, values: np.ndarray, sel=slice(None)) -> np.ndarray:
+        """``(n', M, K)`` densities of group ``g``'s (selected) ranks at their values."""
+        return self.knob.density(g.lengths[sel], g.d0[sel], values[g.ranks[sel]][:, None, None])
+
+    def seconds(self, values: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
+        """``(R,)`` predicted seconds of each rank at ``values[r]`` (``(R,)``); with ``active``
         (bool ``(R,)``) only those ranks are priced and the others are left at 0."""
-        key = self._key("seconds", gammas) if active is None or active.all() else None
+        key = self._key("seconds", values) if active is None or active.all() else None
         if key in self._memo:
             return self._memo[key].copy()
         out = np.zeros(self.num_ranks)
@@ -153,44 +175,68 @@ class PlanWorkload:
             ranks = g.ranks[sel]
             if ranks.size == 0:
                 continue
-            dens = self.curve.density(g.d0[sel], gammas[ranks][:, None, None])
+            dens = self._density(g, values, sel)
             out[ranks] = g.predict(None if active is None else sel, dens).sum(axis=-1)
         return self._remember(key, out)
 
-    def attention_seconds(self, gammas: np.ndarray) -> np.ndarray:
-        """``(R,)`` predicted attention seconds (all layers) at ``gammas[r]``."""
-        key = self._key("attention", gammas)
+    @property
+    def has_coverage(self) -> bool:
+        return self.coverage_model is not None
+
+    def coverage(self, values: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
+        """``(R,)`` each rank's coverage at ``values[r]``: its documents' coverage (the coverage
+        model's) weighted by tokens; 1.0 for empty or inactive ranks."""
+        if self.coverage_model is None:
+            raise ValueError("this workload has no coverage model")
+        out = np.ones(self.num_ranks)
+        for g in self.groups:
+            sel = slice(None) if active is None else active[g.ranks]
+            ranks = g.ranks[sel]
+            if ranks.size == 0:
+                continue
+            lengths = g.lengths[sel]
+            cov = self.coverage_model.document_coverage(
+                lengths, g.d0[sel], values[ranks][:, None, None]
+            )
+            num = _row_sums(np.where(lengths > 0, cov, 0.0) * lengths)
+            tokens = self.tokens[ranks]
+            out[ranks] = np.where(tokens > 0, num / np.where(tokens > 0, tokens, 1.0), 1.0)
+        return out
+
+    def attention_seconds(self, values: np.ndarray) -> np.ndarray:
+        """``(R,)`` predicted attention seconds (all layers) at ``values[r]``."""
+        key = self._key("attention", values)
         if key in self._memo:
             return self._memo[key].copy()
         out = np.zeros(self.num_ranks)
         for g in self.groups:
             valid = g.lengths > 0
-            dens = self.curve.density(g.d0, gammas[g.ranks][:, None, None])
+            dens = self._density(g, values)
             per_doc = np.zeros(g.lengths.shape)
             per_doc[valid] = self.cost_model.layer_attention_seconds(g.lengths[valid], dens[valid])
             # Summed as one row of M * K per rank: the reduction RankWorkload performs.
             out[g.ranks] = self.cost_model.num_layers * _row_sums(per_doc)
         return self._remember(key, out)
 
-    def mean_density(self, gammas: np.ndarray) -> np.ndarray:
-        """``(R,)`` length²-weighted mean density at ``gammas[r]`` (1.0 for an empty rank)."""
-        key = self._key("density", gammas)
+    def mean_density(self, values: np.ndarray) -> np.ndarray:
+        """``(R,)`` length²-weighted mean density at ``values[r]`` (1.0 for an empty rank)."""
+        key = self._key("density", values)
         if key in self._memo:
             return self._memo[key].copy()
         out = np.ones(self.num_ranks)
         for g in self.groups:
             w = g.lengths.astype(np.float64) ** 2
-            dens = self.curve.density(g.d0, gammas[g.ranks][:, None, None])
+            dens = self._density(g, values)
             total = self._weight[g.ranks]
             num = _row_sums(w * dens)
             out[g.ranks] = np.where(total > 0, num / np.where(total > 0, total, 1.0), 1.0)
         return self._remember(key, out)
 
     @staticmethod
-    def _key(kind: str, gammas: np.ndarray) -> tuple[str, float] | None:
-        """A memo key when every rank has the same gamma (the only case worth keeping)."""
-        if gammas.size and np.all(gammas == gammas[0]):
-            return (kind, float(gammas[0]))
+    def _key(kind: str, values: np.ndarray) -> tuple[str, float] | None:
+        """A memo key when every rank has the same budget (the only case worth keeping)."""
+        if values.size and np.all(values == values[0]):
+            return (kind, float(values[0]))
         return None
 
     def _remember(self, key: tuple[str, float] | None, out: np.ndarray) -> np.ndarray:
@@ -208,35 +254,3 @@ def _row_sums(x: np.ndarray) -> np.ndarray:
     """``(n, M, K) -> (n,)``: each rank's entries summed as one contiguous row, like ``np.sum``
     of that rank's ``(M, K)`` array (so results match :class:`RankWorkload` bit for bit)."""
     return np.ascontiguousarray(x).reshape(x.shape[0], -1).sum(axis=-1)
-
-
-def largest_feasible_many(
-    work: PlanWorkload,
-    lo: np.ndarray,
-    hi: np.ndarray,
-    limit: np.ndarray,
-    active: np.ndarray,
-    tol: float,
-) -> np.ndarray:
-    """Per active rank, the largest gamma in ``[lo, hi]`` with predicted seconds ``<= limit``
-    (the vectorised ``_largest_feasible`` of :mod:`.dst`: same probes, same result). Inactive
-    ranks get ``lo``. All arrays ``(R,)``; ``f(lo) <= limit`` is the caller's precondition."""
-    lo, hi = lo.astype(np.float64).copy(), hi.astype(np.float64).copy()
-    result = lo.copy()
-    if not active.any():
-        return result
-    at_hi = work.seconds(hi, active) <= limit
-    done = active & at_hi
-    result[done] = hi[done]
-    searching = active & ~at_hi
-    while True:
-        searching &= hi - lo > tol
-        if not searching.any():
-            break
-        mid = 0.5 * (lo + hi)
-        ok = work.seconds(mid, searching) <= limit
-        lo = np.where(searching & ok, mid, lo)
-        hi = np.where(searching & ~ok, mid, hi)
-    bisected = active & ~at_hi
-    result[bisected] = lo[bisected]
-    return result

@@ -32,13 +32,17 @@ class StepTargets:
     cut_threshold: float
     """``(1 + p) * T*``: ranks predicted above it are stragglers and get a smaller budget."""
     post_cut_seconds: float
-    """``T'``: the step time after the cuts; no raised rank may be predicted above it."""
+    """``T'``: the step time after the cuts (a cut worker counts as its target, or its floor's
+    time when the floor cannot reach it)."""
+    raise_seconds: float
+    """What raised workers are raised up to: ``T_anchor`` (the paper's rule) or ``T'``."""
     times_before: tuple[float, ...]
-    """``(W,)`` predicted worker times at ``gamma0`` (W = R without CP units)."""
+    """``(W,)`` predicted worker times at the base budget (W = R without CP units)."""
     times_floor: tuple[float, ...]
-    """``(W,)`` predicted worker times at ``gamma_min`` (what the deepest cut can reach)."""
+    """``(W,)`` predicted worker times at the deepest allowed cut (the knob's floor, or the
+    coverage bound's)."""
     roles: tuple[str, ...]
-    """``(W,)`` ``"cut"``, ``"raised"`` (bidirectional, below ``T'``) or ``"kept"``."""
+    """``(W,)`` ``"cut"``, ``"raised"`` (bidirectional, below the raise target) or ``"kept"``."""
 
     @property
     def step_seconds_before(self) -> float:
@@ -52,26 +56,28 @@ class RankDecision:
     rank: int
     role: str
     """``"cut"``, ``"raised"`` or ``"kept"`` (see :class:`StepTargets`)."""
-    gamma: float
-    """The rank's budget for the step (the layer controller starts from it)."""
+    budget: float
+    """The rank's budget for the step, the knob's value (k or gamma; the layer controller starts
+    from it)."""
     target_seconds: float
-    """What the rank aims at: its predicted time at ``gamma`` (the layer controller's target)."""
+    """What the rank aims at: its predicted time at ``budget`` (the layer controller's target)."""
     predicted_before: float
-    """Predicted time at ``gamma0``."""
+    """Predicted time at the base budget."""
     predicted_after: float
-    """Predicted time at ``gamma``."""
+    """Predicted time at ``budget``."""
     density_before: float
-    """Predicted density at ``gamma0``: mean over the rank's documents weighted by length²."""
+    """Predicted density at the base budget: mean over the rank's documents weighted by
+    length²."""
     density_after: float
-    """Same at ``gamma``."""
+    """Same at ``budget``."""
     attention_before: float
-    """Predicted attention seconds (all layers, all micro-batches) at ``gamma0``."""
+    """Predicted attention seconds (all layers, all micro-batches) at the base budget."""
     attention_after: float
-    """Predicted attention seconds at ``gamma``."""
+    """Predicted attention seconds at ``budget``."""
 
     @property
     def budget_delta(self) -> float:
-        """Attention seconds given (> 0) or cut (< 0) relative to ``gamma0``."""
+        """Attention seconds given (> 0) or cut (< 0) relative to the base budget."""
         return self.attention_after - self.attention_before
 
 
@@ -84,11 +90,15 @@ class StepDecision:
     p: float
     targets: StepTargets
     ranks: tuple[RankDecision, ...]
+    kind: str = "top-k"
+    """The budget kind: ``top-k`` or ``gamma``."""
+    base: float = 0.0
+    """The base budget (k or gamma0)."""
 
     @property
-    def gammas(self) -> np.ndarray:
-        """``(R,)`` float64 budget per rank."""
-        return np.array([r.gamma for r in self.ranks], dtype=np.float64)
+    def budgets(self) -> np.ndarray:
+        """``(R,)`` float64 budget (knob value) per rank."""
+        return np.array([r.budget for r in self.ranks], dtype=np.float64)
 
     @property
     def times_before(self) -> np.ndarray:
@@ -108,7 +118,7 @@ class StepDecision:
 
     @property
     def bubbles_before(self) -> np.ndarray:
-        """``(R,)`` predicted wait at the gradient sync at ``gamma0``."""
+        """``(R,)`` predicted wait at the gradient sync at the base budget."""
         return bubbles(self.times_before)
 
     @property
@@ -122,7 +132,7 @@ class StepDecision:
 
     @property
     def budget_given(self) -> float:
-        """Predicted attention seconds given to ranks below ``T'`` (>= 0)."""
+        """Predicted attention seconds given to raised ranks (>= 0)."""
         return float(sum(max(r.budget_delta, 0.0) for r in self.ranks))
 
     def to_dict(self) -> dict:
@@ -131,9 +141,12 @@ class StepDecision:
             "mode": self.mode,
             "anchor": self.anchor,
             "p": self.p,
+            "budget_kind": self.kind,
+            "budget_base": self.base,
             "anchor_seconds": self.targets.anchor_seconds,
             "cut_threshold": self.targets.cut_threshold,
             "post_cut_seconds": self.targets.post_cut_seconds,
+            "raise_seconds": self.targets.raise_seconds,
             "step_seconds_before": self.step_seconds_before,
             "step_seconds_after": self.step_seconds_after,
             "bubble_before": float(self.bubbles_before.sum()),
@@ -152,33 +165,38 @@ class LayerRecord:
 
     microbatch: int
     layer: int
-    gamma: float
+    budget: float
+    """The chosen knob value (k or gamma)."""
     density: float
     """Realized density of the chosen layout (length²-weighted over documents)."""
     predicted_seconds: float
     """The cost model's seconds for this unit at the chosen layout's real densities."""
     allotted_seconds: float
     """The share of the remaining budget this unit was given."""
+    coverage: float | None = None
+    """The gate's coverage at the chosen budget (None when no coverage bound was checked)."""
+    coverage_limited: bool = False
+    """The coverage bound stopped a cut the time target asked for (the empty feasible set)."""
     measured_seconds: float | None = None
     """What it actually cost (``None`` until :meth:`LayerController.observe`)."""
 
 
 @dataclass(frozen=True)
 class RankRunSummary:
-    """A rank's realized budgets after its forward passes (per-layer gamma min/mean/max)."""
+    """A rank's realized budgets after its forward passes (per-layer budget min/mean/max)."""
 
     target_seconds: float
     predicted_seconds: float
-    """Sum of the units' predicted seconds at the chosen gammas."""
+    """Sum of the units' predicted seconds at the chosen budgets."""
     measured_seconds: float
     """Sum of the observed seconds (predicted where a unit was not observed)."""
-    gamma_min: float
-    gamma_mean: float
-    gamma_max: float
-    layer_gamma_min: tuple[float, ...]
+    budget_min: float
+    budget_mean: float
+    budget_max: float
+    layer_budget_min: tuple[float, ...]
     """``(L,)`` over micro-batches, per layer."""
-    layer_gamma_mean: tuple[float, ...]
-    layer_gamma_max: tuple[float, ...]
+    layer_budget_mean: tuple[float, ...]
+    layer_budget_max: tuple[float, ...]
     density_mean: float
     """Mean realized density over the units."""
 

@@ -1,0 +1,180 @@
+"""DST settings: :class:`DSTConfig` (flags ``--dst.FIELD``, TOML table ``[dst]``) and the knob it
+describes (:meth:`DSTConfig.knob`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from .. import flags
+from .curve import DensityCurve
+from .knob import GammaKnob, Knob, knob_from_tokens
+
+MODES = ("off", "down", "bidirectional")
+ANCHORS = ("min", "mean", "median", "max")
+BUDGETS = ("top-k", "gamma")
+RAISE_TO = ("anchor", "step")
+_GAMMA_FIELDS = ("gamma0", "gamma_min", "gamma_max")
+_TOPK_FIELDS = ("budget_tokens", "budget_tokens_min", "budget_tokens_max")
+
+
+@dataclass(frozen=True)
+class DSTConfig:
+    """Dynamic sparsity tuning settings (validated on construction). Flags ``--dst.FIELD``
+    (:mod:`sparsebalance.flags`); the short aliases in brackets; TOML table ``[dst]``."""
+
+    mode: str = "bidirectional"
+    """[--dst-mode] ``off`` (the base budget everywhere), ``down`` (cut bottlenecks only) or
+    ``bidirectional`` (also raise the budget of workers that would wait at the gradient sync)."""
+    anchor: str = "mean"
+    """[--anchor] ``min``, ``mean``, ``median`` or ``max`` of the workers' predicted times at the
+    base budget: the target ``T_anchor``. ``min`` cuts hard, ``max`` never cuts."""
+    p: float = 0.1
+    """[--coverage-bound] the paper's p: a cut may lose at most this much of the gate's coverage,
+    ``C(base) - C(k) <= p`` (in [0, 1]; 0 never cuts below the base budget, 1 disables the
+    bound). Before config schema 2 this key meant the time band, now ``tolerance``."""
+    tolerance: float = 0.0
+    """[--tolerance] time band: workers above ``(1 + tolerance) T_anchor`` are bottlenecks and
+    are cut to it (>= 0; 0 is the paper's rule)."""
+    raise_to: str = "anchor"
+    """[--raise-to] how far others are raised: ``anchor`` (the paper: the largest budget predicted
+    within ``T_anchor``) or ``step`` (within the step time left after the cuts)."""
+    budget: str = "top-k"
+    """[--budget] the budget kind DST tunes: ``top-k`` (MoBA: k key blocks per query, the paper's)
+    or ``gamma`` (the fewest blocks whose estimated attention mass reaches gamma)."""
+    budget_tokens: int = 8192
+    """[--budget-tokens] top-k: the base budget in tokens attended, k x block size (the paper's
+    32 x 256 = 8,192), so a block-size change keeps the budget."""
+    budget_tokens_min: int | None = None
+    """[--budget-tokens-min] top-k: the smallest budget a cut may reach (default: a quarter of
+    the base)."""
+    budget_tokens_max: int | None = None
+    """[--budget-tokens-max] top-k: the largest budget a raise may reach (default: exact
+    attention on the worker's longest document)."""
+    gamma0: float = 0.9
+    """[--gamma0] gamma: the base budget the planner's densities were estimated at, in (0, 1)."""
+    gamma_min: float = 0.5
+    """[--gamma-min] gamma: the lowest budget a cut may reach, in (0, gamma0]."""
+    gamma_max: float = 0.99
+    """[--gamma-max] gamma: the highest budget a raise may reach, in [gamma0, 1]."""
+    layer_probes: int = 8
+    """[--dst-probes] budget evaluations per (micro-batch, layer) in the layer controller
+    (>= 2; gamma: resolution about (gamma_max - gamma_min) / 2**(probes - 2); top-k: the
+    bisection on k stops earlier when it reaches one block)."""
+
+    def __post_init__(self) -> None:
+        for flag, value, allowed in (
+            ("--dst-mode", self.mode, MODES),
+            ("--anchor", self.anchor, ANCHORS),
+            ("--raise-to", self.raise_to, RAISE_TO),
+            ("--budget", self.budget, BUDGETS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+        for flag, value in (
+            ("--coverage-bound", self.p),
+            ("--tolerance", self.tolerance),
+            ("--gamma0", self.gamma0),
+            ("--gamma-min", self.gamma_min),
+            ("--gamma-max", self.gamma_max),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{flag} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{flag} must be finite, got {value}")
+        if not 0.0 <= self.p <= 1.0:
+            raise ValueError(f"--coverage-bound (p) must be in [0, 1], got {self.p}")
+        if self.tolerance < 0:
+            raise ValueError(f"--tolerance must be >= 0, got {self.tolerance}")
+        probes = self.layer_probes
+        if isinstance(probes, bool) or not isinstance(probes, int) or probes < 2:
+            raise ValueError(f"--dst-probes must be an integer >= 2, got {probes!r}")
+        self._check_kind_fields()
+        if self.budget == "top-k":
+            self._check_tokens()
+        else:
+            self._check_gammas()
+
+    def _check_kind_fields(self) -> None:
+        """A field of the other budget kind set to a non-default value would be ignored: refuse."""
+        other = _GAMMA_FIELDS if self.budget == "top-k" else _TOPK_FIELDS
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        changed = [n for n in other if getattr(self, n) != defaults[n]]
+        if changed:
+            names = ", ".join("--" + n.replace("_", "-") for n in changed)
+            raise ValueError(
+                f"{names} apply to the other budget kind than --budget {self.budget}: drop them "
+                f"or set --budget {'gamma' if self.budget == 'top-k' else 'top-k'}"
+            )
+
+    def _check_tokens(self) -> None:
+        for flag, value in (
+            ("--budget-tokens", self.budget_tokens),
+            ("--budget-tokens-min", self.budget_tokens_min),
+            ("--budget-tokens-max", self.budget_tokens_max),
+        ):
+            if value is None and flag != "--budget-tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{flag} must be an integer >= 0 (tokens), got {value!r}")
+        lo, hi = self.budget_tokens_min, self.budget_tokens_max
+        if lo is not None and lo > self.budget_tokens:
+            raise ValueError(
+                f"--budget-tokens-min ({lo}) must be <= --budget-tokens ({self.budget_tokens})"
+            )
+        if hi is not None and hi < self.budget_tokens:
+            raise ValueError(
+                f"--budget-tokens-max ({hi}) must be >= --budget-tokens ({self.budget_tokens})"
+            )
+
+    def _check_gammas(self) -> None:
+        if self.mode == "off":  # a fixed budget: gamma0 = 1 is dense attention; bounds unused
+            if not 0.0 < self.gamma0 <= 1.0:
+                raise ValueError(
+                    f"--gamma0 must be in (0, 1] with --dst-mode off, got {self.gamma0}"
+                )
+            return
+        if not 0.0 < self.gamma0 < 1.0:
+            raise ValueError(
+                f"--gamma0 must be in (0, 1) when DST tunes budgets, got {self.gamma0} "
+                "(--gamma0 1 = dense attention needs --dst-mode off)"
+            )
+        if not 0.0 < self.gamma_min <= self.gamma0:
+            raise ValueError(
+                f"--gamma-min must be in (0, --gamma0={self.gamma0}], got {self.gamma_min}"
+            )
+        if not self.gamma0 <= self.gamma_max <= 1.0:
+            raise ValueError(
+                f"--gamma-max must be in [--gamma0={self.gamma0}, 1], got {self.gamma_max}"
+            )
+
+    def knob(
+        self, block_size: int, curve: DensityCurve | None = None, anchor_blocks: int = 2
+    ) -> Knob:
+        """The knob these settings describe, for a model run at ``block_size`` (top-k budgets are
+        stated in tokens) with the density ``curve`` (gamma; default the prior)."""
+        if self.budget == "top-k":
+            return knob_from_tokens(self.budget_tokens, block_size, self.budget_tokens_min,
+                                    self.budget_tokens_max, anchor_blocks)  # fmt: skip
+        curve = curve or DensityCurve(gamma0=self.gamma0)
+        if curve.gamma0 != self.gamma0:
+            raise ValueError(
+                f"the density curve was built for gamma0={curve.gamma0}, but --gamma0 is "
+                f"{self.gamma0}"
+            )
+        if self.mode == "off":
+            return GammaKnob(curve, self.gamma0, self.gamma0)
+        return GammaKnob(curve, self.gamma_min, self.gamma_max)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DSTConfig:
+        """Build from the flags :func:`add_dst_arguments` defines (unset flags keep defaults)."""
+        return flags.build(cls, flags.values_from_args(args, cls, ("dst",)), "DST flags")
+
+
+def add_dst_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the DST flags (one argument group, generated from :class:`DSTConfig`'s fields:
+    ``--dst.gamma-min`` etc., with the short aliases ``--gamma-min``, ``--anchor``, ...)."""
+    flags.add_arguments(parser, DSTConfig, ("dst",), title="dynamic sparsity tuning (DST)")

@@ -1,0 +1,205 @@
+"""The budget knob DST turns: ``top_k`` (the paper's MoBA budget) or ``gamma``, behind one
+interface, so the step-level rule (:mod:`.dst`), the layer controller (:mod:`.layer`), the workloads
+and the simulator never branch on the budget kind.
+
+A knob has a base value (what the planner's densities are estimated at), a floor ``lo`` (the
+deepest cut), an upper bound (how far a raise may go) and a density response (what a document of
+length ``L`` costs at value ``v``: :meth:`density`). Values travel as float64 arrays.
+
+Discreteness. A layer runs an integer k, but a worker's step-level budget is a real number: the
+mean k over its (micro-batch, layer) units, which the :class:`~.layer.LayerController` realizes by
+choosing k or k + 1 per layer against the time it has left (integer searches there). Priced at a
+real k, :func:`~sparsebalance.ops.topk_density` interpolates between whole blocks. So step-level
+searches are continuous for both kinds (to 1e-7 in gamma, 1e-4 blocks in k) and the rule keeps
+its guarantees without one-block jumps; the layer level searches integers.
+
+- :class:`TopKKnob`: ``density = topk_density(L, k)``, exact from the length (the top-k rule keeps
+  ``min(i + 1, k + anchors)`` blocks in query block ``i``); the planner's per-document estimate
+  ``d0`` is not needed to price it.
+- :class:`GammaKnob`: ``density = DensityCurve(d0, gamma)``, from the document's estimated
+  density at ``gamma0``.
+
+:func:`search_many` is the one vectorised bisection both use: per active entry, the largest
+(or smallest) value in ``[lo, hi]`` satisfying a monotone predicate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..ops import Budget, topk_density
+from .curve import DensityCurve
+
+GAMMA_TOL = 1e-7
+"""Bisection on gamma stops when the interval is this narrow (about 23 halvings of [0.5, 1])."""
+TOPK_TOL = 1e-4
+"""Step-level bisection on k stops at this width (blocks): about 20 halvings of [8, 128]."""
+
+
+@dataclass(frozen=True)
+class GammaKnob:
+    """Threshold budgets: the knob is gamma in ``[lo, hi]``, base ``curve.gamma0``."""
+
+    curve: DensityCurve
+    lo: float
+    """The lowest gamma a cut may reach (``--gamma-min``)."""
+    hi: float
+    """The highest gamma a raise may reach (``--gamma-max``)."""
+    kind = "gamma"
+    integer = False
+
+    @property
+    def base(self) -> float:
+        return self.curve.gamma0
+
+    def density(self, lengths: np.ndarray, d0: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Densities of documents (``d0`` at gamma0) at ``values``; broadcasts."""
+        return self.curve.density(d0, values)
+
+    def upper(self, max_lengths: np.ndarray) -> np.ndarray:
+        """``(R,)`` the highest value worth trying per worker: ``hi`` everywhere."""
+        return np.full(np.shape(max_lengths), self.hi, dtype=np.float64)
+
+    def budget(self, template: Budget, value: float) -> Budget:
+        """``template`` (anchors, caps) with this knob at ``value``."""
+        return _with_value(template, "gamma", value)
+
+
+@dataclass(frozen=True)
+class TopKKnob:
+    """Top-k budgets: the knob is k (key blocks per query block, anchors not counted)."""
+
+    base: int
+    """k of the base budget (``--budget-tokens / block size``)."""
+    lo: int
+    """The smallest k a cut may reach (``--budget-tokens-min / block size``)."""
+    hi: int | None
+    """The largest k a raise may reach; None: up to exact attention on the longest document."""
+    block_size: int
+    anchor_blocks: int = 2
+    """Sink + local blocks kept on top of k (the :class:`~sparsebalance.ops.Budget` anchors)."""
+    kind = "top-k"
+    integer = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lo <= self.base:
+            raise ValueError(f"top-k: need 0 <= k_min ({self.lo}) <= k_base ({self.base})")
+        if self.hi is not None and self.hi < self.base:
+            raise ValueError(f"top-k: k_max ({self.hi}) must be >= k_base ({self.base})")
+        if self.block_size <= 0:
+            raise ValueError(f"top-k: block size must be > 0, got {self.block_size}")
+
+    def density(self, lengths: np.ndarray, d0: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Densities of documents of ``lengths`` at k = ``values`` (``d0`` unused); broadcasts."""
+        shape = np.broadcast_shapes(np.shape(lengths), np.shape(d0), np.shape(values))
+        lengths = np.broadcast_to(lengths, shape)
+        dens = topk_density(np.maximum(lengths, 1), values, self.block_size, self.anchor_blocks)
+        return np.where(lengths > 0, dens, 1.0)  # padded slots: density 1 (as the d0 padding)
+
+    def upper(self, max_lengths: np.ndarray) -> np.ndarray:
+        """``(R,)`` per worker, the k past which its longest document gains nothing (every
+        causal block kept), at least ``base`` and at most ``hi``."""
+        blocks = np.ceil(np.asarray(max_lengths, dtype=np.float64) / self.block_size)
+        k = np.maximum(blocks - self.anchor_blocks, self.base)
+        return np.minimum(k, self.hi) if self.hi is not None else k
+
+    def budget(self, template: Budget, value: float) -> Budget:
+        return _with_value(template, "top-k", value)
+
+
+Knob = GammaKnob | TopKKnob
+
+
+def _with_value(template: Budget, kind: str, value: float) -> Budget:
+    if template.kind == kind:
+        return template.with_value(value)
+    extra = dict(sink_blocks=template.sink_blocks, local_blocks=template.local_blocks,
+                 max_density=template.max_density, min_blocks=template.min_blocks)  # fmt: skip
+    if kind == "gamma":
+        return Budget(gamma=float(value), **extra)
+    return Budget(top_k=int(round(value)), **extra)
+
+
+def converged(knob: Knob, lo: np.ndarray, hi: np.ndarray, integer: bool = False) -> np.ndarray:
+    """Bool: the bisection interval ``[lo, hi]`` cannot be split further (``integer``: the
+    layer level's whole k; otherwise the step level's tolerance)."""
+    if integer and knob.integer:
+        return hi - lo <= 1.0
+    return hi - lo <= (TOPK_TOL if knob.integer else GAMMA_TOL)
+
+
+def midpoint(knob: Knob, lo: np.ndarray, hi: np.ndarray, integer: bool = False) -> np.ndarray:
+    mid = 0.5 * (lo + hi)
+    return np.floor(mid) if integer and knob.integer else mid
+
+
+def search_many(
+    knob: Knob,
+    ok: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    lo: np.ndarray,
+    hi: np.ndarray,
+    active: np.ndarray,
+    largest: bool = True,
+) -> np.ndarray:
+    """Per active entry, the largest (``largest``) or smallest value ``v`` in ``[lo, hi]`` with
+    ``ok(v, sel)`` true, for a predicate monotone in ``v`` (true below a point for ``largest``,
+    above it otherwise). ``ok(values (n,), sel bool (n,))`` is evaluated only where ``sel``.
+
+    Preconditions: ``ok(lo)`` holds for ``largest`` (``ok(hi)`` otherwise); the result is ``lo``
+    (``hi``) where not active. Only evaluated-feasible values are returned, so the result
+    satisfies the predicate even if it is not exactly monotone.
+    """
+    lo, hi = lo.astype(np.float64).copy(), hi.astype(np.float64).copy()
+    result = (lo if largest else hi).copy()
+    if not active.any():
+        return result
+    end = hi if largest else lo
+    at_end = ok(end, active)
+    result[active & at_end] = end[active & at_end]
+    searching = active & ~at_end
+    while True:
+        searching &= ~converged(knob, lo, hi)
+        if not searching.any():
+            break
+        mid = midpoint(knob, lo, hi)
+        good = ok(mid, searching)
+        if largest:
+            lo = np.where(searching & good, mid, lo)
+            hi = np.where(searching & ~good, mid, hi)
+        else:
+            hi = np.where(searching & good, mid, hi)
+            lo = np.where(searching & ~good, mid, lo)
+    bisected = active & ~at_end
+    result[bisected] = (lo if largest else hi)[bisected]
+    return result
+
+
+def search_one(
+    knob: Knob, ok: Callable[[float], bool], lo: float, hi: float, largest: bool = True
+) -> float:
+    """:func:`search_many` for one scalar (the per-rank reference and the layer controller)."""
+    return float(search_many(knob, lambda v, sel: np.array([ok(float(v[0]))]),
+                             np.array([lo]), np.array([hi]), np.array([True]), largest)[0])  # fmt: skip
+
+
+def knob_from_tokens(
+    base_tokens: int,
+    block_size: int,
+    min_tokens: int | None = None,
+    max_tokens: int | None = None,
+    anchor_blocks: int = 2,
+) -> TopKKnob:
+    """A :class:`TopKKnob` from budgets stated in tokens attended (``k x block size``), so a
+    block-size change keeps the budget: ``k = tokens // block_size`` (at least 1 block for a
+    positive budget). ``min_tokens`` defaults to a quarter of the base."""
+    def blocks(tokens: int) -> int:
+        return max(1, tokens // block_size) if tokens > 0 else 0
+
+    base = blocks(base_tokens)
+    lo = blocks(min_tokens) if min_tokens is not None else math.floor(base / 4)
+    hi = None if max_tokens is None else blocks(max_tokens)
+    return TopKKnob(base, min(lo, base), hi, block_size, anchor_blocks)
