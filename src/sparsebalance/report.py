@@ -194,7 +194,7 @@ def _plots(run_data: dict[str, tuple[list[dict], list[dict]]], out_dir: Path) ->
             recs = [x for x in ranks if x["rank"] == r]
             axes[0].plot(
                 [x["step"] for x in recs],
-                [x["budget_mean"] for x in recs],
+                [x.get("budget_mean", x.get("gamma_mean")) for x in recs],  # gamma_*: old runs
                 ls="-" if i == 0 else "--",
                 label=f"{name} r{r}",
             )
@@ -207,7 +207,7 @@ def _plots(run_data: dict[str, tuple[list[dict], list[dict]]], out_dir: Path) ->
     axes[0].set(title="budget per rank (k or gamma, mean over layers)", xlabel="step")
     axes[1].set(title="realized density per rank", xlabel="step")
     axes[0].legend(fontsize=7)
-    files.append(_save(fig, out_dir / "gamma_density.png"))
+    files.append(_save(fig, out_dir / "budget_density.png"))
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, (_, steps) in run_data.items():
         ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], label=name)

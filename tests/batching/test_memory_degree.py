@@ -123,7 +123,7 @@ def test_plan_overlong_note_names_the_strategies(tmp_path, capsys):
     text = capsys.readouterr().out
     # C = 2000: two documents are over-long for the whole-document strategies; R x C = 8000:
     # one for sab-cp. Each count is printed with the strategies it belongs to.
-    assert "2 documents longer than C (sequential, sorted, tokens, flops, sab)" in text
+    assert "2 documents longer than C (sequential, sorted, lbb, tokens, flops, sab)" in text
     assert "1 documents longer than a unit of R = 4 ranks (sab-cp)" in text
     rc = main(["plan", "--lengths", str(lengths), "--world-size", "4", "--capacity", "2000",
                "--strategy", "sab"])  # fmt: skip

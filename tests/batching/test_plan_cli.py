@@ -90,7 +90,7 @@ def test_overlong_is_reported(capsys, tmp_path):
                        "--overlong", "truncate")  # fmt: skip
     assert code == 0
     # each strategy's count against its own limit: C, or R x C for sab-cp
-    assert "1 documents longer than C (sequential, sorted, tokens, flops, sab): --overlong" in out
+    assert "1 documents longer than C (sequential, sorted, lbb, tokens, flops, sab): --overlong" in out
     assert "1 documents longer than a unit of R = 2 ranks (sab-cp): --overlong truncate" in out
 
 
@@ -101,7 +101,7 @@ def test_split_plans_a_batch_of_only_overlong_documents(capsys, tmp_path):
     code, out, _ = run(capsys, "--lengths", str(path), "--world-size", "2", "--capacity", "140")
     assert code == 0
     assert (
-        "2 documents longer than C (sequential, sorted, tokens, flops, sab): --overlong split"
+        "2 documents longer than C (sequential, sorted, lbb, tokens, flops, sab): --overlong split"
         in out
     )
     assert "2 documents longer than a unit of R = 2 ranks (sab-cp): --overlong split" in out

@@ -83,7 +83,7 @@ def test_per_layer_budget_callback_and_layer_end():
     _forward(model, batch, ctx)
     layers = list(range(model.config.num_hidden_layers))
     assert calls == layers and ended == layers
-    assert [s.gamma for s in ctx.stats] == [1.0] + [0.3] * (len(layers) - 1)
+    assert [s.budget for s in ctx.stats] == [1.0] + [0.3] * (len(layers) - 1)
     assert ctx.stats[0].density == 1.0 and all(s.density < 1.0 for s in ctx.stats[1:])
     assert ctx.mean_density() == pytest.approx(sum(s.density for s in ctx.stats) / len(layers))
 

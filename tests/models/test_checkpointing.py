@@ -95,7 +95,7 @@ def test_recomputation_reuses_the_forward_layout(monkeypatch):
                 sb_attention=ctx, use_cache=False).logits  # fmt: skip
     out.sum().backward()
     assert next(gammas) == 0.99  # exactly four choices were made
-    assert [s.gamma for s in ctx.stats] == [0.3, 0.9, 0.5, 0.7]
+    assert [s.budget for s in ctx.stats] == [0.3, 0.9, 0.5, 0.7]
 
 
 def test_no_grad_forward_runs_without_checkpoint():

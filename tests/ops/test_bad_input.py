@@ -24,9 +24,9 @@ def test_gamma_out_of_range(gamma):
 
 def test_budget_fields_validated():
     with pytest.raises(ValueError, match="sink_blocks"):
-        Budget(sink_blocks=-1)
+        Budget(gamma=0.9, sink_blocks=-1)
     with pytest.raises(ValueError, match="max_density"):
-        Budget(max_density=0.0)
+        Budget(top_k=4, max_density=0.0)
     with pytest.raises(TypeError, match="gamma"):
         Budget(gamma="0.5")
 
@@ -44,7 +44,7 @@ def test_bad_cu_seqlens(inputs, cu, match):
     q, k, v, _, layout = inputs
     bad = torch.tensor(cu, dtype=torch.int32)
     with pytest.raises(ValueError, match=match):
-        select_blocks(q, k, bad, Budget(), block_size=16)
+        select_blocks(q, k, bad, Budget(gamma=0.9), block_size=16)
     with pytest.raises(ValueError, match=match):
         block_sparse_attention(q, k, v, layout, bad)
 
@@ -99,7 +99,7 @@ def test_unknown_or_unavailable_backend(inputs):
 def test_bad_block_size_and_budget_type(inputs):
     q, k, _, cu, _ = inputs
     with pytest.raises(ValueError, match="block_size"):
-        select_blocks(q, k, cu, Budget(), block_size=0)
+        select_blocks(q, k, cu, Budget(gamma=0.9), block_size=0)
     with pytest.raises(TypeError, match="budget"):
         select_blocks(q, k, cu, 0.9, block_size=16)
 
@@ -110,12 +110,12 @@ def test_zero_head_dim_and_bad_scale(inputs):
     with pytest.raises(ValueError, match="head dim"):
         block_sparse_attention(q[..., :0], k[..., :0], v[..., :0], layout, cu)
     with pytest.raises(ValueError, match="head dim"):
-        select_blocks(q[..., :0], k[..., :0], cu, Budget(), block_size=16)
+        select_blocks(q[..., :0], k[..., :0], cu, Budget(gamma=0.9), block_size=16)
     for scale in (float("nan"), float("inf"), 0.0, -1.0):
         with pytest.raises(ValueError, match="scale"):
             block_sparse_attention(q, k, v, layout, cu, scale=scale)
         with pytest.raises(ValueError, match="scale"):
-            select_blocks(q, k, cu, Budget(), block_size=16, scale=scale)
+            select_blocks(q, k, cu, Budget(gamma=0.9), block_size=16, scale=scale)
     with pytest.raises(TypeError, match="scale"):
         block_sparse_attention(q, k, v, layout, cu, scale="big")
 

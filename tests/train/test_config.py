@@ -29,18 +29,21 @@ def test_defaults_come_from_the_dataclass_only():
 
 
 def test_nested_flags_and_their_aliases_agree():
-    dotted = _parse(["--dst.gamma-min", "0.6", "--dst.anchor", "median", "--dst.p", "0.05",
-                     "--dst.layer-probes", "4", "--dst.mode", "down"])  # fmt: skip
-    short = _parse(["--gamma-min", "0.6", "--anchor", "median", "--tolerance", "0.05",
-                    "--dst-probes", "4", "--dst-mode", "down"])  # fmt: skip
+    dotted = _parse(["--dst.budget", "gamma", "--dst.gamma-min", "0.6", "--dst.anchor", "median",
+                     "--dst.p", "0.05", "--dst.tolerance", "0.02", "--dst.layer-probes", "4",
+                     "--dst.mode", "down"])  # fmt: skip
+    short = _parse(["--budget", "gamma", "--gamma-min", "0.6", "--anchor", "median",
+                    "--coverage-bound", "0.05", "--tolerance", "0.02", "--dst-probes", "4",
+                    "--dst-mode", "down"])  # fmt: skip
     assert dotted == short
-    assert dotted.dst == DSTConfig(mode="down", anchor="median", p=0.05, gamma_min=0.6,
-                                   layer_probes=4)  # fmt: skip
+    assert dotted.dst == DSTConfig(mode="down", anchor="median", p=0.05, tolerance=0.02,
+                                   budget="gamma", gamma_min=0.6, layer_probes=4)  # fmt: skip
 
 
 def test_toml_dst_table_then_flags_on_top(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('steps = 7\nglobal_batch = 4\n[dst]\nanchor = "max"\ngamma0 = 0.85\n')
+    path.write_text('steps = 7\nglobal_batch = 4\n[dst]\nanchor = "max"\nbudget = "gamma"\n'
+                    'gamma0 = 0.85\n')
     cfg = _parse(["--config", str(path), "--gamma0", "0.8", "--steps", "3"])
     assert (cfg.steps, cfg.global_batch) == (3, 4)  # flags win over the file
     assert (cfg.dst.anchor, cfg.dst.gamma0, cfg.dst.mode) == ("max", 0.8, "bidirectional")
@@ -51,12 +54,15 @@ def test_toml_dst_table_then_flags_on_top(tmp_path):
     with pytest.raises(ValueError, match="unknown keys"):
         _parse(["--config", str(path)])
     with pytest.raises(ValueError, match="--gamma-min"):  # validation still names the flag
-        _parse(["--gamma-min", "0.95"])
+        _parse(["--budget", "gamma", "--gamma-min", "0.95"])
+    with pytest.raises(ValueError, match="--gamma-min only apply to --budget gamma"):
+        _parse(["--gamma-min", "0.6"])  # a gamma setting under the default top-k: not ignored
 
 
 def test_the_launcher_file_round_trips_the_whole_nested_config(tmp_path):
     cfg = replace(TrainConfig(), micro_batches=3, capacity=None, measure_bubble="exact",
-                  dst=DSTConfig(mode="down", anchor="min", p=0.2, gamma_min=0.55))  # fmt: skip
+                  dst=DSTConfig(mode="down", anchor="min", p=0.2, budget_tokens=1024,
+                                budget_tokens_min=128))  # fmt: skip
     path = tmp_path / "launch-config.json"
     path.write_text(json.dumps(to_dict(cfg)))
     assert _parse(["--config", str(path)]) == cfg
@@ -69,7 +75,8 @@ def test_help_text_is_the_field_docstring():
     helps = {a.dest: a.help for a in parser._actions}
     assert helps["seed"].startswith("Seeds the model") and "(default: 0)" in helps["seed"]
     assert "weight decay" in helps["weight_decay"]
-    assert "tolerance band" in helps["dst.p"] and "(default: 0.1)" in helps["dst.p"]
+    assert "coverage" in helps["dst.p"] and "(default: 0.1)" in helps["dst.p"]
+    assert "time band" in helps["dst.tolerance"] and "(default: 0.0)" in helps["dst.tolerance"]
     assert all(h for d, h in helps.items() if d not in ("help",)), "every flag has help text"
 
 

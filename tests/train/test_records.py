@@ -11,13 +11,14 @@ import pytest
 
 from sparsebalance.train.feedback import apply_feedback
 from sparsebalance.train.records import MicroBatchResult, RankRecord, StepFeedback
-from sparsebalance.tuning import DensityCurve, RankDecision
+from sparsebalance.tuning import DensityCurve, DSTConfig, RankDecision
 from sparsebalance.workload import Sample
 
-# metrics.jsonl per-rank fields, in the order earlier runs wrote them (the report reads them).
+# metrics.jsonl per-rank fields, in order (the report reads them); before the top-k budgets the
+# budget fields were named gamma, gamma_min, gamma_mean, gamma_max (the report reads both).
 LEGACY_RANK_FIELDS = [
-    "rank", "compute_s", "tokens", "microbatch_s", "predicted_before_s", "predicted_s", "gamma",
-    "dst_role", "target_s", "gamma_min", "gamma_mean", "gamma_max", "density", "bubble_s",
+    "rank", "compute_s", "tokens", "microbatch_s", "predicted_before_s", "predicted_s", "budget",
+    "dst_role", "target_s", "budget_min", "budget_mean", "budget_max", "density", "bubble_s",
     "sync_s", "derived_bubble_s",
 ]  # fmt: skip
 
@@ -35,16 +36,18 @@ def test_rank_record_keeps_the_jsonl_schema_and_aggregates():
     b = _mb([9], [5], ((1.0,), (0.5,)), [0.8, 0.95], seconds=0.25)
     rec = RankRecord.from_results(_decision(), [a, b])
     out = rec.to_json()
-    assert list(out) == [*LEGACY_RANK_FIELDS, "ring_wait_s", "units"]  # new fields appended
+    assert list(out) == [*LEGACY_RANK_FIELDS, "ring_wait_s", "units", "dst_layer_s",
+                         "coverage_limited"]  # new fields appended
     assert [u["slot"] for u in out["units"]] == [-1, -1] and out["ring_wait_s"] == 0.0
     assert out["units"][0]["degree"] == 1 and out["units"][0]["sample_ids"] == [4, 7]
     assert out["compute_s"] == 0.75 and out["tokens"] == 35 and out["microbatch_s"] == [0.5, 0.25]
-    assert (out["gamma_min"], out["gamma_max"]) == (0.8, 0.99)
-    assert out["gamma_mean"] == pytest.approx(np.mean([0.9, 0.99, 0.8, 0.95]))
-    assert out["density"] == pytest.approx(np.mean([0.375, 0.625, 1.0, 0.5]))
+    assert (out["budget_min"], out["budget_max"]) == (0.8, 0.99)
+    assert out["budget_mean"] == pytest.approx(np.mean([0.9, 0.99, 0.8, 0.95]))
+    # length²-weighted: per layer over documents, mean over layers, then over micro-batches
+    assert out["density"] == pytest.approx((0.5 * 500 + 0.75 * 25) / 525)
     assert (rec.loss_sum, rec.weight) == (6.0, 4.0)
     empty = RankRecord.from_results(_decision(0), []).to_json()
-    assert empty["gamma_min"] == empty["gamma_max"] == 0.95 and empty["density"] == 0.0
+    assert empty["budget_min"] == empty["budget_max"] == 0.95 and empty["density"] == 0.0
     both = StepFeedback.from_records([RankRecord.from_results(_decision(0), [b]), rec])
     assert both.microbatches == (b, a, b)  # rank order, then micro-batch order
 
@@ -80,8 +83,8 @@ class _Recorder:
     def __init__(self):
         self.seen: list = []
 
-    def observe(self, samples, densities):
-        self.seen.append(([s.id for s in samples], list(densities)))
+    def observe(self, samples, densities, budgets=None):
+        self.seen.append(([s.id for s in samples], list(densities), list(budgets)))
 
     def update(self, lengths, densities, seconds):
         self.seen.append(("latency", list(lengths), seconds))
@@ -95,13 +98,29 @@ def test_feedback_recovers_d0_per_document_and_skips_dense_layers():
     dense = _mb([9], [5], ((1.0,),), [1.0])
     est, lat = _Recorder(), _Recorder()
     sample = lambda i: Sample(i, 10)  # noqa: E731
-    apply_feedback(StepFeedback((informative, dense)), lat, est, curve, sample, use_timings=False)
+    knob = DSTConfig(budget="gamma").knob(64, curve)
+    apply_feedback(StepFeedback((informative, dense)), lat, est, knob, sample, use_timings=False)
     assert lat.seen == []  # --deterministic: no timing is fed back
-    ((ids, dens),) = est.seen
+    ((ids, dens, _),) = est.seen
     assert ids == [4, 7]  # sample 9 ran only at gamma 1: nothing to learn
     np.testing.assert_allclose(dens, d0, rtol=1e-9)
-    apply_feedback(StepFeedback((dense,)), lat, est, curve, sample, use_timings=True)
+    apply_feedback(StepFeedback((dense,)), lat, est, knob, sample, use_timings=True)
     assert lat.seen == [("latency", [5], 0.5)]
+
+
+def test_feedback_under_top_k_gives_realized_densities_and_final_budgets():
+    """Top-k: a document's density is what its final k keeps (no inverse curve); the estimator
+    also gets each document's k averaged over layers and over its chunks."""
+    knob = DSTConfig(budget_tokens=512).knob(64)
+    a = _mb([4, 7], [10, 20], ((0.5, 0.25), (0.3, 0.75)), [6, 10])
+    b = _mb([7], [20], ((0.5,), (0.5,)), [4, 4])  # a second chunk of document 7
+    est, lat = _Recorder(), _Recorder()
+    apply_feedback(StepFeedback((a, b)), lat, est, knob, lambda i: Sample(i, 10),
+                   use_timings=False)  # fmt: skip
+    ((ids, dens, budgets),) = est.seen
+    assert ids == [4, 7]
+    np.testing.assert_allclose(dens, [0.4, (0.5 + 0.5) / 2])
+    np.testing.assert_allclose(budgets, [8.0, (8.0 + 4.0) / 2])
 
 
 def test_cp_units_recalibrate_the_ring_terms_not_the_base_model():
@@ -128,12 +147,12 @@ def test_cp_units_recalibrate_the_ring_terms_not_the_base_model():
     base = _Recorder()
     ctx = fake_context(FakeCost(a=1e-5, b=1e-8), bandwidth=2e6)
     before = ctx.state_dict()
-    apply_feedback(StepFeedback((*parts, one)), base, _Recorder(), DensityCurve(0.9),
+    apply_feedback(StepFeedback((*parts, one)), base, _Recorder(), DSTConfig(budget="gamma").knob(64),
                    lambda i: Sample(i, 10), context=ctx)  # fmt: skip
     assert base.seen == [("latency", [300], 0.125)]  # only the one-rank micro-batch
     after = ctx.state_dict()
     assert after["counts"]["comm"] == 1 and after != before
-    apply_feedback(StepFeedback(parts), base, _Recorder(), DensityCurve(0.9),
+    apply_feedback(StepFeedback(parts), base, _Recorder(), DSTConfig(budget="gamma").knob(64),
                    lambda i: Sample(i, 10), use_timings=False, context=ctx)  # fmt: skip
     assert ctx.state_dict() == after  # --deterministic: no timing is fed back
 

@@ -64,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
     mode = f"{cfg.emulate_ranks} emulated ranks" if cfg.emulate_ranks else f"{nproc} processes"
     notes = (
         f"{mode}, model {cfg.model}, {cfg.steps} steps (step 1 excluded), global batch "
-        f"{cfg.global_batch}, capacity {cfg.capacity}, gamma0 {cfg.dst.gamma0}. Speedup: baseline "
+        f"{cfg.global_batch}, capacity {cfg.capacity}, {cfg.dst.describe()}. Speedup: baseline "
         "mean step time / strategy's; compute speedup uses the slowest rank's compute time. "
         "Predicted: the simulator on the same batches with the baseline run's latency model "
         "(its profile, recalibrated online up to its last step) and the estimator's starting "

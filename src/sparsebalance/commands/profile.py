@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--backend", default="auto", help="attention backend training uses (auto/torch/flex)"
     )
     p.add_argument("--block-size", type=int, default=64)
+    p.add_argument(
+        "--budget-kind", choices=("top-k", "gamma"), default="top-k",
+        help="the budgets training will run, so the layouts timed have their shape: top-k (equal "
+             "rows, train --budget top-k, the default) or gamma (threshold rows)",
+    )  # fmt: skip
     p.add_argument("--out", default="profile.json", help="where to write the profile")
     p.add_argument(
         "--max-len", type=int, default=None,
@@ -171,7 +176,7 @@ def main(args: argparse.Namespace) -> int:
         return _report({"wrote": str(path), "memory": _memory_summary(cal)}, args)
     profile = measure_profile(
         shapes, device, dtype, args.backend, args.block_size, max_len, budget, args.rounds,
-        args.allreduce_world_size, quiet=True, threads=threads,
+        args.allreduce_world_size, quiet=True, threads=threads, layout=_layout(args),
     )  # fmt: skip
     if args.measure_links:
         from ..latency.links import measure_p2p
@@ -196,6 +201,10 @@ def main(args: argparse.Namespace) -> int:
         "memory": memory,
     }
     return _report(summary, args)
+
+
+def _layout(args) -> str:
+    return "top-k" if args.budget_kind == "top-k" else "threshold"
 
 
 def _memory_tokens(text: str | None, max_len: int, context: int) -> list[int]:
@@ -246,7 +255,8 @@ def _validate(args, shapes, device, dtype) -> int:
     profile = load_profile(args.validate)
     backend = profile.fingerprint.get("backend", "torch")
     threads = (args.threads or profile.fingerprint.get("threads")) if device.type == "cpu" else None
-    running = fingerprint(shapes, device, dtype, backend, args.block_size, threads)
+    running = fingerprint(shapes, device, dtype, backend, args.block_size, threads,
+                          profile.fingerprint.get("layout", "threshold"))  # fmt: skip
     profile.check_fingerprint(
         {**running, **{k: profile.fingerprint[k] for k in ("max_len", "schema")
                        if k in profile.fingerprint}},

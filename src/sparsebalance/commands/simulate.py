@@ -5,7 +5,7 @@ density and budget moved.
 
 Batches: ``R x --samples-per-rank`` documents per step from ``--dist heavy|uniform|bimodal`` or a
 ``--lengths FILE`` (one length per line, or JSON with a ``lengths`` list and optional paired
-``densities``); densities at gamma0 from the documented power-law model (see
+``densities``); densities at gamma0 (the documents' content) from the power-law model (see
 ``sparsebalance.simulate.sparsity``) unless the file has them. Cost: ``--profile P`` or the
 analytic FLOP-count profile (``--analytic h100|h200 --model ... --efficiency E``), plus the
 optimizer step and a ring all-reduce of bf16 gradients per step.
@@ -97,8 +97,7 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"cost model: {summary['cost_model']}\nlengths: {summary['lengths']}; densities: "
         f"{summary['sparsity']}\n{config.steps} steps x {config.samples_per_rank} samples per "
-        f"rank, {bound}, seed {config.seed}; DST p = {config.dst.p}, gamma0 = "
-        f"{config.dst.gamma0} in [{config.dst.gamma_min}, {config.dst.gamma_max}]"
+        f"rank, {bound}, seed {config.seed}; {config.dst.describe()}"
     )
     for res in summary["results"]:
         print(

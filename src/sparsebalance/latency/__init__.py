@@ -36,6 +36,7 @@ def default_latency_model(
     max_len: int | None = None,
     budget_s: float = 50.0,
     threads: int | None = None,
+    layout: str = "threshold",
 ) -> LatencyModel:
     """A latency model for the running setup with no manual step.
 
@@ -45,11 +46,11 @@ def default_latency_model(
     noise line printed, and cached. The fingerprint, hence the cache key, holds the CPU
     ``threads`` the profile is for (default: this process's count, which is what a trainer rank
     runs with) and the profile schema: a profile for other threads, or of an older schema, is
-    not reused.
+    not reused. ``layout``: ``top-k`` for top-k budgets (a profile of top-k layouts).
     """
     from .measure import measure_profile, noise_line
 
-    running = fingerprint(shapes, device, dtype, backend, block_size, threads)
+    running = fingerprint(shapes, device, dtype, backend, block_size, threads, layout)
     running["max_len"] = max_len or shapes.max_context
     running["schema"] = SCHEMA
     key = hashlib.sha1(json.dumps(running, sort_keys=True).encode()).hexdigest()[:12]
@@ -64,7 +65,7 @@ def default_latency_model(
                 return LatencyModel(profile)
     profile = measure_profile(
         shapes, device, dtype, backend, block_size, running["max_len"], budget_s, quiet=True,
-        threads=running["threads"],
+        threads=running["threads"], layout=layout,
     )  # fmt: skip
     print(noise_line(profile), file=sys.stderr)
     profile.fingerprint["max_len"] = running["max_len"]

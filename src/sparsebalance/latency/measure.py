@@ -49,6 +49,7 @@ from .sweep import (
     prepare_microbatch,
     random_batches,
     time_interleaved,
+    topk_batch,
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -77,23 +78,26 @@ def measure_profile(
     quiet: bool = False,
     seed: int = 7,
     threads: int | None = None,
+    layout: str = "threshold",
 ) -> Profile:
     """Measure a :class:`Profile` for micro-batches of up to ``max_len`` tokens (default: the
     model's context) spending about ``budget_s`` seconds timing micro-batches, with ``threads``
     CPU threads (default: this process's count; recorded in the fingerprint). The design is
     sized for ``rounds`` timings of every micro-batch in about half the budget; further rounds
     (up to :data:`MAX_ROUNDS`) follow while the budget lasts: a median over more rounds spread
-    over a longer window is what keeps a slow phase of a shared machine out of the profile."""
+    over a longer window is what keeps a slow phase of a shared machine out of the profile.
+    ``layout``: the budget kind's layout shape, ``threshold`` (gamma) or ``top-k`` (every design
+    micro-batch then has top-k layouts and its realized densities)."""
     if budget_s <= 0 or rounds < 2:
         raise ValueError(f"need budget_s > 0 and rounds >= 2, got {budget_s}, {rounds}")
     with torch_threads(threads if device.type == "cpu" else None):
         return _measure_profile(shapes, device, dtype, backend, block_size, max_len, budget_s,
-                                rounds, allreduce_world_size, quiet, seed)  # fmt: skip
+                                rounds, allreduce_world_size, quiet, seed, layout)  # fmt: skip
 
 
 def _measure_profile(
     shapes, device, dtype, backend, block_size, max_len, budget_s, rounds, allreduce_world_size,
-    quiet, seed,
+    quiet, seed, layout,
 ) -> Profile:  # fmt: skip
     t_start = time.perf_counter()
     top = int(max_len or shapes.max_context)
@@ -102,12 +106,17 @@ def _measure_profile(
     model = ProxyModel(shapes).to(device, DTYPES[dtype])
     nl = shapes.num_layers
 
+    def shaped(batch: Batch) -> Batch:
+        return topk_batch(batch, block_size) if layout == "top-k" else batch
+
     def prep(batch: Batch, i: int):
-        return prepare_microbatch(model, batch[0], batch[1], device, backend, block_size, seed + i)
+        return prepare_microbatch(model, batch[0], batch[1], device, backend, block_size, seed + i,
+                                  layout)  # fmt: skip
 
     # Pilot: a rough (per pair, per token, per call) cost prices the candidates.
     pilot = [([min(top, 8 * block_size + 5)], [1.0]), ([min(top, 4 * block_size + 3)], [0.1]),
              ([min(top, block_size + 9)], [0.5])]  # fmt: skip
+    pilot = [shaped(b) for b in pilot]
     pt = np.array([median_time(prep(b, i), device, 1, 1) for i, b in enumerate(pilot)])
     px = features(pilot, nl, block_size)[:, [0, 1, 4]]
     rough = np.maximum(nnls(px / pt[:, None], np.ones(len(pilot))), 1e-12)
@@ -121,6 +130,7 @@ def _measure_profile(
     # rounds + 1: time_interleaved runs each micro-batch once untimed first (warm-up).
     design = choose_design(top, block_size, cost, budget_s * DESIGN_SHARE, rounds + 1,
                            featurize, seed=seed)  # fmt: skip
+    design = [shaped(b) for b in design]
     t_pilot = time.perf_counter() - t_start
     timings = time_interleaved([prep(b, i) for i, b in enumerate(design)], device,
                                max(MAX_ROUNDS, rounds), min_rounds=rounds,
@@ -132,7 +142,7 @@ def _measure_profile(
     loo = np.zeros(len(design))
     if fit.loo_errors:
         loo[np.setdiff1d(np.arange(len(design)), dropped)] = fit.loo_errors
-    extra = _refine(design, loo.tolist(), top, block_size, seed)
+    extra = [shaped(b) for b in _refine(design, loo.tolist(), top, block_size, seed)]
     extra = [b for b in extra if (left := left - timings.seconds.shape[0] * cost(b)) > 0][:4]
     if extra:
         more = time_interleaved([prep(b, 100 + i) for i, b in enumerate(extra)], device,
@@ -152,7 +162,7 @@ def _measure_profile(
     noise = {**timings.noise(), "load_1min": _load(), "design_points": len(design),
              "design_outliers": len(rejected)}  # fmt: skip
     profile = Profile(
-        fingerprint=fingerprint(shapes, device, dtype, backend, block_size),
+        fingerprint=fingerprint(shapes, device, dtype, backend, block_size, layout=layout),
         attention=AttentionTable(t["lengths"], t["densities"], t["attention"]),
         layer_other=Table1D(t["lengths"], t["layer_other"]),
         head=Table1D(t["lengths"], t["head"]),
@@ -258,20 +268,26 @@ def measure_allreduce(num_params: int, world_size: int) -> float:
 
 def heldout_batches(profile: Profile, count: int, max_tokens: int, seed: int = 1) -> list[Batch]:
     """Held-out micro-batches: 1-4 documents of 128 .. ``max_tokens`` tokens (none of the
-    profile's design lengths), densities in [0.04, 0.95]."""
+    profile's design lengths), densities in [0.04, 0.95] (for a top-k profile: the realized
+    densities of top-k layouts of those, :func:`sweep.topk_batch`)."""
     design = [n for point in profile.fit.get("design", []) for n in point["lengths"]]
-    return random_batches(count, max_tokens, min(128, max_tokens), seed, design)
+    batches = random_batches(count, max_tokens, min(128, max_tokens), seed, design)
+    if profile.fingerprint.get("layout") == "top-k":
+        block = int(profile.fingerprint.get("block_size", 64))
+        batches = [topk_batch(b, block) for b in batches]
+    return batches
 
 
 def measure_heldout(
     shapes: ModelShapes, batches: list[Batch], device: torch.device, dtype: str, backend: str,
-    block_size: int, rounds: int = 3,
+    block_size: int, rounds: int = 3, layout: str = "threshold",
 ) -> Timings:  # fmt: skip
     """Median of ``rounds`` interleaved timings of each held-out micro-batch, and their noise."""
     torch.manual_seed(1)
     proxy = ProxyModel(shapes).to(device, DTYPES[dtype])
     fns = [
-        prepare_microbatch(proxy, b[0], b[1], device, backend, block_size, seed=1000 + i)
+        prepare_microbatch(proxy, b[0], b[1], device, backend, block_size, seed=1000 + i,
+                           layout=layout)  # fmt: skip
         for i, b in enumerate(batches)
     ]
     fns[0]()  # warm-up

@@ -44,10 +44,15 @@ def fingerprint(
     backend: str,
     block_size: int,
     threads: int | None = None,
+    layout: str = "threshold",
 ) -> dict:
     """What a profile's numbers depend on. ``threads``: the CPU threads per process the timings
     hold for (default: this process's ``torch.get_num_threads()``; None on GPU) -- a profile
-    measured with 2 threads mispredicts ranks that run with 1."""
+    measured with 2 threads mispredicts ranks that run with 1. ``layout``: the shape of the
+    layouts it timed, ``threshold`` (gamma budgets) or ``top-k`` (a ``layout`` key is written for
+    top-k only, so earlier profiles keep their fingerprints)."""
+    if layout not in ("threshold", "top-k"):
+        raise ValueError(f"layout must be 'threshold' or 'top-k', got {layout!r}")
     info = machine_info(device)
     if device.type == "cpu":
         threads = int(threads or info["cpu_threads"])
@@ -60,6 +65,7 @@ def fingerprint(
         "backend": backend,
         "block_size": block_size,
         "shapes": {k: v for k, v in shapes.to_dict().items() if k != "name"},
+        **({"layout": layout} if layout == "top-k" else {}),
     }
 
 

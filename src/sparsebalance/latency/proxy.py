@@ -102,15 +102,18 @@ class ProxyModel(nn.Module):
         layouts: list[BlockLayout],
         block_size: int,
         backend: str = "auto",
+        layout: str = "threshold",
     ) -> torch.Tensor:
         """Forward + backward of one packed micro-batch; each layer also runs the block selection
-        (its layout is then replaced by ``layouts[i]`` so densities are controlled)."""
+        of the budget kind ``layout`` describes (its layout is then replaced by ``layouts[i]`` so
+        densities are controlled)."""
+        budget = Budget(top_k=8) if layout == "top-k" else Budget(gamma=0.9)
         x = self.head.embed(ids)
         cos, sin = rotary(positions, self.s.head_dim, x.dtype)
         for layer, layout in zip(self.layers, layouts, strict=True):
 
             def attention(q, k, v, layout=layout):
-                estimate_block_mass(q, k, cu_seqlens, block_size).layout(Budget(gamma=0.9))
+                estimate_block_mass(q, k, cu_seqlens, block_size).layout(budget)
                 return block_sparse_attention(q, k, v, layout, cu_seqlens, backend=backend)
 
             x = layer(x, cos, sin, attention)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..ops import random_layout
+from ..ops import random_layout, topk_density
+from ..ops.layout import topk_width
 from ..timing import synchronize, time_once
 from .proxy import ProxyModel
 
@@ -30,20 +31,35 @@ def prepare_microbatch(
     backend: str,
     block_size: int,
     seed: int = 0,
+    layout: str = "threshold",
 ) -> Callable[[], object]:
     """A closure running forward + backward of one packed micro-batch on the proxy model (its
-    inputs and per-layer layouts built once, outside the timed call)."""
+    inputs and per-layer layouts built once, outside the timed call). ``layout``: the shape of
+    the random layouts, ``threshold`` or ``top-k`` (see :func:`~sparsebalance.ops.random_layout`;
+    give top-k densities through :func:`topk_batch` so they are the realized ones)."""
     s = model.s
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     positions = torch.cat([torch.arange(int(n)) for n in lengths]).to(device)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, s.vocab_size, (int(cu[-1]),), generator=gen).to(device)
     layouts = [
-        random_layout(cu, s.num_heads, block_size, list(densities), seed=seed + i).to(device)
+        random_layout(cu, s.num_heads, block_size, list(densities), seed=seed + i,
+                      shape=layout).to(device)  # fmt: skip
         for i in range(len(model.layers))
     ]
     cu = cu.to(device)
-    return lambda: model.step(ids, positions, cu, layouts, block_size, backend)
+    return lambda: model.step(ids, positions, cu, layouts, block_size, backend, layout)
+
+
+def topk_batch(batch: Batch, block_size: int) -> Batch:
+    """The micro-batch with each density replaced by what a top-k layout of that density really
+    keeps (whole rows: :func:`~sparsebalance.ops.layout.topk_width`), so a profile's features
+    describe the layouts it times."""
+    lengths, dens = batch
+    ls = torch.tensor(lengths, dtype=torch.int64)
+    width = topk_width(ls, torch.tensor(dens, dtype=torch.float64), block_size).numpy()
+    real = topk_density(np.asarray(lengths), width - 2, block_size)
+    return list(lengths), [round(float(x), 6) for x in real]
 
 
 @dataclass

@@ -157,7 +157,8 @@ def validate_profile(
         raise ValueError(f"--max-tokens must be >= 128, got {max_tokens}")
     model = LatencyModel(profile)
     batches = heldout_batches(profile, num_batches, max_tokens, seed=1)
-    timings = measure_heldout(shapes, batches, device, dtype, backend, block_size, rounds)
+    layout = profile.fingerprint.get("layout", "threshold")
+    timings = measure_heldout(shapes, batches, device, dtype, backend, block_size, rounds, layout)
     measured = timings.median.tolist()
     result = {"max_tokens": max_tokens, **validation_summary(model, batches, measured)}
     steps, final = recalibration_steps(profile, batches, measured)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .varlen import check_cu_seqlens, doc_starts, token_mask
@@ -227,13 +228,21 @@ def random_layout(
     block_size: int,
     density: float | list[float] | torch.Tensor,
     seed: int = 0,
+    shape: str = "threshold",
 ) -> BlockLayout:
     """A layout with a chosen density per document (for benchmarks and latency profiling).
 
-    Each query block keeps ``max(1, round(d * causal blocks))`` key blocks: the diagonal, its
-    document's first block, then random causal blocks; ``d`` is the density of the document that
-    holds the block's last token (``density`` is one float or one value per document).
+    ``shape="threshold"``: each query block keeps ``max(1, round(d * causal blocks))`` key blocks
+    (rows grow with the query's position, as a mass threshold keeps them). ``shape="top-k"``:
+    each query block keeps ``min(causal blocks, W)`` with one ``W`` per document, the smallest
+    whose top-k density reaches ``d`` (rows of equal width once past ``W``, as top-k keeps them;
+    the realized density is :func:`~sparsebalance.ops.topk_density` of that ``W`` minus the two
+    anchors). Kept: the diagonal, the document's first block, then random causal blocks; ``d``
+    is the density of the document that holds the block's last token (``density`` is one float
+    or one value per document).
     """
+    if shape not in ("threshold", "top-k"):
+        raise ValueError(f"shape must be 'threshold' or 'top-k', got {shape!r}")
     check_cu_seqlens(cu_seqlens)
     total = int(cu_seqlens[-1])
     nb = num_blocks(total, block_size)
@@ -245,22 +254,40 @@ def random_layout(
         raise ValueError("density must be one value or one per document, each in (0, 1]")
     qb = torch.arange(nb)
     last_tok = torch.clamp((qb + 1) * block_size, max=total) - 1
-    row_density = dens[torch.searchsorted(cu[1:], last_tok, right=True)]
+    doc = torch.searchsorted(cu[1:], last_tok, right=True)
     prio = torch.rand(num_heads, nb, nb, generator=torch.Generator().manual_seed(seed))
-    return layout_from_priorities(prio, cu, block_size, row_density)
+    if shape == "top-k":
+        width = topk_width(torch.diff(cu), dens, block_size)[doc]
+        return layout_from_priorities(prio, cu, block_size, None, width)
+    return layout_from_priorities(prio, cu, block_size, dens[doc])
+
+
+def topk_width(lengths: torch.Tensor, density: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int64: per document, the smallest row width ``W`` (kept blocks per query block, anchors
+    included) whose top-k density on a document of ``lengths`` tokens reaches ``density``."""
+    from .budget import topk_for_density
+
+    k = topk_for_density(lengths.double().numpy(), density.double().numpy(), block_size, 0)
+    return torch.from_numpy(np.maximum(np.ceil(k - 1e-9), 1)).long()
 
 
 def layout_from_priorities(
-    prio: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int, density: float | torch.Tensor
+    prio: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_size: int,
+    density: float | torch.Tensor | None,
+    width: torch.Tensor | None = None,
 ) -> BlockLayout:
     """Keep, per (head, query block), the ``max(1, round(d * causal blocks))`` causal key blocks
-    of highest priority, always including the diagonal and the document's first block.
+    of highest priority (or ``min(causal blocks, width)``), always including the diagonal and
+    the document's first block.
 
     Args:
         prio: float ``(H, nb, nb)`` priority of each (query block, key block); modified in place.
         cu_seqlens: ``(N + 1,)`` document offsets.
         block_size: tokens per block.
-        density: ``d``, one value or ``(nb,)`` per query block, in (0, 1].
+        density: ``d``, one value or ``(nb,)`` per query block, in (0, 1]; or None with
+        width: int ``(nb,)`` kept blocks per query block (capped at its causal blocks).
     """
     cu = cu_seqlens.to("cpu", torch.int64)
     lo = causal_block_range(cu, int(cu[-1]), block_size)
@@ -269,7 +296,10 @@ def layout_from_priorities(
     prio[:, qb, lo] = torch.maximum(prio[:, qb, lo], prio.new_tensor(2.0))
     causal = (qb[None, :] >= lo[:, None]) & (qb[None, :] <= qb[:, None])
     prio = prio.masked_fill(~causal[None], -1.0)
-    n_keep = torch.clamp(torch.round(density * causal.sum(-1)), min=1).long()
+    if width is not None:
+        n_keep = torch.minimum(causal.sum(-1), width.clamp_min(1))
+    else:
+        n_keep = torch.clamp(torch.round(density * causal.sum(-1)), min=1).long()
     rank = prio.argsort(-1, descending=True).argsort(-1)
     keep = (rank < n_keep[None, :, None]) & causal[None]
     return BlockLayout.from_block_mask(keep, cu.to(torch.int32), block_size, prio.shape[0])

@@ -63,8 +63,8 @@ class SimConfig:
     """Densities at gamma0 (``--density-at-4k``, ``--density-slope``, ``--density-noise``); its
     block size is ``block_size``."""
     dst: DSTConfig = field(default_factory=DSTConfig)
-    """DST flags (``--dst.FIELD`` / ``--gamma-min`` ...): mode and anchor are set per strategy; p
-    and the gammas apply to all."""
+    """DST flags (``--dst.FIELD`` / ``--budget-tokens`` ...): mode and anchor are set per
+    strategy; the budget, p and the bounds apply to all."""
     curve_alpha: tuple[float, float] = (1.0, 1.0)
     """[--curve-alpha] LOW,HIGH: the density-response exponents below / above gamma0."""
     strategies: tuple[str, ...] = DEFAULT_STRATEGIES
@@ -218,7 +218,7 @@ def _simulate_one(config: SimConfig, model: LatencyModel, cost, shapes, r: int) 
         draw_batches(config, r), r, cost,
         micro_batches=config.micro_batches, capacity=config.capacity,
         strategies=config.strategies, dst=config.dst, curve=config.curve,
-        step_overhead=step_overhead(model, shapes, config, r),
+        block_size=config.block_size, step_overhead=step_overhead(model, shapes, config, r),
         show_step=config.show_step, workers=config.workers,
     )  # fmt: skip
 
@@ -238,11 +238,17 @@ def _describe(config: SimConfig, desc: str, results: list[dict]) -> dict:
             "alpha_high": config.curve_alpha[1],
         },
         "dst": {
+            "budget": config.dst.budget,
+            **({"budget_tokens": config.dst.budget_tokens,
+                "budget_tokens_min": config.dst.budget_tokens_min,
+                "budget_tokens_max": config.dst.budget_tokens_max}
+               if config.dst.budget == "top-k" else
+               {"gamma0": config.dst.gamma0, "gamma_min": config.dst.gamma_min,
+                "gamma_max": config.dst.gamma_max}),
             "p": config.dst.p,
+            "tolerance": config.dst.tolerance,
+            "raise_to": config.dst.raise_to,
             "anchor": config.dst.anchor,
-            "gamma0": config.dst.gamma0,
-            "gamma_min": config.dst.gamma_min,
-            "gamma_max": config.dst.gamma_max,
         },
         "micro_batches": config.micro_batches,
         "capacity": config.capacity,

@@ -69,7 +69,8 @@ def predict(
 ) -> dict:
     """The simulator on the same global batches, with the latency model of the measured baseline
     run (its profile, recalibrated online to its final step) and the estimator's starting
-    densities (what the first plan sees). Every strategy sees it through the trainer's
+    densities (what the first plan sees; no step-level coverage information, as in the trainer,
+    whose layers enforce the coverage bound). Every strategy sees it through the trainer's
     ``ContextCost`` (``sab-cp`` prices split documents with it; the others read only the base
     model); its multi-rank terms (shard compute, ring imbalance, transfer scale) are those the
     measured hybrid run ``hybrid_dir`` recalibrated up to its final step, where given."""
@@ -92,7 +93,8 @@ def predict(
         batches.append((np.array([s.num_tokens for s in samples]), estimator.estimate(samples)))
     out = simulate_steps(batches[1:] or batches, world_size, cost,
                          micro_batches=cfg.micro_batches, capacity=cfg.capacity,
-                         strategies=names, dst=cfg.dst, overlong=cfg.overlong)  # fmt: skip
+                         strategies=names, dst=cfg.dst, overlong=cfg.overlong,
+                         block_size=cfg.block_size, coverage=False)  # fmt: skip
     out["context_cost"] = cost.describe()
     return out
 

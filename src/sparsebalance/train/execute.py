@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -51,6 +51,8 @@ class RankExecutor:
     """Feed per-layer forward times to DST's closed loop (CPU, not ``--deterministic``)."""
     loss: str = "auto"
     """LM loss implementation (``train.loss``): auto | chunked | plain | liger."""
+    _controllers: list[LayerController] = field(default_factory=list, init=False, repr=False)
+    """This run's layer controllers (their decision time and coverage-bound stops)."""
 
     def run(self, step: TunedStep, rank: int) -> LocalWork:
         """Rank ``rank``'s units (real or emulated rank); ``perf_counter`` stamps."""
@@ -61,11 +63,13 @@ class RankExecutor:
         solo = [plan.ranks[rank][j] for j, u in enumerate(planned.rank_units[rank])
                 if units[u].degree == 1]  # fmt: skip
         controller = None
+        self._controllers = []
         if self.dst.mode != "off" and solo:
             controller = LayerController.from_decision(mine, solo, self.latency, self.dst,
                                                        knob=self.knob)  # fmt: skip
             if len(solo) < len(plan.ranks[rank]):  # its CP units are not the controller's
                 controller.target_seconds = float(controller.planned.sum())
+            self._controllers.append(controller)
         row = planned.rounds[rank]
         mine_units = [u for u in row if u is not None]
         passes = self.par.passes(len(mine_units), len(row))
@@ -87,7 +91,10 @@ class RankExecutor:
                     results.append(replace(res, slot=unit.slot))
                     m_solo += 1
         done = time.perf_counter()
-        return LocalWork([RankRecord.from_results(mine, results)], ready or done, done)
+        record = RankRecord.from_results(mine, results)
+        record.dst_layer_s = sum(c.decide_seconds for c in self._controllers)
+        record.coverage_limited = sum(c.num_coverage_limited for c in self._controllers)
+        return LocalWork([record], ready or done, done)
 
     def cp_unit(
         self, unit: Unit, rank: int, value: float, loss_scale: float
@@ -103,6 +110,7 @@ class RankExecutor:
             # controller's choices depend on the shared estimates only (same on every rank).
             ctl = LayerController([mb], self.latency, self.dst, 0.0, value=value, knob=self.knob)
             ctl.target_seconds = float(ctl.planned.sum())
+            self._controllers.append(ctl)
             choose = lambda layer, e: ctl.choose(0, layer, e)  # noqa: E731
         ctx = PackedAttention(batch.cu_seqlens, self.budget(value), self.block_size,
                               self.backend, choose_budget=choose, ring=ring)  # fmt: skip

@@ -54,6 +54,8 @@ class TunedStep:
     loss_scale: float
     """Multiplies each micro-batch's loss sum before its backward: ``world_size / global_weight``
     (the gradient sync averages over processes, so the result is the global token mean)."""
+    dst_seconds: float = 0.0
+    """Wall seconds of DST's step-level decision."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,17 @@ class MicroBatchResult:
     unit's whole documents); 0 = ``sum(lengths)``."""
 
     @property
+    def density(self) -> float | None:
+        """The micro-batch's realized density over its layers: per layer the documents' densities
+        weighted by length² (each document's share of the attention work), then the mean over
+        layers; None without layers."""
+        if not self.layer_densities:
+            return None
+        w = np.asarray(self.lengths, dtype=np.float64) ** 2
+        dens = np.asarray(self.layer_densities, dtype=np.float64)  # (layers, N)
+        return float((dens @ w).mean() / w.sum()) if w.sum() > 0 else float(dens.mean())
+
+    @property
     def degree(self) -> int:
         """k, the number of ranks that ran this micro-batch together (1 = data parallel)."""
         return max(len(self.unit_ranks), 1)
@@ -107,7 +120,7 @@ class MicroBatchResult:
             "slot": self.slot, "ranks": list(self.unit_ranks), "degree": self.degree,
             "ring": self.ring, "sample_ids": list(self.sample_ids), "tokens": self.tokens,
             "start_s": self.start_s, "seconds": self.seconds, "ring_wait_s": self.ring_wait_s,
-            "density": float(np.mean(self.layer_densities)) if self.layer_densities else None,
+            "density": self.density,
         }  # fmt: skip
 
 
@@ -133,7 +146,8 @@ class RankRecord:
     budget_mean: float
     budget_max: float
     density: float
-    """Mean realized density over the rank's (micro-batch, layer) pairs."""
+    """Realized density of the rank's attention work: its micro-batches' densities
+    (:attr:`MicroBatchResult.density`, length²-weighted) weighted by their documents' length²."""
     bubble_s: float = 0.0
     """Measured wait for the slowest rank (see :class:`LocalWork`)."""
     sync_s: float = 0.0
@@ -146,6 +160,10 @@ class RankRecord:
     """One entry per micro-batch in execution order (:meth:`MicroBatchResult.unit_json`): slot,
     the unit's ranks and degree k, ring kind, sample ids, tokens on this rank, start, seconds and
     ring wait. Appended after the earlier fields: older readers see the same first fields."""
+    dst_layer_s: float = 0.0
+    """Seconds DST's layer controllers spent deciding this rank's budgets (part of compute_s)."""
+    coverage_limited: int = 0
+    """Layer decisions where the coverage bound p stopped a cut the time target asked for."""
     loss_sum: float = field(default=0.0, repr=False)
     weight: float = field(default=0.0, repr=False)
     microbatches: tuple[MicroBatchResult, ...] = field(default=(), repr=False)
@@ -156,7 +174,10 @@ class RankRecord:
     def from_results(cls, decision: RankDecision, results: list[MicroBatchResult]) -> RankRecord:
         """Aggregate one rank's micro-batch results under its DST decision."""
         layer_budgets = [g for r in results for g in r.budgets]
-        dens = [np.mean(d) for r in results for d in r.layer_densities]
+        parts = [(r.density, float(np.sum(np.asarray(r.lengths, dtype=np.float64) ** 2)))
+                 for r in results if r.density is not None]  # fmt: skip
+        weight = sum(w for _, w in parts)
+        density = sum(d * w for d, w in parts) / weight if weight > 0 else 0.0
         return cls(
             rank=decision.rank,
             compute_s=sum(r.seconds for r in results),
@@ -170,7 +191,7 @@ class RankRecord:
             budget_min=min(layer_budgets, default=decision.budget),
             budget_mean=float(np.mean(layer_budgets)) if layer_budgets else decision.budget,
             budget_max=max(layer_budgets, default=decision.budget),
-            density=float(np.mean(dens)) if dens else 0.0,
+            density=float(density),
             ring_wait_s=sum(r.ring_wait_s for r in results),
             units=[r.unit_json() for r in results],
             loss_sum=sum(r.loss_sum for r in results),
@@ -249,6 +270,18 @@ class StepSummary:
     """Documents trained whole on a context-parallel unit of k > 1 ranks this step: ``id``,
     ``offset`` and ``tokens`` (a later ``--overlong`` chunk has offset > 0), ``degree`` k,
     ``ranks`` and ``ring`` (from the plan's units)."""
+    plan_s: float = 0.0
+    """Seconds SAB's planning took (the planner, on every rank)."""
+    dst_s: float = 0.0
+    """Seconds DST's step-level decision took."""
+    dst_layer_s: float = 0.0
+    """Seconds the slowest-deciding rank's layer controllers took (inside its compute)."""
+    overhead_s: float = 0.0
+    """``plan_s + dst_s + dst_layer_s``: the balancing pipeline's own time this step."""
+    budget_kind: str = ""
+    """``top-k`` or ``gamma``."""
+    coverage_limited: int = 0
+    """Layer decisions (all ranks) where the coverage bound stopped a cut."""
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -131,12 +131,13 @@ class StepRunner:
         the global token mean (the gradient sync averages over processes; emulated ranks
         accumulate into one set of gradients)."""
         plan = planned.plan
+        t0 = time.perf_counter()
         if plan.units:  # workers = ranks joined by CP units, one budget each
             decision = decide_units(self.tuner, plan, self.cost or self.latency)
         else:
             decision = self.tuner.decide(plan.ranks, self.latency)
         loss_scale = self.rt.world_size / max(planned.global_weight, 1e-9)
-        return TunedStep(planned, decision, loss_scale)
+        return TunedStep(planned, decision, loss_scale, time.perf_counter() - t0)
 
     def execute(self, tuned: TunedStep) -> LocalWork:
         """Forward + backward of this process's rank (or of every emulated rank), timestamps
@@ -242,6 +243,13 @@ class StepRunner:
             plan_efficiency=plan.metrics.efficiency,
             num_overlong=plan.metrics.num_overlong,
             num_split_chunks=plan.metrics.num_split_chunks,
+            plan_s=plan.metrics.plan_seconds,
+            dst_s=tuned.dst_seconds,
+            dst_layer_s=max(r.dst_layer_s for r in records),
+            overhead_s=plan.metrics.plan_seconds + tuned.dst_seconds
+            + max(r.dst_layer_s for r in records),
+            budget_kind=self.tuner.knob.kind,
+            coverage_limited=sum(r.coverage_limited for r in records),
             cp_documents=tuple(
                 {
                     "id": i,

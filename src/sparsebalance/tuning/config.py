@@ -104,9 +104,10 @@ class DSTConfig:
         changed = [n for n in other if getattr(self, n) != defaults[n]]
         if changed:
             names = ", ".join("--" + n.replace("_", "-") for n in changed)
+            other_kind = "gamma" if self.budget == "top-k" else "top-k"
             raise ValueError(
-                f"{names} apply to the other budget kind than --budget {self.budget}: drop them "
-                f"or set --budget {'gamma' if self.budget == 'top-k' else 'top-k'}"
+                f"{names} only apply to --budget {other_kind}: drop them, or set --budget "
+                f"{other_kind} (the budget kind is {self.budget})"
             )
 
     def _check_tokens(self) -> None:
@@ -167,6 +168,19 @@ class DSTConfig:
         if self.mode == "off":
             return GammaKnob(curve, self.gamma0, self.gamma0)
         return GammaKnob(curve, self.gamma_min, self.gamma_max)
+
+    def describe(self) -> str:
+        """One line: the budget and the rule (for reports and command output)."""
+        if self.budget == "top-k":
+            lo = self.budget_tokens_min if self.budget_tokens_min is not None else "base/4"
+            hi = self.budget_tokens_max if self.budget_tokens_max is not None else "dense"
+            budget = f"top-k {self.budget_tokens} tokens (cuts to {lo}, raises to {hi})"
+        else:
+            budget = f"gamma0 {self.gamma0} in [{self.gamma_min}, {self.gamma_max}]"
+        rule = f"p = {self.p}, anchor {self.anchor}, raise to {self.raise_to}"
+        if self.tolerance:
+            rule += f", tolerance {self.tolerance}"
+        return f"{budget}; DST {self.mode}: {rule}"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DSTConfig:

@@ -30,6 +30,7 @@ chosen but not yet observed counts with its predicted seconds.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -109,6 +110,8 @@ class LayerController:
         self._predicted = np.full((m, num_layers), np.nan)  # at the chosen budget
         self._measured = np.full((m, num_layers), np.nan)
         self._records: dict[tuple[int, int], LayerRecord] = {}
+        self.decide_seconds = 0.0
+        """Wall seconds spent in :meth:`choose` (DST's per-layer overhead)."""
 
     @classmethod
     def from_decision(
@@ -154,6 +157,13 @@ class LayerController:
         self._check_unit(microbatch, layer)
         if self._chosen[microbatch, layer]:
             raise ValueError(f"unit (microbatch={microbatch}, layer={layer}) was already chosen")
+        t0 = time.perf_counter()
+        try:
+            return self._choose(microbatch, layer, estimate, spent_seconds)
+        finally:
+            self.decide_seconds += time.perf_counter() - t0
+
+    def _choose(self, microbatch, layer, estimate, spent_seconds) -> Budget:
         spent = self.spent_seconds() if spent_seconds is None else float(spent_seconds)
         left = self.planned[~self._chosen]
         share = self.planned[microbatch, layer] / left.sum() if left.sum() > 0 else 0.0
@@ -206,6 +216,11 @@ class LayerController:
         self._measured[microbatch, layer] = seconds
         key = (microbatch, layer)
         self._records[key] = replace(self._records[key], measured_seconds=float(seconds))
+
+    @property
+    def num_coverage_limited(self) -> int:
+        """Decisions where the coverage bound stopped a cut the time target asked for."""
+        return sum(r.coverage_limited for r in self._records.values())
 
     @property
     def records(self) -> list[LayerRecord]:
