@@ -71,7 +71,7 @@ def test_make_estimator_follows_the_budget_kind():
 
 
 @pytest.mark.parametrize("regime", [dict(micro_batches=2), dict(capacity=6000)])
-def test_lbb_buckets_consecutive_lengths_dealt_round_robin(regime):
+def test_lbb_buckets_consecutive_lengths_dealt_in_snake_order(regime):
     lengths = [500, 4000, 100, 2500, 3000, 800, 1200, 50]
     plan = plan_batch(samples(lengths), Oracle(), PlanConfig(2, strategy="lbb", **regime),
                       densities=np.full(8, 0.5))  # fmt: skip
@@ -82,10 +82,10 @@ def test_lbb_buckets_consecutive_lengths_dealt_round_robin(regime):
     for mb in mbs:
         p = sorted(pos[i] for i in mb.sample_ids)
         assert p == list(range(p[0], p[0] + len(p)))
-    # micro-batch j (in length order) goes to rank j mod R
+    # micro-batches in length order go to ranks 0, 1, 1, 0, 0, 1, ... (snake order)
     firsts = sorted((min(pos[i] for i in mb.sample_ids), r) for r, rank in enumerate(plan.ranks)
                     for mb in rank)  # fmt: skip
-    assert [r for _, r in firsts] == [j % 2 for j in range(len(firsts))]
+    assert [r for _, r in firsts] == [(0, 1, 1, 0)[j % 4] for j in range(len(firsts))]
     if "micro_batches" in regime:
         assert [len(rank) for rank in plan.ranks] == [2, 2]
     else:

@@ -9,7 +9,7 @@ Strategies (one interface, :data:`STRATEGIES`):
 - ``sequential``: dataset order, contiguous equal-count shards per rank (the usual baseline);
 - ``sorted``: the same on length-sorted samples (LongAlign-style sorted batching);
 - ``lbb``: length-based batching, the SparseBalance paper's baseline: length-sorted samples cut
-  into consecutive micro-batches, dealt to ranks round-robin;
+  into consecutive micro-batches, dealt to ranks in snake order;
 - ``tokens``: LPT on token counts;
 - ``flops``: LPT on ``c L + L^2`` (what verl / slime balance), ``c`` fitted to the cost model's
   dense document time unless given;

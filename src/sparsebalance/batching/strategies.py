@@ -245,9 +245,11 @@ def pack_in_order(items: list[int], tokens: np.ndarray, regime: Regime) -> list[
 def length_buckets(tokens: np.ndarray, num_ranks: int, regime: Regime) -> RankPacks:
     """Length-based batching (the SparseBalance paper's LBB baseline): items sorted by length
     (longest first, ties by index), cut into consecutive micro-batches (``R x M`` groups of equal
-    count, or next-fit into ``C`` tokens), dealt to ranks round-robin (micro-batch ``j`` to rank
-    ``j mod R``). Similar lengths share a micro-batch; ranks are not balanced beyond the deal.
-    O(N log N)."""
+    count, or next-fit into ``C`` tokens), dealt to ranks in snake order (0 .. R-1, then R-1 .. 0,
+    ...: each rank gets one bucket of every R consecutive ones, the heavy end alternating). The
+    paper does not say how its buckets meet data-parallel ranks; the snake deal is the stronger
+    baseline of the simple ones (round-robin gives rank 0 the heaviest bucket of every round).
+    Similar lengths share a micro-batch; ranks are not balanced beyond the deal. O(N log N)."""
     order = descending(tokens.astype(np.float64)).tolist()
     if regime.capacity is None:
         buckets = _split_even(order, min(len(order), num_ranks * regime.micro_batches))
@@ -255,7 +257,8 @@ def length_buckets(tokens: np.ndarray, num_ranks: int, regime: Regime) -> RankPa
         buckets = pack_in_order(order, tokens, regime)
     packs: RankPacks = [[] for _ in range(num_ranks)]
     for j, bucket in enumerate(buckets):
-        packs[j % num_ranks].append(bucket)
+        lap, pos = divmod(j, num_ranks)
+        packs[pos if lap % 2 == 0 else num_ranks - 1 - pos].append(bucket)
     return packs
 
 

@@ -22,6 +22,7 @@ plus Python per micro-batch) and about 25 vectorised ``predict_many`` probes per
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
@@ -187,15 +188,19 @@ class _Job:
             if s.planner not in works:  # one plan per planner (baseline and dst share one)
                 cfg = PlanConfig(self.world_size, self.micro_batches, self.capacity, s.planner,
                                  self.overlong)  # fmt: skip
+                t0 = time.perf_counter()
                 a = assign_batch(batch.lengths, dens, self.cost_model, cfg)
+                plan_s = time.perf_counter() - t0
                 work = _workload(a, self.cost_model, self.knob, batch.densities, self.coverage)
-                works[s.planner] = (work, _cp_stats(a))
+                works[s.planner] = (work, {**_cp_stats(a), "plan_s": plan_s})
             cfg = replace(self.dst, mode=s.dst_mode, anchor=s.anchor or self.dst.anchor)
             # sab+dst and sab+dst@<default anchor> are the same decision: made once.
             if (s.planner, cfg) not in decided:
                 work, stats = works[s.planner]
+                t0 = time.perf_counter()
                 dec = DSTTuner(cfg, knob=self.knob).decide_arrays(work)
-                decided[s.planner, cfg] = {**_record(dec, work), **stats}
+                dst_s = time.perf_counter() - t0 if cfg.mode != "off" else 0.0
+                decided[s.planner, cfg] = {**_record(dec, work), **stats, "dst_s": dst_s}
             out[s.name] = decided[s.planner, cfg]
         return out
 
@@ -252,7 +257,7 @@ def _summarize(records, strats, world_size, step_overhead, show_step) -> dict:
         return np.array([rec[name][key] for rec in records], dtype=np.float64)
 
     base = series("baseline", "compute") + step_overhead
-    table, per_step = {}, {}
+    table, per_step, overhead = {}, {}, {}
     for s in strats:
         compute = series(s.name, "compute")
         step = compute + step_overhead
@@ -279,12 +284,17 @@ def _summarize(records, strats, world_size, step_overhead, show_step) -> dict:
             "comm_seconds": float(series(s.name, "comm").mean()),
         }
         per_step[s.name] = step.tolist()
+        overhead[s.name] = {"plan_seconds": float(np.median(series(s.name, "plan_s"))),
+                            "dst_seconds": float(np.median(series(s.name, "dst_s")))}
     return {
         "world_size": world_size,
         "num_steps": len(records),
         "step_overhead_seconds": step_overhead,
         "strategies": table,
         "per_step": per_step,
+        # wall time of this machine's planner and step-level DST (median over steps): the only
+        # measured numbers of a simulation, kept apart so the rest stays deterministic
+        "overhead_seconds": overhead,
         "show_step": show_step,
         "rank_times": {s.name: records[show_step][s.name]["rank_times"].tolist() for s in strats},
     }

@@ -211,11 +211,11 @@ class DSTTuner:
             if targets.times_floor[rank] > targets.cut_threshold:
                 value = floor
             else:
-                value = search_one(knob, lambda v: w.seconds(v) <= targets.cut_threshold,
+                value = search_one(knob, lambda v: w.seconds(v) - targets.cut_threshold,
                                    floor, knob.base)  # fmt: skip
         elif role == RAISED:
             hi = float(knob.upper(np.array([w.max_length]))[0])
-            value = search_one(knob, lambda v: w.seconds(v) <= targets.raise_seconds,
+            value = search_one(knob, lambda v: w.seconds(v) - targets.raise_seconds,
                                knob.base, hi)  # fmt: skip
         after = w.seconds(value)
         return RankDecision(
@@ -273,9 +273,11 @@ class DSTTuner:
         if not getattr(work, "has_coverage", False):
             return lo
         c_base = work.coverage(base)
-        def ok(v, sel):
-            return work.coverage(v, sel) >= c_base - p
-        return search_many(knob, ok, lo, base, np.ones(n, dtype=bool), largest=False)
+
+        def g(v, sel):
+            return work.coverage(v, sel) - (c_base - p)
+
+        return search_many(knob, g, lo, base, np.ones(n, dtype=bool), largest=False)
 
     def decide_arrays(self, workload) -> StepArrays:
         """:meth:`decide` on a plan's :class:`PlanWorkload` (or a ``UnitWorkload``), as ``(W,)``
@@ -296,12 +298,12 @@ class DSTTuner:
         cut = (roles == CUT) & ~empty
         value = np.where((roles == CUT) & empty, floor, base)
         limit = targets.cut_threshold
-        value = np.where(cut, search_many(knob, lambda v, s: work.seconds(v, s) <= limit,
+        value = np.where(cut, search_many(knob, lambda v, s: work.seconds(v, s) - limit,
                                           floor, base, cut), value)  # fmt: skip
         raised = roles == RAISED
         hi = np.maximum(knob.upper(work.max_lengths), base)
         lim_up = targets.raise_seconds
-        value = np.where(raised, search_many(knob, lambda v, s: work.seconds(v, s) <= lim_up,
+        value = np.where(raised, search_many(knob, lambda v, s: work.seconds(v, s) - lim_up,
                                              base, hi, raised), value)  # fmt: skip
         return StepArrays(
             targets=targets,

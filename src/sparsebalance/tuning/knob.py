@@ -139,50 +139,79 @@ def midpoint(knob: Knob, lo: np.ndarray, hi: np.ndarray, integer: bool = False) 
 
 def search_many(
     knob: Knob,
-    ok: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    g: Callable[[np.ndarray, np.ndarray], np.ndarray],
     lo: np.ndarray,
     hi: np.ndarray,
     active: np.ndarray,
     largest: bool = True,
 ) -> np.ndarray:
-    """Per active entry, the largest (``largest``) or smallest value ``v`` in ``[lo, hi]`` with
-    ``ok(v, sel)`` true, for a predicate monotone in ``v`` (true below a point for ``largest``,
-    above it otherwise). ``ok(values (n,), sel bool (n,))`` is evaluated only where ``sel``.
+    """Per active entry, for ``g`` non-decreasing in the value: the largest ``v`` in ``[lo, hi]``
+    with ``g(v) <= 0`` (``largest``), or the smallest with ``g(v) >= 0``. ``g(values (n,),
+    sel bool (n,)) -> (n,)`` is evaluated only where ``sel``.
 
-    Preconditions: ``ok(lo)`` holds for ``largest`` (``ok(hi)`` otherwise); the result is ``lo``
-    (``hi``) where not active. Only evaluated-feasible values are returned, so the result
-    satisfies the predicate even if it is not exactly monotone.
+    Preconditions: ``g(lo) <= 0`` for ``largest`` (``g(hi) >= 0`` otherwise); the result is
+    ``lo`` (``hi``) where not active. Only evaluated values on the feasible side are returned,
+    so the result satisfies its condition even if ``g`` is not exactly monotone.
+
+    Search: the bracket ``[a, b]`` (``a`` feasible for ``largest``) shrinks by false position with
+    the Illinois modification (the retained end's value is halved when the same end stays twice,
+    so both ends move), and by bisection whenever a step fails to halve the bracket; it stops at
+    the knob's step-level tolerance. Predicted times and coverages are smooth in the budget, so
+    this takes a handful of probes where bisection takes ~20.
     """
     lo, hi = lo.astype(np.float64).copy(), hi.astype(np.float64).copy()
     result = (lo if largest else hi).copy()
     if not active.any():
         return result
-    end = hi if largest else lo
-    at_end = ok(end, active)
-    result[active & at_end] = end[active & at_end]
-    searching = active & ~at_end
-    while True:
-        searching &= ~converged(knob, lo, hi)
-        if not searching.any():
+    sign = 1.0 if largest else -1.0  # make the feasible end ``a`` the one with h <= 0
+    a, b = (lo, hi) if largest else (hi, lo)
+    hb = sign * g(b, active)
+    done = active & (hb <= 0)  # the far end is feasible already
+    result[done] = b[done]
+    search = active & ~done
+    if not search.any():
+        return result
+    ha = np.where(search, sign * g(a, search), 0.0)
+    last = np.zeros(a.shape, dtype=np.int8)  # which end moved last: -1 a, +1 b
+    width = np.abs(b - a)
+    for _ in range(200):  # a safeguard; the tolerance stops it long before
+        search &= ~converged(knob, np.minimum(a, b), np.maximum(a, b))
+        if not search.any():
             break
-        mid = midpoint(knob, lo, hi)
-        good = ok(mid, searching)
-        if largest:
-            lo = np.where(searching & good, mid, lo)
-            hi = np.where(searching & ~good, mid, hi)
-        else:
-            hi = np.where(searching & good, mid, hi)
-            lo = np.where(searching & ~good, mid, lo)
-    bisected = active & ~at_end
-    result[bisected] = (lo if largest else hi)[bisected]
+        denom = hb - ha
+        t = np.where(denom > 0, -ha / np.where(denom > 0, denom, 1.0), 0.5)
+        c = a + np.clip(t, 0.0, 1.0) * (b - a)
+        bisect = ~((c - np.minimum(a, b) > 0) & (np.maximum(a, b) - c > 0))
+        c = np.where(bisect, 0.5 * (a + b), c)
+        hc = np.where(search, sign * g(c, search), 0.0)
+        feasible = hc <= 0
+        move_a, move_b = search & feasible, search & ~feasible
+        # Illinois: an end kept twice in a row has its value halved
+        hb = np.where(move_a & (last == -1), 0.5 * hb, hb)
+        ha = np.where(move_b & (last == 1), 0.5 * ha, ha)
+        a, ha = np.where(move_a, c, a), np.where(move_a, hc, ha)
+        b, hb = np.where(move_b, c, b), np.where(move_b, hc, hb)
+        last = np.where(move_a, -1, np.where(move_b, 1, last)).astype(np.int8)
+        new_width = np.abs(b - a)
+        slow = search & (new_width > 0.5 * width)
+        if slow.any():  # a bisection step on the entries that did not halve
+            m = 0.5 * (a + b)
+            hm = np.where(slow, sign * g(m, slow), 0.0)
+            ok = slow & (hm <= 0)
+            a, ha = np.where(ok, m, a), np.where(ok, hm, ha)
+            b, hb = np.where(slow & ~ok, m, b), np.where(slow & ~ok, hm, hb)
+            last = np.where(slow, 0, last).astype(np.int8)
+        width = np.abs(b - a)
+    bracketed = active & ~done
+    result[bracketed] = a[bracketed]
     return result
 
 
 def search_one(
-    knob: Knob, ok: Callable[[float], bool], lo: float, hi: float, largest: bool = True
+    knob: Knob, g: Callable[[float], float], lo: float, hi: float, largest: bool = True
 ) -> float:
-    """:func:`search_many` for one scalar (the per-rank reference and the layer controller)."""
-    return float(search_many(knob, lambda v, sel: np.array([ok(float(v[0]))]),
+    """:func:`search_many` for one scalar (the per-rank reference)."""
+    return float(search_many(knob, lambda v, sel: np.array([g(float(v[0]))]),
                              np.array([lo]), np.array([hi]), np.array([True]), largest)[0])  # fmt: skip
 
 

@@ -1,0 +1,280 @@
+"""The SparseBalance paper's Table I, reproduced: six rows (baseline, +DST, +SAB, +LBB, +SAB+DST,
++LBB+DST) x imbalance, iteration time, overhead, speed-up, with the settings pre-registered in
+``benchmarks/configs/table1.toml`` (committed before the first measurement).
+
+    python benchmarks/table1.py --mode measured     # this CPU, --emulate-ranks 8 (one process)
+    python benchmarks/table1.py --mode gloo         # this CPU, 2 gloo ranks (torchrun)
+    python benchmarks/table1.py --mode simulated    # the paper's setting, analytic H200
+    python benchmarks/table1.py --mode measured --quick   # tiny, for the slow test tier
+
+Measured modes train the real model with the real trainer: one :class:`Trainer` per row in one
+process (per rank under torchrun), all on the same data and seed, stepped *interleaved* (round r
+runs step r of every row, the row order rotating), so the machine's drift hits every row alike.
+The first step of each row is a warm-up; each speed-up is the median over the other rounds of
+``baseline step / row step`` in that round. Imbalance = max / mean of the ranks' compute time
+(over ranks, not micro-batches as in the paper's PP setting). Overhead = SAB planning + DST's
+step decision + the slowest rank's per-layer DST decisions (``overhead_s`` of the trainer), in
+ms and as a share of the row's step; and as a share of the analytic H200 step of the paper's
+setting (the same pipeline work beside a real GPU step). Run alone: nothing else on the machine.
+
+Writes ``benchmarks/results/<date>-table1-<mode>-cpu.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sparsebalance.data.prepare import tokenizer_info
+from sparsebalance.data.store import StoreWriter
+from sparsebalance.data.tokenizer import load_tokenizer
+from sparsebalance.results import markdown_table, write_results
+
+ROWS = {  # name -> (planner strategy, DST mode)
+    "baseline": ("sequential", "off"),
+    "+DST": ("sequential", "bidirectional"),
+    "+SAB": ("sab", "off"),
+    "+LBB": ("lbb", "off"),
+    "+SAB+DST": ("sab", "bidirectional"),
+    "+LBB+DST": ("lbb", "bidirectional"),
+}
+CONFIG = Path(__file__).parent / "configs" / "table1.toml"
+
+
+def draw_lengths(mix: dict, n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` lengths: a ``long_share`` of log-uniform draws in ``long``, the rest in ``short``."""
+    def logu(lo_hi, size):
+        lo, hi = np.log(lo_hi[0]), np.log(lo_hi[1])
+        return np.exp(rng.uniform(lo, hi, size)).astype(np.int64)
+
+    is_long = rng.random(n) < mix["long_share"]
+    return np.where(is_long, logu(mix["long"], n), logu(mix["short"], n))
+
+
+def write_store(path: Path, lengths: np.ndarray, seed: int, vocab: int = 4096) -> Path:
+    """A token store of random ids below ``vocab`` (the tiny model's embedding) per length."""
+    tok = load_tokenizer(None)
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, vocab, int(n)).astype(np.int64) for n in lengths]
+    with StoreWriter(path, tokenizer_info(tok), overwrite=True) as w:
+        w.add_many(docs, ["table1"] * len(docs))
+        w.close({"table1": {"seed": seed}})
+    return path
+
+
+# ---------------------------------------------------------------------- measured (real training)
+def run_rows(cfg: dict, mix: str, seed: int, store: Path, out: Path, emulate: int) -> dict:
+    """Every row's trainer, stepped interleaved; returns per row the per-round summaries."""
+    from sparsebalance.train.config import TrainConfig
+    from sparsebalance.train.trainer import Trainer
+    from sparsebalance.tuning import DSTConfig
+
+    m = cfg["measured"]
+    trainers = {}
+    for name, (strategy, mode) in ROWS.items():
+        dst = DSTConfig(mode=mode, anchor=cfg["anchor"], p=cfg["p"],
+                        budget_tokens=m["budget_tokens"])  # fmt: skip
+        tc = TrainConfig(model=m["model"], data=str(store), steps=cfg["rounds"],
+                         global_batch=m["global_batch"], micro_batches=m["micro_batches"],
+                         capacity=None, strategy=strategy, block_size=m["block_size"],
+                         emulate_ranks=emulate, seed=seed, out=str(out / name), overwrite=True,
+                         dst=dst, overlong="split")  # fmt: skip
+        trainers[name] = Trainer(tc)
+    rounds: dict[str, list[dict]] = {name: [] for name in ROWS}
+    names = list(ROWS)
+    for r in range(cfg["rounds"]):
+        order = names[r % len(names):] + names[: r % len(names)]  # rotate who goes first
+        for name in order:
+            s = trainers[name].run_step().summary
+            rounds[name].append({"step_s": s.step_seconds, "imbalance": s.imbalance,
+                                 "overhead_s": s.overhead_s, "plan_s": s.plan_s,
+                                 "dst_s": s.dst_s, "dst_layer_s": s.dst_layer_s,
+                                 "density": s.mean_density, "loss": s.loss,
+                                 "coverage_limited": s.coverage_limited})  # fmt: skip
+    for t in trainers.values():
+        t.rt.close()
+    return rounds
+
+
+def summarize(rounds: dict[str, list[dict]]) -> dict:
+    """Per row: medians over rounds (warm-up dropped) and the median per-round speed-up."""
+    out = {}
+    base = [x["step_s"] for x in rounds["baseline"][1:]]
+    for name, rs in rounds.items():
+        rs = rs[1:]
+        step = [x["step_s"] for x in rs]
+        med = statistics.median
+        out[name] = {
+            "imbalance": med(x["imbalance"] for x in rs),
+            "step_ms": 1e3 * med(step),
+            "overhead_ms": 1e3 * med(x["overhead_s"] for x in rs),
+            "overhead_share": med(x["overhead_s"] / x["step_s"] for x in rs),
+            "speedup": med(b / s for b, s in zip(base, step, strict=True)),
+            "density": med(x["density"] for x in rs),
+            "coverage_limited": med(x["coverage_limited"] for x in rs),
+            "rounds": len(rs),
+        }
+    return out
+
+
+def measured(cfg: dict, args, emulate: int) -> dict:
+    m = cfg["measured"]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="table1-") as tmp:
+        tmp = Path(tmp)
+        for mix in args.mixes:
+            for seed in cfg["seeds"]:
+                rng = np.random.default_rng([seed, 27])
+                lengths = draw_lengths(m["mixes"][mix], args.num_docs, rng)
+                store = write_store(tmp / f"store-{mix}-{seed}", lengths, seed)
+                t0 = time.perf_counter()
+                rounds = run_rows(cfg, mix, seed, store, tmp / f"runs-{mix}-{seed}", emulate)
+                results[f"{mix}/seed{seed}"] = {"rows": summarize(rounds), "raw": rounds,
+                                                "wall_s": time.perf_counter() - t0}  # fmt: skip
+                print(f"{mix} seed {seed}: {format_rows(results[f'{mix}/seed{seed}']['rows'])}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+    return results
+
+
+def format_rows(rows: dict) -> str:
+    return ", ".join(f"{n} {r['speedup']:.2f}x" for n, r in rows.items())
+
+
+# ---------------------------------------------------------------------- simulated (paper scale)
+def simulated(cfg: dict, args) -> dict:
+    from sparsebalance.latency import LatencyModel, analytic_profile
+    from sparsebalance.models import load_shapes
+    from sparsebalance.simulate import simulate_steps
+    from sparsebalance.simulate.engine import ABLATIONS
+    from sparsebalance.simulate.sparsity import SparsityModel
+    from sparsebalance.tuning import DSTConfig
+
+    s = cfg["simulated"]
+    shapes = load_shapes(s["model"])
+    longest = max(max(mx["long"][1], mx["short"][1]) for mx in s["mixes"].values())
+    # the analytic grid spans 2 x max_context tokens: widen it to the largest rank's tokens
+    grid = replace(shapes, max_context=max(shapes.max_context,
+                                           longest * s["samples_per_rank"] // 2 + 1))  # fmt: skip
+    profile = analytic_profile(grid, s["accelerator"], block_size=s["block_size"])
+    model = LatencyModel(profile)
+    dst = DSTConfig(anchor=cfg["anchor"], p=cfg["p"], budget_tokens=s["budget_tokens"])
+    names = {"baseline": "baseline", "+DST": "dst", "+SAB": "sab", "+LBB": "lbb",
+             "+SAB+DST": "sab+dst", "+LBB+DST": "lbb+dst"}  # fmt: skip
+    assert all(v in ABLATIONS for v in names.values())
+    out = {}
+    for mix in args.mixes:
+        for r in s["world_sizes"]:
+            batches = []
+            for step in range(s["steps"]):
+                rng = np.random.default_rng([27, r, step])
+                n = r * s["samples_per_rank"]
+                lengths = draw_lengths(s["mixes"][mix], n, rng)
+                content = SparsityModel(block_size=s["block_size"]).sample(rng, lengths)
+                batches.append((lengths, content))
+            res = simulate_steps(batches, r, model, micro_batches=s["micro_batches"],
+                                 strategies=list(names.values()), dst=dst,
+                                 block_size=s["block_size"])  # fmt: skip
+            st, ov = res["strategies"], res["overhead_seconds"]
+            out[f"{mix}/DP{r}"] = {row: {
+                "imbalance": 1 / st[key]["balance_efficiency"],
+                "step_ms": 1e3 * st[key]["step_seconds"],
+                "overhead_ms": 1e3 * (ov[key]["plan_seconds"] + ov[key]["dst_seconds"]),
+                "overhead_share": (ov[key]["plan_seconds"] + ov[key]["dst_seconds"])
+                / st[key]["step_seconds"],
+                "speedup": st[key]["speedup"],
+                "density": st[key]["mean_density"],
+            } for row, key in names.items()}  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------- output
+def table(cfg: dict, results: dict, mode: str) -> str:
+    paper = cfg["paper"]
+    parts = []
+    for key, res in results.items():
+        rows = res["rows"] if "rows" in res else res
+        head = ["setting", "imbalance", "iteration (ms)", "overhead (ms)", "overhead share",
+                "speedup", "density", "paper: imbalance / iteration / overhead / speedup"]
+        body = []
+        for name, r in rows.items():
+            p = paper[name]
+            body.append([name, r["imbalance"], r["step_ms"], r.get("overhead_ms", float("nan")),
+                         r.get("overhead_share", float("nan")), f"{r['speedup']:.3f}x",
+                         r["density"], f"{p[0]} / {p[1]} / {p[2]} / {p[3]:.2f}x"])  # fmt: skip
+        parts.append(f"### {key}\n\n" + markdown_table(head, body))
+    return "\n\n".join(parts)
+
+
+def load_config(path: Path, allow_other: bool) -> dict:
+    cfg = tomllib.loads(path.read_text())
+    if path.resolve() != CONFIG.resolve() and not allow_other:
+        raise ValueError(f"--config {path}: not the pre-registered {CONFIG} (pass "
+                         "--not-preregistered to run anyway; the results file will say so)")
+    return cfg
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=("measured", "gloo", "simulated"), required=True)
+    p.add_argument("--config", default=str(CONFIG))
+    p.add_argument("--not-preregistered", action="store_true")
+    p.add_argument("--mixes", default="chatqa2,longalign", help="comma list")
+    p.add_argument("--num-docs", type=int, default=512, help="documents in each store")
+    p.add_argument("--quick", action="store_true",
+                   help="one seed, 3 rounds, small batches (a smoke test, not a measurement)")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    cfg = load_config(Path(args.config), args.not_preregistered or args.quick)
+    args.mixes = [m.strip() for m in args.mixes.split(",") if m.strip()]
+    if args.quick:
+        cfg["seeds"], cfg["rounds"] = [0], 3
+        cfg["measured"].update(global_batch=8, budget_tokens=256)
+        for mx in cfg["measured"]["mixes"].values():
+            mx["short"] = [64, min(mx["short"][1], 512)]
+            mx["long"] = [256, 1024]
+        cfg["simulated"]["steps"] = 3
+        args.num_docs = 64
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    load = os.getloadavg()
+    if args.mode == "gloo" and not args.worker:
+        return _launch_gloo(args, cfg)
+    if args.mode == "simulated":
+        results = simulated(cfg, args)
+    else:
+        emulate = cfg["measured"]["emulate_ranks"] if args.mode == "measured" else 0
+        results = measured(cfg, args, emulate)
+        if args.worker and int(os.environ.get("RANK", "0")) != 0:
+            return 0
+    notes = (f"Settings: {args.config}{' (NOT the pre-registered file)' if args.not_preregistered else ''}"
+             f"{' --quick: a smoke test, not a measurement' if args.quick else ''}; load "
+             f"average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}.")  # fmt: skip
+    md, js = write_results(args.out, f"table1-{args.mode}{'-quick' if args.quick else ''}",
+                           torch.device("cpu"), table(cfg, results, args.mode),
+                           {"results": results, "config": cfg}, notes)  # fmt: skip
+    print(f"wrote {md}")
+    return 0
+
+
+def _launch_gloo(args, cfg: dict) -> int:
+    """Re-run this script under torchrun with the configured number of gloo ranks."""
+    n = cfg["measured"]["gloo_ranks"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           __file__, *[a for a in sys.argv[1:]], "--worker"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.call(cmd, env=env)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
