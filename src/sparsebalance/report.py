@@ -139,6 +139,33 @@ def long_documents(steps: list[dict]) -> str:
     return f"{whole}. {split}."
 
 
+def budgets(ranks: list[dict], steps: list[dict]) -> str:
+    """One line on a run's attention budgets: the kind, the range the ranks' budgets (mean over
+    their layers) took, how far they differed within a step, the realized density, the
+    coverage-bound stops and the balancing pipeline's own time; runs before these fields: empty."""
+    if not ranks or "budget_mean" not in ranks[0] or "overhead_s" not in steps[0]:
+        return ""
+    kind = steps[-1].get("budget_kind") or "budget"
+    unit = "k " if kind == "top-k" else "gamma "
+    values = [r["budget_mean"] for r in ranks]
+    by_step: dict[int, list[float]] = {}
+    for r in ranks:
+        by_step.setdefault(r["step"], []).append(r["budget_mean"])
+    spread = max(max(v) - min(v) for v in by_step.values())
+    body = steps[1:] if len(steps) > 1 else steps
+    overhead = float(np.mean([s["overhead_s"] for s in body]))
+    share = overhead / max(float(np.mean([s["step_seconds"] for s in body])), 1e-12)
+    limited = sum(int(s.get("coverage_limited", 0)) for s in steps)
+    fmt = "{:.1f}" if kind == "top-k" else "{:.3f}"
+    return (
+        f"{kind}, per-rank budgets {unit}{fmt.format(min(values))} .. {fmt.format(max(values))} "
+        f"(mean over layers; up to {fmt.format(spread)} apart within a step), realized density "
+        f"{float(np.mean([s['mean_density'] for s in body])):.2f}, coverage bound stopped "
+        f"{limited} layer cut{'s' if limited != 1 else ''}; planning + DST {1e3 * overhead:.1f} ms "
+        f"a step ({100 * share:.2f} % of it)."
+    )
+
+
 def _plots(run_data: dict[str, tuple[list[dict], list[dict]]], out_dir: Path) -> list[str]:
     import matplotlib
 
@@ -242,10 +269,14 @@ def write_report(root: Path, plots: bool = True) -> tuple[Path, dict]:
         "rank compute time; bubble fraction = 1 - efficiency."
     )
     lines = [f"# Training report: {root}", "", table, "", note, ""]
-    for name, (_, steps) in data.items():
+    for name, (ranks, steps) in data.items():
         line = long_documents(steps)
         if line:
             lines += [f"Long documents, {name}: {line}", ""]
+    for name, (ranks, steps) in data.items():
+        line = budgets(ranks, steps)
+        if line:
+            lines += [f"Budgets, {name}: {line}", ""]
     if plots:
         try:
             for f in _plots(data, root):

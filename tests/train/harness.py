@@ -44,7 +44,8 @@ def base_config(tmp: Path, **over) -> TrainConfig:
         data=str(write_dataset(tmp)), profile=str(write_profile(tmp)), out=str(tmp / "run"),
         steps=6, global_batch=8, capacity=512, block_size=32, lr=3e-3, warmup_steps=0,
         schedule="constant", deterministic=True,
-        dst=DSTConfig(mode="bidirectional", gamma0=0.9, gamma_min=0.5, gamma_max=0.99),
+        dst=DSTConfig(mode="bidirectional", budget="gamma", gamma0=0.9, gamma_min=0.5,
+                      gamma_max=0.99),
     )  # fmt: skip
     return replace(cfg, **over)
 

@@ -46,11 +46,15 @@ def _plan(ring: str):
 def _choose(gamma):
     if gamma == "per-layer":  # DST-like: a different budget in every layer
         return lambda layer, estimate: Budget(gamma=0.6 + 0.1 * layer)
+    if gamma == "top-k per-layer":  # the paper's knob, a whole k per layer
+        return lambda layer, estimate: Budget(top_k=1 + layer)
     return None
 
 
 def _budget(gamma):
-    return Budget(gamma=1.0 if gamma == "per-layer" else gamma)
+    if gamma == "top-k":
+        return Budget(top_k=2)
+    return Budget(gamma=1.0 if gamma in ("per-layer", "top-k per-layer") else gamma)
 
 
 def _model(checkpointing: str):
@@ -126,6 +130,8 @@ CASES = (
     ("hierarchical", 0.9, "off"),  # 2 x 2
     ("hierarchical", 1.0, "off"),
     ("flat", "per-layer", "full"),  # DST-like per-layer budgets, activation checkpointing
+    ("flat", "top-k", "off"),  # top-k budgets through the ring
+    ("hierarchical", "top-k per-layer", "full"),
 )
 
 

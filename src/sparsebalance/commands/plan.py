@@ -8,7 +8,10 @@ per line, whose ``--text-field`` is tokenized with a whitespace tokenizer (token
 whitespace-separated word; the model's tokenizer comes with the trainer), with optional
 ``density`` and ``source`` fields.
 
-Densities: those given in the file, else the history estimator's prior (no measurements yet).
+Densities: those given in the file, else what the budget keeps before any measurement: under
+``--budget top-k`` (the default) each document's density at the base k (``--budget-tokens`` /
+the profile's block size; the paper's per-length-bin estimate starts there), under ``--budget
+gamma`` the history estimator's prior.
 Cost model: a :class:`~sparsebalance.latency.LatencyModel` from ``--profile P`` (made by
 ``sparsebalance profile``), else from the analytic FLOP-count profile of ``--model`` (default the
 built-in ``tiny``) on ``--accelerator``. The model used is printed.
@@ -30,7 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..batching import OVERLONG, STRATEGIES, HistoryEstimator, PlanConfig, plan_batch
+from ..batching import (
+    OVERLONG,
+    STRATEGIES,
+    HistoryEstimator,
+    PlanConfig,
+    make_estimator,
+    plan_batch,
+)
 from ..data import read_lengths
 from ..latency import ACCELERATORS, context_cost, load_cost_model, load_profile
 from ..latency.memory import (
@@ -45,6 +55,7 @@ from ..latency.memory import (
 )
 from ..models import load_shapes
 from ..results import markdown_table
+from ..tuning import DSTConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,6 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks sharing a node: sab-cp keeps units of <= G ranks inside one node "
                    "(default: the links' node size, 8 for an analytic accelerator)")  # fmt: skip
     p.add_argument("--overlong", choices=OVERLONG, default="split", help="documents longer than C")
+    p.add_argument("--budget", choices=("top-k", "gamma"), default="top-k",
+                   help="the budget kind the densities are estimated for (default top-k)")
+    p.add_argument("--budget-tokens", type=int, default=8192,
+                   help="top-k: the base budget in tokens attended (default 8192, the paper's)")
     p.add_argument("--text-field", default="text", help="jsonl field to tokenize")
     p.add_argument("--seed", type=int, default=None, help="shuffle the file order with this seed")
     p.add_argument("--save", metavar="PATH", help="write every plan (with assignment) as JSON")
@@ -111,10 +126,17 @@ def main(args: argparse.Namespace) -> int:
     g = args.ranks_per_node or cost_model.links.ranks_per_node
     nodes = f"{g} ranks per node" if g < args.world_size else "one node"
     cost_name += f"; links {cost_model.links.source}, {nodes}"
-    source = "file" if densities is not None else "HistoryEstimator prior"
-    kwargs = (
-        {"densities": densities} if densities is not None else {"estimator": HistoryEstimator()}
-    )
+    if densities is not None:
+        source, kwargs = "file", {"densities": densities}
+    elif args.budget == "gamma":
+        source, kwargs = "HistoryEstimator prior", {"estimator": HistoryEstimator()}
+    else:
+        if args.budget_tokens < 0:
+            raise ValueError(f"--budget-tokens must be >= 0, got {args.budget_tokens}")
+        block = int(cost_model.base.profile.fingerprint.get("block_size", 128))
+        knob = DSTConfig(budget_tokens=args.budget_tokens).knob(block)
+        source = f"top-k {args.budget_tokens} tokens (k {knob.base} at block {block})"
+        kwargs = {"estimator": make_estimator("ema", knob)}
     plans = [plan_batch(samples, cost_model, cfg, **kwargs) for cfg in configs]
     result = {
         "num_samples": len(samples),

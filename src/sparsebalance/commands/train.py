@@ -73,6 +73,6 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(comparison, indent=2))
     else:
         text = path.read_text()
-        longdocs = [x for x in text.split("\n") if x.startswith("Long documents")]
+        longdocs = [x for x in text.split("\n") if x.startswith(("Long documents", "Budgets"))]
         print("\n\n".join([text.split("\n\n")[1], *longdocs]) + f"\n\nreport: {path}")
     return 0
