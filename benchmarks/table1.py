@@ -102,8 +102,6 @@ def run_rows(cfg: dict, mix: str, seed: int, store: Path, out: Path, emulate: in
                                  "dst_s": s.dst_s, "dst_layer_s": s.dst_layer_s,
                                  "density": s.mean_density, "loss": s.loss,
                                  "coverage_limited": s.coverage_limited})  # fmt: skip
-    for t in trainers.values():
-        t.rt.close()
     return rounds
 
 
@@ -255,6 +253,8 @@ def main() -> int:
     else:
         emulate = cfg["measured"]["emulate_ranks"] if args.mode == "measured" else 0
         results = measured(cfg, args, emulate)
+        if torch.distributed.is_initialized():  # the gloo ranks' one process group, at the end
+            torch.distributed.destroy_process_group()
         if args.worker and int(os.environ.get("RANK", "0")) != 0:
             return 0
     notes = (f"Settings: {args.config}{' (NOT the pre-registered file)' if args.not_preregistered else ''}"

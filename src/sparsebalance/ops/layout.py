@@ -25,8 +25,9 @@ def causal_block_range(cu_seqlens: torch.Tensor, total: int, block_size: int) ->
 
     Query block ``qb`` may attend to key blocks ``lo[qb] .. qb`` (inclusive), and no others.
     """
-    first_tok = torch.arange(0, total, block_size, device=cu_seqlens.device)
-    return doc_starts(cu_seqlens, total)[first_tok] // block_size
+    cu = cu_seqlens.to(torch.int64)
+    first_tok = torch.arange(0, total, block_size, device=cu.device)  # O(blocks), not O(T)
+    return cu[torch.searchsorted(cu[1:], first_tok, right=True)] // block_size
 
 
 def causal_block_mask(cu_seqlens: torch.Tensor, total: int, block_size: int) -> torch.Tensor:

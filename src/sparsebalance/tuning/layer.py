@@ -14,7 +14,9 @@ to keep the rank on track:
 
 ``P_v`` is a unit's predicted seconds at the rank's step budget, ``fixed_u`` its non-attention
 part (``layer_other_seconds``, plus ``microbatch_overhead`` on layer 0), ``attention_u(v)`` is
-``layer_attention_seconds`` at the layer's exact per-document densities for budget ``v`` and
+``layer_attention_seconds`` at the layer's per-document densities for budget ``v`` (gamma: the
+exact densities of the layer's layouts; top-k: the knob's, which the length fixes, so a probe
+builds no layout) and
 ``C_u`` the gate's coverage (:meth:`~sparsebalance.ops.BlockMassEstimate.coverage`); both searches
 are bisections (``config.layer_probes`` evaluations at most; an integer k stops at one block).
 When earlier units cost more than predicted, ``remaining`` shrinks and later layers cut, within
@@ -92,6 +94,7 @@ class LayerController:
         self.budget = knob.budget(budget or Budget(top_k=0), self.value)
 
         self.lengths = [np.asarray(mb.lengths, dtype=np.int64) for mb in microbatches]
+        self.d0 = [np.asarray(mb.densities, dtype=np.float64) for mb in microbatches]
         num_layers = int(cost_model.num_layers)
         m = len(microbatches)
         attention = np.zeros(m)
@@ -171,10 +174,15 @@ class LayerController:
         limit = allotted - self.fixed[microbatch, layer]
         lengths = self.lengths[microbatch]
         cache: dict[float, tuple[float, np.ndarray]] = {}
+        by_length = self.knob.kind == "top-k"  # a top-k density follows from length and k
 
         def cost(v: float) -> float:
             if v not in cache:
-                dens = _document_densities(estimate, self.knob.budget(self.budget, v), lengths.size)
+                if by_length:
+                    dens = self.knob.density(lengths, self.d0[microbatch], v)
+                else:
+                    budget = self.knob.budget(self.budget, v)
+                    dens = _document_densities(estimate, budget, lengths.size)
                 att = float(np.sum(self.cost_model.layer_attention_seconds(lengths, dens)))
                 cache[v] = (att, dens)
             return cache[v][0]
@@ -196,6 +204,9 @@ class LayerController:
         cost(value)
         attention, dens = cache[value]
         predicted = attention + self.fixed[microbatch, layer]
+        if by_length and hasattr(estimate, "document_density"):  # the layout's own densities
+            dens = _document_densities(estimate, self.knob.budget(self.budget, value),
+                                       lengths.size)  # fmt: skip
         weights = lengths.astype(np.float64) ** 2
         density = float(weights @ dens / weights.sum()) if weights.sum() else 1.0
         self._chosen[microbatch, layer] = True
