@@ -153,6 +153,8 @@ def attached_attention(module, query, key, value, attention_mask, scaling=None, 
         )
     if int(getattr(module, "layer_idx", 0)) == 0:
         runtime.forwards += 1
+    if key.dtype != query.dtype:  # under autocast RoPE leaves q, k in float32 and v in bf16/fp16
+        key, value = key.to(query.dtype), value.to(query.dtype)
     return sparsebalance_attention(module, query, key, value, attention_mask, scaling, dropout,
                                    sb_attention=ctx, **kwargs)  # fmt: skip
 
