@@ -167,6 +167,43 @@ def hf_run(tmp, name, dataset, profile, steps, resume=None, trl=False, **over) -
     }
 
 
+def loop_run(dataset, profile, steps: int) -> dict:
+    """The plain-loop API in an accelerate loop (as ``examples/accelerate_loop.py``), configured
+    like the other runs (clip 1.0 through accelerate, constant LR)."""
+    import contextlib
+
+    from accelerate import Accelerator
+
+    import sparsebalance
+    from sparsebalance.integrations import PlannerConfig, balanced_loader
+
+    accelerator = Accelerator(cpu=True)
+    model = build_model("tiny", seed=0)
+    runtime = sparsebalance.attach(model, block_size=BLOCK)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    model, opt = accelerator.prepare(model, opt)
+    config = PlannerConfig(GLOBAL_BATCH, ACCUM, CAPACITY, dst=DST, block_size=BLOCK,
+                           deterministic=True)  # fmt: skip
+    loop = balanced_loader(runtime, dataset, config, profile=profile)
+    losses, hashes = [], []
+    for step in loop.steps(epoch=0, max_steps=steps):
+        total = 0.0
+        for i, batch in enumerate(step):
+            last = i == len(step) - 1
+            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss * accelerator.num_processes)
+            total += float(loss.detach())
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        hashes.append(step.finish()["plan_hash"])
+        losses.append(total)
+    total = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(total)
+    return {"losses": total.tolist(), "hashes": hashes}
+
+
 def default_sampler_balance(sb: Trainer, batches) -> list[float]:
     """Predicted balance of the HF Trainer's default split of the same global batches (equal
     document counts per rank, in order: ``sequential``) under the same latency model."""
@@ -197,7 +234,9 @@ def main(tmp: Path) -> None:
     }
     if "trl" in sys.argv[2:]:
         result["trl"] = hf_run(tmp, "trl", dataset, profile, STEPS, trl=True)
-    else:  # 3 steps saving at step 2, then step 3 again from that checkpoint
+    if "loop" in sys.argv[2:]:
+        result["loop"] = loop_run(dataset, profile, STEPS)
+    if len(sys.argv) == 2:  # 3 steps saving at step 2, then step 3 again from that checkpoint
         result["hf"] = hf_run(tmp, "hf", dataset, profile, STEPS, save_strategy="steps",
                               save_steps=2)  # fmt: skip
         result["resumed"] = hf_run(tmp, "hf", dataset, profile, STEPS, save_strategy="no",

@@ -6,7 +6,8 @@ alike). The plans and the losses must agree; measured balance is a benchmark's b
 
 The default-tier test takes about a minute on a loaded 2-core machine (two processes that import
 transformers, train 3 steps with ``sparsebalance train`` and 3 + 1 with the HF Trainer): it is the
-fast version of the issue's "Done when" check that must run in every CI; TRL's is slow-tier.
+fast version of the issue's "Done when" check that must run in every CI; TRL's and the
+accelerate loop's are slow-tier.
 """
 
 from __future__ import annotations
@@ -80,9 +81,12 @@ def test_hf_trainer_matches_sparsebalance_train_and_resumes(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_trl_sft_trainer_matches_sparsebalance_train(tmp_path):
-    """About 70 s: TRL's SFTTrainer (packing off, our collator packs) gives train's losses."""
+def test_trl_and_accelerate_loop_match_sparsebalance_train(tmp_path):
+    """About 80 s: TRL's SFTTrainer (packing off, our collator packs) and the plain-loop API in
+    an accelerate loop give train's plans and losses."""
     pytest.importorskip("trl")
-    r0, r1 = run_worker(tmp_path, "trl")
-    assert r0["trl"]["hashes"] == r1["trl"]["hashes"] == r0["sb_hashes"]
-    assert_losses_equal(r0["trl"]["losses"], r0["sb_losses"])
+    pytest.importorskip("accelerate")
+    r0, r1 = run_worker(tmp_path, "trl", "loop")
+    for name in ("trl", "loop"):
+        assert r0[name]["hashes"] == r1[name]["hashes"] == r0["sb_hashes"]
+        assert_losses_equal(r0[name]["losses"], r0["sb_losses"])

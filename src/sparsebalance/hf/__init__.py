@@ -56,9 +56,11 @@ def _check_args(trainer) -> None:
             "would rebuild SparseBalance's callback without its planner (which restores its own "
             "state from the checkpoint)"
         )
-    if args.gradient_checkpointing:
+    if getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing",
+                                                                   None):  # fmt: skip
         raise ValueError(
-            "sparsebalance.hf.enable: gradient_checkpointing=True reruns attention in the backward "
+            "sparsebalance.hf.enable: activation_checkpointing (gradient_checkpointing) reruns "
+            "attention in the backward "
             "and would select its blocks again; use sparsebalance.models.checkpointing."
             "apply_activation_checkpointing(model, 'full') (reuses the forward's layouts) instead"
         )
