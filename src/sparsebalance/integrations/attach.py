@@ -73,8 +73,8 @@ class AttachedRuntime:
     """What :func:`attach` returns: the attention's settings and what it did.
 
     ``budget`` applies to forwards without a planned ticket; ``stats`` keeps the layer statistics
-    of the last forward (``LayerStats``: layer, gamma, density, per-document density) and
-    ``forwards`` counts the attached forwards.
+    of the last such forward (``LayerStats``: layer, gamma, density, per-document density; a
+    planned micro-batch keeps its own in its ticket) and ``forwards`` counts every forward.
     """
 
     model: torch.nn.Module
