@@ -10,7 +10,9 @@ Both draw ``per_device_train_batch_size x gradient_accumulation_steps x ranks`` 
 optimizer step from one seeded heavy-tailed set (their step compositions differ: each sampler
 picks its own), run ``--steps`` steps and report tokens/s, mean step time (the first
 ``--warmup`` steps left out), peak memory (CUDA: ``max_memory_allocated``; CPU: the process's
-``VmHWM``) and the loss after the same steps. Each variant is a fresh ``torchrun`` of this file.
+``VmHWM``), measured balance (mean / max rank compute, each rank's compute ending when DDP
+got its last gradient bucket) and the loss after the same steps. Each variant is a fresh
+``torchrun`` of this file.
 
     python benchmarks/hf_trainer_gain.py --model tiny --nproc 2 --steps 20            # CPU, tiny
     python benchmarks/hf_trainer_gain.py --model qwen2.5-0.5b --nproc 2 --device cuda \\
@@ -66,6 +68,7 @@ def worker(args) -> None:
     import sparsebalance
     import sparsebalance.hf
     from sparsebalance.models.hf import build_model
+    from sparsebalance.train.parallelize import _ReadyClock
 
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -77,21 +80,36 @@ def worker(args) -> None:
         gradient_accumulation_steps=args.accum, max_steps=args.steps, learning_rate=args.lr,
         lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
         use_cpu=not cuda, bf16=cuda, seed=args.seed, disable_tqdm=True,
-        include_num_input_tokens_seen="all", ddp_find_unused_parameters=False,
+        ddp_find_unused_parameters=False,  # no include_num_input_tokens_seen: it gathers per
+        # micro-batch, which makes every rank wait for the slowest at each micro-batch
     )  # fmt: skip
     collator = DataCollatorWithFlattening(return_position_ids=True)
     trainer = Trainer(model=model, args=targs, train_dataset=data, data_collator=collator)
+    runtime = None
     if args.variant == "sparsebalance":
-        sparsebalance.attach(model, block_size=args.block_size)
+        runtime = sparsebalance.attach(model, block_size=args.block_size)
         sparsebalance.hf.enable(trainer, capacity=args.capacity, profile=args.profile,
                                 block_size=args.block_size)  # fmt: skip
 
     class Clock(TrainerCallback):
+        """Step times; for the baseline also each rank's compute (until DDP got its last
+        gradient bucket: SparseBalance's callback measures its own the same way)."""
+
         def __init__(self) -> None:
-            self.steps, self.t0 = [], 0.0
+            self.steps, self.compute, self.t0, self.ready = [], [], 0.0, None
+
+        def on_train_begin(self, *a, **k):
+            wrapped = trainer.model_wrapped
+            if runtime is None and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+                self.ready = _ReadyClock()
+                wrapped.register_comm_hook(self.ready, _ReadyClock.hook)
 
         def on_step_begin(self, *a, **k):
             self.t0 = time.perf_counter()
+
+        def on_pre_optimizer_step(self, *a, **k):
+            if self.ready is not None and self.ready.last is not None:
+                self.compute.append(self.ready.last - self.t0)
 
         def on_step_end(self, *a, **k):
             if cuda:
@@ -100,19 +118,33 @@ def worker(args) -> None:
 
     clock = Clock()
     trainer.add_callback(clock)
+    seen = [0]  # input tokens of this rank's forwards (fillers included: 2 tokens each)
+
+    def count(module, a, kw):
+        if module.training:
+            seen[0] += int(kw["input_ids"].numel())
+
+    model.register_forward_pre_hook(count, with_kwargs=True)
     trainer.train()
     state = trainer.state
     losses = [e["loss"] for e in state.log_history if "loss" in e]
     peaks = trainer.accelerator.gather(torch.tensor([peak_memory(trainer.args.device)])).tolist()
+    tokens = int(trainer.accelerator.gather(torch.tensor([seen[0]])).sum())
+    if runtime is not None:
+        balance = [h["balance"] for h in runtime.planner.history[args.warmup :]]
+    else:  # mean / max rank compute per step
+        per_rank = trainer.accelerator.gather(torch.tensor([clock.compute[args.warmup :]]))
+        per_rank = per_rank.reshape(-1, len(clock.compute[args.warmup :]))
+        balance = (per_rank.mean(0) / per_rank.max(0).values).tolist()
     if trainer.is_world_process_zero():
         timed = clock.steps[args.warmup :] or clock.steps
         seconds = float(np.sum(timed))
-        tokens = int(state.num_input_tokens_seen)  # every rank's input tokens
         out = {
             "variant": args.variant, "steps": len(clock.steps), "step_s": float(np.mean(timed)),
             "tokens": tokens, "tokens_per_s": tokens * len(timed) / len(clock.steps) / seconds,
             "peak_bytes_max_rank": int(max(peaks)), "loss_last": losses[-1],
             "loss_mean_last5": float(np.mean(losses[-5:])), "losses": losses,
+            "balance": float(np.mean(balance)) if balance else None,
         }  # fmt: skip
         Path(args.out, f"{args.variant}.json").write_text(json.dumps(out))
 
@@ -168,10 +200,10 @@ def write(args, rows: dict) -> None:
 
     base, sb = rows["baseline"], rows["sparsebalance"]
     table = markdown_table(
-        ["variant", "step (s)", "tokens/s", "peak memory (GiB, max rank)", "loss (last)",
-         "loss (mean of last 5)"],
+        ["variant", "step (s)", "tokens/s", "peak memory (GiB, max rank)", "measured balance",
+         "loss (last)", "loss (mean of last 5)"],
         [[r["variant"], r["step_s"], r["tokens_per_s"], r["peak_bytes_max_rank"] / 2**30,
-          r["loss_last"], r["loss_mean_last5"]] for r in (base, sb)],
+          r["balance"], r["loss_last"], r["loss_mean_last5"]] for r in (base, sb)],
     )  # fmt: skip
     notes = (f"{args.nproc} ranks, model {args.model}, {args.steps} steps ({args.warmup} warm-up "
              f"steps untimed), {args.batch} x {args.accum} x {args.nproc} documents per step, "

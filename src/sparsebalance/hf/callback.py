@@ -12,6 +12,7 @@ all-reduce (a communication hook stamps it: the wait for slower ranks is not com
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 
 from transformers import TrainerCallback
@@ -38,11 +39,21 @@ class SparseBalanceCallback(TrainerCallback, ExportableState):
         return {"args": {}, "attributes": {"sparsebalance": planner}}
 
     def on_train_begin(self, args, state, control, **kwargs):
-        saved = (state.stateful_callbacks or {}).get(type(self).__name__)
+        name = type(self).__name__
+        if state.stateful_callbacks is None:
+            state.stateful_callbacks = {}
+        saved = state.stateful_callbacks.get(name)
         if isinstance(saved, list):  # one entry per instance of this class: ours is the only one
             saved = saved[-1]
-        if state.global_step > 0 and saved and saved.get("attributes", {}).get("sparsebalance"):
-            self.planner.load_state_dict(saved["attributes"]["sparsebalance"])
+        learned = (saved or {}).get("attributes", {}).get("sparsebalance")
+        if state.global_step > 0 and learned:
+            self.planner.load_state_dict(learned)
+        elif state.global_step > 0 and state.is_world_process_zero:
+            print(f"sparsebalance: the checkpoint at step {state.global_step} holds no "
+                  "SparseBalance state: the latency calibration and the density estimator start "
+                  "afresh", file=sys.stderr)  # fmt: skip
+        # a checkpoint written without SparseBalance has no entry, which saving would need
+        state.stateful_callbacks.setdefault(name, self.state())
         self._logged = len(self.planner.history)
         self._hook_ddp()
 
