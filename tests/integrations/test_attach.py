@@ -88,3 +88,24 @@ def test_unattached_model_on_the_attached_implementation_is_refused():
     model.set_attn_implementation(IMPLEMENTATION)
     with pytest.raises(ValueError, match=r"call sparsebalance.attach\(model\)"):
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen3"])
+def test_attach_other_families_exact(kind):
+    """Llama, Mistral (no sliding window) and Qwen3 through the same registration."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {"sliding_window": None} if kind == "mistral" else {}
+    config = AutoConfig.for_model(kind, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=256, head_dim=16,
+                                  max_position_embeddings=1024, **extra)  # fmt: skip
+    torch.manual_seed(2)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double().eval()
+    ids = torch.randint(0, 256, (1, sum(LENGTHS)))
+    with torch.no_grad():
+        ref = _per_document_logits(model, ids)
+        sparsebalance.attach(model, block_size=32)
+        pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+        out = model(input_ids=ids, position_ids=pos).logits
+    assert (out - ref).abs().max() < 1e-10
