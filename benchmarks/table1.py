@@ -29,11 +29,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import tomllib
 import torch
 
 from sparsebalance.data.prepare import tokenizer_info
@@ -54,6 +54,7 @@ CONFIG = Path(__file__).parent / "configs" / "table1.toml"
 
 def draw_lengths(mix: dict, n: int, rng: np.random.Generator) -> np.ndarray:
     """``n`` lengths: a ``long_share`` of log-uniform draws in ``long``, the rest in ``short``."""
+
     def logu(lo_hi, size):
         lo, hi = np.log(lo_hi[0]), np.log(lo_hi[1])
         return np.exp(rng.uniform(lo, hi, size)).astype(np.int64)
@@ -94,7 +95,7 @@ def run_rows(cfg: dict, mix: str, seed: int, store: Path, out: Path, emulate: in
     rounds: dict[str, list[dict]] = {name: [] for name in ROWS}
     names = list(ROWS)
     for r in range(cfg["rounds"]):
-        order = names[r % len(names):] + names[: r % len(names)]  # rotate who goes first
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
         for name in order:
             s = trainers[name].run_step().summary
             rounds[name].append({"step_s": s.step_seconds, "imbalance": s.imbalance,
@@ -201,9 +202,17 @@ def table(cfg: dict, results: dict, mode: str) -> str:
     paper = cfg["paper"]
     parts = []
     for key, res in results.items():
-        rows = res["rows"] if "rows" in res else res
-        head = ["setting", "imbalance", "iteration (ms)", "overhead (ms)", "overhead share",
-                "speedup", "density", "paper: imbalance / iteration / overhead / speedup"]
+        rows = res.get("rows", res)
+        head = [
+            "setting",
+            "imbalance",
+            "iteration (ms)",
+            "overhead (ms)",
+            "overhead share",
+            "speedup",
+            "density",
+            "paper: imbalance / iteration / overhead / speedup",
+        ]
         body = []
         for name, r in rows.items():
             p = paper[name]
@@ -217,8 +226,10 @@ def table(cfg: dict, results: dict, mode: str) -> str:
 def load_config(path: Path, allow_other: bool) -> dict:
     cfg = tomllib.loads(path.read_text())
     if path.resolve() != CONFIG.resolve() and not allow_other:
-        raise ValueError(f"--config {path}: not the pre-registered {CONFIG} (pass "
-                         "--not-preregistered to run anyway; the results file will say so)")
+        raise ValueError(
+            f"--config {path}: not the pre-registered {CONFIG} (pass "
+            "--not-preregistered to run anyway; the results file will say so)"
+        )
     return cfg
 
 
@@ -229,8 +240,11 @@ def main() -> int:
     p.add_argument("--not-preregistered", action="store_true")
     p.add_argument("--mixes", default="chatqa2,longalign", help="comma list")
     p.add_argument("--num-docs", type=int, default=512, help="documents in each store")
-    p.add_argument("--quick", action="store_true",
-                   help="one seed, 3 rounds, small batches (a smoke test, not a measurement)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="one seed, 3 rounds, small batches (a smoke test, not a measurement)",
+    )
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -257,10 +271,11 @@ def main() -> int:
             torch.distributed.destroy_process_group()
         if args.worker and int(os.environ.get("RANK", "0")) != 0:
             return 0
-    notes = (f"Settings: {args.config}{' (NOT the pre-registered file)' if args.not_preregistered else ''}"
-             f"{' --quick: a smoke test, not a measurement' if args.quick else ''}; load "
-             f"average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}.")  # fmt: skip
-    md, js = write_results(args.out, f"table1-{args.mode}{'-quick' if args.quick else ''}",
+    other = " (NOT the pre-registered file)" if args.not_preregistered else ""
+    quick = " --quick: a smoke test, not a measurement" if args.quick else ""
+    notes = (f"Settings: {args.config}{other}{quick}; load average before {load[0]:.2f}, after "
+             f"{os.getloadavg()[0]:.2f}.")  # fmt: skip
+    md, _ = write_results(args.out, f"table1-{args.mode}{'-quick' if args.quick else ''}",
                            torch.device("cpu"), table(cfg, results, args.mode),
                            {"results": results, "config": cfg}, notes)  # fmt: skip
     print(f"wrote {md}")

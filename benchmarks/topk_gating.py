@@ -151,7 +151,7 @@ def main() -> int:
              f"block {args.block_size}, 1 thread, torch backend; recall = exact softmax mass "
              f"covered (float64); load average before {load[0]:.2f}, after "
              f"{os.getloadavg()[0]:.2f}.")  # fmt: skip
-    md, js = write_results(args.out, "topk-gating", torch.device("cpu"), table,
+    md, _ = write_results(args.out, "topk-gating", torch.device("cpu"), table,
                            {"rows": rows, "args": vars(args)}, notes)  # fmt: skip
     print(table + "\n\n" + notes + f"\n\nwrote {md}")
     return 0

@@ -3,6 +3,6 @@
 # Extra arguments go to pytest, e.g. `scripts/test.sh -m slow` or `scripts/test.sh -m distributed`.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$root/scripts/setup_env.sh" "dev,plot,eval"
+source "$root/scripts/setup_env.sh" "dev,plot,eval,hf"
 cd "$root"
 exec python -m pytest "$@"

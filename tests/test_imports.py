@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models", "tasks", "data", "batching", "tuning", "latency", "parallel"),  # library stages
     ("evaluation", "simulate", "timeline"),  # built from the stages
     ("report", "train"),  # the trainer and its reports
+    ("integrations", "hf"),  # other trainers (HF Trainer, TRL, loops) over the trainer's stages
     ("commands",),  # one module per command: parse, call the library, print
     ("cli", "__main__"),  # the entry point
 )

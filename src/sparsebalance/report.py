@@ -269,7 +269,7 @@ def write_report(root: Path, plots: bool = True) -> tuple[Path, dict]:
         "rank compute time; bubble fraction = 1 - efficiency."
     )
     lines = [f"# Training report: {root}", "", table, "", note, ""]
-    for name, (ranks, steps) in data.items():
+    for name, (_, steps) in data.items():
         line = long_documents(steps)
         if line:
             lines += [f"Long documents, {name}: {line}", ""]

@@ -90,7 +90,9 @@ def test_overlong_is_reported(capsys, tmp_path):
                        "--overlong", "truncate")  # fmt: skip
     assert code == 0
     # each strategy's count against its own limit: C, or R x C for sab-cp
-    assert "1 documents longer than C (sequential, sorted, lbb, tokens, flops, sab): --overlong" in out
+    assert (
+        "1 documents longer than C (sequential, sorted, lbb, tokens, flops, sab): --overlong" in out
+    )
     assert "1 documents longer than a unit of R = 2 ranks (sab-cp): --overlong truncate" in out
 
 

@@ -3,6 +3,8 @@ full coverage = dense attention, the gate's coverage, the analytic density."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -35,10 +37,8 @@ def brute_force_topk(q, k, lengths, block, top_k, share=False):
         first = start // block
         for i in range(first, first + n // block):
             for h in range(heads):
-                if share:  # a layout head averages its group's estimated probabilities
-                    group = range(h * hq // hkv, (h + 1) * hq // hkv)
-                else:
-                    group = [h]
+                # a shared layout head averages its group's estimated probabilities
+                group = range(h * hq // hkv, (h + 1) * hq // hkv) if share else [h]
                 anchors = {first, i}
                 cands = [j for j in range(first, i + 1) if j not in anchors]
                 # rank by the mean over the group of the softmax over the causal blocks
@@ -103,7 +103,7 @@ def test_full_coverage_is_dense_attention(lengths):
     assert layout.density() == 1.0
     out = block_sparse_attention(q, k, v, layout, cu)
     ref = []  # dense causal attention per document, from PyTorch's own SDPA
-    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+    for s, e in itertools.pairwise(cu.tolist()):
         kk, vv = (x[s:e].repeat_interleave(2, dim=1).transpose(0, 1) for x in (k, v))
         o = torch.nn.functional.scaled_dot_product_attention(q[s:e].transpose(0, 1), kk, vv,
                                                              is_causal=True)  # fmt: skip
@@ -119,7 +119,7 @@ def test_coverage_is_monotone_and_bounds_the_gamma_rule():
     cu = cu_from_lengths([600, 424])
     est = estimate_block_mass(q, k, cu, block_size=32)
     covs = [est.coverage(Budget(top_k=kk)) for kk in range(0, 20)]
-    assert all(b >= a - 1e-12 for a, b in zip(covs, covs[1:], strict=False))
+    assert all(b >= a - 1e-12 for a, b in itertools.pairwise(covs))
     assert covs[0] > 0 and covs[-1] == pytest.approx(1.0, abs=1e-6)
     for gamma in (0.3, 0.6, 0.9):  # the gamma rule keeps at least gamma of each row's mass
         assert est.coverage(Budget(gamma=gamma)) >= gamma - 1e-6

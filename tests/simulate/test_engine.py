@@ -102,10 +102,10 @@ def test_dst_with_the_coverage_bound(seed, ranks, per_rank, p, anchor):
     slows its own plan (so SAB + DST <= SAB), no cut loses more than p of the coverage, p = 0
     never cuts below the base budget, and the step lands on the anchor unless the bound stopped
     a cut (then on the slowest bounded worker)."""
-    from sparsebalance.simulate.engine import _workload
-    from sparsebalance.simulate.sparsity import CoverageModel
     from sparsebalance.batching import PlanConfig
     from sparsebalance.batching.planner import assign_batch
+    from sparsebalance.simulate.engine import _workload
+    from sparsebalance.simulate.sparsity import CoverageModel
 
     rng = np.random.default_rng(seed)
     n = ranks * per_rank
@@ -127,8 +127,10 @@ def test_dst_with_the_coverage_bound(seed, ranks, per_rank, p, anchor):
         if p == 0:
             assert not cut.any()
         bounded = np.asarray(dec.targets.times_floor) > dec.targets.cut_threshold
-        expect = max(dec.targets.anchor_seconds,
-                     float(np.max(np.asarray(dec.targets.times_floor)[bounded], initial=0)))
+        expect = max(
+            dec.targets.anchor_seconds,
+            float(np.max(np.asarray(dec.targets.times_floor)[bounded], initial=0)),
+        )
         if (np.asarray(dec.targets.roles) == "cut").any():
             assert dec.times_after.max() <= expect * (1 + 1e-9)
 

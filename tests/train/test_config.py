@@ -42,8 +42,9 @@ def test_nested_flags_and_their_aliases_agree():
 
 def test_toml_dst_table_then_flags_on_top(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('steps = 7\nglobal_batch = 4\n[dst]\nanchor = "max"\nbudget = "gamma"\n'
-                    'gamma0 = 0.85\n')
+    path.write_text(
+        'steps = 7\nglobal_batch = 4\n[dst]\nanchor = "max"\nbudget = "gamma"\ngamma0 = 0.85\n'
+    )
     cfg = _parse(["--config", str(path), "--gamma0", "0.8", "--steps", "3"])
     assert (cfg.steps, cfg.global_batch) == (3, 4)  # flags win over the file
     assert (cfg.dst.anchor, cfg.dst.gamma0, cfg.dst.mode) == ("max", 0.8, "bidirectional")

@@ -36,8 +36,13 @@ def test_rank_record_keeps_the_jsonl_schema_and_aggregates():
     b = _mb([9], [5], ((1.0,), (0.5,)), [0.8, 0.95], seconds=0.25)
     rec = RankRecord.from_results(_decision(), [a, b])
     out = rec.to_json()
-    assert list(out) == [*LEGACY_RANK_FIELDS, "ring_wait_s", "units", "dst_layer_s",
-                         "coverage_limited"]  # new fields appended
+    assert list(out) == [
+        *LEGACY_RANK_FIELDS,
+        "ring_wait_s",
+        "units",
+        "dst_layer_s",
+        "coverage_limited",
+    ]  # new fields appended
     assert [u["slot"] for u in out["units"]] == [-1, -1] and out["ring_wait_s"] == 0.0
     assert out["units"][0]["degree"] == 1 and out["units"][0]["sample_ids"] == [4, 7]
     assert out["compute_s"] == 0.75 and out["tokens"] == 35 and out["microbatch_s"] == [0.5, 0.25]
@@ -147,12 +152,13 @@ def test_cp_units_recalibrate_the_ring_terms_not_the_base_model():
     base = _Recorder()
     ctx = fake_context(FakeCost(a=1e-5, b=1e-8), bandwidth=2e6)
     before = ctx.state_dict()
-    apply_feedback(StepFeedback((*parts, one)), base, _Recorder(), DSTConfig(budget="gamma").knob(64),
+    knob = DSTConfig(budget="gamma").knob(64)
+    apply_feedback(StepFeedback((*parts, one)), base, _Recorder(), knob,
                    lambda i: Sample(i, 10), context=ctx)  # fmt: skip
     assert base.seen == [("latency", [300], 0.125)]  # only the one-rank micro-batch
     after = ctx.state_dict()
     assert after["counts"]["comm"] == 1 and after != before
-    apply_feedback(StepFeedback(parts), base, _Recorder(), DSTConfig(budget="gamma").knob(64),
+    apply_feedback(StepFeedback(parts), base, _Recorder(), knob,
                    lambda i: Sample(i, 10), use_timings=False, context=ctx)  # fmt: skip
     assert ctx.state_dict() == after  # --deterministic: no timing is fed back
 

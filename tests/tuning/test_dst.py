@@ -7,11 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsebalance.tuning import DensityCurve, DSTConfig, DSTTuner
-
-from .gamma_rule import G
+from sparsebalance.tuning import DensityCurve, DSTTuner
 from sparsebalance.workload import MicroBatch
 
+from .gamma_rule import G
 from .oracle import Oracle, random_plan
 
 ORACLE = Oracle()

@@ -5,12 +5,11 @@ import pytest
 import torch
 
 from sparsebalance.ops import Budget, estimate_block_mass
-from sparsebalance.tuning import DensityCurve, DSTConfig, DSTTuner, LayerController
-
-from .gamma_rule import G
+from sparsebalance.tuning import DensityCurve, DSTTuner, LayerController
 from sparsebalance.workload import MicroBatch
 from tests.conftest import cu_from_lengths, make_qkv
 
+from .gamma_rule import G
 from .oracle import Oracle, random_plan
 
 L = 6
@@ -98,9 +97,7 @@ def test_down_never_raises_and_off_is_fixed():
         ("down", lambda g: g <= 0.9),
         ("off", lambda g: g == 0.9),
     ):
-        ctl = LayerController(
-            plan[0], ORACLE, G(mode=mode), dec.ranks[0].target_seconds * 2
-        )
+        ctl = LayerController(plan[0], ORACLE, G(mode=mode), dec.ranks[0].target_seconds * 2)
         run_rank(ctl, plan[0], slow=lambda m, layer: 0.5)
         assert all(check(rec.budget) for rec in ctl.records), mode
 
@@ -160,7 +157,7 @@ def test_units_add_up_to_the_latency_models_prediction():
     on target keeps its step gamma instead of being cut to the floor."""
     from sparsebalance.latency import LatencyModel, analytic_profile
     from sparsebalance.models import load_shapes
-    from sparsebalance.tuning import DensityCurve, DSTConfig, LayerController
+    from sparsebalance.tuning import DensityCurve, LayerController
     from sparsebalance.workload import MicroBatch
 
     model = LatencyModel(analytic_profile(load_shapes("tiny"), "h100", block_size=64))

@@ -23,7 +23,8 @@ Strategies (one interface, :data:`STRATEGIES`):
   ``R x C`` tokens only (shorter documents over C run on ``ceil(L / C)`` ranks or more).
 
 Inside a rank, ``sequential``/``sorted`` pack in order (``lbb`` keeps its buckets); the others
-balance their own key across the rank's micro-batches (the secondary objective). Only the cost model's protocol is used.
+balance their own key across the rank's micro-batches (the secondary objective). Only the cost
+model's protocol is used.
 
 Complexity (N items, R ranks, I local-search exchanges, n = N/R): O(N log N) for LPT,
 O(I (R log R + n log n)) for the search, O(N log n) packing, one vectorised ``predict_many``.

@@ -92,10 +92,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks sharing a node: sab-cp keeps units of <= G ranks inside one node "
                    "(default: the links' node size, 8 for an analytic accelerator)")  # fmt: skip
     p.add_argument("--overlong", choices=OVERLONG, default="split", help="documents longer than C")
-    p.add_argument("--budget", choices=("top-k", "gamma"), default="top-k",
-                   help="the budget kind the densities are estimated for (default top-k)")
-    p.add_argument("--budget-tokens", type=int, default=8192,
-                   help="top-k: the base budget in tokens attended (default 8192, the paper's)")
+    p.add_argument(
+        "--budget",
+        choices=("top-k", "gamma"),
+        default="top-k",
+        help="the budget kind the densities are estimated for (default top-k)",
+    )
+    p.add_argument(
+        "--budget-tokens",
+        type=int,
+        default=8192,
+        help="top-k: the base budget in tokens attended (default 8192, the paper's)",
+    )
     p.add_argument("--text-field", default="text", help="jsonl field to tokenize")
     p.add_argument("--seed", type=int, default=None, help="shuffle the file order with this seed")
     p.add_argument("--save", metavar="PATH", help="write every plan (with assignment) as JSON")

@@ -286,8 +286,9 @@ def measure_heldout(
     torch.manual_seed(1)
     proxy = ProxyModel(shapes).to(device, DTYPES[dtype])
     fns = [
-        prepare_microbatch(proxy, b[0], b[1], device, backend, block_size, seed=1000 + i,
-                           layout=layout)  # fmt: skip
+        prepare_microbatch(
+            proxy, b[0], b[1], device, backend, block_size, seed=1000 + i, layout=layout
+        )
         for i, b in enumerate(batches)
     ]
     fns[0]()  # warm-up

@@ -43,8 +43,9 @@ def prepare_microbatch(
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, s.vocab_size, (int(cu[-1]),), generator=gen).to(device)
     layouts = [
-        random_layout(cu, s.num_heads, block_size, list(densities), seed=seed + i,
-                      shape=layout).to(device)  # fmt: skip
+        random_layout(cu, s.num_heads, block_size, list(densities), seed=seed + i, shape=layout).to(
+            device
+        )
         for i in range(len(model.layers))
     ]
     cu = cu.to(device)

@@ -105,7 +105,7 @@ class Budget:
         """A copy with another knob value (gamma, or top_k rounded to an integer)."""
         if self.gamma is not None:
             return replace(self, gamma=float(value))
-        return replace(self, top_k=int(round(value)))
+        return replace(self, top_k=round(value))
 
     def with_gamma(self, gamma: float) -> Budget:
         """A copy with another ``gamma`` (a gamma budget's knob)."""

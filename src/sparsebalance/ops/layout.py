@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .varlen import check_cu_seqlens, doc_starts, token_mask
+from .varlen import check_cu_seqlens, token_mask
 
 
 def num_blocks(total: int, block_size: int) -> int:

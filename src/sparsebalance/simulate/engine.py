@@ -284,8 +284,10 @@ def _summarize(records, strats, world_size, step_overhead, show_step) -> dict:
             "comm_seconds": float(series(s.name, "comm").mean()),
         }
         per_step[s.name] = step.tolist()
-        overhead[s.name] = {"plan_seconds": float(np.median(series(s.name, "plan_s"))),
-                            "dst_seconds": float(np.median(series(s.name, "dst_s")))}
+        overhead[s.name] = {
+            "plan_seconds": float(np.median(series(s.name, "plan_s"))),
+            "dst_seconds": float(np.median(series(s.name, "dst_s"))),
+        }
     return {
         "world_size": world_size,
         "num_steps": len(records),

@@ -239,12 +239,19 @@ def _describe(config: SimConfig, desc: str, results: list[dict]) -> dict:
         },
         "dst": {
             "budget": config.dst.budget,
-            **({"budget_tokens": config.dst.budget_tokens,
-                "budget_tokens_min": config.dst.budget_tokens_min,
-                "budget_tokens_max": config.dst.budget_tokens_max}
-               if config.dst.budget == "top-k" else
-               {"gamma0": config.dst.gamma0, "gamma_min": config.dst.gamma_min,
-                "gamma_max": config.dst.gamma_max}),
+            **(
+                {
+                    "budget_tokens": config.dst.budget_tokens,
+                    "budget_tokens_min": config.dst.budget_tokens_min,
+                    "budget_tokens_max": config.dst.budget_tokens_max,
+                }
+                if config.dst.budget == "top-k"
+                else {
+                    "gamma0": config.dst.gamma0,
+                    "gamma_min": config.dst.gamma_min,
+                    "gamma_max": config.dst.gamma_max,
+                }
+            ),
             "p": config.dst.p,
             "tolerance": config.dst.tolerance,
             "raise_to": config.dst.raise_to,

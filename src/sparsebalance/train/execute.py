@@ -57,19 +57,9 @@ class RankExecutor:
     def run(self, step: TunedStep, rank: int) -> LocalWork:
         """Rank ``rank``'s units (real or emulated rank); ``perf_counter`` stamps."""
         planned = step.planned
-        plan, mine = planned.plan, step.decision.ranks[rank]
-        units = planned.units
-        # The controller plans this rank's one-rank micro-batches (all of them without CP units).
-        solo = [plan.ranks[rank][j] for j, u in enumerate(planned.rank_units[rank])
-                if units[u].degree == 1]  # fmt: skip
-        controller = None
-        self._controllers = []
-        if self.dst.mode != "off" and solo:
-            controller = LayerController.from_decision(mine, solo, self.latency, self.dst,
-                                                       knob=self.knob)  # fmt: skip
-            if len(solo) < len(plan.ranks[rank]):  # its CP units are not the controller's
-                controller.target_seconds = float(controller.planned.sum())
-            self._controllers.append(controller)
+        mine, units = step.decision.ranks[rank], planned.units
+        controller = rank_controller(step, rank, self.latency, self.dst, self.knob)
+        self._controllers = [] if controller is None else [controller]
         row = planned.rounds[rank]
         mine_units = [u for u in row if u is not None]
         passes = self.par.passes(len(mine_units), len(row))
@@ -186,6 +176,26 @@ class RankExecutor:
                              sb_attention=ctx, use_cache=False).logits  # fmt: skip
         (out.float().sum() * 0.0).backward()
         return self.par.ready_time() or time.perf_counter()
+
+
+def rank_controller(
+    step: TunedStep, rank: int, latency: LatencyModel, dst: DSTConfig, knob: Knob
+) -> LayerController | None:
+    """DST's closed-loop layer controller for rank ``rank``'s one-rank micro-batches of ``step``
+    (None with ``--dst-mode off`` or when the rank has none); shared with the trainer
+    integrations (:mod:`sparsebalance.integrations`). Micro-batch ``m`` of the controller is the
+    rank's m-th one-rank micro-batch in plan order."""
+    planned = step.planned
+    plan, units = planned.plan, planned.units
+    solo = [plan.ranks[rank][j] for j, u in enumerate(planned.rank_units[rank])
+            if units[u].degree == 1]  # fmt: skip
+    if dst.mode == "off" or not solo:
+        return None
+    controller = LayerController.from_decision(step.decision.ranks[rank], solo, latency, dst,
+                                               knob=knob)  # fmt: skip
+    if len(solo) < len(plan.ranks[rank]):  # its CP units are not the controller's
+        controller.target_seconds = float(controller.planned.sum())
+    return controller
 
 
 def _real_tokens(placement, position: int) -> int:

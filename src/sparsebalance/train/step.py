@@ -67,6 +67,48 @@ def check_plan_agreement(hashes: list[str], plan) -> None:
     )
 
 
+def plan_step(
+    samples: list[Sample],
+    cost: CostModel,
+    pcfg: PlanConfig,
+    estimator: DensityEstimator,
+    all_gather: Callable[[object], list],
+    per_doc_weighting: bool = False,
+) -> StepPlan:
+    """Stage 1 (SAB) of a step, shared by :class:`StepRunner` and the trainer integrations
+    (:mod:`sparsebalance.integrations`): plan the global batch ``samples``, check with one
+    ``all_gather`` (``obj -> [obj of every rank]``) that every rank derived the same plan, and
+    count the global loss weight (every unit once)."""
+    plan = plan_batch(samples, cost, pcfg, estimator=estimator)
+    hashes = all_gather(plan.hash())
+    check_plan_agreement(hashes, plan)
+    units, rank_units = plan.execution()
+    # Every unit once (a CP unit appears in each of its ranks' lists).
+    weight = sum(label_weight(MicroBatch(u.sample_ids, u.lengths, u.densities),
+                              per_doc_weighting) for u in units)  # fmt: skip
+    return StepPlan(plan, hashes[0], weight, units, rank_units,
+                    pass_schedule(units, rank_units))  # fmt: skip
+
+
+def tune_step(
+    planned: StepPlan,
+    tuner: DSTTuner,
+    latency: LatencyModel,
+    cost: CostModel | None,
+    world_size: int,
+) -> TunedStep:
+    """Stage 2 (DST) of a step: a budget per rank (per worker with CP units, priced by ``cost``,
+    else ``latency``) and the loss scale ``world_size / global weight``."""
+    plan = planned.plan
+    t0 = time.perf_counter()
+    if plan.units:  # workers = ranks joined by CP units, one budget each
+        decision = decide_units(tuner, plan, cost or latency)
+    else:
+        decision = tuner.decide(plan.ranks, latency)
+    return TunedStep(planned, decision, world_size / max(planned.global_weight, 1e-9),
+                     time.perf_counter() - t0)  # fmt: skip
+
+
 @dataclass
 class StepRunner:
     """Runs :meth:`run` once per step; the :class:`~sparsebalance.train.Trainer` owns it."""
@@ -116,28 +158,14 @@ class StepRunner:
         pcfg = PlanConfig(self.num_ranks, cfg.micro_batches, cfg.capacity, cfg.strategy,
                           cfg.overlong, cp_degree=cfg.cp,
                           ranks_per_node=self.ranks_per_node)  # fmt: skip
-        plan = plan_batch(samples, self.cost or self.latency, pcfg, estimator=self.estimator)
-        hashes = self.rt.all_gather_object(plan.hash())
-        check_plan_agreement(hashes, plan)
-        units, rank_units = plan.execution()
-        # Every unit once (a CP unit appears in each of its ranks' lists).
-        weight = sum(label_weight(MicroBatch(u.sample_ids, u.lengths, u.densities),
-                                  cfg.per_doc_loss_weighting) for u in units)  # fmt: skip
-        return StepPlan(plan, hashes[0], weight, units, rank_units,
-                        pass_schedule(units, rank_units))  # fmt: skip
+        return plan_step(samples, self.cost or self.latency, pcfg, self.estimator,
+                         self.rt.all_gather_object, cfg.per_doc_loss_weighting)  # fmt: skip
 
     def tune(self, planned: StepPlan) -> TunedStep:
         """DST: a budget per rank; and the loss scale that makes every rank's loss a share of
         the global token mean (the gradient sync averages over processes; emulated ranks
         accumulate into one set of gradients)."""
-        plan = planned.plan
-        t0 = time.perf_counter()
-        if plan.units:  # workers = ranks joined by CP units, one budget each
-            decision = decide_units(self.tuner, plan, self.cost or self.latency)
-        else:
-            decision = self.tuner.decide(plan.ranks, self.latency)
-        loss_scale = self.rt.world_size / max(planned.global_weight, 1e-9)
-        return TunedStep(planned, decision, loss_scale, time.perf_counter() - t0)
+        return tune_step(planned, self.tuner, self.latency, self.cost, self.rt.world_size)
 
     def execute(self, tuned: TunedStep) -> LocalWork:
         """Forward + backward of this process's rank (or of every emulated rank), timestamps
@@ -246,7 +274,8 @@ class StepRunner:
             plan_s=plan.metrics.plan_seconds,
             dst_s=tuned.dst_seconds,
             dst_layer_s=max(r.dst_layer_s for r in records),
-            overhead_s=plan.metrics.plan_seconds + tuned.dst_seconds
+            overhead_s=plan.metrics.plan_seconds
+            + tuned.dst_seconds
             + max(r.dst_layer_s for r in records),
             budget_kind=self.tuner.knob.kind,
             coverage_limited=sum(r.coverage_limited for r in records),

@@ -119,8 +119,10 @@ def budget_note(knob, lengths: np.ndarray) -> str:
             f"budget {dens[0]:.2f} for the longest document ({longest:,} tokens), {dens[1]:.2f} "
             "for the median one")  # fmt: skip
     if dens[0] >= 1.0:
-        line += (": the budget covers every document, attention is exact (lower "
-                 "--budget-tokens to make it sparse)")
+        line += (
+            ": the budget covers every document, attention is exact (lower "
+            "--budget-tokens to make it sparse)"
+        )
     return line
 
 

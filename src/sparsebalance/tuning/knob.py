@@ -121,7 +121,7 @@ def _with_value(template: Budget, kind: str, value: float) -> Budget:
                  max_density=template.max_density, min_blocks=template.min_blocks)  # fmt: skip
     if kind == "gamma":
         return Budget(gamma=float(value), **extra)
-    return Budget(top_k=int(round(value)), **extra)
+    return Budget(top_k=round(value), **extra)
 
 
 def converged(knob: Knob, lo: np.ndarray, hi: np.ndarray, integer: bool = False) -> np.ndarray:
@@ -211,8 +211,10 @@ def search_one(
     knob: Knob, g: Callable[[float], float], lo: float, hi: float, largest: bool = True
 ) -> float:
     """:func:`search_many` for one scalar (the per-rank reference)."""
-    return float(search_many(knob, lambda v, sel: np.array([g(float(v[0]))]),
-                             np.array([lo]), np.array([hi]), np.array([True]), largest)[0])  # fmt: skip
+    one = np.array([True])
+    found = search_many(knob, lambda v, sel: np.array([g(float(v[0]))]), np.array([lo]),
+                        np.array([hi]), one, largest)  # fmt: skip
+    return float(found[0])
 
 
 def knob_from_tokens(
@@ -225,6 +227,7 @@ def knob_from_tokens(
     """A :class:`TopKKnob` from budgets stated in tokens attended (``k x block size``), so a
     block-size change keeps the budget: ``k = tokens // block_size`` (at least 1 block for a
     positive budget). ``min_tokens`` defaults to a quarter of the base."""
+
     def blocks(tokens: int) -> int:
         return max(1, tokens // block_size) if tokens > 0 else 0
 

@@ -1,4 +1,4 @@
-"""DST layer level: a per-rank closed-loop controller that picks the budget per (micro-batch, layer).
+"""DST layer level: a per-rank closed-loop controller picking the budget per (micro-batch, layer).
 
 The step level (:mod:`sparsebalance.tuning.dst`) gives each rank a target time from *predicted*
 densities. In the forward pass every attention layer has its real block scores
@@ -192,6 +192,7 @@ class LayerController:
         coverage, limited = None, False
         covers = getattr(estimate, "coverage", None)
         if value < self.base and self.config.p < 1 and callable(covers):
+
             def cov(v: float) -> float:
                 return float(covers(self.knob.budget(self.budget, v)))
 

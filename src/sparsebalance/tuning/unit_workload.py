@@ -5,7 +5,8 @@ budgets. Workers: the connected groups of ranks that CP units join (ranks of ove
 windows are merged; they are contiguous ranges), and every rank in no CP unit on its own. A
 worker's time at a budget is the finish time of its slowest rank: CP units run first in slot order,
 each starting when all its ranks are free (its seconds from the
-:class:`~sparsebalance.latency.context.ContextCost` at the unit's density ``knob.density(L, d0, v)``),
+:class:`~sparsebalance.latency.context.ContextCost` at the unit's density
+``knob.density(L, d0, v)``),
 then each rank's whole-document micro-batches (a :class:`PlanWorkload`). The tuner cuts and raises
 workers exactly as it does ranks: :class:`UnitWorkload` has :class:`PlanWorkload`'s interface
 (``num_ranks`` is the number of workers), so :meth:`DSTTuner.decide_arrays

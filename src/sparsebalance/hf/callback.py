@@ -1,0 +1,100 @@
+"""The ``TrainerCallback`` :func:`sparsebalance.hf.enable` installs: times each micro-batch from
+the Trainer's own events, runs the step's feedback (latency model, density estimator) after the
+optimizer step, puts the telemetry into the Trainer's logs (``report_to``), and keeps the
+planner's state in the Trainer's checkpoints (``trainer_state.json``: JSON, no pickle).
+
+Micro-batch ``m``'s time runs from ``on_step_begin`` (m = 0) or the previous ``on_substep_end``
+to its own ``on_substep_end``; the last one ends when DDP handed its last gradient bucket to the
+all-reduce (a communication hook stamps it: the wait for slower ranks is not compute), or at
+``on_pre_optimizer_step`` without DDP.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from ..integrations.stats import log_values
+from ..train.parallelize import _ReadyClock
+
+
+class SparseBalanceCallback(TrainerCallback, ExportableState):
+    """See the module docstring; built by :func:`sparsebalance.hf.enable`."""
+
+    def __init__(self, planner=None, trainer=None) -> None:
+        self.planner = planner
+        self.trainer = trainer
+        self._stamps: list[float] = []
+        self._clock: _ReadyClock | None = None
+        self._logged = 0
+
+    def state(self) -> dict:
+        """What ``trainer_state.json`` keeps (``stateful_callbacks``): the planner's learned
+        state (latency calibration, density estimator), JSON only."""
+        planner = {} if self.planner is None else self.planner.state_dict()
+        return {"args": {}, "attributes": {"sparsebalance": planner}}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        name = type(self).__name__
+        if state.stateful_callbacks is None:
+            state.stateful_callbacks = {}
+        saved = state.stateful_callbacks.get(name)
+        if isinstance(saved, list):  # one entry per instance of this class: ours is the only one
+            saved = saved[-1]
+        learned = (saved or {}).get("attributes", {}).get("sparsebalance")
+        if state.global_step > 0 and learned:
+            self.planner.load_state_dict(learned)
+        elif state.global_step > 0 and state.is_world_process_zero:
+            print(f"sparsebalance: the checkpoint at step {state.global_step} holds no "
+                  "SparseBalance state: the latency calibration and the density estimator start "
+                  "afresh", file=sys.stderr)  # fmt: skip
+        # a checkpoint written without SparseBalance has no entry, which saving would need
+        state.stateful_callbacks.setdefault(name, self.state())
+        self._logged = len(self.planner.history)
+        self._hook_ddp()
+
+    def _hook_ddp(self) -> None:
+        """Stamp when DDP hands the last gradient bucket over (the default all-reduce runs)."""
+        import torch
+
+        wrapped = getattr(self.trainer, "model_wrapped", None)
+        if self._clock is not None or not isinstance(
+            wrapped, torch.nn.parallel.DistributedDataParallel
+        ):
+            return
+        clock = _ReadyClock()
+        try:
+            wrapped.register_comm_hook(clock, _ReadyClock.hook)
+        except RuntimeError:  # a hook is registered already (accelerate's comm_hook option)
+            return
+        self._clock = clock
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._clock is not None:
+            self._clock.last = None
+        self._stamps = [time.perf_counter()]
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._stamps.append(time.perf_counter())
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        ready = self._clock.last if self._clock is not None else None
+        self._stamps.append(ready or time.perf_counter())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        work = self.planner.current
+        stamps, self._stamps = self._stamps, []
+        seconds = [b - a for a, b in itertools.pairwise(stamps)]
+        if work is None or len(seconds) != len(work.tickets):
+            seconds = None  # not every micro-batch was seen (a step interrupted): not measured
+        self.planner.finish(work, seconds)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs:  # training logs only (not eval)
+            return
+        logs.update(log_values(self.planner.history, self._logged))
+        self._logged = len(self.planner.history)

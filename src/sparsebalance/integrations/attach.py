@@ -1,0 +1,241 @@
+"""``sparsebalance.attach(model)``: the block-sparse attention on a Hugging Face model that another
+trainer drives (HF ``Trainer``, TRL, accelerate, a plain loop).
+
+It registers an attention function and a mask function through transformers' public
+``AttentionInterface`` / ``AttentionMaskInterface`` (no private function is patched) and switches
+the model to them with ``model.set_attn_implementation``. Per forward the function finds its
+packed micro-batch in one of two ways:
+
+- a :class:`MicroBatchTicket` under ``sb_attention`` (what :class:`~.collator.PackedCollator`
+  emits for a planned micro-batch): the plan's budgets (DST's layer controller), statistics;
+- otherwise the packed-sequence arguments HF collators produce: ``cu_seq_lens_q`` (= ``_k``;
+  ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) or ``position_ids`` restarting
+  at 0 for every document (padding-free collators); a batch of one sequence without either is
+  one document. The runtime's default budget applies (``Budget(gamma=1.0)``: exact varlen
+  attention, no plan needed).
+
+The attention itself is :func:`sparsebalance.models.attention.sparsebalance_attention` (the one
+``sparsebalance train`` runs); this module only finds its :class:`PackedAttention`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..models.attention import LayerStats, PackedAttention, _no_mask, sparsebalance_attention
+from ..ops import Budget
+
+IMPLEMENTATION = "sparsebalance_attached"
+"""The name the attached attention is registered under (``model.config._attn_implementation``)."""
+
+# attention module -> its runtime (weak: a model that is dropped takes its entry with it)
+_RUNTIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# Architectures whose attention goes through AttentionInterface with full causal attention (the
+# ones tested here: Qwen2 / Qwen2.5, Llama, Mistral without a sliding window, Qwen3).
+SUPPORTED = ("qwen2", "qwen3", "llama", "mistral")
+
+
+class MicroBatchTicket:
+    """A planned micro-batch's attention settings, carried in the batch as ``sb_attention``.
+
+    Deliberately not a dataclass: DDP's input copy (``device_ids`` on CUDA) rebuilds dataclasses
+    and Trainer / accelerate pass other objects through untouched. ``attention.cu_seqlens`` is
+    moved to the device of the first layer's queries.
+    """
+
+    __slots__ = ("attention", "filler", "index", "key", "result", "step")
+
+    def __init__(self, attention: PackedAttention, step: int, index: int, key: Any = None,
+                 filler: bool = False) -> None:  # fmt: skip
+        self.attention = attention
+        self.step = step
+        """Global step number (0-based) the micro-batch belongs to."""
+        self.index = index
+        """Position among this rank's micro-batches of the step (0 .. GA - 1)."""
+        self.key = key
+        """What the planner needs back with the measurement (its micro-batch record)."""
+        self.filler = filler
+        """An empty filler micro-batch (a rank with fewer planned micro-batches)."""
+        self.result: Any = None
+
+    def __repr__(self) -> str:
+        kind = "filler" if self.filler else "micro-batch"
+        return f"MicroBatchTicket(step={self.step}, index={self.index}, {kind})"
+
+
+@dataclass
+class AttachedRuntime:
+    """What :func:`attach` returns: the attention's settings and what it did.
+
+    ``budget`` applies to forwards without a planned ticket; ``stats`` keeps the layer statistics
+    of the last such forward (``LayerStats``: layer, budget, density, per-document density; a
+    planned micro-batch keeps its own in its ticket) and ``forwards`` counts every forward.
+    """
+
+    model: torch.nn.Module
+    block_size: int = 64
+    backend: str = "auto"
+    budget: Budget = field(default_factory=lambda: Budget(gamma=1.0))
+    stats: list[LayerStats] = field(default_factory=list)
+    forwards: int = 0
+    planner: Any = None
+    """The step planner when :mod:`sparsebalance.hf` or a plain loop drives the model."""
+    _current: PackedAttention | None = field(default=None, repr=False)
+
+    def context(self, query: torch.Tensor, kwargs: dict, first: bool) -> PackedAttention:
+        """The :class:`PackedAttention` of a forward without a ticket (module docstring), built
+        at its first layer and reused by the others (one host read of the offsets per forward)."""
+        if not first and self._current is not None:
+            return self._current
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is not None:
+            cu_k = kwargs.get("cu_seq_lens_k")
+            if cu_k is not None and not torch.equal(cu_k.to(cu.device), cu):
+                raise ValueError(
+                    "sparsebalance attention: cu_seq_lens_q and cu_seq_lens_k differ (only "
+                    "self-attention over packed documents is supported)"
+                )
+            cu = cu.to(device=query.device, dtype=torch.int32)
+        elif query.shape[0] != 1:
+            raise ValueError(
+                f"sparsebalance attention runs packed batches (batch size 1 with cu_seq_lens_q or "
+                f"position_ids, as DataCollatorWithFlattening or sparsebalance's PackedCollator "
+                f"make them); got batch size {query.shape[0]}"
+            )
+        else:
+            cu = cu_from_positions(kwargs.get("position_ids"), query.shape[2], query.device)
+        self._current = PackedAttention(cu, self.budget, self.block_size, self.backend)
+        self.stats = self._current.stats
+        return self._current
+
+
+def cu_from_positions(position_ids: torch.Tensor | None, total: int, device) -> torch.Tensor:
+    """int32 ``(N + 1,)`` document offsets of a packed row: a document starts wherever
+    ``position_ids`` is 0 (``(1, T)``); without positions the row is one document of ``total``."""
+    if position_ids is None:
+        return torch.tensor([0, total], dtype=torch.int32, device=device)
+    pos = position_ids.reshape(-1)
+    if pos.numel() != total:
+        raise ValueError(f"position_ids holds {pos.numel()} positions for {total} tokens")
+    starts = torch.nonzero(pos == 0).flatten()
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        starts = torch.cat([starts.new_zeros(1), starts])
+    end = torch.tensor([total], device=starts.device, dtype=starts.dtype)
+    return torch.cat([starts, end]).to(device=device, dtype=torch.int32)
+
+
+def attached_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                       sb_attention=None, **kwargs):  # fmt: skip
+    """transformers attention function: ``query (1, Hq, T, D)`` -> ``((1, T, Hq, D), None)``."""
+    runtime = _RUNTIMES.get(module)
+    if runtime is None:
+        raise ValueError(
+            f"{type(module).__name__} runs the '{IMPLEMENTATION}' attention but its model was not "
+            "attached: call sparsebalance.attach(model) on this model"
+        )
+    if isinstance(sb_attention, MicroBatchTicket):
+        ctx = sb_attention.attention
+        if ctx.cu_seqlens.device != query.device:
+            ctx.cu_seqlens = ctx.cu_seqlens.to(query.device)
+    elif isinstance(sb_attention, PackedAttention):
+        ctx = sb_attention
+    elif sb_attention is None:
+        ctx = runtime.context(query, kwargs, first=int(getattr(module, "layer_idx", 0)) == 0)
+    else:
+        raise TypeError(
+            f"sb_attention must be a MicroBatchTicket or PackedAttention, got "
+            f"{type(sb_attention).__name__}"
+        )
+    if int(getattr(module, "layer_idx", 0)) == 0:
+        runtime.forwards += 1
+    if key.dtype != query.dtype:  # under autocast RoPE leaves q, k in float32 and v in bf16/fp16
+        key, value = key.to(query.dtype), value.to(query.dtype)
+    return sparsebalance_attention(module, query, key, value, attention_mask, scaling, dropout,
+                                   sb_attention=ctx, **kwargs)  # fmt: skip
+
+
+def register() -> None:
+    """Register :func:`attached_attention` and the no-mask function (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(IMPLEMENTATION, attached_attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, _no_mask)
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Refuse models whose attention this op does not implement, as ``sparsebalance train``
+    would (sliding windows, logit soft-capping), and models it was not tested on."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED:
+        raise ValueError(
+            f"sparsebalance.attach: model_type {kind!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED)}; their attention goes through transformers' "
+            "AttentionInterface with full causal attention)"
+        )
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", window is not None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    if (window is not None and uses_window) or "sliding_attention" in layer_types:
+        raise ValueError(
+            "sparsebalance.attach: this model uses sliding-window attention, which the "
+            "block-sparse op does not implement (it computes full document-causal attention)"
+        )
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, name, None):
+            raise ValueError(
+                f"sparsebalance.attach: this model uses logit soft-capping ({name}), which the "
+                "block-sparse op does not implement"
+            )
+
+
+def attach(
+    model: torch.nn.Module,
+    *,
+    budget: Budget | None = None,
+    block_size: int = 64,
+    backend: str = "auto",
+) -> AttachedRuntime:
+    """Run ``model``'s attention through SparseBalance's block-sparse op.
+
+    Args:
+        model: a Hugging Face causal LM (Qwen2 / Qwen2.5, Qwen3, Llama, Mistral families),
+            not yet wrapped by DDP / FSDP.
+        budget: the budget of forwards without a plan; default ``Budget(gamma=1.0)``, every
+            causal block: exact varlen attention.
+        block_size: tokens per sparsity block.
+        backend: ``auto`` | ``torch`` | ``flex`` | ``reference`` (``block_sparse_attention``).
+
+    Returns:
+        The :class:`AttachedRuntime` (budget, layer statistics; the planner once a trainer
+        integration drives it). Calling ``attach`` again on the same model returns the same one.
+    """
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError("sparsebalance.attach: pass the model before wrapping it in DDP")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    existing = getattr(model, "_sparsebalance_runtime", None)
+    if existing is not None:
+        return existing
+    check_model(model)
+    register()
+    runtime = AttachedRuntime(model, block_size, backend, budget or Budget(gamma=1.0))
+    found = 0
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
+            _RUNTIMES[module] = runtime
+            found += 1
+    if not found:
+        raise ValueError(
+            f"sparsebalance.attach: found no attention layer (a module with layer_idx and "
+            f"q_proj) in {type(model).__name__}"
+        )
+    model.set_attn_implementation(IMPLEMENTATION)
+    model._sparsebalance_runtime = runtime
+    return runtime

@@ -1,0 +1,271 @@
+"""The step stages behind every trainer integration: which documents a step trains (seeded, the
+same on every rank), SAB's plan and DST's budgets for it, this rank's micro-batches (always
+``micro_batches`` of them, empty fillers where the plan gives the rank fewer), and the feedback
+after the step (latency model, density estimator) with its telemetry.
+
+One implementation of each stage: the plan and the budgets are ``sparsebalance train``'s
+(:func:`~sparsebalance.train.step.plan_step`, :func:`~sparsebalance.train.step.tune_step`,
+:func:`~sparsebalance.train.execute.rank_controller`), the feedback its
+:func:`~sparsebalance.train.feedback.apply_feedback`. The planner knows nothing of Hugging Face:
+the sampler / collator (:mod:`.sampler`), :mod:`sparsebalance.hf` and :mod:`.loop` drive it.
+
+Global batch ``k`` of epoch ``e`` is documents ``perm_e[k B : (k + 1) B]`` of the seeded
+permutation ``epoch_permutation(seed, e, N)`` (the tail of ``N mod B`` documents is dropped):
+exactly the batches ``sparsebalance train --seed S --global-batch B`` draws from one source.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..batching import OVERLONG, PlanConfig, make_estimator
+from ..data.mixture import epoch_permutation
+from ..latency import LatencyModel
+from ..tuning import DSTConfig, DSTTuner, LayerController
+from ..workload import Sample
+from .stats import step_telemetry
+
+STRATEGIES = ("sequential", "sorted", "tokens", "flops", "sab")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """How an integration plans its steps (validated on construction)."""
+
+    global_batch: int
+    """Documents per optimizer step over all ranks."""
+    micro_batches: int
+    """Micro-batches every rank runs per step (the trainer's ``gradient_accumulation_steps``);
+    a rank the plan gives fewer runs empty fillers (two tokens, no target) for the rest."""
+    capacity: int | None = None
+    """Tokens per micro-batch (the memory bound); None: no bound, the plan spreads a rank's
+    documents over at most ``micro_batches`` micro-batches."""
+    strategy: str = "sab"
+    """sequential | sorted | tokens | flops | sab (``sab-cp`` is not available here)."""
+    overlong: str = "split"
+    """Documents longer than ``capacity``: split | truncate | skip (counted in the telemetry)."""
+    dst: DSTConfig = field(default_factory=DSTConfig)
+    """Budgets and dynamic sparsity tuning (default: the paper's top-k rule; exact attention:
+    ``DSTConfig(mode="off", budget="gamma", gamma0=1.0)``)."""
+    block_size: int = 64
+    backend: str = "auto"
+    seed: int = 0
+    """Seeds the document order of every epoch (the same on every rank)."""
+    deterministic: bool = False
+    """No measured time enters any decision (exact resume, runs comparable bit for bit)."""
+
+    def __post_init__(self) -> None:
+        if self.strategy == "sab-cp":
+            raise ValueError(
+                "strategy='sab-cp' is not available in the trainer integrations: documents longer "
+                "than the capacity cannot run as context-parallel units inside another trainer's "
+                "micro-batch loop; use overlong='split' (chunks) here, or `sparsebalance train "
+                "--strategy sab-cp` to train them whole"
+            )
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.overlong not in OVERLONG:
+            raise ValueError(f"overlong must be one of {OVERLONG}, got {self.overlong!r}")
+        for name in ("global_batch", "micro_batches", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.capacity is not None and self.capacity < 1:
+            raise ValueError(f"capacity must be >= 1 or None, got {self.capacity}")
+
+
+@dataclass
+class MicroBatchSpec:
+    """One of this rank's micro-batches of a step: documents (chunks) in pack order."""
+
+    step: int
+    index: int
+    sample_ids: tuple[int, ...] = ()
+    offsets: tuple[int, ...] = ()
+    lengths: tuple[int, ...] = ()
+    filler: bool = False
+
+
+@dataclass
+class StepWork:
+    """A planned step on this rank: the agreed plan, DST's decision, this rank's micro-batches."""
+
+    step: int
+    epoch: int
+    tuned: object
+    """The :class:`~sparsebalance.train.records.TunedStep` (plan, hash, decision, loss scale)."""
+    specs: list[MicroBatchSpec]
+    controller: LayerController | None
+    target_tokens: int = 0
+    """Target tokens of the whole global batch (every rank): the loss normaliser."""
+    tickets: list = field(default_factory=list)
+    """The collated micro-batches' tickets, in order (their layer statistics)."""
+    t_planned: float = 0.0
+
+    @property
+    def plan_hash(self) -> str:
+        return self.tuned.planned.plan_hash
+
+
+class StepPlanner:
+    """Plans steps for one rank (see the module docstring).
+
+    Args:
+        lengths: int ``(N,)`` tokens of every document of the dataset.
+        config: the :class:`PlannerConfig`.
+        latency: the latency model plans and DST price with (the same on every rank).
+        rank, world_size: this process and the data-parallel world.
+        all_gather: ``obj -> [obj of every rank]`` (``torch.distributed.all_gather_object``).
+        sources: optional ``(N,)`` source names (the density estimator learns per source).
+    """
+
+    def __init__(self, lengths: Sequence[int] | np.ndarray, config: PlannerConfig,
+                 latency: LatencyModel, rank: int = 0, world_size: int = 1,
+                 all_gather: Callable[[object], list] | None = None,
+                 sources: Sequence[str] | None = None) -> None:  # fmt: skip
+        self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        if self.lengths.size == 0 or int(self.lengths.min()) < 1:
+            raise ValueError("every document needs at least one token (an empty one was given)")
+        self.config = config
+        if config.global_batch > self.lengths.size:
+            raise ValueError(
+                f"global_batch {config.global_batch} exceeds the dataset's {self.lengths.size} "
+                "documents"
+            )
+        if config.global_batch < world_size:
+            raise ValueError(
+                f"global_batch {config.global_batch} is smaller than the {world_size} ranks: "
+                "every rank needs at least one document per step"
+            )
+        self.latency = latency
+        self.tuner = DSTTuner(config.dst, block_size=config.block_size)
+        self.estimator = make_estimator("auto", self.tuner.knob)
+        self.rank, self.world_size = rank, world_size
+        self.all_gather = all_gather or (lambda obj: [obj])
+        self.sources = list(sources) if sources is not None else None
+        self.target_count: Callable[[int, int, int], int] | None = None
+        """Optional ``(sample id, offset, length) -> targets`` (masked prompts); default n - 1."""
+        self.history: list[dict] = []
+        """One telemetry dict per finished step (what the trainer's loggers get)."""
+        self._work: StepWork | None = None
+
+    # ------------------------------------------------------------------ data order
+    @property
+    def steps_per_epoch(self) -> int:
+        return int(self.lengths.size // self.config.global_batch)
+
+    def sample(self, index: int) -> Sample:
+        src = self.sources[index] if self.sources is not None else ""
+        return Sample(int(index), int(self.lengths[index]), src)
+
+    def batch_ids(self, epoch: int, step_in_epoch: int) -> list[int]:
+        """Document ids of global batch ``step_in_epoch`` of ``epoch`` (module docstring)."""
+        b = self.config.global_batch
+        perm = epoch_permutation(self.config.seed, epoch, int(self.lengths.size), 0, 1)
+        return perm[step_in_epoch * b : (step_in_epoch + 1) * b].tolist()
+
+    @property
+    def current(self) -> StepWork | None:
+        """The step planned last (the one being trained)."""
+        return self._work
+
+    # ------------------------------------------------------------------ plan + tune
+    def work(self, epoch: int, step_in_epoch: int) -> StepWork:
+        """The planned step (planned once: every micro-batch of a step asks for it)."""
+        step = epoch * self.steps_per_epoch + step_in_epoch
+        if self._work is not None and self._work.step == step:
+            return self._work
+        from ..train.execute import rank_controller
+        from ..train.step import plan_step, tune_step
+
+        cfg = self.config
+        samples = [self.sample(i) for i in self.batch_ids(epoch, step_in_epoch)]
+        pcfg = PlanConfig(self.world_size, None if cfg.capacity else cfg.micro_batches,
+                          cfg.capacity, cfg.strategy, cfg.overlong)  # fmt: skip
+        planned = plan_step(samples, self.latency, pcfg, self.estimator, self.all_gather)
+        tuned = tune_step(planned, self.tuner, self.latency, None, self.world_size)
+        plan = planned.plan
+        counts = [len(r) for r in plan.ranks]
+        if max(counts) > cfg.micro_batches:
+            worst = int(np.argmax(counts))
+            raise ValueError(
+                f"step {step}: the plan needs {max(counts)} micro-batches of {cfg.capacity} tokens "
+                f"on rank {worst} but gradient_accumulation_steps is {cfg.micro_batches}: raise "
+                "gradient_accumulation_steps (ranks with fewer run empty fillers) or the capacity"
+            )
+        specs = [
+            MicroBatchSpec(step, m, mb.sample_ids, offs, mb.lengths)
+            for m, (mb, offs) in enumerate(zip(plan.ranks[self.rank], plan.offsets[self.rank],
+                                               strict=True))
+        ]  # fmt: skip
+        fillers = range(len(specs), cfg.micro_batches)
+        specs += [MicroBatchSpec(step, m, filler=True) for m in fillers]
+        controller = rank_controller(tuned, self.rank, self.latency, cfg.dst, self.tuner.knob)
+        self._work = StepWork(step, epoch, tuned, specs, controller, self._targets(plan),
+                              t_planned=time.perf_counter())  # fmt: skip
+        return self._work
+
+    def _targets(self, plan) -> int:
+        """Target tokens of the global batch (every rank's documents; labels shift inside a
+        document, so a chunk of n tokens has n - 1 unless ``target_count`` says otherwise)."""
+        total = 0
+        for rank, rank_offs in zip(plan.ranks, plan.offsets, strict=True):
+            for mb, offs in zip(rank, rank_offs, strict=True):
+                for i, o, n in zip(mb.sample_ids, offs, mb.lengths, strict=True):
+                    total += self.target_count(i, o, n) if self.target_count else n - 1
+        return total
+
+    # ------------------------------------------------------------------ feedback
+    def finish(self, work: StepWork, seconds: Sequence[float] | None = None) -> dict:
+        """After the step's optimizer update (every rank, in step order): fold every rank's
+        measured micro-batches into the latency model and the density estimator, and return
+        the step's telemetry (also appended to :attr:`history`).
+
+        Args:
+            work: the step (its tickets hold the layer statistics of each micro-batch).
+            seconds: measured seconds of this rank's micro-batches, fillers included, in order;
+                None: not measured (the predicted times stand in; nothing timed is fed back).
+        """
+        from ..train.feedback import apply_feedback
+        from ..train.records import MicroBatchResult, RankRecord, StepFeedback
+
+        cfg = self.config
+        decision = work.tuned.decision.ranks[self.rank]
+        predicted = work.tuned.planned.plan.microbatch_times[self.rank]
+        results = []
+        for m, ticket in enumerate(work.tickets):
+            if ticket.filler:
+                continue
+            spec, ctx = ticket.key, ticket.attention
+            secs = float(seconds[m]) if seconds is not None else float(predicted[spec.index])
+            results.append(MicroBatchResult(
+                seconds=secs, lengths=tuple(spec.lengths), sample_ids=tuple(spec.sample_ids),
+                layer_densities=tuple(tuple(s.document_density) for s in ctx.stats),
+                budgets=tuple(s.budget for s in ctx.stats), loss_sum=0.0,
+                weight_sum=float(sum(n - 1 for n in spec.lengths)), slot=m,
+            ))  # fmt: skip
+        record = RankRecord.from_results(decision, results)
+        records = self.all_gather(record)
+        peak = max(r.compute_s for r in records)
+        for r in records:
+            r.derived_bubble_s = float(peak - r.compute_s)
+        feedback = StepFeedback.from_records(records)
+        timed = seconds is not None and not cfg.deterministic
+        apply_feedback(feedback, self.latency, self.estimator, self.tuner.knob, self.sample,
+                       use_timings=timed)  # fmt: skip
+        telemetry = step_telemetry(work, records, timed)
+        self.history.append(telemetry)
+        return telemetry
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """JSON-ready: the latency model's calibration and the density estimator's state."""
+        return {"latency": self.latency.state_dict(), "estimator": self.estimator.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.latency.load_state_dict(state["latency"])
+        self.estimator.load_state_dict(state["estimator"])
+        self._work = None

@@ -1,0 +1,235 @@
+"""The balanced batch sampler and packing collator for map-style datasets.
+
+``BalancedBatchSampler`` yields, for every step, exactly ``micro_batches`` entries on every rank
+(the trainer's fixed ``gradient_accumulation_steps`` lines up); each entry is a one-element list
+holding a :class:`MicroBatchSlot` (epoch, step, index). :class:`PlannedDataset` turns a slot into
+the planned documents (the step is planned, by :class:`~.planner.StepPlanner`, when its first
+micro-batch is fetched: after the previous step's feedback), and :class:`PackedCollator` packs
+them into one row::
+
+    sampler = BalancedBatchSampler(planner)        # sampler.dataloader(dataset) builds:
+    loader = DataLoader(PlannedDataset(dataset, planner), batch_sampler=sampler,
+                        collate_fn=PackedCollator(planner))
+
+A batch holds ``input_ids``, ``position_ids`` (restarting per document), ``labels`` (the
+document's tokens, -100 on each document's first token and on masked prompt tokens: the
+convention of ``DataCollatorWithFlattening``), ``shift_labels`` (the next-token targets, -100 at
+each document's end: what HF's causal-LM loss and the Trainer's token count use as given),
+``cu_seq_lens_q/k`` and ``max_length_q/k``, ``num_items_in_batch`` (target tokens of the whole
+global batch: HF's loss normaliser) and ``sb_attention`` (the micro-batch's ticket). The loss the
+model returns is the global token mean's share of this micro-batch; with DDP averaging gradients
+over R ranks, multiply it by R before ``backward`` (the HF Trainer does so with
+``average_tokens_across_devices=True``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from ..models.attention import PackedAttention
+from ..ops import Budget
+from ..train.execute import BACKWARD_RATIO
+from .attach import MicroBatchTicket
+from .planner import StepPlanner
+
+IGNORE = -100
+MASK_KEYS = ("completion_mask", "assistant_masks")
+"""Per-token masks (1 = trained) that TRL / chat templates put in examples."""
+
+
+@dataclass(frozen=True)
+class MicroBatchSlot:
+    """Micro-batch ``index`` of step ``step`` of ``epoch`` on this rank."""
+
+    epoch: int
+    step: int
+    index: int
+
+
+def example_tokens(example) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(ids (L,), mask (L,) or None)`` of one dataset example: a dict with ``input_ids`` (and
+    optionally ``completion_mask`` / ``assistant_masks``), or the token ids themselves."""
+    mask = None
+    if isinstance(example, dict):
+        if "input_ids" not in example:
+            raise ValueError(
+                f"a dataset example needs 'input_ids' (tokenized text); got keys {sorted(example)}"
+            )
+        for key in MASK_KEYS:
+            if example.get(key) is not None:
+                mask = np.asarray(example[key], dtype=np.int64).reshape(-1)
+                break
+        example = example["input_ids"]
+    if isinstance(example, torch.Tensor):
+        example = example.cpu().numpy()
+    ids = np.asarray(example, dtype=np.int64).reshape(-1)
+    if mask is not None and mask.shape != ids.shape:
+        raise ValueError(f"an example's mask has {mask.size} entries for {ids.size} tokens")
+    return ids, mask
+
+
+def dataset_lengths(dataset) -> np.ndarray:
+    """Tokens of every example (one pass over the dataset; an ``input_ids`` column at once)."""
+    column = getattr(dataset, "column_names", None)
+    if column is not None and "input_ids" in column:
+        return np.array([len(x) for x in dataset["input_ids"]], dtype=np.int64)
+    return np.array([example_tokens(dataset[i])[0].size for i in range(len(dataset))], np.int64)
+
+
+def targets_of(ids: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """Next-token targets of one document chunk ``(n,)``: ``ids[t + 1]``, -100 at its end and
+    where the target token is masked."""
+    out = np.full(ids.size, IGNORE, dtype=np.int64)
+    out[:-1] = ids[1:]
+    if mask is not None:
+        out[:-1][mask[1:] == 0] = IGNORE
+    return out
+
+
+class BalancedBatchSampler(Sampler):
+    """Yields ``[MicroBatchSlot]`` for every micro-batch of every step of an epoch on this rank:
+    ``steps_per_epoch x micro_batches`` entries, the same count on every rank."""
+
+    def __init__(self, planner: StepPlanner) -> None:
+        self.planner = planner
+        self.epoch = 0
+        self.start = 0
+        """First step (in the epoch) of the next iteration (:meth:`load_state_dict`)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.planner.steps_per_epoch * self.planner.config.micro_batches
+
+    def __iter__(self):
+        start, self.start = self.start, 0
+        for step in range(start, self.planner.steps_per_epoch):
+            for m in range(self.planner.config.micro_batches):
+                yield [MicroBatchSlot(self.epoch, step, m)]
+
+    def state_dict(self, steps_done: int | None = None) -> dict:
+        """The position (epoch, next step) with the planner's learned state: JSON-ready.
+        ``steps_done``: steps finished in this epoch (default: those the planner finished)."""
+        if steps_done is None:
+            done = self.planner.history[-1]["step"] + 1 if self.planner.history else 0
+            steps_done = done - self.epoch * self.planner.steps_per_epoch
+        return {"epoch": self.epoch, "step": int(steps_done), "planner": self.planner.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where :meth:`state_dict` was taken."""
+        self.epoch, self.start = int(state["epoch"]), int(state["step"])
+        self.planner.load_state_dict(state["planner"])
+
+    def dataloader(self, dataset, pad_token_id: int = 0) -> PlannedDataLoader:
+        """A ``DataLoader`` over ``dataset`` with this sampler and a :class:`PackedCollator`."""
+        return PlannedDataLoader(PlannedDataset(dataset, self.planner), batch_sampler=self,
+                                 collate_fn=PackedCollator(self.planner, pad_token_id))  # fmt: skip
+
+
+class PlannedDataLoader(DataLoader):
+    """A ``DataLoader`` whose ``set_epoch`` reaches the balanced sampler (the HF Trainer calls
+    the loader's)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+class PlannedDataset:
+    """``dataset`` indexed by :class:`MicroBatchSlot`: the slot's spec and its examples."""
+
+    def __init__(self, dataset, planner: StepPlanner) -> None:
+        self.dataset, self.planner = dataset, planner
+        planner.target_count = self._target_count
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _target_count(self, index: int, offset: int, length: int) -> int:
+        ids, mask = example_tokens(self.dataset[index])
+        chunk = None if mask is None else mask[offset : offset + length]
+        return int((targets_of(ids[offset : offset + length], chunk) != IGNORE).sum())
+
+    def __getitem__(self, slot: MicroBatchSlot):
+        work = self.planner.work(slot.epoch, slot.step)
+        spec = work.specs[slot.index]
+        examples = [self.dataset[i] for i in spec.sample_ids]
+        return work, spec, examples
+
+
+class PackedCollator:
+    """Packs one planned micro-batch (see the module docstring); ``pad_token_id`` fills the
+    two-token filler micro-batches."""
+
+    def __init__(self, planner: StepPlanner, pad_token_id: int = 0) -> None:
+        self.planner, self.pad_token_id = planner, int(pad_token_id)
+
+    def __call__(self, entries):
+        if len(entries) != 1 or len(entries[0]) != 3:
+            raise ValueError(
+                "PackedCollator packs one planned micro-batch: use it with BalancedBatchSampler "
+                "and PlannedDataset (sampler.dataloader(dataset) builds the three)"
+            )
+        work, spec, examples = entries[0]
+        if spec.filler:
+            ids = np.full(2, self.pad_token_id, dtype=np.int64)
+            docs, masks, lengths = [ids], [np.zeros(2, np.int64)], [2]
+        else:
+            docs, masks = [], []
+            for ex, o, n in zip(examples, spec.offsets, spec.lengths, strict=True):
+                ids, mask = example_tokens(ex)
+                docs.append(ids[o : o + n])
+                masks.append(None if mask is None else mask[o : o + n])
+            lengths = list(spec.lengths)
+        ids = np.concatenate(docs)
+        shift = np.concatenate([targets_of(d, m) for d, m in zip(docs, masks, strict=True)])
+        if spec.filler:
+            shift[:] = IGNORE
+        labels = np.full_like(ids, IGNORE)
+        labels[1:] = shift[:-1]  # labels[t + 1] = target of t; each document's first is -100
+        pos = np.concatenate([np.arange(n) for n in lengths])
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+        ticket = self._ticket(work, spec, cu)
+        work.tickets.append(ticket)
+        as_row = lambda a: torch.as_tensor(a, dtype=torch.long)[None]  # noqa: E731
+        return {
+            "input_ids": as_row(ids), "position_ids": as_row(pos), "labels": as_row(labels),
+            "shift_labels": as_row(shift), "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+            "max_length_q": max(lengths), "max_length_k": max(lengths),
+            "num_items_in_batch": torch.tensor(work.target_tokens), "sb_attention": ticket,
+        }  # fmt: skip
+
+    def _ticket(self, work, spec, cu: torch.Tensor) -> MicroBatchTicket:
+        """The micro-batch's attention: the rank's step budget, DST's per-layer choices (the
+        controller's micro-batch ``spec.index``) and, when timings are fed back, the layer
+        times of its closed loop (forward x ``BACKWARD_RATIO``, as ``sparsebalance train``)."""
+        cfg = self.planner.config
+        value = work.tuned.decision.ranks[self.planner.rank].budget
+        if spec.filler:
+            ctx = PackedAttention(cu, Budget(gamma=1.0), cfg.block_size, cfg.backend)
+            return MicroBatchTicket(ctx, spec.step, spec.index, spec, filler=True)
+        ctl, m = work.controller, spec.index
+        choose = None if ctl is None else (lambda layer, e: ctl.choose(m, layer, e))
+        last = [0.0]
+
+        def on_layer_end(layer: int) -> None:
+            now = time.perf_counter()
+            if layer > 0 and ctl is not None and not cfg.deterministic and cu.device.type == "cpu":
+                ctl.observe(m, layer, (now - last[0]) * BACKWARD_RATIO)
+            last[0] = now
+
+        budget = self.planner.tuner.knob.budget(Budget(top_k=0), value)
+        ctx = PackedAttention(cu, budget, cfg.block_size, cfg.backend,
+                              choose_budget=choose, on_layer_end=on_layer_end)  # fmt: skip
+        return MicroBatchTicket(ctx, spec.step, spec.index, spec)
+
+
+def predicted_balance(planner: StepPlanner, steps: Sequence[int], epoch: int = 0) -> list[float]:
+    """Predicted balance (mean / max rank time) of the plans of ``steps`` (no training)."""
+    return [planner.work(epoch, s).tuned.planned.plan.metrics.efficiency for s in steps]

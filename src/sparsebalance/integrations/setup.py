@@ -1,0 +1,83 @@
+"""Building an integration's planner: the latency model (loaded or measured on rank 0, sent to
+every rank so that all plan alike), the document lengths, the sampler and its data loader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..latency import LatencyModel, Profile, default_latency_model, fingerprint, load_profile
+from ..models import ModelShapes
+from .attach import AttachedRuntime
+from .planner import PlannerConfig, StepPlanner
+from .sampler import BalancedBatchSampler, dataset_lengths
+
+
+def all_gather_fn():
+    """``obj -> [obj of every rank]`` over the default process group (one process: ``[obj]``)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return lambda obj: [obj]
+
+    def gather(obj):
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    return gather
+
+
+def process_rank() -> tuple[int, int]:
+    """(rank, world size) of the default process group, ``(0, 1)`` without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def latency_model(model: torch.nn.Module, config: PlannerConfig, profile: str | Path | None,
+                  lengths: np.ndarray, all_gather) -> LatencyModel:  # fmt: skip
+    """Rank 0 loads ``profile`` (checked against this model, device and block size) or measures
+    / reuses the cached default profile (``sparsebalance train``'s; under a minute the first time
+    on a CPU), and every rank gets its copy."""
+    device = next(model.parameters()).device
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(next(model.parameters()).dtype,
+                                                                "fp32")  # fmt: skip
+    backend = config.backend if config.backend != "auto" else (
+        "flex" if device.type == "cuda" else "torch")  # fmt: skip
+    shapes = ModelShapes.from_hf_config(model.config.to_dict(), name=model.config.model_type)
+    data = None
+    if all_gather is None or process_rank()[0] == 0:
+        if profile is not None:
+            loaded = load_profile(profile)
+            loaded.check_fingerprint(fingerprint(shapes, device, dtype, backend, config.block_size))
+        else:
+            top = config.capacity or int(np.sort(lengths)[-config.global_batch :].sum())
+            loaded = default_latency_model(shapes, device, dtype, backend, config.block_size,
+                                           max_len=max(top, 256)).profile  # fmt: skip
+        data = loaded.to_json()
+    data = (all_gather or (lambda o: [o]))(data)[0]
+    return LatencyModel(Profile.from_json(data))
+
+
+def build_sampler(runtime: AttachedRuntime, dataset, config: PlannerConfig,
+                  profile: str | Path | None = None, lengths=None,
+                  sources=None) -> BalancedBatchSampler:  # fmt: skip
+    """The planner for ``runtime``'s model over ``dataset`` and its :class:`BalancedBatchSampler`
+    (``runtime.planner`` is set to the planner)."""
+    if config.block_size != runtime.block_size:
+        raise ValueError(
+            f"the planner's block_size {config.block_size} differs from the attached attention's "
+            f"{runtime.block_size}"
+        )
+    lengths = dataset_lengths(dataset) if lengths is None else np.asarray(lengths, np.int64)
+    rank, world = process_rank()
+    gather = all_gather_fn()
+    latency = latency_model(runtime.model, config, profile, lengths, gather)
+    planner = StepPlanner(lengths, config, latency, rank, world, gather, sources)
+    runtime.planner = planner
+    return BalancedBatchSampler(planner)
