@@ -57,7 +57,7 @@ def test_cpu_clock_is_perf_counter_and_event_clock_reads_device_time():
     cpu = Clock("cpu")
     a, b = cpu.mark(), cpu.mark()
     assert a.event is None and cpu.seconds(a, b) == b.host - a.host >= 0
-    clock, dev = fake_clock()
+    clock, _dev = fake_clock()
     a, b = clock.mark(), clock.mark()
     with pytest.raises(RuntimeError, match="not complete"):
         clock.seconds(a, b)

@@ -5,6 +5,8 @@ at enqueue time (the review's defect 3) could not produce."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -29,5 +31,5 @@ def test_a_step_reads_device_times_once_after_its_synchronize(tmp_path):
     assert rec.microbatch_s and all(s == pytest.approx(TICK) for s in rec.microbatch_s)
     starts = [u["start_s"] for u in rec.units]
     assert starts[0] == pytest.approx(TICK)  # one event (the step's origin) before it
-    assert all(b - a == pytest.approx(2 * TICK) for a, b in zip(starts, starts[1:], strict=False))
+    assert all(b - a == pytest.approx(2 * TICK) for a, b in itertools.pairwise(starts))
     assert rec.density > 0  # the layer statistics were read after the synchronize
