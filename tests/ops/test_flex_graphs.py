@@ -68,19 +68,27 @@ def test_nonfinite_reads_are_exactly_the_reference_nan_outputs(lengths, hq, hkv,
     )
     v[where[0], 0, 1] = math.inf
     ref = block_sparse_attention(q, k, v, layout, cu, backend="reference")
-    reads = nonfinite_reads(v, layout, hq)
+    reads = nonfinite_reads(~torch.isfinite(v), layout, hq)
     assert bool(reads.any())
     assert torch.equal(reads, ~torch.isfinite(ref))
 
 
-def test_flex_forward_marks_nan_exactly_with_gqa_and_documents_off_block_boundaries():
-    torch._dynamo.reset()
+@pytest.fixture(scope="module")
+def fresh_dynamo():
+    torch._dynamo.reset()  # CPU flex: one configuration per compile cache (see test_flex.py)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_flex_forward_marks_nan_exactly_with_gqa_and_documents_off_block_boundaries(
+    where, fresh_dynamo
+):
     lengths = (130, 270, 600)
     cu = cu_from_lengths(lengths)
     q, k, v = make_qkv(1000, 4, 2, 16, dtype=torch.float32, requires_grad=False, seed=2)
     _, layout = _layout(1000, 4, 4, 64, 3)
     layout = BlockLayout(layout.kv_num_blocks, layout.kv_indices, cu, 1000, 64, 4)
-    v[[140, 700], 1, 3] = math.nan  # document 2 (off a block boundary) and document 3
+    x = {"q": q, "k": k, "v": v}[where]
+    x[[140, 700], 1, 3] = math.nan  # document 2 (off a block boundary) and document 3
     out = flex_block_sparse_attention(q, k, v, layout, 16**-0.5)
     ref = block_sparse_attention(q, k, v, layout, cu, backend="reference")
     assert torch.equal(out.isnan(), ref.isnan()) and bool(torch.isfinite(out[:130]).all())

@@ -32,7 +32,7 @@ def test_the_flex_layer_path_reads_no_value_on_the_host():
     total = padded_length(layout, (4, 2, 16))
     mask = build_block_mask(layout, 4, torch.device("meta"), total=total)
     assert tuple(mask.kv_num_blocks.shape) == (1, 4, -(-total // 64))
-    assert nonfinite_reads(kv, layout, 4).shape == (517, 4, 16)
+    assert nonfinite_reads(kv.isnan(), layout, 4).shape == (517, 4, 16)
     stats = LayerStats.of(0, Budget(gamma=0.9), layout)  # densities stay on the device
     assert stats.density_tensor.device.type == "meta"
     assert stats.document_density_tensor.shape == (3,)

@@ -14,11 +14,16 @@ into a graph of its own). One graph per dtype and grad mode; should Dynamo's rec
 hit anyway, the call fails loudly instead of silently running flex eagerly, which materialises
 ``T x T`` scores (out of memory at long context).
 
-Non-finite values: FlexAttention masks the scores, not the products ``p @ v``, so a NaN or inf
-value at a masked position of a computed block would reach other queries (other documents
-included). The call runs on the cleaned values (non-finite set to 0) and marks as NaN exactly
-the outputs that read a non-finite value, found from prefix counts of the non-finite entries
-(:func:`nonfinite_reads`): device work only, no host sync, no second attention call.
+Non-finite values: FlexAttention masks the scores, not the products ``p @ v``, and its backward
+multiplies masked probabilities (``exp(-inf - lse)``) by the output gradient, so a NaN or inf at
+a masked position of a computed block, or a row whose log-sum-exp is NaN, would reach other
+queries and other keys' gradients (other documents included). The call runs on cleaned q, k and
+v (non-finite entries set to 0) and marks as NaN exactly the outputs that read one: every
+feature of a row whose query is non-finite or that sees a non-finite key, the features that read
+a non-finite value. The rows are found from prefix counts of the non-finite entries
+(:func:`nonfinite_reads`): device work only, no host sync, no second attention call. A poisoned
+output passes no gradient back (its inputs' gradients are 0 where the reference has NaN); every
+other document's outputs and gradients are exactly those of a clean run.
 """
 
 from __future__ import annotations
@@ -108,23 +113,23 @@ def build_block_mask(
 
 
 def nonfinite_reads(
-    v: torch.Tensor, layout: BlockLayout, num_q_heads: int, kept: torch.Tensor | None = None
+    bad: torch.Tensor, layout: BlockLayout, num_q_heads: int, kept: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Bool ``(T, Hq, D)``: output ``[i, h, d]`` reads a non-finite ``v[j, kv(h), d]``, i.e. a key
-    ``j`` of a kept block pair with ``doc_start_i <= j <= i``.
+    """Bool ``(T, Hq, E)``: output ``[i, h, e]`` reads a key ``j`` with ``bad[j, kv(h), e]``, i.e. a
+    key of a kept block pair with ``doc_start_i <= j <= i``; ``bad``: bool ``(T, Hkv, E)`` (the
+    non-finite entries of v, ``E = D``, or keys with any non-finite feature, ``E = 1``).
 
     For query token ``i`` in block ``qb`` with document start ``s``, every kept key block strictly
     between ``ceil(s / B)`` and ``qb`` is read whole (the same for all tokens of the block's first
     document: one block-level product), and at most two are read in part: the diagonal block
     (keys ``max(s, qb B) .. i``) and the block holding ``s`` when ``s`` is not on a block
     boundary (keys ``s .. end of that block``). Prefix counts of the non-finite entries over the
-    tokens answer each part with two lookups. ``v``: ``(T, Hkv, D)``.
+    tokens answer each part with two lookups.
     """
-    t, hkv = v.shape[:2]
+    t, hkv = bad.shape[:2]
     bs, nb, hl = layout.block_size, layout.num_blocks, layout.num_heads
-    dev = v.device
-    bad = ~torch.isfinite(v)
-    # (T + 1, Hkv, D): non-finite entries before token j
+    dev = bad.device
+    # (T + 1, Hkv, E): bad entries before token j
     counts = torch.nn.functional.pad(
         bad.to(torch.int32).cumsum(0, dtype=torch.int32), (0, 0, 0, 0, 1, 0)
     )
@@ -161,8 +166,13 @@ def flex_block_sparse_attention(q, k, v, layout: BlockLayout, scale: float) -> t
     total = padded_length(layout, (hq, hkv, d))
     kept = layout.to(q.device).to_block_mask()
     block_mask = build_block_mask(layout, hq, q.device, kept, total)
-    reads_bad = nonfinite_reads(v, layout, hq, kept)
-    v = v.masked_fill(~torch.isfinite(v), 0.0)
+    bad_q, bad_k, bad_v = (~torch.isfinite(x) for x in (q, k, v))
+    poisoned = (
+        nonfinite_reads(bad_v, layout, hq, kept)
+        | nonfinite_reads(bad_k.any(-1, keepdim=True), layout, hq, kept)
+        | bad_q.any(-1, keepdim=True)
+    )  # (T, Hq, D): outputs that read a non-finite entry
+    q, k, v = q.masked_fill(bad_q, 0.0), k.masked_fill(bad_k, 0.0), v.masked_fill(bad_v, 0.0)
     pad = total - t
 
     def heads_first(x: torch.Tensor) -> torch.Tensor:  # (T, H, D) -> (1, H, T', D)
@@ -175,4 +185,4 @@ def flex_block_sparse_attention(q, k, v, layout: BlockLayout, scale: float) -> t
             qt, kt, vt, block_mask=block_mask, scale=scale, enable_gqa=hq != hkv,
             kernel_options=settings.kernel_options or None,
         )  # fmt: skip
-    return out[0].transpose(0, 1)[:t].masked_fill(reads_bad, math.nan)
+    return out[0].transpose(0, 1)[:t].masked_fill(poisoned, math.nan)

@@ -221,7 +221,8 @@ class RankExecutor:
         """The packed loss, its backward (scaled by ``loss_scale``, and by fp16's loss scale)
         and the micro-batch's record; ``ready``: when its gradients were handed to the sync
         (``t0``: its start). Nothing here waits for the device."""
-        loss_sum = packed_loss(self.par.model, batch, ctx, self.loss, precision=self.precision)
+        loss_sum = packed_loss(self.par.model, batch, ctx, self.loss, precision=self.precision,
+                               uniform_weights=not self.per_doc_weighting)  # fmt: skip
         scaled = loss_sum * loss_scale
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         ready = self.par.ready_time() or self.clock.mark()

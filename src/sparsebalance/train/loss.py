@@ -147,6 +147,7 @@ def linear_cross_entropy(
     impl: str = "auto",
     chunk_tokens: int | None = None,
     ignore_index: int = IGNORE_INDEX,
+    uniform_weights: bool | None = None,
 ) -> torch.Tensor:
     """Weighted sum of next-token cross-entropies, differentiable in hidden, weight and bias.
 
@@ -158,6 +159,8 @@ def linear_cross_entropy(
         bias: optional ``(V,)`` lm-head bias.
         impl: ``auto`` | ``chunked`` | ``plain`` | ``liger`` (module docstring).
         chunk_tokens: tokens per chunk for ``chunked`` (default: :func:`default_chunk_tokens`).
+        uniform_weights: every counted token weighs 1 (Liger's condition), if the caller knows;
+            None: read from ``token_weights`` when Liger is a candidate (a host sync).
 
     Returns:
         A scalar: ``sum_t w_t * (logsumexp(z_t) - z_t[label_t])``, float32 (float64 inputs keep
@@ -175,9 +178,18 @@ def linear_cross_entropy(
                          f"{tuple(token_weights.shape)}")  # fmt: skip
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    # Liger has no per-token weights: usable when every counted token weighs 1.
-    uniform = token_weights is None or bool((token_weights[labels != ignore_index] == 1).all())
-    impl = resolve_loss(impl, hidden.device, uniform)
+    # Liger has no per-token weights: usable when every counted token weighs 1. Checking that
+    # reads the weights on the host (a sync): only when Liger is a candidate and the caller
+    # did not say (the trainer knows from --per-doc-loss-weighting).
+    if uniform_weights is None:
+        liger = impl == "liger" or (impl == "auto" and hidden.device.type == "cuda"
+                                    and liger_available())  # fmt: skip
+        uniform_weights = (
+            not liger
+            or token_weights is None
+            or bool((token_weights[labels != ignore_index] == 1).all())
+        )
+    impl = resolve_loss(impl, hidden.device, uniform_weights)
     if token_weights is None:
         token_weights = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
     if impl == "plain":
@@ -206,6 +218,7 @@ def packed_loss(
     impl: str = "auto",
     chunk_tokens: int | None = None,
     precision: Precision | None = None,
+    uniform_weights: bool | None = None,
 ) -> torch.Tensor:
     """Forward one packed micro-batch and return its weighted loss sum (scalar).
 
@@ -226,7 +239,8 @@ def packed_loss(
         else:
             hidden = forward_hidden(model, **kw)[0]
             weight, bias = output_head(model)
-            return linear_cross_entropy(hidden, weight, labels, weights, bias, impl, chunk_tokens)
+            return linear_cross_entropy(hidden, weight, labels, weights, bias, impl, chunk_tokens,
+                                        uniform_weights=uniform_weights)  # fmt: skip
     logits = logits if logits.dtype == torch.float64 else logits.float()
     ce = torch.nn.functional.cross_entropy(
         logits, labels, ignore_index=IGNORE_INDEX, reduction="none"
