@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sparsebalance.latency.measure import DTYPES
 from sparsebalance.latency.proxy import ProxyModel
 from sparsebalance.latency.sweep import prepare_microbatch, random_batches, time_interleaved
 from sparsebalance.models import load_shapes
+from sparsebalance.precision import DTYPES
 from sparsebalance.results import markdown_table, write_results
 from sparsebalance.timing import torch_threads
 from sparsebalance.train.launch import CPU_NPROC, rank_threads

@@ -154,8 +154,8 @@ def test_cuda_probes_fit_max_memory_allocated():
 
     dev = torch.device("cuda")
     backend = resolve_backend("auto", dev)
-    fp = memory_fingerprint(fingerprint(SHAPES, dev, "bf16", backend, 64), True)
-    cal = measure_memory("tiny", dev, fp, [512, 1024, 2048], block_size=64, backend=backend)
+    fp = memory_fingerprint(fingerprint(SHAPES, dev, "bf16", backend, 128), True)
+    cal = measure_memory("tiny", dev, fp, [512, 1024, 2048], block_size=128, backend=backend)
     assert all(p.source == "torch.cuda.max_memory_allocated" for p in cal.probes)
     assert all(p.base_bytes == 0 and p.peak_bytes > p.static_bytes > 0 for p in cal.probes)
     assert cal.probes[-1].peak_bytes > cal.probes[0].peak_bytes

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..ops import Budget, available_backends, block_sparse_attention, select_blocks
+from ..ops.flex_config import check_flex_block_size, resolve_block_size
 from ..ops.layout import random_layout
 from ..results import markdown_table, write_results
 from ..timing import median_time
@@ -120,7 +121,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=4, help="query heads Hq")
     p.add_argument("--kv-heads", type=int, default=4, help="key/value heads Hkv (Hq %% Hkv == 0)")
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="sparse block (tokens; default 128 on CUDA, 64 on CPU)")  # fmt: skip
     p.add_argument(
         "--backends",
         type=lambda s: s.split(","),
@@ -159,6 +161,10 @@ def prepare_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.seq_lens is None:
         args.seq_lens = [32768, 65536, 131072] if cuda else [4096, 8192, 16384]
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
+    args.block_size = resolve_block_size(args.block_size, args.device)
+    backends = args.backends or [b for b in available_backends(args.device) if b != "reference"]
+    if "flex" in backends:
+        check_flex_block_size(args.block_size, args.device)
     if args.heads % args.kv_heads:
         raise ValueError(
             f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})"

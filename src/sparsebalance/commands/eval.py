@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from ..evaluation.longbench import TRUNCATIONS
 from ..evaluation.metrics import CODE_SIM_BACKENDS
+from ..ops.flex_config import check_flex_block_size, resolve_block_size
 from ..results import markdown_table
 from ..tasks import TASKS
 
@@ -86,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", default=None, help="base model of a trainer checkpoint")
     p.add_argument("--vocab-map", default=None, help="JSON {tokenizer id: model id}")
     p.add_argument("--tokenizer", default=None, help="local HF tokenizer dir (default Qwen2.5)")
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="sparse block (tokens; default 128 on CUDA, 64 on CPU)")  # fmt: skip
     p.add_argument("--backend", default="auto")
     p.add_argument("--pack-tokens", type=int, default=16384, help="tokens per forward")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -108,6 +110,9 @@ def check_args(args: argparse.Namespace) -> float:
         raise ValueError(f"--num-examples must be > 0, got {args.num_examples}")
     if args.task == "longbench" and args.data is None:
         raise ValueError("--task longbench needs --data (a local LongBench jsonl file or folder)")
+    args.block_size = resolve_block_size(args.block_size, args.device)
+    if args.backend in ("auto", "flex"):
+        check_flex_block_size(args.block_size, args.device)
     return gamma
 
 

@@ -34,12 +34,14 @@ import sys
 import torch
 
 from ..latency import ACCELERATORS, analytic_profile, fingerprint, load_profile
-from ..latency.measure import DTYPES, measure_profile, noise_line
+from ..latency.measure import measure_profile, noise_line
 from ..latency.memory import CHECKPOINTING
 from ..latency.memory_fit import memory_fingerprint, save_calibration
 from ..latency.validate import validate_profile
 from ..models import BUILTIN_MODELS, load_shapes
 from ..ops import resolve_backend
+from ..ops.flex_config import resolve_block_size
+from ..precision import DTYPES, default_precision
 from ..results import markdown_table, write_results
 from ..timing import torch_threads
 from ..train.launch import CPU_NPROC, rank_threads
@@ -57,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backend", default="auto", help="attention backend training uses (auto/torch/flex)"
     )
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="sparse block (tokens; default 128 on CUDA, 64 on CPU)")  # fmt: skip
     p.add_argument(
         "--budget-kind", choices=("top-k", "gamma"), default="top-k",
         help="the budgets training will run, so the layouts timed have their shape: top-k (equal "
@@ -152,9 +155,8 @@ def main(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but CUDA is not available")
-    dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    if args.block_size <= 0:
-        raise ValueError(f"--block-size must be > 0, got {args.block_size}")
+    dtype = args.dtype or default_precision(device)
+    args.block_size = resolve_block_size(args.block_size, device)
     if args.rounds < 2:
         raise ValueError(f"--rounds must be >= 2 (the noise needs repeats), got {args.rounds}")
     if args.threads is not None and args.threads < 1:

@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 
 from ..models import ModelShapes
 from ..ops import resolve_backend
+from ..ops.flex_config import check_flex_block_size
 from ..timing import median_time, torch_threads
 from .form import FEATURES, features, fit_form_robust, form_tables, nnls
 from .model import LatencyModel
@@ -52,7 +53,6 @@ from .sweep import (
     topk_batch,
 )
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TARGET_MAPE = 0.10  # the accuracy a profile is meant to reach on held-out micro-batches
 
 
@@ -103,7 +103,9 @@ def _measure_profile(
     top = int(max_len or shapes.max_context)
     backend = resolve_backend(backend, device)
     torch.manual_seed(0)
-    model = ProxyModel(shapes).to(device, DTYPES[dtype])
+    if backend == "flex":
+        check_flex_block_size(block_size, device)  # one line, before rank 0 compiles anything
+    model = ProxyModel(shapes, precision=dtype).to(device)
     nl = shapes.num_layers
 
     def shaped(batch: Batch) -> Batch:
@@ -284,7 +286,7 @@ def measure_heldout(
 ) -> Timings:  # fmt: skip
     """Median of ``rounds`` interleaved timings of each held-out micro-batch, and their noise."""
     torch.manual_seed(1)
-    proxy = ProxyModel(shapes).to(device, DTYPES[dtype])
+    proxy = ProxyModel(shapes, precision=dtype).to(device)
     fns = [
         prepare_microbatch(
             proxy, b[0], b[1], device, backend, block_size, seed=1000 + i, layout=layout
@@ -300,7 +302,7 @@ def measure_microbatch(
     dtype: str, backend: str, block_size: int, warmup: int = 1, repeats: int = 3, model=None,
 ) -> float:  # fmt: skip
     """End-to-end fwd+bwd seconds (median of ``repeats``) of one packed micro-batch."""
-    model = model or ProxyModel(shapes).to(device, DTYPES[dtype])
+    model = model or ProxyModel(shapes, precision=dtype).to(device)
     fn = prepare_microbatch(model, lengths, densities, device, backend, block_size)
     return median_time(fn, device, warmup, repeats)
 

@@ -3,6 +3,9 @@
 The profiler times its parts (one layer without attention, attention, embedding + head + loss) and
 ``--validate`` times it end to end; the cost of the real Hugging Face model with the same shapes
 matches it up to what online recalibration absorbs. It is never trained.
+
+Precision as in training (:mod:`sparsebalance.precision`): float32 parameters, the forward under
+the run's autocast (bf16 on CUDA by default), q/k/v brought to one dtype before the attention.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from torch import nn
 
 from ..models import ModelShapes
 from ..ops import BlockLayout, Budget, block_sparse_attention, estimate_block_mass
+from ..precision import DTYPES, Precision, compute_dtype
 
 
 class RMSNorm(nn.Module):
@@ -86,11 +90,14 @@ class ProxyHead(nn.Module):
 
 
 class ProxyModel(nn.Module):
-    """The whole stack, for end-to-end validation of predictions."""
+    """The whole stack, for end-to-end validation of predictions; ``precision``: the compute
+    precision its forward runs in (``fp32`` | ``bf16`` | ``fp16``; parameters stay float32)."""
 
-    def __init__(self, s: ModelShapes, num_layers: int | None = None):
+    def __init__(self, s: ModelShapes, num_layers: int | None = None, precision: str = "fp32"):
         super().__init__()
-        self.s = s
+        if precision not in DTYPES:
+            raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
+        self.s, self.precision = s, precision
         self.head = ProxyHead(s)
         self.layers = nn.ModuleList(ProxyLayer(s) for _ in range(num_layers or s.num_layers))
 
@@ -108,15 +115,27 @@ class ProxyModel(nn.Module):
         of the budget kind ``layout`` describes (its layout is then replaced by ``layouts[i]`` so
         densities are controlled)."""
         budget = Budget(top_k=8) if layout == "top-k" else Budget(gamma=0.9)
-        x = self.head.embed(ids)
-        cos, sin = rotary(positions, self.s.head_dim, x.dtype)
-        for layer, layout in zip(self.layers, layouts, strict=True):
-
-            def attention(q, k, v, layout=layout):
-                estimate_block_mass(q, k, cu_seqlens, block_size).layout(budget)
-                return block_sparse_attention(q, k, v, layout, cu_seqlens, backend=backend)
-
-            x = layer(x, cos, sin, attention)
-        loss = self.head.loss(x, torch.roll(ids, -1))
+        with Precision(self.precision, ids.device.type).autocast():
+            x = self.head.embed(ids)
+            cos, sin = rotary(positions, self.s.head_dim, x.dtype)
+            for layer, layout_i in zip(self.layers, layouts, strict=True):
+                attention = _attention(layout_i, cu_seqlens, block_size, backend, budget)
+                x = layer(x, cos, sin, attention)
+            loss = self.head.loss(x, torch.roll(ids, -1))
         loss.backward()
         return loss.detach()
+
+
+def _attention(layout: BlockLayout, cu_seqlens: torch.Tensor, block_size: int, backend: str,
+               budget: Budget):  # fmt: skip
+    """The layer's attention as the trainer runs it: one dtype for q/k/v, selection (of
+    ``budget``'s kind) and op outside autocast."""
+
+    def attention(q, k, v):
+        dtype = compute_dtype(q, k, v)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        with torch.autocast(q.device.type, enabled=False):
+            estimate_block_mass(q, k, cu_seqlens, block_size).layout(budget)
+            return block_sparse_attention(q, k, v, layout, cu_seqlens, backend=backend)
+
+    return attention

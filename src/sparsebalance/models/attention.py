@@ -19,6 +19,13 @@ every rank gets the same estimate, so the same budget and layout) and attention 
 hierarchical block-sparse ring. A checkpointed layer's recomputation reruns the ring forward
 with the cached layout; every rank of the unit recomputes the same layers in the same
 (reverse-layer) order, so the ring's messages pair up.
+
+Precision: under autocast the projections come out in the autocast dtype but a rotary embedding
+with float32 cos/sin turns q and k back to float32; q, k and v are brought to one compute dtype
+here (:func:`sparsebalance.precision.compute_dtype`) before any op sees them.
+
+No host sync per layer: the statistics (densities) stay device tensors until the step's end
+reads them (:class:`LayerStats`).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from ..parallel import (
     hierarchical_ring_attention,
     ring_attention,
 )
+from ..precision import compute_dtype
 
 IMPLEMENTATION = "sparsebalance"
 
@@ -60,13 +68,29 @@ def recompute_phase(phase: str | None) -> Iterator[None]:
 
 @dataclass
 class LayerStats:
-    """What one attention layer did in one forward."""
+    """What one attention layer did in one forward. The densities are device tensors computed
+    without a host sync; reading :attr:`density` / :attr:`document_density` syncs, so the
+    trainer reads them once, at the step's end."""
 
     layer: int
     budget: float
     """The knob value the layer ran with (k or gamma)."""
-    density: float
-    document_density: list[float]
+    density_tensor: torch.Tensor
+    """0-dim float64: fraction of the doc-causal block pairs kept (:meth:`BlockLayout.density`)."""
+    document_density_tensor: torch.Tensor
+    """float64 ``(N,)``: per document (:meth:`BlockLayout.document_density`)."""
+
+    @property
+    def density(self) -> float:
+        return float(self.density_tensor)
+
+    @property
+    def document_density(self) -> list[float]:
+        return self.document_density_tensor.tolist()
+
+    @classmethod
+    def of(cls, layer: int, budget: Budget, layout: BlockLayout) -> LayerStats:
+        return cls(layer, budget.value, layout.density_tensor(), layout.document_density())
 
 
 @dataclass(frozen=True)
@@ -152,8 +176,17 @@ def sparsebalance_attention(module, query, key, value, attention_mask, scaling=N
         raise ValueError(f"attention dropout ({dropout}) is not supported by 'sparsebalance'")
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects batch size 1, got {query.shape[0]}")
-    ctx = sb_attention
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
+    dtype = compute_dtype(query, key, value)
+    q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (T, H, D)
+    # Selection and the op compute in q/k/v's dtype with their own float32 accumulators: the
+    # same numbers inside and outside autocast (a backward runs outside it anyway).
+    with torch.autocast(q.device.type, enabled=False):
+        out = _layer(sb_attention, module, q, k, v, scaling)
+    return out.unsqueeze(0), None
+
+
+def _layer(ctx: PackedAttention, module, q, k, v, scaling) -> torch.Tensor:
+    """Choose (or take back) the layer's layout and attend: ``(T, Hq, D)``."""
     phase = _PHASE.get()
     if phase == "recompute":
         layer = int(module.layer_idx)
@@ -163,7 +196,7 @@ def sparsebalance_attention(module, query, key, value, attention_mask, scaling=N
                 "must run with the PackedAttention of the forward it repeats"
             )
         budget, layout = ctx.layouts.pop(layer)  # the forward's choice; nothing chosen again
-        return _attend(ctx, q, k, v, layout, scaling).unsqueeze(0), None
+        return _attend(ctx, q, k, v, layout, scaling)
     layer = int(getattr(module, "layer_idx", len(ctx.stats)))
     if ctx.ring is not None:
         estimate = ctx.ring.estimate(q, k, ctx.cu_seqlens, ctx.block_size, scaling)
@@ -179,12 +212,10 @@ def sparsebalance_attention(module, query, key, value, attention_mask, scaling=N
     if phase == "forward":
         ctx.layouts[layer] = (budget, layout)
     out = _attend(ctx, q, k, v, layout, scaling)
-    ctx.stats.append(
-        LayerStats(layer, budget.value, layout.density(), layout.document_density().tolist())
-    )
+    ctx.stats.append(LayerStats.of(layer, budget, layout))
     if ctx.on_layer_end is not None:
         ctx.on_layer_end(layer)
-    return out.unsqueeze(0), None
+    return out
 
 
 def _attend(ctx: PackedAttention, q, k, v, layout: BlockLayout, scaling) -> torch.Tensor:

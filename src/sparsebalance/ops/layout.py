@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .varlen import check_cu_seqlens, token_mask
+from .varlen import check_cu_seqlens, debug_checks, token_mask
 
 
 def num_blocks(total: int, block_size: int) -> int:
@@ -40,23 +40,28 @@ def causal_block_mask(cu_seqlens: torch.Tensor, total: int, block_size: int) -> 
 def dense_to_ordered(block_mask: torch.Tensor, width: int | None = None):
     """Bool ``(..., nq, nk)`` -> (int32 counts ``(..., nq)``, int32 indices ``(..., nq, W)``).
 
-    ``W`` is ``width`` or the largest count; slots past a row's count are 0.
+    ``W`` is ``width`` or the largest count (reading it is a host sync on a device: callers in
+    the hot path pass ``width``); slots past a row's count are 0, kept blocks past ``W`` are
+    dropped. No sort: each kept block goes to the slot its running count gives it (ascending).
     """
-    counts = block_mask.sum(-1)
+    counts = block_mask.sum(-1, dtype=torch.int32)
     width = max(int(counts.max()), 1) if width is None else width
-    # A stable sort of "not kept" puts the kept block indices first, in ascending order.
-    order = torch.sort((~block_mask).to(torch.int8), dim=-1, stable=True).indices[..., :width]
-    slot = torch.arange(order.shape[-1], device=block_mask.device)
-    indices = torch.where(slot < counts[..., None], order, torch.zeros_like(order))
-    return counts.to(torch.int32), indices.to(torch.int32)
+    slot = block_mask.to(torch.int32).cumsum(-1, dtype=torch.int32) - 1
+    slot = torch.where(block_mask & (slot < width), slot, width).long()  # spare column: dropped
+    kb = torch.arange(block_mask.shape[-1], dtype=torch.int32, device=block_mask.device)
+    out = torch.zeros(*block_mask.shape[:-1], width + 1, dtype=torch.int32,
+                      device=block_mask.device)  # fmt: skip
+    out.scatter_(-1, slot, kb.expand(block_mask.shape))
+    return counts, out[..., :width].contiguous()
 
 
 def document_density(
-    block_mask: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int
+    block_mask: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int, total: int | None = None
 ) -> torch.Tensor:
     """float64 ``(N,)``: per-document density of a bool ``(H, nb, nb)`` block mask (see
-    :meth:`BlockLayout.document_density`)."""
-    total = int(cu_seqlens[-1])
+    :meth:`BlockLayout.document_density`); ``total``: T if known (else read from
+    ``cu_seqlens``: a host sync on a device)."""
+    total = int(cu_seqlens[-1]) if total is None else total
     cu = cu_seqlens.to(block_mask.device).long()
     causal = causal_block_mask(cu, total, block_size)
     kept = (block_mask & causal[None]).sum(0).double()
@@ -108,9 +113,16 @@ class BlockLayout:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_block_mask(
-        cls, block_mask: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int, num_q_heads: int
+        cls,
+        block_mask: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        block_size: int,
+        num_q_heads: int,
+        width: int | None = None,
     ) -> BlockLayout:
-        """Build from a bool ``(H_layout, nb, nb)`` block mask (True = compute the pair)."""
+        """Build from a bool ``(H_layout, nb, nb)`` block mask (True = compute the pair);
+        ``width``: slots per query block (default: the largest count, a host sync on a device;
+        a fixed width keeps shapes fixed and the host out of it)."""
         if block_mask.dtype != torch.bool or block_mask.dim() != 3:
             raise ValueError("block_mask must be a bool tensor (H_layout, nb, nb)")
         if block_size <= 0:
@@ -123,7 +135,7 @@ class BlockLayout:
                 f"block_mask must be (H, {nb}, {nb}) for T={total}, block_size={block_size}; "
                 f"got {tuple(block_mask.shape)}"
             )
-        counts, indices = dense_to_ordered(block_mask)
+        counts, indices = dense_to_ordered(block_mask, width)
         return cls(
             counts,
             indices,
@@ -157,7 +169,9 @@ class BlockLayout:
         )
 
     def check_compatible(self, q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
-        """Raise ``ValueError`` if this layout was built for other shapes or another pack."""
+        """Raise ``ValueError`` if this layout was built for other shapes or another pack (the
+        pack's offsets are compared where that needs no host sync: both on the host, or under
+        ``SPARSEBALANCE_DEBUG_CHECKS=1``)."""
         if q.shape[0] != self.seq_len:
             raise ValueError(f"layout was built for T={self.seq_len}, q has T={q.shape[0]}")
         if q.shape[1] != self.num_q_heads:
@@ -169,6 +183,11 @@ class BlockLayout:
                 f"layout has {self.num_heads} heads, not a multiple of Hkv={k.shape[1]}: "
                 "a layout head would span several KV heads"
             )
+        if cu_seqlens.shape != self.cu_seqlens.shape:
+            raise ValueError("layout was built for another cu_seqlens (another pack of documents)")
+        on_host = cu_seqlens.device.type == "cpu" and self.cu_seqlens.device.type == "cpu"
+        if cu_seqlens is self.cu_seqlens or not (on_host or debug_checks()):
+            return
         if not torch.equal(cu_seqlens.detach().cpu().long(), self.cu_seqlens.detach().cpu().long()):
             raise ValueError("layout was built for another cu_seqlens (another pack of documents)")
 
@@ -202,8 +221,12 @@ class BlockLayout:
 
     def density(self) -> float:
         """Fraction of doc-causal (query block, key block) pairs kept, over all layout heads."""
+        return float(self.density_tensor())
+
+    def density_tensor(self) -> torch.Tensor:
+        """:meth:`density` as a float64 0-dim tensor on the layout's device (no host sync)."""
         kept, causal = self._kept_causal()
-        return float(kept.sum()) / float(causal.sum() * self.num_heads)
+        return kept.sum().double() / (causal.sum().double() * self.num_heads)
 
     def head_density(self) -> torch.Tensor:
         """float64 ``(H_layout,)``: density per layout head."""
@@ -216,7 +239,9 @@ class BlockLayout:
         Document d owns the block pairs (qb, kb), kb <= qb, with both blocks touching d; a block
         shared by two documents counts for both.
         """
-        return document_density(self.to_block_mask(), self.cu_seqlens, self.block_size)
+        return document_density(
+            self.to_block_mask(), self.cu_seqlens, self.block_size, self.seq_len
+        )
 
     def num_kept_pairs(self) -> int:
         """Kept doc-causal block pairs summed over layout heads (the work the op does)."""

@@ -28,10 +28,13 @@ _INNER_TAG, _OUTER_TAG = 0, 2  # each ring uses tag (shards) and tag + 1 (gradie
 
 
 def _rings(group, inner_size: int) -> tuple[RingComm, RingComm]:
+    """The inner and outer rings, on the ``inner`` and ``outer`` ring groups of a rank list (two
+    communicators, so the cross-group transfer overlaps the inner ring's instead of queueing
+    behind them on one NCCL stream)."""
     world, rank = group_size(group), group_rank(group)
     o, i = divmod(rank, inner_size)
-    inner = RingComm(group, range(o * inner_size, (o + 1) * inner_size))
-    outer = RingComm(group, range(i, world, inner_size))
+    inner = RingComm(group, range(o * inner_size, (o + 1) * inner_size), role="inner")
+    outer = RingComm(group, range(i, world, inner_size), role="outer")
     return inner, outer
 
 
@@ -44,7 +47,7 @@ def hierarchical_forward(inner: RingComm, outer: RingComm, state: ShardState):
         def inner_step(t: int, kv: torch.Tensor) -> None:
             forward_step(state.qr, kv, state.plans[j * g + t], out, lse)
 
-        ring_pass(inner, shard, inner_step, _INNER_TAG)
+        ring_pass(inner, shard, inner_step, _INNER_TAG, offset=j * g)
 
     ring_pass(outer, state.kv, outer_step, _OUTER_TAG)
     return out, lse
@@ -60,7 +63,7 @@ def hierarchical_backward(inner: RingComm, outer: RingComm, state: ShardState, d
             return backward_step(state.qr, dor, kv, state.plans[j * g + t], lse, delta, dq)
 
         # The group's summed gradient of the shard it holds in this outer step.
-        return ring_pass_grad(inner, shard, inner_step, _INNER_TAG)
+        return ring_pass_grad(inner, shard, inner_step, _INNER_TAG, offset=j * g)
 
     dkv = ring_pass_grad(outer, state.kv, outer_step, _OUTER_TAG)
     return dq, dkv

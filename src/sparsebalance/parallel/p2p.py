@@ -1,49 +1,105 @@
 """Point-to-point transfers along a ring of ranks, and the all-gather built from them.
 
 :class:`RingComm` sends to the next position of a ring and receives from the previous one
-(``batch_isend_irecv``); a :class:`~.ranks.RankList` group talks on the default group, so CP units
-need no process group of their own. Time blocked in those transfers is counted process-wide
-(:func:`ring_wait_seconds`).
+(``batch_isend_irecv``); a :class:`~.ranks.RankList` group talks on its ring groups
+(:class:`~.groups.RingGroups`, one per role) or, without them, on the default group.
+
+Time blocked in those transfers is device time (:mod:`sparsebalance.clock`): a mark before and
+after every wait. On gloo the wait blocks the host, so the marks are host stamps around it; on
+NCCL ``Work.wait()`` returns at once, having made the compute stream wait, so the marks are
+events on that stream and their difference is how long the stream stood still. The pairs are
+kept in :data:`RING_WAITS` and resolved after the step's synchronize.
+
+A wait that exceeds the ring groups' timeout (``--comm-timeout``) raises
+:class:`~.watch.CommTimeout` naming the rank, unit, ring step and training step (gloo); on CUDA
+the waits are handed to the hang watch (:class:`~.watch.DeviceWaits`).
 """
 
 from __future__ import annotations
 
-import time
+import datetime
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .ranks import Group, RankList, global_rank, group_rank, p2p_group
+from ..clock import Mark, current_clock
+from . import watch
+from .ranks import Group, RankList, comm_timeout, global_rank, group_rank, p2p_group
+
+
+class WaitLog:
+    """The (before, after) marks of every ring wait since the last :meth:`fold`."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[Mark, Mark]] = []
+        self.folded = 0.0
+        self.device_waits: watch.DeviceWaits | None = None
+        """Set on CUDA by the trainer: every wait's event goes to the hang watch."""
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def seconds(self, start: int = 0, end: int | None = None) -> float:
+        """Seconds waited in ``pairs[start:end]`` (event marks: after the step's synchronize)."""
+        clock = current_clock()
+        return sum(clock.seconds(a, b) for a, b in self.pairs[start:end])
+
+    def fold(self) -> None:
+        """Add every pair to the running total and forget them (the executor calls it once a
+        step's times are read, so the list does not grow with the run)."""
+        self.folded += self.seconds()
+        self.pairs.clear()
+
+
+RING_WAITS = WaitLog()
 
 
 class _Pending:
-    waited = 0.0
-    """Seconds this process has spent blocked in ring transfers, over all rings so far."""
-
-    def __init__(self, buf: torch.Tensor, reqs: list | None):
-        self.buf, self.reqs = buf, reqs
+    def __init__(
+        self, buf: torch.Tensor, reqs: list | None, timeout_s: float | None = None,
+        peer: int | None = None,
+    ):  # fmt: skip
+        self.buf, self.reqs, self.timeout_s, self.peer = buf, reqs, timeout_s, peer
 
     def wait(self) -> torch.Tensor:
-        t0 = time.perf_counter()
-        for req in self.reqs or ():
-            req.wait()
-        _Pending.waited += time.perf_counter() - t0
+        if not self.reqs:
+            return self.buf
+        clock = current_clock()
+        start = clock.mark()
+        for req in self.reqs:
+            if self.timeout_s is None or clock.events:  # NCCL: a device wait, watched apart
+                req.wait()
+                continue
+            try:
+                req.wait(datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as err:
+                first = (str(err).strip().splitlines() or [""])[-1][:200]
+                raise watch.CommTimeout(
+                    f"{watch.waiting_line(dist.get_rank())}: no message from rank {self.peer} "
+                    f"within {self.timeout_s:g} s (--comm-timeout; {first})"
+                ) from err
+        end = clock.mark()
+        RING_WAITS.pairs.append((start, end))
+        if RING_WAITS.device_waits is not None and end.event is not None:
+            RING_WAITS.device_waits.record(end.event)
         return self.buf
 
 
 def ring_wait_seconds() -> float:
     """Seconds this process has spent waiting for ring transfers (a peer's shard or gradient
-    not there yet) since it started: the difference over a unit is its wait inside the ring."""
-    return _Pending.waited
+    not there yet) since it started: the difference over a unit is its wait inside the ring.
+    On CUDA, read it after a synchronize (it resolves events)."""
+    return RING_WAITS.folded + RING_WAITS.seconds()
 
 
 class RingComm:
-    """Point-to-point exchange along a ring of positions of ``group`` (given in ring order); a
-    :class:`~.ranks.RankList` group talks on the default group."""
+    """Point-to-point exchange along a ring of positions of ``group`` (given in ring order), on
+    the process group of ring ``role`` (:func:`~.ranks.p2p_group`)."""
 
-    def __init__(self, group: Group, ring: Sequence[int]):
-        self.group = p2p_group(group)
+    def __init__(self, group: Group, ring: Sequence[int], role: str = "flat"):
+        self.group = p2p_group(group, role)
+        self.timeout_s = comm_timeout(group)
         me = group_rank(group)
         if me not in ring:
             raise ValueError(f"rank {me} is not in the ring {list(ring)}")
@@ -56,11 +112,13 @@ class RingComm:
         if self.size == 1:
             return _Pending(tensor, None)
         buf = torch.empty_like(tensor)
+        # The same two operations in the same order on every rank: matched by order per group
+        # (NCCL ignores the tag), see groups.py.
         ops = [
             dist.P2POp(dist.isend, tensor.contiguous(), self.next, self.group, tag),
             dist.P2POp(dist.irecv, buf, self.prev, self.group, tag),
         ]
-        return _Pending(buf, dist.batch_isend_irecv(ops))
+        return _Pending(buf, dist.batch_isend_irecv(ops), self.timeout_s, self.prev)
 
 
 def all_gather(group: Group, tensor: torch.Tensor, tag: int = 16) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ import torch
 
 from ..ops.layout import BlockLayout
 from ..ops.varlen import resolve_scale
+from . import watch
 from .blockwise import ShardState, backward_step, check_shard_inputs, forward_step
 from .layouts import Placement, ring_sources
 from .p2p import RingComm
@@ -27,10 +28,16 @@ from .ranks import Group, group_rank, group_size
 
 
 def ring_pass(
-    comm: RingComm, kv: torch.Tensor, step: Callable[[int, torch.Tensor], None], tag: int = 0
+    comm: RingComm,
+    kv: torch.Tensor,
+    step: Callable[[int, torch.Tensor], None],
+    tag: int = 0,
+    offset: int = 0,
 ) -> None:
-    """Call ``step(s, shard)`` for the ``comm.size`` shards of the ring, overlapping transfers."""
+    """Call ``step(s, shard)`` for the ``comm.size`` shards of the ring, overlapping transfers
+    (``offset + s`` is the ring step a hang report names)."""
     for s in range(comm.size):
+        watch.set_ring_step(offset + s)
         pending = comm.send_recv(kv, tag) if s + 1 < comm.size else None
         step(s, kv)
         if pending is not None:
@@ -42,11 +49,15 @@ def ring_pass_grad(
     kv: torch.Tensor,
     step: Callable[[int, torch.Tensor], torch.Tensor],
     tag: int = 0,
+    offset: int = 0,
 ) -> torch.Tensor:
     """Like :func:`ring_pass`, with ``step`` returning the shard's gradient; the gradients travel
-    with the shards (tag ``tag + 1``) and the sum for this rank's own shard is returned."""
+    with the shards (tag ``tag + 1``) and the sum for this rank's own shard is returned.
+    Every rank issues the same sequence (shard of step s + 1, then gradient of step s) to the
+    same neighbours, so the transfers pair up by order on backends that ignore tags."""
     grad_pending = None
     for s in range(comm.size):
+        watch.set_ring_step(offset + s)
         pending = comm.send_recv(kv, tag) if s + 1 < comm.size else None
         grad = step(s, kv)
         if grad_pending is not None:

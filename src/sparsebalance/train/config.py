@@ -14,11 +14,15 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from .. import flags
 from ..batching import ESTIMATORS, OVERLONG, STRATEGIES
 from ..data.mixture import parse_mixture
 from ..latency.memory import parse_bytes
 from ..models.checkpointing import MODES as CHECKPOINT_MODES
+from ..ops.flex_config import check_flex_block_size, resolve_block_size
+from ..precision import PRECISIONS
 from ..tuning import DSTConfig
 from .loss import LOSS_IMPLS
 from .parallelize import MEASURE_BUBBLE, PARALLEL
@@ -75,14 +79,19 @@ class TrainConfig:
     """A fixed context-parallel degree K for --strategy sab-cp: every CP unit has exactly K ranks,
     on the aligned groups [jK, (j+1)K) of a (dp, cp) mesh, and --overlong applies above K x
     capacity; must divide the world size. Default: the planner picks k per document."""
-    block_size: int = 64
-    """Sparse attention block size (tokens)."""
+    block_size: int | None = None
+    """Sparse attention block size (tokens); default 128 on CUDA (FlexAttention's tile: with the
+    flex backend a multiple of 128 is required there), 64 on CPU."""
     estimator: str = "auto"
     """SAB's density estimate before the step: ema (the paper's: per length bin, a moving average
     of the final top-k budgets) | history (a regression of realized densities on length) | auto
     (ema under --budget top-k, history under gamma)."""
     backend: str = "auto"
-    """Attention backend: auto | torch | flex | reference."""
+    """Attention backend: auto (flex on CUDA, torch on CPU) | torch | flex | reference."""
+    precision: str = "auto"
+    """Compute precision: auto (fp32 on CPU, bf16 on CUDA) | bf16 | fp16 (with loss scaling) |
+    fp32; parameters and optimizer state stay float32, bf16/fp16 run under autocast on the
+    run's device (CPU included)."""
     lr: float = 3e-4
     """Peak learning rate (AdamW)."""
     weight_decay: float = 0.01
@@ -102,6 +111,9 @@ class TrainConfig:
     """Ranks per machine: which ranks share a node's fast links (``sab-cp`` keeps a unit of up to
     this many ranks inside one node; wider units run the hierarchical ring with a node as inner
     ring). Default: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun, srun), else one node."""
+    comm_timeout: float = 600.0
+    """Seconds a rank waits for a ring transfer or a collective before it stops with one line
+    naming where it waited (rank, CP unit, ring step, step)."""
     measure_bubble: str = "overlap"
     """How the gradient sync runs and the bubble is measured: overlap (the sync overlaps the last
     micro-batch's backward; bubble from per-rank timestamps) | exact (a barrier, then a separate
@@ -175,8 +187,16 @@ class TrainConfig:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
-        if self.lr <= 0 or self.block_size <= 0 or self.grad_clip < 0 or self.warmup_steps < 0:
-            raise ValueError("--lr and --block-size must be > 0; --grad-clip, --warmup-steps >= 0")
+        if self.lr <= 0 or self.grad_clip < 0 or self.warmup_steps < 0:
+            raise ValueError("--lr must be > 0; --grad-clip, --warmup-steps >= 0")
+        self._resolve_block_size()
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.precision == "fp16" and self.parallel == "fsdp2":
+            raise ValueError("--precision fp16 (loss scaling) is not supported with --parallel "
+                             "fsdp2: use bf16")  # fmt: skip
+        if not (math.isfinite(self.comm_timeout) and self.comm_timeout > 0):
+            raise ValueError(f"--comm-timeout must be > 0 seconds, got {self.comm_timeout}")
         if (self.min_len is not None and self.min_len < 1) or (
             self.max_len is not None and self.max_len < (self.min_len or 1)
         ):
@@ -201,6 +221,18 @@ class TrainConfig:
             if path is not None and not Path(path).exists():
                 raise ValueError(f"{flag} {path!r}: no such file or directory")
         check_out_folder(Path(self.out), self.resume, self.overwrite)
+
+    def on_cuda(self) -> bool:
+        """The run's device is CUDA (``--device cuda``, or ``auto`` with a GPU present)."""
+        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+
+    def _resolve_block_size(self) -> None:
+        """``--block-size`` default per device (saved resolved: a run's identity), and the
+        combination flex cannot compile refused here, before anything runs."""
+        device = "cuda" if self.on_cuda() else "cpu"
+        self.block_size = resolve_block_size(self.block_size, device)
+        if self.backend in ("auto", "flex"):
+            check_flex_block_size(self.block_size, device)
 
     def _check_memory_options(self) -> None:
         if isinstance(self.capacity, str) and self.capacity != "auto":

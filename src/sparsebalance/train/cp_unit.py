@@ -28,6 +28,7 @@ from ..batching import Unit
 from ..data.packing import IGNORE, PackedBatch, pack
 from ..models.attention import RingContext
 from ..parallel import Placement, RankList, make_placement
+from ..parallel.groups import RingGroups
 
 
 def pass_schedule(
@@ -102,11 +103,14 @@ def unit_batch(
     block_size: int,
     device: torch.device,
     per_doc_weighting: bool = False,
+    ring_groups: RingGroups | None = None,
 ) -> tuple[PackedBatch, RingContext]:
     """Rank ``rank``'s shard of CP unit ``unit`` and the attention's ring context.
 
     Args:
         docs: token ids of every corpus document (indexed by sample id).
+        ring_groups: the process groups the unit's rings talk on (created once per topology);
+            None: the default group.
     """
     if rank not in unit.ranks:
         raise ValueError(f"rank {rank} is not in the unit's ranks {list(unit.ranks)}")
@@ -114,5 +118,5 @@ def unit_batch(
                                                      strict=True)]  # fmt: skip
     whole = pack(tokens, device, per_doc_weighting)
     placement = unit_placement(unit, block_size)
-    ring = RingContext(RankList(unit.ranks), placement, unit.ring, unit.inner_size)
+    ring = RingContext(RankList(unit.ranks, ring_groups), placement, unit.ring, unit.inner_size)
     return shard_batch(whole, placement, unit.ranks.index(rank)), ring

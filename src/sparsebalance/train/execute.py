@@ -5,23 +5,35 @@ A one-rank unit is a packed micro-batch on the whole model. A CP unit (k > 1 ran
 rank's striped shard through the ring (:mod:`.cp_unit`); its per-layer budgets come from a
 controller of its own, built from the step decision alone (the unit's ranks share one budget) and
 fed no measured times, so every rank of the unit chooses the same budget from the same estimate
-without a message."""
+without a message.
+
+Time is device time (:mod:`sparsebalance.clock`): a mark at each micro-batch's start and when its
+gradients are ready (the DDP comm hook's last bucket, else the end of its backward), resolved
+with the layer statistics and the losses after *one* synchronize at the end of the rank's run.
+Nothing inside a micro-batch waits for the device (on CPU, where the host does the work, the
+marks are ``perf_counter`` stamps as before). DST's per-layer closed loop reads host times per
+layer and runs on CPU only (``time_layers``); on CUDA the layer controller decides from predicted
+times inside the step."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ..batching import Unit
+from ..clock import Clock, Mark, use_clock
 from ..data import pack
 from ..latency import LatencyModel
-from ..models.attention import PackedAttention
+from ..models.attention import LayerStats, PackedAttention
 from ..ops import Budget
-from ..parallel.p2p import ring_wait_seconds
+from ..parallel import watch
+from ..parallel.groups import RingGroups
+from ..parallel.p2p import RING_WAITS
+from ..precision import Precision, resolve_precision
 from ..tuning import DSTConfig, Knob, LayerController
 from ..workload import MicroBatch
 from .cp_unit import unit_batch
@@ -30,6 +42,38 @@ from .parallelize import Parallelized
 from .records import LocalWork, MicroBatchResult, RankRecord, TunedStep
 
 BACKWARD_RATIO = 3.0  # forward + backward ~ 3x forward: prices a layer before its backward runs
+
+
+@dataclass
+class _Timed:
+    """A micro-batch before its times and statistics are read: marks, device tensors."""
+
+    start: Mark
+    ready: Mark
+    lengths: tuple[int, ...]
+    sample_ids: tuple[int, ...]
+    stats: list[LayerStats]
+    loss_sum: torch.Tensor
+    weight_sum: torch.Tensor
+    extra: dict = field(default_factory=dict)
+    """``MicroBatchResult`` fields of a CP unit (slot, unit ranks, ring, local tokens)."""
+    waits: tuple[int, int] = (0, 0)
+    """Its ring waits: ``RING_WAITS.pairs[waits[0]:waits[1]]``."""
+
+    def resolve(self, clock: Clock, origin: Mark) -> MicroBatchResult:
+        """After the synchronize: seconds relative to ``origin``, Python floats."""
+        return MicroBatchResult(
+            seconds=clock.seconds(self.start, self.ready),
+            lengths=self.lengths,
+            sample_ids=self.sample_ids,
+            layer_densities=tuple(tuple(s.document_density) for s in self.stats),
+            budgets=tuple(s.budget for s in self.stats),
+            loss_sum=float(self.loss_sum),
+            weight_sum=float(self.weight_sum),
+            start_s=clock.seconds(origin, self.start),
+            ring_wait_s=RING_WAITS.seconds(*self.waits) if self.waits[1] else 0.0,
+            **self.extra,
+        )
 
 
 @dataclass
@@ -51,11 +95,42 @@ class RankExecutor:
     """Feed per-layer forward times to DST's closed loop (CPU, not ``--deterministic``)."""
     loss: str = "auto"
     """LM loss implementation (``train.loss``): auto | chunked | plain | liger."""
+    precision: Precision | None = None
+    """Compute precision (autocast) of every forward, fillers included; None: the device's
+    default (``--precision auto``)."""
+    scaler: torch.amp.GradScaler | None = None
+    """fp16's loss scaling (scales every backward); None otherwise."""
+    ring_groups: RingGroups | None = None
+    """The ring groups CP units talk on (created once by the trainer); None: default group."""
     _controllers: list[LayerController] = field(default_factory=list, init=False, repr=False)
     """This run's layer controllers (their decision time and coverage-bound stops)."""
 
-    def run(self, step: TunedStep, rank: int) -> LocalWork:
-        """Rank ``rank``'s units (real or emulated rank); ``perf_counter`` stamps."""
+    def __post_init__(self) -> None:
+        if self.precision is None:
+            self.precision = resolve_precision("auto", self.device)
+
+    @property
+    def clock(self) -> Clock:
+        return self.par.clock
+
+    def run(self, step: TunedStep, rank: int, origin: Mark | None = None) -> LocalWork:
+        """Rank ``rank``'s units (real or emulated rank); times in seconds after ``origin`` (a
+        mark of :attr:`clock`; default: now), read after one synchronize at the end."""
+        clock = self.clock
+        origin = origin or clock.mark()
+        with use_clock(clock):
+            timed, ready, done = self._run(step, rank)
+            clock.synchronize()  # the step's one wait for the device: every mark is complete
+            results = [t.resolve(clock, origin) for t in timed]
+            ready_s = clock.seconds(origin, ready or done)
+            done_s = clock.seconds(origin, done)
+            RING_WAITS.fold()
+        record = RankRecord.from_results(step.decision.ranks[rank], results)
+        record.dst_layer_s = sum(c.decide_seconds for c in self._controllers)
+        record.coverage_limited = sum(c.num_coverage_limited for c in self._controllers)
+        return LocalWork([record], ready_s, done_s)
+
+    def _run(self, step: TunedStep, rank: int) -> tuple[list[_Timed], Mark | None, Mark]:
         planned = step.planned
         mine, units = step.decision.ranks[rank], planned.units
         controller = rank_controller(step, rank, self.latency, self.dst, self.knob)
@@ -71,28 +146,26 @@ class RankExecutor:
                 if u is None:  # a zero-weight filler keeps this rank's collectives in step
                     ready = self.filler()
                 elif units[u].degree > 1:
-                    res, ready = self.cp_unit(units[u], rank, mine.budget, step.loss_scale)
+                    with watch.at(unit=units[u].slot, ring_step=None):
+                        res, ready = self.cp_unit(units[u], rank, mine.budget, step.loss_scale)
                     results.append(res)
                 else:
                     unit = units[u]
                     mb = MicroBatch(unit.sample_ids, unit.lengths, unit.densities)
                     res, ready = self.microbatch(m_solo, mb, unit.offsets, controller,
                                                  mine.budget, step.loss_scale)  # fmt: skip
-                    results.append(replace(res, slot=unit.slot))
+                    res.extra["slot"] = unit.slot
+                    results.append(res)
                     m_solo += 1
-        done = time.perf_counter()
-        record = RankRecord.from_results(mine, results)
-        record.dst_layer_s = sum(c.decide_seconds for c in self._controllers)
-        record.coverage_limited = sum(c.num_coverage_limited for c in self._controllers)
-        return LocalWork([record], ready or done, done)
+        return results, ready, self.clock.mark()
 
     def cp_unit(
         self, unit: Unit, rank: int, value: float, loss_scale: float
-    ) -> tuple[MicroBatchResult, float]:
+    ) -> tuple[_Timed, Mark]:
         """Forward + backward of this rank's shard of CP unit ``unit`` (see the module
         docstring); the result (this rank's loss share, the unit's layer densities)."""
         batch, ring = unit_batch(unit, rank, self.docs, self.block_size, self.device,
-                                 self.per_doc_weighting)  # fmt: skip
+                                 self.per_doc_weighting, self.ring_groups)  # fmt: skip
         choose = None
         if self.dst.mode != "off":
             mb = MicroBatch(unit.sample_ids, unit.lengths, unit.densities)
@@ -104,12 +177,13 @@ class RankExecutor:
             choose = lambda layer, e: ctl.choose(0, layer, e)  # noqa: E731
         ctx = PackedAttention(batch.cu_seqlens, self.budget(value), self.block_size,
                               self.backend, choose_budget=choose, ring=ring)  # fmt: skip
-        t0, wait0 = time.perf_counter(), ring_wait_seconds()
+        t0, wait0 = self.clock.mark(), len(RING_WAITS)
         result, ready = self._forward_backward(batch, ctx, loss_scale, t0, unit.lengths,
                                                unit.sample_ids)  # fmt: skip
         local = _real_tokens(ring.placement, unit.ranks.index(rank))
-        result = replace(result, slot=unit.slot, unit_ranks=tuple(unit.ranks), ring=unit.ring,
-                         ring_wait_s=ring_wait_seconds() - wait0, local_tokens=local)  # fmt: skip
+        result.extra.update(slot=unit.slot, unit_ranks=tuple(unit.ranks), ring=unit.ring,
+                            local_tokens=local)  # fmt: skip
+        result.waits = (wait0, len(RING_WAITS))
         return result, ready
 
     def microbatch(
@@ -120,7 +194,7 @@ class RankExecutor:
         controller: LayerController | None,
         value: float,
         loss_scale: float,
-    ) -> tuple[MicroBatchResult, float]:
+    ) -> tuple[_Timed, Mark]:
         """Forward + backward of micro-batch ``m``; the result and when its gradients were ready
         (for an overlapped sync: when the last bucket was handed over, before the wait)."""
         docs = [self.docs[i][o : o + n] for i, o, n in zip(mb.sample_ids, offsets, mb.lengths,
@@ -137,45 +211,40 @@ class RankExecutor:
         choose = None if controller is None else (lambda layer, e: controller.choose(m, layer, e))
         ctx = PackedAttention(batch.cu_seqlens, self.budget(value), self.block_size, self.backend,
                               choose_budget=choose, on_layer_end=on_layer_end)  # fmt: skip
-        t0 = time.perf_counter()
-        last[0] = t0
+        t0 = self.clock.mark()
+        last[0] = t0.host
         return self._forward_backward(batch, ctx, loss_scale, t0, mb.lengths, mb.sample_ids)
 
-    def _forward_backward(self, batch, ctx: PackedAttention, loss_scale: float, t0: float,
+    def _forward_backward(self, batch, ctx: PackedAttention, loss_scale: float, t0: Mark,
                           lengths: Sequence[int], sample_ids: Sequence[int],
-                          ) -> tuple[MicroBatchResult, float]:  # fmt: skip
-        """The packed loss, its backward (scaled by ``loss_scale``) and the micro-batch's
-        result; ``ready``: when its gradients were handed to the sync (``t0``: its start)."""
-        loss_sum = packed_loss(self.par.model, batch, ctx, self.loss)
-        (loss_sum * loss_scale).backward()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        ready = self.par.ready_time() or time.perf_counter()
-        result = MicroBatchResult(
-            seconds=ready - t0,
-            lengths=tuple(lengths),
-            sample_ids=tuple(sample_ids),
-            layer_densities=tuple(tuple(s.document_density) for s in ctx.stats),
-            budgets=tuple(s.budget for s in ctx.stats),
-            loss_sum=float(loss_sum.detach()),
-            weight_sum=float(batch.loss_weights.sum()),
-            start_s=t0,
-        )
-        return result, ready
+                          ) -> tuple[_Timed, Mark]:  # fmt: skip
+        """The packed loss, its backward (scaled by ``loss_scale``, and by fp16's loss scale)
+        and the micro-batch's record; ``ready``: when its gradients were handed to the sync
+        (``t0``: its start). Nothing here waits for the device."""
+        loss_sum = packed_loss(self.par.model, batch, ctx, self.loss, precision=self.precision,
+                               uniform_weights=not self.per_doc_weighting)  # fmt: skip
+        scaled = loss_sum * loss_scale
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        ready = self.par.ready_time() or self.clock.mark()
+        timed = _Timed(t0, ready, tuple(lengths), tuple(sample_ids), list(ctx.stats),
+                       loss_sum.detach(), batch.loss_weights.sum())  # fmt: skip
+        return timed, ready
 
     def budget(self, value: float) -> Budget:
         """The budget at knob ``value`` (the op's default anchors)."""
         return self.knob.budget(Budget(top_k=0), value)
 
-    def filler(self) -> float:
-        """A two-token forward/backward that adds nothing to the gradients (loss x 0); returns
+    def filler(self) -> Mark:
+        """A two-token forward/backward that adds nothing to the gradients (loss x 0), under the
+        run's autocast like every micro-batch (one dtype per run: no graph of its own); returns
         when its gradients were ready."""
         batch = pack([np.zeros(2, dtype=np.int64)], self.device)
         ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=1.0), self.block_size, self.backend)
-        out = self.par.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                             sb_attention=ctx, use_cache=False).logits  # fmt: skip
+        with self.precision.autocast():
+            out = self.par.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                                 sb_attention=ctx, use_cache=False).logits  # fmt: skip
         (out.float().sum() * 0.0).backward()
-        return self.par.ready_time() or time.perf_counter()
+        return self.par.ready_time() or self.clock.mark()
 
 
 def rank_controller(

@@ -16,6 +16,12 @@ caller's loss scale) are unchanged. Implementations (``impl``):
   every weight is 1.
 - ``"auto"``: ``liger`` where it is installed, the tensors are on CUDA and the weights are all 1;
   ``chunked`` otherwise. :func:`resolve_loss` says which one a call will use.
+
+Precision: under autocast (``--precision bf16|fp16``) ``chunked`` computes its logits GEMMs in
+the autocast dtype, explicitly and identically in its forward and its backward on CPU and CUDA
+(so the backward's recomputed logits match the forward's log-sum-exp), with float32
+accumulation; ``plain`` follows autocast. Liger needs ``liger-kernel >= 0.5.3`` under autocast
+(earlier versions fail in ``addmm`` on mixed dtypes: Liger-Kernel #501).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..models.head import forward_hidden, output_head
+from ..precision import Precision, resolve_precision
 
 LOSS_IMPLS = ("auto", "chunked", "plain", "liger")
 IGNORE_INDEX = -100
@@ -65,54 +72,70 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     backward from the saved ``(T,)`` log-sum-exp)."""
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, hidden, weight, bias, labels, token_weights, chunk: int, ignore_index: int):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, labels, token_weights, chunk: int, ignore_index: int,
+                compute: torch.dtype | None = None):  # type: ignore[override]  # fmt: skip
+        compute = compute or torch.promote_types(hidden.dtype, weight.dtype)
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         num_tokens = hidden.shape[0]
         lse = torch.empty(num_tokens, dtype=acc, device=hidden.device)
         coef = torch.where(labels != ignore_index, token_weights.to(acc), 0.0)  # (T,)
         safe = labels.clamp_min(0)
         total = torch.zeros((), dtype=acc, device=hidden.device)
-        for s in range(0, num_tokens, chunk):
-            e = min(s + chunk, num_tokens)
-            logits = _logits(hidden[s:e], weight, bias).to(acc)  # (C, V)
-            lse[s:e] = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe[s:e, None])[:, 0]
-            total += ((lse[s:e] - picked) * coef[s:e]).sum()
-            del logits
+        with _no_autocast(hidden):  # the compute dtype is explicit, the same in the backward
+            w, b = weight.to(compute), None if bias is None else bias.to(compute)
+            for s in range(0, num_tokens, chunk):
+                e = min(s + chunk, num_tokens)
+                logits = _logits(hidden[s:e].to(compute), w, b).to(acc)  # (C, V)
+                lse[s:e] = torch.logsumexp(logits, dim=-1)
+                picked = logits.gather(1, safe[s:e, None])[:, 0]
+                total += ((lse[s:e] - picked) * coef[s:e]).sum()
+                del logits
         ctx.save_for_backward(hidden, weight, bias, safe, coef, lse)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.compute = chunk, compute
         return total
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_total):  # type: ignore[override]
         hidden, weight, bias, safe, coef, lse = ctx.saved_tensors
-        acc = lse.dtype
+        acc, compute = lse.dtype, ctx.compute
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=acc, device=bias.device)
         scale = coef * grad_total.to(acc)  # (T,)
-        for s in range(0, hidden.shape[0], ctx.chunk):
-            e = min(s + ctx.chunk, hidden.shape[0])
-            h = hidden[s:e]
-            g = _logits(h, weight, bias).to(acc).sub_(lse[s:e, None]).exp_()  # softmax (C, V)
-            g.scatter_add_(1, safe[s:e, None], torch.full((e - s, 1), -1.0, dtype=acc,
-                                                          device=g.device))  # fmt: skip
-            g.mul_(scale[s:e, None])  # d total / d logits
-            g_low = g.to(h.dtype) if h.dtype != acc else g
-            w = weight.to(h.dtype) if weight.dtype != h.dtype else weight
-            grad_hidden[s:e] = (g_low @ w).to(hidden.dtype)
-            grad_weight += (g_low.transpose(0, 1) @ h).to(acc)
-            if grad_bias is not None:
-                grad_bias += g.sum(0)
-            del g, g_low
+        with _no_autocast(hidden):
+            w, b = weight.to(compute), None if bias is None else bias.to(compute)
+            for s in range(0, hidden.shape[0], ctx.chunk):
+                e = min(s + ctx.chunk, hidden.shape[0])
+                h = hidden[s:e].to(compute)
+                g = _logits(h, w, b).to(acc).sub_(lse[s:e, None]).exp_()  # softmax (C, V)
+                g.scatter_add_(1, safe[s:e, None], torch.full((e - s, 1), -1.0, dtype=acc,
+                                                              device=g.device))  # fmt: skip
+                g.mul_(scale[s:e, None])  # d total / d logits
+                g_low = g.to(compute) if compute != acc else g
+                grad_hidden[s:e] = (g_low @ w).to(hidden.dtype)
+                grad_weight += (g_low.transpose(0, 1) @ h).to(acc)
+                if grad_bias is not None:
+                    grad_bias += g.sum(0)
+                del g, g_low
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None, None, None
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.nn.functional.linear(h, weight, bias)
+
+
+def _no_autocast(t: torch.Tensor):
+    return torch.autocast(t.device.type, enabled=False)
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The lm-head GEMM's dtype: autocast's where it is on for the device, else the inputs'
+    (promoted: float32 hidden with a float32 head stays float32)."""
+    kind = hidden.device.type
+    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return torch.promote_types(hidden.dtype, weight.dtype)
 
 
 def linear_cross_entropy(
@@ -124,6 +147,7 @@ def linear_cross_entropy(
     impl: str = "auto",
     chunk_tokens: int | None = None,
     ignore_index: int = IGNORE_INDEX,
+    uniform_weights: bool | None = None,
 ) -> torch.Tensor:
     """Weighted sum of next-token cross-entropies, differentiable in hidden, weight and bias.
 
@@ -135,6 +159,8 @@ def linear_cross_entropy(
         bias: optional ``(V,)`` lm-head bias.
         impl: ``auto`` | ``chunked`` | ``plain`` | ``liger`` (module docstring).
         chunk_tokens: tokens per chunk for ``chunked`` (default: :func:`default_chunk_tokens`).
+        uniform_weights: every counted token weighs 1 (Liger's condition), if the caller knows;
+            None: read from ``token_weights`` when Liger is a candidate (a host sync).
 
     Returns:
         A scalar: ``sum_t w_t * (logsumexp(z_t) - z_t[label_t])``, float32 (float64 inputs keep
@@ -152,9 +178,18 @@ def linear_cross_entropy(
                          f"{tuple(token_weights.shape)}")  # fmt: skip
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    # Liger has no per-token weights: usable when every counted token weighs 1.
-    uniform = token_weights is None or bool((token_weights[labels != ignore_index] == 1).all())
-    impl = resolve_loss(impl, hidden.device, uniform)
+    # Liger has no per-token weights: usable when every counted token weighs 1. Checking that
+    # reads the weights on the host (a sync): only when Liger is a candidate and the caller
+    # did not say (the trainer knows from --per-doc-loss-weighting).
+    if uniform_weights is None:
+        liger = impl == "liger" or (impl == "auto" and hidden.device.type == "cuda"
+                                    and liger_available())  # fmt: skip
+        uniform_weights = (
+            not liger
+            or token_weights is None
+            or bool((token_weights[labels != ignore_index] == 1).all())
+        )
+    impl = resolve_loss(impl, hidden.device, uniform_weights)
     if token_weights is None:
         token_weights = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
     if impl == "plain":
@@ -171,8 +206,9 @@ def linear_cross_entropy(
         return fn(weight, hidden, labels, bias).float()
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
     return ChunkedLinearCrossEntropy.apply(
-        hidden, weight, bias, labels, token_weights, chunk, ignore_index
-    )
+        hidden, weight, bias, labels, token_weights, chunk, ignore_index,
+        _compute_dtype(hidden, weight),
+    )  # fmt: skip
 
 
 def packed_loss(
@@ -181,25 +217,30 @@ def packed_loss(
     attention,
     impl: str = "auto",
     chunk_tokens: int | None = None,
+    precision: Precision | None = None,
+    uniform_weights: bool | None = None,
 ) -> torch.Tensor:
     """Forward one packed micro-batch and return its weighted loss sum (scalar).
 
     ``batch`` is a ``data.PackedBatch`` (``input_ids``, ``position_ids``, ``labels``,
-    ``loss_weights``, each ``(1, T)``), ``attention`` its ``PackedAttention``. On CUDA the model
-    and the lm-head run under bf16 autocast; ``plain`` computes the cross-entropy on float32
+    ``loss_weights``, each ``(1, T)``), ``attention`` its ``PackedAttention``. The model and the
+    lm-head run under ``precision``'s autocast (default: the device's, bf16 on CUDA and fp32 on
+    CPU: :mod:`sparsebalance.precision`); ``plain`` computes the cross-entropy on float32
     logits, the others never build them (module docstring).
     """
     device = batch.input_ids.device
+    precision = precision or resolve_precision("auto", device)
     kw = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=attention,
               use_cache=False)  # fmt: skip
     labels, weights = batch.labels[0], batch.loss_weights[0]
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with precision.autocast():
         if impl == "plain":
             logits = model(**kw).logits[0]
         else:
             hidden = forward_hidden(model, **kw)[0]
             weight, bias = output_head(model)
-            return linear_cross_entropy(hidden, weight, labels, weights, bias, impl, chunk_tokens)
+            return linear_cross_entropy(hidden, weight, labels, weights, bias, impl, chunk_tokens,
+                                        uniform_weights=uniform_weights)  # fmt: skip
     logits = logits if logits.dtype == torch.float64 else logits.float()
     ce = torch.nn.functional.cross_entropy(
         logits, labels, ignore_index=IGNORE_INDEX, reduction="none"

@@ -47,6 +47,7 @@ from ..models.checkpointing import MODES, apply_activation_checkpointing
 from ..models.hf import build_model
 from ..models.shapes import CONFIG_DIR
 from ..ops import Budget
+from ..ops.flex_config import resolve_block_size
 from .loss import packed_loss
 
 
@@ -153,9 +154,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--checkpointing", choices=MODES, default="off")
     p.add_argument("--loss", choices=["chunked", "plain"], default="chunked")
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=None, help="default 128 on CUDA, 64 on CPU")
     p.add_argument("--backend", default="torch")
     a = p.parse_args(argv)
+    a.block_size = resolve_block_size(a.block_size, a.device)
     if a.tokens < 2:
         raise SystemExit(f"--tokens must be >= 2, got {a.tokens}")
     result = probe(a.model, torch.device(a.device), a.tokens, a.checkpointing, a.loss,

@@ -13,12 +13,17 @@ Gradient sync, ``--measure-bubble``:
 
 Both modes compute the same weights: on 2 ranks bit for bit (``a / 2 + b / 2 == (a + b) / 2`` in
 binary floating point), on more ranks within rounding (the summation order of the all-reduce).
+
+Every time taken here is a :class:`~sparsebalance.clock.Mark` of the run's one
+:class:`~sparsebalance.clock.Clock` (``Parallelized.clock``): on CUDA an event on the compute
+stream, so "gradients ready" is when the device has computed them, not when the host enqueued
+the bucket.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..clock import Clock, Mark
 from .runtime import Runtime
 
 PARALLEL = ("ddp", "fsdp2")
@@ -58,17 +64,20 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 class _ReadyClock:
-    """DDP comm hook state: stamps when each gradient bucket is handed to the all-reduce (the
-    last stamp of a backward = this rank's gradients are computed), then runs the default hook."""
+    """DDP comm hook state: marks when each gradient bucket is handed to the all-reduce (the
+    last mark of a backward = this rank's gradients are computed), then runs the default hook.
+    The mark is the clock's: on CUDA an event on the compute stream (the autograd engine's
+    stream for the backward), complete once the bucket's gradients are."""
 
-    def __init__(self) -> None:
-        self.last: float | None = None
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.last: Mark | None = None
 
     @staticmethod
     def hook(state, bucket):  # no annotations: DDP checks them against the real classes
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        state.last = time.perf_counter()
+        state.last = state.clock.mark()
         return allreduce_hook(None, bucket)
 
 
@@ -85,7 +94,9 @@ class Parallelized:
     measure_bubble: str
     """``"overlap"`` or ``"exact"`` (see the module docstring)."""
     world_size: int
-    _clock: _ReadyClock | None = None
+    clock: Clock = dataclasses.field(default_factory=Clock)
+    """The run's clock (the device's): every time of the step is one of its marks."""
+    _ready: _ReadyClock | None = None
 
     @property
     def sharded(self) -> bool:
@@ -113,8 +124,8 @@ class Parallelized:
         """Context for pass ``index`` of ``passes``: gradients sync (overlapped with the
         backward) on the last pass only, and never in ``exact`` mode (synced afterwards)."""
         sync = index == passes - 1 and not self.exact
-        if self._clock is not None:
-            self._clock.last = None  # stamped again only if this pass syncs
+        if self._ready is not None:
+            self._ready.last = None  # marked again only if this pass syncs
         if self.kind == "fsdp2":  # reduce-scatter in the last backward, in both modes
             self.model.set_requires_gradient_sync(index == passes - 1)
             yield
@@ -124,10 +135,10 @@ class Parallelized:
         else:
             yield
 
-    def ready_time(self) -> float | None:
-        """``perf_counter`` when the last overlapped backward handed its last gradient bucket to
+    def ready_time(self) -> Mark | None:
+        """The mark taken when the last overlapped backward handed its last gradient bucket to
         the sync (``None`` if no bucket was synced: a pass under ``no_sync``, or not DDP)."""
-        return self._clock.last if self._clock is not None else None
+        return self._ready.last if self._ready is not None else None
 
     def sync_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """``exact`` mode's separate gradient all-reduce (FSDP2 already reduced in its last
@@ -153,6 +164,7 @@ def parallelize(model: nn.Module, runtime: Runtime, parallel: str, measure_bubbl
             f"--measure-bubble must be one of {MEASURE_BUBBLE}, got {measure_bubble!r}"
         )
     world = runtime.world_size
+    clock = Clock(runtime.device)
     if parallel == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -161,9 +173,9 @@ def parallelize(model: nn.Module, runtime: Runtime, parallel: str, measure_bubbl
         for layer in decoder_layers(model):
             fully_shard(layer)
         fully_shard(model)
-        return Parallelized(model, model, "fsdp2", measure_bubble, world)
+        return Parallelized(model, model, "fsdp2", measure_bubble, world, clock)
     if not runtime.distributed:
-        return Parallelized(model, model, "single", measure_bubble, world)
+        return Parallelized(model, model, "single", measure_bubble, world, clock)
     # device_ids=None: inputs are already on the device, and DDP would otherwise copy the
     # PackedAttention dataclass in the kwargs (losing the layer statistics it collects).
     # broadcast_buffers=False: the only buffers (rotary frequencies) are identical constants
@@ -172,9 +184,9 @@ def parallelize(model: nn.Module, runtime: Runtime, parallel: str, measure_bubbl
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=None, broadcast_buffers=False)
-    clock = _ReadyClock()
-    ddp.register_comm_hook(clock, _ReadyClock.hook)
-    return Parallelized(ddp, model, "ddp", measure_bubble, world, clock)
+    ready = _ReadyClock(clock)
+    ddp.register_comm_hook(ready, _ReadyClock.hook)
+    return Parallelized(ddp, model, "ddp", measure_bubble, world, clock, ready)
 
 
 def allreduce_gradients(

@@ -86,9 +86,9 @@ class MicroBatchResult:
     """Seconds this rank waited inside the unit (for its peers to arrive and for ring transfers
     its own compute did not hide); part of ``seconds``."""
     start_s: float | None = None
-    """When the micro-batch started: the executor stamps ``time.perf_counter()``, the step makes
-    it seconds after the step's plan agreement (:meth:`RankRecord.relative_to`; comparable across
-    ranks, see :class:`LocalWork`); None where it was not stamped."""
+    """When the micro-batch started, in seconds after the step's plan agreement (a mark of the
+    run's clock: device time on CUDA; comparable across ranks, see :class:`LocalWork`); None where
+    it was not stamped (emulated ranks, :meth:`RankRecord.relative_to`)."""
     local_tokens: int = 0
     """Tokens this rank held: its shard's real tokens for a CP unit (whose ``lengths`` are the
     unit's whole documents); 0 = ``sum(lengths)``."""
@@ -219,8 +219,10 @@ class RankRecord:
 class LocalWork:
     """Stage 3 (execute): the ranks this process ran, before the gradient sync.
 
-    Timestamps are ``time.perf_counter()`` seconds after the step's plan agreement (an
-    all-gather every rank leaves together), so they compare across ranks without a shared clock.
+    Times are seconds after a mark taken when the step's plan agreement (an all-gather every rank
+    leaves together) returned, so they compare across ranks without a shared clock; they are the
+    run's clock (:mod:`sparsebalance.clock`): ``perf_counter`` on CPU, CUDA events on the compute
+    stream on a GPU, read after the rank's one synchronize.
     """
 
     records: list[RankRecord]

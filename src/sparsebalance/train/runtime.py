@@ -3,6 +3,7 @@ collectives the trainer needs (with a single-process fallback)."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 from dataclasses import dataclass
@@ -27,15 +28,17 @@ class Runtime:
         return self.world_size > 1
 
     @classmethod
-    def init(cls, device: str = "auto") -> Runtime:
-        """Join the process group torchrun describes (WORLD_SIZE/RANK), or run single-process."""
+    def init(cls, device: str = "auto", timeout_s: float | None = None) -> Runtime:
+        """Join the process group torchrun describes (WORLD_SIZE/RANK), or run single-process;
+        ``timeout_s``: how long a collective may wait (``--comm-timeout``) before it fails."""
         use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but CUDA is not available")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         if world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if use_cuda else "gloo")
+            timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+            dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
         if use_cuda:
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local)

@@ -12,6 +12,7 @@ decisions, summaries and feedback.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 
 from ..batching import DensityEstimator, PlanConfig, plan_batch
 from ..latency import LatencyModel
+from ..parallel import watch
 from ..tuning import DSTTuner, decide_units
 from ..workload import CostModel, MicroBatch, Sample
 from .config import TrainConfig
@@ -134,6 +136,8 @@ class StepRunner:
     ranks_per_node: int | None = None
     """The run's topology (:class:`~sparsebalance.parallel.topology.Topology`): the planner keeps
     CP units inside a node where they fit; None: the cost model's links decide."""
+    scaler: torch.amp.GradScaler | None = None
+    """``--precision fp16``'s loss scaling (the executor scales every backward)."""
 
     def run(self, samples: list[Sample], step: int) -> StepResult:
         """Step number ``step`` (1-based) on ``samples`` (the global batch, same on every rank).
@@ -143,8 +147,11 @@ class StepRunner:
         then ``max(rank compute) + sync``, a real measurement of compute imbalance.
         """
         t_step = time.perf_counter()
-        tuned = self.tune(self.plan(samples))
-        records = self.synchronize(self.execute(tuned))
+        with watch.at(step=step, unit=None, ring_step=None, where="the plan agreement"):
+            tuned = self.tune(self.plan(samples))
+            local = self.execute(tuned)
+            with watch.at(where="the gradient sync", unit=None):
+                records = self.synchronize(local)
         optim = self.update(records, step)
         feedback = StepFeedback.from_records(records)
         apply_feedback(feedback, self.latency, self.estimator, self.tuner.knob, self.sample,
@@ -168,19 +175,16 @@ class StepRunner:
         return tune_step(planned, self.tuner, self.latency, self.cost, self.rt.world_size)
 
     def execute(self, tuned: TunedStep) -> LocalWork:
-        """Forward + backward of this process's rank (or of every emulated rank), timestamps
-        relative to now (every rank has just left the plan's all-gather)."""
-        t0 = time.perf_counter()
+        """Forward + backward of this process's rank (or of every emulated rank), times in
+        seconds after a mark taken now (every rank has just left the plan's all-gather)."""
+        origin = self.executor.clock.mark()
         if self.cfg.emulate_ranks:
-            runs = [self.executor.run(tuned, r) for r in range(self.num_ranks)]
+            runs = [self.executor.run(tuned, r, origin) for r in range(self.num_ranks)]
             for w in runs:
                 w.records[0].relative_to(None)
-            return LocalWork([w.records[0] for w in runs], runs[-1].ready_s - t0,
-                             runs[-1].done_s - t0)  # fmt: skip
-        work = self.executor.run(tuned, self.rt.rank)
-        for rec in work.records:
-            rec.relative_to(t0)
-        return LocalWork(work.records, work.ready_s - t0, work.done_s - t0)
+            return LocalWork([w.records[0] for w in runs], runs[-1].ready_s, runs[-1].done_s)
+        with watch.at(where="its units"):
+            return self.executor.run(tuned, self.rt.rank, origin)
 
     def synchronize(self, local: LocalWork) -> list[RankRecord]:
         """Gradients synced on every rank; every rank's record with its bubble and sync time.
@@ -197,12 +201,14 @@ class StepRunner:
             records = local.records
         elif self.par.exact:
             (rec,) = local.records
-            t0 = time.perf_counter()
+            clock = self.par.clock  # device marks: the all-reduce's time, not its launch
+            t0 = clock.mark()
             self.rt.barrier()  # the wait for the slowest rank: the bubble
-            rec.bubble_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
+            t1 = clock.mark()
             self.par.sync_gradients(self.params)
-            rec.sync_s = time.perf_counter() - t0
+            t2 = clock.mark()
+            clock.synchronize()
+            rec.bubble_s, rec.sync_s = clock.seconds(t0, t1), clock.seconds(t1, t2)
             records = self.rt.all_gather_object(rec)
         else:
             works = self.rt.all_gather_object(local)
@@ -225,9 +231,21 @@ class StepRunner:
                 f"non-finite loss ({loss}) at step {step}; the step was not applied"
             )
         t0 = time.perf_counter()
+        scaler = self.scaler
+        if scaler is not None:  # fp16: true gradients before clipping; a step with inf skipped
+            scaler.unscale_(self.optimizer)
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        self.optimizer.step()
+        if scaler is None:
+            self.optimizer.step()
+        else:
+            before = scaler.get_scale()
+            scaler.step(self.optimizer)
+            scaler.update()
+            if scaler.get_scale() < before and self.rt.is_main:
+                print(f"sparsebalance train: step {step}: fp16 gradients overflowed at loss scale "
+                      f"{before:g}: optimizer step skipped, scale now {scaler.get_scale():g}",
+                      file=sys.stderr, flush=True)  # fmt: skip
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - t0

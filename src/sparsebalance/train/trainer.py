@@ -52,6 +52,11 @@ from ..latency.memory_fit import find_calibration, memory_fingerprint
 from ..models import ModelShapes
 from ..models.checkpointing import apply_activation_checkpointing
 from ..models.hf import build_model
+from ..ops.flex_config import check_flex_block_size
+from ..parallel.groups import RingGroups
+from ..parallel.p2p import RING_WAITS
+from ..parallel.watch import DeviceWaits
+from ..precision import resolve_precision
 from ..tuning import DSTTuner
 from ..workload import Sample
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
@@ -67,12 +72,13 @@ from .step import StepRunner
 from .telemetry import Telemetry
 
 
-def training_kernel(device, backend: str) -> tuple[str, str]:
-    """(dtype, attention backend) a run uses on ``device``: bf16 + flex on CUDA, fp32 + torch on
-    CPU, unless ``--backend`` names one."""
+def training_kernel(device, backend: str, precision: str = "auto") -> tuple[str, str]:
+    """(compute precision, attention backend) a run uses on ``device``: bf16 + flex on CUDA,
+    fp32 + torch on CPU, unless ``--precision`` / ``--backend`` name them."""
+    name = resolve_precision(precision, device).name
     if device.type == "cuda":
-        return "bf16", "flex" if backend == "auto" else backend
-    return "fp32", "torch" if backend == "auto" else backend
+        return name, "flex" if backend == "auto" else backend
+    return name, "torch" if backend == "auto" else backend
 
 
 def batch_schedule(seed: int, num_docs: int, global_batch: int, steps: int) -> list[list[int]]:
@@ -130,7 +136,10 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, runtime: Runtime | None = None):
         base_rss = current_rss_bytes()  # libraries loaded, no model yet: the memory model's base
         self.cfg = cfg
-        self.rt = rt = runtime or Runtime.init(cfg.device)
+        self.rt = rt = runtime or Runtime.init(cfg.device, cfg.comm_timeout)
+        self.precision = resolve_precision(cfg.precision, rt.device)
+        if training_kernel(rt.device, cfg.backend)[1] == "flex":
+            check_flex_block_size(cfg.block_size, rt.device)  # before anything compiles
         if cfg.emulate_ranks and rt.distributed:
             raise ValueError("--emulate-ranks runs in one process: launch it with --nproc 1")
         self.num_ranks = cfg.emulate_ranks or rt.world_size
@@ -178,10 +187,12 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.scaler = self.precision.grad_scaler()  # fp16's loss scaling, None otherwise
         time_layers = not cfg.deterministic and rt.device.type == "cpu"
         executor = RankExecutor(self.par, corpus.docs, self.latency, cfg.dst, tuner.knob,
                                 rt.device, cfg.block_size, cfg.backend,
-                                cfg.per_doc_loss_weighting, time_layers, cfg.loss)  # fmt: skip
+                                cfg.per_doc_loss_weighting, time_layers, cfg.loss, self.precision,
+                                self.scaler, self._ring_groups())  # fmt: skip
         cost = None
         if cfg.strategy == "sab-cp":  # prices split documents: measured links, else analytic H100
             cost = context_cost(self.latency, "h100", shapes, block_size=cfg.block_size,
@@ -191,7 +202,7 @@ class Trainer:
         self.runner = StepRunner(
             cfg, rt, self.num_ranks, self.latency, self.estimator, tuner, self.par,
             executor, self.params, self.optimizer, self.scheduler, self.sample, cost,
-            self.topology.ranks_per_node,
+            self.topology.ranks_per_node, self.scaler,
         )  # fmt: skip
         self.step = 0
         earlier = [
@@ -210,6 +221,17 @@ class Trainer:
         self._stale = [] if cfg.resume else earlier
 
     # ------------------------------------------------------------------ setup
+    def _ring_groups(self) -> RingGroups | None:
+        """``sab-cp`` on several processes: the ring groups, created once (every rank, same
+        order), and on CUDA the watch that turns a stuck ring transfer into one line."""
+        if self.cfg.strategy != "sab-cp" or not self.rt.distributed:
+            return None
+        groups = RingGroups.create(self.cfg.comm_timeout, self.rt.device)
+        if self.rt.device.type == "cuda" and RING_WAITS.device_waits is None:
+            RING_WAITS.device_waits = DeviceWaits(self.rt.rank, self.cfg.comm_timeout)
+            RING_WAITS.device_waits.start()
+        return groups
+
     def _topology(self) -> Topology:
         """Which ranks share a node: ``--ranks-per-node``, else the launcher's (checked to agree
         on every rank), else one node. Emulated ranks have no launcher."""
@@ -247,7 +269,7 @@ class Trainer:
         cfg, dev = self.cfg, self.rt.device
         analytic = device_coefficients(dev, base_rss)
         tied = bool(getattr(self.model.config, "tie_word_embeddings", True))
-        dtype, backend = training_kernel(dev, cfg.backend)
+        dtype, backend = training_kernel(dev, cfg.backend, cfg.precision)
         running = memory_fingerprint(fingerprint(shapes, dev, dtype, backend, cfg.block_size), tied)
         meta = load_profile(cfg.profile).meta if cfg.profile else None
         cal, source = find_calibration(running, meta, checkpointing=cfg.activation_checkpointing)
@@ -277,7 +299,7 @@ class Trainer:
         """Rank 0 loads (or measures) the profile and sends it to every rank, so all ranks plan
         with the same model even across nodes with different caches."""
         cfg, dev = self.cfg, self.rt.device
-        dtype, backend = training_kernel(dev, cfg.backend)
+        dtype, backend = training_kernel(dev, cfg.backend, cfg.precision)
         layout = "top-k" if cfg.dst.budget == "top-k" else "threshold"  # the layouts it will run
         profile = None
         if self.rt.is_main:
@@ -351,6 +373,7 @@ class Trainer:
             # the ContextCost's recalibrated ring terms (sab-cp), None without one
             "context": None if self.runner.cost is None else self.runner.cost.state_dict(),
             "estimator": self.estimator.state_dict(),
+            "grad_scaler": None if self.scaler is None else self.scaler.state_dict(),
             "vocab_map": self.corpus.vocab_map,
             "config": to_dict(self.cfg),
         }
@@ -410,6 +433,8 @@ class Trainer:
         if self.runner.cost is not None and tr.get("context") is not None:
             self.runner.cost.load_state_dict(tr["context"])
         self.estimator.load_state_dict(tr["estimator"])
+        if self.scaler is not None and tr.get("grad_scaler"):
+            self.scaler.load_state_dict(tr["grad_scaler"])
         set_rng_state(state["rng"][self.rt.rank])
 
     # ------------------------------------------------------------------ loop
