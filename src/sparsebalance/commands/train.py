@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..report import write_report
 from ..train import add_train_arguments, config_from_args
+from ..train.config import resolve_strategy
 from ..train.launch import (
     DEMO_CPU_RANKS,
     DEMO_DEFAULTS,
@@ -54,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
     rdzv = Rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id)
     if rdzv.multinode and args.demo:
         raise ValueError("--demo runs on one machine: drop --nnodes")
-    runs = demo_configs(cfg) if args.demo else {"run": cfg}
+    runs = demo_configs(cfg) if args.demo else {"run": resolve_strategy(cfg, nproc * rdzv.nnodes)}
     for name, run_cfg in runs.items():
         if not args.json:
             print(f"== {name}: strategy={run_cfg.strategy}, dst={run_cfg.dst.mode}, "
