@@ -35,10 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rdzv-endpoint",
         default=None,
-        help="HOST:PORT of the c10d rendezvous (node 0), required with --nnodes > 1",
+        help="HOST:PORT of the c10d rendezvous (node 0), required with --nnodes > 1; trusted "
+        "network only: the store has no authentication and ranks unpickle each other's data",
     )
-    p.add_argument("--rdzv-id", default="sparsebalance",
-                   help="job id shared by all machines of one run")  # fmt: skip
+    p.add_argument("--rdzv-id", default=None,
+                   help="id of this run, unique and the same on every machine; required with "
+                   "--nnodes > 1 (e.g. $SLURM_JOB_ID)")  # fmt: skip
     p.add_argument(
         "--demo",
         action="store_true",

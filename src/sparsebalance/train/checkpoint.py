@@ -318,7 +318,10 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, fsdp: bool = False,
     (FSDP2: its shard), the small rest (scheduler, RNG states, trainer state) as one object. A
     rank's extra memory while loading is about its own optimizer state plus one tensor in flight
     (rank 0: plus the mapped file pages, which the kernel can drop)."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     distributed = runtime is not None and runtime.distributed
     main = runtime is None or runtime.is_main
@@ -327,8 +330,11 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, fsdp: bool = False,
         model_sd = _load(Path(path) / "model.pt")
         state = _load(Path(path) / "state.pt")
         optim_sd = state.pop("optimizer")
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                   options=_options(broadcast_from_rank0=distributed))  # fmt: skip
+    # Model and optimizer apart: ``set_state_dict`` with the other ranks' empty dicts would skip
+    # the model there (optimizer only) while rank 0 broadcasts it.
+    options = _options(broadcast_from_rank0=distributed)
+    set_model_state_dict(model, model_sd, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_sd, options=options)
     if distributed:
         state = runtime.broadcast_object(state)
     scheduler.load_state_dict(state["scheduler"])
