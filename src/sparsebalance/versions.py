@@ -26,6 +26,8 @@ class Schema:
     """What a user does with a file of a version this build cannot read."""
     readable: tuple[int, ...] = ()
     """Older versions this build still reads (and converts); ``version`` is always readable."""
+    remade: bool = False
+    """Whether ``fix`` (making the file again) also answers a file of a *newer* version."""
 
     def check(self, found: object, where: str) -> None:
         """Raise ``ValueError`` (one line) unless ``found`` is a version this build reads."""
@@ -36,7 +38,11 @@ class Schema:
         raise ValueError(
             f"{where}: {self.artefact} schema version {found} ({why}); this build reads "
             f"{', '.join(map(str, sorted({self.version, *self.readable})))}: "
-            + ("upgrade SparseBalance" if newer else self.fix)
+            + (
+                ("upgrade SparseBalance" + (f", or {self.fix}" if self.remade else ""))
+                if newer
+                else self.fix
+            )
         )
 
 
@@ -62,6 +68,7 @@ PROFILE = Schema(
     version=2,
     fix="measure it again with `sparsebalance profile`",
     readable=(1,),
+    remade=True,
 )
 """``schema`` of a profile JSON (``sparsebalance.profile/<version>``); 1: interpolated grids."""
 
@@ -70,5 +77,6 @@ STORE = Schema(
     version=1,
     fix="prepare it again with `sparsebalance prepare` (a cached store: delete it, the next run "
     "prepares it)",
+    remade=True,
 )
 """``version`` of a token store's ``manifest.json``."""
