@@ -227,3 +227,26 @@ def test_the_cli_resume_of_an_old_run_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert "schema version 1" in err[0] and "sparsebalance.train.convert" in err[0]
+
+
+def test_files_and_folders_are_fsynced(tmp_path, monkeypatch):
+    synced = []
+    real_open, real_fsync = os.open, os.fsync
+    names = {}
+
+    def track_open(path, flags, *a, **k):
+        fd = real_open(path, flags, *a, **k)
+        names[fd] = os.path.basename(os.fspath(path)).split(".tmp-")[0]
+        return fd
+
+    def track_fsync(fd):
+        synced.append(names.get(fd, "?"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "open", track_open)
+    monkeypatch.setattr(os, "fsync", track_fsync)
+    _save(tmp_path, 1)
+    monkeypatch.undo()
+    for name in ("model.pt", "state.pt", "meta.json", CHECKSUMS, ".step-000001", "latest",
+                 "checkpoints"):  # fmt: skip
+        assert name in synced, (name, synced)
