@@ -20,6 +20,7 @@ from sparsebalance.train.checkpoint import (
     clean_temporaries,
     find_checkpoint,
     load_checkpoint,
+    load_state,
     save_checkpoint,
     sha256,
     verify_checkpoint,
@@ -82,6 +83,8 @@ def test_a_planted_pickle_is_refused_and_never_runs(tmp_path):
     model, opt, sched = _model()
     with pytest.raises(ValueError, match=r"state\.pt: unreadable"):
         load_checkpoint(path, model, opt, sched)
+    with pytest.raises(ValueError, match=r"state\.pt: unreadable"):
+        load_state(path)  # what bench-e2e's prediction reads
     assert not marker.exists()
 
 
