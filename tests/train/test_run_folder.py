@@ -34,7 +34,7 @@ def test_an_earlier_run_is_refused_before_anything_is_written(tmp_path, capsys,
     before = (run / "launch-config.json").read_text()
     assert main(["train", "--nproc", "1", "--out", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "holds an earlier run (tensorboard, launch-config.json)" in err[0]
+    assert len(err) == 1 and "holds an earlier run (tensorboard)" in err[0]
     assert "--resume" in err[0] and "--overwrite" in err[0]
     assert (run / "launch-config.json").read_text() == before  # not overwritten
     assert sorted(p.name for p in run.iterdir()) == ["launch-config.json", "tensorboard"]
@@ -78,3 +78,13 @@ def test_the_demo_has_its_own_folder(tmp_path):
         demo_configs(TrainConfig(out=str(plain_run), overwrite=True))
     runs = demo_configs(TrainConfig(out=str(tmp_path / "demo")))
     assert {c.out for c in runs.values()} == {str(tmp_path / "demo" / n) for n in runs}
+
+
+def test_a_start_that_failed_before_training_can_be_rerun(tmp_path):
+    from sparsebalance.train import TrainConfig
+    from sparsebalance.train.launch import check_run_folder
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "launch-config.json").write_text('{"schema_version": 1}\n')  # the worker then failed
+    check_run_folder(TrainConfig(out=str(run)))  # nothing trained: no --overwrite needed

@@ -28,8 +28,7 @@ ZERO_OK = ("checkpoint_every", "keep_checkpoints")
 RUN_STATE = ("metrics.jsonl", "checkpoints", "tensorboard")
 """What a run's ranks write while training: a folder holding any of it holds an earlier run."""
 RUN_FILES = (*RUN_STATE, "config.json", "launch-config.json", "report.md", "comparison.json")
-"""What the launcher finds of an earlier run before it writes anything (``--resume`` or
-``--overwrite`` needed); ``--overwrite`` deletes these (the rest is rewritten)."""
+"""What ``--overwrite`` deletes of an earlier run (the rest is rewritten)."""
 
 
 @dataclass

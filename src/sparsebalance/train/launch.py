@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import find_checkpoint
-from .config import RUN_FILES, RUN_STATE, TrainConfig, check_batch, resolve_strategy, to_record
+from .config import RUN_STATE, TrainConfig, check_batch, resolve_strategy, to_record
 from .multinode import Rendezvous, Topology
 from .resume import check_same_run
 from .runlock import ENV_TOKEN, FOLLOW, RunLock
@@ -118,7 +118,8 @@ def check_run_folder(cfg: TrainConfig) -> None:
             f"--out {out}: its config.json is not a SparseBalance run's (a model folder?); "
             "choose another --out"
         )
-    earlier = [n for n in RUN_FILES if (out / n).exists()]
+    # what only training writes: a start that failed early left at most configs (rewritten)
+    earlier = [n for n in RUN_STATE if (out / n).exists()]
     if earlier and not (cfg.resume or cfg.overwrite):
         raise ValueError(
             f"--out {out} holds an earlier run ({', '.join(earlier)}): pass --resume to "
