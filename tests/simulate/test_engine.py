@@ -59,54 +59,71 @@ def test_strategies_see_the_same_samples_and_baseline_is_first():
     assert out["strategies"]["tokens"]["budget_given_seconds"] == 0.0
 
 
-def _bisection_slack(batch, ranks: int) -> tuple[float, float]:
-    """``(slack, step seconds)`` of the ``dst`` ablation; slack: how far below its own target
-    ``T'`` that step may end.
+def _batch(seed: int, n: int):
+    rng = np.random.default_rng(seed)
+    return rng.integers(64, 16384, n), rng.uniform(0.05, 1.0, n)
 
-    DST's bisection (``_GAMMA_TOL``) stops with ``f(lo) <= limit < f(hi)`` and ``hi - lo <=
-    tol``, so a tuned rank ends at most ``f(g + tol) - f(g)`` below its limit, and the tuned step
-    at most the largest such gap below ``T'``. Another plan (``sab+dst``) that meets the same
-    ``T'`` more closely is not slower by more than that: the bound the property may allow."""
+
+def _dst_step(batch, ranks: int, planner: str) -> tuple[float, float, float]:
+    """DST on one planner's plan, decided as the simulator decides it: ``(step seconds, its
+    target T', bisection slack)``.
+
+    What the code guarantees: the step never exceeds ``T'`` (the largest of the cut threshold,
+    the floor of a straggler that cannot reach it, and the untouched ranks), and ends at most the
+    bisection's slack below it: DST's bisection (``_GAMMA_TOL``) stops with ``f(lo) <= limit <
+    f(hi)`` and ``hi - lo <= tol``, so a tuned rank ends at most ``f(g + tol) - f(g)`` below its
+    limit."""
     samples = [Sample(i, int(n)) for i, n in enumerate(batch[0])]
-    config = PlanConfig(ranks, micro_batches=2, strategy="sequential")
+    config = PlanConfig(ranks, micro_batches=2, strategy=planner)
     plan = plan_batch(samples, ORACLE, config, batch[1])
     tuner = DSTTuner(DSTConfig())
     work = PlanWorkload(plan.ranks, ORACLE, tuner.curve)
-    gammas = tuner.decide_arrays(work).gammas
-    times = work.seconds(gammas)
-    return float((work.seconds(gammas + _GAMMA_TOL) - times).max()), float(times.max())
+    decision = tuner.decide_arrays(work)
+    times = work.seconds(decision.gammas)
+    slack = float((work.seconds(decision.gammas + _GAMMA_TOL) - times).max())
+    return float(times.max()), decision.targets.post_cut_seconds, slack
+
+
+ROUNDING = 1e-12  # the same sums in another order (anchors, thresholds)
 
 
 @settings(max_examples=examples(15))
 @given(seed=st.integers(0, 2**31 - 1), ranks=st.integers(2, 12), per_rank=st.integers(1, 6))
-@example(seed=920559, ranks=2, per_rank=2)  # sab+dst 0.4400612 s vs dst 0.4400611 s (1e-12 tol)
-def test_sab_dst_never_slower_than_sab_or_dst(seed, ranks, per_rank):
-    rng = np.random.default_rng(seed)
-    n = ranks * per_rank
-    batch = (rng.integers(64, 16384, n), rng.uniform(0.05, 1.0, n))
+# bisection slack: sab+dst 0.4400612 s vs dst 0.4400611 s (failed a 1e-12 tolerance)
+@example(seed=920559, ranks=2, per_rank=2)
+# found by the explore profile (seed 12, 2,000 examples): SAB packs two dense documents on one
+# rank whose time even at gamma_min (0.683 s) is above the cut threshold (0.655 s); DST then
+# raises every other rank to that floor: sab+dst 0.683 s vs dst 0.655 s
+@example(seed=173425, ranks=10, per_rank=2)
+def test_sab_dst_against_sab_and_dst(seed, ranks, per_rank):
+    batch = _batch(seed, ranks * per_rank)
     out = simulate_steps([batch], ranks, ORACLE, micro_batches=2,
                          strategies=["sab", "dst", "sab+dst"])  # fmt: skip
     s = out["strategies"]
-    rounding = 1e-12  # the same sums in another order (anchors, thresholds)
-    # DST only lowers the straggler: exact up to rounding
-    assert s["sab+dst"]["compute_seconds"] <= s["sab"]["compute_seconds"] * (1 + rounding)
-    # against DST on the unbalanced plan: up to the bisection's resolution
-    slack, dst_compute = _bisection_slack(batch, ranks)
-    assert dst_compute == s["dst"]["compute_seconds"]  # the simulator's own dst decision
-    assert 0.0 <= slack < 1e-5 * s["dst"]["compute_seconds"]  # a gamma width of 1e-7 is tiny
-    bound = (s["dst"]["compute_seconds"] + slack) * (1 + rounding)
-    assert s["sab+dst"]["compute_seconds"] <= bound
+    sab_dst, sab_dst_target, _ = _dst_step(batch, ranks, "sab")
+    dst, dst_target, slack = _dst_step(batch, ranks, "sequential")
+    assert (sab_dst, dst) == (s["sab+dst"]["compute_seconds"], s["dst"]["compute_seconds"])
+    assert 0.0 <= slack < 1e-5 * dst  # a gamma width of 1e-7 is a tiny time
+    # DST never slows a plan down and never ends above its target T'; nor more than the
+    # bisection's slack below it
+    assert sab_dst <= s["sab"]["compute_seconds"] * (1 + ROUNDING)
+    assert sab_dst <= sab_dst_target * (1 + ROUNDING)
+    assert dst >= (dst_target - slack) * (1 - ROUNDING)
+    # hence SAB + DST is never slower than DST on the unbalanced plan, up to that slack, when its
+    # target is no higher; it can be higher (the second example) when a rank of the SAB plan
+    # cannot reach the cut threshold even at gamma_min: nothing in DST's rule prevents that
+    if sab_dst_target <= dst_target * (1 + ROUNDING):
+        assert sab_dst <= (dst + slack) * (1 + ROUNDING)
 
 
 def test_bisection_slack_is_what_the_counterexample_needed():
     # the property's tolerance is no looser than needed: without it, this example fails
-    rng = np.random.default_rng(920559)
-    batch = (rng.integers(64, 16384, 4), rng.uniform(0.05, 1.0, 4))
-    s = simulate_steps([batch], 2, ORACLE, micro_batches=2,
-                       strategies=["dst", "sab+dst"])["strategies"]  # fmt: skip
-    excess = s["sab+dst"]["compute_seconds"] - s["dst"]["compute_seconds"]
-    assert excess > 1e-12 * s["dst"]["compute_seconds"]
-    assert excess <= _bisection_slack(batch, 2)[0]
+    batch = _batch(920559, 4)
+    sab_dst, sab_dst_target, _ = _dst_step(batch, 2, "sab")
+    dst, dst_target, slack = _dst_step(batch, 2, "sequential")
+    assert sab_dst_target <= dst_target * (1 + ROUNDING)
+    excess = sab_dst - dst
+    assert ROUNDING * dst < excess <= slack
 
 
 def test_vectorised_decide_matches_per_rank_path():
