@@ -202,13 +202,25 @@ def test_a_same_step_checkpoint_is_replaced_only_once_the_new_one_is_in_place(
     tmp_path, monkeypatch
 ):
     _save(tmp_path, 1)
-    old_sum = sha256(tmp_path / "checkpoints" / "step-000001" / "model.pt")
-    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError(5, "EIO")))
+    root = tmp_path / "checkpoints"
+    (root / "step-000001" / "from-the-first-save").write_text("x")
+    real = os.replace
+
+    def fail_to_install(src, dst):  # the new folder is complete, its rename fails
+        if os.path.basename(src).startswith(".step-000001.tmp"):
+            raise OSError(5, "EIO")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", fail_to_install)
     with pytest.raises(OSError):
-        _save(tmp_path, 1)  # the rewrite fails half-way: the old step-1 is still there
+        _save(tmp_path, 1)  # the rewrite fails: the old step-1 must still be there
     monkeypatch.undo()
-    assert sha256(tmp_path / "checkpoints" / "step-000001" / "model.pt") == old_sum
-    assert find_checkpoint(tmp_path)[0] is not None
+    assert (root / "step-000001" / "from-the-first-save").is_file()
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001"]
+    assert find_checkpoint(tmp_path)[0] == root / "step-000001"
+    _save(tmp_path, 1)  # and a rewrite that succeeds replaces it
+    assert not (root / "step-000001" / "from-the-first-save").exists()
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001"]
 
 
 def test_stale_temporaries_are_cleaned_at_start(tmp_path):

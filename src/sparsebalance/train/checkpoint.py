@@ -139,14 +139,15 @@ def save_checkpoint(
 def install(final: Path, write) -> None:
     """Write a checkpoint folder with ``write(tmp)`` into a temporary folder beside ``final``,
     then rename it to ``final``: an existing ``final`` is moved aside first and deleted only once
-    the new one is in place. On failure the temporary folder is removed."""
+    the new one is in place. On failure the temporary folder is removed and the previous
+    ``final`` is back in place."""
     root = final.parent
     tmp = root / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    old = None
     try:
         tmp.mkdir(parents=True)
         write(tmp)
         _fsync(tmp)
-        old = None
         if final.exists():
             old = root / f".{final.name}.old-{secrets.token_hex(4)}"
             os.replace(final, old)
@@ -154,6 +155,8 @@ def install(final: Path, write) -> None:
         _fsync(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not final.exists():
+            os.replace(old, final)  # the previous checkpoint of this step, back in place
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
