@@ -26,7 +26,7 @@ import torch
 
 from sparsebalance.latency import LatencyModel, context_cost, load_profile
 from sparsebalance.results import markdown_table, write_results
-from sparsebalance.train.checkpoint import latest_checkpoint
+from sparsebalance.train.checkpoint import latest_checkpoint, load_state
 
 
 def measured_units(run: Path) -> list[dict]:
@@ -65,7 +65,7 @@ def main() -> None:
     ckpt = latest_checkpoint(run)
     if ckpt is None:
         raise SystemExit(f"{run}: no checkpoint (the recalibrated terms live there)")
-    state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)["trainer"]
+    state = load_state(ckpt)["trainer"]  # checksums verified, weights-only
     if state.get("context") is None:
         raise SystemExit(f"{run}: the checkpoint has no ring terms (not a sab-cp run?)")
     latency = LatencyModel(load_profile(run / "latency_profile.json"))

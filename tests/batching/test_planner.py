@@ -10,12 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsebalance.batching import STRATEGIES, HistoryEstimator, PlanConfig, plan_batch
 from sparsebalance.workload import Sample
 from tests.batching.fake_cost import FakeCost, fake_context
+from tests.conftest import examples
 
 MODES = [pytest.param({"micro_batches": 3}, id="M3"), pytest.param({"capacity": 4096}, id="C4k")]
 
@@ -128,7 +129,7 @@ def test_sab_sees_density_that_tokens_cannot():
     assert sab.metrics.candidate == "cost"
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40))
 @given(
     n=st.integers(1, 60),
     r=st.integers(1, 9),

@@ -99,7 +99,10 @@ def test_damaged_or_foreign_store_refused(tmp_path):
         TokenStore(path)
     m = json.loads((path / "manifest.json").read_text())
     (path / "manifest.json").write_text(json.dumps({**m, "version": 999}))
-    with pytest.raises(ValueError, match="prepare it again"):
+    with pytest.raises(ValueError, match=r"version 999 .*newer.*upgrade SparseBalance, or prepare"):
+        TokenStore(path)
+    (path / "manifest.json").write_text(json.dumps({**m, "version": 0}))
+    with pytest.raises(ValueError, match=r"version 0 .*older.*prepare it again"):
         TokenStore(path)
 
 
@@ -123,18 +126,35 @@ def test_plan_reads_lengths_from_a_store(tmp_path):
 
 
 def test_killed_writers_temporary_folder_is_swept(tmp_path):
+    import os
+    import socket
     import subprocess
     import sys
+    import time
+
+    from sparsebalance.data.store import STALE_ELSEWHERE_SECONDS
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()  # a pid that no longer runs
-    dead = tmp_path / f".s.tmp-{gone.pid}-abcd1234"
-    dead.mkdir()
-    (dead / "tokens.bin").write_bytes(b"x" * 10)
-    import os
+    gone.wait()  # a pid that no longer runs here
+    here = socket.gethostname()
 
-    alive = tmp_path / f".s.tmp-{os.getpid()}-00000000"  # a live writer's folder is kept
-    alive.mkdir()
+    def folder(name, age=0.0):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "tokens.bin").write_bytes(b"x" * 10)
+        old = time.time() - age
+        for p in (d / "tokens.bin", d):
+            os.utime(p, (old, old))
+        return d
+
+    dead = folder(f".s.tmp-{here}-{gone.pid}-abcd1234")
+    alive = folder(f".s.tmp-{here}-{os.getpid()}-00000000")  # a live writer's folder is kept
+    # another host's writer: its pid means nothing here (it may be alive over there)
+    remote = folder(f".s.tmp-node-17-{gone.pid}-11111111")
+    remote_old = folder(f".s.tmp-node-17-{gone.pid}-22222222", STALE_ELSEWHERE_SECONDS + 60)
+    legacy = folder(f".s.tmp-{gone.pid}-33333333")  # no host in the name: judged by age too
     w = StoreWriter(tmp_path / "s", TOK)
-    assert w.swept == [dead] and not dead.exists() and alive.exists()
+    assert sorted(w.swept) == sorted([dead, remote_old])
+    assert alive.exists() and remote.exists() and legacy.exists()
+    assert here in w.tmp.name and str(os.getpid()) in w.tmp.name
     w.abort()

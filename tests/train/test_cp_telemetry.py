@@ -56,7 +56,7 @@ def test_a_document_3x_the_capacity_trains_whole_on_4_ranks(tmp_path):
         assert rec["ring_wait_s"] == pytest.approx(sum(u["ring_wait_s"] for u in rec["units"]))
     # the measured CP units recalibrated the ring terms; the state travels with the checkpoint
     state = torch.load(tmp_path / "run" / "checkpoints" / "step-000002" / "state.pt",
-                       weights_only=False)["trainer"]  # fmt: skip
+                       weights_only=True)["trainer"]  # fmt: skip
     assert state["context"]["counts"]["comm"] == 2  # one CP unit per step
     report, _ = write_report(tmp_path / "run")
     text = report.read_text()

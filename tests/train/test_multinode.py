@@ -16,7 +16,7 @@ def test_multinode_uses_c10d_rendezvous():
                     "--rdzv_endpoint=10.0.0.1:29500", "--rdzv_conf=is_host=0",
                     "--rdzv_id=job7", "--nproc_per_node=8"]  # fmt: skip
     # node 0 alone hosts the rendezvous store (never whichever launcher started first)
-    assert "--rdzv_conf=is_host=1" in Rendezvous(2, 0, "10.0.0.1:29500").torchrun_args(8)
+    assert "--rdzv_conf=is_host=1" in Rendezvous(2, 0, "10.0.0.1:29500", "j").torchrun_args(8)
 
 
 @pytest.mark.parametrize(
@@ -30,6 +30,7 @@ def test_multinode_uses_c10d_rendezvous():
         ({"nnodes": 2, "endpoint": "host:0"}, "--rdzv-endpoint"),
         ({"nnodes": 2, "endpoint": ":29500"}, "--rdzv-endpoint"),
         ({"nnodes": 2, "endpoint": "h:1", "rdzv_id": ""}, "--rdzv-id"),
+        ({"nnodes": 2, "endpoint": "h:1"}, "--rdzv-id is required with --nnodes > 1"),
     ],
 )
 def test_bad_rendezvous_names_the_flag(kwargs, flag):
@@ -43,6 +44,19 @@ def test_cli_rejects_bad_node_rank_before_launching(tmp_path, capsys):
     assert rc != 0
     assert "--node-rank must be in [0, 2)" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_cli_needs_a_run_id_across_nodes_and_says_trusted_network(tmp_path, capsys):
+    rc = cli_main(["train", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29500",
+                   "--out", str(tmp_path / "run")])  # fmt: skip
+    assert rc == 2
+    assert "--rdzv-id is required with --nnodes > 1" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    from sparsebalance.cli import build_parser
+
+    parser = build_parser()
+    train = parser._subparsers._group_actions[0].choices["train"]
+    assert "trusted network only" in " ".join(train.format_help().split())
 
 
 SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",

@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from sparsebalance.train.checkpoint import latest_checkpoint, resolve_checkpoint
+from sparsebalance.train.checkpoint import CHECKSUMS, latest_checkpoint, resolve_checkpoint, sha256
 from sparsebalance.train.weights import load_trained_model, read_vocab_map
+from sparsebalance.versions import CHECKPOINT
 
 
 def _checkpoint(run, step, files=("model.pt", "state.pt"), latest=True):
@@ -17,6 +18,10 @@ def _checkpoint(run, step, files=("model.pt", "state.pt"), latest=True):
     ckpt.mkdir(parents=True)
     for name in files:
         (ckpt / name).write_bytes(b"")
+    if "state.pt" in files:  # a trainer checkpoint of the current format, verifiable
+        (ckpt / "meta.json").write_text(json.dumps({"schema_version": CHECKPOINT.version}))
+        sums = {n: sha256(ckpt / n) for n in (*files, "meta.json")}
+        (ckpt / CHECKSUMS).write_text(json.dumps(sums))
     if latest:
         (run / "checkpoints" / "latest").write_text(ckpt.name + "\n")
     return ckpt
@@ -41,7 +46,7 @@ def test_load_trained_model_from_a_run_folder(tmp_path):
 
     trained = build_model("tiny", seed=3)
     run = tmp_path / "run"
-    ckpt = _checkpoint(run, 1)
+    ckpt = _checkpoint(run, 1, files=("model.pt",))  # weights only: what evaluation reads
     torch.save(trained.state_dict(), ckpt / "model.pt")
     (ckpt / "meta.json").write_text(json.dumps({"step": 1, "model": "tiny"}))
     (run / "vocab_map.json").write_text(json.dumps({"151643": 1, "7": 2}))

@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 
 from sparsebalance.tuning import DensityCurve
 
+from ..conftest import examples
+
 densities = st.floats(1e-4, 1.0)
 gammas = st.floats(1e-3, 1.0)
 curves = st.builds(
@@ -17,7 +19,7 @@ curves = st.builds(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200))
 @given(curve=curves, d0=densities, g1=gammas, g2=gammas)
 def test_monotone_anchored_and_in_range(curve, d0, g1, g2):
     lo, hi = sorted((g1, g2))
@@ -27,7 +29,7 @@ def test_monotone_anchored_and_in_range(curve, d0, g1, g2):
     assert curve.density(d0, 1.0) == 1.0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200))
 @given(curve=curves, d0=st.floats(1e-3, 0.999), g=st.floats(0.05, 1.0))
 def test_inverse_round_trip(curve, d0, g):
     target = float(curve.density(d0, g))
@@ -95,7 +97,7 @@ def test_bad_inputs_raise():
         DensityCurve.fit(0.9, [0.5], [0.5, 0.6], [0.1])
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200))
 @given(curve=curves, d0=st.floats(1e-3, 1.0), g=st.floats(0.05, 0.999))
 def test_d0_for_inverts_density_in_d0(curve, d0, g):
     measured = float(curve.density(d0, g))

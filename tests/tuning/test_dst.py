@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from sparsebalance.tuning import DensityCurve, DSTTuner
 from sparsebalance.workload import MicroBatch
 
+from ..conftest import examples
 from .gamma_rule import G
 from .oracle import Oracle, random_plan
 
@@ -128,7 +129,7 @@ def instances(draw):
     return cfg, curve, plan
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60))
 @given(inst=instances())
 def test_properties(inst):
     cfg, curve, plan = inst

@@ -11,8 +11,9 @@ Strategies (one interface, :data:`STRATEGIES`):
 - ``lbb``: length-based batching, the SparseBalance paper's baseline: length-sorted samples cut
   into consecutive micro-batches, dealt to ranks in snake order;
 - ``tokens``: LPT on token counts;
-- ``flops``: LPT on ``c L + L^2`` (what verl / slime balance), ``c`` fitted to the cost model's
-  dense document time unless given;
+- ``flops``: LPT on ``c L + L^2`` (what verl / slime balance), ``c`` from the model's shapes
+  (:func:`~.strategies.flops_linear_coef`; the latency profile's fingerprint holds them) unless
+  given, fitted to the cost model's dense document time when it has no shapes;
 - ``sab``: LPT on predicted seconds (density-aware, micro-batch overheads counted), refined by
   moves/swaps between the heaviest and the lightest ranks; the plain ``tokens`` plan is also
   timed and kept if it is predicted faster, so ``sab`` is never worse than ``tokens`` under the
@@ -48,6 +49,7 @@ from .strategies import (
     Regime,
     fit_linear_coef,
     flops_key,
+    flops_linear_coef,
     length_buckets,
     local_search,
     lpt_ranks,
@@ -81,7 +83,7 @@ class PlanConfig:
     neighbors: int = 4
     """Light ranks tried against the heaviest one per refinement step."""
     flops_linear_coef: float | None = None
-    """``c`` of the ``flops`` key; default fitted to the cost model."""
+    """``c`` of the ``flops`` key; default from the cost model's model shapes (else fitted)."""
     cp_degree: int | None = None
     """A fixed CP degree K (``--cp``, ``sab-cp`` only): every CP unit has exactly K ranks, on
     the aligned groups ``[jK, (j + 1) K)`` of a ``(dp, cp)`` mesh, and ``--overlong`` applies
@@ -309,10 +311,21 @@ def _rank_key(strategy: str, items: Items, cost_model, config) -> np.ndarray:
         return items.tokens.astype(np.float64)
     if strategy == "flops":
         coef = config.flops_linear_coef
-        if coef is None:
+        shapes = _model_shapes(cost_model)
+        if coef is None and shapes is not None:
+            coef = flops_linear_coef(shapes)
+        elif coef is None:
             coef = fit_linear_coef(lambda l: cost_model.doc_seconds(l, np.ones_like(l)))
         return flops_key(items.tokens, coef)
     return items.cost
+
+
+def _model_shapes(cost_model) -> dict | None:
+    """The model shapes behind a cost model: a ``LatencyModel``'s profile fingerprint (also
+    under a ``ContextCost``'s ``base``); None for a synthetic cost model."""
+    profile = getattr(getattr(cost_model, "base", cost_model), "profile", None)
+    fingerprint = getattr(profile, "fingerprint", None)
+    return fingerprint.get("shapes") if isinstance(fingerprint, dict) else None
 
 
 def _baseline(strategy, items: Items, regime: Regime, cost_model, config) -> list:

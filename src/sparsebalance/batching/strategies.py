@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -380,10 +381,27 @@ def flops_key(tokens: np.ndarray, linear_coef: float) -> np.ndarray:
     return t if math.isinf(linear_coef) else linear_coef * t + t * t
 
 
+def flops_linear_coef(shapes: Mapping[str, int]) -> float:
+    """``c`` of the ``flops`` key from the model's shapes (the keys of ``ModelShapes.to_dict()``,
+    as a latency profile's fingerprint holds them): the multiply-adds per token of the
+    token-linear layers (q, k, v, o projections, the gated MLP and the LM head, spread over the
+    layers) over the attention multiply-adds per (query, key) pair (``q.k`` and ``p.v``: two per
+    head dimension per head). Every pair of the ``L^2`` term counts, as verl and slime count them
+    (a causal mask halves the pairs, the same factor for every document). A 7B Llama shape gives
+    about 25,200 (24,700 without the LM head; verl hard-codes 24,576 = 6 x 4096)."""
+    h, d = int(shapes["hidden_size"]), int(shapes["head_dim"])
+    heads, kv_heads = int(shapes["num_heads"]), int(shapes["num_kv_heads"])
+    projections = h * d * (2 * heads + 2 * kv_heads)
+    mlp = 3 * h * int(shapes["intermediate_size"])
+    head = h * int(shapes["vocab_size"]) / int(shapes["num_layers"])
+    return (projections + mlp + head) / (2 * heads * d)
+
+
 def fit_linear_coef(doc_seconds_dense) -> float:
     """``c`` such that ``c L + L^2`` is proportional to a cost model's dense document time, fitted
     at L = 1024 and 8192 (``doc_seconds_dense(lengths) -> seconds``); ``inf`` when the model has
-    no quadratic part."""
+    no quadratic part. Used for a cost model without model shapes (see :func:`flops_linear_coef`):
+    under a measured or analytic profile the fit degenerates (the key becomes plain ``L``)."""
     lens = np.array([1024.0, 8192.0])
     f = np.asarray(doc_seconds_dense(lens), dtype=np.float64) / lens  # a + b L
     b = (f[1] - f[0]) / (lens[1] - lens[0])

@@ -44,9 +44,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=2,
         help="documents with fewer tokens are not stored, counted (default: 2)",
     )
+    p.add_argument(
+        "--max-record-bytes",
+        default="64MiB",
+        help="a record longer than this after decompression is a bad record (default 64MiB; "
+        "memory stays bounded whatever the input holds)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing store")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print only the manifest as JSON")
+
+
+def record_bytes(text: str) -> int:
+    """``--max-record-bytes`` (``64MiB``, ``1e8``, ...) -> bytes."""
+    from ..latency.memory import parse_bytes
+
+    try:
+        return int(parse_bytes(text))
+    except ValueError:
+        raise ValueError(
+            f"--max-record-bytes must be a size > 0 such as 64MiB, got {text!r}"
+        ) from None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -57,6 +75,7 @@ def main(args: argparse.Namespace) -> int:
         workers=args.workers,
         on_bad_record=args.on_bad_record,
         min_tokens=args.min_tokens,
+        max_record_bytes=record_bytes(args.max_record_bytes),
         overwrite=args.overwrite,
         progress=not (args.no_progress or args.json),
     )

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..report import write_report
 from ..train import add_train_arguments, config_from_args
+from ..train.config import resolve_strategy
 from ..train.launch import (
     DEMO_CPU_RANKS,
     DEMO_DEFAULTS,
@@ -34,10 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rdzv-endpoint",
         default=None,
-        help="HOST:PORT of the c10d rendezvous (node 0), required with --nnodes > 1",
+        help="HOST:PORT of the c10d rendezvous (node 0), required with --nnodes > 1; trusted "
+        "network only: the store has no authentication and ranks unpickle each other's data",
     )
-    p.add_argument("--rdzv-id", default="sparsebalance",
-                   help="job id shared by all machines of one run")  # fmt: skip
+    p.add_argument("--rdzv-id", default=None,
+                   help="id of this run, unique and the same on every machine; required with "
+                   "--nnodes > 1 (e.g. $SLURM_JOB_ID)")  # fmt: skip
     p.add_argument(
         "--demo",
         action="store_true",
@@ -54,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
     rdzv = Rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id)
     if rdzv.multinode and args.demo:
         raise ValueError("--demo runs on one machine: drop --nnodes")
-    runs = demo_configs(cfg) if args.demo else {"run": cfg}
+    runs = demo_configs(cfg) if args.demo else {"run": resolve_strategy(cfg, nproc * rdzv.nnodes)}
     for name, run_cfg in runs.items():
         if not args.json:
             print(f"== {name}: strategy={run_cfg.strategy}, dst={run_cfg.dst.mode}, "

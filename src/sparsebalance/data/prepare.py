@@ -20,7 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .readers import BadRecords, file_digest, input_files, read_records, source_stem
+from .readers import (
+    MAX_RECORD_BYTES,
+    BadRecords,
+    file_digest,
+    input_files,
+    read_records,
+    source_stem,
+)
 from .store import VERSION, StoreWriter
 
 
@@ -43,6 +50,9 @@ class PrepareConfig:
     """Replace an existing store at --out."""
     chunk_bytes: int = 1 << 20
     """Text per tokenizer task (bytes)."""
+    max_record_bytes: int = MAX_RECORD_BYTES
+    """A record longer than this (bytes after decompression) is a bad record ("record too
+    large"): memory stays bounded whatever the input holds."""
     progress: bool = True
     """Show a progress bar (documents/s, MB/s) on stderr."""
 
@@ -55,7 +65,7 @@ class PrepareConfig:
             raise ValueError(f"--min-tokens must be >= 1, got {self.min_tokens}")
         if self.chunk_bytes < 1:
             raise ValueError(f"--chunk-bytes must be >= 1, got {self.chunk_bytes}")
-        BadRecords(self.on_bad_record)  # validates the policy
+        BadRecords(self.on_bad_record, max_record_bytes=self.max_record_bytes)  # validates both
 
 
 def describe_inputs(paths: list[str | Path], flag: str = "INPUT") -> list[dict]:
@@ -103,7 +113,7 @@ def prepare(cfg: PrepareConfig, tokenizer, inputs: list[dict] | None = None) -> 
     """Write the store; return its manifest (+ ``elapsed`` seconds). ``inputs``: precomputed
     :func:`describe_inputs` (the caller may already have hashed them for a cache key)."""
     inputs = inputs if inputs is not None else describe_inputs(cfg.inputs)
-    bad = BadRecords(cfg.on_bad_record)
+    bad = BadRecords(cfg.on_bad_record, max_record_bytes=cfg.max_record_bytes)
     encode = _encoder(tokenizer)
     info = tokenizer_info(tokenizer)
     total_bytes = sum(i["bytes"] for i in inputs)
@@ -157,6 +167,7 @@ def prepare(cfg: PrepareConfig, tokenizer, inputs: list[dict] | None = None) -> 
                 "text_field": cfg.text_field,
                 "min_tokens": cfg.min_tokens,
                 "on_bad_record": cfg.on_bad_record,
+                "max_record_bytes": cfg.max_record_bytes,
                 "workers": cfg.workers,
                 "input_bytes": total_bytes,
                 "text_chars": text_chars,

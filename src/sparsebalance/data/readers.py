@@ -7,8 +7,14 @@ itself is not needed). A folder of such files is read in sorted order.
 
 A record's source is its ``source`` (or ``task``) field when it has one, else the file's stem.
 Bad records (invalid JSON, invalid UTF-8, a line that is not an object, no text field, text that
-is not a string) raise ``ValueError`` naming file and line, or with ``on_bad_record="skip"`` are
-counted per reason with the first few line numbers (:class:`BadRecords`).
+is not a string, a record over ``max_record_bytes``) raise ``ValueError`` naming file and line, or
+with ``on_bad_record="skip"`` are counted per reason with the first few line numbers
+(:class:`BadRecords`).
+
+Memory is bounded by the record size limit (default 64 MiB, after decompression): a ``.jsonl``
+line is read at most that far (a multi-GB line or a ``.jsonl.gz`` bomb is skipped as it streams
+by), a ``.json`` or ``.txt`` file (read whole) must fit in it, and no longer text reaches the
+tokenizer.
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ REASONS = (
     "not a JSON object",
     "missing text field",
     "text is not a string",
+    "record too large",
 )
+MAX_RECORD_BYTES = 64 * 2**20
+"""Default bound on one record's bytes after decompression (``--max-record-bytes``)."""
 ON_BAD_RECORD = ("error", "skip")
 Progress = Callable[[int], None]  # called with the number of input bytes just consumed
 
@@ -35,9 +44,16 @@ Progress = Callable[[int], None]  # called with the number of input bytes just c
 class BadRecords:
     """Per-reason counts and the first ``keep`` locations of records that could not be read."""
 
-    def __init__(self, on_bad_record: str = "error", keep: int = 5) -> None:
+    def __init__(
+        self, on_bad_record: str = "error", keep: int = 5, max_record_bytes: int = MAX_RECORD_BYTES
+    ) -> None:
         if on_bad_record not in ON_BAD_RECORD:
             raise ValueError(f"--on-bad-record must be error or skip, got {on_bad_record!r}")
+        if isinstance(max_record_bytes, bool) or not isinstance(max_record_bytes, int):
+            raise ValueError(f"--max-record-bytes must be an integer, got {max_record_bytes!r}")
+        if max_record_bytes < 1:
+            raise ValueError(f"--max-record-bytes must be >= 1, got {max_record_bytes}")
+        self.max_record_bytes = max_record_bytes
         self.policy = on_bad_record
         self.keep = keep
         self.counts: dict[str, int] = {}
@@ -46,9 +62,10 @@ class BadRecords:
     def report(self, reason: str, where: str, detail: str = "") -> None:
         assert reason in REASONS, reason
         if self.policy == "error":
+            more = " or raise --max-record-bytes" if reason == "record too large" else ""
             raise ValueError(
                 f"{where}: {reason}{f' ({detail})' if detail else ''}; "
-                "pass --on-bad-record skip to skip such records (they are counted)"
+                f"pass --on-bad-record skip to skip such records (they are counted){more}"
             )
         self.counts[reason] = self.counts.get(reason, 0) + 1
         if len(self.first.setdefault(reason, [])) < self.keep:
@@ -173,10 +190,24 @@ def _record(obj, where: str, field: str, stem: str, bad: BadRecords) -> tuple[st
     return text, src if isinstance(src, str) and src else stem
 
 
+def _too_large(bad: BadRecords, size: int) -> str:
+    return f"{size:,} bytes > --max-record-bytes {bad.max_record_bytes:,}"
+
+
 def _read_jsonl(path: Path, field: str, bad: BadRecords, progress) -> Iterator[tuple[str, str]]:
     stem = source_stem(path)
+    limit = bad.max_record_bytes
     with _open_lines(path, progress) as fh:
-        for lineno, raw in enumerate(fh, 1):
+        lineno = 0
+        while raw := fh.readline(limit + 1):  # never more than the limit in memory
+            lineno += 1
+            if len(raw) > limit and not (len(raw) == limit + 1 and raw.endswith(b"\n")):
+                size = len(raw)
+                while raw and not raw.endswith(b"\n"):  # the rest of the line streams by
+                    raw = fh.readline(min(limit, 1 << 20))
+                    size += len(raw)
+                bad.report("record too large", f"{path}:{lineno}", _too_large(bad, size))
+                continue
             if not raw.strip():
                 continue
             where = f"{path}:{lineno}"
@@ -195,10 +226,25 @@ def _read_jsonl(path: Path, field: str, bad: BadRecords, progress) -> Iterator[t
                 yield rec
 
 
-def _read_json(path: Path, field: str, bad: BadRecords, progress) -> Iterator[tuple[str, str]]:
+def _whole_file(path: Path, bad: BadRecords, progress) -> bytes | None:
+    """A ``.json`` / ``.txt`` file's bytes, or None (reported) when it exceeds the bound."""
+    size = path.stat().st_size
+    if size > bad.max_record_bytes:
+        if progress:
+            progress(size)
+        hint = "; use .jsonl for large data" if suffix(path) == ".json" else ""
+        bad.report("record too large", str(path), _too_large(bad, size) + hint)
+        return None
     raw = path.read_bytes()
     if progress:
         progress(len(raw))
+    return raw
+
+
+def _read_json(path: Path, field: str, bad: BadRecords, progress) -> Iterator[tuple[str, str]]:
+    raw = _whole_file(path, bad, progress)
+    if raw is None:
+        return
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
@@ -214,9 +260,9 @@ def _read_json(path: Path, field: str, bad: BadRecords, progress) -> Iterator[tu
 
 
 def _read_txt(path: Path, bad: BadRecords, progress) -> Iterator[tuple[str, str]]:
-    raw = path.read_bytes()  # the file is one document
-    if progress:
-        progress(len(raw))
+    raw = _whole_file(path, bad, progress)  # the file is one document
+    if raw is None:
+        return
     try:
         yield raw.decode("utf-8"), source_stem(path)
     except UnicodeDecodeError as err:
@@ -249,9 +295,16 @@ def _read_batches(batches, path: Path, field: str, bad: BadRecords) -> Iterator[
         texts = batch.column(field).to_pylist()
         key = "source" if "source" in names else "task" if "task" in names else None
         srcs = batch.column(key).to_pylist() if key else [None] * len(texts)
+        limit = bad.max_record_bytes
         for text, src in zip(texts, srcs, strict=True):
             row += 1
-            rec = _record({field: text, "source": src}, f"{path} row {row}", field, stem, bad)
+            where = f"{path} row {row}"
+            if isinstance(text, str) and len(text) > limit // 4:  # >= 1 byte per character
+                size = len(text.encode("utf-8", "surrogatepass"))
+                if size > limit:
+                    bad.report("record too large", where, _too_large(bad, size))
+                    continue
+            rec = _record({field: text, "source": src}, where, field, stem, bad)
             if rec is not None:
                 yield rec
 

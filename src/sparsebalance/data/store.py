@@ -22,13 +22,16 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import time
 from pathlib import Path
 
 import numpy as np
 
+from ..versions import STORE
+
 FORMAT = "sparsebalance-token-store"
-VERSION = 1
+VERSION = STORE.version  # bump it in sparsebalance/versions.py
 MANIFEST = "manifest.json"
 HIST_EDGES = [0, *(2**k for k in range(4, 22)), 2**62]  # 0, 16, 32, ..., 2M tokens, beyond
 
@@ -51,27 +54,51 @@ def is_store(path: str | Path) -> bool:
         return False
 
 
-def sweep_stale_temporaries(path: str | Path) -> list[Path]:
-    """Remove ``.NAME.tmp-PID-*`` folders beside ``path`` left by a writer that was killed
-    (SIGKILL, power loss: no ``__exit__`` ran) whose process no longer exists on this host.
+STALE_ELSEWHERE_SECONDS = 24 * 3600
+"""A temporary folder of another host (or of a name without one) is removed only when nothing in
+it changed for this long: its writer's pid cannot be checked from here (a shared cache)."""
 
-    A folder of a live process (another ``prepare`` writing the same store) is kept. Returns the
-    removed folders."""
+
+def _temporary_name(path: Path) -> str:
+    """``.NAME.tmp-HOST-PID-RANDOM``: the writer's host and pid, so a sweep on another host of a
+    shared cache can tell it is not its own."""
+    return f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, owned by someone else
+        return False
+    return False
+
+
+def sweep_stale_temporaries(path: str | Path) -> list[Path]:
+    """Remove temporary folders beside ``path`` left by a writer that was killed (SIGKILL, power
+    loss: no ``__exit__`` ran).
+
+    A folder written on this host is removed when its writer's pid is gone; one written on
+    another host (a cache shared over NFS) or named without a host (an earlier version) when none
+    of its files changed for :data:`STALE_ELSEWHERE_SECONDS`, since a pid of another host means
+    nothing here. A live writer's folder is kept. Returns the removed folders."""
     path = Path(path)
     removed = []
-    for tmp in path.parent.glob(f".{path.name}.tmp-*-*"):
-        pid_text = tmp.name[len(f".{path.name}.tmp-") :].split("-", 1)[0]
-        if not pid_text.isdigit() or not tmp.is_dir():
+    here = socket.gethostname()
+    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
+        parts = tmp.name[len(f".{path.name}.tmp-") :].rsplit("-", 2)
+        if not tmp.is_dir() or not parts[-2].isdigit():
             continue
-        try:
-            os.kill(int(pid_text), 0)
-            continue  # still running
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # alive, owned by someone else
-        shutil.rmtree(tmp, ignore_errors=True)
-        removed.append(tmp)
+        host = parts[0] if len(parts) == 3 else None
+        if host == here:
+            stale = _pid_gone(int(parts[-2]))
+        else:
+            newest = max((f.stat().st_mtime for f in tmp.rglob("*")), default=0.0)
+            stale = time.time() - max(newest, tmp.stat().st_mtime) > STALE_ELSEWHERE_SECONDS
+        if stale:
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
     return removed
 
 
@@ -95,7 +122,7 @@ class StoreWriter:
         self.dtype = token_dtype(self.vocab_size)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.swept = sweep_stale_temporaries(self.path)
-        self.tmp = self.path.parent / f".{self.path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        self.tmp = self.path.parent / _temporary_name(self.path)
         self.tmp.mkdir()
         self._tokens = open(self.tmp / "tokens.bin", "wb")  # noqa: SIM115 (closed in close/abort)
         self._offsets = open(self.tmp / "offsets.bin", "wb")  # noqa: SIM115
@@ -221,11 +248,7 @@ class TokenStore:
             raise ValueError(f"{mpath}: unreadable manifest ({err})") from None
         if m.get("format") != FORMAT:
             raise ValueError(f"{mpath}: not a {FORMAT} manifest")
-        if m.get("version") != VERSION:
-            raise ValueError(
-                f"{self.path}: store format version {m.get('version')}, this build reads "
-                f"{VERSION}: prepare it again"
-            )
+        STORE.check(m.get("version"), str(self.path))
         self.manifest = m
         n, t = int(m["num_documents"]), int(m["num_tokens"])
         self.dtype = np.dtype(m["dtype"])

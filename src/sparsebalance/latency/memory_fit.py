@@ -27,6 +27,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import secrets
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -199,9 +201,13 @@ def save_calibration(cal: MemoryCalibration, cache_dir: Path | None = None) -> P
     """Write ``cal`` to the cache (atomic); returns the path."""
     path = cache_path(cal.fingerprint, cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cal.to_json(), indent=1) + "\n")
-    tmp.replace(path)
+    # a name of its own: concurrent writers (ranks, runs sharing the cache) never share one
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        tmp.write_text(json.dumps(cal.to_json(), indent=1) + "\n")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -19,6 +19,8 @@ still load; the trainer's profile cache only reuses schema-2 entries.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,9 +30,13 @@ import torch
 
 from ..models import ModelShapes
 from ..results import machine_info
+from ..versions import PROFILE
 
-SCHEMA = "sparsebalance.profile/2"
-READABLE_SCHEMAS = ("sparsebalance.profile/1", SCHEMA)
+SCHEMA_PREFIX = "sparsebalance.profile/"
+SCHEMA = f"{SCHEMA_PREFIX}{PROFILE.version}"
+READABLE_SCHEMAS = tuple(
+    f"{SCHEMA_PREFIX}{v}" for v in sorted({*PROFILE.readable, PROFILE.version})
+)
 
 
 class ProfileMismatchWarning(UserWarning):
@@ -141,10 +147,17 @@ class Profile:
         return {"schema": SCHEMA, **asdict(self)}
 
     @classmethod
-    def from_json(cls, data: dict) -> Profile:
-        if not isinstance(data, dict) or data.get("schema") not in READABLE_SCHEMAS:
-            found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"not a SparseBalance profile (schema {found!r}, expected {SCHEMA!r})")
+    def from_json(cls, data: dict, where: str = "profile") -> Profile:
+        """A profile from its JSON; ``ValueError`` naming ``where`` when it is not a profile, or
+        one of a schema version this build does not read (:data:`~sparsebalance.versions.PROFILE`,
+        the line says what to do)."""
+        found = data.get("schema") if isinstance(data, dict) else None
+        if not (isinstance(found, str) and found.startswith(SCHEMA_PREFIX)):
+            found = found if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{where}: not a SparseBalance profile (schema {found!r}, "
+                             f"expected {SCHEMA!r})")  # fmt: skip
+        version = found[len(SCHEMA_PREFIX) :]
+        PROFILE.check(int(version) if version.isdigit() else version, where)
         try:
             return cls(
                 fingerprint=data["fingerprint"],
@@ -167,9 +180,13 @@ class Profile:
         """Atomic write: a crash never leaves a half-written profile."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        tmp.replace(path)
+        # a name of its own: concurrent writers (ranks, runs sharing the cache) never share one
+        tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+        try:
+            tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def check_fingerprint(self, running: dict, strict: bool = False) -> list[str]:
         """Compare with the running setup: warn (or raise with ``strict``) on differences."""
@@ -201,4 +218,4 @@ def load_profile(path: str | Path) -> Profile:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"profile {str(path)!r} is not valid JSON: {err}") from None
-    return Profile.from_json(data)
+    return Profile.from_json(data, f"profile {str(path)!r}")

@@ -1,31 +1,91 @@
 """Checkpoints: model, optimizer, scheduler, every rank's RNG state, data position, latency-model
-calibration and density-estimator state. Atomic: written to a temporary folder, then renamed, and
-``latest`` is replaced last, so a crash never leaves a half-written checkpoint.
+calibration and density-estimator state.
 
-Every file's SHA-256 is saved in ``checksums.json`` and verified at load (the error names the
-file). :func:`find_checkpoint` returns the checkpoint ``latest`` names, or when it is corrupt or
-missing the newest *intact* one before it, with a line saying so.
+Safe to load: every file holds tensors and plain Python values only, so everything is read with
+``torch.load(weights_only=True)`` (no pickled object can run code). The format carries a version
+(``meta.json``'s ``schema_version``, :data:`sparsebalance.versions.CHECKPOINT`); a checkpoint of
+another version is refused in one line that says how to convert it.
+
+Atomic and durable: files are written to a temporary folder, fsynced, renamed into place (a
+checkpoint of the same step is moved aside first and deleted only once its replacement is in
+place), then ``latest`` is replaced; a full disk is one line, leaving the previous checkpoint and
+no temporary behind. Only the newest ``keep_last`` checkpoints are kept. Every file's SHA-256 is
+saved in ``checksums.json`` and verified before a resume (a checkpoint without it is refused).
+:func:`find_checkpoint` returns the checkpoint ``latest`` names, or when it is corrupt or missing
+the newest *intact* one before it, with a line saying so.
+
+Model and optimizer state are full (unsharded) state dicts keyed by parameter name
+(``torch.distributed.checkpoint.state_dict``), the same for DDP and FSDP2: a run of either
+resumes under the other. Resuming reads the files on rank 0 only (memory-mapped) and broadcasts
+them tensor by tensor (:func:`load_checkpoint`).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from ..versions import CHECKPOINT, CONFIG
 
-def _model_optim_state(model, optimizer, fsdp: bool) -> tuple[dict, dict]:
-    if fsdp:  # gather full (unsharded) state on every rank; rank 0 writes it
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+CHECKSUMS = "checksums.json"
+RESUME_FILES = ("model.pt", "state.pt")
+KEEP_LAST = 3
+_STEP = re.compile(r"step-(\d+)")
+_TEMPORARY = re.compile(r"\.step-\d+\.(tmp|old)(-.*)?|latest\.tmp(-.*)?")
 
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_state_dict(model, optimizer, options=opts)
-    return model.state_dict(), optimizer.state_dict()
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint of another format version: refused, never skipped for an older one."""
+
+
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def plain(obj):
+    """``obj`` with numpy arrays and scalars turned into lists and Python numbers: what
+    ``torch.load(weights_only=True)`` reads back (tensors, containers and primitives)."""
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(plain(v) for v in obj)
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if obj is None or isinstance(obj, (str, int, float, bool, torch.Tensor)):
+        return obj
+    raise TypeError(f"checkpoint state holds a {type(obj).__name__}, not loadable weights-only")
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or folder to the disk (a rename is durable once its folder is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write(path: Path, write) -> None:
+    write(path)
+    _fsync(path)
+
+
+def _save(obj, path: Path) -> None:
+    with path.open("wb") as f:  # through a Python file: a full disk raises OSError(ENOSPC)
+        torch.save(obj, f)
 
 
 def save_checkpoint(
@@ -38,45 +98,114 @@ def save_checkpoint(
     rng_states: list,
     is_main: bool,
     fsdp: bool = False,
+    keep_last: int = KEEP_LAST,
 ) -> Path | None:
-    """Collective when ``fsdp``; only rank 0 writes. Returns the checkpoint folder on rank 0."""
-    model_sd, optim_sd = _model_optim_state(model, optimizer, fsdp)
+    """Collective (every rank calls it: FSDP2 gathers the full state); only rank 0 writes.
+    ``keep_last``: checkpoints kept (0 = all). Returns the checkpoint folder on rank 0.
+    ``fsdp`` is accepted for callers of the earlier signature; the state is gathered the same way
+    for every model. A full disk raises ``ValueError`` (one line)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(cpu_offload=True))
     if not is_main:
         return None
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step:06d}"
-    tmp = root / f".step-{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.save(model_sd, tmp / "model.pt")
-    torch.save(
-        {
-            "optimizer": optim_sd,
-            "scheduler": scheduler.state_dict(),
-            "rng": rng_states,
-            "trainer": trainer_state,
-        },
-        tmp / "state.pt",
-    )
-    config = trainer_state.get("config", {})  # what defines the run: read by --resume
-    meta = {"step": step, "model": config.get("model"), "config": config,
-            "data": trainer_state.get("data")}  # fmt: skip
-    (tmp / "meta.json").write_text(json.dumps(meta, default=str) + "\n")
-    if trainer_state.get("vocab_map") is not None:  # tokenizer id -> model id (compact vocab)
-        (tmp / "vocab_map.json").write_text(json.dumps(trainer_state["vocab_map"]) + "\n")
-    sums = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
-    (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1) + "\n")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    latest_tmp = root / "latest.tmp"
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, root / "latest")
+    state = {
+        "optimizer": optim_sd,
+        "scheduler": plain(scheduler.state_dict()),
+        "rng": plain(rng_states),
+        "trainer": plain(trainer_state),
+    }
+    try:
+        install(final, lambda tmp: write_folder(tmp, step, model_sd, state))
+        latest_tmp = root / f"latest.tmp-{secrets.token_hex(4)}"
+        _write(latest_tmp, lambda p: p.write_text(final.name + "\n"))
+        os.replace(latest_tmp, root / "latest")
+        _fsync(root)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            free = shutil.disk_usage(root).free / 2**30
+            raise ValueError(
+                f"checkpoint {final.name}: no space left in {root} ({free:.1f} GiB free); the "
+                "previous checkpoint is intact: free space (or lower --keep-checkpoints) and "
+                "continue with --resume"
+            ) from None
+        raise
+    prune_checkpoints(root, step, keep_last)
     return final
 
 
-CHECKSUMS = "checksums.json"
-RESUME_FILES = ("model.pt", "state.pt")
-_STEP = re.compile(r"step-(\d+)")
+def install(final: Path, write) -> None:
+    """Write a checkpoint folder with ``write(tmp)`` into a temporary folder beside ``final``,
+    then rename it to ``final``: an existing ``final`` is moved aside first and deleted only once
+    the new one is in place. On failure the temporary folder is removed and the previous
+    ``final`` is back in place."""
+    root = final.parent
+    tmp = root / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    old = None
+    try:
+        tmp.mkdir(parents=True)
+        write(tmp)
+        _fsync(tmp)
+        if final.exists():
+            old = root / f".{final.name}.old-{secrets.token_hex(4)}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not final.exists():
+            os.replace(old, final)  # the previous checkpoint of this step, back in place
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_folder(tmp: Path, step: int, model_sd: dict, state: dict, config_version=None) -> None:
+    """A checkpoint's files in ``tmp``: ``model.pt``, ``state.pt`` (``state``: optimizer,
+    scheduler, rng, trainer), ``meta.json`` (with the format and config versions; a converted
+    checkpoint keeps the ``config_version`` it was written under), ``vocab_map.json``,
+    ``checksums.json``; each fsynced."""
+    _write(tmp / "model.pt", lambda p: _save(model_sd, p))
+    _write(tmp / "state.pt", lambda p: _save(state, p))
+    trainer_state = state["trainer"]
+    config = trainer_state.get("config", {})  # what defines the run: read by --resume
+    meta = {"schema_version": CHECKPOINT.version,
+            "config_schema_version": config_version or CONFIG.version,
+            "step": step, "model": config.get("model"), "config": config,
+            "data": trainer_state.get("data")}  # fmt: skip
+    _write(tmp / "meta.json", lambda p: p.write_text(json.dumps(meta, default=str) + "\n"))
+    if trainer_state.get("vocab_map") is not None:  # tokenizer id -> model id (compact vocab)
+        vocab = json.dumps(trainer_state["vocab_map"]) + "\n"
+        _write(tmp / "vocab_map.json", lambda p: p.write_text(vocab))
+    sums = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
+    _write(tmp / CHECKSUMS, lambda p: p.write_text(json.dumps(sums, indent=1) + "\n"))
+
+
+def prune_checkpoints(root: Path, step: int, keep_last: int) -> list[Path]:
+    """Delete the checkpoints before ``step`` beyond the newest ``keep_last`` (0 = keep all).
+    Checkpoints after ``step`` (a run rolled back by hand) are left alone. Returns the deleted."""
+    if keep_last <= 0:
+        return []
+    mine = sorted((int(m.group(1)), p) for p in root.iterdir()
+                  if (m := _STEP.fullmatch(p.name)) and int(m.group(1)) <= step)  # fmt: skip
+    gone = [p for _, p in mine[:-keep_last]]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
+def clean_temporaries(run_dir: Path) -> list[Path]:
+    """Remove what an interrupted save left in ``run_dir/checkpoints`` (temporary and moved-aside
+    folders, ``latest.tmp``): call it holding the run lock, when no save can be running."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _TEMPORARY.fullmatch(p.name)]
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    return found
 
 
 def sha256(path: Path) -> str:
@@ -87,21 +216,44 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def checkpoint_version(path: Path) -> object:
+    """``meta.json``'s ``schema_version`` (1 for a checkpoint written before versions)."""
+    meta = path / "meta.json"
+    if not meta.is_file():
+        return 1
+    try:
+        return json.loads(meta.read_text()).get("schema_version", 1)
+    except (OSError, ValueError, AttributeError):
+        raise ValueError(f"checkpoint {meta}: unreadable") from None
+
+
 def verify_checkpoint(path: Path, needs: tuple[str, ...] = RESUME_FILES) -> None:
     """Raise ``ValueError`` naming the first missing or corrupt file of checkpoint ``path``
-    (``needs``: the files it must hold). Checkpoints written before checksums existed are
-    accepted when those files are present."""
+    (``needs``: the files it must hold), or :class:`CheckpointFormatError` when its trainer
+    state is of another format version. A checkpoint read for ``state.pt`` must hold
+    ``checksums.json``; one read only for its weights (``model.pt``, weights-only in every
+    version) is verified against it when it has one."""
     missing = [n for n in needs if not (path / n).is_file()]
     if missing:
         raise ValueError(f"checkpoint {path / missing[0]}: missing")
     sums_path = path / CHECKSUMS
-    if not sums_path.is_file():
-        return
-    try:
-        sums = json.loads(sums_path.read_text())
-    except ValueError:
-        raise ValueError(f"checkpoint {sums_path}: unreadable checksum list") from None
-    for name, want in sums.items():
+    sums = None
+    if sums_path.is_file():
+        try:
+            sums = json.loads(sums_path.read_text())
+        except ValueError:
+            raise ValueError(f"checkpoint {sums_path}: unreadable checksum list") from None
+    if "state.pt" in needs:
+        if sums is not None and "meta.json" in sums and not (path / "meta.json").is_file():
+            raise ValueError(f"checkpoint {path / 'meta.json'}: missing")
+        version = checkpoint_version(path)
+        try:
+            CHECKPOINT.check(version, f"checkpoint {path}")
+        except ValueError as err:
+            raise CheckpointFormatError(str(err)) from None
+        if sums is None:
+            raise ValueError(f"checkpoint {sums_path}: missing (the files cannot be verified)")
+    for name, want in (sums or {}).items():
         f = path / name
         if not f.is_file():
             raise ValueError(f"checkpoint {f}: missing")
@@ -110,11 +262,14 @@ def verify_checkpoint(path: Path, needs: tuple[str, ...] = RESUME_FILES) -> None
 
 
 def find_checkpoint(
-    run_dir: Path, needs: tuple[str, ...] = RESUME_FILES
+    run_dir: Path, needs: tuple[str, ...] = RESUME_FILES, verify: bool = True
 ) -> tuple[Path | None, list[str]]:
     """The checkpoint ``latest`` names if intact, else the newest intact one before it (or, with
     no usable pointer, the newest intact one); it must hold the files ``needs``. Returns it (None
-    if there is none) and one line per checkpoint skipped (corrupt, incomplete, or missing)."""
+    if there is none) and one line per checkpoint skipped (corrupt, incomplete, or missing).
+    ``verify=False``: the files are only checked to exist, nothing is hashed (the launcher's
+    cheap look; rank 0 verifies). A checkpoint of another format raises
+    :class:`CheckpointFormatError`."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return None, []
@@ -129,7 +284,12 @@ def find_checkpoint(
             found = [(step, p) for step, p in found if step <= int(m.group(1))]
     for _, path in reversed(found):
         try:
-            verify_checkpoint(path, needs)
+            if verify:
+                verify_checkpoint(path, needs)
+            elif missing := [n for n in needs if not (path / n).is_file()]:
+                raise ValueError(f"checkpoint {path / missing[0]}: missing")
+        except CheckpointFormatError:
+            raise
         except ValueError as err:
             notes.append(str(err))
             continue
@@ -151,23 +311,35 @@ def resolve_checkpoint(path: Path) -> Path | None:
     return path if (path / "model.pt").is_file() else latest_checkpoint(path, needs="model.pt")
 
 
-def load_checkpoint(path: Path, model, optimizer, scheduler, fsdp: bool = False) -> dict:
-    """Restore model/optimizer/scheduler in place; return the saved ``state`` dict. ``path`` must
-    have passed :func:`verify_checkpoint` (as :func:`find_checkpoint`'s result has)."""
-    model_sd, state = (_load(path / name) for name in ("model.pt", "state.pt"))
-    if fsdp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+def load_checkpoint(path: Path, model, optimizer, scheduler, fsdp: bool = False, runtime=None):
+    """Restore model/optimizer/scheduler in place; return the saved ``state`` dict (without the
+    optimizer's). ``path`` must have passed :func:`verify_checkpoint` (as
+    :func:`find_checkpoint`'s result has) on rank 0.
 
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=model_sd,
-            optim_state_dict=state["optimizer"],
-            options=StateDictOptions(full_state_dict=True),
-        )
-    else:
-        model.load_state_dict(model_sd)
-        optimizer.load_state_dict(state["optimizer"])
+    With a distributed ``runtime`` only rank 0 opens the files (memory-mapped, weights-only);
+    model and optimizer tensors are broadcast one at a time and each rank keeps its part
+    (FSDP2: its shard), the small rest (scheduler, RNG states, trainer state) as one object. A
+    rank's extra memory while loading is about its own optimizer state plus one tensor in flight
+    (rank 0: plus the mapped file pages, which the kernel can drop)."""
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    distributed = runtime is not None and runtime.distributed
+    main = runtime is None or runtime.is_main
+    model_sd, optim_sd, state = {}, {}, None
+    if main:
+        model_sd = _load(Path(path) / "model.pt")
+        state = _load(Path(path) / "state.pt")
+        optim_sd = state.pop("optimizer")
+    # Model and optimizer apart: ``set_state_dict`` with the other ranks' empty dicts would skip
+    # the model there (optimizer only) while rank 0 broadcasts it.
+    options = _options(broadcast_from_rank0=distributed)
+    set_model_state_dict(model, model_sd, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_sd, options=options)
+    if distributed:
+        state = runtime.broadcast_object(state)
     scheduler.load_state_dict(state["scheduler"])
     return state
 
@@ -181,6 +353,6 @@ def load_state(path: Path) -> dict:
 
 def _load(path: Path):
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # pickle / zip errors of a damaged file, whatever their type
         raise ValueError(f"checkpoint {path}: unreadable ({type(err).__name__}: {err})") from None

@@ -24,8 +24,15 @@ from ..models.checkpointing import MODES as CHECKPOINT_MODES
 from ..ops.flex_config import check_flex_block_size, resolve_block_size
 from ..precision import PRECISIONS
 from ..tuning import DSTConfig
+from ..versions import CONFIG
 from .loss import LOSS_IMPLS
 from .parallelize import MEASURE_BUBBLE, PARALLEL
+
+ZERO_OK = ("checkpoint_every", "keep_checkpoints")
+RUN_STATE = ("metrics.jsonl", "checkpoints", "tensorboard")
+"""What a run's ranks write while training: a folder holding any of it holds an earlier run."""
+RUN_FILES = (*RUN_STATE, "config.json", "launch-config.json", "report.md", "comparison.json")
+"""What ``--overwrite`` deletes of an earlier run (the rest is rewritten)."""
 
 
 @dataclass
@@ -70,11 +77,13 @@ class TrainConfig:
     (never builds the T x V logits) | plain (full float32 logits) | liger."""
     overlong: str = "split"
     """Documents longer than the capacity: split | truncate | skip (counted in the metrics)."""
-    strategy: str = "sab"
-    """Batching strategy: sequential | sorted | tokens | flops | sab | sab-cp (sab plus context
-    parallelism: a document over the capacity, or one that shortens the step when split, is
-    trained whole on a unit of k ranks through the sparse ring; --overlong then applies only to
-    documents over world size x capacity)."""
+    strategy: str = "auto"
+    """Batching strategy: auto | sequential | sorted | tokens | flops | sab | sab-cp (sab plus
+    context parallelism: a document over the capacity, or one that shortens the step when split,
+    is trained whole on a unit of k ranks through the sparse ring; --overlong then applies only
+    to documents over world size x capacity). auto: sab-cp with two or more real ranks (it never
+    plans whole-document work slower than sab), sab on one rank or with --emulate-ranks (CP
+    units cannot run there: documents over the capacity follow --overlong, said at the start)."""
     cp: int | None = None
     """A fixed context-parallel degree K for --strategy sab-cp: every CP unit has exactly K ranks,
     on the aligned groups [jK, (j+1)K) of a (dp, cp) mesh, and --overlong applies above K x
@@ -132,6 +141,8 @@ class TrainConfig:
     """Run directory: metrics.jsonl, checkpoints, report."""
     checkpoint_every: int = 0
     """Save every N steps (0 = only at the end)."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept in --out/checkpoints: the newest N (0 = keep every one)."""
     resume: bool = False
     """Continue from the latest checkpoint in --out."""
     overwrite: bool = False
@@ -156,9 +167,11 @@ class TrainConfig:
         if (self.micro_batches is None) == (self.capacity is None):
             raise ValueError("give exactly one of --micro-batches and --capacity")
         self._check_memory_options()
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if self.cp is not None and (self.cp < 2 or self.strategy != "sab-cp"):
+        if self.strategy not in ("auto", *STRATEGIES):
+            raise ValueError(
+                f"--strategy must be auto or one of {STRATEGIES}, got {self.strategy!r}"
+            )
+        if self.cp is not None and (self.cp < 2 or self.strategy not in ("sab-cp", "auto")):
             raise ValueError(
                 f"--cp must be >= 2 and needs --strategy sab-cp, got --cp {self.cp} with "
                 f"--strategy {self.strategy}"
@@ -209,8 +222,9 @@ class TrainConfig:
             for path, _ in parse_mixture(self.data):
                 if not Path(path).exists():
                     raise ValueError(f"--data {path!r}: no such file or directory")
-        for name in ("num_builtin", "checkpoint_every", "micro_batches", "capacity"):
-            value, low = getattr(self, name), 0 if name == "checkpoint_every" else 1
+        for name in ("num_builtin", "checkpoint_every", "keep_checkpoints", "micro_batches",
+                     "capacity"):  # fmt: skip
+            value, low = getattr(self, name), 0 if name in ZERO_OK else 1
             if value is not None and value != "auto" and value < low:  # capacity may be "auto"
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be >= {low}, got {value}")
@@ -257,6 +271,15 @@ class TrainConfig:
             raise ValueError(f"--loss must be one of {LOSS_IMPLS}, got {self.loss!r}")
 
 
+def resolve_strategy(cfg: TrainConfig, num_ranks: int) -> TrainConfig:
+    """``--strategy auto`` made concrete for ``num_ranks`` real ranks: ``sab-cp`` with two or
+    more (long documents trained whole), ``sab`` on one rank or with ``--emulate-ranks``."""
+    if cfg.strategy != "auto":
+        return cfg
+    real = num_ranks >= 2 and not cfg.emulate_ranks
+    return dataclasses.replace(cfg, strategy="sab-cp" if real else "sab")
+
+
 def check_batch(cfg: TrainConfig, num_docs: int, num_ranks: int) -> None:
     """The global batch must fit the dataset and give every rank a document."""
     if cfg.global_batch > num_docs:
@@ -301,7 +324,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, base: dict | None = None) -> TrainConfig:
     """Defaults < ``base`` (e.g. the demo's own defaults) < ``--config`` file < command-line
     flags."""
-    values = flags.merge(base or {}, flags.load_file(args.config) if args.config else {})
+    from_file = flags.load_file(args.config) if args.config else {}
+    if "schema_version" in from_file:  # written by SparseBalance (or declared by hand)
+        CONFIG.check(from_file.pop("schema_version"), f"--config {args.config}")
+    values = flags.merge(base or {}, from_file)
     given = flags.values_from_args(args, TrainConfig)
     if "micro_batches" in given and "capacity" not in given:
         given["capacity"] = None  # --micro-batches alone replaces the default capacity bound
@@ -312,3 +338,9 @@ def config_from_args(args: argparse.Namespace, base: dict | None = None) -> Trai
 def to_dict(cfg: TrainConfig) -> dict:
     """The config as a nested dict (``dst`` a sub-dict): what ``--config`` files hold."""
     return dataclasses.asdict(cfg)
+
+
+def to_record(cfg: TrainConfig) -> dict:
+    """The config as SparseBalance writes it to files: :func:`to_dict` with its
+    ``schema_version`` (:data:`sparsebalance.versions.CONFIG`), checked when read back."""
+    return {"schema_version": CONFIG.version, **to_dict(cfg)}

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import find_checkpoint
-from .config import TrainConfig, check_batch, to_dict
+from .config import RUN_STATE, TrainConfig, check_batch, resolve_strategy, to_record
 from .multinode import Rendezvous, Topology
 from .resume import check_same_run
 from .runlock import ENV_TOKEN, FOLLOW, RunLock
@@ -86,6 +86,12 @@ def preflight(cfg: TrainConfig, nproc: int) -> None:
     from ..data import load_corpus, load_tokenizer
     from ..models import load_shapes
 
+    check_run_folder(cfg)
+    if cfg.resume:  # the same run or a refusal listing the differences (rank 0 repeats it)
+        path = find_checkpoint(Path(cfg.out), verify=False)[0]  # rank 0 hashes and loads
+        if path is None:
+            raise ValueError(f"--resume: no intact checkpoint in {Path(cfg.out) / 'checkpoints'}")
+        check_same_run(path, cfg, None)  # the data's content is checked by rank 0
     load_shapes(cfg.model)
     corpus = load_corpus(cfg.data, load_tokenizer(cfg.tokenizer), cfg.text_field, cfg.num_builtin,
                          cfg.seed, cfg.min_len, cfg.max_len,
@@ -94,11 +100,70 @@ def preflight(cfg: TrainConfig, nproc: int) -> None:
     check_batch(cfg, len(corpus), cfg.emulate_ranks or nproc)
     if cfg.ranks_per_node is not None:  # must divide the ranks (raises naming the flag)
         Topology(cfg.emulate_ranks or nproc, cfg.ranks_per_node)
-    if cfg.resume:  # the same run or a refusal listing the differences (rank 0 repeats it)
-        path = find_checkpoint(Path(cfg.out))[0]
-        if path is None:
-            raise ValueError(f"--resume: no intact checkpoint in {Path(cfg.out) / 'checkpoints'}")
-        check_same_run(path, cfg, None)  # the data's content is checked by rank 0
+    note = overlong_note(cfg, corpus.lengths(), cfg.emulate_ranks or nproc)
+    if note is not None:
+        print(f"sparsebalance train: {note}", file=sys.stderr, flush=True)
+
+
+def check_run_folder(cfg: TrainConfig) -> None:
+    """``--out`` before anything is written there: a folder holding an earlier run needs
+    ``--resume`` or ``--overwrite``; one whose ``config.json`` is not a run's (a model folder) is
+    never written into."""
+    out = Path(cfg.out)
+    if not out.is_dir():
+        return
+    config = out / "config.json"
+    if config.is_file() and not _is_run_config(config):
+        raise ValueError(
+            f"--out {out}: its config.json is not a SparseBalance run's (a model folder?); "
+            "choose another --out"
+        )
+    # what only training writes: a start that failed early left at most configs (rewritten)
+    earlier = [n for n in RUN_STATE if (out / n).exists()]
+    if earlier and not (cfg.resume or cfg.overwrite):
+        raise ValueError(
+            f"--out {out} holds an earlier run ({', '.join(earlier)}): pass --resume to "
+            "continue it or --overwrite to replace it"
+        )
+
+
+def _is_run_config(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and (
+        "schema_version" in data or {"global_batch", "dst"} <= set(data)
+    )
+
+
+def overlong_note(cfg: TrainConfig, lengths, num_ranks: int) -> str | None:
+    """The line saying what happens to documents no unit can hold (None when there are none):
+    over ``--capacity`` without CP units, over the widest unit's tokens with ``sab-cp``."""
+    if not isinstance(cfg.capacity, int):  # --micro-batches: no token bound; auto: not known yet
+        return None
+    cap = int(cfg.capacity)
+    if cfg.strategy == "sab-cp":
+        k = cfg.cp or num_ranks
+        limit, what = k * cap, f"{k} ranks x --capacity {cap}"
+    else:
+        limit, what = cap, f"--capacity {cap}"
+    over = int((lengths > limit).sum())
+    if over == 0:
+        return None
+    fate = {"split": f"cut into {limit}-token chunks trained as separate documents",
+            "truncate": f"truncated to their first {limit} tokens",
+            "skip": "not trained"}[cfg.overlong]  # fmt: skip
+    if cfg.strategy == "sab-cp":
+        why = "no unit of ranks holds them"
+    elif cfg.emulate_ranks:
+        why = "CP units cannot run with --emulate-ranks (one process)"
+    elif num_ranks < 2:
+        why = "CP units need >= 2 ranks"
+    else:
+        why = "--strategy sab-cp would train them whole over several ranks"
+    return (f"{over} of {lengths.size} documents are longer than {what} = {limit} tokens: "
+            f"--overlong {cfg.overlong}: {fate} ({why})")  # fmt: skip
 
 
 def launch(cfg: TrainConfig, nproc: int, rdzv: Rendezvous | None = None) -> None:
@@ -117,6 +182,7 @@ def launch(cfg: TrainConfig, nproc: int, rdzv: Rendezvous | None = None) -> None
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     rdzv = rdzv or Rendezvous()
+    cfg = resolve_strategy(cfg, nproc * rdzv.nnodes)  # --strategy auto
     if rdzv.node_rank > 0:
         return launch_follower(cfg, nproc, rdzv)
     out = Path(cfg.out)
@@ -128,7 +194,7 @@ def launch(cfg: TrainConfig, nproc: int, rdzv: Rendezvous | None = None) -> None
                 print(f"sparsebalance train: note: {lock.note}", file=sys.stderr, flush=True)
             preflight(cfg, nproc * rdzv.nnodes)
             cfg_path = out / "launch-config.json"
-            cfg_path.write_text(json.dumps(to_dict(cfg), indent=1) + "\n")  # whole nested config
+            cfg_path.write_text(json.dumps(to_record(cfg), indent=1) + "\n")  # whole nested config
             worker = ["-m", "sparsebalance.train", "--config", str(cfg_path)]
             if nproc == 1 and not rdzv.multinode:
                 cmd = [sys.executable, *worker]
@@ -158,7 +224,7 @@ def launch_follower(cfg: TrainConfig, nproc: int, rdzv: Rendezvous) -> None:
 
     with tempfile.TemporaryDirectory(prefix="sparsebalance-node") as tmp:
         cfg_path = Path(tmp) / "launch-config.json"
-        cfg_path.write_text(json.dumps(to_dict(cfg), indent=1) + "\n")
+        cfg_path.write_text(json.dumps(to_record(cfg), indent=1) + "\n")
         worker = ["-m", "sparsebalance.train", "--config", str(cfg_path)]
         cmd = [sys.executable, "-c", TORCHRUN, *rdzv.torchrun_args(nproc), *worker]
         env = {**os.environ, ENV_TOKEN: FOLLOW, LAUNCHER_PID: str(os.getpid())}
@@ -215,11 +281,12 @@ def torchrun_main() -> None:
         sys.exit(code)
 
 
-DEMO_DEFAULTS = {"capacity": 2100, "dst": {"budget_tokens": 512}}
+DEMO_DEFAULTS = {"capacity": 2100, "out": "runs/demo", "dst": {"budget_tokens": 512}}
 """What ``--demo`` changes from ``sparsebalance train``'s defaults (flags and ``--config`` still
 win): the built-in data (256 documents, 128..4,103 tokens) with a capacity of 2,100 tokens, so
 5 documents are longer than the capacity (the longest, 4,103 tokens, about 2x it): the baseline
-cuts them (``--overlong split``), SparseBalance trains them whole on a unit of both ranks. The
+cuts them (``--overlong split``), SparseBalance trains them whole on a unit of both ranks. Its
+own folder (``runs/demo``): a plain run's ``runs/train`` is never mixed into its report. The
 top-k base budget is 512 tokens (k = 8 blocks of 64): the paper's 8,192 covers every document
 this CPU trains, so attention would be exact; 512 is the same share of a 4K document as 8,192
 of the paper's 64K ones."""
@@ -236,6 +303,13 @@ def demo_configs(cfg: TrainConfig) -> dict[str, TrainConfig]:
     SparseBalance (SAB + CP + DST: ``sab-cp`` plans, long documents trained whole over units of
     ranks). They are scratch runs: a new demo replaces the previous one's folders."""
     from ..simulate import ABLATIONS  # the one ablation table (planner, DST mode per name)
+
+    root = Path(cfg.out)
+    if any((root / n).exists() for n in RUN_STATE):
+        raise ValueError(
+            f"--out {root} holds a training run; --demo writes its two runs and their report "
+            "into its own folder: choose another --out (default runs/demo)"
+        )
 
     runs = {"baseline": ABLATIONS["baseline"], "sparsebalance": ABLATIONS["sab+cp+dst"]}
     return {

@@ -1,7 +1,11 @@
 """More than one machine: the launcher's c10d rendezvous flags (``--nnodes``, ``--node-rank``,
 ``--rdzv-endpoint``, ``--rdzv-id``), SLURM's environment mapped to torchrun's variables, and
 node-local caches written by one rank per machine (:func:`resolve_on_nodes`). Which ranks share a
-machine: :class:`~sparsebalance.parallel.topology.Topology`."""
+machine: :class:`~sparsebalance.parallel.topology.Topology`.
+
+Trusted networks only: torchrun's c10d store has no authentication and the ranks unpickle each
+other's objects (``all_gather_object``), so anyone who can reach the endpoint can join a run or
+run code in it. Run multi-node jobs on a private cluster network, never an open one."""
 
 from __future__ import annotations
 
@@ -30,8 +34,10 @@ class Rendezvous:
     endpoint: str | None = None
     """``HOST:PORT`` of the c10d rendezvous: node 0's address and a free port there (node 0's
     launcher hosts the rendezvous store); required when ``nnodes > 1``."""
-    rdzv_id: str = "sparsebalance"
-    """Job id shared by every machine of one run (distinguishes concurrent runs)."""
+    rdzv_id: str | None = None
+    """Job id shared by every machine of one run (distinguishes concurrent runs); required, and
+    unique per run, when ``nnodes > 1`` (a constant default let two jobs on one endpoint join
+    each other)."""
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
@@ -45,7 +51,12 @@ class Rendezvous:
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"--rdzv-endpoint must be HOST:PORT (port 1-65535), got "
                                  f"{self.endpoint!r}")  # fmt: skip
-        if not self.rdzv_id:
+        if self.nnodes > 1 and self.rdzv_id is None:
+            raise ValueError(
+                "--rdzv-id is required with --nnodes > 1: an id unique to this run, the same on "
+                "every node (e.g. --rdzv-id $SLURM_JOB_ID)"
+            )
+        if self.rdzv_id is not None and not self.rdzv_id:
             raise ValueError("--rdzv-id must not be empty")
 
     @property

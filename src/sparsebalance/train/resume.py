@@ -12,6 +12,8 @@ import json
 from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 
+from ..versions import CHECKPOINT, CONFIG
+from .checkpoint import checkpoint_version, find_checkpoint
 from .config import TrainConfig, to_dict
 
 SAFE_ON_RESUME = {
@@ -26,6 +28,7 @@ SAFE_ON_RESUME = {
     "backend": "attention kernel (same maths, different implementation)",
     "measure_bubble": "how the bubble is timed",
     "ranks_per_node": "the machines' layout (where CP units are placed, not what is trained)",
+    "keep_checkpoints": "how many checkpoints are kept",
 }
 """Fields a resumed run may change, and why each is safe."""
 
@@ -66,15 +69,16 @@ def differences(saved: dict, current: TrainConfig, skip: tuple[str, ...] = ()) -
 
 
 def saved_identity(checkpoint: Path) -> tuple[dict, dict | None]:
-    """(config, data fingerprint) a checkpoint was written with (``meta.json``; older
-    checkpoints: their ``state.pt``)."""
-    meta = json.loads((checkpoint / "meta.json").read_text())
-    if "config" in meta:
-        return meta["config"], (meta.get("data") or {}).get("identity")
-    import torch
-
-    state = torch.load(checkpoint / "state.pt", map_location="cpu", weights_only=False)
-    return state["trainer"]["config"], (state["trainer"].get("data") or {}).get("identity")
+    """(config, data fingerprint) a checkpoint was written with (its ``meta.json``; the
+    checkpoint's format version is checked first, its config's version here)."""
+    CHECKPOINT.check(checkpoint_version(checkpoint), f"checkpoint {checkpoint}")
+    try:
+        meta = json.loads((checkpoint / "meta.json").read_text())
+        config = meta["config"]
+    except (OSError, ValueError, KeyError):
+        raise ValueError(f"checkpoint {checkpoint / 'meta.json'}: unreadable") from None
+    CONFIG.check(meta.get("config_schema_version"), f"checkpoint {checkpoint}'s config")
+    return config, (meta.get("data") or {}).get("identity")
 
 
 def check_same_run(checkpoint: Path, cfg: TrainConfig, data: dict | None) -> list[str]:
@@ -101,3 +105,30 @@ def check_same_run(checkpoint: Path, cfg: TrainConfig, data: dict | None) -> lis
         for k, v in to_dict(cfg).items()
         if k in SAFE_ON_RESUME and k not in ("resume", "overwrite") and saved.get(k) != v
     ]
+
+
+def choose_checkpoint(
+    run_dir: Path, cfg: TrainConfig, data: dict | None, runtime
+) -> tuple[Path, list[str]]:
+    """The checkpoint ``--resume`` continues from, chosen by rank 0 alone (a collective): rank 0
+    finds the newest intact one (hashing its files, :func:`find_checkpoint`) and checks that it
+    belongs to this run; every rank receives that choice, or rank 0's refusal as the same
+    ``ValueError``. The other ranks never open the checkpoint folder, so ranks that would see
+    different files (NFS caching, a node-local folder) still resume from one step. Returns the
+    path and the lines to print (skipped checkpoints, allowed changes)."""
+    choice = None
+    if runtime.is_main:
+        try:
+            path, notes = find_checkpoint(run_dir)
+            if path is None:
+                where = Path(run_dir) / "checkpoints"
+                raise ValueError(f"--resume: no intact checkpoint in {where}")
+            changes = check_same_run(path, cfg, data)
+            line = f"resuming from {path.name}" + (f" ({'; '.join(changes)})" if changes else "")
+            choice = {"path": str(path), "lines": [*notes, line]}
+        except (ValueError, OSError) as err:  # the other ranks raise the same, not hang
+            choice = {"error": str(err)}
+    choice = runtime.broadcast_object(choice)
+    if "error" in choice:
+        raise ValueError(choice["error"])
+    return Path(choice["path"]), choice["lines"]

@@ -12,6 +12,7 @@ user's own ``torchrun`` takes the lock itself.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -42,26 +43,39 @@ class Owner:
         return cls(socket.gethostname(), os.getpid(), process_start(os.getpid()))
 
     def alive(self) -> bool:
-        """False only when this process certainly no longer runs (same host, pid gone/reused)."""
+        """False only when this process certainly no longer runs (same host, pid gone, reused,
+        or a zombie: dead, only not yet reaped by its parent)."""
         if self.host != socket.gethostname():
             return True
         try:
-            os.kill(self.pid, 0)
+            os.kill(self.pid, 0)  # succeeds for a zombie too
         except ProcessLookupError:
             return False
         except PermissionError:  # exists, owned by another user
+            pass
+        stat = _proc_stat(self.pid)
+        if stat is None:  # no /proc: the pid exists, nothing more to check
             return True
-        start = process_start(self.pid)
-        return self.start is None or start is None or start == self.start
+        state, start = stat[0], stat[19]
+        if state in ("Z", "X"):  # zombie / dead: exited, its parent has not waited on it
+            return False
+        return self.start is None or start == self.start
 
 
-def process_start(pid: int) -> str | None:
-    """Start time of ``pid`` in clock ticks since boot, or None without ``/proc``."""
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (field 3, the state, first), or
+    None without ``/proc``."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22; the command name may hold spaces
+    return stat.rsplit(")", 1)[1].split()  # the command name may hold spaces and ")"
+
+
+def process_start(pid: int) -> str | None:
+    """Start time of ``pid`` in clock ticks since boot, or None without ``/proc``."""
+    stat = _proc_stat(pid)
+    return None if stat is None else stat[19]  # field 22
 
 
 class RunLockError(ValueError):
@@ -106,6 +120,16 @@ class RunLock:
                 os.rename(self.path, stale)  # only one of several racing takers wins
             except FileNotFoundError:
                 continue
+            if read(stale) != (held or None):
+                # Not the lock judged stale: another launcher took the stale one over between
+                # our read and our rename, and this moved its fresh lock. Put it back, refuse.
+                with contextlib.suppress(FileExistsError):
+                    os.link(stale, self.path)
+                stale.unlink(missing_ok=True)
+                raise RunLockError(
+                    f"--out {self.path.parent}: another run took over this folder's stale lock "
+                    "at the same moment; it is live now"
+                )
             stale.unlink(missing_ok=True)
             self.note = f"took over a stale lock in {self.path.parent} ({gone}: not running)"
         if not self._held:

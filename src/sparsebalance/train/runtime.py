@@ -58,6 +58,14 @@ class Runtime:
         dist.all_gather_object(out, obj)
         return out
 
+    def broadcast_object(self, obj):
+        """Rank 0's ``obj`` on every rank (the others pass anything, e.g. None)."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
@@ -70,9 +78,13 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
+    """Every RNG's state as tensors and plain values (a checkpoint loads it weights-only):
+    numpy's legacy generator as its dict form, the key array as a list."""
+    numpy = np.random.get_state(legacy=False)
+    numpy = {**numpy, "state": {**numpy["state"], "key": numpy["state"]["key"].tolist()}}
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": numpy,
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
@@ -80,7 +92,9 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy = state["numpy"]
+    key = np.asarray(numpy["state"]["key"], dtype=np.uint32)
+    np.random.set_state({**numpy, "state": {**numpy["state"], "key": key}})
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

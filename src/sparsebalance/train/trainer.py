@@ -59,13 +59,13 @@ from ..parallel.watch import DeviceWaits
 from ..precision import resolve_precision
 from ..tuning import DSTTuner
 from ..workload import Sample
-from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from .config import TrainConfig, to_dict
+from .checkpoint import clean_temporaries, load_checkpoint, save_checkpoint
+from .config import RUN_FILES, RUN_STATE, TrainConfig, resolve_strategy, to_dict, to_record
 from .execute import RankExecutor
 from .multinode import Topology, launcher_placement, node_leaders, resolve_on_nodes
 from .parallelize import parallelize
 from .records import StepResult
-from .resume import check_same_run
+from .resume import choose_checkpoint
 from .runtime import Runtime, rng_state, seed_everything, set_rng_state
 from .signals import Stopped, StopSignals
 from .step import StepRunner
@@ -143,6 +143,7 @@ class Trainer:
         if cfg.emulate_ranks and rt.distributed:
             raise ValueError("--emulate-ranks runs in one process: launch it with --nproc 1")
         self.num_ranks = cfg.emulate_ranks or rt.world_size
+        self.cfg = cfg = resolve_strategy(cfg, self.num_ranks)  # --strategy auto
         if cfg.cp is not None and self.num_ranks % cfg.cp:
             raise ValueError(
                 f"--cp {cfg.cp} must divide the world size ({self.num_ranks}): the ranks form "
@@ -205,11 +206,7 @@ class Trainer:
             self.topology.ranks_per_node, self.scaler,
         )  # fmt: skip
         self.step = 0
-        earlier = [
-            self.run_dir / n
-            for n in ("metrics.jsonl", "checkpoints")
-            if (self.run_dir / n).exists()
-        ]
+        earlier = [self.run_dir / n for n in RUN_STATE if (self.run_dir / n).exists()]
         if cfg.resume:
             self._resume()
         elif earlier and not cfg.overwrite:
@@ -218,7 +215,9 @@ class Trainer:
                 f"({', '.join(p.name for p in earlier)}): pass --resume to continue it or "
                 "--overwrite to replace it"
             )
-        self._stale = [] if cfg.resume else earlier
+        # --overwrite: the earlier run's outputs go (launch-config.json is this launch's)
+        stale = [p for n in RUN_FILES if (p := self.run_dir / n).exists()]
+        self._stale = [p for p in stale if p.name != "launch-config.json"] if cfg.overwrite else []
 
     # ------------------------------------------------------------------ setup
     def _ring_groups(self) -> RingGroups | None:
@@ -389,20 +388,18 @@ class Trainer:
             self._state(),
             rngs,
             self.rt.is_main,
-            fsdp=self.par.sharded,
+            keep_last=self.cfg.keep_checkpoints,
         )
         self.rt.barrier()
 
     def _resume_checkpoint(self) -> Path:
-        """The checkpoint to resume from, checked to belong to this run (one line per skipped
-        checkpoint and per allowed change, from rank 0)."""
-        path, notes = find_checkpoint(self.run_dir)
-        for note in notes:
-            self._say(note)
-        if path is None:
-            raise ValueError(f"--resume: no intact checkpoint in {self.run_dir / 'checkpoints'}")
-        changes = check_same_run(path, self.cfg, self.data.state_dict()["identity"])
-        self._say(f"resuming from {path.name}" + (f" ({'; '.join(changes)})" if changes else ""))
+        """The checkpoint to resume from: rank 0 chooses and verifies it, checks it belongs to
+        this run and tells every rank (:func:`choose_checkpoint`); one line per skipped
+        checkpoint and per allowed change."""
+        path, lines = choose_checkpoint(self.run_dir, self.cfg,
+                                        self.data.state_dict()["identity"], self.rt)  # fmt: skip
+        for line in lines:
+            self._say(line)
         return path
 
     def _say(self, line: str) -> None:
@@ -412,7 +409,7 @@ class Trainer:
     def _resume(self) -> None:
         path = self._checkpoint
         state = load_checkpoint(path, self.model, self.optimizer, self.scheduler,
-                                fsdp=self.par.sharded)  # fmt: skip
+                                runtime=self.rt)  # fmt: skip
         # The LR of the next step follows this run's schedule (its --steps may have changed),
         # not the one the checkpoint's scheduler last computed.
         factor = self._lr_factor(self.scheduler.last_epoch)
@@ -458,8 +455,10 @@ class Trainer:
             for path in self._stale:  # --overwrite: the earlier run's files go
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            for path in clean_temporaries(self.run_dir):  # an interrupted save's leftovers
+                self._say(f"removed {path.name}, left by an interrupted checkpoint save")
             (self.run_dir / "config.json").write_text(
-                json.dumps(to_dict(cfg), indent=1, default=str)
+                json.dumps(to_record(cfg), indent=1, default=str)
             )
             self.latency.profile.save(self.run_dir / "latency_profile.json")  # what planned it
             topology = self.topology.describe()
