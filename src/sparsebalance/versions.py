@@ -48,11 +48,14 @@ class Schema:
 
 CONFIG = Schema(
     "run config",
-    version=1,
+    version=2,
     fix="write the config again for this version (see CHANGELOG.md for what changed)",
+    readable=(1,),
 )
 """``schema_version`` key of ``config.json``, ``launch-config.json`` and a checkpoint's config;
-optional in a hand-written ``--config`` file (checked when present)."""
+optional in a hand-written ``--config`` file (checked when present). 2: ``dst.p`` is the paper's
+coverage bound (in 1 it was the time band, now ``dst.tolerance``), budgets are top-k by default;
+a version-1 config is converted to what it meant (:func:`sparsebalance.train.config.upgrade`)."""
 
 CHECKPOINT = Schema(
     "checkpoint",

@@ -11,7 +11,7 @@ import pytest
 
 from sparsebalance import flags
 from sparsebalance.train import TrainConfig, add_train_arguments, config_from_args
-from sparsebalance.train.config import to_dict
+from sparsebalance.train.config import to_record
 from sparsebalance.tuning import DSTConfig
 
 
@@ -65,7 +65,7 @@ def test_the_launcher_file_round_trips_the_whole_nested_config(tmp_path):
                   dst=DSTConfig(mode="down", anchor="min", p=0.2, budget_tokens=1024,
                                 budget_tokens_min=128))  # fmt: skip
     path = tmp_path / "launch-config.json"
-    path.write_text(json.dumps(to_dict(cfg)))
+    path.write_text(json.dumps(to_record(cfg)))  # what the launcher writes: with its version
     assert _parse(["--config", str(path)]) == cfg
     assert _parse(["--micro-batches", "2"]).capacity is None  # replaces the default bound
 

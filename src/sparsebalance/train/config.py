@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -326,13 +327,41 @@ def config_from_args(args: argparse.Namespace, base: dict | None = None) -> Trai
     flags."""
     from_file = flags.load_file(args.config) if args.config else {}
     if "schema_version" in from_file:  # written by SparseBalance (or declared by hand)
-        CONFIG.check(from_file.pop("schema_version"), f"--config {args.config}")
+        version = from_file.pop("schema_version")
+        CONFIG.check(version, f"--config {args.config}")
+        from_file, note = upgrade(from_file, version)
+        if note:
+            print(f"sparsebalance: --config {args.config}: {note}", file=sys.stderr)
+    elif "p" in from_file.get("dst", {}):
+        raise ValueError(
+            f"--config {args.config}: [dst] p is the coverage bound since config schema 2 (it was "
+            "the time band, now `tolerance`): add `schema_version = 2` to mean the coverage "
+            "bound, or `schema_version = 1` to have the file read as written before (converted)"
+        )
     values = flags.merge(base or {}, from_file)
     given = flags.values_from_args(args, TrainConfig)
     if "micro_batches" in given and "capacity" not in given:
         given["capacity"] = None  # --micro-batches alone replaces the default capacity bound
     where = f"--config {args.config}" if args.config else "flags"
     return flags.build(TrainConfig, flags.merge(values, given), where)
+
+
+def upgrade(values: dict, version: int) -> tuple[dict, str]:
+    """A run config (a nested dict) of schema ``version`` as this build reads it, and one line
+    on what was converted ("" when nothing was). Schema 1 had gamma budgets only, ``dst.p`` was
+    the time band (default 0.1) and stragglers' raises went up to the post-cut step time; the
+    ``sab`` strategy and 64-token blocks were the defaults. Fields a file leaves out take the
+    values they had then, so the run means what it meant."""
+    if version == CONFIG.version:
+        return values, ""
+    dst = dict(values.get("dst", {}))
+    tolerance = dst.pop("p", 0.1)
+    dst.update(budget=dst.get("budget", "gamma"), tolerance=tolerance, p=1.0, raise_to="step")
+    out = {"strategy": "sab", "block_size": 64, "estimator": "history", **values, "dst": dst}
+    return out, (
+        f"a schema-{version} config, read as it was meant: [dst] p {tolerance} (the time band) -> "
+        "tolerance, budget gamma, raise_to step, p 1.0 (no coverage bound)"
+    )
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..versions import CHECKPOINT, CONFIG
 from .checkpoint import checkpoint_version, find_checkpoint
-from .config import TrainConfig, to_dict
+from .config import TrainConfig, to_dict, upgrade
 
 SAFE_ON_RESUME = {
     "steps": "a longer or shorter run; the LR schedule follows the new total from the first "
@@ -29,6 +29,7 @@ SAFE_ON_RESUME = {
     "measure_bubble": "how the bubble is timed",
     "ranks_per_node": "the machines' layout (where CP units are placed, not what is trained)",
     "keep_checkpoints": "how many checkpoints are kept",
+    "comm_timeout": "how long a collective may wait before the run reports a hang",
 }
 """Fields a resumed run may change, and why each is safe."""
 
@@ -77,7 +78,9 @@ def saved_identity(checkpoint: Path) -> tuple[dict, dict | None]:
         config = meta["config"]
     except (OSError, ValueError, KeyError):
         raise ValueError(f"checkpoint {checkpoint / 'meta.json'}: unreadable") from None
-    CONFIG.check(meta.get("config_schema_version"), f"checkpoint {checkpoint}'s config")
+    version = meta.get("config_schema_version")
+    CONFIG.check(version, f"checkpoint {checkpoint}'s config")
+    config, _ = upgrade(config, version)  # an older schema: what it meant, in today's fields
     return config, (meta.get("data") or {}).get("identity")
 
 
