@@ -112,26 +112,6 @@ def long_document_note(latency: LatencyModel, lengths: np.ndarray) -> str | None
     )
 
 
-def budget_note(knob, lengths: np.ndarray) -> str:
-    """One line: the base budget, and what it keeps of this corpus's documents (a top-k budget
-    that covers every block of the longest document is exact attention: said, not hidden)."""
-    if knob.kind == "gamma":
-        return f"budget: gamma {knob.base} (DST range [{knob.lo}, {knob.hi}])"
-    tokens = int(knob.base) * knob.block_size
-    longest = int(np.max(lengths)) if len(lengths) else 0
-    dens = knob.density(np.asarray([longest, int(np.median(lengths))]), 1.0, float(knob.base))
-    line = (f"budget: top-k {tokens:,} tokens = k {int(knob.base)} blocks of {knob.block_size} "
-            f"(+{knob.anchor_blocks} anchors; DST cuts to k {int(knob.lo)}); density at the base "
-            f"budget {dens[0]:.2f} for the longest document ({longest:,} tokens), {dens[1]:.2f} "
-            "for the median one")  # fmt: skip
-    if dens[0] >= 1.0:
-        line += (
-            ": the budget covers every document, attention is exact (lower "
-            "--budget-tokens to make it sparse)"
-        )
-    return line
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, runtime: Runtime | None = None):
         base_rss = current_rss_bytes()  # libraries loaded, no model yet: the memory model's base
@@ -182,7 +162,7 @@ class Trainer:
         tuner = DSTTuner(cfg.dst, block_size=cfg.block_size)
         self.estimator = make_estimator(cfg.estimator, tuner.knob)
         if rt.is_main:
-            print(f"sparsebalance train: {budget_note(tuner.knob, corpus.lengths())}",
+            print(f"sparsebalance train: {tuner.knob.note(corpus.lengths())}",
                   file=sys.stderr, flush=True)  # fmt: skip
         self.par = parallelize(self.model, rt, cfg.parallel, cfg.measure_bubble)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -68,6 +68,10 @@ class GammaKnob:
         """``template`` (anchors, caps) with this knob at ``value``."""
         return _with_value(template, "gamma", value)
 
+    def note(self, lengths: np.ndarray) -> str:
+        """One line for a run's start: the base budget and DST's range."""
+        return f"budget: gamma {self.base} (DST range [{self.lo}, {self.hi}])"
+
 
 @dataclass(frozen=True)
 class TopKKnob:
@@ -109,6 +113,22 @@ class TopKKnob:
 
     def budget(self, template: Budget, value: float) -> Budget:
         return _with_value(template, "top-k", value)
+
+    def note(self, lengths: np.ndarray) -> str:
+        """One line for a run's start: the base budget and what it keeps of documents of these
+        ``lengths`` (a budget covering every block of the longest one is exact attention: said,
+        not hidden)."""
+        longest = int(np.max(lengths)) if len(lengths) else 0
+        median = int(np.median(lengths)) if len(lengths) else 0
+        dens = self.density(np.asarray([longest, median]), 1.0, float(self.base))
+        line = (f"budget: top-k {self.base * self.block_size:,} tokens = k {self.base} blocks of "
+                f"{self.block_size} (+{self.anchor_blocks} anchors; DST cuts to k {self.lo}); "
+                f"density at the base budget {dens[0]:.2f} for the longest document "
+                f"({longest:,} tokens), {dens[1]:.2f} for the median one")  # fmt: skip
+        if dens[0] >= 1.0:
+            line += (": the budget covers every document, attention is exact (lower "
+                     "--budget-tokens to make it sparse)")  # fmt: skip
+        return line
 
 
 Knob = GammaKnob | TopKKnob
