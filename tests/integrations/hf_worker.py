@@ -49,7 +49,7 @@ def sb_config(tmp: Path, profile: Path) -> TrainConfig:
         data=str(write_data(tmp)), profile=str(profile), out=str(tmp / "sb"), steps=STEPS,
         global_batch=GLOBAL_BATCH, capacity=CAPACITY, block_size=BLOCK, lr=LR, weight_decay=WD,
         warmup_steps=0, schedule="constant", grad_clip=1.0, deterministic=True, loss="plain",
-        dst=DST, overwrite=True,
+        dst=DST, overwrite=True, strategy="sab",  # the integrations plan whole documents
     )  # fmt: skip
 
 

@@ -56,3 +56,15 @@ def test_written_configs_carry_the_version_and_round_trip(tmp_path):
     path.write_text(json.dumps(record))
     assert _parse(["--config", str(path)]) == cfg
     assert upgrade({"dst": {}}, 2) == ({"dst": {}}, "")
+
+
+def test_the_demo_budget_default_gives_way_to_a_gamma_budget():
+    from sparsebalance.train.launch import DEMO_DEFAULTS
+
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    cfg = config_from_args(p.parse_args(["--budget", "gamma"]), DEMO_DEFAULTS)
+    assert cfg.dst.budget == "gamma" and DEMO_DEFAULTS["dst"] == {"budget_tokens": 512}
+    assert config_from_args(p.parse_args([]), DEMO_DEFAULTS).dst.budget_tokens == 512
+    with pytest.raises(ValueError, match="--budget-tokens only apply to --budget top-k"):
+        config_from_args(p.parse_args(["--budget", "gamma", "--budget-tokens", "64"]))

@@ -66,7 +66,11 @@ class SparseBalanceCallback(TrainerCallback, ExportableState):
             wrapped, torch.nn.parallel.DistributedDataParallel
         ):
             return
-        clock = _ReadyClock()
+        from ..clock import Clock
+
+        # host stamps: the callback times micro-batches from the Trainer's host-side events (on
+        # CUDA they are launch times; the trainer's own executor reads device events instead)
+        clock = _ReadyClock(Clock("cpu"))
         try:
             wrapped.register_comm_hook(clock, _ReadyClock.hook)
         except RuntimeError:  # a hook is registered already (accelerate's comm_hook option)
@@ -83,7 +87,7 @@ class SparseBalanceCallback(TrainerCallback, ExportableState):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         ready = self._clock.last if self._clock is not None else None
-        self._stamps.append(ready or time.perf_counter())
+        self._stamps.append(ready.host if ready is not None else time.perf_counter())
 
     def on_step_end(self, args, state, control, **kwargs):
         work = self.planner.current

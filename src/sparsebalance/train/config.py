@@ -343,7 +343,12 @@ def config_from_args(args: argparse.Namespace, base: dict | None = None) -> Trai
     if "micro_batches" in given and "capacity" not in given:
         given["capacity"] = None  # --micro-batches alone replaces the default capacity bound
     where = f"--config {args.config}" if args.config else "flags"
-    return flags.build(TrainConfig, flags.merge(values, given), where)
+    merged = flags.merge(values, given)
+    dst, chosen = dict(merged.get("dst", {})), {**from_file.get("dst", {}), **given.get("dst", {})}
+    if dst.get("budget") == "gamma" and "budget_tokens" not in chosen:
+        dst.pop("budget_tokens", None)  # a default's top-k budget (the demo's) is not the user's
+        merged = {**merged, "dst": dst}
+    return flags.build(TrainConfig, merged, where)
 
 
 def upgrade(values: dict, version: int) -> tuple[dict, str]:
