@@ -119,7 +119,9 @@ def inline_code(text: str) -> list[tuple[int, str]]:
     ]
 
 
-_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?(?P<target>[^)\s>]+)>?(?:\s+\"[^\"]*\")?\)")
+_LINK = re.compile(
+    r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?(?P<target>[^)\s>]+)>?(?:\s+\"[^\"]*\")?\)"
+)
 _REF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(?P<target>\S+?)>?(?:\s|$)", re.M)
 _IMG = re.compile(r"<img\s[^>]*src=\"(?P<target>[^\"]+)\"")
 

@@ -4,7 +4,8 @@ sparsebalance ...``, ``python -m sparsebalance.train.convert ...``, ``torchrun .
 sparsebalance.train ...``, ``bash scripts/demo.sh ...`` (flags go to ``train --demo``) and
 ``python benchmarks/NAME.py ...``, in fenced shell blocks and in inline code. ``...`` stands for
 more flags and is dropped. Inline spans are parsed when they hold a flag (``sparsebalance
-prepare`` alone names a command); those holding ``[ ] | < > { }`` are usage syntax, not commands. A block is exempted by ``<!-- docs-test: skip (reason) -->``."""
+prepare`` alone names a command); those holding ``[ ] | < > { }`` are usage syntax, not
+commands. A block is exempted by ``<!-- docs-test: skip (reason) -->``."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tests.docs.pages import ROOT, blocks, doc_files, inline_code, rel
 
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import gen_reference  # noqa: E402 -- a script, importable once scripts/ is on the path
+import gen_reference
 
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 PYTHONS = {"python", "python3", ".venv/bin/python"}
@@ -165,7 +166,8 @@ def test_the_checker_refuses_what_the_parsers_refuse():
 
 def test_shell_snippets_are_split_into_commands():
     code = "# setup\nFOO=1 sparsebalance plan --lengths L \\\n    --world-size 8  # eight\n"
-    code += "for a in 1 2; do sparsebalance report runs/x; done && python benchmarks/table1.py ...\n"
+    code += "for a in 1 2; do sparsebalance report runs/x; done\n"
+    code += "true && python benchmarks/table1.py ...\n"
     cmds = [classify(c) for c in shell_commands(code)]
     assert ("cli", ["plan", "--lengths", "L", "--world-size", "8"]) in cmds
     assert ("cli", ["report", "runs/x"]) in cmds

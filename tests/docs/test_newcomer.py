@@ -24,7 +24,8 @@ def readme_quick_start() -> list[str]:
 def test_newcomer_runs_exactly_the_readme_commands():
     proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    commands = [x.removeprefix("would run: ") for x in proc.stdout.split("\n") if x.startswith("would run: ")]
+    lines = proc.stdout.split("\n")
+    commands = [x.removeprefix("would run: ") for x in lines if x.startswith("would run: ")]
     assert commands == readme_quick_start() == ["bash scripts/demo.sh", "bash scripts/test.sh"]
 
 
