@@ -120,7 +120,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--heads", type=int, default=4, help="query heads Hq")
     p.add_argument("--kv-heads", type=int, default=4, help="key/value heads Hkv (Hq %% Hkv == 0)")
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--head-dim", type=int, default=64, help="head dimension D (default 64)")
     p.add_argument("--block-size", type=int, default=None,
                    help="sparse block (tokens; default 128 on CUDA, 64 on CPU)")  # fmt: skip
     p.add_argument(
@@ -129,15 +129,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated backends (default: every available one except reference)",
     )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu | cuda (default: cuda when available, else cpu)")  # fmt: skip
     p.add_argument(
         "--dtype",
         choices=["fp32", "bf16", "fp16"],
         default=None,
         help="default fp32 on CPU, bf16 on CUDA",
     )
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (default 1)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs; the median is kept (default 3)"
+    )
     p.add_argument(
         "--quick",
         action="store_true",

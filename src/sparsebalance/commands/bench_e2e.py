@@ -33,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "sab+cp, sab+cp+dst: hybrid data x context parallel, long documents trained whole)",
     )
     add_nproc_argument(p)
-    p.add_argument("--results-dir", default="benchmarks/results", help="'' to write nothing")
+    p.add_argument("--results-dir", default="benchmarks/results",
+                   help="folder of the dated results file (default benchmarks/results; '' to "
+                   "write nothing)")  # fmt: skip
     p.add_argument(
         "--reuse-runs",
         action="store_true",

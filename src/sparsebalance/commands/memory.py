@@ -55,7 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="bytes per device, e.g. 72GB or 16GiB (default: 90%% of the GPU)",
     )
     p.add_argument("--devices", default="1,8,32", help="comma-separated device counts")
-    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument(
+        "--block-size", type=int, default=128, help="sparse block in tokens (default 128)"
+    )
     p.add_argument(
         "--density",
         type=float,

@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default="tiny", help=f"built-in {BUILTIN_MODELS} or a config.json path"
     )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu | cuda (default: cuda when available, else cpu)")  # fmt: skip
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="fp32 on CPU, bf16 on CUDA"
     )

@@ -1,6 +1,7 @@
 """``sparsebalance train``: distributed training of a Hugging Face causal LM with packed sparse
 attention, SAB and DST (launches torchrun itself). ``--demo`` trains the baseline (sequential
-batching, fixed gamma) and SparseBalance (SAB + CP + DST) on the same samples and compares them."""
+batching, a fixed base budget) and SparseBalance (SAB + CP + DST) on the same samples and compares
+them."""
 
 from __future__ import annotations
 

@@ -44,7 +44,8 @@ class LengthDistribution:
     """Where a step's document lengths come from (validated on construction)."""
 
     name: str = "heavy"
-    """[--dist] one of :data:`BUILTIN`, or ``file`` when ``lengths`` is given."""
+    """[--dist] ``heavy``, ``uniform``, ``bimodal`` or ``longtail`` (``BUILTIN``), or
+    ``file`` when ``lengths`` is given."""
     min_len: int = 128
     """[--min-len] shortest document of the built-in shapes (tokens, >= 1)."""
     max_len: int = 32768
