@@ -27,14 +27,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import secrets
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
+from ..files import write_text_atomic
 from ..models import ModelShapes
 from .memory import MemoryCoefficients, MemoryConfig, MemoryModel
 
@@ -199,16 +198,9 @@ def cache_path(fingerprint: dict, cache_dir: Path | None = None) -> Path:
 
 def save_calibration(cal: MemoryCalibration, cache_dir: Path | None = None) -> Path:
     """Write ``cal`` to the cache (atomic); returns the path."""
-    path = cache_path(cal.fingerprint, cache_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # a name of its own: concurrent writers (ranks, runs sharing the cache) never share one
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    try:
-        tmp.write_text(json.dumps(cal.to_json(), indent=1) + "\n")
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    # concurrent writers (ranks, runs sharing the cache) each write a temporary of their own
+    return write_text_atomic(cache_path(cal.fingerprint, cache_dir),
+                             json.dumps(cal.to_json(), indent=1) + "\n")  # fmt: skip
 
 
 def find_calibration(

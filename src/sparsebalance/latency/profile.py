@@ -19,8 +19,6 @@ still load; the trainer's profile cache only reuses schema-2 entries.
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..files import write_text_atomic
 from ..models import ModelShapes
 from ..results import machine_info
 from ..versions import PROFILE
@@ -178,15 +177,8 @@ class Profile:
 
     def save(self, path: str | Path) -> None:
         """Atomic write: a crash never leaves a half-written profile."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # a name of its own: concurrent writers (ranks, runs sharing the cache) never share one
-        tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-        try:
-            tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-            tmp.replace(path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        # concurrent writers (ranks, runs sharing the cache) each write a temporary of their own
+        write_text_atomic(path, json.dumps(self.to_json(), indent=1) + "\n")
 
     def check_fingerprint(self, running: dict, strict: bool = False) -> list[str]:
         """Compare with the running setup: warn (or raise with ``strict``) on differences."""
