@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .budget import Budget
@@ -170,10 +171,13 @@ class DocumentBatch:
             keep = _keep_by_mass(self.prob, self.allowed, anchors, budget, cache.get("rows"))
         return torch.where(self.non_finite, self.allowed, keep)
 
-    def topk_covered(self, budget: Budget, cache: dict) -> torch.Tensor:
+    def topk_covered(
+        self, budget: Budget, cache: dict, ks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """float64 ``(n,)``: :meth:`covered` of the top-k rule without a cap, read off one sorted
         cumulative sum per row (cached per anchor setting): what any k keeps of a row is its
-        anchors' mass plus its ``k`` largest other masses."""
+        anchors' mass plus its ``k`` largest other masses. With ``ks`` (int64 ``(K,)``): the
+        same for every k at once, ``(K, n)``."""
         key = ("top-k coverage", budget.sink_blocks, budget.local_blocks)
         if key not in cache:
             anchors = self.anchors(budget) & self.allowed
@@ -184,9 +188,13 @@ class DocumentBatch:
             cums = torch.cat([torch.zeros_like(cums[..., :1]), cums], -1)
             cache[key] = (base, cums)
         base, cums = cache[key]
-        k = min(int(budget.top_k), cums.shape[-1] - 1)
-        mass = torch.where(self.non_finite[..., 0], 1.0, base + cums[..., k])
-        return (mass * self.seg_tokens.double()[None]).sum((0, 2))
+        if ks is None:
+            k = min(int(budget.top_k), cums.shape[-1] - 1)
+            mass = torch.where(self.non_finite[..., 0], 1.0, base + cums[..., k])
+            return (mass * self.seg_tokens.double()[None]).sum((0, 2))
+        kept = cums[..., ks.clamp(max=cums.shape[-1] - 1)]  # (H, n, s, K)
+        mass = torch.where(self.non_finite, 1.0, base[..., None] + kept)
+        return torch.einsum("hnsk,ns->kn", mass, self.seg_tokens.double())
 
     def covered(self, keep: torch.Tensor) -> torch.Tensor:
         """float64 ``(n,)``: per document, the estimated mass the kept pairs cover, summed over
@@ -261,6 +269,19 @@ class BlockMassEstimate:
                 out[batch.docs] = batch.covered(batch.keep(budget, cache))
         tokens = torch.diff(self.cu_seqlens.long()).double().clamp_min(1)
         return out / (tokens * self.num_layout_heads)
+
+    def coverage_curve(self, budget: Budget, ks) -> np.ndarray:
+        """float64 ``(K,)``: the pack's :meth:`coverage` of ``budget`` (a top-k budget without a
+        cap: its anchors) at every k of ``ks``, computed together and read back once (one host
+        sync, however many k a decision looks at)."""
+        if budget.top_k is None or budget.max_density is not None:
+            return np.array([self.coverage(budget.with_value(k)) for k in ks])
+        dev = self.cu_seqlens.device
+        ks_t = torch.as_tensor(np.asarray(ks), dtype=torch.int64, device=dev)
+        total = torch.zeros(ks_t.numel(), dtype=torch.float64, device=dev)
+        for i, batch in enumerate(self.batches):
+            total += batch.topk_covered(budget, self._cache.setdefault(i, {}), ks_t).sum(-1)
+        return (total / (self.seq_len * self.num_layout_heads)).cpu().numpy()
 
     def coverage(self, budget: Budget) -> float:
         """The pack's coverage: :meth:`document_coverage` weighted by document tokens."""

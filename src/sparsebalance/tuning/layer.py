@@ -190,22 +190,18 @@ class LayerController:
         probes = self.config.layer_probes
         value = _bisect(self.knob, lambda v: cost(v) <= limit, self.lo, self.hi, probes)
         coverage, limited = None, False
-        covers = getattr(estimate, "coverage", None)
-        if value < self.base and self.config.p < 1 and callable(covers):
-
-            def cov(v: float) -> float:
-                return float(covers(self.knob.budget(self.budget, v)))
-
-            floor_c = cov(self.base) - self.config.p
-            v_cov = _bisect(self.knob, lambda v: cov(v) >= floor_c, self.lo, self.base, probes,
-                            largest=False)  # fmt: skip
-            if v_cov > value:
-                value, limited = v_cov, True
-            coverage = cov(value)
+        if value < self.base and self.config.p < 1:
+            found = self._coverage_floor(estimate, value)
+            if found is not None:
+                v_cov, coverage = found
+                limited = v_cov > value
+                value = max(value, v_cov)
         cost(value)
         attention, dens = cache[value]
         predicted = attention + self.fixed[microbatch, layer]
-        if by_length and hasattr(estimate, "document_density"):  # the layout's own densities
+        on_host = getattr(getattr(estimate, "cu_seqlens", None), "is_cuda", False) is False
+        if by_length and on_host and hasattr(estimate, "document_density"):
+            # the layout's own densities (on CUDA the knob's stand in: no read-back per layer)
             dens = _document_densities(estimate, self.knob.budget(self.budget, value),
                                        lengths.size)  # fmt: skip
         weights = lengths.astype(np.float64) ** 2
@@ -217,6 +213,31 @@ class LayerController:
             coverage_limited=limited,
         )  # fmt: skip
         return self.knob.budget(self.budget, value)
+
+    def _coverage_floor(self, estimate: Any, value: float) -> tuple[float, float] | None:
+        """``(v_cov, coverage at max(value, v_cov))``: the smallest budget in ``[lo, base]``
+        within the coverage bound ``C(base) - C(v) <= p`` of the layer's gate; None when the
+        estimate has no coverage (the bound is then not checked). Top-k: every whole k of the
+        range at once (one read-back); gamma: a bisection of ``layer_probes`` coverages."""
+        curve = getattr(estimate, "coverage_curve", None)
+        if self.knob.integer and callable(curve):
+            ks = np.arange(int(self.lo), int(self.base) + 1)
+            cov = curve(self.knob.budget(self.budget, self.base), ks)
+            ok = cov >= cov[-1] - self.config.p  # non-decreasing in k: True from v_cov on
+            first = int(np.argmax(ok))
+            v_cov = float(ks[first])
+            return v_cov, float(cov[max(first, int(np.searchsorted(ks, value)))])
+        covers = getattr(estimate, "coverage", None)
+        if not callable(covers):
+            return None
+
+        def cov(v: float) -> float:
+            return float(covers(self.knob.budget(self.budget, v)))
+
+        floor_c = cov(self.base) - self.config.p
+        v_cov = _bisect(self.knob, lambda v: cov(v) >= floor_c, self.lo, self.base,
+                        self.config.layer_probes, largest=False)  # fmt: skip
+        return v_cov, cov(max(value, v_cov))
 
     def observe(self, microbatch: int, layer: int, seconds: float) -> None:
         """Report what a chosen unit actually cost (forward + backward seconds)."""
