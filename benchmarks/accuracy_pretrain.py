@@ -11,8 +11,10 @@ attention through the ``sparsebalance`` op at gamma 1.0, i.e. dense). The loss i
 next-token loss over all tokens plus ``answer_weight`` times the mean over the answer tokens (the
 only tokens a retrieval task scores; they are ~1% of a 1K-token document).
 
-Every ``eval_every`` steps and at the end: teacher-forced exact match on held-out examples (eval
-split: keys and values never trained on) of every task at ``eval_lengths``. Writes ``--out``: a
+Every ``eval_every`` steps: teacher-forced exact match on ``eval_examples`` held-out *dev*
+examples (eval split: keys and values never trained on; ``dev_seed``) of every task at
+``eval_lengths``; at the end, on ``test_examples`` *test* examples (``test_seed``, the seed
+``benchmarks/accuracy.py`` evaluates with; never used to choose anything). Writes ``--out``: a
 Hugging Face directory (``config.json`` + safetensors), ``vocab_map.json`` (tokenizer id -> model
 id), ``curve.json`` (loss and exact match over steps) and ``recipe.json``.
 """
@@ -88,7 +90,13 @@ class PretrainConfig:
     eval_lengths: tuple[int, ...] = (1024, 2048)
     """Prompt lengths of the held-out evaluation."""
     eval_examples: int = 16
-    """Held-out examples per task and length."""
+    """Held-out dev examples per task and length at each curve point."""
+    dev_seed: int = 5000
+    """Seed of the curve's dev examples (eval split; disjoint from the test seed)."""
+    test_examples: int = 100
+    """Held-out test examples per task and length of the final evaluation (0: none)."""
+    test_seed: int = 1000
+    """Seed of the final test examples (the accuracy benchmark's evaluation seed)."""
     eval_every: int = 100
     """Evaluate every N steps (0: only at the end)."""
     max_minutes: float = 20.0
@@ -98,6 +106,8 @@ class PretrainConfig:
         unknown = [t for t in self.tasks if t not in TASKS]
         if unknown:
             raise ValueError(f"tasks: unknown {unknown}; choose from {list(TASKS)}")
+        if self.dev_seed == self.test_seed:
+            raise ValueError(f"dev_seed and test_seed must differ, both are {self.dev_seed}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("hidden_size % num_heads and num_heads % num_kv_heads must be 0")
         for stage in self.stages:
@@ -208,14 +218,19 @@ def step_loss(
     return nll[valid].mean() + answer_weight * answer_loss, float(answer_loss.detach())
 
 
-def evaluate(model, cfg: PretrainConfig, encode) -> dict[str, dict[str, float]]:
-    """Exact match per task and length on held-out examples (eval split, seed 1000)."""
+def evaluate(
+    model, cfg: PretrainConfig, encode, num: int | None = None, seed: int | None = None
+) -> dict[str, dict[str, float]]:
+    """Dense exact match per task and length on ``num`` held-out examples (eval split, ``seed``;
+    default: the dev examples of the curve)."""
+    num = cfg.eval_examples if num is None else num
+    seed = cfg.dev_seed if seed is None else seed
     runner = HFRunner(model, gamma=1.0, block_size=cfg.block_size, backend="torch")
     out: dict[str, dict[str, float]] = {}
     for task in cfg.tasks:
         out[task] = {}
         for n in cfg.eval_lengths:
-            exs = generate(task, cfg.eval_examples, n, encode, seed=1000, split="eval")
+            exs = generate(task, num, n, encode, seed=seed, split="eval")
             scores = score_examples(runner, exs, encode, pack_tokens=8192)
             out[task][str(n)] = sum(s.correct for s in scores) / len(scores)
     model.train()
@@ -288,8 +303,11 @@ def pretrain(cfg: PretrainConfig, out: Path, log=print) -> dict:
     if not curve["evals"] or curve["evals"][-1]["step"] != step:
         em = evaluate(model, cfg, encode)
         curve["evals"].append({"step": step, "seconds": train_s, "exact": em})
-        log(f"final eval {json.dumps(em)}")
+        log(f"final dev eval {json.dumps(em)}")
     curve.update(train_seconds=train_s, steps_done=step, stopped_early=stopped)
+    if cfg.test_examples:
+        curve["test"] = evaluate(model, cfg, encode, cfg.test_examples, cfg.test_seed)
+        log(f"test eval ({cfg.test_examples} per task and length) {json.dumps(curve['test'])}")
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     (out / "vocab_map.json").write_text(json.dumps({str(k): v for k, v in vocab_map.items()}))
