@@ -169,6 +169,15 @@ def dst_config(name: str, args) -> DSTConfig:
                      budget_tokens=tokens)  # fmt: skip
 
 
+def describe(name: str, args) -> str:
+    """One line: the variant's batching, budget and DST rule (for the report)."""
+    v, cfg = VARIANTS[name], dst_config(name, args)
+    if cfg.mode == "off":
+        budget = base_budget(name, args)
+        return f"{v['strategy']}; fixed {budget.kind} {budget.value:g}"
+    return f"{v['strategy']}; {cfg.describe()}"
+
+
 def base_budget(name: str, args) -> Budget:
     """The budget variant ``name`` starts from: its base K (or gamma0, or dense)."""
     v = VARIANTS[name]
@@ -339,14 +348,14 @@ def main(argv=None) -> int:
                 print(f"[{len(records)}/{total} {time.perf_counter() - start:5.0f}s] {name:18s} "
                       f"s{seed}: density {tr['density']:.3f}, pred step "
                       f"{tr['predicted_step_s']:.4f}s, roles {tr['roles']}, k "
-                      f"[{tr['budget_min']:.0f}, {tr['budget_max']:.0f}], ckpt "
+                      f"[{tr['budget_min']:.3g}, {tr['budget_max']:.3g}], ckpt "
                       f"{rec['chosen_step']} | EM dense {ev['dense']['mean_em']:.3f} base "
                       f"{ev['base']['mean_em']:.3f} final {ev['final']['mean_em']:.3f}",
                       flush=True)  # fmt: skip
     wall = time.perf_counter() - start
     payload = {
         "args": vars(args), "variants": {n: VARIANTS[n] for n in args.variants},
-        "dst": {n: dst_config(n, args).describe() for n in args.variants},
+        "dst": {n: describe(n, args) for n in args.variants},
         "task_counts": task_counts, "pretrained": base, "records": records, "wall_s": wall,
         "latency_profiles": sorted({r["latency_profile"] for r in records}),
     }  # fmt: skip
