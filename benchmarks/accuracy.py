@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help=f"comma-separated subset of {list(VARIANTS)} (default: all but dense)",
     )
-    p.add_argument("--k-base", type=int, default=4, help="base top-k K (blocks); even, >= 2")
+    p.add_argument("--k-base", type=int, default=8, help="base top-k K (blocks); even, >= 2")
     p.add_argument("--ranks", type=int, default=4, help="emulated data-parallel ranks")
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--capacity", type=int, default=4096)
