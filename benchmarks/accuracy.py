@@ -1,30 +1,36 @@
-"""Accuracy under sparsity (issue 18): continue a model that retrieves densely, seven ways.
+"""Accuracy under the paper's method (issue 29): continue a model that retrieves densely under
+top-k budgets, seven ways, and compare paired by seed.
 
     PYTHONPATH=src OMP_NUM_THREADS=1 .venv/bin/python benchmarks/accuracy.py \\
-        --pretrained runs/retrieval-dense                 # full grid, writes benchmarks/results/
-    PYTHONPATH=src .venv/bin/python benchmarks/accuracy.py --quick   # smoke run (~2 min), no file
+        --pretrained runs/retrieval-dense-2k          # full grid, writes benchmarks/results/
+    PYTHONPATH=src .venv/bin/python benchmarks/accuracy.py --quick   # smoke run, no file
 
-Step 1 (``benchmarks/accuracy_pretrain.py``, recipe ``benchmarks/configs/accuracy-pretrain.toml``)
-trains a small model that solves passkey, single-needle NIAH and MQAR with dense attention; without
-``--pretrained`` this script runs it first (``--quick``: a few steps of a tiny recipe, so the model
-does not retrieve; the quick mode only checks that the pipeline runs).
+Step 1 (``benchmarks/accuracy_pretrain.py``, recipe ``benchmarks/configs/accuracy-pretrain-2k
+.toml``) trains a model that solves passkey, single-needle NIAH and MQAR at 1K and 2K with dense
+attention; without ``--pretrained`` this script runs it first (``--quick``: a few steps of a tiny
+recipe, which does not retrieve: the quick mode only checks that the pipeline runs).
 
-Step 2: every variant continues from that checkpoint with the real trainer (``Trainer``: SAB
-planner over ``--ranks`` emulated data-parallel ranks in one process, DST tuner, the
-``sparsebalance`` attention op) on the same heavy-tailed mix of the three tasks (train split,
-lengths log-normal in ``[--min-len, --max-len]``), same documents, same order, same steps for a
-given seed (the seed also sets the data order). ``deterministic=True``: DST decides from the
-latency model's predictions, not from this loaded machine's clock, so the budgets are reproducible.
+Step 2: every variant (:func:`variants`) continues from that checkpoint with the real trainer
+(``Trainer``: planner over ``--ranks`` emulated data-parallel ranks in one process, DST, the
+``sparsebalance`` top-k attention) on the same heavy-tailed mix of the three tasks (train split,
+lengths log-normal in ``[--min-len, --max-len]``); a seed fixes the documents' order, identical
+for every variant. ``deterministic=True``: DST decides from the latency model's predictions, not
+from this machine's clock, so budgets (and results) do not depend on the load. The trainer reads
+the documents through the *pretraining* vocabulary map (its own compact map, built from the
+train split, has no ids for eval-split keys: issue 18's continuation evaluated MQAR with its keys
+unknown). Checkpoints every ``--steps / --candidates`` steps; the one with the best mean exact
+match on the dev examples (at the variant's own base budget) is evaluated on the test examples.
 
-Step 3: each continued model is evaluated with dense attention and with its own budget (gamma0 for
-the fixed and DST variants, 1.0 for dense): exact match and per-token answer accuracy by length and
-needle depth (held-out eval split), perplexity of held-out task text, attention recall per layer.
-:mod:`accuracy_report` turns the records into tables, paired-by-seed tests and heatmaps.
+Step 3 (:mod:`accuracy_eval`): each chosen model dense, at its base budget and (DST top-k
+variants) at the final per-length-bin k its run ended with; :mod:`accuracy_report` writes
+tables, paired-by-seed statistics (:mod:`accuracy_stats`) and plots.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import hashlib
 import json
 import sys
 import tempfile
@@ -36,59 +42,59 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from accuracy_eval import (
+    DENSE,
+    DEV_SEED,
+    TASKS,
+    BinBudget,
+    analytic_density,
+    evaluate,
+    scores,
+)
 from accuracy_pretrain import load_config, pretrain
-from accuracy_report import VARIANT_NOTES, write_report
+from accuracy_report import write_report
 from sparsebalance.data import load_tokenizer
-from sparsebalance.data.tokenizer import make_codec
-from sparsebalance.evaluation import HFRunner, evaluate_task, perplexity, summarize
-from sparsebalance.evaluation.recall import layer_recall
-from sparsebalance.tasks import generate, sample_lengths
+from sparsebalance.data.dataset import apply_vocabulary
+from sparsebalance.ops import Budget
+from sparsebalance.tasks import sample_lengths
 from sparsebalance.tasks.generate import TASKS as BUILDERS
 from sparsebalance.train import TrainConfig, Trainer
 from sparsebalance.train.runtime import Runtime
 from sparsebalance.train.weights import load_trained_model
 from sparsebalance.tuning import DSTConfig
 
-TASKS = ("passkey", "niah1", "mqar")
-DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-
-
-def variants(gamma_low: float) -> dict[str, dict]:
-    """Variant name -> batching strategy, DST mode, anchor and gamma0 (see VARIANT_NOTES)."""
-    return {
-        "dense": {"strategy": "sab", "mode": "off", "anchor": "mean", "gamma0": 1.0},
-        "fixed-0.9": {"strategy": "tokens", "mode": "off", "anchor": "mean", "gamma0": 0.9},
-        f"fixed-{gamma_low}": {
-            "strategy": "tokens",
-            "mode": "off",
-            "anchor": "mean",
-            "gamma0": gamma_low,
-        },
-        "sab": {"strategy": "sab", "mode": "off", "anchor": "mean", "gamma0": 0.9},
-        "dst-bidir-mean": {
-            "strategy": "sab",
-            "mode": "bidirectional",
-            "anchor": "mean",
-            "gamma0": 0.9,
-        },
-        "dst-down-mean": {"strategy": "sab", "mode": "down", "anchor": "mean", "gamma0": 0.9},
-        "dst-bidir-min": {
-            "strategy": "sab",
-            "mode": "bidirectional",
-            "anchor": "min",
-            "gamma0": 0.9,
-        },
-    }
+# name -> batching strategy, budget kind, k as a multiple of --k-base, DST mode, anchor, p
+VARIANTS: dict[str, dict] = {
+    "fixed-K": dict(strategy="tokens", budget="top-k", k=1.0, mode="off"),
+    "fixed-K/2": dict(strategy="tokens", budget="top-k", k=0.5, mode="off"),
+    "dst-mean-p0.1": dict(strategy="tokens", budget="top-k", k=1.0, mode="bidirectional",
+                          anchor="mean", p=0.1),
+    "dst-mean-p0.2": dict(strategy="tokens", budget="top-k", k=1.0, mode="bidirectional",
+                          anchor="mean", p=0.2),
+    "dst-min-p0.1": dict(strategy="tokens", budget="top-k", k=1.0, mode="bidirectional",
+                         anchor="min", p=0.1),
+    "sab-dst-mean-p0.1": dict(strategy="sab", budget="top-k", k=1.0, mode="bidirectional",
+                              anchor="mean", p=0.1),
+    "gamma-rule": dict(strategy="sab", budget="gamma", mode="bidirectional", anchor="mean"),
+    "dense": dict(strategy="tokens", budget="dense", mode="off"),
+}  # fmt: skip
+DEFAULT_VARIANTS = [v for v in VARIANTS if v != "dense"]
+GAMMA0 = 0.9
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pretrained", default=None, help="step 1's output folder (else trained now)")
-    p.add_argument("--pretrain-config", default="benchmarks/configs/accuracy-pretrain.toml")
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per variant (>= 3)")
-    p.add_argument("--steps", type=int, default=20, help="continuation steps")
-    p.add_argument("--variants", default=None, help="comma-separated subset (default: all)")
-    p.add_argument("--gamma-low", type=float, default=0.5, help="the lower fixed gamma")
+    p.add_argument("--pretrain-config", default="benchmarks/configs/accuracy-pretrain-2k.toml")
+    p.add_argument("--seeds", type=int, default=5, help="training seeds 0..N-1 per variant")
+    p.add_argument("--steps", type=int, default=40, help="continuation steps")
+    p.add_argument("--candidates", type=int, default=4, help="checkpoints compared on dev")
+    p.add_argument(
+        "--variants",
+        default=None,
+        help=f"comma-separated subset of {list(VARIANTS)} (default: all but dense)",
+    )
+    p.add_argument("--k-base", type=int, default=8, help="base top-k K (blocks); even, >= 2")
     p.add_argument("--ranks", type=int, default=4, help="emulated data-parallel ranks")
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--capacity", type=int, default=4096)
@@ -96,199 +102,213 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--min-len", type=int, default=256)
     p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--warmup-steps", type=int, default=2)
-    p.add_argument("--gamma-min", type=float, default=0.5)
-    p.add_argument("--gamma-max", type=float, default=0.99)
-    p.add_argument("--tolerance", type=float, default=0.1, help="DST p")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup-steps", type=int, default=4)
     p.add_argument("--eval-lengths", default="1024,2048")
-    p.add_argument("--eval-examples", type=int, default=2, help="per task, length and depth")
-    p.add_argument("--recall-docs", type=int, default=2, help="documents per task for recall")
-    p.add_argument("--ppl-docs", type=int, default=6, help="held-out documents for perplexity")
+    p.add_argument(
+        "--eval-examples",
+        type=int,
+        default=100,
+        help="test examples per task and length (split evenly over 5 depths)",
+    )
+    p.add_argument("--dev-examples", type=int, default=25, help="dev examples per task, length")
+    p.add_argument("--recall-docs", type=int, default=2, help="documents per task and length")
+    p.add_argument("--ppl-docs", type=int, default=4, help="held-out documents for perplexity")
+    p.add_argument("--sweep", default="1,2,4,8,16", help="k values of the dev sweep (blocks)")
     p.add_argument(
         "--quick",
         action="store_true",
-        help="tiny pretrain, 1 seed, 2 steps; writes a report only with --out",
+        help="tiny pretrain, 2 seeds, 2 steps, few examples; no file without --out",
     )
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
-    p.add_argument("--name", default="accuracy", help="results file: <date>-<name>-cpu.md/.json")
-    args = p.parse_args(argv)
+    p.add_argument("--name", default="accuracy-topk", help="results: <date>-<name>-cpu.md/.json")
+    args = p.parse_args(argv)  # fmt: skip
     if args.out is None and not args.quick:
         args.out = "benchmarks/results"
     if args.quick:
-        args.name = args.name + "-quick"
-        args.seeds, args.steps, args.eval_examples, args.recall_docs = 1, 2, 1, 1
-        args.ppl_docs, args.num_docs, args.max_len, args.min_len = 2, 32, 512, 128
-        args.eval_lengths, args.capacity = "512", 2048
-    if args.seeds < 1 or args.steps < 1:
-        raise ValueError(f"--seeds and --steps must be >= 1, got {args.seeds}, {args.steps}")
-    if not 0.0 < args.gamma_low < 0.9:
-        raise ValueError(f"--gamma-low must be in (0, 0.9), got {args.gamma_low}")
-    table = variants(args.gamma_low)
-    args.variants = list(table) if args.variants is None else args.variants.split(",")
-    unknown = set(args.variants) - set(table)
+        args.name += "-quick"
+        args.seeds, args.steps, args.candidates = 2, 2, 2
+        args.eval_examples, args.dev_examples, args.recall_docs, args.ppl_docs = 5, 5, 1, 1
+        args.num_docs, args.min_len, args.max_len, args.capacity = 32, 128, 512, 2048
+        args.eval_lengths, args.sweep, args.k_base = "512", "1,2", 2
+    if args.seeds < 1 or args.steps < 1 or not 1 <= args.candidates <= args.steps:
+        raise ValueError("--seeds, --steps >= 1 and 1 <= --candidates <= --steps required")
+    if args.k_base < 2 or args.k_base % 2:
+        raise ValueError(f"--k-base must be even and >= 2 (K/2 is a variant), got {args.k_base}")
+    names = DEFAULT_VARIANTS if args.variants is None else args.variants.split(",")
+    unknown = set(names) - set(VARIANTS)
     if unknown:
-        raise ValueError(f"--variants: unknown {sorted(unknown)}; choose from {list(table)}")
-    args.table = table
+        raise ValueError(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
+    args.variants = names
     args.eval_lengths = [int(x) for x in args.eval_lengths.split(",")]
+    args.sweep = [int(x) for x in args.sweep.split(",")]
     return args
+
+
+def dst_config(name: str, args) -> DSTConfig:
+    """The DST settings of variant ``name`` (:data:`VARIANTS`)."""
+    v = VARIANTS[name]
+    if v["budget"] == "dense":
+        return DSTConfig(mode="off", budget="gamma", gamma0=1.0)
+    if v["budget"] == "gamma":  # today's gamma rule, exactly (time band, raise to the step)
+        return DSTConfig(
+            mode="bidirectional",
+            anchor="mean",
+            budget="gamma",
+            gamma0=GAMMA0,
+            gamma_min=0.5,
+            gamma_max=0.99,
+            tolerance=0.1,
+            raise_to="step",
+            p=1.0,
+        )
+    tokens = int(v["k"] * args.k_base) * args.block_size
+    if v["mode"] == "off":
+        return DSTConfig(mode="off", budget="top-k", budget_tokens=tokens)
+    return DSTConfig(mode=v["mode"], anchor=v["anchor"], p=v["p"], budget="top-k",
+                     budget_tokens=tokens)  # fmt: skip
+
+
+def describe(name: str, args) -> str:
+    """One line: the variant's batching, budget and DST rule (for the report)."""
+    v, cfg = VARIANTS[name], dst_config(name, args)
+    if cfg.mode == "off":
+        budget = base_budget(name, args)
+        return f"{v['strategy']}; fixed {budget.kind} {budget.value:g}"
+    return f"{v['strategy']}; {cfg.describe()}"
+
+
+def base_budget(name: str, args) -> Budget:
+    """The budget variant ``name`` starts from: its base K (or gamma0, or dense)."""
+    v = VARIANTS[name]
+    if v["budget"] == "dense":
+        return DENSE
+    if v["budget"] == "gamma":
+        return Budget(gamma=GAMMA0)
+    return Budget(top_k=int(v["k"] * args.k_base))
 
 
 def write_data(path: Path, args, encode) -> dict[str, int]:
     """The continuation mix as jsonl (train split, heavy-tailed lengths); task counts."""
-    rng = np.random.default_rng([18, args.num_docs])
+    rng = np.random.default_rng([29, args.num_docs])
     lengths = sample_lengths(args.num_docs, rng, args.min_len, args.max_len)
     counts: dict[str, int] = {}
     with path.open("w") as f:
         for i, n in enumerate(lengths):
             task = TASKS[int(rng.integers(len(TASKS)))]
             ex = BUILDERS[task](
-                np.random.default_rng([18, i]), int(n), encode, "train", float(rng.uniform())
+                np.random.default_rng([29, i]), int(n), encode, "train", float(rng.uniform())
             )
             f.write(json.dumps({"text": ex.text}) + "\n")
             counts[task] = counts.get(task, 0) + 1
     return counts
 
 
-def remap_embeddings(model, old_map: dict[int, int], new_map: dict[int, int]) -> int:
-    """Move embedding rows from the pretraining vocabulary map to the trainer's (tokenizer id ->
-    model id both); returns how many tokenizer ids the trainer's map has that pretraining lacked
-    (their rows keep the trainer's initialisation)."""
-    emb = model.get_input_embeddings().weight
-    missing = 0
-    with torch.no_grad():
-        old = emb.detach().clone()
-        for tok, new_id in new_map.items():
-            if tok in old_map:
-                emb[new_id] = old[old_map[tok]]
-            else:
-                missing += 1
-        emb[0] = old[0]
-    return missing
+def train_metrics(results, base: float) -> dict:
+    """What the continuation did, over steps and (emulated) ranks: DST roles, budget range,
+    realized density, predicted step time (slowest rank, latency model) before and after DST."""
+    sums = [r.summary for r in results]
+    recs = [rec for r in results for rec in r.records]
+    roles = {"cut": 0, "raised": 0, "kept": 0}
+    for rec in recs:
+        roles[rec.dst_role] = roles.get(rec.dst_role, 0) + 1
+    pred_eff = [np.mean([x.predicted_s for x in r.records]) / max(x.predicted_s for x in
+                r.records) for r in results]  # fmt: skip
+    return {
+        "density": float(np.mean([s.mean_density for s in sums])),
+        "predicted_step_s": float(np.mean([s.predicted_max_s for s in sums])),
+        "predicted_step_before_s": float(np.mean([s.predicted_max_before_s for s in sums])),
+        "predicted_efficiency": float(np.mean(pred_eff)),
+        "roles": roles,
+        "budget_min": float(min(rec.budget_min for rec in recs)),
+        "budget_mean": float(np.mean([rec.budget_mean for rec in recs])),
+        "budget_max": float(max(rec.budget_max for rec in recs)),
+        "units_cut": float(np.mean([rec.budget_min < base - 1e-9 for rec in recs])),
+        "units_raised": float(np.mean([rec.budget_max > base + 1e-9 for rec in recs])),
+        "coverage_limited": int(sum(s.coverage_limited for s in sums)),
+        "overhead_s": float(np.mean([s.overhead_s for s in sums])),
+        "losses": [s.loss for s in sums],
+    }
 
 
-def continue_training(args, name: str, seed: int, data: Path, pretrained: Path, work: Path):
-    v = args.table[name]
-    if v["mode"] == "off":  # fixed budget (gamma0 = 1 is dense); bounds unused
-        dst = DSTConfig(mode="off", gamma0=v["gamma0"])
-    else:
-        dst = DSTConfig(
-            mode=v["mode"],
-            anchor=v["anchor"],
-            p=args.tolerance,
-            gamma0=v["gamma0"],
-            gamma_min=args.gamma_min,
-            gamma_max=args.gamma_max,
-        )
+def continue_training(args, name, seed, data, pretrained, vocab_map, work, tokenizer) -> dict:
+    """Train variant ``name`` with ``seed``; choose a checkpoint on dev; evaluate it on test."""
     cfg = TrainConfig(
-        model=str(pretrained),
-        data=str(data),
-        min_len=1,
-        steps=args.steps,
-        global_batch=args.global_batch,
-        capacity=args.capacity,
-        strategy=v["strategy"],
-        block_size=args.block_size,
-        backend="torch",
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        schedule="cosine",
-        seed=seed,
-        deterministic=True,
-        emulate_ranks=args.ranks,
-        device="cpu",
-        out=str(work / f"{name}-s{seed}"),
-        dst=dst,
-        overwrite=True,
-    )
-    trainer = Trainer(cfg, Runtime(0, 1, torch.device("cpu")))
-    old_map = json.loads((pretrained / "vocab_map.json").read_text())
-    missing = remap_embeddings(
-        trainer.model, {int(k): v for k, v in old_map.items()}, trainer.corpus.vocab_map
-    )
-    res = trainer.run()
-    return trainer.model, trainer.corpus.vocab_map, res, missing
-
-
-def evaluate(model, vocab_map, tokenizer, gamma: float, args) -> dict:
-    """Exact match / token accuracy by task, length and depth; perplexity; recall per layer."""
-    vocab = model.get_input_embeddings().num_embeddings
-    encode, _, eos = make_codec(tokenizer, vocab_map, vocab)
-    runner = HFRunner(model, gamma=gamma, block_size=args.block_size, backend="torch")
-    scores = []
-    for task in TASKS:  # fixed eval seed: every model sees the same held-out examples
-        scores += evaluate_task(
-            runner,
-            task,
-            args.eval_lengths,
-            encode,
-            args.eval_examples,
-            DEPTHS,
-            seed=1000,
-            pack_tokens=8192,
-        )
-    summary = summarize(scores, num_depth_bins=None)
-    n = max(args.eval_lengths)
-    held = [ex.text for t in TASKS for ex in generate(t, args.ppl_docs, n, encode, 2000, "eval")]
-    ppl = perplexity(runner, held, encode, [n], eos, len(held), 8192)[str(n)]["ppl"]
-    density = float(np.mean(runner.densities))
-    docs = [
-        encode(ex.text)
-        for t in TASKS
-        for ex in generate(t, args.recall_docs, n, encode, 3000, "eval")
-    ]
-    recall = layer_recall(model, docs, gamma, args.block_size)
-    model.train()
-    out = {
-        "gamma": gamma,
-        "ppl": ppl,
-        "eval_density": density,
-        "recall": {str(k): v for k, v in recall.items()},
-    }
-    for task, s in summary.items():
-        out[task] = {
-            "exact": s["accuracy"],
-            "token_acc": s["token_accuracy"],
-            "by_length": {k: x["accuracy"] for k, x in s["by_length"].items()},
-            "by_depth": {k: x["accuracy"] for k, x in s["by_depth"].items()},
-            "grid": s["grid"],
-        }
-    return out
-
-
-def run_one(args, name, seed, data, pretrained, work, tokenizer) -> dict:
+        model=str(pretrained), data=str(data), min_len=1, steps=args.steps,
+        global_batch=args.global_batch, capacity=args.capacity,
+        strategy=VARIANTS[name]["strategy"], block_size=args.block_size, backend="torch",
+        lr=args.lr, warmup_steps=args.warmup_steps, schedule="cosine", seed=seed,
+        deterministic=True, emulate_ranks=args.ranks, device="cpu",
+        out=str(work / "run"), dst=dst_config(name, args), overwrite=True,
+    )  # fmt: skip
     t0 = time.perf_counter()
-    model, vmap, res, missing = continue_training(args, name, seed, data, pretrained, work)
+    trainer = Trainer(cfg, Runtime(0, 1, torch.device("cpu")))
+    apply_vocabulary(trainer.corpus, vocab_map)  # the checkpoint's ids, eval-split keys included
+    every = args.steps / args.candidates
+    candidates = sorted({round(every * (i + 1)) for i in range(args.candidates)})
+    results, snapshots = [], {}
+    for step in range(1, args.steps + 1):
+        results.append(trainer.run_step())
+        if step in candidates:
+            bins = getattr(trainer.estimator, "bins", None)
+            snapshots[step] = (
+                copy.deepcopy(trainer.model.state_dict()),
+                None if bins is None else {str(b): k for b, k in bins.items()},
+            )
     train_s = time.perf_counter() - t0
-    sums = res["summaries"]
-    gamma0 = args.table[name]["gamma0"]
+    profile = json.dumps(trainer.latency.profile.to_json(), sort_keys=True).encode()
+    model, own = trainer.model, base_budget(name, args)
+    dev = {}
+    for step, (state, _) in snapshots.items():
+        model.load_state_dict(state)
+        dev[step] = scores(model, vocab_map, tokenizer, own, args.eval_lengths,
+                           args.dev_examples, DEV_SEED, args.block_size)["mean_em"]  # fmt: skip
+    chosen = max(dev, key=lambda s: (dev[s], s))  # ties: the later checkpoint
+    state, bins = snapshots[chosen]
+    model.load_state_dict(state)
+    tuner_base = float(trainer.tuner.knob.base)
     record = {
-        "variant": name,
-        "seed": seed,
-        "train_wall_s": train_s,
-        "unmapped_ids": missing,
-        "train_density": float(np.mean([s["mean_density"] for s in sums])),
-        "predicted_step_s": float(np.mean([s["predicted_max_s"] for s in sums])),
-        "step_s": float(np.mean([s["step_seconds"] for s in sums])),
-        "efficiency": float(np.mean([s["efficiency"] for s in sums])),
-        "final_loss": float(np.mean(res["losses"][-5:])),
-        "losses": res["losses"],
-        "eval": {"dense": evaluate(model, vmap, tokenizer, 1.0, args)},
-    }
-    if gamma0 < 1.0:
-        record["eval"]["own"] = evaluate(model, vmap, tokenizer, gamma0, args)
+        "variant": name, "seed": seed, "train_wall_s": train_s, "chosen_step": chosen,
+        "dev_mean_em": {str(s): v for s, v in dev.items()}, "final_bins": bins,
+        "unknown_tokens": int(trainer.corpus.meta.get("unknown_tokens", 0)),
+        "latency_profile": hashlib.sha256(profile).hexdigest()[:16],
+        "train": train_metrics(results, tuner_base), "eval": {},
+    }  # fmt: skip
+    lengths = args.eval_lengths
+    record["eval"]["dense"] = evaluate(model, vocab_map, tokenizer, DENSE, lengths,
+                                       args.eval_examples, args)  # fmt: skip
+    if own.is_dense:
+        record["eval"]["base"] = record["eval"]["dense"]
     else:
-        record["eval"]["own"] = record["eval"]["dense"]
+        record["eval"]["base"] = evaluate(model, vocab_map, tokenizer, own, lengths,
+                                          args.eval_examples, args)  # fmt: skip
+    if bins is not None and VARIANTS[name]["mode"] != "off":
+        spec = BinBudget(bins, own.top_k)
+        record["eval"]["final"] = evaluate(model, vocab_map, tokenizer, spec, lengths,
+                                           args.eval_examples, args)  # fmt: skip
+        record["eval"]["final"]["analytic_density"] = analytic_density(
+            spec, lengths, args.block_size)  # fmt: skip
+    else:  # a fixed budget ends where it started
+        record["eval"]["final"] = record["eval"]["base"]
     return record
 
 
 def baseline(pretrained: Path, tokenizer, args) -> dict:
-    """The pretrained checkpoint itself, dense and at each fixed gamma (where selection misses)."""
+    """The pretrained checkpoint: test evaluation dense, at K, K/2 and gamma0; the dev sweep of
+    k (what K was chosen from: dev examples only)."""
     model, vmap = load_trained_model(str(pretrained), vocab_map=str(pretrained / "vocab_map.json"))
-    out = {}
-    for gamma in sorted({1.0, 0.9, args.gamma_low, 0.3}, reverse=True):
-        out[str(gamma)] = evaluate(model, vmap, tokenizer, gamma, args)
-    return out
+    k = args.k_base
+    specs = {"dense": DENSE, f"top-k {k}": Budget(top_k=k), f"top-k {k // 2}": Budget(top_k=k // 2),
+             f"gamma {GAMMA0}": Budget(gamma=GAMMA0)}  # fmt: skip
+    test = {n: evaluate(model, vmap, tokenizer, s, args.eval_lengths, args.eval_examples, args)
+            for n, s in specs.items()}  # fmt: skip
+    sweep = {}
+    for kk in args.sweep:
+        ev = scores(model, vmap, tokenizer, Budget(top_k=kk), args.eval_lengths,
+                    args.dev_examples, DEV_SEED, args.block_size)  # fmt: skip
+        sweep[str(kk)] = {"mean_em": ev["mean_em"], "density": ev["eval_density"],
+                          **{t: ev[t]["by_length"] for t in TASKS}}  # fmt: skip
+    return {"test": test, "dev_sweep": sweep}
 
 
 def main(argv=None) -> int:
@@ -300,55 +320,45 @@ def main(argv=None) -> int:
         work = Path(tmp)
         pretrained = Path(args.pretrained) if args.pretrained else work / "pretrained"
         if not args.pretrained:
-            over = (
-                {
-                    "stages": ((128, 256, 4),),
-                    "eval_lengths": (256,),
-                    "eval_examples": 1,
-                    "eval_every": 0,
-                }
-                if args.quick
-                else {}
-            )
+            over = {"stages": ((128, 256, 4),), "eval_lengths": (256,), "eval_examples": 1,
+                    "eval_every": 0, "test_examples": 0} if args.quick else {}  # fmt: skip
             cfg = load_config(args.pretrain_config, over)
             print(f"pretraining {args.pretrain_config} -> {pretrained}", flush=True)
             pretrain(cfg, pretrained)
         elif not (pretrained / "vocab_map.json").is_file():
             raise ValueError(f"--pretrained {pretrained}: no vocab_map.json (not step 1's output)")
+        vmap = {
+            int(a): b for a, b in json.loads((pretrained / "vocab_map.json").read_text()).items()
+        }
         data = work / "continuation.jsonl"
         task_counts = write_data(data, args, tokenizer.encode)
         base = baseline(pretrained, tokenizer, args)
-        print(
-            "pretrained checkpoint:",
-            json.dumps({g: {t: e[t]["exact"] for t in TASKS} for g, e in base.items()}),
-            flush=True,
-        )
-        records = []
-        total = args.seeds * len(args.variants)
+        print("pretrained checkpoint (test EM):",
+              json.dumps({n: round(e["mean_em"], 3) for n, e in base["test"].items()}),
+              "| dev sweep of k:",
+              json.dumps({k: round(e["mean_em"], 3) for k, e in base["dev_sweep"].items()}),
+              flush=True)  # fmt: skip
+        records, total = [], args.seeds * len(args.variants)
         for seed in range(args.seeds):  # seeds outer: load drift hits every variant alike
             for name in args.variants:
-                rec = run_one(args, name, seed, data, pretrained, work, tokenizer)
+                rec = continue_training(args, name, seed, data, pretrained, vmap,
+                                        work / name.replace("/", "_"), tokenizer)  # fmt: skip
                 records.append(rec)
-                d, o = rec["eval"]["dense"], rec["eval"]["own"]
-                print(
-                    f"[{len(records)}/{total} {time.perf_counter() - start:5.0f}s] {name:15s} "
-                    f"s{seed}: density {rec['train_density']:.3f}, pred step "
-                    f"{rec['predicted_step_s']:.3f}s, loss {rec['final_loss']:.3f} | EM dense "
-                    + " ".join(f"{t} {d[t]['exact']:.2f}" for t in TASKS)
-                    + " | own "
-                    + " ".join(f"{t} {o[t]['exact']:.2f}" for t in TASKS),
-                    flush=True,
-                )
+                tr, ev = rec["train"], rec["eval"]
+                print(f"[{len(records)}/{total} {time.perf_counter() - start:5.0f}s] {name:18s} "
+                      f"s{seed}: density {tr['density']:.3f}, pred step "
+                      f"{tr['predicted_step_s']:.4f}s, roles {tr['roles']}, k "
+                      f"[{tr['budget_min']:.3g}, {tr['budget_max']:.3g}], ckpt "
+                      f"{rec['chosen_step']} | EM dense {ev['dense']['mean_em']:.3f} base "
+                      f"{ev['base']['mean_em']:.3f} final {ev['final']['mean_em']:.3f}",
+                      flush=True)  # fmt: skip
     wall = time.perf_counter() - start
     payload = {
-        "args": {k: v for k, v in vars(args).items() if k != "table"},
-        "variants": args.table,
-        "notes": VARIANT_NOTES,
-        "task_counts": task_counts,
-        "pretrained": base,
-        "records": records,
-        "wall_s": wall,
-    }
+        "args": vars(args), "variants": {n: VARIANTS[n] for n in args.variants},
+        "dst": {n: describe(n, args) for n in args.variants},
+        "task_counts": task_counts, "pretrained": base, "records": records, "wall_s": wall,
+        "latency_profiles": sorted({r["latency_profile"] for r in records}),
+    }  # fmt: skip
     print(f"done in {wall:.0f} s ({len(records)} runs)")
     if args.out is None:
         return 0

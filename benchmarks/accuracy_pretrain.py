@@ -1,7 +1,8 @@
-"""Train a small model that solves retrieval with dense attention (issue 18, step 1).
+"""Train a small model that solves retrieval with dense attention (issues 18 and 29, step 1).
 
-    PYTHONPATH=src OMP_NUM_THREADS=1 .venv/bin/python benchmarks/accuracy_pretrain.py \\
-        --config benchmarks/configs/accuracy-pretrain.toml --out runs/retrieval-dense
+    PYTHONPATH=src OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/accuracy_pretrain.py \\
+        --config benchmarks/configs/accuracy-pretrain-2k.toml --out runs/retrieval-dense-2k \\
+        --results benchmarks/results
 
 The recipe (model shape, task mix, short-to-long curriculum, learning rate) lives in the TOML file
 (fields of :class:`PretrainConfig`). Training documents are generated on the fly from the
@@ -11,8 +12,10 @@ attention through the ``sparsebalance`` op at gamma 1.0, i.e. dense). The loss i
 next-token loss over all tokens plus ``answer_weight`` times the mean over the answer tokens (the
 only tokens a retrieval task scores; they are ~1% of a 1K-token document).
 
-Every ``eval_every`` steps and at the end: teacher-forced exact match on held-out examples (eval
-split: keys and values never trained on) of every task at ``eval_lengths``. Writes ``--out``: a
+Every ``eval_every`` steps: teacher-forced exact match on ``eval_examples`` held-out *dev*
+examples (eval split: keys and values never trained on; ``dev_seed``) of every task at
+``eval_lengths``; at the end, on ``test_examples`` *test* examples (``test_seed``, the seed
+``benchmarks/accuracy.py`` evaluates with; never used to choose anything). Writes ``--out``: a
 Hugging Face directory (``config.json`` + safetensors), ``vocab_map.json`` (tokenizer id -> model
 id), ``curve.json`` (loss and exact match over steps) and ``recipe.json``.
 """
@@ -63,8 +66,15 @@ class PretrainConfig:
         (512, 1024, 200),
         (1024, 2048, 100),
     )
-    """Curriculum: ``(min_len, max_len, steps[, copy_fraction])`` per stage; lengths drawn
-    uniformly in range; the optional fourth value overrides ``copy_fraction`` in that stage."""
+    """Curriculum: ``(min_len, max_len, steps[, copy_fraction[, sparse_fraction]])`` per stage;
+    lengths drawn uniformly in range; the optional fourth value overrides ``copy_fraction`` in
+    that stage, the fifth is the share of its steps run with top-k attention (``sparse_top_k``;
+    default 0: every step dense)."""
+    task_weights: tuple[float, ...] = ()
+    """Sampling weight of each of ``tasks`` in the training mix (default: uniform)."""
+    sparse_top_k: tuple[int, ...] = (2, 4, 8, 16)
+    """A sparse step (see ``stages``) runs top-k attention with k drawn uniformly from these
+    (blocks): the model learns to retrieve through the gate at any budget DST may give it."""
     tokens_per_step: int = 4096
     """Tokens packed into one step's sequence (at least one document)."""
     lr: float = 3e-3
@@ -88,7 +98,13 @@ class PretrainConfig:
     eval_lengths: tuple[int, ...] = (1024, 2048)
     """Prompt lengths of the held-out evaluation."""
     eval_examples: int = 16
-    """Held-out examples per task and length."""
+    """Held-out dev examples per task and length at each curve point."""
+    dev_seed: int = 5000
+    """Seed of the curve's dev examples (eval split; disjoint from the test seed)."""
+    test_examples: int = 100
+    """Held-out test examples per task and length of the final evaluation (0: none)."""
+    test_seed: int = 1000
+    """Seed of the final test examples (the accuracy benchmark's evaluation seed)."""
     eval_every: int = 100
     """Evaluate every N steps (0: only at the end)."""
     max_minutes: float = 20.0
@@ -98,11 +114,19 @@ class PretrainConfig:
         unknown = [t for t in self.tasks if t not in TASKS]
         if unknown:
             raise ValueError(f"tasks: unknown {unknown}; choose from {list(TASKS)}")
+        if self.dev_seed == self.test_seed:
+            raise ValueError(f"dev_seed and test_seed must differ, both are {self.dev_seed}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("hidden_size % num_heads and num_heads % num_kv_heads must be 0")
+        if self.task_weights and (
+            len(self.task_weights) != len(self.tasks) or min(self.task_weights) < 0
+        ):
+            raise ValueError("task_weights: one weight >= 0 per task")
+        if not self.sparse_top_k or min(self.sparse_top_k) < 0:
+            raise ValueError(f"sparse_top_k: need k values >= 0, got {self.sparse_top_k}")
         for stage in self.stages:
             lo, hi, steps = stage[:3]
-            if len(stage) not in (3, 4) or not 0 < lo <= hi or steps < 1:
+            if len(stage) not in (3, 4, 5) or not 0 < lo <= hi or steps < 1:
                 raise ValueError(f"stages: need 0 < min_len <= max_len, steps >= 1; got {lo, hi}")
 
     @property
@@ -153,6 +177,8 @@ class Batcher:
         self.cfg, self.encode, self.num_ids = cfg, encode, num_ids
         self.rng = np.random.default_rng(cfg.seed)
         self.index = 0
+        w = np.asarray(cfg.task_weights or [1.0] * len(cfg.tasks), dtype=np.float64)
+        self.weights = w / w.sum()
 
     def next(self, lo: int, hi: int, copy_fraction: float) -> tuple[list[list[int]], list[int]]:
         """``(docs, answer_lengths)``: token ids of each document and its answer's length."""
@@ -169,7 +195,11 @@ class Batcher:
                 answers.append(0)
                 total += n
                 continue
-            task = self.cfg.tasks[int(self.rng.integers(len(self.cfg.tasks)))]
+            if self.cfg.task_weights:
+                i = int(self.rng.choice(len(self.cfg.tasks), p=self.weights))
+            else:  # uniform: the draw earlier recipes were trained with
+                i = int(self.rng.integers(len(self.cfg.tasks)))
+            task = self.cfg.tasks[i]
             n = int(self.rng.integers(lo, hi + 1))
             self.index += 1  # a fresh example every time (its own seeded stream)
             ex = generate(task, 1, n, self.encode, seed=self.cfg.seed * 1_000_003 + self.index)[0]
@@ -183,7 +213,7 @@ class Batcher:
 
 
 def step_loss(
-    model, docs, answers, block_size: int, answer_weight: float
+    model, docs, answers, block_size: int, answer_weight: float, budget: Budget | None = None
 ) -> tuple[torch.Tensor, float]:
     """``(all-token loss + answer_weight x answer-token loss, answer-token loss)`` of one packed
     sequence."""
@@ -191,7 +221,7 @@ def step_loss(
     ids = torch.tensor([t for d in docs for t in d])
     pos = torch.cat([torch.arange(n) for n in lengths])
     cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32)
-    ctx = PackedAttention(cu, Budget(gamma=1.0), block_size, "torch")
+    ctx = PackedAttention(cu, budget or Budget(gamma=1.0), block_size, "torch")
     logits = model(input_ids=ids[None], position_ids=pos[None], sb_attention=ctx, use_cache=False)
     logits = logits.logits[0]
     # target of position t is token t + 1 of the same document; the last token of each has none
@@ -208,14 +238,19 @@ def step_loss(
     return nll[valid].mean() + answer_weight * answer_loss, float(answer_loss.detach())
 
 
-def evaluate(model, cfg: PretrainConfig, encode) -> dict[str, dict[str, float]]:
-    """Exact match per task and length on held-out examples (eval split, seed 1000)."""
+def evaluate(
+    model, cfg: PretrainConfig, encode, num: int | None = None, seed: int | None = None
+) -> dict[str, dict[str, float]]:
+    """Dense exact match per task and length on ``num`` held-out examples (eval split, ``seed``;
+    default: the dev examples of the curve)."""
+    num = cfg.eval_examples if num is None else num
+    seed = cfg.dev_seed if seed is None else seed
     runner = HFRunner(model, gamma=1.0, block_size=cfg.block_size, backend="torch")
     out: dict[str, dict[str, float]] = {}
     for task in cfg.tasks:
         out[task] = {}
         for n in cfg.eval_lengths:
-            exs = generate(task, cfg.eval_examples, n, encode, seed=1000, split="eval")
+            exs = generate(task, num, n, encode, seed=seed, split="eval")
             scores = score_examples(runner, exs, encode, pack_tokens=8192)
             out[task][str(n)] = sum(s.correct for s in scores) / len(scores)
     model.train()
@@ -247,16 +282,23 @@ def pretrain(cfg: PretrainConfig, out: Path, log=print) -> dict:
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
     )
     batcher = Batcher(cfg, encode, len(vocab_map))
+    sparse_rng = np.random.default_rng([cfg.seed, 29])
     curve: dict = {"steps": [], "loss": [], "answer_loss": [], "seconds": [], "evals": []}
     start, step, stopped = time.perf_counter(), 0, False
     for stage in cfg.stages:
         lo, hi, steps = (int(x) for x in stage[:3])
-        copy_fraction = stage[3] if len(stage) == 4 else cfg.copy_fraction
+        copy_fraction = stage[3] if len(stage) >= 4 else cfg.copy_fraction
+        sparse_fraction = stage[4] if len(stage) == 5 else 0.0
         for _ in range(steps):
             docs, answers = batcher.next(lo, hi, copy_fraction)
             for g in opt.param_groups:
                 g["lr"] = lr_at(cfg, step)
-            loss, answer_loss = step_loss(model, docs, answers, cfg.block_size, cfg.answer_weight)
+            budget = None  # dense, or top-k at a k drawn from sparse_top_k (own stream)
+            if sparse_fraction and sparse_rng.uniform() < sparse_fraction:
+                budget = Budget(top_k=int(sparse_rng.choice(cfg.sparse_top_k)))
+            loss, answer_loss = step_loss(
+                model, docs, answers, cfg.block_size, cfg.answer_weight, budget
+            )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -288,8 +330,11 @@ def pretrain(cfg: PretrainConfig, out: Path, log=print) -> dict:
     if not curve["evals"] or curve["evals"][-1]["step"] != step:
         em = evaluate(model, cfg, encode)
         curve["evals"].append({"step": step, "seconds": train_s, "exact": em})
-        log(f"final eval {json.dumps(em)}")
+        log(f"final dev eval {json.dumps(em)}")
     curve.update(train_seconds=train_s, steps_done=step, stopped_early=stopped)
+    if cfg.test_examples:
+        curve["test"] = evaluate(model, cfg, encode, cfg.test_examples, cfg.test_seed)
+        log(f"test eval ({cfg.test_examples} per task and length) {json.dumps(curve['test'])}")
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     (out / "vocab_map.json").write_text(json.dumps({str(k): v for k, v in vocab_map.items()}))
@@ -298,8 +343,11 @@ def pretrain(cfg: PretrainConfig, out: Path, log=print) -> dict:
     return curve
 
 
-def write_curve_report(run: Path, results: str, name: str = "accuracy-pretrain") -> Path:
-    """A dated results file (markdown + json) of a finished run's learning curve and recipe."""
+def write_curve_report(
+    run: Path, results: str, name: str = "accuracy-pretrain", note: str = ""
+) -> Path:
+    """A dated results file (markdown + json) of a finished run's learning curve (dev examples),
+    its final test evaluation and recipe; ``note`` is appended (e.g. the load it ran under)."""
     import subprocess
 
     from sparsebalance.results import markdown_table, write_results
@@ -314,6 +362,10 @@ def write_curve_report(run: Path, results: str, name: str = "accuracy-pretrain")
         rows.append(
             [ev["step"], f"{ev['seconds']:.0f}", f"{sum(window) / len(window):.3f}", *cells]
         )
+    if "test" in curve:
+        cells = [f"**{v:.2f}**" for task in curve["test"].values() for v in task.values()]
+        label = f"test ({recipe.get('test_examples')} per cell)"
+        rows.append([label, f"{curve['train_seconds']:.0f}", "", *cells])
     first = curve["evals"][0]["exact"]
     head = ["step", "seconds", "answer loss (50-step mean)"]
     head += [f"{t} {n} EM" for t, by in first.items() for n in by]
@@ -322,8 +374,11 @@ def write_curve_report(run: Path, results: str, name: str = "accuracy-pretrain")
         f"Recipe: `{json.dumps(recipe)}`. Trained {curve['steps_done']} steps in "
         f"{curve['train_seconds']:.0f} s on one CPU thread (stopped early: "
         f"{curve['stopped_early']}). EM = teacher-forced exact match on held-out examples "
-        f"(eval split). Answer loss: mean next-token loss over answer tokens (ln 10 = 2.30 is "
-        f"a uniform guess over digits). Load when written: `{load}` (shared 2-core machine)."
+        f"(eval split): the curve on {recipe.get('eval_examples')} dev examples per cell (seed "
+        f"{recipe.get('dev_seed')}), the last row on the test examples (seed "
+        f"{recipe.get('test_seed')}, the accuracy benchmark's). Answer loss: mean next-token "
+        f"loss over answer tokens (ln 10 = 2.30 is a uniform guess over digits). Load when "
+        f"written: `{load}` (shared 2-core machine). {note}"
     )
     md, _ = write_results(
         results,
@@ -352,18 +407,29 @@ def load_config(path: str | None, overrides: dict) -> PretrainConfig:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", default="benchmarks/configs/accuracy-pretrain.toml")
-    p.add_argument("--out", default="runs/retrieval-dense")
+    p.add_argument("--config", default="benchmarks/configs/accuracy-pretrain-2k.toml")
+    p.add_argument("--out", default="runs/retrieval-dense-2k")
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--results", default=None, help="also write a dated learning-curve report here")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="write --results for the run in --out, no training",
+    )
+    p.add_argument("--note", default="", help="text appended to the report's notes")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # what training runs with (and what the report's machine line says)
+    if args.report_only:
+        if not args.results:
+            raise ValueError("--report-only needs --results (where to write the report)")
+        print(f"wrote {write_curve_report(Path(args.out), args.results, note=args.note)}")
+        return 0
     cfg = load_config(args.config, {"max_minutes": args.max_minutes, "seed": args.seed})
     curve = pretrain(cfg, Path(args.out))
     print(json.dumps(curve["evals"][-1]))
     if args.results:
-        print(f"wrote {write_curve_report(Path(args.out), args.results)}")
+        print(f"wrote {write_curve_report(Path(args.out), args.results, note=args.note)}")
     return 0
 
 

@@ -1,74 +1,46 @@
-"""Tables, paired-by-seed tests and heatmaps for ``benchmarks/accuracy.py``'s records."""
+"""Tables, paired-by-seed comparisons (:mod:`accuracy_stats`), the paper's figures beside ours,
+and plots for ``benchmarks/accuracy.py``'s records. ``python benchmarks/accuracy_report.py
+RESULTS.json`` re-renders the tables of a results file."""
 
 from __future__ import annotations
 
-import math
 import statistics
 import subprocess
 from pathlib import Path
 
 import torch
 
+from accuracy_stats import min_p, paired
 from sparsebalance.results import markdown_table, write_results
 
 TASKS = ("passkey", "niah1", "mqar")
-
-VARIANT_NOTES = {
-    "dense": "SAB batching, every block (gamma 1.0)",
-    "fixed-0.9": "token-balanced batching (no SAB), fixed gamma 0.9, no DST",
-    "fixed-low": "token-balanced batching, the lower fixed gamma (where selection misses)",
-    "sab": "SAB batching alone, fixed gamma 0.9, no DST",
-    "dst-bidir-mean": "SAB + DST bidirectional, mean anchor, p = tolerance",
-    "dst-down-mean": "SAB + DST down-only (stragglers cut, nobody raised), mean anchor",
-    "dst-bidir-min": "SAB + DST bidirectional, min anchor",
+SETTINGS = {
+    "dense": "dense attention",
+    "base": "the variant's base budget (K; K/2 for fixed-K/2; gamma 0.9 for gamma-rule)",
+    "final": "the final per-length-bin k of the run (DST top-k variants; others = base)",
 }
 
+# (A, B, setting, H1 of the one-sided test on A - B, what it asks)
+COMPARISONS = (
+    ("fixed-K/2", "fixed-K", "base", "less", "harm of halving K (each at its own budget)"),
+    ("fixed-K/2", "fixed-K", "dense", "less", "does training at K/2 hurt the dense model"),
+    ("dst-mean-p0.1", "fixed-K", "base", "less", "DST Mean p=0.1 vs fixed K, evaluated at K"),
+    ("dst-mean-p0.1", "fixed-K", "final", "less", "... evaluated at the final per-bin k"),
+    ("dst-mean-p0.2", "dst-mean-p0.1", "final", "less", "paper: p = 0.2 loses a little"),
+    ("dst-min-p0.1", "dst-mean-p0.1", "final", "less", "paper: Min loses a little vs Mean"),
+    ("sab-dst-mean-p0.1", "fixed-K", "final", "less", "SAB + DST Mean p=0.1 vs fixed K"),
+    ("sab-dst-mean-p0.1", "dst-mean-p0.1", "final", "less", "adding SAB to DST"),
+    ("dst-mean-p0.2", "fixed-K", "final", "less", "DST Mean p=0.2 vs fixed K"),
+    ("dst-min-p0.1", "fixed-K", "final", "less", "DST Min p=0.1 vs fixed K"),
+    ("gamma-rule", "fixed-K", "base", "less", "today's gamma rule (gamma 0.9) vs fixed K"),
+)
 
-def t_two_sided_p(t: float, df: int) -> float:
-    """Two-sided p-value of Student's t with integer ``df`` (Abramowitz & Stegun 26.7.3-4)."""
-    if df < 1:
-        return float("nan")
-    if math.isinf(t):
-        return 0.0
-    theta = math.atan(abs(t) / math.sqrt(df))
-    c2 = math.cos(theta) ** 2
-    if df % 2:  # odd
-        total, term = 0.0, math.cos(theta)
-        for k in range(1, (df - 1) // 2 + 1):
-            if k > 1:
-                term *= c2 * (2 * k - 2) / (2 * k - 1)
-            total += term
-        a = 2 / math.pi * (theta + math.sin(theta) * total) if df > 1 else 2 * theta / math.pi
-    else:
-        total, term = 1.0, 1.0
-        for k in range(1, df // 2):
-            term *= c2 * (2 * k - 1) / (2 * k)
-            total += term
-        a = math.sin(theta) * total
-    return max(0.0, min(1.0, 1.0 - a))
-
-
-def paired(a: list[float], b: list[float]) -> dict:
-    """Paired comparison of ``a - b`` over seeds: mean, std, wins/losses/ties, t-test p."""
-    d = [x - y for x, y in zip(a, b, strict=True)]
-    n = len(d)
-    mean = statistics.mean(d)
-    sd = statistics.stdev(d) if n > 1 else float("nan")
-    if n > 1 and sd > 0:
-        p = t_two_sided_p(mean / (sd / math.sqrt(n)), n - 1)
-    else:
-        p = float("nan") if mean == 0 or n < 2 else 0.0
-    wins = sum(x > 1e-12 for x in d)
-    losses = sum(x < -1e-12 for x in d)
-    return {
-        "mean": mean,
-        "std": sd,
-        "wins": wins,
-        "losses": losses,
-        "ties": n - wins - losses,
-        "p": p,
-        "n": n,
-    }
+# As quoted in issue 29 (the SparseBalance paper, Qwen2.5-3B).
+PAPER = {
+    ("dst-mean-p0.1", "fixed-K"): "LongBench overall 39.46 vs 39.28; NIAH 64K 97.53 vs 97.60",
+    ("dst-min-p0.1", "dst-mean-p0.1"): "NIAH 64K: Min p=0.1 96.33 vs Mean p=0.1 97.53",
+    ("dst-mean-p0.2", "dst-mean-p0.1"): "'slightly higher loss' at p = 0.2 (no figure quoted)",
+}
 
 
 def ms(xs: list[float], digits: int = 3) -> str:
@@ -79,169 +51,179 @@ def ms(xs: list[float], digits: int = 3) -> str:
     return f"{statistics.mean(xs):.{digits}f} ± {statistics.stdev(xs):.{digits}f}"
 
 
-def mean_em(ev: dict) -> float:
-    return sum(ev[t]["exact"] for t in TASKS) / len(TASKS)
-
-
-def tables(payload: dict) -> str:
-    records, names = payload["records"], payload["args"]["variants"]
-    by = {
-        v: sorted((r for r in records if r["variant"] == v), key=lambda r: r["seed"]) for v in names
+def by_variant(payload: dict) -> dict[str, list[dict]]:
+    recs = payload["records"]
+    return {
+        v: sorted((r for r in recs if r["variant"] == v), key=lambda r: r["seed"])
+        for v in payload["args"]["variants"]
     }
-    out = ["## Pretrained checkpoint (before continuation), evaluated at fixed budgets", ""]
+
+
+def pretrained_tables(payload: dict) -> list[str]:
+    base = payload["pretrained"]
     rows = []
-    for g, ev in payload["pretrained"].items():
+    for name, ev in base["test"].items():
         rows.append(
-            [g, f"{ev['eval_density']:.3f}"]
-            + [f"{ev[t]['exact']:.2f}" for t in TASKS]
-            + [f"{ev['ppl']:.3f}"]
-            + [" / ".join(f"{x:.3f}" for x in ev["recall"].values())]
+            [name, f"{ev['eval_density']:.3f}", f"{ev['mean_em']:.3f}"]
+            + [f"{ev[t]['by_length'][n]:.2f}" for t in TASKS for n in ev[t]["by_length"]]
+            + [f"{ev['ppl']:.3f}", " / ".join(f"{x:.3f}" for x in ev["recall"].values())]
         )
-    out.append(
-        markdown_table(
-            ["gamma", "density", *[f"{t} EM" for t in TASKS], "ppl", "recall per layer"], rows
-        )
-    )
-    out += ["", "## Continuation training (mean ± std over seeds)", ""]
+    first = next(iter(base["test"].values()))
+    head = ["setting", "eval density", "mean EM"]
+    head += [f"{t} {n}" for t in TASKS for n in first[t]["by_length"]]
+    out = ["## Pretrained checkpoint (test examples)", "", markdown_table(
+        [*head, "ppl", "recall per layer"], rows)]  # fmt: skip
+    rows = [[k, f"{e['density']:.3f}", f"{e['mean_em']:.3f}"]
+            + [f"{e[t][n]:.2f}" for t in TASKS for n in e[t]] for k, e in
+            base["dev_sweep"].items()]  # fmt: skip
+    first = next(iter(base["dev_sweep"].values()))
+    out += ["", "Dev sweep of k on the pretrained checkpoint (dev examples; what K was chosen "
+            "from):", "", markdown_table(["k", "eval density", "mean EM"] + [
+                f"{t} {n}" for t in TASKS for n in first[t]], rows)]  # fmt: skip
+    return out
+
+
+def training_table(by: dict[str, list[dict]], payload: dict) -> list[str]:
     rows = []
-    for v in names:
-        rs = by[v]
+    for v, rs in by.items():
+        tr = [r["train"] for r in rs]
+        roles = {k: sum(t["roles"].get(k, 0) for t in tr) for k in ("cut", "raised", "kept")}
+        rows.append([
+            v, payload["dst"][v], len(rs), ms([t["density"] for t in tr]),
+            ms([t["predicted_step_s"] for t in tr], 4), ms([t["predicted_efficiency"] for t in tr]),
+            f"{roles['cut']}/{roles['raised']}/{roles['kept']}",
+            f"{min(t['budget_min'] for t in tr):g} / {ms([t['budget_mean'] for t in tr], 2)} / "
+            f"{max(t['budget_max'] for t in tr):g}",
+            ms([t["units_cut"] for t in tr], 2), ms([t["units_raised"] for t in tr], 2),
+            sum(t["coverage_limited"] for t in tr),
+            ms([statistics.mean(t["losses"][-5:]) for t in tr]),
+            " ".join(str(r["chosen_step"]) for r in rs),
+        ])  # fmt: skip
+    head = ["variant", "DST", "seeds", "trained density (len²-weighted)",
+            "predicted s / step (slowest rank)", "predicted balance", "roles cut/raised/kept",
+            "budget min / mean / max", "share of ranks cut", "share raised",
+            "coverage-bound stops", "loss (last 5)", "chosen step per seed"]  # fmt: skip
+    return ["", "## Continuation training (mean ± std over seeds)", "", markdown_table(head, rows)]
+
+
+def eval_tables(by: dict[str, list[dict]]) -> list[str]:
+    out = []
+    for setting, title in SETTINGS.items():
+        rows = []
+        for v, rs in by.items():
+            evs = [r["eval"][setting] for r in rs]
+            lengths = list(evs[0][TASKS[0]]["by_length"])
+            rows.append(
+                [v, ms([e["mean_em"] for e in evs])]
+                + [ms([e[t]["by_length"][n] for e in evs], 2) for t in TASKS for n in lengths]
+                + [ms([e["eval_density"] for e in evs]), ms([e["ppl"] for e in evs])]
+                + [" / ".join(ms([float(e["recall"][k]) for e in evs]) for k in evs[0]["recall"])]
+            )
+        head = ["variant", "mean EM"] + [f"{t} {n}" for t in TASKS for n in lengths]
+        head += ["eval density", "ppl", "recall per layer"]
+        out += ["", f"## Evaluation at {title}", "", markdown_table(head, rows)]
+    return out
+
+
+def comparisons(by: dict[str, list[dict]]) -> tuple[list[str], list[dict]]:
+    rows, found = [], []
+    for a, b, setting, alt, question in COMPARISONS:
+        if a not in by or b not in by:
+            continue
+        ra, rb = by[a], by[b]
+        if [r["seed"] for r in ra] != [r["seed"] for r in rb]:
+            continue
+        c = paired([r["eval"][setting]["mean_em"] for r in ra],
+                   [r["eval"][setting]["mean_em"] for r in rb], alt)  # fmt: skip
+        cost = statistics.mean(r["train"]["predicted_step_s"] for r in ra) / statistics.mean(
+            r["train"]["predicted_step_s"] for r in rb
+        )
+        found.append({"a": a, "b": b, "setting": setting, **c})
+        lo, hi = c["ci95"]
+        rows.append([
+            f"{a} - {b}", setting, question, f"{c['mean']:+.3f}", f"[{lo:+.3f}, {hi:+.3f}]",
+            f"{c['wins']}/{c['losses']}/{c['ties']}", f"{c['p_perm']:.3f}", f"{c['p_t']:.3f}",
+            f"{cost:.3f}", PAPER.get((a, b), ""),
+        ])  # fmt: skip
+    head = ["difference (mean EM)", "evaluated at", "question", "Δ", "95 % t-interval",
+            "seeds +/-/=", "one-sided sign-flip p (H1: Δ < 0)", "paired t p (2-sided)",
+            "cost ratio (predicted s/step)", "the paper (as quoted in issue 29)"]  # fmt: skip
+    return ["", "## Paired by seed (ours beside the paper's figures)", "",
+            markdown_table(head, rows)], found  # fmt: skip
+
+
+def continuation_table(by: dict[str, list[dict]], payload: dict) -> list[str]:
+    base = payload["pretrained"]["test"]["dense"]["mean_em"]
+    rows = []
+    for v, rs in by.items():
+        em = [r["eval"]["dense"]["mean_em"] for r in rs]
         rows.append(
             [
                 v,
-                len(rs),
-                ms([r["train_density"] for r in rs]),
-                ms([r["predicted_step_s"] for r in rs], 4),
-                ms([r["step_s"] for r in rs]),
-                ms([r["efficiency"] for r in rs]),
-                ms([r["final_loss"] for r in rs]),
+                f"{base:.3f}",
+                ms(em),
+                f"{statistics.mean(em) - base:+.3f}",
+                f"{min(em) - base:+.3f}",
+                "yes" if min(em) >= base - 0.05 else "no",
             ]
         )
-    out.append(
-        markdown_table(
-            [
-                "variant",
-                "seeds",
-                "trained density",
-                "predicted s / step (cost)",
-                "measured s / step",
-                "balance eff.",
-                "loss (last 5)",
-            ],
-            rows,
-        )
-    )
-    for setting, title in (
-        ("dense", "dense attention (gamma 1.0)"),
-        (
-            "own",
-            "each variant's own budget (its gamma0; DST variants at "
-            "gamma0, the budget their planner starts from)",
-        ),
-    ):
-        out += ["", f"## Evaluation with {title}", ""]
-        rows = []
-        for v in names:
-            evs = [r["eval"][setting] for r in by[v]]
-            rows.append(
-                [v, ms([mean_em(e) for e in evs])]
-                + [ms([e[t]["exact"] for e in evs], 2) for t in TASKS]
-                + [ms([e[t]["token_acc"] for e in evs], 2) for t in TASKS]
-                + [ms([e["ppl"] for e in evs]), ms([e["eval_density"] for e in evs])]
-                + [" / ".join(ms([float(e["recall"][k]) for e in evs]) for k in evs[0]["recall"])]
-            )
-        out.append(
-            markdown_table(
-                [
-                    "variant",
-                    "mean EM",
-                    *[f"{t} EM" for t in TASKS],
-                    *[f"{t} tok acc" for t in TASKS],
-                    "ppl",
-                    "eval density",
-                    "recall per layer",
-                ],
-                rows,
-            )
-        )
-        lengths = list(by[names[0]][0]["eval"][setting][TASKS[0]]["by_length"])
-        head = ["variant"] + [f"{t} {n}" for t in TASKS for n in lengths]
-        rows = [
-            [v]
-            + [
-                ms([r["eval"][setting][t]["by_length"][n] for r in by[v]], 2)
-                for t in TASKS
-                for n in lengths
-            ]
-            for v in names
-        ]
-        out += ["", "Exact match by prompt length:", "", markdown_table(head, rows)]
-    metrics = (
-        ("mean EM", lambda e: mean_em(e)),
-        ("mean tok acc", lambda e: sum(e[t]["token_acc"] for t in TASKS) / len(TASKS)),
-        ("ppl", lambda e: e["ppl"]),
-    )
-    out += ["", "## Paired by seed (own budget; mean over the three tasks)", ""]
-    rows = []
-    for ref in ("fixed-0.9", "dense"):
-        if ref not in by:
-            continue
-        for v in names:
-            if v == ref:
-                continue
-            cost = statistics.mean(r["predicted_step_s"] for r in by[v])
-            cost_ref = statistics.mean(r["predicted_step_s"] for r in by[ref])
-            row = [f"{v} - {ref}", f"{cost / cost_ref:.3f}"]
-            for _, fn in metrics:
-                c = paired(
-                    [fn(r["eval"]["own"]) for r in by[v]], [fn(r["eval"]["own"]) for r in by[ref]]
-                )
-                row.append(
-                    f"{c['mean']:+.3f} ± {c['std']:.3f} ({c['wins']}/{c['losses']}/"
-                    f"{c['ties']}, p {c['p']:.2f})"
-                )
-            rows.append(row)
-    head = ["difference", "cost ratio (predicted s/step)"]
-    head += [f"Δ {name} (± std; seeds +/-/=, paired t p)" for name, _ in metrics]
-    out.append(markdown_table(head, rows))
-    return "\n".join(out)
+    head = ["variant", "pretrained dense EM", "continued dense EM", "Δ mean", "Δ worst seed",
+            "every seed within 0.05"]  # fmt: skip
+    return ["", "## Continuation vs the pretrained model (dense evaluation)", "",
+            markdown_table(head, rows)]  # fmt: skip
 
 
-def heatmaps(payload: dict, path: Path) -> Path | None:
-    """One PNG: exact match by length (x) and needle depth (y), own budget, mean over seeds;
-    a row per variant, a column per task."""
+def tables(payload: dict) -> tuple[str, list[dict]]:
+    by = by_variant(payload)
+    out = pretrained_tables(payload) + training_table(by, payload) + eval_tables(by)
+    cmp_lines, found = comparisons(by)
+    out += continuation_table(by, payload) + cmp_lines
+    return "\n".join(out), found
+
+
+def plot(payload: dict, path: Path) -> Path | None:
+    """One PNG: mean EM per variant and setting (bars: mean over seeds, dots: seeds); recall per
+    layer at the final budget; the pretrained model's dev EM against k."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        import numpy as np
     except ImportError:
         return None
-    names = payload["args"]["variants"]
-    fig, axes = plt.subplots(
-        len(names), len(TASKS), figsize=(3.2 * len(TASKS), 1.9 * len(names)), squeeze=False
-    )
+    by = by_variant(payload)
+    names = list(by)
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.2))
+    ax = axes[0]
+    for j, setting in enumerate(SETTINGS):
+        for i, v in enumerate(names):
+            ys = [r["eval"][setting]["mean_em"] for r in by[v]]
+            x = i + (j - 1) * 0.27
+            ax.bar(x, statistics.mean(ys), 0.25, color=f"C{j}", label=setting if i == 0 else None)
+            ax.scatter([x] * len(ys), ys, s=8, color="k", zorder=3)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("mean exact match (3 tasks, 2 lengths)")
+    ax.legend(fontsize=8)
+    ax.set_title("exact match per variant (dots: seeds)")
+    ax = axes[1]
     for i, v in enumerate(names):
-        recs = [r for r in payload["records"] if r["variant"] == v]
-        for j, t in enumerate(TASKS):
-            grid = recs[0]["eval"]["own"][t]["grid"]
-            lengths = list(grid)
-            depths = sorted({d for row in grid.values() for d in row}, key=float)
-            acc = np.array(
-                [
-                    [np.mean([r["eval"]["own"][t]["grid"][n][d] for r in recs]) for n in lengths]
-                    for d in depths
-                ]
-            )
-            ax = axes[i][j]
-            ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-            ax.set_xticks(range(len(lengths)), lengths, fontsize=7)
-            ax.set_yticks(range(len(depths)), [f"{float(d):.0%}" for d in depths], fontsize=7)
-            for a in range(len(depths)):
-                for b in range(len(lengths)):
-                    ax.text(b, a, f"{acc[a, b]:.2f}", ha="center", va="center", fontsize=7)
-            ax.set_title(f"{v}: {t}", fontsize=8)
+        rec = by[v][0]["eval"]["final"]["recall"]
+        layers = list(rec)
+        ys = [
+            statistics.mean(float(r["eval"]["final"]["recall"][k]) for r in by[v]) for k in layers
+        ]
+        ax.plot([int(k) for k in layers], ys, marker="o", label=v, color=f"C{i}")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("attention recall at the final budget")
+    ax.legend(fontsize=7)
+    ax = axes[2]
+    sweep = payload["pretrained"]["dev_sweep"]
+    ax.plot([int(k) for k in sweep], [e["mean_em"] for e in sweep.values()], marker="o")
+    ax.set_xscale("log", base=2)
+    ax.axvline(payload["args"]["k_base"], color="grey", ls="--", label="K")
+    ax.set_xlabel("top-k k (blocks)")
+    ax.set_ylabel("pretrained mean EM (dev)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -249,41 +231,41 @@ def heatmaps(payload: dict, path: Path) -> Path | None:
 
 
 def write_report(payload: dict, args, argv) -> Path:
-    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    payload["uptime_at_end"] = load
-    table = tables(payload)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     import datetime as dt
 
-    png = heatmaps(payload, out / f"{dt.date.today().isoformat()}-{args.name}-heatmaps.png")
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    payload["uptime_at_end"] = load
+    table, found = tables(payload)
+    payload["comparisons"] = found
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    png = plot(payload, out / f"{dt.date.today().isoformat()}-{args.name}.png")
+    n = args.seeds
     notes = (
-        f"Wall {payload['wall_s']:.0f} s; load at the end: `{load}` (a shared 2-core machine with "
-        "other engineers' jobs running; this run used one torch thread at normal priority). "
-        f"Seeds 0..{args.seeds - 1}; ± is the sample std over seeds. EM = teacher-forced exact "
-        f"match of the whole answer; {args.eval_examples} held-out examples per task, length and "
-        "depth (eval split: keys and values never trained on). Cost = the planner's predicted "
-        "step time (slowest emulated rank, latency model), the same on any machine; measured "
-        "s/step is wall time on the loaded CPU. p-values of a paired t-test over "
-        f"{args.seeds} seeds are weak evidence (df = {args.seeds - 1}; a sign test over 3 seeds "
-        "can never reach p < 0.05). Continuation data: "
-        + ", ".join(f"{k} {v}" for k, v in payload["task_counts"].items())
-        + (f". Heatmaps: `{png.name}`." if png else ".")
+        f"Wall {payload['wall_s']:.0f} s; load at the end: `{load}`. Seeds 0..{n - 1} (training "
+        "seeds: data order and initialisation of the continuation; identical across variants). "
+        f"EM = teacher-forced exact match; {args.eval_examples} test examples per task and "
+        f"length ({len(args.eval_lengths)} lengths, 5 needle depths), eval split (keys and "
+        f"values never trained on), test seed disjoint from the dev seed that chose each run's "
+        f"checkpoint ({args.candidates} candidates, {args.dev_examples} dev examples per task and "
+        "length). 'Predicted s / step' = the latency model's time of the slowest emulated rank "
+        "(DST runs in deterministic mode: budgets from predicted times, so they do not depend on "
+        "this machine's load). One-sided sign-flip p is exact over the 2^n sign patterns; its "
+        f"smallest value with {n} seeds is {min_p(n):.3f}. "
+        f"Continuation data: {payload['task_counts']}." + (f" Plot: `{png.name}`." if png else "")
     )
     md, _ = write_results(out, args.name, torch.device("cpu"), table, payload, notes)
     return md
 
 
 def main(argv=None) -> int:
-    """Re-render a results file from its JSON: ``accuracy_report.py RESULTS.json``."""
     import argparse
     import json
 
-    p = argparse.ArgumentParser(description=main.__doc__)
+    p = argparse.ArgumentParser(description="Re-render an accuracy results file's tables")
     p.add_argument("json")
     args = p.parse_args(argv)
-    payload = json.loads(Path(args.json).read_text())
-    print(tables(payload))
+    print(tables(json.loads(Path(args.json).read_text()))[0])
     return 0
 
 

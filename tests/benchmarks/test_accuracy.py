@@ -1,4 +1,5 @@
-"""benchmarks/accuracy.py: the paired statistics, and the whole pipeline in --quick mode."""
+"""benchmarks/accuracy*.py: the paired statistics, the variants' DST settings, the per-length-bin
+budget, and the whole pipeline in --quick mode (slow tier)."""
 
 from __future__ import annotations
 
@@ -6,48 +7,137 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import accuracy_report
+import accuracy_stats as stats
 
 
 @pytest.mark.parametrize("t, df", [(12.706, 1), (4.303, 2), (3.182, 3), (2.776, 4), (2.228, 10)])
-def test_t_p_value_matches_the_5_percent_table(t, df):
-    assert accuracy_report.t_two_sided_p(t, df) == pytest.approx(0.05, abs=2e-3)
-    assert accuracy_report.t_two_sided_p(0.0, df) == pytest.approx(1.0)
+def test_t_p_value_and_quantile_match_the_5_percent_table(t, df):
+    assert stats.t_two_sided_p(t, df) == pytest.approx(0.05, abs=2e-3)
+    assert stats.t_two_sided_p(0.0, df) == pytest.approx(1.0)
+    assert stats.t_quantile(0.975, df) == pytest.approx(t, rel=1e-3)
 
 
-def test_paired_counts_wins_and_is_signed():
-    c = accuracy_report.paired([0.5, 0.7, 0.6], [0.4, 0.4, 0.6])
-    assert (c["wins"], c["losses"], c["ties"]) == (2, 0, 1)
-    assert c["mean"] == pytest.approx(0.4 / 3)
-    assert 0 < c["p"] < 1
+def test_sign_flip_test_reaches_one_in_32_with_five_seeds():
+    assert stats.sign_flip_p([-0.1, -0.2, -0.05, -0.3, -0.1], "less") == pytest.approx(1 / 32)
+    assert stats.min_p(5) == pytest.approx(1 / 32) and stats.min_p(5) < 0.05
+    # tested the other way: the observed sum is the smallest, every pattern is >= it
+    assert stats.sign_flip_p([-0.1, -0.2, -0.05, -0.3, -0.1], "greater") == pytest.approx(1.0)
+    # one seed against: the patterns with sum <= observed are 2 of 32 (flip the small one)
+    assert stats.sign_flip_p([-0.1, -0.2, 0.05, -0.3, -0.1], "less") == pytest.approx(2 / 32)
+    # all ties: every pattern sums to 0
+    assert stats.sign_flip_p([0.0] * 5, "less") == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="alternative"):
+        stats.sign_flip_p([1.0], "two-sided")
+
+
+def test_sign_flip_matches_brute_force_on_random_data():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        d = rng.normal(size=6).round(2).tolist()
+        sums = [
+            sum(x if (m >> i) & 1 else -x for i, x in enumerate(np.abs(d))) for m in range(2**6)
+        ]
+        expected = np.mean([s <= sum(d) + 1e-9 for s in sums])
+        assert stats.sign_flip_p(d, "less") == pytest.approx(expected)
+
+
+def test_paired_difference_interval_and_counts():
+    c = stats.paired([0.5, 0.7, 0.6, 0.4, 0.5], [0.6, 0.8, 0.6, 0.5, 0.7], "less")
+    assert (c["wins"], c["losses"], c["ties"]) == (0, 4, 1)
+    assert c["mean"] == pytest.approx(-0.1)
+    lo, hi = c["ci95"]
+    half = stats.t_quantile(0.975, 4) * c["std"] / 5**0.5
+    assert lo == pytest.approx(-0.1 - half) and hi == pytest.approx(-0.1 + half)
+    assert c["p_perm"] == pytest.approx(2 / 32)  # the tie flips either way
+    assert 0 < c["p_t"] < 0.05
+
+
+def test_variants_dst_settings():
+    import accuracy
+
+    args = accuracy.parse_args(["--k-base", "8", "--out", "x"])
+    cfg = {n: accuracy.dst_config(n, args) for n in accuracy.VARIANTS}
+    assert cfg["fixed-K"].budget_tokens == 8 * 64 and cfg["fixed-K"].mode == "off"
+    assert cfg["fixed-K/2"].budget_tokens == 4 * 64 and cfg["fixed-K/2"].mode == "off"
+    for name, anchor, p in (
+        ("dst-mean-p0.1", "mean", 0.1),
+        ("dst-mean-p0.2", "mean", 0.2),
+        ("dst-min-p0.1", "min", 0.1),
+        ("sab-dst-mean-p0.1", "mean", 0.1),
+    ):
+        c = cfg[name]
+        assert (c.budget, c.mode, c.anchor, c.p, c.budget_tokens) == (
+            "top-k",
+            "bidirectional",
+            anchor,
+            p,
+            8 * 64,
+        )
+        assert (c.tolerance, c.raise_to) == (0.0, "anchor")  # the paper's rule
+    g = cfg["gamma-rule"]  # issue 18's rule exactly
+    assert (g.budget, g.gamma0, g.tolerance, g.raise_to, g.p) == ("gamma", 0.9, 0.1, "step", 1.0)
+    assert accuracy.VARIANTS["sab-dst-mean-p0.1"]["strategy"] == "sab"
+    assert accuracy.VARIANTS["dst-mean-p0.1"]["strategy"] == "tokens"
+    assert accuracy.base_budget("fixed-K/2", args).top_k == 4
+    assert accuracy.base_budget("gamma-rule", args).gamma == 0.9
+    assert "dense" not in args.variants and len(args.variants) == 7
+    with pytest.raises(ValueError, match="--k-base"):
+        accuracy.parse_args(["--k-base", "3"])
+    with pytest.raises(ValueError, match="--variants"):
+        accuracy.parse_args(["--variants", "fixed-K,nope"])
+
+
+def test_bin_budget_follows_the_estimators_bins():
+    from accuracy_eval import BinBudget, analytic_density, bin_of
+    from sparsebalance.batching.budget_ema import BudgetEMAEstimator
+
+    lengths = [255, 256, 1023, 1024, 2050]
+    assert [bin_of(n) for n in lengths] == BudgetEMAEstimator.bin_of(np.array(lengths)).tolist()
+    spec = BinBudget({"9": 5.6, "10": 2.4}, base=4)
+    assert [spec(n).top_k for n in (600, 1023, 1024, 2047, 2048)] == [6, 6, 2, 2, 4]
+    # top-k density from lengths: a short document is dense, a long one is not
+    assert analytic_density(spec, [300], 64) == pytest.approx(1.0)
+    assert analytic_density(spec, [2047], 64) < 0.5
 
 
 @pytest.mark.slow
-def test_quick_run_writes_every_variant_and_metric(tmp_path):
+def test_quick_run_writes_every_variant_and_comparison(tmp_path):
+    """The whole pipeline (tiny pretrain, 7 variants x 2 seeds): ~3-4 min on the 2-core CPU."""
     import accuracy
 
     assert accuracy.main(["--quick", "--out", str(tmp_path)]) == 0
-    md = next(tmp_path.glob("*-accuracy-quick-cpu.md")).read_text()
-    data = json.loads(next(tmp_path.glob("*-accuracy-quick-cpu.json")).read_text())
+    md = next(tmp_path.glob("*-accuracy-topk-quick-cpu.md")).read_text()
+    data = json.loads(next(tmp_path.glob("*-accuracy-topk-quick-cpu.json")).read_text())
     names = data["args"]["variants"]
     assert len(names) == 7 and all(f"| {v} |" in md for v in names)
-    assert "Paired by seed" in md and "recall per layer" in md
+    assert "Paired by seed" in md and "39.46" in md and "one-sided sign-flip" in md
+    assert next(tmp_path.glob("*-accuracy-topk-quick.png")).stat().st_size > 0
+    by = {(r["variant"], r["seed"]): r for r in data["records"]}
     for rec in data["records"]:
-        assert 0 < rec["train_density"] <= 1 and rec["predicted_step_s"] > 0
+        assert rec["unknown_tokens"] == 0  # read through the pretraining vocabulary
+        assert rec["chosen_step"] in (1, 2) and set(rec["dev_mean_em"]) == {"1", "2"}
+        tr = rec["train"]
+        assert 0 < tr["density"] <= 1 and tr["predicted_step_s"] > 0
         for ev in rec["eval"].values():
             assert set(ev["recall"]) == {"0", "1"}  # the recipe's two layers
             assert all(0 < r <= 1 + 1e-9 for r in ev["recall"].values())
-            assert ev["ppl"] > 1 and set(ev["mqar"]["by_depth"]) == {
-                "0.0",
-                "0.25",
-                "0.5",
-                "0.75",
-                "1.0",
-            }
-    dense = next(r for r in data["records"] if r["variant"] == "dense")
-    assert dense["train_density"] == pytest.approx(1.0)
-    assert all(v == pytest.approx(1.0) for v in dense["eval"]["dense"]["recall"].values())
+            assert ev["passkey"]["count"] == 5 and ev["ppl"] > 1
+    for seed in (0, 1):
+        fixed, half = by["fixed-K", seed]["train"], by["fixed-K/2", seed]["train"]
+        assert fixed["budget_min"] == fixed["budget_max"] == 2
+        assert half["budget_min"] == half["budget_max"] == 1
+        assert fixed["roles"]["cut"] == fixed["roles"]["raised"] == 0
+        dst = by["dst-mean-p0.1", seed]["train"]
+        assert dst["roles"]["cut"] > 0 and dst["roles"]["raised"] > 0  # DST cuts and raises
+        assert dst["budget_min"] < 2 < dst["budget_max"]
+        assert by["dst-mean-p0.1", seed]["final_bins"]  # the per-length-bin k it ended with
+        dense = by["fixed-K", seed]["eval"]["dense"]
+        assert all(v == pytest.approx(1.0) for v in dense["recall"].values())
+    cmp = {(c["a"], c["b"], c["setting"]) for c in data["comparisons"]}
+    assert ("fixed-K/2", "fixed-K", "base") in cmp and ("dst-min-p0.1", "dst-mean-p0.1",
+                                                         "final") in cmp  # fmt: skip

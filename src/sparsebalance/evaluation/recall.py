@@ -1,6 +1,7 @@
 """Attention recall per layer: how much of the true (dense) attention mass the kept blocks hold.
 
-For every layer of a forward at budget ``gamma``, the op picks its blocks as usual; this module
+For every layer of a forward at a budget (``gamma``, or any :class:`~sparsebalance.ops.Budget`
+such as top-k, optionally per document length), the op picks its blocks as usual; this module
 records the layer's query/key tensors and that layout and scores them with
 :func:`sparsebalance.ops.attention_recall` (exact float64 softmax over every doc-causal key, mean
 over query tokens and heads). 1.0 means no attention mass was dropped; at ``gamma = 1`` it is 1.0
@@ -9,7 +10,7 @@ by construction. The exact softmax is ``Hq * T^2`` memory, so documents run one 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -74,12 +75,18 @@ def layer_recall(
     gamma: float,
     block_size: int = 64,
     backend: str = "torch",
+    budget: Budget | Callable[[int], Budget] | None = None,
 ) -> dict[int, float]:
     """Mean attention recall per layer ``{layer: recall in [0, 1]}`` over ``docs`` (token ids,
-    one forward each) with every layer at budget ``gamma``. The model must use the
-    ``sparsebalance`` attention implementation; it is restored afterwards."""
+    one forward each) with every layer at budget ``gamma``, or at ``budget`` (a
+    :class:`~sparsebalance.ops.Budget`, or ``length -> Budget`` per document) when given. The
+    model must use the ``sparsebalance`` attention implementation; it is restored afterwards."""
     if not 0.0 < gamma <= 1.0:
         raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+    if budget is None:
+        budget = Budget(gamma=gamma)
+    if not (isinstance(budget, Budget) or callable(budget)):
+        raise TypeError(f"budget must be a Budget or length -> Budget, got {budget!r}")
     if not docs:
         raise ValueError("docs: need at least one document")
     _register()
@@ -94,7 +101,8 @@ def layer_recall(
         for doc in docs:
             ids = torch.as_tensor(list(doc), dtype=torch.long, device=device)
             cu = torch.tensor([0, len(doc)], dtype=torch.int32, device=device)
-            ctx = PackedAttention(cu, Budget(gamma=gamma), block_size, backend)
+            doc_budget = budget if isinstance(budget, Budget) else budget(len(doc))
+            ctx = PackedAttention(cu, doc_budget, block_size, backend)
             ctx.recall = {}  # layer -> [recall per forward]
             with torch.no_grad():
                 model.get_decoder()(

@@ -2,18 +2,25 @@
 
 Evaluators never touch a model directly: they ask a runner for next-token logits at chosen
 positions of whole documents, or per-token negative log-likelihoods. A runner fixes one attention
-setting (dense, or sparse at one gamma), so the same evaluation can be repeated under each.
+setting (dense, or sparse at one budget), so the same evaluation can be repeated under each.
 
 :class:`HFRunner` packs the documents of a call into one sequence with ``cu_seqlens`` and runs a
 model built with the ``sparsebalance`` attention implementation
 (:func:`sparsebalance.models.hf.build_model`): ``gamma = 1.0`` keeps every causal block, which is
-exact (dense) attention through the same op; ``gamma < 1`` is the block-sparse attention.
+exact (dense) attention through the same op; ``gamma < 1`` is the block-sparse attention. A
+``budget`` (any :class:`~sparsebalance.ops.Budget`, e.g. top-k, or a function of the document's
+length: a per-length budget such as DST's final per-length-bin k) replaces ``gamma``; documents
+of different budgets run in separate packs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ..ops import Budget
+
 
 import torch
 import torch.nn.functional as F
@@ -42,33 +49,66 @@ class HFRunner:
         model: built with ``attn_implementation="sparsebalance"``.
         gamma: attention budget in (0, 1]; 1.0 is dense (exact) attention.
         block_size, backend: passed to the op (see ``sparsebalance.ops``).
+        budget: replaces ``gamma``: a :class:`~sparsebalance.ops.Budget` for every document, or
+            ``length -> Budget`` (tokens of the document, answer included) for a per-document
+            budget; the documents of one call are then packed by budget (one forward each).
     """
 
-    def __init__(self, model, gamma: float = 1.0, block_size: int = 64, backend: str = "auto"):
+    def __init__(
+        self,
+        model,
+        gamma: float = 1.0,
+        block_size: int = 64,
+        backend: str = "auto",
+        budget: Budget | Callable[[int], Budget] | None = None,
+    ):
+        from ..ops import Budget
+
         if not 0.0 < gamma <= 1.0:
             raise ValueError(f"--gamma must be in (0, 1], got {gamma}")
+        if budget is not None and not (isinstance(budget, Budget) or callable(budget)):
+            raise TypeError(f"budget must be a Budget or length -> Budget, got {budget!r}")
         self.model = model.eval()
         self.gamma = float(gamma)
+        self.budget = Budget(gamma=self.gamma) if budget is None else budget
         self.block_size = block_size
         self.backend = backend
         self.device = next(model.parameters()).device
         self.densities: list[float] = []
         """Mean attention density (over layers) of every forward so far."""
 
-    def _forward_hidden(self, docs: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Final hidden states ``(T, hidden)`` of the packed documents."""
-        from ..models.attention import PackedAttention
-        from ..ops import Budget
+    def budget_for(self, length: int) -> Budget:
+        """The budget a document of ``length`` tokens runs with."""
+        return self.budget if not callable(self.budget) else self.budget(length)
 
+    def _forward_hidden(self, docs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Final hidden states ``(T, hidden)`` of the documents (concatenated in order); one
+        packed forward per distinct budget among them."""
         lengths = [len(d) for d in docs]
         if not docs or min(lengths) < 1:
             raise ValueError("every document needs at least one token")
+        groups: dict[Budget, list[int]] = {}
+        for i, n in enumerate(lengths):
+            groups.setdefault(self.budget_for(n), []).append(i)
+        if len(groups) == 1:
+            return self._pack_hidden(docs, next(iter(groups)))
+        parts: dict[int, torch.Tensor] = {}
+        for budget, idx in groups.items():
+            hidden = self._pack_hidden([docs[i] for i in idx], budget)
+            for i, h in zip(idx, hidden.split([lengths[i] for i in idx]), strict=True):
+                parts[i] = h
+        return torch.cat([parts[i] for i in range(len(docs))])
+
+    def _pack_hidden(self, docs: Sequence[Sequence[int]], budget: Budget) -> torch.Tensor:
+        from ..models.attention import PackedAttention
+
+        lengths = [len(d) for d in docs]
         ids = torch.tensor([t for d in docs for t in d], dtype=torch.long, device=self.device)
         pos = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         ctx = PackedAttention(
             cu_seqlens=cu.to(self.device),
-            budget=Budget(gamma=self.gamma),
+            budget=budget,
             block_size=self.block_size,
             backend=self.backend,
         )
