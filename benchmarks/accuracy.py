@@ -122,6 +122,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--name", default="accuracy-topk", help="results: <date>-<name>-cpu.md/.json")
+    p.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        help="JSON-lines file: each finished run is appended; runs already in it are not rerun "
+        "(resume an interrupted grid with the same arguments)",
+    )
     args = p.parse_args(argv)  # fmt: skip
     if args.out is None and not args.quick:
         args.out = "benchmarks/results"
@@ -311,6 +318,27 @@ def baseline(pretrained: Path, tokenizer, args) -> dict:
     return {"test": test, "dev_sweep": sweep}
 
 
+def _run_key(args: argparse.Namespace) -> str:
+    """What a run's record depends on: every argument but the grid's size and where it writes."""
+    skip = {"seeds", "variants", "records", "out", "name"}
+    return json.dumps({k: str(v) for k, v in vars(args).items() if k not in skip}, sort_keys=True)
+
+
+def _load_records(path: Path | None, key: str) -> dict:
+    """``{(variant, seed): record}`` of a ``--records`` file (empty when there is none); a file
+    written with other arguments is refused."""
+    if path is None or not path.is_file():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            if rec.pop("run_key", None) != key:
+                raise SystemExit(f"--records {path}: written with other arguments; use a new file")
+            out[rec["variant"], rec["seed"]] = rec
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -338,12 +366,20 @@ def main(argv=None) -> int:
               "| dev sweep of k:",
               json.dumps({k: round(e["mean_em"], 3) for k, e in base["dev_sweep"].items()}),
               flush=True)  # fmt: skip
+        done = _load_records(args.records, _run_key(args))
         records, total = [], args.seeds * len(args.variants)
         for seed in range(args.seeds):  # seeds outer: load drift hits every variant alike
             for name in args.variants:
+                if (name, seed) in done:
+                    records.append(done[name, seed])
+                    print(f"[{len(records)}/{total}] {name} s{seed}: from {args.records}")
+                    continue
                 rec = continue_training(args, name, seed, data, pretrained, vmap,
                                         work / name.replace("/", "_"), tokenizer)  # fmt: skip
                 records.append(rec)
+                if args.records is not None:
+                    with args.records.open("a") as f:
+                        f.write(json.dumps({"run_key": _run_key(args), **rec}) + "\n")
                 tr, ev = rec["train"], rec["eval"]
                 print(f"[{len(records)}/{total} {time.perf_counter() - start:5.0f}s] {name:18s} "
                       f"s{seed}: density {tr['density']:.3f}, pred step "

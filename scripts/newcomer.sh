@@ -11,7 +11,8 @@
 #   bash scripts/newcomer.sh --dry-run          # print the commands it would run, run nothing
 #
 # It trains the demo and runs the whole default test tier on a fresh setup: ~20 minutes alone on
-# a 2-core machine; run it alone. tests/docs/test_newcomer.py runs it in the slow tier.
+# a 2-core machine; run it alone. `bash scripts/test.sh -m newcomer` runs it as a test
+# (tests/docs/test_newcomer.py; not in .ci/run, which already runs the default tier).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 

@@ -141,3 +141,18 @@ def test_quick_run_writes_every_variant_and_comparison(tmp_path):
     cmp = {(c["a"], c["b"], c["setting"]) for c in data["comparisons"]}
     assert ("fixed-K/2", "fixed-K", "base") in cmp and ("dst-min-p0.1", "dst-mean-p0.1",
                                                          "final") in cmp  # fmt: skip
+
+
+def test_records_resume_only_with_the_same_arguments(tmp_path):
+    import accuracy
+
+    args = accuracy.parse_args(["--out", "x", "--records", str(tmp_path / "r.jsonl")])
+    key = accuracy._run_key(args)
+    rec = {"variant": "fixed-K", "seed": 3, "eval": {}}
+    (tmp_path / "r.jsonl").write_text(json.dumps({"run_key": key, **rec}) + "\n")
+    assert accuracy._load_records(args.records, key) == {("fixed-K", 3): rec}
+    assert accuracy._run_key(accuracy.parse_args(["--out", "y", "--seeds", "7"])) == key
+    other = accuracy._run_key(accuracy.parse_args(["--k-base", "4"]))
+    with pytest.raises(SystemExit, match="other arguments"):
+        accuracy._load_records(args.records, other)
+    assert accuracy._load_records(tmp_path / "missing.jsonl", key) == {}

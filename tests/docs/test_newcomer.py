@@ -1,5 +1,5 @@
 """scripts/newcomer.sh runs a fresh clone through exactly the README's quick-start commands. The
-default tier checks which commands it would run (``--dry-run``); the slow tier runs them all
+default tier checks which commands it would run (``--dry-run``); `-m newcomer` runs them all
 (the demo and the whole default test tier on a fresh virtual environment and an empty cache:
 ~20 minutes alone on 2 cores, more on a loaded machine)."""
 
@@ -35,6 +35,7 @@ def test_newcomer_refuses_unknown_arguments():
 
 
 @pytest.mark.slow
+@pytest.mark.newcomer
 def test_a_fresh_clone_runs_the_readme_commands(tmp_path):
     proc = subprocess.run(
         ["bash", str(SCRIPT), "--workdir", str(tmp_path)],
