@@ -22,6 +22,7 @@ def test_batch_schedule_never_repeats_a_document_within_a_batch():
     assert batch_schedule(3, 10, 4, 6) == sched
 
 
+@pytest.mark.slow
 def test_bench_e2e_on_emulated_ranks(tmp_path, capsys):
     argv = ["bench-e2e", "--strategies", "baseline,sab+dst", "--emulate-ranks", "2",
             "--steps", "2", "--global-batch", "6", "--capacity", "512", "--block-size", "32",

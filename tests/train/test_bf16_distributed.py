@@ -16,6 +16,7 @@ from tests.train.harness import base_config, run_ranks
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bf16_cp_units_checkpointing_and_resume_on_two_gloo_ranks(tmp_path):
     cfg = base_config(tmp_path, strategy="sab-cp", capacity=40, steps=3, checkpoint_every=2,

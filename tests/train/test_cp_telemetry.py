@@ -15,7 +15,7 @@ from sparsebalance.data import load_corpus, load_tokenizer
 from sparsebalance.report import write_report
 from tests.train.harness import MEMORISABLE, base_config, run_ranks
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _long_doc_dataset(tmp):

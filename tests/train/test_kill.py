@@ -75,6 +75,7 @@ def data(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_launcher_kills_the_workers_and_resume_matches(data):
     ref = subprocess.run(_argv(data, data / "ref"), env=_env(), capture_output=True, text=True,
                          timeout=600)  # fmt: skip

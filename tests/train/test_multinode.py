@@ -103,6 +103,7 @@ def _losses(run) -> list[float]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_nodes_on_localhost_match_one_node(tmp_path):
     """2 "nodes" x 1 process (two launchers, c10d rendezvous on 127.0.0.1) train the same

@@ -44,6 +44,7 @@ def test_two_ranks_learn_and_stay_identical(tmp_path):
     assert res2[0]["param_sum"] == pytest.approx(res[0]["param_sum"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_fsdp2_matches_ddp(tmp_path):
     """FSDP2 (fully_shard) and the DDP path do the same arithmetic: same losses, same weights."""
     ddp_dir, fsdp_dir = tmp_path / "ddp", tmp_path / "fsdp"
@@ -57,6 +58,7 @@ def test_fsdp2_matches_ddp(tmp_path):
     assert fsdp[0]["param_first"] == fsdp[1]["param_first"]
 
 
+@pytest.mark.slow
 def test_overlapped_sync_matches_exact_mode(tmp_path):
     """DDP's reducer overlapping the last backward (``no_sync`` before it) and the barrier +
     separate all-reduce give the same weights: on 2 ranks bit for bit (halving is exact)."""

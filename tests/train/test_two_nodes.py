@@ -20,7 +20,7 @@ from sparsebalance.models import load_shapes
 
 from .test_multinode import _free_port, _losses
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # ~110 s: CI runs it in the slow tier
 
 CLI = [sys.executable, "-m", "sparsebalance", "train"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
