@@ -3,6 +3,8 @@ per-length-bin budget average as SAB's estimate (emulated ranks, one process).""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -58,3 +60,19 @@ def test_p_zero_never_cuts_below_the_base_k(tmp_path):
             assert rec.budget >= 3
             for mb in rec.microbatches:
                 assert min(mb.budgets) >= 3
+
+
+@pytest.mark.parametrize("feedback", [False, True])
+def test_layer_times_feed_the_layer_choices_only_when_asked(tmp_path, monkeypatch, feedback):
+    """By default each layer's budget follows predicted times (a CPU forward time, x 3 for its
+    backward, misled the closed loop); ``--layer-feedback`` feeds measured layer times back."""
+    from sparsebalance.tuning.layer import LayerController
+
+    calls = []
+    real = LayerController.observe
+    monkeypatch.setattr(LayerController, "observe",
+                        lambda self, *a: (calls.append(a), real(self, *a))[1])  # fmt: skip
+    cfg = replace(_config(tmp_path, layer_feedback=feedback), deterministic=False)
+    res = Trainer(cfg, Runtime(0, 1, torch.device("cpu"))).run_step()
+    assert {"cut", "raised"} & {r.dst_role for r in res.records}
+    assert bool(calls) == feedback

@@ -217,10 +217,11 @@ class PackedCollator:
         ctl, m = work.controller, spec.index
         choose = None if ctl is None else (lambda layer, e: ctl.choose(m, layer, e))
         last = [0.0]
+        feedback = cfg.dst.layer_feedback and not cfg.deterministic and cu.device.type == "cpu"
 
         def on_layer_end(layer: int) -> None:
             now = time.perf_counter()
-            if layer > 0 and ctl is not None and not cfg.deterministic and cu.device.type == "cpu":
+            if layer > 0 and ctl is not None and feedback:
                 ctl.observe(m, layer, (now - last[0]) * BACKWARD_RATIO)
             last[0] = now
 

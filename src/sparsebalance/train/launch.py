@@ -299,7 +299,7 @@ rank that waits frees its core for the others, so balance stops showing in step 
 
 def demo_configs(cfg: TrainConfig) -> dict[str, TrainConfig]:
     """The two runs of the demo: same data, seed and steps; only batching and tuning differ:
-    the baseline (dataset order, fixed gamma, over-long documents cut by ``--overlong``) and
+    the baseline (dataset order, a fixed budget, over-long documents cut by ``--overlong``) and
     SparseBalance (SAB + CP + DST: ``sab-cp`` plans, long documents trained whole over units of
     ranks). They are scratch runs: a new demo replaces the previous one's folders."""
     from ..simulate import ABLATIONS  # the one ablation table (planner, DST mode per name)

@@ -169,7 +169,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.scaler = self.precision.grad_scaler()  # fp16's loss scaling, None otherwise
-        time_layers = not cfg.deterministic and rt.device.type == "cpu"
+        time_layers = cfg.dst.layer_feedback and not cfg.deterministic and rt.device.type == "cpu"
         executor = RankExecutor(self.par, corpus.docs, self.latency, cfg.dst, tuner.knob,
                                 rt.device, cfg.block_size, cfg.backend,
                                 cfg.per_doc_loss_weighting, time_layers, cfg.loss, self.precision,

@@ -59,6 +59,11 @@ class DSTConfig:
     """[--gamma-min] gamma: the lowest budget a cut may reach, in (0, gamma0]."""
     gamma_max: float = 0.99
     """[--gamma-max] gamma: the highest budget a raise may reach, in [gamma0, 1]."""
+    layer_feedback: bool = False
+    """[--layer-feedback] CPU only: feed each layer's measured forward time (x 3 for its
+    backward) into the per-layer choices of the rest of the step. Off by default: the choices
+    then follow predicted times, and on a 2-core CPU the closed loop measured slower than that
+    (forward timings mislead it: DST +SAB ran 1.2x slower than SAB alone, see docs/sab-dst.md)."""
     layer_probes: int = 8
     """[--dst-probes] budget evaluations per (micro-batch, layer) in the layer controller
     (>= 2; gamma: resolution about (gamma_max - gamma_min) / 2**(probes - 2); top-k: the
