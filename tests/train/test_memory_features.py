@@ -40,8 +40,8 @@ def test_checkpointing_and_chunked_loss_train_like_the_plain_path(tmp_path):
 
 
 def test_controller_chooses_and_observes_each_layer_once(tmp_path, monkeypatch):
-    """Timed (not deterministic) run with full checkpointing: the backward's recomputation never
-    reaches DST's layer controller."""
+    """Timed (not deterministic) run with layer feedback and full checkpointing: the backward's
+    recomputation never reaches DST's layer controller."""
     chosen, observed = Counter(), Counter()
     real_choose, real_observe = LayerController.choose, LayerController.observe
 
@@ -56,6 +56,7 @@ def test_controller_chooses_and_observes_each_layer_once(tmp_path, monkeypatch):
     monkeypatch.setattr(LayerController, "choose", choose)
     monkeypatch.setattr(LayerController, "observe", observe)
     cfg = base_config(tmp_path, steps=1, deterministic=False, activation_checkpointing="full")
+    cfg = replace(cfg, dst=replace(cfg.dst, layer_feedback=True))
     Trainer(cfg, CPU1).run()
     assert chosen and set(chosen.values()) == {1}
     assert observed.keys() == chosen.keys() and set(observed.values()) == {1}
