@@ -127,7 +127,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=Path,
         default=None,
         help="JSON-lines file: each finished run is appended; runs already in it are not rerun "
-        "(resume an interrupted grid with the same arguments)",
+        "(resume an interrupted grid with the same arguments; two processes can share a grid, "
+        "one with --reverse)",
+    )
+    p.add_argument(
+        "--reverse", action="store_true", help="walk the grid from its last run (see --records)"
     )
     args = p.parse_args(argv)  # fmt: skip
     if args.out is None and not args.quick:
@@ -320,7 +324,7 @@ def baseline(pretrained: Path, tokenizer, args) -> dict:
 
 def _run_key(args: argparse.Namespace) -> str:
     """What a run's record depends on: every argument but the grid's size and where it writes."""
-    skip = {"seeds", "variants", "records", "out", "name"}
+    skip = {"seeds", "variants", "records", "out", "name", "reverse"}
     return json.dumps({k: str(v) for k, v in vars(args).items() if k not in skip}, sort_keys=True)
 
 
@@ -366,28 +370,37 @@ def main(argv=None) -> int:
               "| dev sweep of k:",
               json.dumps({k: round(e["mean_em"], 3) for k, e in base["dev_sweep"].items()}),
               flush=True)  # fmt: skip
-        done = _load_records(args.records, _run_key(args))
-        records, total = [], args.seeds * len(args.variants)
-        for seed in range(args.seeds):  # seeds outer: load drift hits every variant alike
-            for name in args.variants:
-                if (name, seed) in done:
-                    records.append(done[name, seed])
-                    print(f"[{len(records)}/{total}] {name} s{seed}: from {args.records}")
-                    continue
-                rec = continue_training(args, name, seed, data, pretrained, vmap,
-                                        work / name.replace("/", "_"), tokenizer)  # fmt: skip
-                records.append(rec)
-                if args.records is not None:
-                    with args.records.open("a") as f:
-                        f.write(json.dumps({"run_key": _run_key(args), **rec}) + "\n")
-                tr, ev = rec["train"], rec["eval"]
-                print(f"[{len(records)}/{total} {time.perf_counter() - start:5.0f}s] {name:18s} "
-                      f"s{seed}: density {tr['density']:.3f}, pred step "
-                      f"{tr['predicted_step_s']:.4f}s, roles {tr['roles']}, k "
-                      f"[{tr['budget_min']:.3g}, {tr['budget_max']:.3g}], ckpt "
-                      f"{rec['chosen_step']} | EM dense {ev['dense']['mean_em']:.3f} base "
-                      f"{ev['base']['mean_em']:.3f} final {ev['final']['mean_em']:.3f}",
-                      flush=True)  # fmt: skip
+        key = _run_key(args)
+        cells = [(name, seed) for seed in range(args.seeds) for name in args.variants]
+        total, ran = len(cells), {}
+        # seeds outer (load drift hits every variant alike); --reverse walks the grid from the
+        # end, so a second process on the same --records file shares the grid
+        for name, seed in reversed(cells) if args.reverse else cells:
+            if (name, seed) in _load_records(args.records, key):  # another process's, or earlier
+                continue
+            rec = continue_training(args, name, seed, data, pretrained, vmap,
+                                    work / name.replace("/", "_"), tokenizer)  # fmt: skip
+            ran[name, seed] = rec
+            if args.records is not None:
+                with args.records.open("a") as f:
+                    f.write(json.dumps({"run_key": key, **rec}) + "\n")
+            tr, ev = rec["train"], rec["eval"]
+            print(f"[{len(ran)} here, {total} in the grid, {time.perf_counter() - start:5.0f}s] "
+                  f"{name:18s} s{seed}: density {tr['density']:.3f}, pred step "
+                  f"{tr['predicted_step_s']:.4f}s, roles {tr['roles']}, k "
+                  f"[{tr['budget_min']:.3g}, {tr['budget_max']:.3g}], ckpt "
+                  f"{rec['chosen_step']} | EM dense {ev['dense']['mean_em']:.3f} base "
+                  f"{ev['base']['mean_em']:.3f} final {ev['final']['mean_em']:.3f}",
+                  flush=True)  # fmt: skip
+        found = {**_load_records(args.records, key), **ran}
+        missing = [c for c in cells if c not in found]
+        if missing:
+            print(
+                f"{len(missing)} runs of the grid are not in {args.records} yet (another "
+                "process is running them): run this command again when it ends for the report"
+            )
+            return 0
+        records = [found[c] for c in cells]
     wall = time.perf_counter() - start
     payload = {
         "args": vars(args), "variants": {n: VARIANTS[n] for n in args.variants},

@@ -152,6 +152,7 @@ def test_records_resume_only_with_the_same_arguments(tmp_path):
     (tmp_path / "r.jsonl").write_text(json.dumps({"run_key": key, **rec}) + "\n")
     assert accuracy._load_records(args.records, key) == {("fixed-K", 3): rec}
     assert accuracy._run_key(accuracy.parse_args(["--out", "y", "--seeds", "7"])) == key
+    assert accuracy._run_key(accuracy.parse_args(["--reverse"])) == key  # shares the grid
     other = accuracy._run_key(accuracy.parse_args(["--k-base", "4"]))
     with pytest.raises(SystemExit, match="other arguments"):
         accuracy._load_records(args.records, other)
