@@ -403,7 +403,8 @@ def main(argv=None) -> int:
         records = [found[c] for c in cells]
     wall = time.perf_counter() - start
     payload = {
-        "args": vars(args), "variants": {n: VARIANTS[n] for n in args.variants},
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "variants": {n: VARIANTS[n] for n in args.variants},
         "dst": {n: describe(n, args) for n in args.variants},
         "task_counts": task_counts, "pretrained": base, "records": records, "wall_s": wall,
         "latency_profiles": sorted({r["latency_profile"] for r in records}),
