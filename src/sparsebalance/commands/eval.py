@@ -13,8 +13,10 @@ model directory (``config.json`` + safetensors), a trainer checkpoint directory 
 base model from ``meta.json``'s ``model`` or ``--base``), or a trainer run directory (its
 ``checkpoints/latest``). A model whose vocabulary is smaller than
 the tokenizer's needs the trainer's id map: ``vocab_map.json`` beside ``model.pt``, in the run
-directory or in the Hugging Face directory, or ``--vocab-map``. ``--attn dense`` is the same op
-at gamma 1.0 (exact attention).
+directory or in the Hugging Face directory, or ``--vocab-map``. ``--attn sparse`` runs the
+block-sparse op at one budget: ``--top-k K`` key blocks per query, ``--budget-tokens T`` (``T /
+block size`` blocks: the trainer's unit and default, 8,192 tokens) or ``--gamma G`` (the threshold
+rule); ``--attn dense`` is the same op at gamma 1.0 (exact attention).
 """
 
 from __future__ import annotations
@@ -29,13 +31,18 @@ from tqdm import tqdm
 
 from ..evaluation.longbench import TRUNCATIONS
 from ..evaluation.metrics import CODE_SIM_BACKENDS
+from ..ops import Budget
 from ..ops.flex_config import check_flex_block_size, resolve_block_size
 from ..results import markdown_table
 from ..tasks import TASKS
+from ..tuning.knob import knob_from_tokens
 
 SYNTHETIC = tuple(TASKS)  # passkey, niah, vt, kv, niah1 (single needle), mqar
 TASK_CHOICES = (*SYNTHETIC, "longbench", "ppl")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_BUDGET_TOKENS = 8192
+"""The trainer's default base budget (``DSTConfig.budget_tokens``): what ``--attn sparse`` runs
+at when no budget flag is given."""
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -70,9 +77,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", type=parse_lengths, default=[1024, 2048, 4096],
                    help="e.g. 1k,2k,4k (longbench: max prompt tokens)")  # fmt: skip
     p.add_argument("--attn", choices=["dense", "sparse"], default="sparse",
-                   help="sparse: the block-sparse op at --gamma (default); dense: gamma 1.0, "
+                   help="sparse: the block-sparse op at one budget (default); dense: gamma 1.0, "
                    "exact attention")  # fmt: skip
-    p.add_argument("--gamma", type=float, default=None, help="sparse budget (default 0.9)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--top-k", type=int, default=None,
+                        help="sparse budget: key blocks per query (MoBA top-k)")  # fmt: skip
+    budget.add_argument("--budget-tokens", type=int, default=None,
+                        help="sparse budget in tokens attended: top-k with k = tokens / block "
+                        f"size (default {DEFAULT_BUDGET_TOKENS}, the trainer's)")  # fmt: skip
+    budget.add_argument("--gamma", type=float, default=None,
+                        help="sparse budget by the threshold rule: the fewest blocks whose "
+                        "estimated mass reaches gamma, in (0, 1]")  # fmt: skip
     p.add_argument("--num-examples", type=int, default=20, help="per length (and depth)")
     p.add_argument("--depths", type=parse_depths, default=None,
                    help="needle depths, e.g. 0,0.25,0.5,0.75,1 (default: 5 for niah/passkey, "
@@ -105,15 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print only JSON to stdout")
 
 
-def check_args(args: argparse.Namespace) -> float:
-    """Validate flag combinations; return the gamma the runner uses."""
-    if args.attn == "dense":
-        if args.gamma not in (None, 1.0):
-            raise ValueError("--gamma is for --attn sparse; --attn dense is gamma 1.0")
-        return 1.0
-    gamma = 0.9 if args.gamma is None else args.gamma
-    if not 0.0 < gamma <= 1.0:
-        raise ValueError(f"--gamma must be in (0, 1], got {gamma}")
+def check_args(args: argparse.Namespace) -> Budget:
+    """Validate flag combinations; return the budget the runner uses."""
     if args.num_examples <= 0:
         raise ValueError(f"--num-examples must be > 0, got {args.num_examples}")
     if args.task == "longbench" and args.data is None:
@@ -121,12 +129,36 @@ def check_args(args: argparse.Namespace) -> float:
     args.block_size = resolve_block_size(args.block_size, args.device)
     if args.backend in ("auto", "flex"):
         check_flex_block_size(args.block_size, args.device)
-    return gamma
+    if args.attn == "dense":
+        for flag, value in (("--top-k", args.top_k), ("--budget-tokens", args.budget_tokens),
+                            ("--gamma", args.gamma)):  # fmt: skip
+            if value is not None and (flag, value) != ("--gamma", 1.0):
+                raise ValueError(f"{flag} is for --attn sparse; --attn dense is exact attention")
+        return Budget(gamma=1.0)
+    if args.gamma is not None:
+        if not 0.0 < args.gamma <= 1.0:
+            raise ValueError(f"--gamma must be in (0, 1], got {args.gamma}")
+        return Budget(gamma=args.gamma)
+    if args.top_k is not None:
+        if args.top_k < 0:
+            raise ValueError(f"--top-k must be >= 0 key blocks, got {args.top_k}")
+        return Budget(top_k=args.top_k)
+    tokens = DEFAULT_BUDGET_TOKENS if args.budget_tokens is None else args.budget_tokens
+    if tokens < 0:
+        raise ValueError(f"--budget-tokens must be >= 0, got {tokens}")
+    return Budget(top_k=knob_from_tokens(tokens, args.block_size).base)  # the trainer's k
+
+
+def describe(budget: Budget) -> str:
+    """``"dense"``, ``"top-k 8"`` or ``"gamma 0.9"``."""
+    if budget.gamma == 1.0:
+        return "dense"
+    return f"top-k {budget.top_k}" if budget.top_k is not None else f"gamma {budget.gamma:g}"
 
 
 def run(args: argparse.Namespace) -> dict:
     """Evaluate; return the JSON-ready result."""
-    gamma = check_args(args)
+    budget = check_args(args)
     from ..data.tokenizer import load_tokenizer, make_codec
     from ..evaluation import HFRunner
     from ..train.weights import load_trained_model
@@ -136,9 +168,11 @@ def run(args: argparse.Namespace) -> dict:
     )
     vocab_size = model.get_input_embeddings().num_embeddings
     encode, decode, eos = make_codec(load_tokenizer(args.tokenizer), vocab_map, vocab_size)
-    runner = HFRunner(model, gamma, args.block_size, args.backend)
-    result = {"model": args.model, "task": args.task, "attn": args.attn, "gamma": gamma,
-              "lengths": args.lengths, "seed": args.seed}  # fmt: skip
+    runner = HFRunner(model, block_size=args.block_size, backend=args.backend, budget=budget)
+    result = {"model": args.model, "task": args.task, "attn": args.attn,
+              "budget": describe(budget), "gamma": budget.gamma, "top_k": budget.top_k,
+              "block_size": args.block_size, "lengths": args.lengths,
+              "seed": args.seed}  # fmt: skip
     show = not args.json and sys.stderr.isatty()
     if args.task in SYNTHETIC:
         result.update(_synthetic(args, runner, encode, show))
@@ -211,7 +245,7 @@ def _longbench(args, runner, encode, decode, eos, show) -> dict:
 
 def format_table(result: dict) -> str:
     """A human-readable table of :func:`run`'s result."""
-    head = f"{result['task']} | attn {result['attn']} (gamma {result['gamma']})"
+    head = f"{result['task']} | attn {result['attn']} ({result['budget']})"
     if "summary" in result:
         s = result["summary"]
         rows = [[n, v["accuracy"], v["token_accuracy"], v["count"]]
