@@ -109,6 +109,9 @@ class PretrainConfig:
     """Evaluate every N steps (0: only at the end)."""
     max_minutes: float = 20.0
     """Stop (and evaluate) when training has run this long."""
+    init_from: str = ""
+    """Continue from this run's ``--out`` folder (its weights; its shape and vocabulary must be
+    the recipe's) instead of a random initialisation: a recipe that adds steps to a model."""
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -264,6 +267,23 @@ def lr_at(cfg: PretrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
+def init_from(model, folder: Path, vocab_map: dict[int, int]) -> None:
+    """Load ``folder``'s weights into ``model``; refuse another shape or vocabulary in one line."""
+    from safetensors.torch import load_file
+
+    theirs = json.loads((folder / "vocab_map.json").read_text())
+    if {int(k): v for k, v in theirs.items()} != vocab_map:
+        raise ValueError(f"init_from {folder}: its vocab_map.json is not this recipe's")
+    state = load_file(folder / "model.safetensors")
+    if "lm_head.weight" not in state:  # tied embeddings are saved once
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    mine = model.state_dict()
+    wrong = [k for k in mine if k not in state or state[k].shape != mine[k].shape]
+    if wrong:
+        raise ValueError(f"init_from {folder}: another model shape ({wrong[0]} differs)")
+    model.load_state_dict({k: state[k] for k in mine})
+
+
 def pretrain(cfg: PretrainConfig, out: Path, log=print) -> dict:
     """Train, evaluate, save; returns the curve (also in ``out/curve.json``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -278,6 +298,8 @@ def pretrain(cfg: PretrainConfig, out: Path, log=print) -> dict:
     encode, _, _ = make_codec(tokenizer, vocab_map, cfg.vocab_size)
     config = AutoConfig.for_model(**hf_config(cfg))
     model = AutoModelForCausalLM.from_config(config, attn_implementation=IMPLEMENTATION)
+    if cfg.init_from:
+        init_from(model, Path(cfg.init_from), vocab_map)
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
     )

@@ -157,3 +157,31 @@ def test_records_resume_only_with_the_same_arguments(tmp_path):
     with pytest.raises(SystemExit, match="other arguments"):
         accuracy._load_records(args.records, other)
     assert accuracy._load_records(tmp_path / "missing.jsonl", key) == {}
+
+
+def test_pretrain_init_from_continues_a_model_and_refuses_another_shape(tmp_path):
+    """``init_from``: a recipe that adds steps starts from the saved weights, not a new init."""
+    import dataclasses
+
+    import torch
+    from safetensors.torch import load_file
+
+    from accuracy_pretrain import PretrainConfig, pretrain
+
+    tiny = PretrainConfig(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=2,
+                          intermediate_size=32, vocab_size=768, stages=((128, 160, 2),),
+                          tokens_per_step=256, warmup_steps=1, eval_lengths=(160,),
+                          eval_examples=1, eval_every=0, test_examples=0)  # fmt: skip
+    pretrain(tiny, tmp_path / "a", log=lambda *a, **k: None)
+    more = dataclasses.replace(
+        tiny, init_from=str(tmp_path / "a"), stages=((128, 160, 1),), seed=9, lr=0.0
+    )
+    pretrain(more, tmp_path / "b", log=lambda *a, **k: None)
+    a, b = (
+        load_file(tmp_path / "a" / "model.safetensors"),
+        load_file(tmp_path / "b" / "model.safetensors"),
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # lr 0: unchanged
+    wider = dataclasses.replace(more, hidden_size=32, intermediate_size=64)
+    with pytest.raises(ValueError, match="another model shape"):
+        pretrain(wider, tmp_path / "c", log=lambda *a, **k: None)
