@@ -169,3 +169,18 @@ def test_units_add_up_to_the_latency_models_prediction():
     )
     ctl = LayerController(mbs, model, cfg, target, value=0.9, knob=cfg.knob(64, curve))
     assert ctl.planned.sum() == pytest.approx(target, rel=1e-9)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 6])
+def test_units_add_up_for_any_number_of_layers(num_layers):
+    """A one-layer model has no second layer to read the per-layer time from (it crashed)."""
+    oracle = Oracle(num_layers=num_layers)
+    mbs = [MicroBatch((0, 1), (3000, 900), (0.3, 0.6)), MicroBatch((2,), (2500,), (0.2,))]
+    curve = DensityCurve(gamma0=0.9)
+    target = sum(
+        oracle.predict(mb.lengths, curve.density(np.array(mb.densities), 0.9)) for mb in mbs
+    )
+    cfg = G(mode="bidirectional", gamma0=0.9)
+    ctl = LayerController(mbs, oracle, cfg, target, value=0.9, knob=cfg.knob(64, curve))
+    assert ctl.planned.shape == (2, num_layers)
+    assert ctl.planned.sum() == pytest.approx(target, rel=1e-9)

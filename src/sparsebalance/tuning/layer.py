@@ -107,7 +107,7 @@ class LayerController:
             # Layer 0 also carries what is outside the layers (embedding, head, loss), defined so
             # that the units of a micro-batch add up to exactly the model's prediction for it.
             total = cost_model.predict(self.lengths[i], dens)
-            self.fixed[i, 0] += max(total - num_layers * (attention[i] + self.fixed[i, 1]), 0.0)
+            self.fixed[i, 0] += max(total - num_layers * attention[i] - self.fixed[i].sum(), 0.0)
         self.planned = attention[:, None] + self.fixed  # (M, L) predicted seconds at self.value
         self._chosen = np.zeros((m, num_layers), dtype=bool)
         self._predicted = np.full((m, num_layers), np.nan)  # at the chosen budget
