@@ -185,3 +185,21 @@ def test_pretrain_init_from_continues_a_model_and_refuses_another_shape(tmp_path
     wider = dataclasses.replace(more, hidden_size=32, intermediate_size=64)
     with pytest.raises(ValueError, match="another model shape"):
         pretrain(wider, tmp_path / "c", log=lambda *a, **k: None)
+
+
+def test_accuracy_keys_reports_both_splits(tmp_path, capsys):
+    """``accuracy_keys.py``: MQAR with seen and unseen keys, and the embeddings' cosines."""
+    import accuracy_keys
+    from accuracy_pretrain import PretrainConfig, pretrain
+
+    tiny = PretrainConfig(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=2,
+                          intermediate_size=32, vocab_size=768, tie_embeddings=False,
+                          stages=((128, 160, 1),), tokens_per_step=256, warmup_steps=1,
+                          eval_lengths=(160,), eval_examples=1, eval_every=0,
+                          test_examples=0)  # fmt: skip
+    pretrain(tiny, tmp_path / "m", log=lambda *a, **k: None)
+    assert accuracy_keys.main([str(tmp_path / "m"), "--lengths", "160", "--examples", "2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out) == {"model", "cosine_train_only", "cosine_eval_only", "mqar_train_keys_160",
+                        "mqar_eval_keys_160"}  # fmt: skip
+    assert -1 <= out["cosine_eval_only"] <= 1 and 0 <= out["mqar_eval_keys_160"] <= 1
