@@ -67,6 +67,7 @@ def worker(args) -> None:
 
     import sparsebalance
     import sparsebalance.hf
+    from sparsebalance.clock import Clock as Marks
     from sparsebalance.models.hf import build_model
     from sparsebalance.train.parallelize import _ReadyClock
 
@@ -101,7 +102,7 @@ def worker(args) -> None:
         def on_train_begin(self, *a, **k):
             wrapped = trainer.model_wrapped
             if runtime is None and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
-                self.ready = _ReadyClock()
+                self.ready = _ReadyClock(Marks("cpu"))  # host stamps, as the callback's
                 wrapped.register_comm_hook(self.ready, _ReadyClock.hook)
 
         def on_step_begin(self, *a, **k):
@@ -109,7 +110,7 @@ def worker(args) -> None:
 
         def on_pre_optimizer_step(self, *a, **k):
             if self.ready is not None and self.ready.last is not None:
-                self.compute.append(self.ready.last - self.t0)
+                self.compute.append(self.ready.last.host - self.t0)
 
         def on_step_end(self, *a, **k):
             if cuda:
@@ -147,6 +148,8 @@ def worker(args) -> None:
             "balance": float(np.mean(balance)) if balance else None,
         }  # fmt: skip
         Path(args.out, f"{args.variant}.json").write_text(json.dumps(out))
+    if torch.distributed.is_initialized():  # gloo torn down at interpreter exit can abort
+        torch.distributed.destroy_process_group()  # ("terminate called without an active ...")
 
 
 def launch(args, variant: str, tmp: Path) -> dict:
