@@ -35,9 +35,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from accuracy_eval import DEPTHS
 from sparsebalance import flags
 from sparsebalance.evaluation import HFRunner
-from sparsebalance.evaluation.synthetic import score_examples
+from sparsebalance.evaluation.synthetic import evaluate_task
 from sparsebalance.models.attention import IMPLEMENTATION, PackedAttention, register
 from sparsebalance.ops import Budget
 from sparsebalance.tasks import TASKS, WORDS, generate
@@ -75,6 +76,10 @@ class PretrainConfig:
     lengths drawn uniformly in range; the optional fourth value overrides ``copy_fraction`` in
     that stage, the fifth is the share of its steps run with top-k attention (``sparse_top_k``;
     default 0: every step dense)."""
+    edge_depth_fraction: float = 0.0
+    """Share of task documents whose needle sits at depth 0 or 1 exactly (half each; the others
+    draw it uniformly). Uniform depths rarely put the needle at the very start or end of the
+    haystack, and the test grid (:data:`accuracy_eval.DEPTHS`) puts 2 of its 5 depths there."""
     task_weights: tuple[float, ...] = ()
     """Sampling weight of each of ``tasks`` in the training mix (default: uniform)."""
     sparse_top_k: tuple[int, ...] = (2, 4, 8, 16)
@@ -122,6 +127,10 @@ class PretrainConfig:
         unknown = [t for t in self.tasks if t not in TASKS]
         if unknown:
             raise ValueError(f"tasks: unknown {unknown}; choose from {list(TASKS)}")
+        if not 0.0 <= self.edge_depth_fraction <= 1.0:
+            raise ValueError(
+                f"edge_depth_fraction must be in [0, 1], got {self.edge_depth_fraction}"
+            )
         if self.dev_seed == self.test_seed:
             raise ValueError(f"dev_seed and test_seed must differ, both are {self.dev_seed}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
@@ -210,7 +219,11 @@ class Batcher:
             task = self.cfg.tasks[i]
             n = int(self.rng.integers(lo, hi + 1))
             self.index += 1  # a fresh example every time (its own seeded stream)
-            ex = generate(task, 1, n, self.encode, seed=self.cfg.seed * 1_000_003 + self.index)[0]
+            depth = None  # no extra draw without edge depths: earlier recipes replay exactly
+            if self.cfg.edge_depth_fraction and self.rng.uniform() < self.cfg.edge_depth_fraction:
+                depth = float(self.rng.integers(2))
+            seed = self.cfg.seed * 1_000_003 + self.index
+            ex = generate(task, 1, n, self.encode, seed=seed, depth=depth)[0]
             prompt, answer = self.encode(ex.prompt), self.encode(ex.answer)
             if total and total + len(prompt) + len(answer) > self.cfg.tokens_per_step:
                 break
@@ -247,20 +260,29 @@ def step_loss(
 
 
 def evaluate(
-    model, cfg: PretrainConfig, encode, num: int | None = None, seed: int | None = None
+    model,
+    cfg: PretrainConfig,
+    encode,
+    num: int | None = None,
+    seed: int | None = None,
+    depths: tuple[float, ...] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Dense exact match per task and length on ``num`` held-out examples (eval split, ``seed``;
-    default: the dev examples of the curve)."""
+    default: the dev examples of the curve, depths drawn uniformly). ``depths``: ``num //
+    len(depths)`` examples at each depth instead, as ``accuracy.py`` evaluates (the test row is
+    then the benchmark's dense row of the pretrained model)."""
     num = cfg.eval_examples if num is None else num
     seed = cfg.dev_seed if seed is None else seed
+    per = max(1, num // len(depths)) if depths else num
     runner = HFRunner(model, gamma=1.0, block_size=cfg.block_size, backend="torch")
     out: dict[str, dict[str, float]] = {}
     for task in cfg.tasks:
-        out[task] = {}
-        for n in cfg.eval_lengths:
-            exs = generate(task, num, n, encode, seed=seed, split="eval")
-            scores = score_examples(runner, exs, encode, pack_tokens=8192)
-            out[task][str(n)] = sum(s.correct for s in scores) / len(scores)
+        found = evaluate_task(runner, task, cfg.eval_lengths, encode, per, depths, seed=seed,
+                              pack_tokens=8192)  # fmt: skip
+        out[task] = {
+            str(n): float(np.mean([s.correct for s in found if s.length == n]))
+            for n in cfg.eval_lengths
+        }
     model.train()
     return out
 
@@ -358,9 +380,15 @@ def pretrain(cfg: PretrainConfig, out: Path, log=print) -> dict:
         em = evaluate(model, cfg, encode)
         curve["evals"].append({"step": step, "seconds": train_s, "exact": em})
         log(f"final dev eval {json.dumps(em)}")
-    curve.update(train_seconds=train_s, steps_done=step, stopped_early=stopped)
+    curve.update(
+        train_seconds=train_s,
+        steps_done=step,
+        stopped_early=stopped,
+        threads=torch.get_num_threads(),
+    )
     if cfg.test_examples:
-        curve["test"] = evaluate(model, cfg, encode, cfg.test_examples, cfg.test_seed)
+        curve["test"] = evaluate(model, cfg, encode, cfg.test_examples, cfg.test_seed, DEPTHS)
+        curve["test_depths"] = list(DEPTHS)
         log(f"test eval ({cfg.test_examples} per task and length) {json.dumps(curve['test'])}")
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -397,13 +425,19 @@ def write_curve_report(
     head = ["step", "seconds", "answer loss (50-step mean)"]
     head += [f"{t} {n} EM" for t, by in first.items() for n in by]
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    tested = (
+        f"{len(curve['test_depths'])} depths {curve['test_depths']}: the accuracy benchmark's "
+        "examples"
+        if curve.get("test_depths")
+        else "depths drawn uniformly; the accuracy benchmark's grid of depths differs"
+    )
     notes = (
         f"Recipe: `{json.dumps(recipe)}`. Trained {curve['steps_done']} steps in "
-        f"{curve['train_seconds']:.0f} s on one CPU thread (stopped early: "
-        f"{curve['stopped_early']}). EM = teacher-forced exact match on held-out examples "
+        f"{curve['train_seconds']:.0f} s on {curve.get('threads', 1)} CPU thread(s) (stopped "
+        f"early: {curve['stopped_early']}). EM = teacher-forced exact match on held-out examples "
         f"(eval split): the curve on {recipe.get('eval_examples')} dev examples per cell (seed "
-        f"{recipe.get('dev_seed')}), the last row on the test examples (seed "
-        f"{recipe.get('test_seed')}, the accuracy benchmark's). Answer loss: mean next-token "
+        f"{recipe.get('dev_seed')}, depths drawn uniformly), the last row on the test examples "
+        f"(seed {recipe.get('test_seed')}, {tested}). Answer loss: mean next-token "
         f"loss over answer tokens (ln 10 = 2.30 is a uniform guess over digits). Load when "
         f"written: `{load}` (shared 2-core machine). {note}"
     )
@@ -446,11 +480,23 @@ def main(argv=None) -> int:
     )
     p.add_argument("--note", default="", help="text appended to the report's notes")
     p.add_argument("--name", default="accuracy-pretrain", help="report: <date>-<name>-cpu.md")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for training (default 1, as the published recipes ran; the report "
+        "names them)",
+    )
     args = p.parse_args(argv)
-    torch.set_num_threads(1)  # what training runs with (and what the report's machine line says)
+    if args.threads < 1:
+        raise ValueError(f"--threads {args.threads}: must be >= 1")
+    torch.set_num_threads(args.threads)  # the report's machine line says what training ran with
     if args.report_only:
         if not args.results:
             raise ValueError("--report-only needs --results (where to write the report)")
+        curve = Path(args.out) / "curve.json"
+        if curve.is_file():  # the machine line names the threads the run trained on
+            torch.set_num_threads(json.loads(curve.read_text()).get("threads", 1))
         print(f"wrote {write_curve_report(Path(args.out), args.results, args.name, args.note)}")
         return 0
     cfg = load_config(args.config, {"max_minutes": args.max_minutes, "seed": args.seed})

@@ -172,7 +172,8 @@ def test_pretrain_init_from_continues_a_model_and_refuses_another_shape(tmp_path
                           intermediate_size=32, vocab_size=768, stages=((128, 160, 2),),
                           tokens_per_step=256, warmup_steps=1, eval_lengths=(160,),
                           eval_examples=1, eval_every=0, test_examples=0)  # fmt: skip
-    pretrain(tiny, tmp_path / "a", log=lambda *a, **k: None)
+    curve = pretrain(tiny, tmp_path / "a", log=lambda *a, **k: None)
+    assert curve["threads"] == torch.get_num_threads()  # the report names the threads it ran on
     more = dataclasses.replace(
         tiny, init_from=str(tmp_path / "a"), stages=((128, 160, 1),), seed=9, lr=0.0
     )
@@ -203,3 +204,71 @@ def test_accuracy_keys_reports_both_splits(tmp_path, capsys):
     assert set(out) == {"model", "cosine_train_only", "cosine_eval_only", "mqar_train_keys_160",
                         "mqar_eval_keys_160"}  # fmt: skip
     assert -1 <= out["cosine_eval_only"] <= 1 and 0 <= out["mqar_eval_keys_160"] <= 1
+
+
+def _tiny(**over):
+    from accuracy_pretrain import PretrainConfig
+
+    base = dict(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=2, intermediate_size=32,
+                vocab_size=768, stages=((128, 160, 1),), tokens_per_step=256, warmup_steps=1,
+                eval_lengths=(160,), eval_examples=1, eval_every=0, test_examples=0)  # fmt: skip
+    return PretrainConfig(**{**base, **over})
+
+
+@pytest.mark.parametrize("fraction, expected", [(0.0, {None}), (1.0, {0.0, 1.0})])
+def test_edge_depth_fraction_puts_needles_at_the_haystacks_ends(monkeypatch, fraction, expected):
+    """``edge_depth_fraction``: that share of task documents has its needle at depth 0 or 1; with
+    0 the depth stays the generator's uniform draw."""
+    import accuracy_pretrain
+    from sparsebalance.data.tokenizer import load_tokenizer, make_codec
+
+    cfg = _tiny(edge_depth_fraction=fraction)
+    tok = load_tokenizer()
+    vmap = accuracy_pretrain.build_vocab_map(tok, cfg.tasks, cfg.vocab_size)
+    encode, _, _ = make_codec(tok, vmap, cfg.vocab_size)
+    batcher = accuracy_pretrain.Batcher(cfg, encode, len(vmap))
+    seen, real = [], accuracy_pretrain.generate
+
+    def spy(*args, depth=None, **kw):
+        seen.append(depth)
+        return real(*args, depth=depth, **kw)
+
+    monkeypatch.setattr(accuracy_pretrain, "generate", spy)
+    for _ in range(12):
+        batcher.next(128, 160, 0.0)
+    assert len(seen) >= 12 and set(seen) == expected
+    with pytest.raises(ValueError, match="edge_depth_fraction"):
+        _tiny(edge_depth_fraction=1.5)
+
+
+def test_pretrain_test_row_scores_the_benchmarks_examples(tmp_path, monkeypatch):
+    """The pretraining report's test row scores the examples ``accuracy.py`` scores (its depth
+    grid, its test seed, its count per depth), so the two agree on the base model's dense EM."""
+    import accuracy_eval
+    import accuracy_pretrain
+    from sparsebalance.data.tokenizer import load_tokenizer
+    from sparsebalance.train.weights import load_trained_model
+
+    calls = {"pretrain": set(), "benchmark": set()}
+
+    def spy(who, real):
+        def run(runner, task, lengths, encode, num, depths, seed=0, **kw):
+            calls[who].add((task, tuple(lengths), num, tuple(depths or ()), seed))
+            return real(runner, task, lengths, encode, num, depths, seed=seed, **kw)
+
+        return run
+
+    for who, mod in (("pretrain", accuracy_pretrain), ("benchmark", accuracy_eval)):
+        monkeypatch.setattr(mod, "evaluate_task", spy(who, mod.evaluate_task))
+    cfg = _tiny(test_examples=10)
+    curve = accuracy_pretrain.pretrain(cfg, tmp_path / "m", log=lambda *a, **k: None)
+    assert curve["test_depths"] == list(accuracy_eval.DEPTHS)
+    test_calls = {c for c in calls["pretrain"] if c[4] == cfg.test_seed}
+    model, vmap = load_trained_model(str(tmp_path / "m"),
+                                     vocab_map=str(tmp_path / "m" / "vocab_map.json"))  # fmt: skip
+    bench = accuracy_eval.scores(model, vmap, load_tokenizer(), accuracy_eval.DENSE, (160,), 10,
+                                 accuracy_eval.TEST_SEED)  # fmt: skip
+    assert test_calls and test_calls == calls["benchmark"]
+    assert cfg.test_seed == accuracy_eval.TEST_SEED
+    for task in cfg.tasks:
+        assert curve["test"][task]["160"] == pytest.approx(bench[task]["by_length"]["160"])

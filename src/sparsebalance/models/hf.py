@@ -49,7 +49,7 @@ def build_model(
         if has_weights:
             net = AutoModelForCausalLM.from_pretrained(
                 path, local_files_only=True, attn_implementation=attn_implementation,
-                torch_dtype=dtype,
+                dtype=dtype,
             )  # fmt: skip
         else:
             config = AutoConfig.from_pretrained(path, local_files_only=True)
