@@ -2,13 +2,14 @@
 top-k budgets, seven ways, and compare paired by seed.
 
     PYTHONPATH=src OMP_NUM_THREADS=1 .venv/bin/python benchmarks/accuracy.py \\
-        --pretrained runs/retrieval-dense-2k          # full grid, writes benchmarks/results/
+        --pretrained runs/retrieval-dense-2k-wide     # full grid, writes benchmarks/results/
     PYTHONPATH=src .venv/bin/python benchmarks/accuracy.py --quick   # smoke run, no file
 
-Step 1 (``benchmarks/accuracy_pretrain.py``, recipe ``benchmarks/configs/accuracy-pretrain-2k
-.toml``) trains a model that solves passkey, single-needle NIAH and MQAR at 1K and 2K with dense
-attention; without ``--pretrained`` this script runs it first (``--quick``: a few steps of a tiny
-recipe, which does not retrieve: the quick mode only checks that the pipeline runs).
+Step 1 (``benchmarks/accuracy_pretrain.py``, recipe ``benchmarks/configs/accuracy-pretrain-2k-wide
+.toml``, 42 min on one thread) trains a model that solves passkey, single-needle NIAH and MQAR at
+1K and 2K with dense attention; without ``--pretrained`` this script runs it first
+(``--quick``: a few steps of a tiny recipe, which does not retrieve: the quick mode only checks
+that the pipeline runs).
 
 Step 2: every variant (:func:`variants`) continues from that checkpoint with the real trainer
 (``Trainer``: planner over ``--ranks`` emulated data-parallel ranks in one process, DST, the
@@ -85,7 +86,7 @@ GAMMA0 = 0.9
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pretrained", default=None, help="step 1's output folder (else trained now)")
-    p.add_argument("--pretrain-config", default="benchmarks/configs/accuracy-pretrain-2k.toml")
+    p.add_argument("--pretrain-config", default="benchmarks/configs/accuracy-pretrain-2k-wide.toml")
     p.add_argument("--seeds", type=int, default=5, help="training seeds 0..N-1 per variant")
     p.add_argument("--steps", type=int, default=40, help="continuation steps")
     p.add_argument("--candidates", type=int, default=4, help="checkpoints compared on dev")

@@ -1,8 +1,8 @@
 """Train a small model that solves retrieval with dense attention (issues 18 and 29, step 1).
 
-    PYTHONPATH=src OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/accuracy_pretrain.py \\
-        --config benchmarks/configs/accuracy-pretrain-2k.toml --out runs/retrieval-dense-2k \\
-        --results benchmarks/results
+    PYTHONPATH=src OMP_NUM_THREADS=1 .venv/bin/python benchmarks/accuracy_pretrain.py \\
+        --config benchmarks/configs/accuracy-pretrain-2k-wide.toml \\
+        --out runs/retrieval-dense-2k-wide --results benchmarks/results
 
 The recipe (model shape, task mix, short-to-long curriculum, learning rate) lives in the TOML file
 (fields of :class:`PretrainConfig`). Training documents are generated on the fly from the
@@ -14,8 +14,9 @@ only tokens a retrieval task scores; they are ~1% of a 1K-token document).
 
 Every ``eval_every`` steps: teacher-forced exact match on ``eval_examples`` held-out *dev*
 examples (eval split: keys and values never trained on; ``dev_seed``) of every task at
-``eval_lengths``; at the end, on ``test_examples`` *test* examples (``test_seed``, the seed
-``benchmarks/accuracy.py`` evaluates with; never used to choose anything). Writes ``--out``: a
+``eval_lengths`` (depths drawn uniformly); at the end, on ``test_examples`` *test* examples: the
+examples ``benchmarks/accuracy.py`` evaluates (``test_seed``, its grid of needle depths), never
+used to choose anything. Writes ``--out``: a
 Hugging Face directory (``config.json`` + safetensors), ``vocab_map.json`` (tokenizer id -> model
 id), ``curve.json`` (loss and exact match over steps) and ``recipe.json``.
 """
@@ -468,8 +469,8 @@ def load_config(path: str | None, overrides: dict) -> PretrainConfig:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", default="benchmarks/configs/accuracy-pretrain-2k.toml")
-    p.add_argument("--out", default="runs/retrieval-dense-2k")
+    p.add_argument("--config", default="benchmarks/configs/accuracy-pretrain-2k-wide.toml")
+    p.add_argument("--out", default="runs/retrieval-dense-2k-wide")
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--results", default=None, help="also write a dated learning-curve report here")
