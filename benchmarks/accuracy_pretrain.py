@@ -267,11 +267,13 @@ def evaluate(
     num: int | None = None,
     seed: int | None = None,
     depths: tuple[float, ...] | None = None,
+    by_depth: dict | None = None,
 ) -> dict[str, dict[str, float]]:
     """Dense exact match per task and length on ``num`` held-out examples (eval split, ``seed``;
     default: the dev examples of the curve, depths drawn uniformly). ``depths``: ``num //
     len(depths)`` examples at each depth instead, as ``accuracy.py`` evaluates (the test row is
-    then the benchmark's dense row of the pretrained model)."""
+    then the benchmark's dense row of the pretrained model); ``by_depth`` (a dict) is filled with
+    ``{task: {length: {depth: EM}}}``."""
     num = cfg.eval_examples if num is None else num
     seed = cfg.dev_seed if seed is None else seed
     per = max(1, num // len(depths)) if depths else num
@@ -284,6 +286,16 @@ def evaluate(
             str(n): float(np.mean([s.correct for s in found if s.length == n]))
             for n in cfg.eval_lengths
         }
+        if depths and by_depth is not None:
+            by_depth[task] = {
+                str(n): {
+                    str(d): float(
+                        np.mean([s.correct for s in found if s.length == n and s.depth == d])
+                    )
+                    for d in depths
+                }
+                for n in cfg.eval_lengths
+            }
     model.train()
     return out
 
@@ -388,7 +400,10 @@ def pretrain(cfg: PretrainConfig, out: Path, log=print) -> dict:
         threads=torch.get_num_threads(),
     )
     if cfg.test_examples:
-        curve["test"] = evaluate(model, cfg, encode, cfg.test_examples, cfg.test_seed, DEPTHS)
+        curve["test_by_depth"] = {}
+        curve["test"] = evaluate(
+            model, cfg, encode, cfg.test_examples, cfg.test_seed, DEPTHS, curve["test_by_depth"]
+        )
         curve["test_depths"] = list(DEPTHS)
         log(f"test eval ({cfg.test_examples} per task and length) {json.dumps(curve['test'])}")
     out.mkdir(parents=True, exist_ok=True)
@@ -425,6 +440,15 @@ def write_curve_report(
     first = curve["evals"][0]["exact"]
     head = ["step", "seconds", "answer loss (50-step mean)"]
     head += [f"{t} {n} EM" for t, by in first.items() for n in by]
+    table = markdown_table(head, rows)
+    if curve.get("test_by_depth"):  # where in the haystack the model fails
+        depth_rows = [
+            [task, n, *(f"{v:.2f}" for v in by.values())]
+            for task, lens in curve["test_by_depth"].items()
+            for n, by in lens.items()
+        ]
+        table += "\n\nTest EM by needle depth (share of the haystack before the needle):\n\n"
+        table += markdown_table(["task", "length", *map(str, curve["test_depths"])], depth_rows)
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     tested = (
         f"{len(curve['test_depths'])} depths {curve['test_depths']}: the accuracy benchmark's "
@@ -446,7 +470,7 @@ def write_curve_report(
         results,
         name,
         torch.device("cpu"),
-        markdown_table(head, rows),
+        table,
         {"recipe": recipe, "curve": curve},
         notes,
     )

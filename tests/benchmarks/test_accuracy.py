@@ -272,3 +272,7 @@ def test_pretrain_test_row_scores_the_benchmarks_examples(tmp_path, monkeypatch)
     assert cfg.test_seed == accuracy_eval.TEST_SEED
     for task in cfg.tasks:
         assert curve["test"][task]["160"] == pytest.approx(bench[task]["by_length"]["160"])
+        by_depth = curve["test_by_depth"][task]["160"]
+        assert by_depth == pytest.approx(bench[task]["grid"]["160"])  # and where it fails
+    md = accuracy_pretrain.write_curve_report(tmp_path / "m", str(tmp_path / "res"), "t")
+    assert "Test EM by needle depth" in md.read_text() and "benchmark's examples" in md.read_text()
