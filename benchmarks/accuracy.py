@@ -408,6 +408,7 @@ def main(argv=None) -> int:
         "variants": {n: VARIANTS[n] for n in args.variants},
         "dst": {n: describe(n, args) for n in args.variants},
         "task_counts": task_counts, "pretrained": base, "records": records, "wall_s": wall,
+        "runs_here": len(ran),
         "latency_profiles": sorted({r["latency_profile"] for r in records}),
     }  # fmt: skip
     print(f"done in {wall:.0f} s ({len(records)} runs)")

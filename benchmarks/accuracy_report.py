@@ -230,6 +230,19 @@ def plot(payload: dict, path: Path) -> Path | None:
     return path
 
 
+def _wall_note(payload: dict) -> str:
+    """The wall time, and how much of the grid it covers: with --records, a grid may be shared by
+    two processes or resumed, and this process's wall is then not the grid's."""
+    total, here = len(payload["records"]), payload.get("runs_here", len(payload["records"]))
+    if here == total:
+        return f"Wall {payload['wall_s']:.0f} s"
+    return (
+        f"Wall {payload['wall_s']:.0f} s for the {here} of {total} runs this process ran (and the "
+        "baseline); the others were read from --records (another process sharing the grid, or an "
+        "earlier invocation)"
+    )
+
+
 def write_report(payload: dict, args, argv) -> Path:
     import datetime as dt
 
@@ -242,7 +255,7 @@ def write_report(payload: dict, args, argv) -> Path:
     png = plot(payload, out / f"{dt.date.today().isoformat()}-{args.name}.png")
     n = args.seeds
     notes = (
-        f"Wall {payload['wall_s']:.0f} s; load at the end: `{load}`. Seeds 0..{n - 1} (training "
+        f"{_wall_note(payload)}; load at the end: `{load}`. Seeds 0..{n - 1} (training "
         "seeds: data order and initialisation of the continuation; identical across variants). "
         f"EM = teacher-forced exact match; {args.eval_examples} test examples per task and "
         f"length ({len(args.eval_lengths)} lengths, 5 needle depths), eval split (keys and "

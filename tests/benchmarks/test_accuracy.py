@@ -159,6 +159,15 @@ def test_records_resume_only_with_the_same_arguments(tmp_path):
     assert accuracy._load_records(tmp_path / "missing.jsonl", key) == {}
 
 
+def test_wall_note_says_when_the_grid_was_shared_or_resumed():
+    from accuracy_report import _wall_note
+
+    recs = [{}] * 35
+    assert _wall_note({"records": recs, "wall_s": 2000.4, "runs_here": 35}) == "Wall 2000 s"
+    shared = _wall_note({"records": recs, "wall_s": 2000.4, "runs_here": 5})
+    assert shared.startswith("Wall 2000 s for the 5 of 35 runs") and "--records" in shared
+
+
 def test_pretrain_init_from_continues_a_model_and_refuses_another_shape(tmp_path):
     """``init_from``: a recipe that adds steps starts from the saved weights, not a new init."""
     import dataclasses
