@@ -302,6 +302,7 @@ def continue_training(args, name, seed, data, pretrained, vocab_map, work, token
             spec, lengths, args.block_size)  # fmt: skip
     else:  # a fixed budget ends where it started
         record["eval"]["final"] = record["eval"]["base"]
+    record["run_wall_s"] = time.perf_counter() - t0  # training, dev choice and test evaluation
     return record
 
 
@@ -329,9 +330,21 @@ def _run_key(args: argparse.Namespace) -> str:
     return json.dumps({k: str(v) for k, v in vars(args).items() if k not in skip}, sort_keys=True)
 
 
-def _load_records(path: Path | None, key: str) -> dict:
+def _checkpoint_id(pretrained: Path) -> str:
+    """A fingerprint of the pretrained weights and vocabulary: records of a run key name a path,
+    and a model retrained into the same folder must not reuse them."""
+    h = hashlib.sha256()
+    for name in ("model.safetensors", "vocab_map.json"):
+        f = pretrained / name
+        if f.is_file():
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _load_records(path: Path | None, key: str, checkpoint: str | None = None) -> dict:
     """``{(variant, seed): record}`` of a ``--records`` file (empty when there is none); a file
-    written with other arguments is refused."""
+    written with other arguments, or from other pretrained weights, is refused (records written
+    before the weights were fingerprinted carry no ``checkpoint`` and are accepted)."""
     if path is None or not path.is_file():
         return {}
     out = {}
@@ -340,6 +353,11 @@ def _load_records(path: Path | None, key: str) -> dict:
             rec = json.loads(line)
             if rec.pop("run_key", None) != key:
                 raise SystemExit(f"--records {path}: written with other arguments; use a new file")
+            if checkpoint is not None and rec.get("checkpoint", checkpoint) != checkpoint:
+                raise SystemExit(
+                    f"--records {path}: written from other pretrained weights than "
+                    f"--pretrained's (retrained?); use a new file"
+                )
             out[rec["variant"], rec["seed"]] = rec
     return out
 
@@ -371,16 +389,17 @@ def main(argv=None) -> int:
               "| dev sweep of k:",
               json.dumps({k: round(e["mean_em"], 3) for k, e in base["dev_sweep"].items()}),
               flush=True)  # fmt: skip
-        key = _run_key(args)
+        key, ckpt = _run_key(args), _checkpoint_id(pretrained)
         cells = [(name, seed) for seed in range(args.seeds) for name in args.variants]
         total, ran = len(cells), {}
         # seeds outer (load drift hits every variant alike); --reverse walks the grid from the
         # end, so a second process on the same --records file shares the grid
         for name, seed in reversed(cells) if args.reverse else cells:
-            if (name, seed) in _load_records(args.records, key):  # another process's, or earlier
+            if (name, seed) in _load_records(args.records, key, ckpt):  # another's, or earlier
                 continue
             rec = continue_training(args, name, seed, data, pretrained, vmap,
                                     work / name.replace("/", "_"), tokenizer)  # fmt: skip
+            rec["checkpoint"] = ckpt
             ran[name, seed] = rec
             if args.records is not None:
                 with args.records.open("a") as f:
@@ -393,7 +412,7 @@ def main(argv=None) -> int:
                   f"{rec['chosen_step']} | EM dense {ev['dense']['mean_em']:.3f} base "
                   f"{ev['base']['mean_em']:.3f} final {ev['final']['mean_em']:.3f}",
                   flush=True)  # fmt: skip
-        found = {**_load_records(args.records, key), **ran}
+        found = {**_load_records(args.records, key, ckpt), **ran}
         missing = [c for c in cells if c not in found]
         if missing:
             print(

@@ -28,6 +28,8 @@ COMPARISONS = (
     ("dst-mean-p0.1", "fixed-K", "final", "less", "... evaluated at the final per-bin k"),
     ("dst-mean-p0.2", "dst-mean-p0.1", "final", "less", "paper: p = 0.2 loses a little"),
     ("dst-min-p0.1", "dst-mean-p0.1", "final", "less", "paper: Min loses a little vs Mean"),
+    ("dst-mean-p0.2", "dst-mean-p0.1", "base", "less", "p = 0.2 vs 0.1 at the same budget K"),
+    ("dst-min-p0.1", "dst-mean-p0.1", "base", "less", "Min vs Mean at the same budget K"),
     ("sab-dst-mean-p0.1", "fixed-K", "final", "less", "SAB + DST Mean p=0.1 vs fixed K"),
     ("sab-dst-mean-p0.1", "dst-mean-p0.1", "final", "less", "adding SAB to DST"),
     ("dst-mean-p0.2", "fixed-K", "final", "less", "DST Mean p=0.2 vs fixed K"),
@@ -142,11 +144,13 @@ def comparisons(by: dict[str, list[dict]]) -> tuple[list[str], list[dict]]:
         lo, hi = c["ci95"]
         rows.append([
             f"{a} - {b}", setting, question, f"{c['mean']:+.3f}", f"[{lo:+.3f}, {hi:+.3f}]",
-            f"{c['wins']}/{c['losses']}/{c['ties']}", f"{c['p_perm']:.3f}", f"{c['p_t']:.3f}",
+            f"{c['wins']}/{c['losses']}/{c['ties']}", f"{c['p_perm']:.3f}",
+            f"{c['p_perm_two_sided']:.3f}", f"{c['p_t']:.3f}",
             f"{cost:.3f}", PAPER.get((a, b), ""),
         ])  # fmt: skip
     head = ["difference (mean EM)", "evaluated at", "question", "Δ", "95 % t-interval",
-            "seeds +/-/=", "one-sided sign-flip p (H1: Δ < 0)", "paired t p (2-sided)",
+            "seeds +/-/=", "one-sided sign-flip p (H1: Δ < 0)", "sign-flip p (2-sided)",
+            "paired t p (2-sided)",
             "cost ratio (predicted s/step)", "the paper (as quoted in issue 29)"]  # fmt: skip
     return ["", "## Paired by seed (ours beside the paper's figures)", "",
             markdown_table(head, rows)], found  # fmt: skip
@@ -233,14 +237,17 @@ def plot(payload: dict, path: Path) -> Path | None:
 def _wall_note(payload: dict) -> str:
     """The wall time, and how much of the grid it covers: with --records, a grid may be shared by
     two processes or resumed, and this process's wall is then not the grid's."""
-    total, here = len(payload["records"]), payload.get("runs_here", len(payload["records"]))
-    if here == total:
-        return f"Wall {payload['wall_s']:.0f} s"
-    return (
-        f"Wall {payload['wall_s']:.0f} s for the {here} of {total} runs this process ran (and the "
-        "baseline); the others were read from --records (another process sharing the grid, or an "
-        "earlier invocation)"
-    )
+    recs = payload["records"]
+    total, here = len(recs), payload.get("runs_here", len(recs))
+    note = f"Wall {payload['wall_s']:.0f} s"
+    if here != total:
+        note += (
+            f" for the {here} of {total} runs this process ran (and the baseline); the others "
+            "were read from --records (another process sharing the grid, or an earlier invocation)"
+        )
+    if all("run_wall_s" in r for r in recs):  # records written since 2026-11-25
+        note += f"; the runs took {sum(r['run_wall_s'] for r in recs):.0f} s in all"
+    return note
 
 
 def write_report(payload: dict, args, argv) -> Path:

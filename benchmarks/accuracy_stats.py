@@ -84,7 +84,8 @@ def sign_flip_p(d: list[float], alternative: str = "less") -> float:
 
 def paired(a: list[float], b: list[float], alternative: str = "less") -> dict:
     """Paired comparison of ``a - b`` over seeds (same order): mean, std, 95 % interval,
-    wins/losses/ties, exact one-sided sign-flip p (``alternative`` about ``a - b``), paired t p."""
+    wins/losses/ties, exact one-sided sign-flip p (``alternative`` about ``a - b``) and its
+    two-sided form (twice the smaller tail), paired t p."""
     d = [x - y for x, y in zip(a, b, strict=True)]
     n = len(d)
     mean = statistics.mean(d)
@@ -107,6 +108,7 @@ def paired(a: list[float], b: list[float], alternative: str = "less") -> dict:
         "ties": n - wins - losses,
         "alternative": alternative,
         "p_perm": sign_flip_p(d, alternative),
+        "p_perm_two_sided": min(1.0, 2 * min(sign_flip_p(d, "less"), sign_flip_p(d, "greater"))),
         "p_t": t_p,
     }
 

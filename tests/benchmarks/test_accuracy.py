@@ -55,6 +55,9 @@ def test_paired_difference_interval_and_counts():
     assert lo == pytest.approx(-0.1 - half) and hi == pytest.approx(-0.1 + half)
     assert c["p_perm"] == pytest.approx(2 / 32)  # the tie flips either way
     assert 0 < c["p_t"] < 0.05
+    assert c["p_perm_two_sided"] == pytest.approx(4 / 32)
+    up = stats.paired([1.0, 2.0, 3.0, 4.0, 5.0], [0.0] * 5, "less")  # all seeds higher
+    assert up["p_perm"] == 1.0 and up["p_perm_two_sided"] == pytest.approx(2 / 32)
 
 
 def test_variants_dst_settings():
@@ -121,6 +124,7 @@ def test_quick_run_writes_every_variant_and_comparison(tmp_path):
     for rec in data["records"]:
         assert rec["unknown_tokens"] == 0  # read through the pretraining vocabulary
         assert rec["chosen_step"] in (1, 2) and set(rec["dev_mean_em"]) == {"1", "2"}
+        assert rec["run_wall_s"] >= rec["train_wall_s"] > 0
         tr = rec["train"]
         assert 0 < tr["density"] <= 1 and tr["predicted_step_s"] > 0
         for ev in rec["eval"].values():
@@ -159,6 +163,29 @@ def test_records_resume_only_with_the_same_arguments(tmp_path):
     assert accuracy._load_records(tmp_path / "missing.jsonl", key) == {}
 
 
+def test_records_of_other_pretrained_weights_are_refused(tmp_path):
+    import accuracy
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"weights v1")
+    (ckpt / "vocab_map.json").write_text("{}")
+    first = accuracy._checkpoint_id(ckpt)
+    args = accuracy.parse_args(["--records", str(tmp_path / "r.jsonl")])
+    key = accuracy._run_key(args)
+    rec = {"variant": "fixed-K", "seed": 0, "checkpoint": first, "eval": {}}
+    old = {"variant": "fixed-K/2", "seed": 0, "eval": {}}  # written before fingerprints
+    lines = [json.dumps({"run_key": key, **r}) for r in (rec, old)]
+    args.records.write_text("\n".join(lines) + "\n")
+    assert set(accuracy._load_records(args.records, key, first)) == {("fixed-K", 0),
+                                                                     ("fixed-K/2", 0)}  # fmt: skip
+    (ckpt / "model.safetensors").write_bytes(b"weights v2")  # retrained into the same folder
+    second = accuracy._checkpoint_id(ckpt)
+    assert second != first
+    with pytest.raises(SystemExit, match="other pretrained weights"):
+        accuracy._load_records(args.records, key, second)
+
+
 def test_wall_note_says_when_the_grid_was_shared_or_resumed():
     from accuracy_report import _wall_note
 
@@ -166,6 +193,8 @@ def test_wall_note_says_when_the_grid_was_shared_or_resumed():
     assert _wall_note({"records": recs, "wall_s": 2000.4, "runs_here": 35}) == "Wall 2000 s"
     shared = _wall_note({"records": recs, "wall_s": 2000.4, "runs_here": 5})
     assert shared.startswith("Wall 2000 s for the 5 of 35 runs") and "--records" in shared
+    timed = [{"run_wall_s": 100.0}] * 35
+    assert "3500 s in all" in _wall_note({"records": timed, "wall_s": 2000.4, "runs_here": 5})
 
 
 def test_pretrain_init_from_continues_a_model_and_refuses_another_shape(tmp_path):
