@@ -271,6 +271,8 @@ def main() -> int:
             torch.distributed.destroy_process_group()
         if args.worker and int(os.environ.get("RANK", "0")) != 0:
             return 0
+    if args.worker:  # the results file names the user's command, not torchrun's re-launch
+        sys.argv = [a for a in sys.argv if a != "--worker"]
     other = " (NOT the pre-registered file)" if args.not_preregistered else ""
     quick = " --quick: a smoke test, not a measurement" if args.quick else ""
     notes = (f"Settings: {args.config}{other}{quick}; load average before {load[0]:.2f}, after "
