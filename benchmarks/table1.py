@@ -141,8 +141,9 @@ def measured(cfg: dict, args, emulate: int) -> dict:
                 rounds = run_rows(cfg, mix, seed, store, tmp / f"runs-{mix}-{seed}", emulate)
                 results[f"{mix}/seed{seed}"] = {"rows": summarize(rounds), "raw": rounds,
                                                 "wall_s": time.perf_counter() - t0}  # fmt: skip
-                print(f"{mix} seed {seed}: {format_rows(results[f'{mix}/seed{seed}']['rows'])}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                if int(os.environ.get("RANK", "0")) == 0:  # gloo: one line, not one per rank
+                    print(f"{mix} seed {seed}: {format_rows(results[f'{mix}/seed{seed}']['rows'])}",
+                          file=sys.stderr, flush=True)  # fmt: skip
     return results
 
 
