@@ -149,7 +149,10 @@ def worker(args) -> None:
         }  # fmt: skip
         Path(args.out, f"{args.variant}.json").write_text(json.dumps(out))
     if torch.distributed.is_initialized():  # gloo torn down at interpreter exit can abort
-        torch.distributed.destroy_process_group()  # ("terminate called without an active ...")
+        # ("terminate called without an active exception"); the barrier keeps a rank from
+        # closing its connections while the other is still on its way out of the last collective
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def launch(args, variant: str, tmp: Path) -> dict:
