@@ -142,8 +142,8 @@ def test_eval_cli_passes_longbench_options(tmp_path, capsys):
     vmap.write_text(json.dumps({**{str(i): i for i in range(1, 4000)}, "151643": 4000}))
     argv = ["eval", "--model", "tiny", "--task", "longbench", "--data",
             str(FIXTURES / "hotpotqa.jsonl"), "--lengths", "48", "--block-size", "16",
-            "--vocab-map", str(vmap), "--truncation", "tokens", "--code-sim-backend", "rapidfuzz",
-            "--json"]  # fmt: skip
+            "--device", "cpu", "--vocab-map", str(vmap), "--truncation", "tokens",
+            "--code-sim-backend", "rapidfuzz", "--json"]  # fmt: skip
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["truncation"] == "tokens" and result["code_sim_backend"] == "rapidfuzz"

@@ -152,7 +152,8 @@ def test_trained_tiny_model_evaluates_end_to_end(tiny, tmp_path, capsys):
     out = str(tmp_path / "o")
     rc = main(["eval", "--model", str(tmp_path / "run"), "--task", "passkey", "--lengths",
                "128,160", "--num-examples", "1", "--depths", "0.5", "--attn", "sparse",
-               "--gamma", "0.8", "--block-size", "16", "--json", "--out", out])  # fmt: skip
+               "--gamma", "0.8", "--block-size", "16", "--device", "cpu", "--json", "--out",
+               out])  # fmt: skip
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["gamma"] == 0.8 and result["summary"]["count"] == 2
@@ -246,7 +247,7 @@ def test_eval_cli_runs_at_a_top_k_budget(tmp_path, capsys):
     vmap.write_text(json.dumps({i: k + 1 for k, i in enumerate(sorted(ids))}))
     rc = main(["eval", "--model", "tiny", "--task", "passkey", "--lengths", "256",
                "--num-examples", "1", "--depths", "0.5", "--top-k", "2", "--block-size", "16",
-               "--vocab-map", str(vmap), "--json"])  # fmt: skip
+               "--device", "cpu", "--vocab-map", str(vmap), "--json"])  # fmt: skip
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["budget"] == "top-k 2" and result["top_k"] == 2 and result["gamma"] is None

@@ -6,7 +6,6 @@ import json
 import os
 import pickle
 import traceback
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 
 from sparsebalance.latency import analytic_profile
 from sparsebalance.models import load_shapes
+from sparsebalance.ops.flex_config import CUDA_TILE
 from sparsebalance.train import TrainConfig, Trainer
 from sparsebalance.train.runtime import Runtime
 from sparsebalance.tuning import DSTConfig
@@ -39,15 +39,21 @@ def write_profile(tmp: Path) -> Path:
     return path
 
 
-def base_config(tmp: Path, **over) -> TrainConfig:
-    cfg = TrainConfig(
+def base_config(tmp: Path, device: str = "cpu", **over) -> TrainConfig:
+    """The harness's small run, built for ``device`` from the start (never ``auto``): CPU-tier
+    tests run on the CPU whatever the machine has (block 32, which CUDA's flex would refuse);
+    ``device="cuda"`` (the gpu tier) starts from CUDA's block of 128. ``over`` replaces fields."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"base_config: device must be cpu or cuda (explicit), got {device!r}")
+    fields = dict(
         data=str(write_dataset(tmp)), profile=str(write_profile(tmp)), out=str(tmp / "run"),
-        steps=6, global_batch=8, capacity=512, block_size=32, lr=3e-3, warmup_steps=0,
+        steps=6, global_batch=8, capacity=512, device=device,
+        block_size=32 if device == "cpu" else CUDA_TILE, lr=3e-3, warmup_steps=0,
         schedule="constant", deterministic=True,
         dst=DSTConfig(mode="bidirectional", budget="gamma", gamma0=0.9, gamma_min=0.5,
                       gamma_max=0.99),
     )  # fmt: skip
-    return replace(cfg, **over)
+    return TrainConfig(**{**fields, **over})
 
 
 def _worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:

@@ -26,6 +26,7 @@ def test_batch_schedule_never_repeats_a_document_within_a_batch():
 def test_bench_e2e_on_emulated_ranks(tmp_path, capsys):
     argv = ["bench-e2e", "--strategies", "baseline,sab+dst", "--emulate-ranks", "2",
             "--steps", "2", "--global-batch", "6", "--capacity", "512", "--block-size", "32",
+            "--device", "cpu",
             "--data", str(write_dataset(tmp_path)), "--profile", str(write_profile(tmp_path)),
             "--out", str(tmp_path / "runs"), "--results-dir", str(tmp_path), "--json"]  # fmt: skip
     assert main(argv) == 0

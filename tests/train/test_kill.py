@@ -24,8 +24,8 @@ def _argv(tmp: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "sparsebalance", "train", "--nproc", "2",
             "--data", str(tmp / "data.jsonl"), "--profile", str(tmp / "profile.json"),
             "--out", str(out), "--steps", "5", "--global-batch", "8", "--capacity", "512",
-            "--block-size", "32", "--lr", "3e-3", "--warmup-steps", "0", "--schedule",
-            "constant", "--deterministic", "--checkpoint-every", "1", "--dst-mode",
+            "--block-size", "32", "--device", "cpu", "--lr", "3e-3", "--warmup-steps", "0",
+            "--schedule", "constant", "--deterministic", "--checkpoint-every", "1", "--dst-mode",
             "bidirectional", "--gamma0", "0.9", "--gamma-min", "0.5", "--gamma-max", "0.99",
             *extra]  # fmt: skip
 

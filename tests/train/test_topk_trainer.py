@@ -24,7 +24,7 @@ def _config(tmp_path, **dst) -> TrainConfig:
     return TrainConfig(
         num_builtin=48, min_len=200, max_len=1200, profile=str(profile), out=str(tmp_path / "r"),
         steps=3, global_batch=8, capacity=2400, block_size=32, emulate_ranks=4, strategy="sab",
-        deterministic=True, warmup_steps=0,
+        deterministic=True, warmup_steps=0, device="cpu",
         dst=DSTConfig(budget_tokens=96, **dst),  # k = 3 blocks of 32
     )  # fmt: skip
 

@@ -32,9 +32,9 @@ def _flags(tmp: Path) -> list[str]:
     if not profile.exists():
         analytic_profile(load_shapes("tiny"), "h100", block_size=32).save(profile)
     return ["--model", "tiny", "--steps", "3", "--deterministic", "--num-builtin", "16",
-            "--max-len", "256", "--global-batch", "8", "--block-size", "32", "--profile",
-            str(profile), "--strategy", "sab", "--dst-mode", "bidirectional",
-            "--checkpoint-every", "1"]  # fmt: skip
+            "--max-len", "256", "--global-batch", "8", "--block-size", "32",
+            "--device", "cpu", "--profile", str(profile), "--strategy", "sab", "--dst-mode",
+            "bidirectional", "--checkpoint-every", "1"]  # fmt: skip
 
 
 def _two_nodes(flags: list[str], out: Path) -> None:
