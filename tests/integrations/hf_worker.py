@@ -50,6 +50,7 @@ def sb_config(tmp: Path, profile: Path) -> TrainConfig:
         global_batch=GLOBAL_BATCH, capacity=CAPACITY, block_size=BLOCK, lr=LR, weight_decay=WD,
         warmup_steps=0, schedule="constant", grad_clip=1.0, deterministic=True, loss="plain",
         dst=DST, overwrite=True, strategy="sab",  # the integrations plan whole documents
+        device="cpu",
     )  # fmt: skip
 
 
@@ -155,7 +156,7 @@ def hf_run(tmp, name, dataset, profile, steps, resume=None, trl=False, **over) -
     runtime = sparsebalance.hf.enable(trainer, capacity=CAPACITY, dst=DST, profile=profile,
                                       block_size=BLOCK, deterministic=True)  # fmt: skip
     logs = LogRecorder()
-    trainer.add_callback(logs.callback)  # after SparseBalance's, like report_to loggers
+    trainer.add_callback(logs.callback)  # after SparseBalance's (before it: test_hf_logs.py)
     trainer.train(resume_from_checkpoint=resume)
     hist = runtime.planner.history
     return {

@@ -1,12 +1,20 @@
 """The ``TrainerCallback`` :func:`sparsebalance.hf.enable` installs: times each micro-batch from
 the Trainer's own events, runs the step's feedback (latency model, density estimator) after the
-optimizer step, puts the telemetry into the Trainer's logs (``report_to``), and keeps the
-planner's state in the Trainer's checkpoints (``trainer_state.json``: JSON, no pickle).
+optimizer step, puts the telemetry into the Trainer's training logs, and keeps the planner's
+state in the Trainer's checkpoints (``trainer_state.json``: JSON, no pickle).
 
 Micro-batch ``m``'s time runs from ``on_step_begin`` (m = 0) or the previous ``on_substep_end``
 to its own ``on_substep_end``; the last one ends when DDP handed its last gradient bucket to the
 all-reduce (a communication hook stamps it: the wait for slower ranks is not compute), or at
 ``on_pre_optimizer_step`` without DDP.
+
+Telemetry reaches the logs through ``Trainer.log`` (the Trainer's public override point, wrapped
+on the instance as ``enable`` does with ``get_train_dataloader``), not through ``on_log``: by the
+time any callback's ``on_log`` runs, the Trainer has already appended its copy of the logs to
+``state.log_history``, and the ``report_to`` callbacks listed before ours have sent theirs. The
+wrapper adds the ``sparsebalance/*`` means since the last log to every training log (one with a
+``loss``) before the Trainer's own ``log`` runs, so ``log_history`` and every callback see one
+entry with the loss and the telemetry, whatever order the callbacks were added in.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ class SparseBalanceCallback(TrainerCallback, ExportableState):
         self._stamps: list[float] = []
         self._clock: _ReadyClock | None = None
         self._logged = 0
+        self._wrapped_log = None  # the trainer's log method before ours (wrapped once)
 
     def state(self) -> dict:
         """What ``trainer_state.json`` keeps (``stateful_callbacks``): the planner's learned
@@ -56,6 +65,28 @@ class SparseBalanceCallback(TrainerCallback, ExportableState):
         state.stateful_callbacks.setdefault(name, self.state())
         self._logged = len(self.planner.history)
         self._hook_ddp()
+        self._wrap_log()
+
+    def _wrap_log(self) -> None:
+        """Make ``trainer.log`` add the telemetry to training logs before the Trainer keeps and
+        sends them (see the module docstring); once per trainer, ``train()`` may run again."""
+        if self.trainer is None or self._wrapped_log is not None:
+            return
+        original = self._wrapped_log = self.trainer.log
+
+        def log(logs: dict, *args, **kwargs):
+            if "loss" in logs:  # training logs only (not eval, not the end-of-train summary)
+                logs.update(self.log_values())
+            return original(logs, *args, **kwargs)
+
+        self.trainer.log = log
+
+    def log_values(self) -> dict:
+        """The ``sparsebalance/*`` means of the steps finished since the last call (empty when
+        none); what each training log gets."""
+        values = log_values(self.planner.history, self._logged)
+        self._logged = len(self.planner.history)
+        return values
 
     def _hook_ddp(self) -> None:
         """Stamp when DDP hands the last gradient bucket over (the default all-reduce runs)."""
@@ -96,9 +127,3 @@ class SparseBalanceCallback(TrainerCallback, ExportableState):
         if work is None or len(seconds) != len(work.tickets):
             seconds = None  # not every micro-batch was seen (a step interrupted): not measured
         self.planner.finish(work, seconds)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None or "loss" not in logs:  # training logs only (not eval)
-            return
-        logs.update(log_values(self.planner.history, self._logged))
-        self._logged = len(self.planner.history)
