@@ -14,6 +14,13 @@ Conventions (``TrainConfig``, ``DSTConfig``, ``SimConfig``):
 Types: ``bool`` (``--x`` / ``--no-x``), ``int``, ``float``, ``str``, ``X | None``, and tuples
 (``tuple[int, ...]``, ``tuple[float, float]``: comma lists such as ``8,64,512``). Fields of other
 types are not flags (a command builds them from its own options).
+
+Every value is type-checked, wherever it comes from (:func:`check_values` for a config file's or
+the command line's values, naming the key and its source; :func:`check_fields` in a config's
+``__post_init__`` for the Python API): an ``int`` field takes an integer (not ``true``, not
+``2.7``), a ``float`` a finite number (not ``nan``, not ``"1e-3"``), a ``bool`` ``true`` or
+``false``, a ``str`` a string, a section a table. Nothing is coerced: a wrong type is
+:class:`ConfigTypeError`, one line.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import dataclasses
 import inspect
 import itertools
 import json
+import math
+import numbers
 import re
 import sys
 import types
@@ -31,6 +40,8 @@ import typing
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 _ALIAS = re.compile(r"^\[(--[\w.-]+(?:\s*/\s*--[\w.-]+)*)\]\s*")
 
@@ -152,9 +163,12 @@ def load_file(path: str, flag: str = "--config") -> dict:
         import tomli as tomllib
     try:
         text = Path(path).read_text()
-        return json.loads(text) if path.endswith(".json") else tomllib.loads(text)
+        values = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
     except (OSError, ValueError) as err:  # TOMLDecodeError and JSONDecodeError are ValueErrors
         raise ValueError(f"{flag} {path}: {err}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{flag} {path}: expected a table of keys, got a {type(values).__name__}")
+    return values
 
 
 def merge(base: dict, over: dict) -> dict:
@@ -188,6 +202,129 @@ def build(cls: type, values: dict, where: str = "config") -> Any:
         else:
             kwargs[key] = value
     return cls(**kwargs)
+
+
+class ConfigTypeError(TypeError, ValueError):
+    """A config value of the wrong type. A ``TypeError`` for the Python API, and a
+    ``ValueError`` too, so the command line reports it in one line like every user error."""
+
+
+def type_problem(kind: Any, value: Any) -> str | None:
+    """What a value of a field typed ``kind`` must be (``"an integer"``), or None when ``value``
+    is one. Booleans are not integers, integers are numbers, numbers must be finite; a field of
+    a type that is not a flag or a section accepts anything (its owner checks it)."""
+    base = _base(kind)
+    if base is None and set(typing.get_args(kind)) - {type(None)} == {int, str}:
+        want, ok = "an integer or a word", isinstance(value, str) or _is_int(value)
+    elif base is bool:
+        want, ok = "true or false", isinstance(value, (bool, np.bool_))
+    elif base is int:
+        want, ok = "an integer", _is_int(value)
+    elif base is float:
+        want, ok = "a finite number", _is_number(value) and math.isfinite(value)
+    elif base is str:
+        want, ok = "a string", isinstance(value, str)
+    elif typing.get_origin(base) is tuple:
+        want = _tuple_want(base)
+        ok = want is None or _tuple_fits(base, value)
+    elif dataclasses.is_dataclass(base):
+        want, ok = f"a {base.__name__}", isinstance(value, base)
+    else:
+        return None
+    if value is None and _optional(kind):
+        return None
+    return None if ok else want
+
+
+def _tuple_want(kind: Any) -> str | None:
+    args = typing.get_args(kind)
+    what = {int: "integers", float: "finite numbers", str: "strings"}.get(args[0])
+    if what is None:
+        return None
+    size = None if len(args) == 2 and args[1] is Ellipsis else len(args)
+    return f"a list of {size} {what}" if size else f"a list of {what}"
+
+
+def _tuple_fits(kind: Any, value: Any) -> bool:
+    args = typing.get_args(kind)
+    size = None if len(args) == 2 and args[1] is Ellipsis else len(args)
+    if not isinstance(value, (tuple, list, np.ndarray)) or getattr(value, "ndim", 1) != 1:
+        return False
+    if size is not None and len(value) != size:
+        return False
+    return all(type_problem(args[0], x) is None for x in value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _optional(kind: Any) -> bool:
+    return type(None) in typing.get_args(kind)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_values(cls: type, values: dict, where: str, prefix: tuple[str, ...] = ()) -> None:
+    """Raise :class:`ConfigTypeError` for the first value of the nested dict ``values`` (a
+    config file's keys, or the flags given) whose type does not fit its field of ``cls``.
+    ``where``: the source, ``"flags"`` (the message names the flag: ``--steps``) or e.g.
+    ``"--config run.toml"`` (it names the key: ``--config run.toml: [dst] gamma0``). Unknown keys
+    are left to :func:`build`."""
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        if key not in hints:
+            continue
+        path, kind = (*prefix, key), hints[key]
+        if dataclasses.is_dataclass(kind):
+            if not isinstance(value, dict):
+                raise ConfigTypeError(f"{_name(path, where)} must be a table of "
+                                      f"{kind.__name__} fields, got {_shown(value)}")  # fmt: skip
+            check_values(kind, value, where, path)
+            continue
+        problem = type_problem(kind, value)
+        if problem is not None:
+            raise ConfigTypeError(f"{_name(path, where)} must be {problem}, got {_shown(value)}")
+
+
+def _name(path: tuple[str, ...], where: str) -> str:
+    if where == "flags":
+        return "--" + ".".join(p.replace("_", "-") for p in path)
+    key = f"[{'.'.join(path[:-1])}] {path[-1]}" if len(path) > 1 else path[0]
+    return f"{where}: {key}"
+
+
+def check_fields(obj: Any) -> None:
+    """Raise :class:`ConfigTypeError` naming ``Class.field`` for the first field of dataclass
+    ``obj`` whose value does not fit its type (called first in a config's ``__post_init__``:
+    what the Python API passed)."""
+    cls = type(obj)
+    for name, kind in _hints(cls).items():
+        value = getattr(obj, name)
+        problem = type_problem(kind, value)
+        if problem is not None:
+            flag = next((o.aliases[0] if o.aliases else o.flag for o in options(cls)
+                         if o.path == (name,)), None)  # fmt: skip
+            shown = f"{cls.__name__}.{name}" + (f" ({flag})" if flag else "")
+            raise ConfigTypeError(f"{shown} must be {problem}, got {_shown(value)}")
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """The resolved types of ``cls``'s fields (cached: configs are built often)."""
+    if cls not in _HINTS:
+        hints = typing.get_type_hints(cls)
+        _HINTS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return _HINTS[cls]
 
 
 def _base(kind: Any) -> Any:

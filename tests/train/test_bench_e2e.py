@@ -50,7 +50,8 @@ def test_bad_ablation_names_and_emulation_values(capsys):
 
 def test_global_batch_must_cover_ranks_and_dataset(tmp_path, capsys):
     common = ["--data", str(write_dataset(tmp_path)), "--profile", str(write_profile(tmp_path)),
-              "--out", str(tmp_path / "r"), "--steps", "1", "--nproc", "1"]  # fmt: skip
+              "--out", str(tmp_path / "r"), "--steps", "1", "--nproc", "1",
+              "--block-size", "32"]  # fmt: skip
     # user errors are found before launching: one line, exit 2
     assert main(["train", "--emulate-ranks", "4", "--global-batch", "3", *common]) == 2
     assert capsys.readouterr().err.strip().endswith("smaller than the 4 ranks: every rank needs "

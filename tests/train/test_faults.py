@@ -168,7 +168,7 @@ def test_cheap_checks_fail_at_construction(tmp_path):
         (dict(out=str(tmp_path / "r"), resume=True, overwrite=True), "pick one"),
         (dict(capacity=0), "--capacity must be >= 1"),
         (dict(checkpoint_every=-1), "--checkpoint-every must be >= 0"),
-        (dict(lr=float("nan")), "--lr must be finite"),
+        (dict(lr=float("nan")), r"lr \(--lr\) must be a finite number"),
         (dict(profile=str(tmp_path / "p.json")), "--profile .*no such file"),
     ]
     for kwargs, match in cases:

@@ -51,10 +51,14 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     """Defaults < ``--config`` < flags; validated (``ValueError`` naming the flag) before any
     work."""
     values = flags.load_file(args.config) if args.config else {}
-    values = flags.merge(values, flags.values_from_args(args, SimConfig))
+    where = f"--config {args.config}" if args.config else "flags"
+    flags.check_values(SimConfig, values, where)
+    given = flags.values_from_args(args, SimConfig)
+    flags.check_values(SimConfig, given, "flags")
+    values = flags.merge(values, given)
     if values.get("strategies") == ():
         raise ValueError("--strategy needs at least one name")
-    config = flags.build(SimConfig, values, f"--config {args.config}" if args.config else "flags")
+    config = flags.build(SimConfig, values, where)
     if args.lengths_file is not None:
         config = replace(config, lengths=LengthDistribution.from_file(args.lengths_file))
     return replace(config, sparsity=replace(config.sparsity, block_size=config.block_size))

@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from ..models import check_attention
 from ..models.attention import LayerStats, PackedAttention, _no_mask, sparsebalance_attention
-from ..ops import Budget
+from ..ops import Budget, resolve_backend
 
 IMPLEMENTATION = "sparsebalance_attached"
 """The name the attached attention is registered under (``model.config._attn_implementation``)."""
@@ -179,20 +180,7 @@ def check_model(model: torch.nn.Module) -> None:
             f"{', '.join(SUPPORTED)}; their attention goes through transformers' "
             "AttentionInterface with full causal attention)"
         )
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", window is not None)
-    layer_types = getattr(config, "layer_types", None) or ()
-    if (window is not None and uses_window) or "sliding_attention" in layer_types:
-        raise ValueError(
-            "sparsebalance.attach: this model uses sliding-window attention, which the "
-            "block-sparse op does not implement (it computes full document-causal attention)"
-        )
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, name, None):
-            raise ValueError(
-                f"sparsebalance.attach: this model uses logit soft-capping ({name}), which the "
-                "block-sparse op does not implement"
-            )
+    check_attention(config, "sparsebalance.attach")
 
 
 def attach(
@@ -220,6 +208,13 @@ def attach(
         raise ValueError("sparsebalance.attach: pass the model before wrapping it in DDP")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if backend != "auto":  # a name the op does not know fails here, not at the first forward
+        try:  # (the model may move to CUDA later: only the name is checked, as on CUDA)
+            resolve_backend(backend, torch.device("cuda"))
+        except ValueError as err:
+            raise ValueError(f"sparsebalance.attach: {err}") from None
+    if budget is not None and not isinstance(budget, Budget):
+        raise TypeError(f"sparsebalance.attach: budget must be a Budget, got {budget!r}")
     existing = getattr(model, "_sparsebalance_runtime", None)
     if existing is not None:
         return existing

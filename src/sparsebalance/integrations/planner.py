@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import flags
 from ..batching import OVERLONG, PlanConfig, make_estimator
 from ..data.mixture import epoch_permutation
 from ..latency import LatencyModel
@@ -59,6 +60,7 @@ class PlannerConfig:
     """No measured time enters any decision (exact resume, runs comparable bit for bit)."""
 
     def __post_init__(self) -> None:
+        flags.check_fields(self)  # types first (the Python API): one line naming the field
         if self.strategy == "sab-cp":
             raise ValueError(
                 "strategy='sab-cp' is not available in the trainer integrations: documents longer "
@@ -75,6 +77,18 @@ class PlannerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.capacity is not None and self.capacity < 1:
             raise ValueError(f"capacity must be >= 1 or None, got {self.capacity}")
+
+
+def check_global_batch(global_batch: int, num_docs: int, world_size: int) -> None:
+    """The global batch must fit the dataset and give every rank a document (checked before
+    anything is profiled)."""
+    if global_batch > num_docs:
+        raise ValueError(f"global_batch {global_batch} exceeds the dataset's {num_docs} documents")
+    if global_batch < world_size:
+        raise ValueError(
+            f"global_batch {global_batch} is smaller than the {world_size} ranks: every rank "
+            "needs at least one document per step"
+        )
 
 
 @dataclass
@@ -130,16 +144,7 @@ class StepPlanner:
         if self.lengths.size == 0 or int(self.lengths.min()) < 1:
             raise ValueError("every document needs at least one token (an empty one was given)")
         self.config = config
-        if config.global_batch > self.lengths.size:
-            raise ValueError(
-                f"global_batch {config.global_batch} exceeds the dataset's {self.lengths.size} "
-                "documents"
-            )
-        if config.global_batch < world_size:
-            raise ValueError(
-                f"global_batch {config.global_batch} is smaller than the {world_size} ranks: "
-                "every rank needs at least one document per step"
-            )
+        check_global_batch(config.global_batch, self.lengths.size, world_size)
         self.latency = latency
         self.tuner = DSTTuner(config.dst, block_size=config.block_size)
         self.estimator = make_estimator("auto", self.tuner.knob)

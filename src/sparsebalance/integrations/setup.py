@@ -8,10 +8,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..latency import LatencyModel, Profile, default_latency_model, fingerprint, load_profile
+from ..latency import (
+    LatencyModel,
+    Profile,
+    check_profile_fits,
+    default_latency_model,
+    fingerprint,
+    load_profile,
+)
 from ..models import ModelShapes
 from .attach import AttachedRuntime
-from .planner import PlannerConfig, StepPlanner
+from .planner import PlannerConfig, StepPlanner, check_global_batch
 from .sampler import BalancedBatchSampler, dataset_lengths
 
 
@@ -52,15 +59,23 @@ def latency_model(model: torch.nn.Module, config: PlannerConfig, profile: str | 
     shapes = ModelShapes.from_hf_config(model.config.to_dict(), name=model.config.model_type)
     data = None
     if all_gather is None or process_rank()[0] == 0:
-        if profile is not None:
-            loaded = load_profile(profile)
-            loaded.check_fingerprint(fingerprint(shapes, device, dtype, backend, config.block_size))
-        else:
-            top = config.capacity or int(np.sort(lengths)[-config.global_batch :].sum())
-            loaded = default_latency_model(shapes, device, dtype, backend, config.block_size,
-                                           max_len=max(top, 256)).profile  # fmt: skip
-        data = loaded.to_json()
+        try:
+            if profile is not None:
+                loaded = load_profile(profile)
+                check_profile_fits(loaded, shapes, config.block_size, device.type,
+                                   f"profile {str(profile)!r}")  # fmt: skip
+                loaded.check_fingerprint(fingerprint(shapes, device, dtype, backend,
+                                                     config.block_size))  # fmt: skip
+            else:
+                top = config.capacity or int(np.sort(lengths)[-config.global_batch :].sum())
+                loaded = default_latency_model(shapes, device, dtype, backend, config.block_size,
+                                               max_len=max(top, 256)).profile  # fmt: skip
+            data = loaded.to_json()
+        except ValueError as err:  # every rank raises it, none waits in the gather
+            data = {"error": str(err)}
     data = (all_gather or (lambda o: [o]))(data)[0]
+    if "error" in data:
+        raise ValueError(data["error"])
     return LatencyModel(Profile.from_json(data))
 
 
@@ -74,8 +89,15 @@ def build_sampler(runtime: AttachedRuntime, dataset, config: PlannerConfig,
             f"the planner's block_size {config.block_size} differs from the attached attention's "
             f"{runtime.block_size}"
         )
+    if runtime.planner is not None:
+        raise ValueError(
+            "sparsebalance: this model already has a step planner (sparsebalance.hf.enable or "
+            "balanced_loader was called for it): call it once per model and trainer; a second "
+            "planner would leave the first one's callback without its steps"
+        )
     lengths = dataset_lengths(dataset) if lengths is None else np.asarray(lengths, np.int64)
     rank, world = process_rank()
+    check_global_batch(config.global_batch, lengths.size, world)  # before any profiling
     gather = all_gather_fn()
     latency = latency_model(runtime.model, config, profile, lengths, gather)
     planner = StepPlanner(lengths, config, latency, rank, world, gather, sources)

@@ -20,7 +20,14 @@ from ..models import ModelShapes, load_shapes
 from .analytic import ACCELERATORS, allreduce_seconds, analytic_profile
 from .context import ContextCost, Links, analytic_links, context_cost, links_from_profile
 from .model import LatencyModel, OutsideGridWarning
-from .profile import SCHEMA, Profile, ProfileMismatchWarning, fingerprint, load_profile
+from .profile import (
+    SCHEMA,
+    Profile,
+    ProfileMismatchWarning,
+    check_profile_fits,
+    fingerprint,
+    load_profile,
+)
 
 SHIPPED_DIR = Path(__file__).parent / "profiles"
 CACHE_DIR = Path.home() / ".cache" / "sparsebalance" / "profiles"
@@ -97,6 +104,7 @@ __all__ = [
     "allreduce_seconds",
     "analytic_links",
     "analytic_profile",
+    "check_profile_fits",
     "context_cost",
     "default_latency_model",
     "fingerprint",

@@ -132,15 +132,22 @@ class Profile:
     outliers rejected, machine load."""
 
     def __post_init__(self) -> None:
+        for name in ("fingerprint", "meta", "fit", "noise"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"profile: {name} must be an object, got {getattr(self, name)!r}")
+        for name in ("optimizer_seconds", "allreduce_seconds"):
+            value = getattr(self, name)
+            if value is not None and not (_is_number(value) and np.isfinite(value) and value >= 0):
+                raise ValueError(f"profile: {name} must be finite and >= 0, got {value!r}")
         if len(self.scales) != 3 or not all(0 < x < 100 for x in self.scales):
             raise ValueError(f"profile: scales must be 3 positive factors, got {self.scales}")
         if self.num_layers <= 0:
             raise ValueError(f"profile: num_layers must be > 0, got {self.num_layers}")
-        if not 0.0 <= self.attention_call_seconds <= min(map(min, self.attention.seconds)):
-            raise ValueError("profile: attention_call_seconds must be in [0, min attention time]")
         self.attention.validate()
         self.layer_other.validate("layer_other")
         self.head.validate("head")
+        if not 0.0 <= self.attention_call_seconds <= min(map(min, self.attention.seconds)):
+            raise ValueError("profile: attention_call_seconds must be in [0, min attention time]")
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA, **asdict(self)}
@@ -158,6 +165,9 @@ class Profile:
         version = found[len(SCHEMA_PREFIX) :]
         PROFILE.check(int(version) if version.isdigit() else version, where)
         try:
+            if not _is_number(data["num_layers"]) or int(data["num_layers"]) != data["num_layers"]:
+                raise ValueError(f"profile: num_layers must be an integer, got "
+                                 f"{data['num_layers']!r}")  # fmt: skip
             return cls(
                 fingerprint=data["fingerprint"],
                 attention=AttentionTable(**data["attention"]),
@@ -172,8 +182,10 @@ class Profile:
                 fit=data.get("fit", {}),
                 noise=data.get("noise", {}),
             )
-        except (KeyError, TypeError) as err:
-            raise ValueError(f"profile is missing or has a malformed field: {err}") from None
+        except (KeyError, TypeError) as err:  # a missing key, a table of the wrong shape
+            raise ValueError(f"{where}: damaged: a field is missing or malformed ({err})") from None
+        except ValueError as err:  # a value out of its range (NaN or negative seconds, ...)
+            raise ValueError(f"{where}: damaged: {str(err).removeprefix('profile: ')}") from None
 
     def save(self, path: str | Path) -> None:
         """Atomic write: a crash never leaves a half-written profile."""
@@ -197,6 +209,45 @@ class Profile:
                 stacklevel=2,
             )
         return diffs
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+COST_SHAPES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+               "intermediate_size", "vocab_size", "qkv_bias")  # fmt: skip
+"""The model shapes a profile's tables depend on (the context length does not: a profile covers
+the lengths it was measured at, priced beyond by its fitted form)."""
+
+
+def check_profile_fits(
+    profile: Profile, shapes: ModelShapes, block_size: int, device_type: str, where: str
+) -> None:
+    """Refuse, in one ``ValueError`` naming ``where`` (``--profile p.json``), a profile that
+    prices another run: other model shapes (its per-layer tables would be read for layers this
+    model has not, or miss some), another block size (its densities count other blocks) or a
+    measured profile of another device kind (CPU seconds for a GPU run). An analytic profile
+    (FLOP counts of a named accelerator, no ``device_type``) is accepted on any device: its
+    relative costs hold and online recalibration scales them. The rest of the fingerprint
+    (threads, torch version, dtype, backend) only warns (:meth:`Profile.check_fingerprint`)."""
+    fp = profile.fingerprint
+    theirs = fp.get("shapes") if isinstance(fp.get("shapes"), dict) else {}
+    mine = shapes.to_dict()
+    diffs = [f"{k} {theirs[k]!r} vs {mine[k]!r}" for k in COST_SHAPES
+             if k in theirs and theirs[k] != mine[k]]  # fmt: skip
+    if "num_layers" not in theirs and profile.num_layers != shapes.num_layers:
+        diffs.append(f"num_layers {profile.num_layers} vs {shapes.num_layers}")
+    if fp.get("block_size") is not None and fp["block_size"] != block_size:
+        diffs.append(f"block_size {fp['block_size']!r} vs {block_size}")
+    if fp.get("device_type") is not None and fp["device_type"] != device_type:
+        diffs.append(f"device {fp['device_type']!r} vs {device_type!r}")
+    if diffs:
+        raise ValueError(
+            f"{where} was made for another run (profile vs this run: {'; '.join(diffs)}): make "
+            f"one with `sparsebalance profile --model MODEL --block-size {block_size} --device "
+            f"{device_type}`, or drop the profile to have one measured"
+        )
 
 
 def load_profile(path: str | Path) -> Profile:

@@ -72,8 +72,9 @@ class ModelShapes:
         return asdict(self)
 
 
-def load_shapes(model: str) -> ModelShapes:
-    """Shapes of a built-in model name, a ``config.json`` path, or a directory holding one."""
+def model_config(model: str) -> dict:
+    """The ``config.json`` dict of a built-in model name, a ``config.json`` path, or a directory
+    holding one (``ValueError`` naming ``--model`` when there is none or it is not JSON)."""
     if model in BUILTIN_MODELS:
         path = CONFIG_DIR / f"{model}.json"
     else:
@@ -86,6 +87,53 @@ def load_shapes(model: str) -> ModelShapes:
             )
     try:
         cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"--model {model!r}: {path} is not valid JSON ({err})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--model {model!r}: {path} is not a model config (a JSON object)")
+    return cfg
+
+
+def load_shapes(model: str) -> ModelShapes:
+    """Shapes of a built-in model name, a ``config.json`` path, or a directory holding one."""
+    return ModelShapes.from_hf_config(model_config(model), name=model)
+
+
+def unsupported_attention(config) -> str | None:
+    """Why the block-sparse op cannot run this model's attention (a config dict or a
+    transformers config), or None: it computes full document-causal attention, so a sliding
+    window (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window``, ``sliding_attention``
+    layers) or logit soft-capping would be silently computed wrong."""
+
+    def get(key, default=None):
+        return config.get(key, default) if isinstance(config, dict) else getattr(
+            config, key, default)  # fmt: skip
+
+    window = get("sliding_window")
+    if (window is not None and get("use_sliding_window", True)) or "sliding_attention" in (
+        get("layer_types") or ()
+    ):
+        return f"it uses sliding-window attention (sliding_window {window})"
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if get(name):
+            return f"it uses logit soft-capping ({name})"
+    return None
+
+
+def check_attention(config, who: str) -> None:
+    """One ``ValueError`` naming ``who`` (``--model M``, ``sparsebalance.attach``) when the
+    block-sparse attention cannot run this model (:func:`unsupported_attention`)."""
+    why = unsupported_attention(config)
+    if why is not None:
+        raise ValueError(
+            f"{who}: {why}, which the block-sparse attention does not implement (it computes "
+            "full document-causal attention)"
+        )
+
+
+def check_trainable(model: str) -> ModelShapes:
+    """The shapes of ``--model``, refused in one line before anything is built or profiled when
+    the block-sparse attention cannot run it."""
+    cfg = model_config(model)
+    check_attention(cfg, f"--model {model}")
     return ModelShapes.from_hf_config(cfg, name=model)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import flags
 from ..data import read_lengths
 from ..sizes import check_document_length
 
@@ -56,6 +57,7 @@ class LengthDistribution:
     """Measured densities at gamma0 paired with ``lengths`` (from the same file), or None."""
 
     def __post_init__(self) -> None:
+        flags.check_fields(self)  # types first (the Python API): one line naming the field
         if self.lengths is not None:
             if len(self.lengths) == 0:
                 raise ValueError("--lengths: the file holds no lengths: nothing to simulate")

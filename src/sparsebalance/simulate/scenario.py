@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .. import flags
 from ..latency import (
     ACCELERATORS,
     LatencyModel,
@@ -95,6 +96,7 @@ class SimConfig:
     """[--workers] processes over steps (results are identical for any value)."""
 
     def __post_init__(self) -> None:
+        flags.check_fields(self)  # types first (the Python API): one line naming the field
         if self.ring not in RING_KINDS:
             raise ValueError(f"--ring must be one of {', '.join(RING_KINDS)}, got {self.ring!r}")
         if not self.world_sizes:

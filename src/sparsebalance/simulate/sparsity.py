@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import flags
+
 # Densities never reach 0: a document keeps at least its anchor blocks.
 _MIN_DENSITY = 1e-3
 
@@ -59,6 +61,7 @@ class SparsityModel:
     """Block size of the sparse attention (for the anchor-block floor), >= 1."""
 
     def __post_init__(self) -> None:
+        flags.check_fields(self)  # types first (the Python API): one line naming the field
         if not (math.isfinite(self.density_at_4k) and 0.0 < self.density_at_4k <= 1.0):
             raise ValueError(f"--density-at-4k must be in (0, 1], got {self.density_at_4k}")
         if not (math.isfinite(self.slope) and self.slope >= 0.0):

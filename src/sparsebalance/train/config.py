@@ -22,6 +22,7 @@ from ..batching import ESTIMATORS, OVERLONG, STRATEGIES
 from ..data.mixture import parse_mixture
 from ..latency.memory import parse_bytes
 from ..models.checkpointing import MODES as CHECKPOINT_MODES
+from ..ops import resolve_backend
 from ..ops.flex_config import check_flex_block_size, resolve_block_size
 from ..precision import PRECISIONS
 from ..tuning import DSTConfig
@@ -157,6 +158,7 @@ class TrainConfig:
     TOML table ``[dst]``."""
 
     def __post_init__(self) -> None:
+        flags.check_fields(self)  # types first (the Python API): one line naming the field
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}")
         if self.emulate_ranks < 0:
@@ -246,6 +248,11 @@ class TrainConfig:
         combination flex cannot compile refused here, before anything runs."""
         device = "cuda" if self.on_cuda() else "cpu"
         self.block_size = resolve_block_size(self.block_size, device)
+        if self.backend != "auto":  # a name the op does not know fails here, not at a forward
+            try:
+                resolve_backend(self.backend, torch.device(device))
+            except ValueError as err:
+                raise ValueError(f"--backend {self.backend}: {err}") from None
         if self.backend in ("auto", "flex"):
             check_flex_block_size(self.block_size, device)
 
@@ -326,9 +333,12 @@ def config_from_args(args: argparse.Namespace, base: dict | None = None) -> Trai
     """Defaults < ``base`` (e.g. the demo's own defaults) < ``--config`` file < command-line
     flags."""
     from_file = flags.load_file(args.config) if args.config else {}
-    if "schema_version" in from_file:  # written by SparseBalance (or declared by hand)
-        version = from_file.pop("schema_version")
-        CONFIG.check(version, f"--config {args.config}")
+    where = f"--config {args.config}"
+    declared = "schema_version" in from_file  # written by SparseBalance (or declared by hand)
+    version = from_file.pop("schema_version", None)
+    flags.check_values(TrainConfig, from_file, where)  # types first: one line naming the key
+    if declared:
+        CONFIG.check(version, where)
         from_file, note = upgrade(from_file, version)
         if note:
             print(f"sparsebalance: --config {args.config}: {note}", file=sys.stderr)
@@ -340,9 +350,10 @@ def config_from_args(args: argparse.Namespace, base: dict | None = None) -> Trai
         )
     values = flags.merge(base or {}, from_file)
     given = flags.values_from_args(args, TrainConfig)
+    flags.check_values(TrainConfig, given, "flags")  # argparse typed them: nan is left to refuse
     if "micro_batches" in given and "capacity" not in given:
         given["capacity"] = None  # --micro-batches alone replaces the default capacity bound
-    where = f"--config {args.config}" if args.config else "flags"
+    where = where if args.config else "flags"
     merged = flags.merge(values, given)
     dst, chosen = dict(merged.get("dst", {})), {**from_file.get("dst", {}), **given.get("dst", {})}
     if dst.get("budget") == "gamma" and "budget_tokens" not in chosen:

@@ -41,6 +41,7 @@ def add_nproc_argument(p) -> None:
 def default_nproc(cfg: TrainConfig, requested: int | None, cpu: int = CPU_NPROC) -> int:
     """Processes to launch: ``--nproc``, else 1 with ``--emulate-ranks``, else the GPU count on
     CUDA and ``cpu`` (:data:`CPU_NPROC`; the demo's :data:`DEMO_CPU_RANKS`) on CPU."""
+    check_device(cfg)
     if requested is not None:
         if requested < 1:
             raise ValueError(f"--nproc must be >= 1, got {requested}")
@@ -50,6 +51,16 @@ def default_nproc(cfg: TrainConfig, requested: int | None, cpu: int = CPU_NPROC)
     if cfg.emulate_ranks:
         return 1
     return torch.cuda.device_count() if uses_cuda(cfg) else cpu
+
+
+def check_device(cfg: TrainConfig) -> None:
+    """``--device cuda`` needs a GPU this process can see: said in one line before anything
+    (not as a count of zero processes)."""
+    if cfg.device == "cuda" and torch.cuda.device_count() == 0:
+        raise ValueError(
+            "--device cuda: no CUDA device is visible on this machine (torch.cuda.device_count() "
+            "is 0; check CUDA_VISIBLE_DEVICES and the driver): use --device cpu or auto"
+        )
 
 
 def rank_threads(nproc: int, env: dict[str, str] | None = None) -> int:
@@ -84,15 +95,21 @@ def preflight(cfg: TrainConfig, nproc: int) -> None:
     workers then read), the global batch against the dataset and the ranks, ``--ranks-per-node``
     against the ranks, and with ``--resume`` that the checkpoint belongs to this run."""
     from ..data import load_corpus, load_tokenizer
-    from ..models import load_shapes
+    from ..latency import check_profile_fits, load_profile
+    from ..models import check_trainable
 
+    check_device(cfg)
     check_run_folder(cfg)
     if cfg.resume:  # the same run or a refusal listing the differences (rank 0 repeats it)
         path = find_checkpoint(Path(cfg.out), verify=False)[0]  # rank 0 hashes and loads
         if path is None:
             raise ValueError(f"--resume: no intact checkpoint in {Path(cfg.out) / 'checkpoints'}")
         check_same_run(path, cfg, None)  # the data's content is checked by rank 0
-    load_shapes(cfg.model)
+    shapes = check_trainable(cfg.model)  # a sliding window: refused before it is profiled
+    if cfg.profile:  # readable, and for this run (also on --resume, where it may change)
+        profile = load_profile(cfg.profile)
+        check_profile_fits(profile, shapes, cfg.block_size, "cuda" if uses_cuda(cfg) else "cpu",
+                           f"--profile {cfg.profile}")  # fmt: skip
     corpus = load_corpus(cfg.data, load_tokenizer(cfg.tokenizer), cfg.text_field, cfg.num_builtin,
                          cfg.seed, cfg.min_len, cfg.max_len,
                          on_bad_record=cfg.on_bad_record,

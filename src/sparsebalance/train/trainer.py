@@ -32,6 +32,7 @@ from ..latency import (
     LatencyModel,
     OutsideGridWarning,
     Profile,
+    check_profile_fits,
     context_cost,
     default_latency_model,
     fingerprint,
@@ -49,7 +50,7 @@ from ..latency.memory import (
     with_budget_fraction,
 )
 from ..latency.memory_fit import find_calibration, memory_fingerprint
-from ..models import ModelShapes
+from ..models import ModelShapes, check_attention
 from ..models.checkpointing import apply_activation_checkpointing
 from ..models.hf import build_model
 from ..ops.flex_config import check_flex_block_size
@@ -137,6 +138,7 @@ class Trainer:
         tokenizer = load_tokenizer(cfg.tokenizer)
         corpus = open_corpus(self._resolve_data(tokenizer), cfg.min_len, cfg.max_len)
         self.model = build_model(cfg.model, rt.device, torch.float32, seed=cfg.seed)
+        check_attention(self.model.config, f"--model {cfg.model}")  # before it is profiled
         apply_activation_checkpointing(self.model, cfg.activation_checkpointing)
         vocab = int(self.model.config.vocab_size)
         if corpus.max_token_id() >= vocab:
@@ -280,18 +282,27 @@ class Trainer:
         cfg, dev = self.cfg, self.rt.device
         dtype, backend = training_kernel(dev, cfg.backend, cfg.precision)
         layout = "top-k" if cfg.dst.budget == "top-k" else "threshold"  # the layouts it will run
-        profile = None
+        data = None
         if self.rt.is_main:
-            if cfg.profile:
-                profile = load_profile(cfg.profile)
-                profile.check_fingerprint(fingerprint(shapes, dev, dtype, backend, cfg.block_size,
-                                                      layout=layout))  # fmt: skip
-            else:
-                top = profile_length(cfg, self.corpus.lengths())
-                profile = default_latency_model(
-                    shapes, dev, dtype, backend, cfg.block_size, max_len=top, layout=layout
-                ).profile
-        data = self.rt.all_gather_object(profile.to_json() if profile is not None else None)[0]
+            try:
+                if cfg.profile:
+                    profile = load_profile(cfg.profile)
+                    check_profile_fits(profile, shapes, cfg.block_size, dev.type,
+                                       f"--profile {cfg.profile}")  # fmt: skip
+                    running = fingerprint(shapes, dev, dtype, backend, cfg.block_size,
+                                          layout=layout)  # fmt: skip
+                    profile.check_fingerprint(running)
+                else:
+                    top = profile_length(cfg, self.corpus.lengths())
+                    profile = default_latency_model(
+                        shapes, dev, dtype, backend, cfg.block_size, max_len=top, layout=layout
+                    ).profile
+                data = profile.to_json()
+            except ValueError as err:  # every rank raises it (rank 0 says it), none waits on
+                data = {"error": str(err)}
+        data = self.rt.all_gather_object(data)[0]
+        if "error" in data:
+            raise ValueError(data["error"])
         return LatencyModel(Profile.from_json(data))
 
     def _price_long_documents(self, lengths: np.ndarray) -> None:

@@ -70,6 +70,7 @@ class DSTConfig:
     bisection on k stops earlier when it reaches one block)."""
 
     def __post_init__(self) -> None:
+        flags.check_fields(self)  # types first (the Python API): one line naming the field
         for flag, value, allowed in (
             ("--dst-mode", self.mode, MODES),
             ("--anchor", self.anchor, ANCHORS),
