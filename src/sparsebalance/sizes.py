@@ -25,6 +25,10 @@ PLAN_BYTES_PER_SLOT = 32
 """Planner memory per (rank, micro-batch) slot: the float64 load tables."""
 SIM_BYTES_PER_DOCUMENT = 64
 """Simulator memory per drawn document (length, density and the temporaries that draw them)."""
+LAYOUT_BYTES_PER_PAIR = 96
+"""``ring-balance``'s synthetic layouts: bytes per (head, query block, key block) of the dense
+priority tensors they are drawn from (measured peak ~51 B at 1,024 blocks x 4 heads, RSS
+high-water mark; ~2x margin)."""
 _ALWAYS_FITS = 256 * 2**20  # below this, skip asking the operating system
 
 
@@ -74,6 +78,22 @@ def check_memory(flags: str, what: str, num_bytes: int) -> None:
         raise ValueError(
             f"{flags}: {what} would need about {_gib(num_bytes)} of memory; this machine has "
             f"{_gib(have)} available"
+        )
+
+
+def check_device_memory(flags: str, what: str, num_bytes: float, device) -> None:
+    """:func:`check_memory` against the memory of ``device`` (a ``torch.device``): a GPU's free
+    memory on CUDA, the host's available memory otherwise."""
+    if getattr(device, "type", device) != "cuda":
+        check_memory(flags, what, int(num_bytes))
+        return
+    import torch
+
+    free = torch.cuda.mem_get_info(device)[0]
+    if num_bytes > free:
+        raise ValueError(
+            f"{flags}: {what} would need about {_gib(num_bytes)} of GPU memory; {device} has "
+            f"{_gib(free)} free"
         )
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import check_output_folder
 from ..report import comparison_table
 from ..results import write_results
 from ..train import add_train_arguments, config_from_args
@@ -49,6 +50,8 @@ def main(args: argparse.Namespace) -> int:
     if args.out is None:
         args.out = "runs/bench-e2e"
     cfg = config_from_args(args)
+    if args.results_dir:  # before minutes of training: the results file can be written
+        check_output_folder(args.results_dir, "--results-dir")
     names = [n.strip() for n in args.strategies.split(",") if n.strip()]
     configs = ablation_configs(cfg, names)
     cuda = uses_cuda(cfg)

@@ -31,7 +31,8 @@ from tqdm import tqdm
 
 from ..evaluation.longbench import TRUNCATIONS
 from ..evaluation.metrics import CODE_SIM_BACKENDS
-from ..ops import Budget
+from ..files import check_output_folder, write_text_atomic
+from ..ops import Budget, resolve_backend
 from ..ops.flex_config import check_flex_block_size, resolve_block_size
 from ..results import markdown_table
 from ..tasks import TASKS
@@ -126,7 +127,16 @@ def check_args(args: argparse.Namespace) -> Budget:
         raise ValueError(f"--num-examples must be > 0, got {args.num_examples}")
     if args.task == "longbench" and args.data is None:
         raise ValueError("--task longbench needs --data (a local LongBench jsonl file or folder)")
+    if args.out:  # before the evaluation: its results are never lost to an output error
+        check_output_folder(args.out, "--out")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible on this machine")
     args.block_size = resolve_block_size(args.block_size, args.device)
+    if args.backend != "auto":
+        try:
+            resolve_backend(args.backend, torch.device(args.device))
+        except ValueError as err:
+            raise ValueError(f"--backend {args.backend}: {err}") from None
     if args.backend in ("auto", "flex"):
         check_flex_block_size(args.block_size, args.device)
     if args.attn == "dense":
@@ -149,6 +159,33 @@ def check_args(args: argparse.Namespace) -> Budget:
     return Budget(top_k=knob_from_tokens(tokens, args.block_size).base)  # the trainer's k
 
 
+def check_sizes(args: argparse.Namespace, model) -> None:
+    """Before the first example: ``--lengths`` within the model's context (positions it never
+    saw would be evaluated for minutes, then mean nothing), and the largest forward's memory
+    estimated and refused, with the estimate, where it cannot fit."""
+    from ..latency.memory import MemoryModel, cpu_coefficients
+    from ..models import ModelShapes
+    from ..sizes import check_device_memory
+
+    config = model.config
+    longest, context = max(args.lengths), getattr(config, "max_position_embeddings", None)
+    if context and longest > context:
+        raise ValueError(
+            f"--lengths {longest}: longer than the model's context of {context:,} tokens "
+            "(max_position_embeddings): evaluate at lengths it was built for"
+        )
+    if args.pack_tokens < 1:
+        raise ValueError(f"--pack-tokens must be >= 1, got {args.pack_tokens}")
+    shapes = ModelShapes.from_hf_config(config.to_dict(), name=str(args.model))
+    tied = bool(getattr(config, "tie_word_embeddings", True))
+    memory = MemoryModel(shapes, cpu_coefficients(0.0), tied)
+    tokens, size = max(longest, args.pack_tokens), DTYPES[args.dtype].itemsize
+    need = memory.inference_peak_bytes(tokens, size, args.block_size)
+    need -= memory.num_params() * size  # the weights are loaded already
+    check_device_memory("--lengths / --pack-tokens", f"a forward of {tokens:,} tokens", need,
+                        next(model.parameters()).device)  # fmt: skip
+
+
 def describe(budget: Budget) -> str:
     """``"dense"``, ``"top-k 8"`` or ``"gamma 0.9"``."""
     if budget.gamma == 1.0:
@@ -166,6 +203,7 @@ def run(args: argparse.Namespace) -> dict:
     model, vocab_map = load_trained_model(
         args.model, args.device, DTYPES[args.dtype], args.base, args.vocab_map
     )
+    check_sizes(args, model)
     vocab_size = model.get_input_embeddings().num_embeddings
     encode, decode, eos = make_codec(load_tokenizer(args.tokenizer), vocab_map, vocab_size)
     runner = HFRunner(model, block_size=args.block_size, backend=args.backend, budget=budget)
@@ -269,8 +307,7 @@ def format_table(result: dict) -> str:
 def main(args: argparse.Namespace) -> int:
     result = run(args)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"eval-{args.task}-{args.attn}.json").write_text(json.dumps(result, indent=2))
+        write_text_atomic(Path(args.out) / f"eval-{args.task}-{args.attn}.json",
+                          json.dumps(result, indent=2))  # fmt: skip
     print(json.dumps(result) if args.json else format_table(result))
     return 0

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import numpy as np
 
@@ -42,6 +41,7 @@ from ..batching import (
     plan_batch,
 )
 from ..data import read_lengths
+from ..files import check_output_file, write_text_atomic
 from ..latency import ACCELERATORS, context_cost, load_cost_model, load_profile
 from ..latency.memory import (
     ANALYTIC,
@@ -116,6 +116,8 @@ def main(args: argparse.Namespace) -> int:
             f"--strategy must be one of {', '.join(STRATEGIES)} or all, got {args.strategy!r}"
         )
     strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    if args.save:  # before planning: the plans are never lost to an output error
+        check_output_file(args.save, "--save")
     capacity, memory = _capacity(args)
     shared = {"micro_batches": args.micro_batches, "capacity": capacity,
               "overlong": args.overlong, "ranks_per_node": args.ranks_per_node}  # fmt: skip
@@ -160,7 +162,7 @@ def main(args: argparse.Namespace) -> int:
     }
     if args.save:
         full = {**result, "strategies": {p.strategy: p.to_dict() for p in plans}}
-        Path(args.save).write_text(json.dumps(full) + "\n")
+        write_text_atomic(args.save, json.dumps(full) + "\n")
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -33,16 +33,24 @@ import sys
 
 import torch
 
-from ..latency import ACCELERATORS, analytic_profile, fingerprint, load_profile
+from ..files import check_output_file, check_output_folder
+from ..latency import (
+    ACCELERATORS,
+    analytic_profile,
+    check_profile_fits,
+    fingerprint,
+    load_profile,
+)
 from ..latency.measure import measure_profile, noise_line
-from ..latency.memory import CHECKPOINTING
+from ..latency.memory import CHECKPOINTING, MemoryConfig, MemoryModel, device_coefficients
 from ..latency.memory_fit import memory_fingerprint, save_calibration
 from ..latency.validate import validate_profile
-from ..models import BUILTIN_MODELS, load_shapes
+from ..models import BUILTIN_MODELS, check_trainable, load_shapes
 from ..ops import resolve_backend
 from ..ops.flex_config import resolve_block_size
 from ..precision import DTYPES, default_precision
 from ..results import markdown_table, write_results
+from ..sizes import check_device_memory
 from ..timing import torch_threads
 from ..train.launch import CPU_NPROC, rank_threads
 from ..train.memory_probe import measure_memory, tied_embeddings
@@ -61,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--backend", default="auto", help="attention backend training uses (auto/torch/flex)"
     )
     p.add_argument("--block-size", type=int, default=None,
-                   help="sparse block (tokens; default 128 on CUDA, 64 on CPU)")  # fmt: skip
+                   help="sparse block (tokens; default 128 on CUDA and for --analytic, 64 on "
+                   "CPU)")  # fmt: skip
     p.add_argument(
         "--budget-kind", choices=("top-k", "gamma"), default="top-k",
         help="the budgets training will run, so the layouts timed have their shape: top-k (equal "
@@ -149,10 +158,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     shapes = load_shapes(args.model)
-    if args.analytic:
-        profile = analytic_profile(shapes, args.analytic, args.efficiency)
+    if args.analytic:  # a GPU's profile: its block size is CUDA's unless given
+        check_output_file(args.out, "--out")
+        block = resolve_block_size(args.block_size, "cuda")
+        profile = analytic_profile(shapes, args.analytic, args.efficiency, block_size=block)
         profile.save(args.out)
-        return _report({"wrote": args.out, "source": "analytic", "device": args.analytic}, args)
+        return _report({"wrote": args.out, "source": "analytic", "device": args.analytic,
+                        "block_size": block}, args)  # fmt: skip
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but CUDA is not available")
@@ -162,15 +174,19 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--rounds must be >= 2 (the noise needs repeats), got {args.rounds}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    check_trainable(args.model)  # a sliding window: refused before anything is timed
     if args.validate:
         return _validate(args, shapes, device, dtype)
-    max_len = args.max_len or min(4096, shapes.max_context)
+    if not args.memory_only:  # before minutes of measuring: the profile can be written
+        check_output_file(args.out, "--out")
+    max_len = args.max_len if args.max_len is not None else min(4096, shapes.max_context)
     if not args.block_size <= max_len <= shapes.max_context:
         raise ValueError(
             f"--max-len must be in [--block-size, {shapes.max_context}], got {max_len}"
         )
+    check_micro_batch_memory(shapes, max_len, device, args.block_size, "--max-len")
     budget = 6.0 if args.quick else args.budget
-    if budget <= 0:
+    if not budget > 0:  # nan included
         raise ValueError(f"--budget must be > 0 seconds, got {budget}")
     threads = (args.threads or rank_threads(CPU_NPROC)) if device.type == "cpu" else None
     memory_tokens = _memory_tokens(args.memory_tokens, max_len, shapes.max_context)
@@ -254,8 +270,22 @@ def _memory_summary(cal) -> dict:
     }
 
 
+def check_micro_batch_memory(shapes, tokens: int, device, block_size: int, flag: str) -> None:
+    """Refuse, with the estimate, a training micro-batch of ``tokens`` whose predicted peak (the
+    memory model's: weights, optimizer, activations) exceeds what ``device`` has."""
+    model = MemoryModel(shapes, device_coefficients(device))
+    need = model.peak_bytes(tokens, MemoryConfig(block_size=block_size))
+    check_device_memory(flag, f"a training micro-batch of {tokens:,} tokens", need, device)
+
+
 def _validate(args, shapes, device, dtype) -> int:
+    if args.results_dir:  # before the held-out batches are timed
+        check_output_folder(args.results_dir, "--results-dir")
     profile = load_profile(args.validate)
+    check_profile_fits(profile, shapes, args.block_size, device.type,
+                       f"--validate {args.validate}")  # fmt: skip
+    tokens = args.max_tokens or int(profile.meta.get("max_len", 4096))
+    check_micro_batch_memory(shapes, tokens, device, args.block_size, "--max-tokens")
     backend = profile.fingerprint.get("backend", "torch")
     threads = (args.threads or profile.fingerprint.get("threads")) if device.type == "cpu" else None
     running = fingerprint(shapes, device, dtype, backend, args.block_size, threads,

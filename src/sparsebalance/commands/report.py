@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import check_output_folder
 from ..report import write_report
 from ..results import write_results
 
@@ -26,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.results_dir:
+        check_output_folder(args.results_dir, "--results-dir")
     path, comparison = write_report(args.run_dir, plots=not args.no_plots)
     if args.results_dir:
         root = Path(args.run_dir)

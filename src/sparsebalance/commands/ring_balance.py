@@ -15,6 +15,7 @@ import json
 from ..parallel import PLACEMENTS
 from ..parallel.placement_study import COLUMNS, PATTERNS, analyse
 from ..results import markdown_table
+from ..sizes import LAYOUT_BYTES_PER_PAIR, check_document_length, check_memory
 
 
 def _size(s: str) -> int:
@@ -58,6 +59,15 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--world must be >= 1, got {args.world}")
     if args.inner_size is not None and (args.inner_size <= 0 or args.world % args.inner_size):
         raise ValueError(f"--inner-size must divide --world ({args.world}), got {args.inner_size}")
+    for flag, value in (("--seq-len", args.seq_len), ("--block-size", args.block_size),
+                        ("--heads", args.heads)):  # fmt: skip
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    check_document_length("--seq-len", args.seq_len)
+    blocks = -(-args.seq_len // args.block_size)
+    check_memory("--seq-len / --block-size / --heads",
+                 f"{args.heads} synthetic layouts of {blocks:,} x {blocks:,} blocks",
+                 LAYOUT_BYTES_PER_PAIR * args.heads * blocks * blocks)  # fmt: skip
     rows = analyse(
         args.seq_len, args.world, args.density, layouts, args.pattern, args.docs,
         args.block_size, args.heads, args.inner_size, args.seed,

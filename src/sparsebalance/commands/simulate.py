@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import flags
+from ..files import check_output_folder
 from ..results import markdown_table
 from ..simulate import LengthDistribution, SimConfig
 from ..simulate.scenario import run_simulation
@@ -91,6 +92,8 @@ def write_plots(summary: dict, out_dir: str) -> list[Path]:
 
 def main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    if args.plot:  # before simulating: its results are never lost to an output error
+        check_output_folder(args.plot, "--plot")
     summary = run_simulation(config)
     plots = write_plots(summary, args.plot) if args.plot else []
     summary["plots"] = [str(p) for p in plots]

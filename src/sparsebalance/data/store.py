@@ -231,6 +231,26 @@ class StoreWriter:
             self.abort()
 
 
+def check_offsets(path: Path, offsets: np.ndarray, num_tokens: int) -> None:
+    """``offsets.bin`` must start at 0, never decrease and end at the token count: anything
+    else is a damaged store, refused when it is opened (one pass over the offsets, which opening
+    reads anyway), never read as documents of negative or impossible lengths."""
+    where = path / "offsets.bin"
+    first, last = int(offsets[0]), int(offsets[-1])
+    if first != 0 or last != num_tokens:
+        raise ValueError(
+            f"{where}: offsets run from {first} to {last}, not 0 to the manifest's {num_tokens} "
+            "tokens: the store is damaged"
+        )
+    steps = np.diff(np.asarray(offsets))
+    if steps.size and int(steps.min()) < 0:
+        at = int(np.argmax(steps < 0))
+        raise ValueError(
+            f"{where}: offsets decrease at document {at} ({int(offsets[at])} -> "
+            f"{int(offsets[at + 1])}): the store is damaged"
+        )
+
+
 class TokenStore:
     """A store mapped read-only. ``doc(i)`` is a view into the token file (no copy)."""
 
@@ -250,8 +270,14 @@ class TokenStore:
             raise ValueError(f"{mpath}: not a {FORMAT} manifest")
         STORE.check(m.get("version"), str(self.path))
         self.manifest = m
-        n, t = int(m["num_documents"]), int(m["num_tokens"])
-        self.dtype = np.dtype(m["dtype"])
+        try:
+            n, t = int(m["num_documents"]), int(m["num_tokens"])
+            self.dtype = np.dtype(m["dtype"])
+            if n < 1 or t < 0 or self.dtype not in (np.uint16, np.uint32):
+                raise ValueError(f"{n} documents, {t} tokens of {self.dtype}")
+            names = [s["name"] for s in m["sources"]]
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{mpath}: damaged manifest ({err}): the store is damaged") from None
         for name, size in (
             ("tokens.bin", t * self.dtype.itemsize),
             ("offsets.bin", (n + 1) * 8),
@@ -264,9 +290,15 @@ class TokenStore:
         self.tokens = np.memmap(self.path / "tokens.bin", self.dtype, "r", shape=(t,))
         self.offsets = np.memmap(self.path / "offsets.bin", np.int64, "r", shape=(n + 1,))
         self.source_index = np.memmap(self.path / "sources.bin", np.int32, "r", shape=(n,))
-        if int(self.offsets[-1]) != t:
-            raise ValueError(f"{self.path}: offsets end at {int(self.offsets[-1])}, not {t}")
-        self.source_names = [s["name"] for s in m["sources"]]
+        self.source_names = names
+        check_offsets(self.path, self.offsets, t)
+        if n and not 0 <= int(self.source_index.min()) <= int(self.source_index.max()) < len(
+            self.source_names
+        ):
+            raise ValueError(
+                f"{self.path / 'sources.bin'}: source indices outside the manifest's "
+                f"{len(self.source_names)} sources: the store is damaged"
+            )
 
     def __len__(self) -> int:
         return int(self.manifest["num_documents"])

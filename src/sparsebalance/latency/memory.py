@@ -217,6 +217,19 @@ class MemoryModel:
         parts["moment"] = moment[0]  # type: ignore[assignment]
         return parts
 
+    def inference_peak_bytes(self, tokens: int, dtype_bytes: int, block_size: int = 64) -> float:
+        """Predicted peak of one no-grad forward over ``tokens`` packed tokens (``sparsebalance
+        eval``): the weights in ``dtype_bytes``, the residual stream, one layer's temporaries
+        (norm, q/k/v and their rotary copies, attention output, the MLP's gate/up/product), the
+        attention workspace and one layer's layout metadata, and a 2,048-token logits chunk."""
+        s, c = self.shapes, self.c
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        per_token = 3 * s.hidden_size + 2 * (q + 2 * kv) + q + 3 * s.intermediate_size
+        layout = self._layout_bytes(tokens, MemoryConfig(block_size=block_size))
+        logits = 3 * min(tokens, 2048) * s.vocab_size * 4
+        return (self.num_params() * dtype_bytes + per_token * tokens * dtype_bytes
+                + c.workspace_bytes + layout + logits)  # fmt: skip
+
     def _layout_bytes(self, tokens: int, cfg: MemoryConfig) -> float:
         """One layer's layout/index metadata on this rank (a whole micro-batch as one document:
         the upper bound; packs of shorter documents have fewer causal pairs)."""
@@ -382,8 +395,8 @@ def parse_bytes(text: str) -> float:
             f"--memory-budget {text!r}: expected a number with an optional unit "
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
         ) from None
-    if value <= 0:
-        raise ValueError(f"--memory-budget must be > 0, got {text!r}")
+    if not (math.isfinite(value) and value > 0):  # nan, inf
+        raise ValueError(f"--memory-budget must be a finite number of bytes > 0, got {text!r}")
     return value
 
 

@@ -245,8 +245,8 @@ def check_profile_fits(
     if diffs:
         raise ValueError(
             f"{where} was made for another run (profile vs this run: {'; '.join(diffs)}): make "
-            f"one with `sparsebalance profile --model MODEL --block-size {block_size} --device "
-            f"{device_type}`, or drop the profile to have one measured"
+            f"one for this run with `sparsebalance profile --model MODEL --block-size "
+            f"{block_size} --device {device_type}`"
         )
 
 

@@ -251,8 +251,11 @@ def verify_checkpoint(path: Path, needs: tuple[str, ...] = RESUME_FILES) -> None
             CHECKPOINT.check(version, f"checkpoint {path}")
         except ValueError as err:
             raise CheckpointFormatError(str(err)) from None
-        if sums is None:
-            raise ValueError(f"checkpoint {sums_path}: missing (the files cannot be verified)")
+    if sums is None and ("state.pt" in needs or checkpoint_version(path) == CHECKPOINT.version):
+        # every checkpoint of this format is written with its checksums: none is damage
+        raise ValueError(f"checkpoint {sums_path}: missing (the files cannot be verified)")
+    if sums is not None and not isinstance(sums, dict):
+        raise ValueError(f"checkpoint {sums_path}: unreadable checksum list")
     for name, want in (sums or {}).items():
         f = path / name
         if not f.is_file():
@@ -311,6 +314,14 @@ def resolve_checkpoint(path: Path) -> Path | None:
     return path if (path / "model.pt").is_file() else latest_checkpoint(path, needs="model.pt")
 
 
+def load_weights(path: Path, device: torch.device | str = "cpu") -> dict:
+    """The model state dict (``model.pt``) of checkpoint ``path``, verified against its
+    checksums first (every command that reads weights: ``eval``, conversion); ``ValueError``
+    naming the file when it is missing, damaged or unreadable (a truncated file included)."""
+    verify_checkpoint(Path(path), ("model.pt",))
+    return _load(Path(path) / "model.pt", device)
+
+
 def load_checkpoint(path: Path, model, optimizer, scheduler, fsdp: bool = False, runtime=None):
     """Restore model/optimizer/scheduler in place; return the saved ``state`` dict (without the
     optimizer's). ``path`` must have passed :func:`verify_checkpoint` (as
@@ -351,8 +362,8 @@ def load_state(path: Path) -> dict:
     return _load(Path(path) / "state.pt")
 
 
-def _load(path: Path):
+def _load(path: Path, device: torch.device | str = "cpu"):
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(path, map_location=device, weights_only=True, mmap=True)
     except Exception as err:  # pickle / zip errors of a damaged file, whatever their type
         raise ValueError(f"checkpoint {path}: unreadable ({type(err).__name__}: {err})") from None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from .. import flags
 from ..batching import ESTIMATORS, OVERLONG, STRATEGIES
 from ..data.mixture import parse_mixture
+from ..files import check_output_folder
 from ..latency.memory import parse_bytes
 from ..models.checkpointing import MODES as CHECKPOINT_MODES
 from ..ops import resolve_backend
@@ -306,15 +306,7 @@ def check_out_folder(out: Path, resume: bool, overwrite: bool) -> None:
     this user can write, holding a checkpoint when resuming."""
     if resume and overwrite:
         raise ValueError("--resume continues the run in --out, --overwrite replaces it: pick one")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out}: exists and is not a folder")
-    parent = out
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"--out {out}: {parent} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out}: {parent} is not writable")
+    check_output_folder(out, "--out")
     if resume and not any((out / "checkpoints").glob("step-*")):
         raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}")
 

@@ -5,11 +5,12 @@ model was trained with (tokenizer id -> model id)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 
-from .checkpoint import resolve_checkpoint
+from .checkpoint import find_checkpoint, load_weights
 
 
 def load_trained_model(
@@ -34,20 +35,43 @@ def load_trained_model(
     from ..models.hf import build_model
 
     path = Path(model)
-    ckpt = resolve_checkpoint(path) if path.is_dir() else None
+    ckpt = find_weights(path) if path.is_dir() else None
     if ckpt is None:  # a built-in name, or a Hugging Face folder (its own map, if it has one)
         here = [path / "vocab_map.json"] if path.is_dir() else []
         return build_model(model, device, dtype), read_vocab_map(vocab_map, here)
     meta_file = ckpt / "meta.json"
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    try:
+        meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    except (OSError, ValueError) as err:
+        raise ValueError(f"checkpoint {meta_file}: unreadable ({err})") from None
     base = base or meta.get("model")
     if base is None:
         raise ValueError(f"--model {ckpt}: a trainer checkpoint; give its base model with --base")
+    state = load_weights(ckpt, device)  # checksums first: a damaged file is never evaluated
     net = build_model(base, device, dtype)
-    state = torch.load(ckpt / "model.pt", map_location=device, weights_only=True)
-    net.load_state_dict(state)
+    try:
+        net.load_state_dict(state)
+    except RuntimeError as err:  # other shapes or names: the --base is not its model
+        first = str(err).strip().splitlines()[0]
+        raise ValueError(f"--model {ckpt}: its weights do not fit the base model {base!r} "
+                         f"({first})") from None  # fmt: skip
     candidates = [ckpt / "vocab_map.json", ckpt.parent.parent / "vocab_map.json"]
     return net, read_vocab_map(vocab_map, candidates)
+
+
+def find_weights(path: Path) -> Path | None:
+    """The checkpoint folder ``path`` names (itself, or the newest intact checkpoint of a run
+    folder, with a line on stderr for each damaged one skipped), or None when ``path`` holds no
+    checkpoint (a Hugging Face folder). A run folder whose checkpoints are all damaged is
+    refused in one line."""
+    if (path / "model.pt").is_file():
+        return path
+    ckpt, notes = find_checkpoint(path, ("model.pt",))
+    if ckpt is None and notes:
+        raise ValueError(f"--model {path}: no intact checkpoint ({notes[-1]})")
+    for note in notes:
+        print(f"sparsebalance: {note}", file=sys.stderr)
+    return ckpt
 
 
 def read_vocab_map(explicit: str | None, candidates: list[Path]) -> dict[int, int] | None:
