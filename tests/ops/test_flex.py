@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparsebalance.ops import BlockLayout, Budget, block_sparse_attention, select_blocks
-from sparsebalance.ops.block_sparse_flex import build_block_mask
+from sparsebalance.ops.flex_mask import build_block_mask
 from tests.conftest import cu_from_lengths, make_qkv, rel_rms
 
 
@@ -30,7 +30,7 @@ def test_flex_block_mask_forward_on_cpu_matches_reference():
     torch._dynamo.reset()
     q, k, v, cu, layout = sparse_case()
     assert layout.density() < 0.8
-    block_mask = build_block_mask(layout, 4, q.device)
+    block_mask = build_block_mask(layout, 4, layout.seq_len)
     qt, kt, vt = (x.detach().transpose(0, 1)[None] for x in (q, k, v))
     out = torch.compile(flex_attention)(qt, kt, vt, block_mask=block_mask, enable_gqa=True)
     ref = block_sparse_attention(q, k, v, layout, cu, backend="reference")

@@ -1,50 +1,190 @@
-"""Issue 26, item 5 on CPU: nothing in the per-layer path of the flex backend reads a tensor's
-values on the host. Run on ``meta`` tensors (shapes without values), any such read (``.item()``,
-``int(t)``, ``bool(t.any())``, ``.tolist()``, ``.cpu()``) raises, as a CUDA sync would stall.
-The real device check (``torch.cuda.set_sync_debug_mode("error")`` over a training step) is in
-the gpu tier; block selection and DST's controller (issue 27) are not covered here."""
+"""Issue 36, item 7 on CPU: the flex path of a training step reads nothing back from the device,
+and the work it does around the kernel is ``O(blocks)``, not ``O(T H D)``.
+
+A ``TorchDispatchMode`` sees every aten op of the forward and the backward: the ops that read a
+tensor's values on the host (``_local_scalar_dense`` behind ``.item()``/``int()``/``bool()``,
+``nonzero``, ``unique``, ``masked_select``, ``equal``, ``repeat_interleave`` with tensor repeats)
+and, for each op that writes a new tensor, how many elements it writes. FlexAttention's backward
+does not run on CPU, so the compiled kernel is replaced by a stand-in that records its call (and
+whose own ops are not counted); everything around it, the model, block selection, the dense path
+and the loss, runs for real. The GPU check (``torch.cuda.set_sync_debug_mode("error")``) is in
+the gpu tier.
+"""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from sparsebalance.models.attention import LayerStats
-from sparsebalance.ops import BlockLayout, Budget, random_layout
-from sparsebalance.ops.block_sparse_flex import build_block_mask, nonfinite_reads, padded_length
-from sparsebalance.ops.layout import dense_to_ordered
-from sparsebalance.ops.varlen import check_cu_seqlens, check_qkv
-from tests.conftest import cu_from_lengths
+from sparsebalance.data import pack
+from sparsebalance.models.attention import PackedAttention
+from sparsebalance.models.hf import build_model
+from sparsebalance.ops import Budget, block_sparse_attention, block_sparse_flex, select_blocks
+from sparsebalance.ops import attention as op_module
+from sparsebalance.ops.pack_index import PackIndex
+from sparsebalance.train.loss import packed_loss
+from tests.conftest import make_qkv
 
-
-def _meta_layout() -> BlockLayout:
-    cu = cu_from_lengths((100, 200, 217))
-    lay = random_layout(cu, 2, 64, 0.5, seed=1)
-    return BlockLayout(lay.kv_num_blocks, lay.kv_indices, cu, 517, 64, 4).to("meta")
-
-
-def test_the_flex_layer_path_reads_no_value_on_the_host():
-    layout = _meta_layout()
-    q = torch.empty(517, 4, 16, device="meta")
-    kv = torch.empty(517, 2, 16, device="meta")
-    check_qkv(q, kv, kv)
-    check_cu_seqlens(layout.cu_seqlens, 517)  # values are checked only where they are on the host
-    layout.check_compatible(q, kv, layout.cu_seqlens)
-    total = padded_length(layout, (4, 2, 16))
-    mask = build_block_mask(layout, 4, torch.device("meta"), total=total)
-    assert tuple(mask.kv_num_blocks.shape) == (1, 4, -(-total // 64))
-    assert nonfinite_reads(kv.isnan(), layout, 4).shape == (517, 4, 16)
-    stats = LayerStats.of(0, Budget(gamma=0.9), layout)  # densities stay on the device
-    assert stats.density_tensor.device.type == "meta"
-    assert stats.document_density_tensor.shape == (3,)
+aten = torch.ops.aten
+HOST_READS = {
+    aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.equal, aten.is_nonzero,
+    aten._unique, aten._unique2, aten.unique_dim, aten.unique_consecutive,
+}  # fmt: skip
+HOST_READ_OVERLOADS = {aten.repeat_interleave.Tensor}
 
 
-def test_dense_to_ordered_with_a_width_is_sort_free_and_host_free():
-    mask = torch.rand(3, 9, 9, generator=torch.Generator().manual_seed(0)) < 0.4
-    counts, idx = dense_to_ordered(mask, width=9)
-    for h in range(3):
-        for r in range(9):
-            kept = torch.nonzero(mask[h, r]).flatten().tolist()
-            assert counts[h, r] == len(kept)
-            assert idx[h, r, : len(kept)].tolist() == kept and not idx[h, r, len(kept) :].any()
-    meta_counts, meta_idx = dense_to_ordered(mask.to("meta"), width=9)
-    assert meta_idx.shape == (3, 9, 9) and meta_counts.shape == (3, 9)
+class Recorder(TorchDispatchMode):
+    """Every op outside the stand-in kernel: host reads, and elements written to new storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+        self.writes: list[tuple[str, int]] = []
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
+        if func.overloadpacket in HOST_READS or func in HOST_READ_OVERLOADS:
+            self.reads.append(str(func))
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+        fresh = [t for t in _tensors(out) if t.untyped_storage().data_ptr() not in inputs]
+        if fresh:
+            self.writes.append((str(func), sum(t.numel() for t in fresh)))
+        return out
+
+
+def _tensors(tree):
+    flat, _ = torch.utils._pytree.tree_flatten(tree)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+@pytest.fixture
+def fake_flex(monkeypatch):
+    """Flex "available" on CPU, its compiled kernel replaced by a differentiable stand-in."""
+    calls = []
+
+    def kernel(q, k, v, block_mask, scale, enable_gqa, kernel_options):
+        calls.append({"mask": block_mask, "gqa": enable_gqa, "kv_heads": k.shape[1]})
+        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+        if mode is not None:
+            mode.paused += 1
+        try:  # stands in for attention: depends on q, k and v, costs nothing to count
+            return q + (k.sum() + v.sum()) * 0.0
+        finally:
+            if mode is not None:
+                mode.paused -= 1
+
+    monkeypatch.setattr(block_sparse_flex, "_compiled_flex", lambda: kernel)
+    monkeypatch.setattr(op_module, "flex_available", lambda device: True)
+    return calls
+
+
+def _read_free_text(reads):
+    return f"host reads in the step: {reads}"
+
+
+@pytest.mark.parametrize("budget", [Budget(top_k=2), Budget(gamma=0.8)], ids=["top-k", "gamma"])
+def test_a_training_microbatch_reads_nothing_back(fake_flex, budget):
+    """Forward + loss + backward of a packed micro-batch of the tiny model on the flex path:
+    short documents that the top-k budget covers (dense path) beside long sparse ones."""
+    model = build_model("tiny", seed=0)
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 4096, (n,), generator=g).numpy() for n in (300, 40, 37, 500, 90)]
+    batch = pack(docs)
+    ctx = PackedAttention(batch.cu_seqlens, budget, block_size=32, backend="flex",
+                          lengths=batch.lengths)  # fmt: skip
+    with Recorder() as rec:
+        loss = packed_loss(model, batch, ctx, "chunked")
+        loss.backward()
+    assert not rec.reads, _read_free_text(rec.reads)
+    assert fake_flex, "the flex kernel was never called"
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_transformers_mask_preparation_reads_nothing_back():
+    """The first GPU run's sync: transformers scanned ``position_ids`` for packed documents
+    (a ``.all()``) on every forward, because a mask function was registered."""
+    model = build_model("tiny", seed=0)
+    batch = pack([torch.arange(1, 70).numpy(), torch.arange(1, 50).numpy()])
+    ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=1.0), block_size=32, backend="torch",
+                          lengths=batch.lengths)  # fmt: skip
+    assert ctx.pack.num_docs == 2  # built with the context, before the forward
+    recorded = []
+
+    def attention(*args, **kwargs):  # the op itself (torch backend: sizes on the host) not counted
+        mode.paused += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            mode.paused -= 1
+
+    from sparsebalance.models import attention as model_attention
+
+    original = model_attention._attend
+    model_attention._attend = attention
+    try:
+        with torch.no_grad(), Recorder() as mode:
+            model(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx,
+                  use_cache=False)  # fmt: skip
+            recorded = mode.reads
+    finally:
+        model_attention._attend = original
+    assert not recorded, _read_free_text(recorded)
+
+
+def _flex_case(lengths=(1500, 900), hq=4, hkv=2, d=16, block=64, top_k=3):
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = make_qkv(sum(lengths), hq, hkv, d, dtype=torch.float32, seed=1)
+    pack_index = PackIndex.build(cu, block, lengths)
+    layout = select_blocks(q.detach(), k.detach(), cu, Budget(top_k=top_k), block,
+                           pack=pack_index)  # fmt: skip
+    return q, k, v, cu, layout
+
+
+def test_work_around_the_flex_kernel_is_o_blocks_not_o_thd(fake_flex):
+    """Per call, outside the kernel: the K/V expansion for GQA (two copies of ``T Hq D``) and
+    nothing else of size ``T H D``; the mask is built once per layer (``O(H nb^2)``) and reused
+    by the next call (a backward, a recomputation). The old containment pass wrote ~20 tensors
+    of ``T H D`` per call."""
+    q, k, v, cu, layout = _flex_case()
+    t, hq, d = q.shape
+    nb = layout.num_blocks
+    with Recorder() as first:
+        block_sparse_attention(q, k, v, layout, cu, backend="flex")
+    with Recorder() as second:
+        out = block_sparse_attention(q, k, v, layout, cu, backend="flex")
+    big = [(op, n) for op, n in second.writes if n >= t * k.shape[1] * d]
+    assert [n for _, n in big] == [t * hq * d] * 2, big  # K and V, repeated to the query heads
+    rest = sum(n for op, n in second.writes if (op, n) not in big)
+    assert rest <= 4 * t, second.writes  # index bookkeeping only: no pass over q, k, v or out
+    mask_work = sum(n for _, n in first.writes) - sum(n for _, n in second.writes)
+    assert 0 < mask_work <= 64 * hq * nb * nb + 16 * t, first.writes
+    assert fake_flex[0]["mask"] is fake_flex[1]["mask"]  # built once, reused
+    assert fake_flex[0]["kv_heads"] == hq and not fake_flex[0]["gqa"]  # K/V expanded
+    assert out.shape == q.shape
+
+
+def test_a_pack_of_dense_documents_never_calls_flex(fake_flex):
+    """Every document covered by the budget: selection estimates nothing, flex is not called,
+    and the dense path (SDPA per document on CPU) gives exact attention."""
+    lengths = (100, 37, 250)
+    cu = torch.tensor([0, 100, 137, 387], dtype=torch.int32)
+    q, k, v = make_qkv(387, 4, 2, 16, dtype=torch.float64, seed=2)
+    layout = select_blocks(q.detach(), k.detach(), cu, Budget(top_k=8), 64,
+                           pack=PackIndex.build(cu, 64, lengths))  # fmt: skip
+    assert layout.dense_docs == (True, True, True)
+    with Recorder() as rec:
+        out = block_sparse_attention(q, k, v, layout, cu, backend="flex")
+    assert not fake_flex and not rec.reads
+    ref = block_sparse_attention(q, k, v, layout, cu, backend="reference")
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g),
+                    torch.autograd.grad(ref, (q, k, v), g), strict=True):  # fmt: skip
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert math.isclose(layout.density(), 1.0)

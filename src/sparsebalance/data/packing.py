@@ -17,6 +17,7 @@ class PackedBatch:
     position_ids: torch.Tensor  # int64 (1, T): restart at 0 for every document
     cu_seqlens: torch.Tensor  # int32 (N + 1,)
     loss_weights: torch.Tensor  # float32 (1, T): per-token weight (LongAlign-style option)
+    lengths: tuple[int, ...] = ()  # the documents' lengths, on the host (cu_seqlens' diffs)
 
     @property
     def num_label_tokens(self) -> int:
@@ -54,4 +55,5 @@ def pack(
         as_t(pos, torch.int64)[None],
         as_t(cu, torch.int32),
         as_t(weights, torch.float32)[None],
+        tuple(lengths),
     )

@@ -111,6 +111,7 @@ class HFRunner:
             budget=budget,
             block_size=self.block_size,
             backend=self.backend,
+            lengths=tuple(lengths),
         )
         with torch.no_grad():
             out = self.model.get_decoder()(

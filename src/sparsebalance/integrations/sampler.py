@@ -195,7 +195,7 @@ class PackedCollator:
         labels[1:] = shift[:-1]  # labels[t + 1] = target of t; each document's first is -100
         pos = np.concatenate([np.arange(n) for n in lengths])
         cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
-        ticket = self._ticket(work, spec, cu)
+        ticket = self._ticket(work, spec, cu, tuple(int(n) for n in lengths))
         work.tickets.append(ticket)
         as_row = lambda a: torch.as_tensor(a, dtype=torch.long)[None]  # noqa: E731
         return {
@@ -205,14 +205,15 @@ class PackedCollator:
             "num_items_in_batch": torch.tensor(work.target_tokens), "sb_attention": ticket,
         }  # fmt: skip
 
-    def _ticket(self, work, spec, cu: torch.Tensor) -> MicroBatchTicket:
+    def _ticket(self, work, spec, cu: torch.Tensor, lengths: tuple[int, ...]) -> MicroBatchTicket:
         """The micro-batch's attention: the rank's step budget, DST's per-layer choices (the
         controller's micro-batch ``spec.index``) and, when timings are fed back, the layer
         times of its closed loop (forward x ``BACKWARD_RATIO``, as ``sparsebalance train``)."""
         cfg = self.planner.config
         value = work.tuned.decision.ranks[self.planner.rank].budget
         if spec.filler:
-            ctx = PackedAttention(cu, Budget(gamma=1.0), cfg.block_size, cfg.backend)
+            ctx = PackedAttention(cu, Budget(gamma=1.0), cfg.block_size, cfg.backend,
+                                  lengths=lengths)
             return MicroBatchTicket(ctx, spec.step, spec.index, spec, filler=True)
         ctl, m = work.controller, spec.index
         choose = None if ctl is None else (lambda layer, e: ctl.choose(m, layer, e))
@@ -226,8 +227,8 @@ class PackedCollator:
             last[0] = now
 
         budget = self.planner.tuner.knob.budget(Budget(top_k=0), value)
-        ctx = PackedAttention(cu, budget, cfg.block_size, cfg.backend,
-                              choose_budget=choose, on_layer_end=on_layer_end)  # fmt: skip
+        ctx = PackedAttention(cu, budget, cfg.block_size, cfg.backend, choose_budget=choose,
+                              on_layer_end=on_layer_end, lengths=lengths)  # fmt: skip
         return MicroBatchTicket(ctx, spec.step, spec.index, spec)
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..ops import BlockLayout, Budget, block_sparse_attention, estimate_block_mass, select_blocks
+from ..ops.pack_index import PackIndex
 from ..parallel import (
     Placement,
     RankList,
@@ -154,6 +155,23 @@ class PackedAttention:
     back (then dropped). Empty without activation checkpointing."""
     ring: RingContext | None = None
     """Set when the model runs one rank's shard of a CP unit (see the module docstring)."""
+    lengths: tuple[int, ...] | None = None
+    """The documents' lengths on the host (what ``cu_seqlens`` holds): every layer's shapes come
+    from them (:class:`~sparsebalance.ops.pack_index.PackIndex`), so no layer reads a shape back
+    from the device. None: read from ``cu_seqlens`` once, at the first layer."""
+    _pack: PackIndex | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.ring is None:  # a CP unit's shards index the global pack in the ring's estimate
+            self._pack = PackIndex.build(self.cu_seqlens, self.block_size, self.lengths)
+
+    @property
+    def pack(self) -> PackIndex:
+        """The pack's index, built with the context, before the forward: every layer, the
+        backward and any recomputation reuse it."""
+        if self._pack is None:
+            self._pack = PackIndex.build(self.cu_seqlens, self.block_size, self.lengths)
+        return self._pack
 
     def mean_density(self) -> float:
         return sum(s.density for s in self.stats) / max(1, len(self.stats))
@@ -203,12 +221,14 @@ def _layer(ctx: PackedAttention, module, q, k, v, scaling) -> torch.Tensor:
         budget = ctx.budget if ctx.choose_budget is None else ctx.choose_budget(layer, estimate)
         layout = estimate.layout(budget)
     elif ctx.choose_budget is not None:
-        estimate = estimate_block_mass(q, k, ctx.cu_seqlens, ctx.block_size, scale=scaling)
+        estimate = estimate_block_mass(q, k, ctx.cu_seqlens, ctx.block_size, scale=scaling,
+                                       pack=ctx.pack)  # fmt: skip
         budget = ctx.choose_budget(layer, estimate)
         layout = estimate.layout(budget)
     else:
         budget = ctx.budget
-        layout = select_blocks(q, k, ctx.cu_seqlens, budget, ctx.block_size, scale=scaling)
+        layout = select_blocks(q, k, ctx.cu_seqlens, budget, ctx.block_size, scale=scaling,
+                               pack=ctx.pack)  # fmt: skip
     if phase == "forward":
         ctx.layouts[layer] = (budget, layout)
     out = _attend(ctx, q, k, v, layout, scaling)
@@ -233,9 +253,12 @@ def _no_mask(*args, **kwargs):
 
 
 def register() -> None:
-    """Register the implementation with transformers (idempotent)."""
+    """Register the implementation with transformers (idempotent).
+
+    No mask function is registered: for an attention implementation without one, transformers'
+    mask preparation returns at once (``masking_utils._preprocess_mask_arguments``), before it
+    scans ``position_ids`` for packed documents, a read back on every forward (the first GPU
+    run's sync test failed there). Masking happens inside the op."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(IMPLEMENTATION, sparsebalance_attention)
-    AttentionMaskInterface.register(IMPLEMENTATION, _no_mask)

@@ -71,9 +71,10 @@ def block_sparse_attention(
         keys j with ``doc_start_i <= j <= i`` whose block pair is in ``layout``.
     """
     check_qkv(q, k, v)
-    check_cu_seqlens(cu_seqlens, q.shape[0])
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    if cu_seqlens is not layout.cu_seqlens:  # the layout's own offsets were checked when built
+        check_cu_seqlens(cu_seqlens, q.shape[0])
     layout.check_compatible(q, k, cu_seqlens)
     if layout.device != q.device:
         layout = layout.to(q.device)

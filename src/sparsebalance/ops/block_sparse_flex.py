@@ -1,10 +1,28 @@
-"""Block-sparse attention through FlexAttention (CUDA): a ``BlockMask`` built from the layout.
+"""Block-sparse attention through FlexAttention (CUDA): the call does attention and nothing else.
 
-Block pairs strictly inside one document and strictly below the diagonal are passed as *full*
-blocks (no ``mask_mod`` evaluated); the others carry the document-causal ``mask_mod``.
-On CPU, FlexAttention in torch 2.13 is forward-only and its eager path ignores block lists, so
-``backend="auto"`` never picks it there. Block size and kernel options: :mod:`.flex_config`
-(a multiple of 128 tokens on CUDA, checked before anything compiles).
+Per layer and micro-batch the work around the kernel is ``O(H nb^2)`` index work on the block
+mask, built once (:mod:`.flex_mask`, memoised on the layout for the backward and a
+recomputation), plus the K/V expansion below; nothing reads, cleans or checks q, k, v or the
+output (measured on an H100 at 32K tokens, d = 0.05: such passes cost 8 ms of a 19.6 ms call,
+the kernel itself 3.5 ms; ``../shared/gpu/README.md``).
+
+- **GQA**: flex's backward loops serially over the query heads of a KV group in its dK/dV
+  programs (``enable_gqa=True``: 7.9 ms at 32K, d = 0.05, Qwen2.5-0.5B heads); with K/V
+  ``repeat_interleave``'d to the query heads it is 3.5 ms. ``gqa="expand"`` (the default) does
+  that, at ``2 T (Hq - Hkv) D`` more elements held for the backward per layer; ``"native"``
+  keeps flex's own GQA (``bench-attn`` measures both).
+- **Dense documents** (the budget keeps every causal block: ``layout.dense_docs``) run through
+  FlashAttention varlen (:mod:`.dense`) when a run of them holds a whole query block; their
+  query blocks are emptied from the flex mask. A pack of dense documents never calls flex.
+- **Non-finite values** are not contained here: FlexAttention masks scores, not ``p @ v``, so a
+  NaN or inf at a masked position of a computed block can reach other queries of that block
+  (other documents included). Training checks the loss and the gradients once per step on the
+  device and skips a non-finite step (``docs/reliability.md``); the ``torch`` and
+  ``reference`` backends keep the exact per-document containment for debugging.
+
+Block size and kernel options: :mod:`.flex_config` (a multiple of 128 tokens on CUDA, checked
+before anything compiles). On CPU, FlexAttention in torch 2.13 is forward-only and its eager
+path ignores block lists, so ``backend="auto"`` never picks it there.
 
 Compiled graphs stay few: flex is compiled once with dynamic shapes (``dynamic=True``: packed
 lengths change every micro-batch; a first static graph followed by an automatic-dynamic recompile
@@ -13,29 +31,18 @@ pack shorter than two blocks is padded to two (a size-1 block dimension would be
 into a graph of its own). One graph per dtype and grad mode; should Dynamo's recompile limit be
 hit anyway, the call fails loudly instead of silently running flex eagerly, which materialises
 ``T x T`` scores (out of memory at long context).
-
-Non-finite values: FlexAttention masks the scores, not the products ``p @ v``, and its backward
-multiplies masked probabilities (``exp(-inf - lse)``) by the output gradient, so a NaN or inf at
-a masked position of a computed block, or a row whose log-sum-exp is NaN, would reach other
-queries and other keys' gradients (other documents included). The call runs on cleaned q, k and
-v (non-finite entries set to 0) and marks as NaN exactly the outputs that read one: every
-feature of a row whose query is non-finite or that sees a non-finite key, the features that read
-a non-finite value. The rows are found from prefix counts of the non-finite entries
-(:func:`nonfinite_reads`): device work only, no host sync, no second attention call. A poisoned
-output passes no gradient back (its inputs' gradients are 0 where the reference has NaN); every
-other document's outputs and gradients are exactly those of a clean run.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
+from .dense import dense_attention
 from .flex_config import flex_settings
-from .layout import BlockLayout, dense_to_ordered, num_blocks
-from .varlen import doc_ids, doc_starts
+from .flex_mask import build_block_mask, whole_block_runs
+from .layout import BlockLayout, num_blocks
 
 
 @functools.cache
@@ -59,130 +66,49 @@ def padded_length(layout: BlockLayout, static_sizes: tuple[int, ...] = ()) -> in
     return total
 
 
-def _doc_tables(layout: BlockLayout, total: int, device: torch.device):
-    """Per token of the padded pack: document id and document start (padding: a document of
-    its own, starting at T)."""
-    t, cu = layout.seq_len, layout.cu_seqlens.to(device)
-    doc, start = doc_ids(cu, t), doc_starts(cu, t)
-    if total > t:
-        n = cu.shape[0] - 1
-        doc = torch.cat([doc, torch.full((total - t,), n, dtype=doc.dtype, device=device)])
-        start = torch.cat([start, torch.full((total - t,), t, dtype=start.dtype, device=device)])
-    return doc, start
-
-
-def build_block_mask(
+def flex_block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     layout: BlockLayout,
-    num_q_heads: int,
-    device: torch.device,
-    kept: torch.Tensor | None = None,
-    total: int | None = None,
-):
-    """The layout as a FlexAttention ``BlockMask`` over ``num_q_heads`` heads, for ``total``
-    tokens (default T; padding tokens form a document no real query sees); ``kept``:
-    ``layout.to_block_mask()`` on ``device`` if already built."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    bs, total = layout.block_size, total or layout.seq_len
-    nb, nbp = layout.num_blocks, num_blocks(total, bs)
-    doc, start = _doc_tables(layout, total, device)
-    kept = layout.to(device).to_block_mask() if kept is None else kept
-    kept = kept.repeat_interleave(num_q_heads // layout.num_heads, dim=0)
-    if nbp > nb:
-        kept = torch.nn.functional.pad(kept, (0, nbp - nb, 0, nbp - nb))
-    # A pair is "full" when every (query, key) token pair in it is doc-causal: the key block lies
-    # inside the query block's document and strictly before the query block.
-    qb = torch.arange(nbp, device=device)
-    first = start[qb * bs]
-    last = start[torch.clamp((qb + 1) * bs, max=total) - 1]
-    one_doc = first == last
-    kb_lo = (first + bs - 1) // bs  # first key block wholly at or after the document start
-    full = one_doc[:, None] & (qb[None, :] >= kb_lo[:, None]) & (qb[None, :] < qb[:, None])
-    lo = first // bs
-    causal = (qb[None, :] >= lo[:, None]) & (qb[None, :] <= qb[:, None])
-    kv_num, kv_idx = dense_to_ordered(kept & causal[None] & ~full[None], width=nbp)
-    full_num, full_idx = dense_to_ordered(kept & full[None], width=nbp)
-
-    def doc_causal(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (doc[q_idx] == doc[kv_idx])
-
-    return BlockMask.from_kv_blocks(
-        kv_num[None], kv_idx[None], full_num[None], full_idx[None],
-        BLOCK_SIZE=bs, mask_mod=doc_causal, seq_lengths=(total, total),
-    )  # fmt: skip
-
-
-def nonfinite_reads(
-    bad: torch.Tensor, layout: BlockLayout, num_q_heads: int, kept: torch.Tensor | None = None
+    scale: float,
+    gqa: str | None = None,
 ) -> torch.Tensor:
-    """Bool ``(T, Hq, E)``: output ``[i, h, e]`` reads a key ``j`` with ``bad[j, kv(h), e]``, i.e. a
-    key of a kept block pair with ``doc_start_i <= j <= i``; ``bad``: bool ``(T, Hkv, E)`` (the
-    non-finite entries of v, ``E = D``, or keys with any non-finite feature, ``E = 1``).
-
-    For query token ``i`` in block ``qb`` with document start ``s``, every kept key block strictly
-    between ``ceil(s / B)`` and ``qb`` is read whole (the same for all tokens of the block's first
-    document: one block-level product), and at most two are read in part: the diagonal block
-    (keys ``max(s, qb B) .. i``) and the block holding ``s`` when ``s`` is not on a block
-    boundary (keys ``s .. end of that block``). Prefix counts of the non-finite entries over the
-    tokens answer each part with two lookups.
-    """
-    t, hkv = bad.shape[:2]
-    bs, nb, hl = layout.block_size, layout.num_blocks, layout.num_heads
-    dev = bad.device
-    # (T + 1, Hkv, E): bad entries before token j
-    counts = torch.nn.functional.pad(
-        bad.to(torch.int32).cumsum(0, dtype=torch.int32), (0, 0, 0, 0, 1, 0)
-    )
-    kv_of = (torch.arange(hl, device=dev) * (num_q_heads // hl)) // (num_q_heads // hkv)  # (Hl,)
-    kept = layout.to(dev).to_block_mask() if kept is None else kept  # (Hl, nb, nb)
-    start = doc_starts(layout.cu_seqlens.to(dev), t)  # (T,)
-    tok = torch.arange(t, device=dev)
-    qb = tok // bs
-    # Whole blocks: the first document of each query block reads kept blocks [ceil(s0/B), qb).
-    edges = torch.clamp(torch.arange(nb + 1, device=dev) * bs, max=t)
-    per_block = (counts[edges[1:]] - counts[edges[:-1]]).permute(1, 0, 2)  # (Hkv, nb, D)
-    s0 = start[torch.arange(nb, device=dev) * bs]  # (nb,)
-    kb = torch.arange(nb, device=dev)
-    whole = kept & (kb[None, :] >= ((s0 + bs - 1) // bs)[:, None]) & (kb[None, :] < kb[:, None])
-    whole_bad = torch.bmm(whole.float(), per_block[kv_of].float()) > 0  # (Hl, nb, D)
-    first_doc = start == s0[qb]  # (T,)
-    hits = (whole_bad[:, qb] & first_doc[None, :, None]).permute(1, 0, 2)  # (T, Hl, D)
-    # The diagonal block, in part: keys max(s, qb B) .. i.
-    lo = torch.maximum(start, qb * bs)
-    diag = (counts[tok + 1] - counts[lo]) > 0  # (T, Hkv, D)
-    hits |= kept[:, qb, qb].T[:, :, None] & diag[:, kv_of]
-    # The block holding the document start, in part, when it lies before the diagonal.
-    sb = start // bs
-    split = (start % bs != 0) & (sb < qb)
-    tail = (counts[torch.clamp((sb + 1) * bs, max=t)] - counts[start]) > 0  # (T, Hkv, D)
-    hits |= (kept[:, qb, sb].T & split[:, None])[:, :, None] & tail[:, kv_of]
-    return hits.repeat_interleave(num_q_heads // hl, dim=1)
-
-
-def flex_block_sparse_attention(q, k, v, layout: BlockLayout, scale: float) -> torch.Tensor:
-    """``q (T, Hq, D)``, ``k``/``v (T, Hkv, D)`` -> ``(T, Hq, D)`` via compiled FlexAttention."""
+    """``q (T, Hq, D)``, ``k``/``v (T, Hkv, D)`` -> ``(T, Hq, D)``: compiled FlexAttention over
+    the layout's sparse documents, FlashAttention varlen over its runs of dense ones.
+    ``gqa``: ``"expand"`` or ``"native"`` (default: the device's :func:`flex_settings`)."""
     settings = flex_settings(layout.block_size, q.device)
+    gqa = settings.gqa if gqa is None else gqa
+    pack = layout.pack
     hq, hkv, t, d = q.shape[1], k.shape[1], q.shape[0], q.shape[2]
-    total = padded_length(layout, (hq, hkv, d))
-    kept = layout.to(q.device).to_block_mask()
-    block_mask = build_block_mask(layout, hq, q.device, kept, total)
-    bad_q, bad_k, bad_v = (~torch.isfinite(x) for x in (q, k, v))
-    poisoned = (
-        nonfinite_reads(bad_v, layout, hq, kept)
-        | nonfinite_reads(bad_k.any(-1, keepdim=True), layout, hq, kept)
-        | bad_q.any(-1, keepdim=True)
-    )  # (T, Hq, D): outputs that read a non-finite entry
-    q, k, v = q.masked_fill(bad_q, 0.0), k.masked_fill(bad_k, 0.0), v.masked_fill(bad_v, 0.0)
+    runs = whole_block_runs(pack, layout.dense_docs) if layout.dense_docs else ()
+    if len(runs) == 1 and runs[0][2] == 0 and runs[0][3] == t:  # every document dense
+        return dense_attention(q, k, v, pack.cu_seqlens, pack.lengths, scale)
+    expand = gqa == "expand" and hq != hkv
+    total = padded_length(layout, (hq, hq if expand else hkv, d))
+    block_mask = layout.memo(("flex", hq, total, runs),
+                             lambda: build_block_mask(layout, hq, total, runs))  # fmt: skip
     pad = total - t
 
     def heads_first(x: torch.Tensor) -> torch.Tensor:  # (T, H, D) -> (1, H, T', D)
         x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x
         return x.transpose(0, 1).unsqueeze(0)
 
-    qt, kt, vt = heads_first(q), heads_first(k), heads_first(v)
+    kk, vv = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v)) if expand else (k, v)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         out = _compiled_flex()(
-            qt, kt, vt, block_mask=block_mask, scale=scale, enable_gqa=hq != hkv,
+            heads_first(q), heads_first(kk), heads_first(vv), block_mask=block_mask,
+            scale=scale, enable_gqa=hq != kk.shape[1],
             kernel_options=settings.kernel_options or None,
         )  # fmt: skip
-    return out[0].transpose(0, 1)[:t].masked_fill(poisoned, math.nan)
+    out = out[0].transpose(0, 1)[:t]
+    if not runs:
+        return out
+    pieces, pos = [], 0
+    for d0, d1, t0, t1 in runs:  # the dense runs' rows replace flex's (emptied) ones
+        run = dense_attention(q[t0:t1], k[t0:t1], v[t0:t1], pack.run_offsets(d0, d1),
+                              pack.lengths[d0:d1], scale)  # fmt: skip
+        pieces += [out[pos:t0], run]
+        pos = t1
+    pieces.append(out[pos:])
+    return torch.cat(pieces)

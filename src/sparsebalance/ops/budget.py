@@ -101,6 +101,24 @@ class Budget:
         uncapped = self.max_density is None or self.max_density >= 1.0
         return self.gamma is not None and self.gamma >= 1.0 and uncapped
 
+    def covers(self, num_segments: ArrayLike) -> np.ndarray:
+        """Bool, elementwise: a document touching ``num_segments`` blocks keeps every causal
+        block under this budget (exact attention there), decided on the host from the rule
+        alone. Top-k: the last query block of a document of ``s`` blocks has ``s`` causal key
+        blocks, ``sink_blocks + local_blocks`` of them anchors (fewer if they overlap), so
+        ``top_k >= s - sink - local`` keeps them all; no earlier block has more candidates. A
+        ``max_density`` cap below 1 is never taken to cover (conservative)."""
+        s = np.asarray(num_segments)
+        if self.max_density is not None and self.max_density < 1.0:
+            return np.zeros(s.shape, dtype=bool)
+        if self.gamma is not None:
+            return np.full(s.shape, self.gamma >= 1.0)
+        return self.top_k >= s - self.sink_blocks - self.local_blocks
+
+    def dense_documents(self, pack) -> tuple[bool, ...]:
+        """:meth:`covers` for every document of a :class:`~.pack_index.PackIndex` (host)."""
+        return tuple(bool(x) for x in self.covers(pack.doc_segments))
+
     def with_value(self, value: float) -> Budget:
         """A copy with another knob value (gamma, or top_k rounded to an integer)."""
         if self.gamma is not None:

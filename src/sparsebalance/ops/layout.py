@@ -8,16 +8,13 @@ intervals chain without gaps inside the block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
+from .pack_index import PackIndex, num_blocks
 from .varlen import check_cu_seqlens, debug_checks, token_mask
-
-
-def num_blocks(total: int, block_size: int) -> int:
-    return (total + block_size - 1) // block_size
 
 
 def causal_block_range(cu_seqlens: torch.Tensor, total: int, block_size: int) -> torch.Tensor:
@@ -55,60 +52,64 @@ def dense_to_ordered(block_mask: torch.Tensor, width: int | None = None):
     return counts, out[..., :width].contiguous()
 
 
-def document_density(
-    block_mask: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int, total: int | None = None
-) -> torch.Tensor:
-    """float64 ``(N,)``: per-document density of a bool ``(H, nb, nb)`` block mask (see
-    :meth:`BlockLayout.document_density`); ``total``: T if known (else read from
-    ``cu_seqlens``: a host sync on a device)."""
-    total = int(cu_seqlens[-1]) if total is None else total
-    cu = cu_seqlens.to(block_mask.device).long()
-    causal = causal_block_mask(cu, total, block_size)
+def document_density(block_mask: torch.Tensor, pack: PackIndex) -> torch.Tensor:
+    """float64 ``(N,)``: per-document density of a bool ``(H, nb, nb)`` block mask of ``pack``
+    (see :meth:`BlockLayout.document_density`); device work only."""
+    pack = pack.to(block_mask.device)
+    causal = pack.causal_block_mask()
     kept = (block_mask & causal[None]).sum(0).double()
     # 2-D prefix sums turn each document's square of blocks into four lookups.
     pre = torch.nn.functional.pad(kept.cumsum(0).cumsum(1), (1, 0, 1, 0))
-    b0 = cu[:-1] // block_size
-    b1 = (cu[1:] - 1) // block_size + 1
-    kept_doc = pre[b1, b1] - pre[b0, b1] - pre[b1, b0] + pre[b0, b0]
-    n = (b1 - b0).double()
+    first, last = pack.doc_block_bounds()
+    kept_doc = pre[last, last] - pre[first, last] - pre[last, first] + pre[first, first]
+    n = (last - first).double()
     return kept_doc / (n * (n + 1) / 2 * block_mask.shape[0])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BlockLayout:
-    """The key blocks computed for every (layout head, query block), flex-attention style.
+    """The (query block, key block) pairs computed, per layout head: one bool block mask.
 
-    ``kv_indices[h, qb, :kv_num_blocks[h, qb]]`` are the sorted key blocks of query block ``qb``
-    for layout head ``h``; entries past ``kv_num_blocks`` are padding (0) and ignored.
+    The mask is the one form every consumer starts from: selection writes it, the statistics
+    read it, and each kernel derives its own index form from it once (flex's kv- and query-side
+    lists, the torch backend's sorted rows; :meth:`memo`), reused by the forward, the backward
+    and a checkpointed layer's recomputation. ``O(H nb^2)`` bytes, a few MB at 128K tokens.
+
     A layout has either one head per query head (``num_heads == num_q_heads``) or one per group of
     query heads that share a KV head (``num_heads`` a multiple of ``Hkv`` dividing ``Hq``), in
     which case query head ``h`` uses layout head ``h // (num_q_heads // num_heads)``.
     """
 
-    kv_num_blocks: torch.Tensor
-    """int32 ``(H_layout, nb)``: number of key blocks kept per query block."""
-    kv_indices: torch.Tensor
-    """int32 ``(H_layout, nb, max_kv)``: sorted key block indices, padded with 0."""
-    cu_seqlens: torch.Tensor
-    """int32 ``(N + 1,)``: the pack the layout was built for."""
-    seq_len: int
-    """T, the packed length."""
-    block_size: int
-    """Tokens per block."""
+    block_mask: torch.Tensor
+    """bool ``(H_layout, nb, nb)``: True where the pair is computed (pairs that are not
+    doc-causal are ignored by every backend)."""
+    pack: PackIndex
+    """The pack the layout was built for (lengths on the host, offsets on the device)."""
     num_q_heads: int
     """Hq of the attention this layout serves."""
+    dense_docs: tuple[bool, ...] | None = None
+    """Per document, known on the host to keep every causal block (its budget covers it):
+    such documents may run through the dense kernel (:mod:`.dense`). None: not known."""
+    _memo: dict = field(default_factory=dict, compare=False, repr=False, init=False)
 
     def __post_init__(self) -> None:
-        h, nb = self.kv_num_blocks.shape
-        if nb != num_blocks(self.seq_len, self.block_size):
+        bm = self.block_mask
+        if bm.dtype != torch.bool or bm.dim() != 3:
+            raise ValueError("block_mask must be a bool tensor (H_layout, nb, nb)")
+        nb = self.pack.num_blocks
+        if bm.shape[1:] != (nb, nb):
             raise ValueError(
-                f"kv_num_blocks has {nb} query blocks but T={self.seq_len} with "
-                f"block_size={self.block_size} needs {num_blocks(self.seq_len, self.block_size)}"
+                f"block_mask must be (H, {nb}, {nb}) for T={self.pack.seq_len}, "
+                f"block_size={self.block_size}; got {tuple(bm.shape)}"
             )
-        if self.kv_indices.shape[:2] != (h, nb):
-            raise ValueError("kv_indices must be (H_layout, nb, max_kv) matching kv_num_blocks")
-        if self.num_q_heads % h != 0:
-            raise ValueError(f"layout heads ({h}) must divide num_q_heads ({self.num_q_heads})")
+        if self.num_q_heads % bm.shape[0] != 0:
+            raise ValueError(
+                f"layout heads ({bm.shape[0]}) must divide num_q_heads ({self.num_q_heads})"
+            )
+        if self.dense_docs is not None and len(self.dense_docs) != self.pack.num_docs:
+            raise ValueError(
+                f"dense_docs has {len(self.dense_docs)} entries for {self.pack.num_docs} documents"
+            )
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -118,55 +119,75 @@ class BlockLayout:
         cu_seqlens: torch.Tensor,
         block_size: int,
         num_q_heads: int,
-        width: int | None = None,
+        lengths: tuple[int, ...] | None = None,
     ) -> BlockLayout:
-        """Build from a bool ``(H_layout, nb, nb)`` block mask (True = compute the pair);
-        ``width``: slots per query block (default: the largest count, a host sync on a device;
-        a fixed width keeps shapes fixed and the host out of it)."""
+        """Build from a bool ``(H_layout, nb, nb)`` block mask (True = compute the pair) for the
+        pack ``cu_seqlens`` (``lengths``: its document lengths, if on the host already)."""
         if block_mask.dtype != torch.bool or block_mask.dim() != 3:
             raise ValueError("block_mask must be a bool tensor (H_layout, nb, nb)")
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        check_cu_seqlens(cu_seqlens)
-        total = int(cu_seqlens[-1])
-        nb = num_blocks(total, block_size)
-        if block_mask.shape[1:] != (nb, nb):
-            raise ValueError(
-                f"block_mask must be (H, {nb}, {nb}) for T={total}, block_size={block_size}; "
-                f"got {tuple(block_mask.shape)}"
-            )
-        counts, indices = dense_to_ordered(block_mask, width)
-        return cls(
-            counts,
-            indices,
-            cu_seqlens.to(torch.int32),
-            total,
-            block_size,
-            num_q_heads,
-        )
+        pack = PackIndex.build(cu_seqlens, block_size, lengths).to(block_mask.device)
+        return cls(block_mask, pack, num_q_heads)
+
+    @classmethod
+    def full(cls, pack: PackIndex, num_heads: int, num_q_heads: int) -> BlockLayout:
+        """Every doc-causal block pair of ``pack`` (exact attention), every document dense;
+        ``O(nb^2)`` device work, no selection."""
+        causal = pack.causal_block_mask()
+        return cls(causal.expand(num_heads, -1, -1), pack, num_q_heads, (True,) * pack.num_docs)
 
     # ------------------------------------------------------------------ shapes
     @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 ``(N + 1,)``: the pack the layout was built for."""
+        return self.pack.cu_seqlens
+
+    @property
+    def seq_len(self) -> int:
+        return self.pack.seq_len
+
+    @property
+    def block_size(self) -> int:
+        return self.pack.block_size
+
+    @property
     def num_heads(self) -> int:
-        return self.kv_num_blocks.shape[0]
+        return self.block_mask.shape[0]
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_num_blocks.shape[1]
+        return self.block_mask.shape[1]
 
     @property
     def device(self) -> torch.device:
-        return self.kv_num_blocks.device
+        return self.block_mask.device
 
     def to(self, device: torch.device | str) -> BlockLayout:
-        return BlockLayout(
-            self.kv_num_blocks.to(device),
-            self.kv_indices.to(device),
-            self.cu_seqlens.to(device),
-            self.seq_len,
-            self.block_size,
-            self.num_q_heads,
-        )
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return BlockLayout(self.block_mask.to(device), self.pack.to(device), self.num_q_heads,
+                           self.dense_docs)  # fmt: skip
+
+    def memo(self, key, build):
+        """``build()`` once per key for this layout: a kernel's index form of the mask, built
+        by the first call and reused by the backward and any recomputation."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+    @property
+    def kv_num_blocks(self) -> torch.Tensor:
+        """int32 ``(H_layout, nb)``: key blocks kept per query block."""
+        return self._ordered()[0]
+
+    @property
+    def kv_indices(self) -> torch.Tensor:
+        """int32 ``(H_layout, nb, nb)``: the kept key blocks of each query block, ascending,
+        padded with 0 past :attr:`kv_num_blocks`."""
+        return self._ordered()[1]
+
+    def _ordered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.memo("ordered", lambda: dense_to_ordered(self.block_mask, self.num_blocks))
 
     def check_compatible(self, q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
         """Raise ``ValueError`` if this layout was built for other shapes or another pack (the
@@ -185,21 +206,17 @@ class BlockLayout:
             )
         if cu_seqlens.shape != self.cu_seqlens.shape:
             raise ValueError("layout was built for another cu_seqlens (another pack of documents)")
-        on_host = cu_seqlens.device.type == "cpu" and self.cu_seqlens.device.type == "cpu"
+        on_host = cu_seqlens.device.type == "cpu"
         if cu_seqlens is self.cu_seqlens or not (on_host or debug_checks()):
             return
-        if not torch.equal(cu_seqlens.detach().cpu().long(), self.cu_seqlens.detach().cpu().long()):
+        mine = torch.as_tensor(self.pack.offsets)
+        if not torch.equal(cu_seqlens.detach().cpu().long(), mine):
             raise ValueError("layout was built for another cu_seqlens (another pack of documents)")
 
     # ------------------------------------------------------------------ views
     def to_block_mask(self) -> torch.Tensor:
         """Bool ``(H_layout, nb, nb)``: True where the (query block, key block) pair is computed."""
-        h, nb, max_kv = self.kv_indices.shape
-        slot = torch.arange(max_kv, device=self.device)
-        valid = slot < self.kv_num_blocks[..., None]
-        out = torch.zeros(h, nb, nb, dtype=torch.int32, device=self.device)
-        out.scatter_add_(-1, self.kv_indices.long(), valid.to(torch.int32))
-        return out > 0
+        return self.block_mask
 
     def to_mask(self, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Bool ``(Hq, T, T)``: exactly the (query, key) token pairs computed.
@@ -209,15 +226,15 @@ class BlockLayout:
         """
         cu = self.cu_seqlens if cu_seqlens is None else cu_seqlens
         check_cu_seqlens(cu, self.seq_len)
-        bm = self.to_block_mask().repeat_interleave(self.num_q_heads // self.num_heads, dim=0)
+        bm = self.block_mask.repeat_interleave(self.num_q_heads // self.num_heads, dim=0)
         tok_block = torch.arange(self.seq_len, device=self.device) // self.block_size
         tokens = bm[:, tok_block][:, :, tok_block]
         return tokens & token_mask(cu.to(self.device), self.seq_len)[None]
 
     # ------------------------------------------------------------------ densities
     def _kept_causal(self) -> tuple[torch.Tensor, torch.Tensor]:
-        causal = causal_block_mask(self.cu_seqlens.to(self.device), self.seq_len, self.block_size)
-        return self.to_block_mask() & causal[None], causal
+        causal = self.pack.causal_block_mask()
+        return self.block_mask & causal[None], causal
 
     def density(self) -> float:
         """Fraction of doc-causal (query block, key block) pairs kept, over all layout heads."""
@@ -231,7 +248,7 @@ class BlockLayout:
     def head_density(self) -> torch.Tensor:
         """float64 ``(H_layout,)``: density per layout head."""
         kept, causal = self._kept_causal()
-        return kept.sum((1, 2)).double() / float(causal.sum())
+        return kept.sum((1, 2)).double() / causal.sum().double()
 
     def document_density(self) -> torch.Tensor:
         """float64 ``(N,)``: density per document (averaged over heads).
@@ -239,9 +256,7 @@ class BlockLayout:
         Document d owns the block pairs (qb, kb), kb <= qb, with both blocks touching d; a block
         shared by two documents counts for both.
         """
-        return document_density(
-            self.to_block_mask(), self.cu_seqlens, self.block_size, self.seq_len
-        )
+        return document_density(self.block_mask, self.pack)
 
     def num_kept_pairs(self) -> int:
         """Kept doc-causal block pairs summed over layout heads (the work the op does)."""
@@ -284,8 +299,12 @@ def random_layout(
     prio = torch.rand(num_heads, nb, nb, generator=torch.Generator().manual_seed(seed))
     if shape == "top-k":
         width = topk_width(torch.diff(cu), dens, block_size)[doc]
-        return layout_from_priorities(prio, cu, block_size, None, width)
-    return layout_from_priorities(prio, cu, block_size, dens[doc])
+        layout = layout_from_priorities(prio, cu, block_size, None, width)
+    else:
+        layout = layout_from_priorities(prio, cu, block_size, dens[doc])
+    # Documents that kept every causal block run where the trainer would run them: dense.
+    full = layout.document_density() >= 1.0 - 1e-12
+    return replace(layout, dense_docs=tuple(bool(x) for x in full))
 
 
 def topk_width(lengths: torch.Tensor, density: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -41,7 +41,9 @@ import numpy as np
 import torch
 
 from .budget import Budget
-from .layout import BlockLayout, causal_block_mask, document_density, num_blocks
+from .layout import BlockLayout, document_density
+from .pack_index import PackIndex, ScoreBatch
+from .select_rules import DocumentBatch
 from .varlen import check_cu_seqlens, check_qkv, doc_ids, resolve_scale, token_mask
 
 # Bound on (heads x documents x s x s) elements processed at once, so long contexts fit in memory.
@@ -76,131 +78,25 @@ def pool_segments(
     return out.view(-1, *x.shape[1:]) / seg_len.to(dtype)[:, None, None]
 
 
-def _sort_rows(prob: torch.Tensor):
-    """Per row: descending order, the mass ranked above each entry, each entry's rank."""
-    sorted_p, order = torch.sort(prob, dim=-1, descending=True, stable=True)
-    before = sorted_p.cumsum(-1) - sorted_p
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-    return before, rank, order
-
-
-def _keep_by_mass(prob, allowed, anchors, budget: Budget, sorted_rows) -> torch.Tensor:
-    """The gamma rule on ``prob (H, n, s, s)``: bool keep mask (anchors included)."""
-    if budget.is_dense:
-        return allowed.expand_as(prob)
-    before, rank, order = sorted_rows
-    n_allowed = allowed.sum(-1, keepdim=True)
-    keep_n = (before < budget.gamma).sum(-1, keepdim=True) if budget.gamma < 1.0 else n_allowed
-    floor_n = torch.clamp(n_allowed, max=budget.min_blocks)
-    keep = (rank < torch.maximum(keep_n, floor_n)) & allowed
-    return _cap(keep, anchors & allowed, n_allowed, floor_n, budget, order)
-
-
-def _top_k_rows(prob, allowed, anchors):
-    """Per row, each non-anchor causal segment's rank by estimated mass (0 = highest; anchors
-    and non-causal segments rank last) and the descending order."""
-    candidate = allowed & ~anchors
-    key = prob.masked_fill(~candidate, -1.0)  # masses are >= 0: non-candidates sort last
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-    return rank, order
-
-
-def _keep_top_k(allowed, anchors, budget: Budget, rows) -> torch.Tensor:
-    """The top-k rule: the anchors plus the ``top_k`` best non-anchor causal segments."""
-    rank, order = rows
-    anchors = anchors & allowed
-    n_allowed = allowed.sum(-1, keepdim=True)
-    floor_n = torch.clamp(n_allowed, max=budget.min_blocks)
-    extra_n = torch.clamp(floor_n - anchors.sum(-1, keepdim=True), min=budget.top_k)
-    keep = (rank < extra_n) & allowed & ~anchors
-    return _cap(keep | anchors, anchors, n_allowed, floor_n, budget, order)
-
-
-def _cap(keep, anchors, n_allowed, floor_n, budget: Budget, order) -> torch.Tensor:
-    """``max_density``: the cap counts every kept block, anchors included; the floors (anchors,
-    ``min_blocks``) win. ``order``: the rows' preference order for what the cap keeps."""
-    if budget.max_density is None:
-        return keep | anchors
-    limit = torch.maximum(torch.floor(n_allowed * budget.max_density + 1e-9).long(), floor_n)
-    quota = (limit - anchors.sum(-1, keepdim=True)).clamp_min(0)
-    extra = keep & ~anchors
-    extra_sorted = extra.gather(-1, order).long()
-    extra_rank = torch.empty_like(order).scatter_(-1, order, extra_sorted.cumsum(-1) - extra_sorted)
-    return anchors | (extra & (extra_rank < quota))
-
-
-@dataclass(frozen=True)
-class DocumentBatch:
-    """The segments of documents with similar segment counts, padded to ``s`` per document."""
-
-    prob: torch.Tensor
-    """``(H_layout, n, s, s)``: estimated mass of key segment j for query segment i of a document
-    (rows sum to 1; padded rows are 0)."""
-    allowed: torch.Tensor
-    """bool ``(n, s, s)``: key segment j is causal for query segment i (j <= i, both real)."""
-    seg_block: torch.Tensor
-    """int64 ``(n, s)``: block of each segment (padding repeats the first)."""
-    non_finite: torch.Tensor
-    """bool ``(H_layout, n, s, 1)``: the row's estimate is NaN/inf (keeps every causal block)."""
-    seg_tokens: torch.Tensor
-    """float ``(n, s)``: tokens of each segment (0 for padding): a query row's weight."""
-    docs: torch.Tensor
-    """int64 ``(n,)``: the pack's index of each document of the batch."""
-
-    def anchors(self, budget: Budget) -> torch.Tensor:
-        """Bool ``(n, s, s)``: the anchor segments (sink, local) of every query segment."""
-        sb = self.seg_block
-        return (sb - sb[:, :1] < budget.sink_blocks)[:, None, :] | (
-            sb[:, :, None] - sb[:, None, :] < budget.local_blocks
-        )
-
-    def keep(self, budget: Budget, cache: dict) -> torch.Tensor:
-        """Bool ``(H_layout, n, s, s)``: the kept segment pairs under ``budget``."""
-        anchors = self.anchors(budget)
-        if budget.top_k is not None:
-            key = ("top-k", budget.sink_blocks, budget.local_blocks)
-            if key not in cache:  # the ranking depends on the anchors only, not on k
-                cache[key] = _top_k_rows(self.prob, self.allowed, anchors)
-            keep = _keep_top_k(self.allowed, anchors, budget, cache[key])
-        else:
-            if "rows" not in cache and not budget.is_dense:
-                cache["rows"] = _sort_rows(self.prob)  # shared by every later budget
-            keep = _keep_by_mass(self.prob, self.allowed, anchors, budget, cache.get("rows"))
-        return torch.where(self.non_finite, self.allowed, keep)
-
-    def topk_covered(
-        self, budget: Budget, cache: dict, ks: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """float64 ``(n,)``: :meth:`covered` of the top-k rule without a cap, read off one sorted
-        cumulative sum per row (cached per anchor setting): what any k keeps of a row is its
-        anchors' mass plus its ``k`` largest other masses. With ``ks`` (int64 ``(K,)``): the
-        same for every k at once, ``(K, n)``."""
-        key = ("top-k coverage", budget.sink_blocks, budget.local_blocks)
-        if key not in cache:
-            anchors = self.anchors(budget) & self.allowed
-            prob = torch.nan_to_num(self.prob.double(), nan=0.0)
-            base = (prob * anchors).sum(-1)  # (H, n, s)
-            cand = prob.masked_fill(~(self.allowed & ~anchors), 0.0)
-            cums = torch.sort(cand, dim=-1, descending=True).values.cumsum(-1)  # (H, n, s, s)
-            cums = torch.cat([torch.zeros_like(cums[..., :1]), cums], -1)
-            cache[key] = (base, cums)
-        base, cums = cache[key]
-        if ks is None:
-            k = min(int(budget.top_k), cums.shape[-1] - 1)
-            mass = torch.where(self.non_finite[..., 0], 1.0, base + cums[..., k])
-            return (mass * self.seg_tokens.double()[None]).sum((0, 2))
-        kept = cums[..., ks.clamp(max=cums.shape[-1] - 1)]  # (H, n, s, K)
-        mass = torch.where(self.non_finite, 1.0, base[..., None] + kept)
-        return torch.einsum("hnsk,ns->kn", mass, self.seg_tokens.double())
-
-    def covered(self, keep: torch.Tensor) -> torch.Tensor:
-        """float64 ``(n,)``: per document, the estimated mass the kept pairs cover, summed over
-        layout heads and query tokens (divide by heads x tokens for the mean coverage)."""
-        mass = torch.nan_to_num((self.prob * keep).sum(-1), nan=1.0)  # (H, n, s)
-        return (mass.double() * self.seg_tokens.double()[None]).sum((0, 2))
+def pool_pack(x: torch.Tensor, pack: PackIndex) -> torch.Tensor:
+    """Mean of ``x (T, H, D)`` per segment of ``pack`` -> ``(S, H, D)`` in float32 (float64
+    kept), without a scatter or a read back: whole blocks by a reshape and a sum, the few blocks
+    a document start splits by prefix sums inside those blocks (:meth:`PackIndex.pool_plan`).
+    Reads ``x`` once; writes ``O(S H D)``."""
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    plan, bs = pack.pool_plan(), pack.block_size
+    out = torch.empty(pack.num_segments, *x.shape[1:], dtype=dtype, device=x.device)
+    if plan["whole_idx"].numel():
+        nfull = plan["nfull"]
+        sums = x[: nfull * bs].unflatten(0, (nfull, bs)).sum(1, dtype=dtype)  # (nfull, H, D)
+        out[plan["whole_idx"]] = sums[plan["whole_block"]]
+    if plan["split_idx"].numel():
+        pre = x[plan["tok"]].cumsum(1, dtype=dtype).flatten(0, 1)  # (K * B, H, D)
+        lo = plan["lo"]
+        below = pre[lo.clamp(min=0)] * (lo >= 0).to(dtype)[:, None, None]
+        out[plan["split_idx"]] = pre[plan["hi"]] - below
+    length = pack.segments()[1]
+    return out / length.to(dtype)[:, None, None]
 
 
 @dataclass(frozen=True)
@@ -209,17 +105,29 @@ class BlockMassEstimate:
 
     Computed once per layer by :func:`estimate_block_mass`; any number of budgets can then be
     turned into layouts (:meth:`layout`) or densities (:meth:`density`) without recomputing it,
-    which is what run-time budget tuning needs.
+    which is what run-time budget tuning needs. Every method is device work of fixed shape (the
+    shapes come from the pack's host-side :class:`PackIndex`); only :meth:`density`,
+    :meth:`coverage` and :meth:`coverage_curve` return host numbers (one read back each).
     """
 
     batches: tuple[DocumentBatch, ...]
     """The documents, batched by segment count."""
-    cu_seqlens: torch.Tensor
-    seq_len: int
-    block_size: int
+    pack: PackIndex
     num_q_heads: int
     num_layout_heads: int
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return self.pack.cu_seqlens
+
+    @property
+    def seq_len(self) -> int:
+        return self.pack.seq_len
+
+    @property
+    def block_size(self) -> int:
+        return self.pack.block_size
 
     def block_mask(self, budget: Budget) -> torch.Tensor:
         """Bool ``(H_layout, nb, nb)``: the block pairs this budget keeps."""
@@ -227,39 +135,37 @@ class BlockMassEstimate:
             raise TypeError(
                 f"budget must be a sparsebalance.ops.Budget, got {type(budget).__name__}"
             )
-        nb = num_blocks(self.seq_len, self.block_size)
-        h = self.num_layout_heads
-        dev = self.cu_seqlens.device
-        out = torch.zeros(h, nb * nb, dtype=torch.bool, device=dev)
+        nb, h = self.pack.num_blocks, self.num_layout_heads
+        hits = torch.zeros(h, nb * nb, dtype=torch.int32, device=self.cu_seqlens.device)
         for i, batch in enumerate(self.batches):
-            keep = batch.keep(budget, self._cache.setdefault(i, {}))
-            # Segments -> blocks: a query block keeps the union over its query segments.
-            heads, docs, qs, ks = keep.nonzero(as_tuple=True)
-            sb = batch.seg_block
-            flat = heads * (nb * nb) + sb[docs, qs] * nb + sb[docs, ks]
-            out.view(-1).index_fill_(0, flat, True)  # ~100x faster than out[h, i] = True
-        return out.view(h, nb, nb)
+            keep = batch.keep(budget, self._cache.setdefault(i, {}))  # (H, n, s, s)
+            # Segments -> blocks: a query block keeps the union over its query segments; a
+            # fixed-shape scatter (no nonzero, no read back). Padding pairs add 0.
+            index = batch.pair_index.reshape(1, -1).expand(h, -1)
+            hits.scatter_add_(1, index, keep.reshape(h, -1).to(torch.int32))
+        return (hits > 0).view(h, nb, nb)
 
     def layout(self, budget: Budget) -> BlockLayout:
-        """The :class:`BlockLayout` this budget keeps."""
-        mask = self.block_mask(budget)
-        return BlockLayout.from_block_mask(mask, self.cu_seqlens, self.block_size, self.num_q_heads)
+        """The :class:`BlockLayout` this budget keeps (with the documents the budget covers
+        marked dense: :meth:`Budget.covers`)."""
+        return BlockLayout(self.block_mask(budget), self.pack, self.num_q_heads,
+                           budget.dense_documents(self.pack))  # fmt: skip
 
     def document_density(self, budget: Budget) -> torch.Tensor:
         """float64 ``(N,)``: per-document density of :meth:`layout`, without building it."""
-        return document_density(self.block_mask(budget), self.cu_seqlens, self.block_size)
+        return document_density(self.block_mask(budget), self.pack)
 
     def density(self, budget: Budget) -> float:
         """Density of :meth:`layout` for this budget."""
         mask = self.block_mask(budget)
-        causal = causal_block_mask(self.cu_seqlens, self.seq_len, self.block_size)
+        causal = self.pack.causal_block_mask()
         return float((mask & causal).sum()) / float(causal.sum() * mask.shape[0])
 
     def document_coverage(self, budget: Budget) -> torch.Tensor:
         """float64 ``(N,)``: per document, the estimated attention mass the budget keeps, mean
         over layout heads and query tokens (each query's estimated masses sum to 1): ``C`` of the
         paper's coverage bound. 1.0 when every causal block is kept."""
-        num_docs = self.cu_seqlens.numel() - 1
+        num_docs = self.pack.num_docs
         out = torch.zeros(num_docs, dtype=torch.float64, device=self.cu_seqlens.device)
         for i, batch in enumerate(self.batches):
             cache = self._cache.setdefault(i, {})
@@ -277,7 +183,7 @@ class BlockMassEstimate:
         if budget.top_k is None or budget.max_density is not None:
             return np.array([self.coverage(budget.with_value(k)) for k in ks])
         dev = self.cu_seqlens.device
-        ks_t = torch.as_tensor(np.asarray(ks), dtype=torch.int64, device=dev)
+        ks_t = torch.as_tensor(np.asarray(ks), dtype=torch.int64).to(dev, non_blocking=True)
         total = torch.zeros(ks_t.numel(), dtype=torch.float64, device=dev)
         for i, batch in enumerate(self.batches):
             total += batch.topk_covered(budget, self._cache.setdefault(i, {}), ks_t).sum(-1)
@@ -296,21 +202,30 @@ def estimate_block_mass(
     block_size: int = 64,
     share_kv_groups: bool = False,
     scale: float | None = None,
+    pack: PackIndex | None = None,
 ) -> BlockMassEstimate:
     """The estimator half of :func:`select_blocks` (same arguments, no budget)."""
     check_qkv(q, k)
-    check_cu_seqlens(cu_seqlens, q.shape[0])
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-    total = q.shape[0]
-    cu = cu_seqlens.to(q.device)
+    pack = _pack_for(q, cu_seqlens, block_size, pack)
     with torch.no_grad():
-        start, length, _, _ = segments(cu, total, block_size)
-        tokens = torch.arange(total, device=q.device)
-        seg_of_token = torch.searchsorted(start, tokens, right=True) - 1
-        qp = pool_segments(q.detach(), seg_of_token, length)  # (S, Hq, D)
-        kp = pool_segments(k.detach(), seg_of_token, length)  # (S, Hkv, D)
-    return estimate_from_pooled(qp, kp, cu, block_size, share_kv_groups, scale)
+        qp = pool_pack(q.detach(), pack)  # (S, Hq, D)
+        kp = pool_pack(k.detach(), pack)  # (S, Hkv, D)
+    return estimate_from_pooled(qp, kp, pack.cu_seqlens, block_size, share_kv_groups, scale, pack)
+
+
+def _pack_for(q: torch.Tensor, cu_seqlens, block_size: int, pack: PackIndex | None) -> PackIndex:
+    """The pack's index on q's device: ``pack`` if given (the training path, built before the
+    forward), else built from ``cu_seqlens`` (reads its values: a host sync on a device)."""
+    if pack is None:
+        check_cu_seqlens(cu_seqlens, q.shape[0])
+        pack = PackIndex.build(cu_seqlens, block_size)
+    elif pack.block_size != block_size:
+        raise ValueError(f"pack was indexed for block_size={pack.block_size}, got {block_size}")
+    if pack.seq_len != q.shape[0]:
+        raise ValueError(
+            f"cu_seqlens must end at T={q.shape[0]} (the packed length), got {pack.seq_len}"
+        )
+    return pack.to(q.device)
 
 
 def estimate_from_pooled(
@@ -320,6 +235,7 @@ def estimate_from_pooled(
     block_size: int,
     share_kv_groups: bool = False,
     scale: float | None = None,
+    pack: PackIndex | None = None,
 ) -> BlockMassEstimate:
     """:func:`estimate_block_mass` from the per-segment means ``qp (S, Hq, D)``, ``kp (S, Hkv, D)``.
 
@@ -327,40 +243,25 @@ def estimate_from_pooled(
     parallelism gathers the (small) pooled tensors from the ranks and calls this, so every rank
     gets the layout one device would.
     """
-    total = int(cu_seqlens[-1])
+    if pack is None:
+        pack = PackIndex.build(cu_seqlens, block_size)
+    pack = pack.to(qp.device)
     hq, dim = qp.shape[1:]
-    hkv = kp.shape[1]
     scale = resolve_scale(scale, dim)
-    cu = cu_seqlens.to(qp.device)
-    n_layout = hkv if share_kv_groups else hq
+    n_layout = kp.shape[1] if share_kv_groups else hq
     with torch.no_grad():
-        _, length, seg_block, seg_doc = segments(cu, total, block_size)
-        num_docs = cu.numel() - 1
-        first = torch.searchsorted(seg_doc, torch.arange(num_docs, device=qp.device))
-        count = torch.diff(first, append=first.new_tensor([seg_doc.numel()]))  # s_d, all >= 1
-        # Documents whose segment counts share a power of two are scored together.
-        group = torch.floor(torch.log2(count.double())).long().cpu()
-        batches = []
-        for g in torch.unique(group).tolist():
-            docs = torch.nonzero(group == g).flatten().to(qp.device)
-            batches.append(
-                _score_documents(
-                    qp, kp, length, seg_block, docs, first[docs], count[docs], scale, n_layout
-                )
-            )
-    return BlockMassEstimate(tuple(batches), cu.to(torch.int32), total, block_size, hq, n_layout)
+        length = pack.segments()[1]
+        batches = tuple(_score_documents(qp, kp, length, b, scale, n_layout)
+                        for b in pack.score_batches())  # fmt: skip
+    return BlockMassEstimate(batches, pack, hq, n_layout)
 
 
-def _score_documents(qp, kp, length, seg_block, docs, first, count, scale, n_layout):
-    """The :class:`DocumentBatch` of ``n`` documents ``docs (n,)``: their first segment
-    ``first (n,)`` and segment counts ``count (n,)``; ``qp (S, Hq, D)``, ``kp (S, Hkv, D)``
-    pooled means."""
+def _score_documents(qp, kp, length, batch: ScoreBatch, scale, n_layout) -> DocumentBatch:
+    """The gate's scores of the ``n`` documents of ``batch`` (padded to ``s`` segments);
+    ``qp (S, Hq, D)``, ``kp (S, Hkv, D)`` pooled means, ``length (S,)`` segment lengths."""
     hq, hkv = qp.shape[1], kp.shape[1]
-    s = int(count.max())
-    n = first.numel()
+    n, s, real, seg = batch.n, batch.s, batch.real, batch.seg
     slot = torch.arange(s, device=qp.device)
-    real = slot[None, :] < count[:, None]  # (n, s)
-    seg = torch.where(real, first[:, None] + slot, first[:, None])  # (n, s) segment ids
     allowed = (slot[None, :] <= slot[:, None])[None] & real[:, None, :] & real[:, :, None]
     seg_len = length[seg].to(qp.dtype)
     bias = torch.log(seg_len)[:, None, :].expand(n, s, s).clone()
@@ -384,7 +285,8 @@ def _score_documents(qp, kp, length, seg_block, docs, first, count, scale, n_lay
         prob[h0:h1] = p.view(h1 - h0, per_layout, n, s, s).mean(1)
     non_finite = ~torch.isfinite(prob).all(-1, keepdim=True)
     seg_tokens = torch.where(real, seg_len, torch.zeros_like(seg_len))
-    return DocumentBatch(prob, allowed, seg_block[seg], non_finite, seg_tokens, docs)
+    return DocumentBatch(prob, allowed, batch.seg_block, non_finite, seg_tokens, batch.docs,
+                         batch.pair_index)  # fmt: skip
 
 
 def select_blocks(
@@ -395,6 +297,7 @@ def select_blocks(
     block_size: int = 64,
     share_kv_groups: bool = False,
     scale: float | None = None,
+    pack: PackIndex | None = None,
 ) -> BlockLayout:
     """Choose the key blocks each query block computes.
 
@@ -407,13 +310,23 @@ def select_blocks(
         share_kv_groups: one layout per KV head (the query heads of a group share it, averaging
             their estimated probabilities): fewer, larger block products, faster on CPU.
         scale: softmax scale, default ``D ** -0.5``.
+        pack: the pack's :class:`PackIndex` (built from ``cu_seqlens`` if None, which reads the
+            offsets back when they live on a device).
 
     Returns:
-        A :class:`BlockLayout` with ``Hq`` heads (or ``Hkv`` with ``share_kv_groups``).
+        A :class:`BlockLayout` with ``Hq`` heads (or ``Hkv`` with ``share_kv_groups``). When the
+        budget covers every document (:meth:`Budget.covers`), nothing is estimated: the layout
+        is every causal block, all documents dense.
     """
     if not isinstance(budget, Budget):
         raise TypeError(f"budget must be a sparsebalance.ops.Budget, got {type(budget).__name__}")
-    est = estimate_block_mass(q, k, cu_seqlens, block_size, share_kv_groups, scale)
+    check_qkv(q, k)
+    pack = _pack_for(q, cu_seqlens, block_size, pack)
+    dense = budget.dense_documents(pack)
+    if all(dense):
+        heads = k.shape[1] if share_kv_groups else q.shape[1]
+        return BlockLayout.full(pack, heads, q.shape[1])
+    est = estimate_block_mass(q, k, cu_seqlens, block_size, share_kv_groups, scale, pack)
     return est.layout(budget)
 
 

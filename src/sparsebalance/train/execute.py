@@ -210,7 +210,8 @@ class RankExecutor:
 
         choose = None if controller is None else (lambda layer, e: controller.choose(m, layer, e))
         ctx = PackedAttention(batch.cu_seqlens, self.budget(value), self.block_size, self.backend,
-                              choose_budget=choose, on_layer_end=on_layer_end)  # fmt: skip
+                              choose_budget=choose, on_layer_end=on_layer_end,
+                              lengths=batch.lengths)  # fmt: skip
         t0 = self.clock.mark()
         last[0] = t0.host
         return self._forward_backward(batch, ctx, loss_scale, t0, mb.lengths, mb.sample_ids)
@@ -239,7 +240,8 @@ class RankExecutor:
         run's autocast like every micro-batch (one dtype per run: no graph of its own); returns
         when its gradients were ready."""
         batch = pack([np.zeros(2, dtype=np.int64)], self.device)
-        ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=1.0), self.block_size, self.backend)
+        ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=1.0), self.block_size, self.backend,
+                              lengths=batch.lengths)  # fmt: skip
         with self.precision.autocast():
             out = self.par.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                                  sb_attention=ctx, use_cache=False).logits  # fmt: skip

@@ -55,7 +55,8 @@ def _step(model, tokens: int, device, loss: str, block_size: int, backend: str) 
     """Forward + loss + backward of one document of ``tokens`` random ids; seconds."""
     ids = np.random.default_rng(tokens).integers(0, model.config.vocab_size, tokens)
     batch = pack([ids], device)
-    ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=0.9), block_size, backend)
+    ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=0.9), block_size, backend,
+                          lengths=batch.lengths)
     t0 = time.perf_counter()
     loss_sum = packed_loss(model, batch, ctx, loss)
     (loss_sum / max(1, tokens - 1)).backward()

@@ -1,0 +1,272 @@
+"""``PackIndex``: what one packed micro-batch's shape is, known on the host, indexed on the device.
+
+Everything the attention layers of a micro-batch need about *where* its documents and blocks
+are, and nothing about their content: document lengths (host), ``cu_seqlens`` (device), the
+segments (block ∩ document) selection pools and scores, the documents batched by segment count,
+the doc-causal block range of every query block. It is built once per micro-batch, before the
+forward, from the lengths the caller already holds on the host; every layer reuses it. So no
+layer reads a shape back from the device (no host sync, no ``nonzero`` or ``.item()``), and
+the per-pack index work is done once, not once per layer.
+
+Sizes are ``O(T / B + N)`` (segments) and ``O(nb)`` (blocks) on the device; the batched score
+indices are ``O(sum_d s_d^2)``, the size of the scores themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .varlen import check_cu_seqlens
+
+
+def num_blocks(total: int, block_size: int) -> int:
+    return (total + block_size - 1) // block_size
+
+
+@dataclass(frozen=True)
+class ScoreBatch:
+    """Documents with similar segment counts, scored together (padded to ``s`` segments)."""
+
+    docs: torch.Tensor
+    """int64 ``(n,)``: the pack's index of each document."""
+    seg: torch.Tensor
+    """int64 ``(n, s)``: segment id of each slot (padding repeats the document's first)."""
+    real: torch.Tensor
+    """bool ``(n, s)``: the slot holds a real segment."""
+    seg_block: torch.Tensor
+    """int64 ``(n, s)``: block of each slot's segment."""
+    pair_index: torch.Tensor
+    """int64 ``(n, s, s)``: flat ``query block * nb + key block`` of each segment pair."""
+    n: int
+    s: int
+
+
+@dataclass(frozen=True, eq=False)
+class PackIndex:
+    """One pack's documents and blocks (see the module docstring). Build with :meth:`build`."""
+
+    lengths: tuple[int, ...]
+    """Tokens of every document, in pack order (host)."""
+    cu_seqlens: torch.Tensor
+    """int32 ``(N + 1,)`` document offsets on the pack's device."""
+    block_size: int
+    _memo: dict = field(default_factory=dict, compare=False, repr=False, init=False)
+
+    @classmethod
+    def build(
+        cls,
+        cu_seqlens: torch.Tensor,
+        block_size: int,
+        lengths: tuple[int, ...] | list[int] | np.ndarray | None = None,
+    ) -> PackIndex:
+        """The index of the pack ``cu_seqlens`` (int32 ``(N + 1,)``); ``lengths``: its document
+        lengths if the caller has them on the host (else read from ``cu_seqlens``: one host sync
+        when it lives on a device, so the training paths pass them)."""
+        check_cu_seqlens(cu_seqlens)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if lengths is None:
+            lengths = np.diff(cu_seqlens.detach().to("cpu", torch.int64).numpy())
+        lengths = tuple(int(n) for n in lengths)
+        if len(lengths) != cu_seqlens.numel() - 1 or min(lengths) < 1:
+            raise ValueError(
+                f"lengths must give {cu_seqlens.numel() - 1} documents of >= 1 token, "
+                f"got {len(lengths)} (min {min(lengths, default=0)})"
+            )
+        return cls(lengths, cu_seqlens.to(torch.int32), block_size)
+
+    # ------------------------------------------------------------------ host facts
+    @property
+    def device(self) -> torch.device:
+        return self.cu_seqlens.device
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.lengths)
+
+    @functools.cached_property
+    def offsets(self) -> np.ndarray:
+        """int64 ``(N + 1,)`` on the host."""
+        return np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def num_blocks(self) -> int:
+        return num_blocks(self.seq_len, self.block_size)
+
+    @functools.cached_property
+    def doc_blocks(self) -> tuple[np.ndarray, np.ndarray]:
+        """int64 ``(N,)`` first and last block every document touches (host)."""
+        off, bs = self.offsets, self.block_size
+        return off[:-1] // bs, (off[1:] - 1) // bs
+
+    @functools.cached_property
+    def doc_segments(self) -> np.ndarray:
+        """int64 ``(N,)``: segments (blocks touched) of every document (host)."""
+        first, last = self.doc_blocks
+        return last - first + 1
+
+    def doc_block_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 ``(N,)`` device: every document's first block and one past its last block."""
+        first, last = self.doc_blocks
+        return self.memo("doc_block_bounds", lambda: (self.upload(first), self.upload(last + 1)))
+
+    def to(self, device: torch.device | str) -> PackIndex:
+        """The same pack with its device tensors on ``device`` (host facts shared)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return self.memo(
+            ("to", device),
+            lambda: PackIndex(
+                self.lengths, self.cu_seqlens.to(device, non_blocking=True), self.block_size
+            ),
+        )
+
+    def upload(self, array: np.ndarray, dtype=torch.int64) -> torch.Tensor:
+        # Built before the forward (or on first use): a copy to the device, never a read back.
+        return torch.as_tensor(array, dtype=dtype).to(self.device, non_blocking=True)
+
+    def memo(self, key, build):
+        """``build()`` once per key for this pack (derived device tensors, kernel indices)."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+    # ------------------------------------------------------------------ segments
+    @functools.cached_property
+    def _host_segments(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(start, length, block, document) of every segment, in token order (host int64)."""
+        total, bs = self.seq_len, self.block_size
+        start = np.union1d(np.arange(0, total, bs), self.offsets[:-1])
+        length = np.diff(np.append(start, total))
+        doc = np.searchsorted(self.offsets[1:], start, side="right")
+        return start, length, start // bs, doc
+
+    def segments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int64 ``(S,)`` device tensors: start token, length, block and document of every
+        segment (block ∩ document), in token order."""
+        return self.memo("segments", lambda: tuple(self.upload(a) for a in self._host_segments))
+
+    @property
+    def num_segments(self) -> int:
+        return int(self._host_segments[0].size)
+
+    def pool_plan(self) -> dict:
+        """How :func:`~.select.pool_segments` sums tokens into segments without a scatter:
+        whole blocks by a reshape, the few blocks a document start splits (and the pack's
+        short last block) by prefix sums inside the block.
+
+        Keys: ``nfull`` (host: blocks of ``B`` tokens at the pack's start); ``whole_idx``,
+        ``whole_block`` int64 ``(S_w,)``: the segments that are whole blocks and their blocks;
+        ``split_idx``, ``lo``, ``hi`` int64 ``(S_s,)``: the other segments and, as flat
+        positions ``k * B + offset`` into the split blocks' prefix sums, the token before their
+        start (``-1``: none) and their last token; ``tok`` int64 ``(K, B)``: the split blocks'
+        tokens (clamped to ``T - 1``: a prefix sum never reads past its segment's end).
+        """
+
+        def build():
+            start, length, block, _ = self._host_segments
+            bs, total = self.block_size, self.seq_len
+            whole = (length == bs) & (start % bs == 0)
+            split = np.unique(block[~whole])
+            pos = np.searchsorted(split, block[~whole])
+            off = start[~whole] % bs
+            lo = np.where(off == 0, -1, pos * bs + off - 1)
+            hi = pos * bs + off + length[~whole] - 1
+            tok = np.minimum(split[:, None] * bs + np.arange(bs)[None, :], total - 1)
+            up = self.upload
+            return {"nfull": total // bs, "whole_idx": up(np.flatnonzero(whole)),
+                    "whole_block": up(block[whole]), "split_idx": up(np.flatnonzero(~whole)),
+                    "lo": up(lo), "hi": up(hi), "tok": up(tok)}  # fmt: skip
+
+        return self.memo("pool", build)
+
+    def seg_of_token(self) -> torch.Tensor:
+        """int64 ``(T,)``: each token's segment (tests and the context-parallel path)."""
+
+        def build():
+            start = self._host_segments[0]
+            return self.upload(np.searchsorted(start, np.arange(self.seq_len), side="right") - 1)
+
+        return self.memo("seg_of_token", build)
+
+    def score_batches(self) -> tuple[ScoreBatch, ...]:
+        """The documents grouped by the power of two of their segment count (similar sizes
+        share one padded batch, so scoring costs ``O(sum_d s_d^2)``, not ``N max_d s_d^2``)."""
+
+        def build():
+            _, _, block, doc = self._host_segments
+            nb = self.num_blocks
+            first = np.searchsorted(doc, np.arange(self.num_docs))
+            count = np.diff(np.append(first, doc.size))
+            group = np.floor(np.log2(count)).astype(np.int64)
+            out = []
+            for g in np.unique(group):
+                docs = np.flatnonzero(group == g)
+                s = int(count[docs].max())
+                slot = np.arange(s)
+                real = slot[None, :] < count[docs, None]
+                seg = np.where(real, first[docs, None] + slot, first[docs, None])
+                sb = block[seg]
+                pair = sb[:, :, None] * nb + sb[:, None, :]
+                out.append(ScoreBatch(self.upload(docs), self.upload(seg),
+                                      self.upload(real, torch.bool), self.upload(sb),
+                                      self.upload(pair), int(docs.size), s))  # fmt: skip
+            return tuple(out)
+
+        return self.memo("score_batches", build)
+
+    # ------------------------------------------------------------------ blocks
+    def causal_lo(self, dense_docs: tuple[bool, ...] | None = None) -> torch.Tensor:
+        """int64 ``(nb,)`` device: the lowest key block query block ``qb`` may see (its first
+        token's document start); with ``dense_docs``, the lowest key block of a *dense*
+        document touching ``qb`` (``nb`` where none does): the key blocks ``[lo, qb]`` are
+        then exactly those the dense documents need."""
+
+        def build():
+            nb = self.num_blocks
+            first, last = self.doc_blocks
+            lo = np.full(nb, nb, dtype=np.int64)
+            keep = np.ones(self.num_docs, bool) if dense_docs is None else np.array(dense_docs)
+            for d in np.flatnonzero(keep)[::-1]:  # earlier documents win (lower first block)
+                lo[first[d] : last[d] + 1] = first[d]
+            return self.upload(lo)
+
+        return self.memo(("causal_lo", dense_docs), build)
+
+    def causal_block_mask(self, dense_docs: tuple[bool, ...] | None = None) -> torch.Tensor:
+        """Bool ``(nb, nb)`` device: the doc-causal block pairs (of the dense documents only,
+        with ``dense_docs``)."""
+        lo = self.causal_lo(dense_docs)
+        kb = torch.arange(lo.numel(), device=lo.device)
+        return (kb[None, :] >= lo[:, None]) & (kb[None, :] <= kb[:, None])
+
+    def dense_runs(self, dense_docs: tuple[bool, ...]) -> tuple[tuple[int, int, int, int], ...]:
+        """Maximal runs of consecutive dense documents: ``(first doc, end doc, first token,
+        end token)`` each, ends exclusive (host)."""
+        runs, d, off = [], 0, self.offsets
+        while d < self.num_docs:
+            if not dense_docs[d]:
+                d += 1
+                continue
+            e = d
+            while e < self.num_docs and dense_docs[e]:
+                e += 1
+            runs.append((d, e, int(off[d]), int(off[e])))
+            d = e
+        return tuple(runs)
+
+    def run_offsets(self, first_doc: int, end_doc: int) -> torch.Tensor:
+        """int32 ``(n + 1,)`` device offsets of documents ``first_doc .. end_doc - 1``,
+        starting at 0 (device arithmetic on ``cu_seqlens``: no upload, no read back)."""
+        key = ("run_offsets", first_doc, end_doc)
+        cu = self.cu_seqlens
+        return self.memo(key, lambda: (cu[first_doc : end_doc + 1] - cu[first_doc]).contiguous())
