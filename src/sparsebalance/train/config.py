@@ -30,7 +30,7 @@ from ..versions import CONFIG
 from .loss import LOSS_IMPLS
 from .parallelize import MEASURE_BUBBLE, PARALLEL
 
-ZERO_OK = ("checkpoint_every", "keep_checkpoints")
+ZERO_OK = ("checkpoint_every", "keep_checkpoints", "max_nonfinite_steps")
 RUN_STATE = ("metrics.jsonl", "checkpoints", "tensorboard")
 """What a run's ranks write while training: a folder holding any of it holds an earlier run."""
 RUN_FILES = (*RUN_STATE, "config.json", "launch-config.json", "report.md", "comparison.json")
@@ -113,6 +113,10 @@ class TrainConfig:
     """Decay after warm-up: cosine | linear | constant."""
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 = off)."""
+    max_nonfinite_steps: int = 3
+    """A step whose loss or gradients are NaN/inf is skipped: nothing is applied, the line says so
+    and the step's metrics count it. This many skipped steps in a row are tolerated; the next
+    one stops the run (exit 3). 0: the first non-finite step stops it."""
     seed: int = 0
     """Seeds the model's initialisation, the built-in dataset, the data order of every epoch and
     the RNGs (the same on every rank; saved with checkpoints)."""
@@ -226,7 +230,7 @@ class TrainConfig:
                 if not Path(path).exists():
                     raise ValueError(f"--data {path!r}: no such file or directory")
         for name in ("num_builtin", "checkpoint_every", "keep_checkpoints", "micro_batches",
-                     "capacity"):  # fmt: skip
+                     "capacity", "max_nonfinite_steps"):  # fmt: skip
             value, low = getattr(self, name), 0 if name in ZERO_OK else 1
             if value is not None and value != "auto" and value < low:  # capacity may be "auto"
                 flag = "--" + name.replace("_", "-")

@@ -284,6 +284,8 @@ class StepSummary:
     """``top-k`` or ``gamma``."""
     coverage_limited: int = 0
     """Layer decisions (all ranks) where the coverage bound stopped a cut."""
+    skipped_nonfinite: bool = False
+    """The loss or the gradients were NaN/inf: the step was skipped (nothing applied)."""
 
     def to_json(self) -> dict:
         return asdict(self)

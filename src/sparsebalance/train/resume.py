@@ -30,6 +30,7 @@ SAFE_ON_RESUME = {
     "ranks_per_node": "the machines' layout (where CP units are placed, not what is trained)",
     "keep_checkpoints": "how many checkpoints are kept",
     "comm_timeout": "how long a collective may wait before the run reports a hang",
+    "max_nonfinite_steps": "how many skipped non-finite steps in a row the run tolerates",
 }
 """Fields a resumed run may change, and why each is safe."""
 

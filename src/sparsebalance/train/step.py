@@ -15,7 +15,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -43,7 +43,8 @@ from .runtime import Runtime
 
 
 class NonFiniteLoss(RuntimeError):
-    """The loss became NaN/inf; the step was not applied."""
+    """More non-finite steps in a row than ``--max-nonfinite-steps``: the run stops (none of them
+    was applied)."""
 
 
 def label_weight(mb: MicroBatch, per_doc_weighting: bool) -> float:
@@ -138,6 +139,8 @@ class StepRunner:
     CP units inside a node where they fit; None: the cost model's links decide."""
     scaler: torch.amp.GradScaler | None = None
     """``--precision fp16``'s loss scaling (the executor scales every backward)."""
+    nonfinite_in_a_row: int = field(default=0, init=False)
+    """Consecutive steps skipped for a NaN/inf loss or gradient (0 after an applied step)."""
 
     def run(self, samples: list[Sample], step: int) -> StepResult:
         """Step number ``step`` (1-based) on ``samples`` (the global batch, same on every rank).
@@ -152,12 +155,12 @@ class StepRunner:
             local = self.execute(tuned)
             with watch.at(where="the gradient sync", unit=None):
                 records = self.synchronize(local)
-        optim = self.update(records, step)
+        optim, skipped = self.update(records, step)
         feedback = StepFeedback.from_records(records)
         apply_feedback(feedback, self.latency, self.estimator, self.tuner.knob, self.sample,
                        use_timings=not self.cfg.deterministic, context=self.cost)  # fmt: skip
         summary = self.summarize(tuned, records, optim, time.perf_counter() - t_step)
-        return StepResult(records, summary, feedback)
+        return StepResult(records, replace(summary, skipped_nonfinite=skipped), feedback)
 
     def plan(self, samples: list[Sample]) -> StepPlan:
         """SAB: samples -> ranks -> micro-batches; checks that every rank derived the same."""
@@ -221,21 +224,27 @@ class StepRunner:
             rec.derived_bubble_s = float(peak - rec.compute_s)
         return records
 
-    def update(self, records: list[RankRecord], step: int) -> float:
-        """Clip, optimizer and scheduler step (skipped, gradients dropped, on a non-finite
-        loss); returns the seconds it took."""
-        loss = self.global_loss(records)
-        if not math.isfinite(loss):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteLoss(
-                f"non-finite loss ({loss}) at step {step}; the step was not applied"
-            )
+    def update(self, records: list[RankRecord], step: int) -> tuple[float, bool]:
+        """Clip, optimizer and scheduler step; returns the seconds it took and whether the step
+        was skipped.
+
+        The step's one check for non-finite values, on the device, read once here at the step's
+        end (the attention kernels do no per-call containment: ``ops/block_sparse_flex.py``):
+        the global loss, and the global gradient norm (which clipping computes anyway; fp16's
+        loss scaler checks its own). A non-finite step drops its gradients and applies nothing
+        (the scheduler still advances: the step's data was consumed); more than
+        ``--max-nonfinite-steps`` of them in a row raise :class:`NonFiniteLoss`. Every rank
+        sees the same loss and the same synced gradients, so every rank decides the same."""
         t0 = time.perf_counter()
-        scaler = self.scaler
-        if scaler is not None:  # fp16: true gradients before clipping; a step with inf skipped
+        loss, scaler = self.global_loss(records), self.scaler
+        if scaler is not None and math.isfinite(loss):  # fp16: true gradients before clipping
             scaler.unscale_(self.optimizer)
-        if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        norm = self._grad_norm() if math.isfinite(loss) else None
+        if norm is not None and not math.isfinite(norm) and scaler is None:
+            return self._skip(step, f"non-finite gradients (norm {norm})", t0), True
+        if not math.isfinite(loss):
+            return self._skip(step, f"non-finite loss ({loss})", t0), True
+        self.nonfinite_in_a_row = 0
         if scaler is None:
             self.optimizer.step()
         else:
@@ -248,6 +257,34 @@ class StepRunner:
                       file=sys.stderr, flush=True)  # fmt: skip
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0, False
+
+    def _grad_norm(self) -> float:
+        """The global gradient norm, clipped to ``--grad-clip`` if set (one read back)."""
+        if self.cfg.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        else:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if hasattr(norm, "full_tensor"):  # FSDP2: a sharded norm
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _skip(self, step: int, what: str, t0: float) -> float:
+        """Drop the step's gradients, count it, say so; stop past ``--max-nonfinite-steps``."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_in_a_row += 1
+        limit = self.cfg.max_nonfinite_steps
+        if self.nonfinite_in_a_row > limit:
+            raise NonFiniteLoss(
+                f"{what} at step {step}, the {self.nonfinite_in_a_row} non-finite step(s) in a "
+                f"row (--max-nonfinite-steps {limit}); none of them was applied"
+            )
+        if self.rt.is_main:
+            print(f"sparsebalance train: step {step}: {what}: step skipped, nothing applied "
+                  f"({self.nonfinite_in_a_row} in a row, --max-nonfinite-steps {limit})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        self.scheduler.step()
         return time.perf_counter() - t0
 
     @staticmethod
