@@ -1,0 +1,196 @@
+"""What ``bench-attn`` measures: one row per (T, case, backend), each part of a layer's attention
+timed apart and against the dense baseline of the same run.
+
+Cases per packed length T:
+
+- ``d=<density>``: one document of T tokens, a random top-k-shaped layout of that density (at
+  d = 1 every block is kept and the document runs on the dense path);
+- ``mixed``: one long document of T / 2 tokens and short ones (256..4,096 tokens) filling the
+  rest, selected by a top-k budget of 4,096 tokens (the short documents are covered: dense path;
+  the long one sparse);
+- ``short``: documents of 256..4,096 tokens only, the same budget: every document dense.
+
+Parts, each a median of ``repeats`` after ``warmup`` calls: ``select`` (the gate and the budget
+rule on a pack index built outside, as per layer in training), ``mask`` (the kernel's index form
+from the layout, with the pack's block tables), ``fwd`` (the op's forward) and ``fwd+bwd``; the
+baseline is dense causal attention: SDPA for one document, FlashAttention varlen (SDPA per
+document off CUDA) for a pack, both with the same GQA heads.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..ops import BlockLayout, Budget, block_sparse_attention, select_blocks, topk_for_density
+from ..ops.dense import dense_attention
+from ..ops.layout import random_layout
+from ..ops.pack_index import PackIndex
+from ..sizes import check_memory
+
+SHORT_LENGTHS = (256, 512, 1024, 2048, 4096, 768, 1536, 3072)
+"""The short documents of the packed cases, cycled (mean ~1.6K tokens)."""
+PACK_BUDGET_TOKENS = 4096
+"""The packed cases' top-k budget in tokens: covers every short document."""
+
+
+def pack_lengths(total: int, case: str) -> list[int]:
+    """Document lengths of a packed case (``mixed`` or ``short``) of ``total`` tokens."""
+    out = [total // 2] if case == "mixed" else []
+    for n in itertools.cycle(SHORT_LENGTHS):
+        left = total - sum(out)
+        if left <= 0:
+            break
+        out.append(min(n, left))
+    return out
+
+
+def check_sizes(seq_lens, heads: int, kv_heads: int, head_dim: int, block: int, device) -> None:
+    """Refuse, before allocating, a length whose tensors or layouts cannot fit: the layouts are
+    drawn on the host (priorities, ranks: ~32 bytes per head and block pair), q/k/v, their
+    gradients, the expanded K/V and the outputs live on ``device`` (4-byte estimate)."""
+    t = max(seq_lens)
+    nb = -(-t // block)
+    check_memory("--seq-lens", f"bench-attn at T={t} ({heads} heads, {nb} blocks)",
+                 32 * heads * nb * nb)  # fmt: skip
+    need = 4 * t * head_dim * (6 * heads + 4 * kv_heads) + 20 * heads * nb * nb
+    if torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        if need > free:
+            raise ValueError(
+                f"--seq-lens: bench-attn at T={t} would need about {need / 2**30:,.1f} GiB of "
+                f"GPU memory; {free / 2**30:,.1f} GiB are free"
+            )
+    else:
+        check_memory("--seq-lens", f"bench-attn at T={t}", need)
+
+
+def _inputs(lengths, heads, kv_heads, head_dim, device, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, h, head_dim, generator=g).to(device, dtype).requires_grad_()
+               for h in (heads, kv_heads, kv_heads))  # fmt: skip
+    grad = torch.randn(total, heads, head_dim, generator=g).to(device, dtype)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    return q, k, v, grad, cu.to(device)
+
+
+def _baseline(q, k, v, grad, cu, lengths, scale):
+    """Dense causal attention of the same documents: (forward fn, forward+backward fn)."""
+    if len(lengths) == 1:
+
+        def fwd():
+            qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
+                                                  enable_gqa=True)[0].transpose(0, 1)  # fmt: skip
+    else:
+
+        def fwd():
+            return dense_attention(q, k, v, cu, lengths, scale)
+
+    return fwd, lambda: fwd().backward(grad)
+
+
+def measure_case(total, case, args, backend, timer, device, dtype) -> dict:
+    """One row: the parts' seconds and their ratios to the dense baseline."""
+    heads, kv_heads, d, block = args.heads, args.kv_heads, args.head_dim, args.block_size
+    lengths = [total] if case.startswith("d=") else pack_lengths(total, case)
+    q, k, v, grad, cu = _inputs(lengths, heads, kv_heads, d, device, dtype)
+    scale = d**-0.5
+    pack = PackIndex.build(cu, block, lengths)
+    if case.startswith("d="):
+        density = float(case[2:])
+        layout = random_layout(cu.cpu(), heads, block, density, seed=1, shape="top-k").to(device)
+        k_blocks = int(np.ceil(topk_for_density(total, density, block)[()]))
+    else:
+        k_blocks = PACK_BUDGET_TOKENS // block
+        layout = select_blocks(q.detach(), k.detach(), cu, Budget(top_k=k_blocks), block,
+                               pack=pack)  # fmt: skip
+    budget = Budget(top_k=k_blocks)
+    t_select = timer(lambda: select_blocks(q.detach(), k.detach(), cu, budget, block, pack=pack))
+
+    def fresh_mask():  # what one layer pays once: the kernel's index form, block tables included
+        fresh = BlockLayout(layout.block_mask, PackIndex.build(cu, block, lengths).to(device),
+                            heads, layout.dense_docs)  # fmt: skip
+        if backend == "flex":
+            _flex_mask(fresh, heads, kv_heads, d, args.gqa)
+        else:
+            fresh.kv_indices  # noqa: B018  (the torch backend's sorted rows start here)
+
+    t_mask = timer(fresh_mask)
+
+    def op():
+        return _op(q, k, v, layout, cu, scale, backend, args.gqa)
+
+    with torch.no_grad():
+        t_fwd = timer(op)
+    t_fb = timer(lambda: op().backward(grad))
+    base_fwd, base_fb = _baseline(q, k, v, grad, cu, lengths, scale)
+    with torch.no_grad():
+        b_fwd = timer(base_fwd)
+    b_fb = timer(base_fb)
+    sparse = t_select + t_mask + t_fb
+    return {
+        "seq_len": total, "case": case, "backend": backend, "gqa": args.gqa,
+        "target_density": float(case[2:]) if case.startswith("d=") else None,
+        "num_docs": len(lengths), "density": round(layout.density(), 4),
+        "dense_docs": sum(layout.dense_docs or ()),
+        "select_s": t_select, "mask_s": t_mask, "fwd_s": t_fwd, "fwd_bwd_s": t_fb,
+        "bwd_s": max(t_fb - t_fwd, 0.0), "base_fwd_s": b_fwd, "base_fwd_bwd_s": b_fb,
+        "base_bwd_s": max(b_fb - b_fwd, 0.0),
+        "fwd_ratio": t_fwd / b_fwd, "bwd_ratio": _ratio(t_fb - t_fwd, b_fb - b_fwd, b_fb),
+        "ratio": t_fb / b_fb, "layer_ratio": sparse / b_fb,
+        "overhead_share": (t_select + t_mask) / sparse,
+    }  # fmt: skip
+
+
+def _ratio(part: float, base: float, whole: float) -> float:
+    """``part / base``, NaN when the baseline's part is lost in timing noise (< 5 % of whole)."""
+    return part / base if base > 0.05 * whole else float("nan")
+
+
+def _op(q, k, v, layout, cu, scale, backend, gqa):
+    if backend == "flex":
+        from ..ops.block_sparse_flex import flex_block_sparse_attention
+
+        return flex_block_sparse_attention(q, k, v, layout, scale, gqa=gqa)
+    return block_sparse_attention(q, k, v, layout, cu, scale=scale, backend=backend)
+
+
+def _flex_mask(layout, heads, kv_heads, head_dim, gqa) -> None:
+    from ..ops.block_sparse_flex import padded_length
+    from ..ops.flex_mask import build_block_mask, whole_block_runs
+
+    runs = whole_block_runs(layout.pack, layout.dense_docs) if layout.dense_docs else ()
+    if runs and runs[0][2] == 0 and runs[0][3] == layout.seq_len:
+        return  # every document dense: no mask at all
+    total = padded_length(layout, (heads, heads if gqa == "expand" else kv_heads, head_dim))
+    build_block_mask(layout, heads, total, runs)
+
+
+TARGETS = (
+    ("d=0.05 at 32K: fwd+bwd <= 0.25x SDPA", 32768, "d=0.05", "ratio", 0.25),
+    ("d=0.05 at 128K: fwd+bwd <= 0.12x SDPA", 131072, "d=0.05", "ratio", 0.12),
+    ("d=0.1 at 32K: fwd+bwd <= 0.30x SDPA", 32768, "d=0.1", "ratio", 0.30),
+    ("d=1 (every block kept): <= 1.1x SDPA", None, "d=1", "ratio", 1.10),
+    ("packs of documents <= 4K: <= 1.1x dense varlen", None, "short", "ratio", 1.10),
+    ("selection + mask at 32K, d=0.05: <= 10 % of the sparse call", 32768, "d=0.05",
+     "overhead_share", 0.10),
+)  # fmt: skip
+"""Issue 36's targets: (text, T or None for every T measured, case, row field, bound)."""
+
+
+def check_targets(rows: list[dict]) -> list[dict]:
+    """Each target with the rows that measure it (flex only): measured values, met or not;
+    targets no row measures are reported as not measured."""
+    out = []
+    for text, t, case, field, bound in TARGETS:
+        hits = [r for r in rows if r["backend"] == "flex" and r["case"] == case
+                and (t is None or r["seq_len"] == t)]  # fmt: skip
+        values = [r[field] for r in hits]
+        out.append({"target": text, "measured": values,
+                    "met": None if not values else all(x <= bound for x in values)})  # fmt: skip
+    return out
