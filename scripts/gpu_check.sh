@@ -9,7 +9,8 @@
 #
 #   bash scripts/gpu_check.sh                  # every stage; each one fits a 10-minute call
 #   bash scripts/gpu_check.sh --quick          # every stage, smaller: <= 10 minutes overall
-#   bash scripts/gpu_check.sh --stage tier     # one stage (repeatable): setup tier bench profile train hf
+#   bash scripts/gpu_check.sh --stage tier     # one stage (repeatable): setup tier bench profile
+#                                              # train hf
 #
 # Offline, with the interpreter that has torch (checked by importing it before anything else):
 # python3 itself where it is a virtualenv's (as on the lent GPU image: a venv made from a venv's
@@ -78,9 +79,9 @@ publish() {  # the results so far, also to $OUT (the device tool brings that fol
 # why_failed LOG: the one line of a failed step's log that says why (its last error line, else
 # its last line).
 why_failed() {
-  local line
-  line="$(grep -E 'Error|Exception|error:|FAILED|Killed|[Nn]o such file|not found|[Oo]ut of memory' \
-          "$1" | tail -n 1)"
+  local line says='Error|ERROR|Exception|error:|FAILED|Killed|[Nn]o such file|not found'
+  says+='|[Oo]ut of memory'
+  line="$(grep -E "$says" "$1" | tail -n 1)"
   [ -n "$line" ] || line="$(grep -v '^[[:space:]]*$' "$1" | tail -n 1)"
   line="$(echo "$line" | tr -s ' \t' ' ')"
   echo "${line:0:300}"
@@ -196,7 +197,8 @@ stage_train() {
 import json
 rows = [json.loads(x) for x in open('$work/train/metrics.jsonl')]
 rows = [r for r in rows if r['rank'] == 'all']
-print('| step | loss | step s | max rank s | balance | tokens/s | density | plan + DST ms | of step |')
+print('| step | loss | step s | max rank s | balance | tokens/s | density | plan + DST ms |',
+      'of step |')
 print('| --- | --- | --- | --- | --- | --- | --- | --- | --- |')
 for r in rows:
     print(f\"| {r['step']} | {r['loss']:.3f} | {r['step_seconds']:.2f} | \"
@@ -248,7 +250,7 @@ main() {
       --stage) stages+=("$2"); shift ;;
       --results) results_dir="$2"; shift ;;
       --wheels) wheels="$2"; shift ;;
-      -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+      -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
       *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
