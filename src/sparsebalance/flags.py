@@ -96,7 +96,10 @@ def options(cls: type, prefix: tuple[str, ...] = ()) -> list[Option]:
             doc = doc[match.end() :]
         flag = "--" + ".".join(p.replace("_", "-") for p in path)
         aliases = tuple(a for a in aliases if a != flag)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = f.default
+        if default is dataclasses.MISSING:  # a factory's, or none (a required field)
+            no_factory = f.default_factory is dataclasses.MISSING
+            default = None if no_factory else f.default_factory()
         out.append(Option(path, flag, aliases, kind, default, doc))
     return out
 

@@ -1,0 +1,100 @@
+"""The Python API: config dataclasses take values of their fields' types only (one line naming
+``Class.field``, a ``TypeError``; nothing coerced), and the ``Trainer`` refuses a profile of
+another run and a model it cannot run before anything is profiled or trained."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparsebalance.integrations import PlannerConfig
+from sparsebalance.simulate import SimConfig
+from sparsebalance.train import TrainConfig, Trainer
+from sparsebalance.train.runtime import Runtime
+from sparsebalance.tuning import DSTConfig
+from tests.badinput.conftest import assert_one_line, sliding_window_model, write_profile
+from tests.train.harness import write_dataset
+
+# (config class, keyword arguments) -> what the one line must name
+WRONG_TYPES = [
+    pytest.param(TrainConfig, {"steps": 2.7}, ["TrainConfig.steps", "an integer"], id="float"),
+    pytest.param(TrainConfig, {"steps": True}, ["TrainConfig.steps", "an integer"], id="bool"),
+    pytest.param(TrainConfig, {"lr": "1e-3"}, ["TrainConfig.lr", "a finite number"], id="str"),
+    pytest.param(
+        TrainConfig, {"grad_clip": math.nan}, ["TrainConfig.grad_clip", "finite"], id="nan"
+    ),
+    pytest.param(TrainConfig, {"out": 5}, ["TrainConfig.out", "a string"], id="out-int"),
+    pytest.param(
+        TrainConfig,
+        {"deterministic": "no"},
+        ["TrainConfig.deterministic", "true or"],
+        id="bool-str",
+    ),
+    pytest.param(
+        TrainConfig, {"dst": {"mode": "off"}}, ["TrainConfig.dst", "a DSTConfig"], id="dst-dict"
+    ),
+    pytest.param(DSTConfig, {"layer_feedback": "yes"}, ["DSTConfig.layer_feedback"], id="dst-bool"),
+    pytest.param(
+        SimConfig,
+        {"capacity": 4096, "steps": 2.5},
+        ["SimConfig.steps", "an integer"],
+        id="sim-steps",
+    ),
+    pytest.param(
+        SimConfig,
+        {"capacity": 4096, "curve_alpha": (1.0, "x")},
+        ["SimConfig.curve_alpha", "a list of 2 finite numbers"],
+        id="sim-tuple",
+    ),
+    pytest.param(
+        PlannerConfig,
+        {"global_batch": 8.0, "micro_batches": 2},
+        ["PlannerConfig.global_batch", "an integer"],
+        id="planner",
+    ),
+]
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "culprits"), WRONG_TYPES)
+def test_a_config_value_of_the_wrong_type_is_refused(tmp_path, cls, kwargs, culprits):
+    if cls is TrainConfig:
+        kwargs = {"out": str(tmp_path / "run"), "device": "cpu", **kwargs}
+    with pytest.raises(TypeError) as err:
+        cls(**kwargs)
+    assert_one_line(err.value, *culprits)
+
+
+def test_an_unknown_backend_is_refused_by_the_config(tmp_path):
+    with pytest.raises(ValueError) as err:
+        TrainConfig(backend="nope", device="cpu", out=str(tmp_path / "run"))
+    assert_one_line(err.value, "--backend nope")
+
+
+def _config(tmp_path, **over) -> TrainConfig:
+    fields = dict(data=str(write_dataset(tmp_path)), out=str(tmp_path / "run"), steps=2,
+                  global_batch=4, capacity=512, block_size=32, device="cpu", strategy="sab",
+                  profile=str(write_profile(tmp_path)))  # fmt: skip
+    return TrainConfig(**{**fields, **over})
+
+
+# what the Trainer is given -> what its one line must name
+TRAINER_CASES = [
+    pytest.param(lambda tmp: {"profile": str(write_profile(tmp, "q.json", "qwen2.5-0.5b"))},
+                 ["--profile", "num_layers 24 vs 4"], id="profile-of-another-model"),
+    pytest.param(lambda tmp: {"profile": str(write_profile(tmp, "b.json", block_size=64))},
+                 ["--profile", "block_size 64 vs 32"], id="profile-of-another-block-size"),
+    pytest.param(lambda tmp: {"model": str(sliding_window_model(tmp))},
+                 ["--model", "sliding-window"], id="sliding-window-model"),
+]  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore::sparsebalance.latency.ProfileMismatchWarning")
+@pytest.mark.parametrize(("over", "culprits"), TRAINER_CASES)
+def test_the_trainer_refuses_before_profiling_or_training(tmp_path, over, culprits):
+    cfg = _config(tmp_path, **over(tmp_path))
+    with pytest.raises(ValueError) as err:
+        Trainer(cfg, Runtime(0, 1, torch.device("cpu")))
+    assert_one_line(err.value, *culprits)
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,147 @@
+"""``sparsebalance train``: bad flags, config files, models, devices and latency profiles are
+refused in one line (exit 2) before anything is launched or profiled, and nothing is left in
+``--out`` (a resumed run's folder is untouched)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sparsebalance.train.checkpoint import save_checkpoint
+from sparsebalance.train.config import TrainConfig, to_dict
+from tests.badinput.conftest import (
+    assert_refused,
+    cli,
+    sliding_window_model,
+    snapshot,
+    write_profile,
+)
+from tests.train.harness import write_dataset
+
+# a --config file's text -> what the one line must name (the key and the file)
+CONFIG_FILES = [
+    pytest.param("steps = 2.7\n", ["steps must be an integer", "2.7"], id="steps-float"),
+    pytest.param("steps = true\n", ["steps must be an integer", "True"], id="steps-bool"),
+    pytest.param('steps = "ten"\n', ["steps must be an integer", "'ten'"], id="steps-string"),
+    pytest.param(
+        "checkpoint_every = 1.5\n",
+        ["checkpoint_every must be an integer"],
+        id="checkpoint-every-float",
+    ),
+    pytest.param('lr = "1e-3"\n', ["lr must be a finite number", "'1e-3'"], id="lr-string"),
+    pytest.param(
+        "grad_clip = nan\n", ["grad_clip must be a finite number", "nan"], id="grad-clip-nan"
+    ),
+    pytest.param("out = 5\n", ["out must be a string"], id="out-int"),
+    pytest.param("dst = 3\n", ["dst must be a table of DSTConfig fields"], id="dst-not-a-table"),
+    pytest.param(
+        "[dst]\nlayer_feedback = 1\n",
+        ["[dst] layer_feedback must be true or false"],
+        id="dst-bool-int",
+    ),
+    pytest.param("global_batch = [4]\n", ["global_batch must be an integer"], id="list"),
+]
+
+
+@pytest.mark.parametrize(("text", "culprits"), CONFIG_FILES)
+def test_a_config_file_of_the_wrong_type_is_refused(tmp_path, capsys, text, culprits):
+    config = tmp_path / "run.toml"
+    config.write_text(text)
+    out = tmp_path / "run"
+    code, err = cli(capsys, "train", "--config", config, "--nproc", "1", "--out", out)
+    assert_refused(code, err, "train", f"--config {config}", *culprits)
+    assert not out.exists()
+
+
+def test_a_json_config_that_is_not_a_table_is_refused(tmp_path, capsys):
+    config = tmp_path / "run.json"
+    config.write_text("[1, 2]")
+    code, err = cli(capsys, "train", "--config", config, "--nproc", "1", "--out", tmp_path / "r")
+    assert_refused(code, err, "train", f"--config {config}", "expected a table")
+
+
+# flags -> what the line must name; each flag passes argparse but not the config's checks
+FLAGS = [
+    pytest.param(["--grad-clip", "nan"], ["--grad-clip must be a finite number"], id="grad-clip"),
+    pytest.param(
+        ["--capacity", "auto", "--memory-budget", "nanGB"],
+        ["--memory-budget"],
+        id="memory-budget-nan",
+    ),
+    pytest.param(["--backend", "nope"], ["--backend nope"], id="backend"),
+    pytest.param(["--backend", "flex"], ["--backend flex", "needs CUDA"], id="flex-on-cpu"),
+]
+
+
+@pytest.mark.parametrize(("argv", "culprits"), FLAGS)
+def test_a_bad_flag_is_refused(tmp_path, capsys, argv, culprits):
+    out = tmp_path / "run"
+    code, err = cli(capsys, "train", "--device", "cpu", "--nproc", "1", "--out", out, *argv)
+    assert_refused(code, err, "train", *culprits)
+    assert not out.exists()
+
+
+def _run_flags(tmp_path, *extra) -> list:
+    """A small CPU run that passes every check but the one under test."""
+    return ["train", "--data", write_dataset(tmp_path), "--block-size", "32", "--device", "cpu",
+            "--steps", "2", "--global-batch", "4", "--capacity", "512",
+            "--out", tmp_path / "run", *extra]  # fmt: skip
+
+
+def _device_type(data: dict) -> None:
+    data["fingerprint"]["device_type"] = "cuda"  # a measured GPU profile
+
+
+# another run's profile (written by the case) -> what the line must name
+OTHER_RUNS = [
+    pytest.param({"model": "qwen2.5-0.5b"}, ["num_layers 24 vs 4", "hidden_size"], id="model"),
+    pytest.param({"block_size": 64}, ["block_size 64 vs 32"], id="block-size"),
+    pytest.param({"edit": _device_type}, ["device 'cuda' vs 'cpu'"], id="device-kind"),
+]
+
+
+@pytest.mark.parametrize("mode", [["--nproc", "1"], ["--nproc", "1", "--emulate-ranks", "2"]],
+                         ids=["ranks", "emulate-ranks"])  # fmt: skip
+@pytest.mark.parametrize(("profile", "culprits"), OTHER_RUNS)
+def test_a_profile_of_another_run_is_refused_before_launch(tmp_path, capsys, mode, profile,
+                                                          culprits):  # fmt: skip
+    path = write_profile(tmp_path, "other.json", **profile)
+    code, err = cli(capsys, *_run_flags(tmp_path, "--profile", path, *mode))
+    assert_refused(code, err, "train", f"--profile {path}", "another run", *culprits)
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_refuses_a_profile_of_another_run(tmp_path, capsys):
+    """``--profile`` may change on --resume, but only to one for this run: the folder of the
+    run being resumed stays as it was."""
+    argv = _run_flags(tmp_path, "--nproc", "1")
+    run = tmp_path / "run"
+    cfg = TrainConfig(data=str(tmp_path / "data.jsonl"), block_size=32, device="cpu", steps=2,
+                      global_batch=4, capacity=512, out=str(run), strategy="sab")  # fmt: skip
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    save_checkpoint(run, 1, model, opt, sched, {"step": 1, "config": to_dict(cfg)}, [], True)
+    (run / "config.json").write_text(json.dumps({"schema_version": 2, **to_dict(cfg)}))
+    before = snapshot(run)
+    other = write_profile(tmp_path, "other.json", model="qwen2.5-0.5b")
+    code, err = cli(capsys, *argv, "--resume", "--profile", other)
+    assert_refused(code, err, "train", f"--profile {other}", "num_layers 24 vs 4")
+    assert snapshot(run) == before
+
+
+def test_a_sliding_window_model_is_refused_before_it_is_profiled(tmp_path, capsys):
+    model = sliding_window_model(tmp_path)
+    code, err = cli(capsys, *_run_flags(tmp_path, "--model", model, "--nproc", "1"))
+    assert_refused(code, err, "train", f"--model {model}", "sliding-window")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+@pytest.mark.parametrize("nproc", [[], ["--nproc", "1"]], ids=["default-nproc", "nproc-1"])
+def test_device_cuda_without_a_gpu_says_so(tmp_path, capsys, nproc):
+    code, err = cli(capsys, "train", "--device", "cuda", "--out", tmp_path / "run", *nproc)
+    assert_refused(code, err, "train", "--device cuda", "no CUDA device")
+    assert not (tmp_path / "run").exists()
