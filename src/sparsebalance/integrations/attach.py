@@ -1,9 +1,10 @@
 """``sparsebalance.attach(model)``: the block-sparse attention on a Hugging Face model that another
 trainer drives (HF ``Trainer``, TRL, accelerate, a plain loop).
 
-It registers an attention function and a mask function through transformers' public
-``AttentionInterface`` / ``AttentionMaskInterface`` (no private function is patched) and switches
-the model to them with ``model.set_attn_implementation``. Per forward the function finds its
+It registers an attention function through transformers' public ``AttentionInterface`` (no
+private function is patched) and switches the model to it with ``model.set_attn_implementation``;
+generation with a KV cache and padded batches at inference switch back to the model's own
+attention for that forward (:mod:`.inference`). Per forward the function finds its
 packed micro-batch in one of two ways:
 
 - a :class:`MicroBatchTicket` under ``sb_attention`` (what :class:`~.collator.PackedCollator`
@@ -27,8 +28,9 @@ from typing import Any
 import torch
 
 from ..models import check_attention
-from ..models.attention import LayerStats, PackedAttention, _no_mask, sparsebalance_attention
+from ..models.attention import LayerStats, PackedAttention, sparsebalance_attention
 from ..ops import Budget, resolve_backend
+from . import inference
 
 IMPLEMENTATION = "sparsebalance_attached"
 """The name the attached attention is registered under (``model.config._attn_implementation``)."""
@@ -84,6 +86,11 @@ class AttachedRuntime:
     budget: Budget = field(default_factory=lambda: Budget(gamma=1.0))
     stats: list[LayerStats] = field(default_factory=list)
     forwards: int = 0
+    dense_forwards: int = 0
+    """Inference forwards run with :attr:`dense_implementation` (:mod:`.inference`)."""
+    dense_implementation: str = "sdpa"
+    """The attention the model had before ``attach``: what decoding with a KV cache and padded
+    batches at inference run with."""
     planner: Any = None
     """The step planner when :mod:`sparsebalance.hf` or a plain loop drives the model."""
     _current: PackedAttention | None = field(default=None, repr=False)
@@ -161,12 +168,13 @@ def attached_attention(module, query, key, value, attention_mask, scaling=None, 
 
 
 def register() -> None:
-    """Register :func:`attached_attention` and the no-mask function (idempotent)."""
+    """Register :func:`attached_attention` (idempotent). No mask function: transformers then
+    prepares no mask and does not scan ``position_ids`` for packed documents (a read back per
+    forward); masking happens inside the op, and inference that needs a mask runs dense
+    (:mod:`.inference`)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(IMPLEMENTATION, attached_attention)
-    AttentionMaskInterface.register(IMPLEMENTATION, _no_mask)
 
 
 def check_model(model: torch.nn.Module) -> None:
@@ -231,6 +239,10 @@ def attach(
             f"sparsebalance.attach: found no attention layer (a module with layer_idx and "
             f"q_proj) in {type(model).__name__}"
         )
+    before = model.config._attn_implementation
+    if before not in (None, IMPLEMENTATION, "eager_paged", "sdpa_paged"):
+        runtime.dense_implementation = before  # e.g. eager or flash_attention_2; else sdpa
     model.set_attn_implementation(IMPLEMENTATION)
+    inference.install(model, runtime)
     model._sparsebalance_runtime = runtime
     return runtime
