@@ -281,7 +281,7 @@ def check_values(cls: type, values: dict, where: str, prefix: tuple[str, ...] = 
     ``where``: the source, ``"flags"`` (the message names the flag: ``--steps``) or e.g.
     ``"--config run.toml"`` (it names the key: ``--config run.toml: [dst] gamma0``). Unknown keys
     are left to :func:`build`."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     for key, value in values.items():
         if key not in hints:
             continue

@@ -9,6 +9,8 @@ from dataclasses import replace
 
 import pytest
 
+from sparsebalance.latency import analytic_profile
+from sparsebalance.models import load_shapes
 from tests.train.harness import base_config, run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -88,7 +90,9 @@ def test_fsdp2_wraps_a_llama_model(tmp_path):
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
         "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 1024,
     }))  # fmt: skip
-    cfg = base_config(tmp_path, steps=2, model=str(llama), parallel="fsdp2")
+    profile = tmp_path / "llama-profile.json"  # the harness's is the tiny model's: refused
+    analytic_profile(load_shapes(str(llama)), "h100", block_size=32).save(profile)
+    cfg = base_config(tmp_path, steps=2, model=str(llama), parallel="fsdp2", profile=str(profile))
     res = run_ranks(cfg, 2, tmp_path)
     assert all(math.isfinite(x) for x in res[0]["losses"])
     assert res[0]["losses"] == res[1]["losses"]
