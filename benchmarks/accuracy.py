@@ -56,11 +56,11 @@ from accuracy_pretrain import load_config, pretrain
 from accuracy_report import write_report
 from sparsebalance.data import load_tokenizer
 from sparsebalance.data.dataset import apply_vocabulary
+from sparsebalance.engine.runtime import Runtime
 from sparsebalance.ops import Budget
 from sparsebalance.tasks import sample_lengths
 from sparsebalance.tasks.generate import TASKS as BUILDERS
 from sparsebalance.train import TrainConfig, Trainer
-from sparsebalance.train.runtime import Runtime
 from sparsebalance.train.weights import load_trained_model
 from sparsebalance.tuning import DSTConfig
 

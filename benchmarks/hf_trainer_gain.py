@@ -192,8 +192,8 @@ def worker(args) -> None:
     import sparsebalance
     import sparsebalance.hf
     from sparsebalance.clock import Clock as Marks
+    from sparsebalance.engine.parallelize import ReadyClock
     from sparsebalance.models.hf import build_model
-    from sparsebalance.train.parallelize import _ReadyClock
 
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -231,8 +231,8 @@ def worker(args) -> None:
         def on_train_begin(self, *a, **k):
             wrapped = trainer.model_wrapped
             if runtime is None and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
-                self.ready = _ReadyClock(Marks("cpu"))  # host stamps, as the callback's
-                wrapped.register_comm_hook(self.ready, _ReadyClock.hook)
+                self.ready = ReadyClock(Marks("cpu"))  # host stamps, as the callback's
+                wrapped.register_comm_hook(self.ready, ReadyClock.hook)
 
         def on_step_begin(self, *a, **k):
             self.t0 = time.perf_counter()

@@ -150,7 +150,7 @@ print('sparsebalance from', sparsebalance.__file__)
 }
 
 stage_tier() {
-  local files=(tests/gpu tests/ops/test_flex.py tests/train/test_loss.py
+  local files=(tests/gpu tests/ops/test_flex.py tests/engine/test_loss.py
                tests/latency/test_memory_fit.py)
   local select=()
   # --quick: the 16K Qwen2.5-0.5B step and the memory probes (fresh processes) are left out

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from sparsebalance.clock import Clock, use_clock
+from sparsebalance.engine.parallelize import ReadyClock
+from sparsebalance.engine.step import StepRunner
 from sparsebalance.parallel.p2p import RING_WAITS, _Pending
-from sparsebalance.train.parallelize import _ReadyClock
-from sparsebalance.train.step import StepRunner
 
 TICK = 0.25  # device seconds between two consecutive events
 
@@ -70,9 +70,9 @@ def test_comm_hook_marks_on_the_device_not_at_enqueue(monkeypatch):
 
     monkeypatch.setattr(hooks, "allreduce_hook", lambda state, bucket: "future")
     clock, dev = fake_clock()
-    state = _ReadyClock(clock)
+    state = ReadyClock(clock)
     start = clock.mark()
-    assert _ReadyClock.hook(state, bucket=None) == "future"
+    assert ReadyClock.hook(state, bucket=None) == "future"
     dev.now += 3.0  # the backward's kernels run after the host handed the bucket over
     clock.synchronize()
     assert state.last.event is not None and clock.seconds(start, state.last) == pytest.approx(TICK)
@@ -98,11 +98,11 @@ def test_exact_mode_times_the_all_reduce_on_the_device():
     clock, dev = fake_clock()
     rec = SimpleNamespace(bubble_s=0.0, sync_s=0.0, compute_s=1.0)
     runner = SimpleNamespace(
-        cfg=SimpleNamespace(emulate_ranks=0),
+        emulated=False,
         par=SimpleNamespace(exact=True, clock=clock,
                             sync_gradients=lambda params: setattr(dev, "now", dev.now + 1.5)),
         rt=SimpleNamespace(barrier=lambda: None, all_gather_object=lambda r: [r]),
-        params=[],
+        updater=SimpleNamespace(params=[]),
     )  # fmt: skip
     StepRunner.synchronize(runner, SimpleNamespace(records=[rec]))
     assert dev.syncs == 1

@@ -28,14 +28,18 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ops",),  # the attention op
     ("models", "tasks", "data", "batching", "tuning", "latency", "parallel"),  # library stages
     ("evaluation", "simulate", "timeline"),  # built from the stages
-    ("report", "train"),  # the trainer and its reports
-    ("integrations", "hf"),  # other trainers (HF Trainer, TRL, loops) over the trainer's stages
+    ("engine",),  # the step engine below every front end
+    ("report", "train"),  # the CLI trainer (own loop) and its reports
+    ("integrations", "hf"),  # other trainers (HF Trainer, TRL, loops) over the engine
     ("commands",),  # one module per command: parse, call the library, print
     ("cli", "__main__"),  # the entry point
 )
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 # Who may import ``commands`` and ``cli``: only the entry point (and commands themselves).
 ENTRY_ONLY = {"commands": {"cli", "__main__", "commands"}, "cli": {"__main__"}}
+# The front ends drive the engine and import none of each other (issue 37): ``train`` is the CLI
+# trainer only, ``integrations`` and ``hf`` reach the step's stages through ``engine``.
+FRONT_ENDS = {"train": set(), "integrations": {"hf"}, "hf": set()}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -74,7 +78,7 @@ GRAPH = {name: _imports(name, *info) for name, info in MODULES.items()}
 
 
 def _part(module: str) -> str:
-    """``sparsebalance.train.step`` -> ``train``; the root package -> ``""``."""
+    """``sparsebalance.engine.step`` -> ``train``; the root package -> ``""``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 
@@ -146,6 +150,33 @@ def test_commands_and_cli_only_imported_by_the_entry_point():
         if _part(dst) in ENTRY_ONLY and _part(src) not in ENTRY_ONLY[_part(dst)]
     ]
     assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_front_ends_drive_the_engine_and_import_no_other_front_end():
+    """``integrations`` and ``hf`` import nothing from ``train`` (``hf`` builds on
+    ``integrations``); every front end imports the engine."""
+    wrong = [
+        f"{src} imports {dst}"
+        for src, targets in GRAPH.items()
+        for dst in targets
+        if _part(dst) in FRONT_ENDS
+        and _part(src) in FRONT_ENDS
+        and _part(src) != _part(dst)
+        and _part(src) not in FRONT_ENDS[_part(dst)]
+    ]
+    assert not wrong, "\n".join(sorted(wrong))
+    for front in FRONT_ENDS:
+        engine_users = {src for src, targets in GRAPH.items() if _part(src) == front
+                        and any(_part(t) == "engine" for t in targets)}  # fmt: skip
+        assert engine_users, f"{front} does not use the engine"
+    private = [
+        f"{src} imports {dst}"
+        for src, targets in GRAPH.items()
+        for dst in targets
+        if _part(src) in FRONT_ENDS and _part(dst) == "engine" and any(
+            seg.startswith("_") and seg != "__init__" for seg in dst.split("."))
+    ]  # fmt: skip
+    assert not private, "\n".join(sorted(private))
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ Two sources, one drawing:
   its units in order (:meth:`Plan.execution`); a unit of k ranks starts when the last of them is
   free (the ring couples them) and lasts its predicted ``seconds`` on each.
 - :func:`record_bars`: the measured schedule of one step from ``metrics.jsonl``'s per-rank
-  ``units`` entries (:meth:`sparsebalance.train.records.MicroBatchResult.unit_json`): measured
+  ``units`` entries (:meth:`sparsebalance.engine.records.MicroBatchResult.unit_json`): measured
   starts where the trainer stamped them, else each rank's micro-batches back to back, a CP unit
   starting when its last rank arrives.
 

@@ -25,7 +25,7 @@ EXPENSIVE = {
     "sparsebalance.latency.measure.measure_profile": "a latency profile was measured",
     "sparsebalance.commands.profile.measure_profile": "a latency profile was measured",
     "sparsebalance.commands.profile.validate_profile": "a profile was validated (timed)",
-    "sparsebalance.train.step.StepRunner.run": "a training step ran",
+    "sparsebalance.engine.step.StepRunner.run": "a training step ran",
     "sparsebalance.evaluation.evaluate_task": "the evaluation ran",
     "sparsebalance.evaluation.perplexity": "the evaluation ran",
     "sparsebalance.commands.plan.plan_batch": "the batch was planned",

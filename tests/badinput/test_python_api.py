@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
+from sparsebalance.engine.runtime import Runtime
 from sparsebalance.integrations import PlannerConfig
 from sparsebalance.simulate import SimConfig
 from sparsebalance.train import TrainConfig, Trainer
-from sparsebalance.train.runtime import Runtime
 from sparsebalance.tuning import DSTConfig
 from tests.badinput.conftest import assert_one_line, sliding_window_model, write_profile
 from tests.train.harness import write_dataset

@@ -13,11 +13,11 @@ import functools
 import pytest
 import torch
 
+from sparsebalance.engine.execute import RankExecutor
+from sparsebalance.engine.runtime import Runtime
 from sparsebalance.latency import analytic_profile
 from sparsebalance.models import load_shapes
 from sparsebalance.train import Trainer
-from sparsebalance.train.execute import RankExecutor
-from sparsebalance.train.runtime import Runtime
 from sparsebalance.tuning import LayerController
 from tests.train.harness import base_config
 

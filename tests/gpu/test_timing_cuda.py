@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sparsebalance.clock import Clock
-from sparsebalance.train.parallelize import _ReadyClock
+from sparsebalance.engine.parallelize import ReadyClock
 
 pytestmark = pytest.mark.gpu
 
@@ -50,8 +50,8 @@ def test_comm_hook_ready_is_device_time_at_the_end_of_the_backward(tmp_path):
         model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(8)]).cuda()
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=[0])
         clock = Clock("cuda")
-        ready = _ReadyClock(clock)
-        ddp.register_comm_hook(ready, _ReadyClock.hook)
+        ready = ReadyClock(clock)
+        ddp.register_comm_hook(ready, ReadyClock.hook)
         x = torch.randn(16384, 4096, device="cuda")
         ddp(x).square().mean().backward()  # warm-up
         torch.cuda.synchronize()

@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
+from sparsebalance.engine.runtime import Runtime
 from sparsebalance.latency import analytic_profile
 from sparsebalance.models import load_shapes
 from sparsebalance.train import TrainConfig, Trainer
-from sparsebalance.train.runtime import Runtime
 from tests.train.harness import base_config
 
 pytestmark = [

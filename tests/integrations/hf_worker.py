@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 from sparsebalance.batching import PlanConfig, plan_batch
+from sparsebalance.engine.runtime import Runtime
 from sparsebalance.latency import analytic_profile
 from sparsebalance.models import load_shapes
 from sparsebalance.models.hf import build_model
 from sparsebalance.train import TrainConfig, Trainer
-from sparsebalance.train.runtime import Runtime
 from sparsebalance.tuning import DSTConfig
 
 LR, WD, STEPS, GLOBAL_BATCH, CAPACITY, ACCUM, BLOCK = 3e-3, 0.01, 3, 8, 512, 4, 32

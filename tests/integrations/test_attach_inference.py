@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import sparsebalance
+from sparsebalance.integrations import IMPLEMENTATION
 from sparsebalance.models.hf import build_model
 
 
@@ -27,7 +28,7 @@ def test_greedy_generate_equals_the_unattached_model():
     assert torch.equal(got, want)
     assert runtime.dense_forwards == 5  # every decoding step; the prefill ran the sparse op
     assert runtime.forwards >= 1
-    assert attached.config._attn_implementation == "sparsebalance_attached"  # switched back
+    assert attached.config._attn_implementation == IMPLEMENTATION  # switched back
 
 
 def test_a_padded_batch_generates_and_evaluates_like_the_unattached_model():

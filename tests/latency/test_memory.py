@@ -12,6 +12,7 @@ import torch
 
 from sparsebalance.cli import main
 from sparsebalance.data import pack
+from sparsebalance.engine.loss import CHUNK_ELEMS
 from sparsebalance.latency.memory import (
     ANALYTIC,
     LOSS_CHUNK_ELEMS,
@@ -28,7 +29,6 @@ from sparsebalance.models import load_shapes
 from sparsebalance.models.attention import PackedAttention
 from sparsebalance.models.hf import build_model
 from sparsebalance.ops import Budget
-from sparsebalance.train.loss import CHUNK_ELEMS
 
 H100 = ANALYTIC["h100"]
 

@@ -20,12 +20,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparsebalance.data import pack
+from sparsebalance.engine.loss import packed_loss
 from sparsebalance.models.attention import PackedAttention
 from sparsebalance.models.hf import build_model
 from sparsebalance.ops import Budget, block_sparse_attention, block_sparse_flex, select_blocks
 from sparsebalance.ops import attention as op_module
 from sparsebalance.ops.pack_index import PackIndex
-from sparsebalance.train.loss import packed_loss
 from tests.conftest import make_qkv
 
 aten = torch.ops.aten

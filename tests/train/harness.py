@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sparsebalance.engine.runtime import Runtime
 from sparsebalance.latency import analytic_profile
 from sparsebalance.models import load_shapes
 from sparsebalance.ops.flex_config import CUDA_TILE
 from sparsebalance.train import TrainConfig, Trainer
-from sparsebalance.train.runtime import Runtime
 from sparsebalance.tuning import DSTConfig
 
 MEMORISABLE = [

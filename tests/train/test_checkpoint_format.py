@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sparsebalance.cli import main as cli_main
+from sparsebalance.engine.runtime import rng_state, set_rng_state
 from sparsebalance.train.checkpoint import (
     CHECKSUMS,
     CheckpointFormatError,
@@ -27,7 +28,6 @@ from sparsebalance.train.checkpoint import (
 )
 from sparsebalance.train.convert import convert_checkpoint
 from sparsebalance.train.convert import main as convert_main
-from sparsebalance.train.runtime import rng_state, set_rng_state
 from sparsebalance.versions import CHECKPOINT
 
 

@@ -12,12 +12,12 @@ import torch.distributed as dist
 
 from sparsebalance.batching import Unit
 from sparsebalance.data import pack
+from sparsebalance.engine.cp_unit import unit_batch
+from sparsebalance.engine.loss import packed_loss
 from sparsebalance.models.attention import PackedAttention
 from sparsebalance.models.checkpointing import apply_activation_checkpointing
 from sparsebalance.models.hf import build_model
 from sparsebalance.ops import Budget
-from sparsebalance.train.cp_unit import unit_batch
-from sparsebalance.train.loss import packed_loss
 
 from ..parallel.spawn import run_workers
 

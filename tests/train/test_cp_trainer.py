@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from sparsebalance.engine.runtime import Runtime
 from sparsebalance.train import TrainConfig, Trainer
-from sparsebalance.train.runtime import Runtime
 from tests.train.harness import base_config, run_ranks
 
 # The harness documents have 48, 60, 89 and 93 tokens: with a capacity of 40 every one of them

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import sparsebalance.data.dataset as dataset
+from sparsebalance.engine.runtime import Runtime
 from sparsebalance.train import Trainer
-from sparsebalance.train.runtime import Runtime
 from tests.train.harness import MEMORISABLE, base_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::sparsebalance.latency.ProfileMismatchWarning")

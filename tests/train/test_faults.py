@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sparsebalance.cli import main
+from sparsebalance.engine.runtime import Runtime
 from sparsebalance.report import load_run
 from sparsebalance.train import TrainConfig, Trainer
 from sparsebalance.train.checkpoint import (
@@ -24,7 +25,6 @@ from sparsebalance.train.checkpoint import (
 )
 from sparsebalance.train.launch import default_nproc
 from sparsebalance.train.runlock import LOCK_NAME, RunLock, RunLockError, join
-from sparsebalance.train.runtime import Runtime
 from sparsebalance.train.telemetry import truncate_metrics
 from tests.train.harness import base_config
 

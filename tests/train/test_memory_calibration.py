@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from sparsebalance.engine.runtime import Runtime
 from sparsebalance.latency import fingerprint, load_profile
 from sparsebalance.latency import memory_fit as mf
 from sparsebalance.latency.memory import cpu_coefficients, current_rss_bytes
@@ -17,7 +18,6 @@ from sparsebalance.latency.memory_fit import MemoryCalibration, MemoryProbe, mem
 from sparsebalance.models import ModelShapes
 from sparsebalance.models.hf import build_model
 from sparsebalance.train import Trainer
-from sparsebalance.train.runtime import Runtime
 from tests.train.harness import base_config
 
 CPU1 = Runtime(0, 1, torch.device("cpu"))
@@ -69,7 +69,7 @@ def test_sab_cp_plans_with_the_memory_bound(tmp_path, monkeypatch):
                       strategy="sab-cp")  # fmt: skip
     trainer = Trainer(cfg, CPU1)
     bound = trainer.memory_bound
-    assert trainer.runner.cost.memory is bound and bound.capacity() == trainer.cfg.capacity
+    assert trainer.engine.cost.memory is bound and bound.capacity() == trainer.cfg.capacity
     long = 3 * trainer.cfg.capacity
-    k = int(trainer.runner.cost.min_degree(np.array([long]), trainer.cfg.capacity, 8)[0])
+    k = int(trainer.engine.cost.min_degree(np.array([long]), trainer.cfg.capacity, 8)[0])
     assert k >= 3 and bound.fits(long, k)

@@ -243,15 +243,15 @@ def test_node_local_caches_are_written_by_one_rank_per_node():
 def test_trainer_takes_ranks_per_node(tmp_path):
     import torch
 
+    from sparsebalance.engine.runtime import Runtime
     from sparsebalance.train import Trainer
-    from sparsebalance.train.runtime import Runtime
     from tests.train.harness import base_config
 
     cfg = base_config(tmp_path, steps=1, emulate_ranks=4, ranks_per_node=2)
     trainer = Trainer(cfg, Runtime(0, 1, torch.device("cpu")))
     assert trainer.topology.describe() == {"world_size": 4, "nodes": 2, "ranks_per_node": 2,
                                            "source": "--ranks-per-node"}  # fmt: skip
-    assert trainer.runner.ranks_per_node == 2  # what the planner's PlanConfig gets
+    assert trainer.engine.config.ranks_per_node == 2  # what the planner's PlanConfig gets
     with pytest.raises(ValueError, match="--ranks-per-node must be >= 1"):
         base_config(tmp_path, ranks_per_node=0)
 

@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
+from sparsebalance.engine.execute import RankExecutor
+from sparsebalance.engine.runtime import Runtime
+from sparsebalance.engine.step import NonFiniteLoss
 from sparsebalance.train import Trainer
-from sparsebalance.train.execute import RankExecutor
-from sparsebalance.train.runtime import Runtime
-from sparsebalance.train.step import NonFiniteLoss
 from tests.train.harness import base_config
 
 CPU1 = Runtime(0, 1, torch.device("cpu"))

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sparsebalance.engine.runtime import Runtime
 from sparsebalance.train import TrainConfig
 from sparsebalance.train.checkpoint import load_checkpoint, save_checkpoint
 from sparsebalance.train.config import to_dict
 from sparsebalance.train.resume import choose_checkpoint
-from sparsebalance.train.runtime import Runtime
 
 pytestmark = [
     pytest.mark.distributed,

@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from sparsebalance.engine.runtime import Runtime
 from sparsebalance.train import Trainer
-from sparsebalance.train.runtime import Runtime
 from sparsebalance.train.signals import Stopped, StopSignals
 from tests.train.harness import base_config, write_dataset
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from sparsebalance.batching import BudgetEMAEstimator
+from sparsebalance.engine.runtime import Runtime
 from sparsebalance.latency import analytic_profile
 from sparsebalance.models import load_shapes
 from sparsebalance.train import TrainConfig, Trainer
-from sparsebalance.train.runtime import Runtime
 from sparsebalance.tuning import DSTConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::sparsebalance.latency.ProfileMismatchWarning")

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from sparsebalance.data import load_tokenizer
+from sparsebalance.engine.runtime import Runtime
+from sparsebalance.engine.step import NonFiniteLoss
 from sparsebalance.train import TrainConfig, Trainer
 from sparsebalance.train.checkpoint import latest_checkpoint, load_checkpoint
-from sparsebalance.train.runtime import Runtime
-from sparsebalance.train.step import NonFiniteLoss
 from tests.train.harness import base_config
 
 CPU1 = Runtime(0, 1, torch.device("cpu"))

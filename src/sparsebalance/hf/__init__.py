@@ -83,7 +83,7 @@ def enable(
     overlong: str = "split",
     dst: DSTConfig | None = None,
     profile: str | Path | None = None,
-    block_size: int = 64,
+    block_size: int | None = None,
     backend: str = "auto",
     deterministic: bool = False,
     lengths=None,
@@ -104,7 +104,8 @@ def enable(
             budget="gamma", gamma0=1.0)`` is exact
             attention).
         profile: latency profile JSON (default: this machine's cached or measured one).
-        block_size / backend: the attention's (:func:`sparsebalance.attach`).
+        block_size / backend: the attention's (:func:`sparsebalance.attach`); block_size None:
+            the training device's default (``trainer.args.device``: 128 on CUDA, 64 on CPU).
         deterministic: no measured time enters a decision (plans reproducible bit for bit).
         lengths: tokens per example if known (else read once from the dataset).
 
@@ -119,11 +120,12 @@ def enable(
     accum = args.gradient_accumulation_steps
     if global_batch is None:
         global_batch = args.per_device_train_batch_size * accum * max(args.world_size, 1)
+    runtime = attach(trainer.model, block_size=block_size, backend=backend, device=args.device)
     config = PlannerConfig(global_batch, accum, capacity, strategy, overlong,
-                           dst or DSTConfig(), block_size, backend, args.seed,
+                           dst or DSTConfig(), runtime.block_size, backend, args.seed,
                            deterministic)  # fmt: skip
-    runtime = attach(trainer.model, block_size=block_size, backend=backend)
-    sampler = build_sampler(runtime, trainer.train_dataset, config, profile, lengths)
+    sampler = build_sampler(runtime, trainer.train_dataset, config, profile, lengths,
+                            device=args.device)  # fmt: skip
     dataset, pad = trainer.train_dataset, _pad_token_id(trainer)
     trainer.get_train_dataloader = lambda: sampler.dataloader(dataset, pad)
     trainer.add_callback(SparseBalanceCallback(sampler.planner, trainer))

@@ -26,8 +26,8 @@ import time
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from ..integrations.stats import log_values
-from ..train.parallelize import _ReadyClock
+from ..engine import log_values
+from ..engine.parallelize import ReadyClock
 
 
 class SparseBalanceCallback(TrainerCallback, ExportableState):
@@ -37,7 +37,7 @@ class SparseBalanceCallback(TrainerCallback, ExportableState):
         self.planner = planner
         self.trainer = trainer
         self._stamps: list[float] = []
-        self._clock: _ReadyClock | None = None
+        self._clock: ReadyClock | None = None
         self._logged = 0
         self._wrapped_log = None  # the trainer's log method before ours (wrapped once)
 
@@ -101,9 +101,9 @@ class SparseBalanceCallback(TrainerCallback, ExportableState):
 
         # host stamps: the callback times micro-batches from the Trainer's host-side events (on
         # CUDA they are launch times; the trainer's own executor reads device events instead)
-        clock = _ReadyClock(Clock("cpu"))
+        clock = ReadyClock(Clock("cpu"))
         try:
-            wrapped.register_comm_hook(clock, _ReadyClock.hook)
+            wrapped.register_comm_hook(clock, ReadyClock.hook)
         except RuntimeError:  # a hook is registered already (accelerate's comm_hook option)
             return
         self._clock = clock

@@ -1,8 +1,9 @@
 """``sparsebalance.attach(model)``: the block-sparse attention on a Hugging Face model that another
 trainer drives (HF ``Trainer``, TRL, accelerate, a plain loop).
 
-It registers an attention function through transformers' public ``AttentionInterface`` (no
-private function is patched) and switches the model to it with ``model.set_attn_implementation``;
+It switches the model to the ``sparsebalance`` attention (the one ``sparsebalance train`` runs,
+registered through transformers' public ``AttentionInterface``; no private function is patched)
+with ``model.set_attn_implementation`` and binds every attention layer to the runtime;
 generation with a KV cache and padded batches at inference switch back to the model's own
 attention for that forward (:mod:`.inference`). Per forward the function finds its
 packed micro-batch in one of two ways:
@@ -16,27 +17,22 @@ packed micro-batch in one of two ways:
   attention, no plan needed).
 
 The attention itself is :func:`sparsebalance.models.attention.sparsebalance_attention` (the one
-``sparsebalance train`` runs); this module only finds its :class:`PackedAttention`.
+``sparsebalance train`` runs); this module only finds its :class:`PackedAttention`
+(:meth:`AttachedRuntime.resolve`).
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..models import check_attention
-from ..models.attention import LayerStats, PackedAttention, sparsebalance_attention
+from ..models.attention import IMPLEMENTATION, LayerStats, PackedAttention, bind_context, register
 from ..ops import Budget, resolve_backend
+from ..ops.flex_config import resolve_block_size
 from . import inference
-
-IMPLEMENTATION = "sparsebalance_attached"
-"""The name the attached attention is registered under (``model.config._attn_implementation``)."""
-
-# attention module -> its runtime (weak: a model that is dropped takes its entry with it)
-_RUNTIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # Architectures whose attention goes through AttentionInterface with full causal attention (the
 # ones tested here: Qwen2 / Qwen2.5, Llama, Mistral without a sliding window, Qwen3).
@@ -82,6 +78,7 @@ class AttachedRuntime:
 
     model: torch.nn.Module
     block_size: int = 64
+    """Tokens per sparsity block (``attach`` resolves the device's default)."""
     backend: str = "auto"
     budget: Budget = field(default_factory=lambda: Budget(gamma=1.0))
     stats: list[LayerStats] = field(default_factory=list)
@@ -94,6 +91,25 @@ class AttachedRuntime:
     planner: Any = None
     """The step planner when :mod:`sparsebalance.hf` or a plain loop drives the model."""
     _current: PackedAttention | None = field(default=None, repr=False)
+
+    def resolve(self, module, query: torch.Tensor, sb_attention, kwargs: dict) -> PackedAttention:
+        """The :class:`PackedAttention` of attention ``module``'s forward (bound to every
+        attention layer by :func:`attach`): a planned ticket's, or one built from the packed
+        arguments HF collators produce (:meth:`context`)."""
+        first = int(getattr(module, "layer_idx", 0)) == 0
+        if first:
+            self.forwards += 1
+        if isinstance(sb_attention, MicroBatchTicket):
+            ctx = sb_attention.attention
+            if ctx.cu_seqlens.device != query.device:
+                ctx.cu_seqlens = ctx.cu_seqlens.to(query.device)
+            return ctx
+        if sb_attention is not None:
+            raise TypeError(
+                f"sb_attention must be a MicroBatchTicket or PackedAttention, got "
+                f"{type(sb_attention).__name__}"
+            )
+        return self.context(query, kwargs, first)
 
     def context(self, query: torch.Tensor, kwargs: dict, first: bool) -> PackedAttention:
         """The :class:`PackedAttention` of a forward without a ticket (module docstring), built
@@ -137,46 +153,6 @@ def cu_from_positions(position_ids: torch.Tensor | None, total: int, device) -> 
     return torch.cat([starts, end]).to(device=device, dtype=torch.int32)
 
 
-def attached_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                       sb_attention=None, **kwargs):  # fmt: skip
-    """transformers attention function: ``query (1, Hq, T, D)`` -> ``((1, T, Hq, D), None)``."""
-    runtime = _RUNTIMES.get(module)
-    if runtime is None:
-        raise ValueError(
-            f"{type(module).__name__} runs the '{IMPLEMENTATION}' attention but its model was not "
-            "attached: call sparsebalance.attach(model) on this model"
-        )
-    if isinstance(sb_attention, MicroBatchTicket):
-        ctx = sb_attention.attention
-        if ctx.cu_seqlens.device != query.device:
-            ctx.cu_seqlens = ctx.cu_seqlens.to(query.device)
-    elif isinstance(sb_attention, PackedAttention):
-        ctx = sb_attention
-    elif sb_attention is None:
-        ctx = runtime.context(query, kwargs, first=int(getattr(module, "layer_idx", 0)) == 0)
-    else:
-        raise TypeError(
-            f"sb_attention must be a MicroBatchTicket or PackedAttention, got "
-            f"{type(sb_attention).__name__}"
-        )
-    if int(getattr(module, "layer_idx", 0)) == 0:
-        runtime.forwards += 1
-    if key.dtype != query.dtype:  # under autocast RoPE leaves q, k in float32 and v in bf16/fp16
-        key, value = key.to(query.dtype), value.to(query.dtype)
-    return sparsebalance_attention(module, query, key, value, attention_mask, scaling, dropout,
-                                   sb_attention=ctx, **kwargs)  # fmt: skip
-
-
-def register() -> None:
-    """Register :func:`attached_attention` (idempotent). No mask function: transformers then
-    prepares no mask and does not scan ``position_ids`` for packed documents (a read back per
-    forward); masking happens inside the op, and inference that needs a mask runs dense
-    (:mod:`.inference`)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(IMPLEMENTATION, attached_attention)
-
-
 def check_model(model: torch.nn.Module) -> None:
     """Refuse models whose attention this op does not implement, as ``sparsebalance train``
     would (sliding windows, logit soft-capping), and models it was not tested on."""
@@ -195,8 +171,9 @@ def attach(
     model: torch.nn.Module,
     *,
     budget: Budget | None = None,
-    block_size: int = 64,
+    block_size: int | None = None,
     backend: str = "auto",
+    device: torch.device | str | None = None,
 ) -> AttachedRuntime:
     """Run ``model``'s attention through SparseBalance's block-sparse op.
 
@@ -205,8 +182,11 @@ def attach(
             not yet wrapped by DDP / FSDP.
         budget: the budget of forwards without a plan; default ``Budget(gamma=1.0)``, every
             causal block: exact varlen attention.
-        block_size: tokens per sparsity block.
+        block_size: tokens per sparsity block; None: the training device's default (128 on
+            CUDA, where FlexAttention's tiles are, 64 elsewhere).
         backend: ``auto`` | ``torch`` | ``flex`` | ``reference`` (``block_sparse_attention``).
+        device: where the model will train (default: where its parameters are now); decides
+            the default block size.
 
     Returns:
         The :class:`AttachedRuntime` (budget, layer statistics; the planner once a trainer
@@ -214,8 +194,10 @@ def attach(
     """
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError("sparsebalance.attach: pass the model before wrapping it in DDP")
-    if block_size < 1:
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
+                                   or block_size < 1):  # fmt: skip
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    block_size = resolve_block_size(block_size, device or next(model.parameters()).device)
     if backend != "auto":  # a name the op does not know fails here, not at the first forward
         try:  # (the model may move to CUDA later: only the name is checked, as on CUDA)
             resolve_backend(backend, torch.device("cuda"))
@@ -232,17 +214,14 @@ def attach(
     found = 0
     for module in model.modules():
         if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
-            _RUNTIMES[module] = runtime
+            bind_context(module, runtime.resolve)
             found += 1
     if not found:
         raise ValueError(
             f"sparsebalance.attach: found no attention layer (a module with layer_idx and "
             f"q_proj) in {type(model).__name__}"
         )
-    before = model.config._attn_implementation
-    if before not in (None, IMPLEMENTATION, "eager_paged", "sdpa_paged"):
-        runtime.dense_implementation = before  # e.g. eager or flash_attention_2; else sdpa
+    inference.install(model, runtime)  # before the switch: it keeps the model's own attention
     model.set_attn_implementation(IMPLEMENTATION)
-    inference.install(model, runtime)
     model._sparsebalance_runtime = runtime
     return runtime

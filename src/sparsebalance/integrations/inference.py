@@ -25,6 +25,8 @@ import contextlib
 
 import torch
 
+from ..models.attention import IMPLEMENTATION
+
 
 @contextlib.contextmanager
 def dense_attention(model: torch.nn.Module, runtime):
@@ -57,7 +59,12 @@ def needs_dense(model: torch.nn.Module, kwargs: dict) -> bool:
 
 
 def install(model: torch.nn.Module, runtime) -> None:
-    """Route ``model``'s cached or padded inference forwards to dense attention (two hooks)."""
+    """Route ``model``'s cached or padded inference forwards to its own attention (the one it
+    has now, before ``attach`` switches it; ``sdpa`` if that is ours or a paged one): two
+    hooks."""
+    before = model.config._attn_implementation
+    if before not in (None, IMPLEMENTATION, "eager_paged", "sdpa_paged"):
+        runtime.dense_implementation = before  # e.g. eager or flash_attention_2
     switched: list[contextlib.ExitStack] = []
 
     def before(module, args, kwargs):

@@ -104,7 +104,7 @@ class BalancedLoop:
         self.sampler.load_state_dict(state)
 
     def log_values(self, since: int = 0) -> dict:
-        from .stats import log_values
+        from ..engine import log_values
 
         return log_values(self.planner.history, since)
 

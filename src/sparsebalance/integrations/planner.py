@@ -3,11 +3,11 @@ same on every rank), SAB's plan and DST's budgets for it, this rank's micro-batc
 ``micro_batches`` of them, empty fillers where the plan gives the rank fewer), and the feedback
 after the step (latency model, density estimator) with its telemetry.
 
-One implementation of each stage: the plan and the budgets are ``sparsebalance train``'s
-(:func:`~sparsebalance.train.step.plan_step`, :func:`~sparsebalance.train.step.tune_step`,
-:func:`~sparsebalance.train.execute.rank_controller`), the feedback its
-:func:`~sparsebalance.train.feedback.apply_feedback`. The planner knows nothing of Hugging Face:
-the sampler / collator (:mod:`.sampler`), :mod:`sparsebalance.hf` and :mod:`.loop` drive it.
+One implementation of each stage: planning, tuning, the records and the feedback are the step
+engine's (:class:`~sparsebalance.engine.StepEngine`, what ``sparsebalance train`` runs); this
+module only draws the documents, lists this rank's micro-batches (fillers included) and keeps
+the telemetry. It knows nothing of Hugging Face: the sampler / collator (:mod:`.sampler`),
+:mod:`sparsebalance.hf` and :mod:`.loop` drive it.
 
 Global batch ``k`` of epoch ``e`` is documents ``perm_e[k B : (k + 1) B]`` of the seeded
 permutation ``epoch_permutation(seed, e, N)`` (the tail of ``N mod B`` documents is dropped):
@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import flags
-from ..batching import OVERLONG, PlanConfig, make_estimator
+from ..batching import OVERLONG, make_estimator
 from ..data.mixture import epoch_permutation
+from ..engine import MicroBatchResult, PlanningConfig, StepEngine, TunedStep, step_telemetry
 from ..latency import LatencyModel
 from ..tuning import DSTConfig, DSTTuner, LayerController
 from ..workload import Sample
-from .stats import step_telemetry
 
 STRATEGIES = ("sequential", "sorted", "tokens", "flops", "sab")
 
@@ -52,7 +52,9 @@ class PlannerConfig:
     dst: DSTConfig = field(default_factory=DSTConfig)
     """Budgets and dynamic sparsity tuning (default: the paper's top-k rule; exact attention:
     ``DSTConfig(mode="off", budget="gamma", gamma0=1.0)``)."""
-    block_size: int = 64
+    block_size: int | None = None
+    """Tokens per sparsity block; None: the attached attention's (its device's default: 128 on
+    CUDA, 64 elsewhere)."""
     backend: str = "auto"
     seed: int = 0
     """Seeds the document order of every epoch (the same on every rank)."""
@@ -73,8 +75,9 @@ class PlannerConfig:
         if self.overlong not in OVERLONG:
             raise ValueError(f"overlong must be one of {OVERLONG}, got {self.overlong!r}")
         for name in ("global_batch", "micro_batches", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.capacity is not None and self.capacity < 1:
             raise ValueError(f"capacity must be >= 1 or None, got {self.capacity}")
 
@@ -109,8 +112,8 @@ class StepWork:
 
     step: int
     epoch: int
-    tuned: object
-    """The :class:`~sparsebalance.train.records.TunedStep` (plan, hash, decision, loss scale)."""
+    tuned: TunedStep
+    """The plan, its hash, DST's decision and the loss scale."""
     specs: list[MicroBatchSpec]
     controller: LayerController | None
     target_tokens: int = 0
@@ -143,19 +146,36 @@ class StepPlanner:
         self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
         if self.lengths.size == 0 or int(self.lengths.min()) < 1:
             raise ValueError("every document needs at least one token (an empty one was given)")
+        if config.block_size is None:
+            raise ValueError("PlannerConfig.block_size: resolve it first (build_sampler does)")
         self.config = config
         check_global_batch(config.global_batch, self.lengths.size, world_size)
-        self.latency = latency
-        self.tuner = DSTTuner(config.dst, block_size=config.block_size)
-        self.estimator = make_estimator("auto", self.tuner.knob)
         self.rank, self.world_size = rank, world_size
         self.all_gather = all_gather or (lambda obj: [obj])
         self.sources = list(sources) if sources is not None else None
+        tuner = DSTTuner(config.dst, block_size=config.block_size)
+        planning = PlanningConfig(world_size, None if config.capacity else config.micro_batches,
+                                  config.capacity, config.strategy, config.overlong,
+                                  deterministic=config.deterministic)  # fmt: skip
+        self.engine = StepEngine(planning, latency, tuner, make_estimator("auto", tuner.knob),
+                                 self.sample, self.all_gather)  # fmt: skip
         self.target_count: Callable[[int, int, int], int] | None = None
         """Optional ``(sample id, offset, length) -> targets`` (masked prompts); default n - 1."""
         self.history: list[dict] = []
         """One telemetry dict per finished step (what the trainer's loggers get)."""
         self._work: StepWork | None = None
+
+    @property
+    def latency(self) -> LatencyModel:
+        return self.engine.latency
+
+    @property
+    def tuner(self) -> DSTTuner:
+        return self.engine.tuner
+
+    @property
+    def estimator(self):
+        return self.engine.estimator
 
     # ------------------------------------------------------------------ data order
     @property
@@ -183,16 +203,10 @@ class StepPlanner:
         step = epoch * self.steps_per_epoch + step_in_epoch
         if self._work is not None and self._work.step == step:
             return self._work
-        from ..train.execute import rank_controller
-        from ..train.step import plan_step, tune_step
-
         cfg = self.config
         samples = [self.sample(i) for i in self.batch_ids(epoch, step_in_epoch)]
-        pcfg = PlanConfig(self.world_size, None if cfg.capacity else cfg.micro_batches,
-                          cfg.capacity, cfg.strategy, cfg.overlong)  # fmt: skip
-        planned = plan_step(samples, self.latency, pcfg, self.estimator, self.all_gather)
-        tuned = tune_step(planned, self.tuner, self.latency, None, self.world_size)
-        plan = planned.plan
+        tuned = self.engine.tune(self.engine.plan(samples), self.world_size)
+        plan = tuned.planned.plan
         counts = [len(r) for r in plan.ranks]
         if max(counts) > cfg.micro_batches:
             worst = int(np.argmax(counts))
@@ -208,7 +222,7 @@ class StepPlanner:
         ]  # fmt: skip
         fillers = range(len(specs), cfg.micro_batches)
         specs += [MicroBatchSpec(step, m, filler=True) for m in fillers]
-        controller = rank_controller(tuned, self.rank, self.latency, cfg.dst, self.tuner.knob)
+        controller = self.engine.controller(tuned, self.rank)
         self._work = StepWork(step, epoch, tuned, specs, controller, self._targets(plan),
                               t_planned=time.perf_counter())  # fmt: skip
         return self._work
@@ -234,43 +248,29 @@ class StepPlanner:
             seconds: measured seconds of this rank's micro-batches, fillers included, in order;
                 None: not measured (the predicted times stand in; nothing timed is fed back).
         """
-        from ..train.feedback import apply_feedback
-        from ..train.records import MicroBatchResult, RankRecord, StepFeedback
-
-        cfg = self.config
-        decision = work.tuned.decision.ranks[self.rank]
         predicted = work.tuned.planned.plan.microbatch_times[self.rank]
         results = []
         for m, ticket in enumerate(work.tickets):
             if ticket.filler:
                 continue
-            spec, ctx = ticket.key, ticket.attention
+            spec = ticket.key
             secs = float(seconds[m]) if seconds is not None else float(predicted[spec.index])
-            results.append(MicroBatchResult(
-                seconds=secs, lengths=tuple(spec.lengths), sample_ids=tuple(spec.sample_ids),
-                layer_densities=tuple(tuple(s.document_density) for s in ctx.stats),
-                budgets=tuple(s.budget for s in ctx.stats), loss_sum=0.0,
-                weight_sum=float(sum(n - 1 for n in spec.lengths)), slot=m,
+            results.append(MicroBatchResult.from_stats(
+                secs, spec.lengths, spec.sample_ids, ticket.attention.stats, 0.0,
+                float(sum(n - 1 for n in spec.lengths)), slot=m,
             ))  # fmt: skip
-        record = RankRecord.from_results(decision, results)
-        records = self.all_gather(record)
-        peak = max(r.compute_s for r in records)
-        for r in records:
-            r.derived_bubble_s = float(peak - r.compute_s)
-        feedback = StepFeedback.from_records(records)
-        timed = seconds is not None and not cfg.deterministic
-        apply_feedback(feedback, self.latency, self.estimator, self.tuner.knob, self.sample,
-                       use_timings=timed)  # fmt: skip
-        telemetry = step_telemetry(work, records, timed)
+        records = self.engine.records(work.tuned, self.rank, results)
+        self.engine.feedback(records, measured=seconds is not None)
+        telemetry = step_telemetry(work, records, seconds is not None and
+                                   not self.config.deterministic)  # fmt: skip
         self.history.append(telemetry)
         return telemetry
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """JSON-ready: the latency model's calibration and the density estimator's state."""
-        return {"latency": self.latency.state_dict(), "estimator": self.estimator.state_dict()}
+        return self.engine.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.latency.load_state_dict(state["latency"])
-        self.estimator.load_state_dict(state["estimator"])
+        self.engine.load_state_dict(state)
         self._work = None

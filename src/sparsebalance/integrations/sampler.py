@@ -24,7 +24,6 @@ over R ranks, multiply it by R before ``backward`` (the HF Trainer does so with
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,9 +31,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from ..models.attention import PackedAttention
+from ..engine import LayerTimer, microbatch_attention
 from ..ops import Budget
-from ..train.execute import BACKWARD_RATIO
 from .attach import MicroBatchTicket
 from .planner import StepPlanner
 
@@ -208,27 +206,17 @@ class PackedCollator:
     def _ticket(self, work, spec, cu: torch.Tensor, lengths: tuple[int, ...]) -> MicroBatchTicket:
         """The micro-batch's attention: the rank's step budget, DST's per-layer choices (the
         controller's micro-batch ``spec.index``) and, when timings are fed back, the layer
-        times of its closed loop (forward x ``BACKWARD_RATIO``, as ``sparsebalance train``)."""
+        times of its closed loop (as ``sparsebalance train``'s)."""
         cfg = self.planner.config
-        value = work.tuned.decision.ranks[self.planner.rank].budget
         if spec.filler:
-            ctx = PackedAttention(cu, Budget(gamma=1.0), cfg.block_size, cfg.backend,
-                                  lengths=lengths)
+            ctx = microbatch_attention(cu, lengths, Budget(gamma=1.0), cfg.block_size, cfg.backend)
             return MicroBatchTicket(ctx, spec.step, spec.index, spec, filler=True)
-        ctl, m = work.controller, spec.index
-        choose = None if ctl is None else (lambda layer, e: ctl.choose(m, layer, e))
-        last = [0.0]
-        feedback = cfg.dst.layer_feedback and not cfg.deterministic and cu.device.type == "cpu"
-
-        def on_layer_end(layer: int) -> None:
-            now = time.perf_counter()
-            if layer > 0 and ctl is not None and feedback:
-                ctl.observe(m, layer, (now - last[0]) * BACKWARD_RATIO)
-            last[0] = now
-
+        value = work.tuned.decision.ranks[self.planner.rank].budget
         budget = self.planner.tuner.knob.budget(Budget(top_k=0), value)
-        ctx = PackedAttention(cu, budget, cfg.block_size, cfg.backend, choose_budget=choose,
-                              on_layer_end=on_layer_end, lengths=lengths)  # fmt: skip
+        feedback = cfg.dst.layer_feedback and not cfg.deterministic and cu.device.type == "cpu"
+        timer = LayerTimer(work.controller, spec.index, feedback)
+        ctx = microbatch_attention(cu, lengths, budget, cfg.block_size, cfg.backend,
+                                   work.controller, spec.index, timer)  # fmt: skip
         return MicroBatchTicket(ctx, spec.step, spec.index, spec)
 
 

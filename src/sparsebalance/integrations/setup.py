@@ -3,19 +3,14 @@ every rank so that all plan alike), the document lengths, the sampler and its da
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..latency import (
-    LatencyModel,
-    Profile,
-    check_profile_fits,
-    default_latency_model,
-    fingerprint,
-    load_profile,
-)
+from ..engine import load_latency_model, resolve_kernel
+from ..latency import LatencyModel
 from ..models import ModelShapes
 from .attach import AttachedRuntime
 from .planner import PlannerConfig, StepPlanner, check_global_batch
@@ -47,43 +42,29 @@ def process_rank() -> tuple[int, int]:
 
 
 def latency_model(model: torch.nn.Module, config: PlannerConfig, profile: str | Path | None,
-                  lengths: np.ndarray, all_gather) -> LatencyModel:  # fmt: skip
-    """Rank 0 loads ``profile`` (checked against this model, device and block size) or measures
-    / reuses the cached default profile (``sparsebalance train``'s; under a minute the first time
-    on a CPU), and every rank gets its copy."""
-    device = next(model.parameters()).device
+                  lengths: np.ndarray, all_gather, device=None) -> LatencyModel:  # fmt: skip
+    """The engine's latency start-up (:func:`~sparsebalance.engine.load_latency_model`) for
+    ``model`` on ``device`` (default: where its parameters are): the profile ``sparsebalance
+    train`` would use for the same model, block size, backend, precision and budget kind."""
+    device = torch.device(device) if device is not None else next(model.parameters()).device
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(next(model.parameters()).dtype,
                                                                 "fp32")  # fmt: skip
-    backend = config.backend if config.backend != "auto" else (
-        "flex" if device.type == "cuda" else "torch")  # fmt: skip
+    kernel = resolve_kernel(device, config.block_size, config.backend, dtype)
     shapes = ModelShapes.from_hf_config(model.config.to_dict(), name=model.config.model_type)
-    data = None
-    if all_gather is None or process_rank()[0] == 0:
-        try:
-            if profile is not None:
-                loaded = load_profile(profile)
-                check_profile_fits(loaded, shapes, config.block_size, device.type,
-                                   f"profile {str(profile)!r}")  # fmt: skip
-                loaded.check_fingerprint(fingerprint(shapes, device, dtype, backend,
-                                                     config.block_size))  # fmt: skip
-            else:
-                top = config.capacity or int(np.sort(lengths)[-config.global_batch :].sum())
-                loaded = default_latency_model(shapes, device, dtype, backend, config.block_size,
-                                               max_len=max(top, 256)).profile  # fmt: skip
-            data = loaded.to_json()
-        except ValueError as err:  # every rank raises it, none waits in the gather
-            data = {"error": str(err)}
-    data = (all_gather or (lambda o: [o]))(data)[0]
-    if "error" in data:
-        raise ValueError(data["error"])
-    return LatencyModel(Profile.from_json(data))
+    top = config.capacity or int(np.sort(lengths)[-config.global_batch :].sum())
+    return load_latency_model(shapes, kernel, config.dst.budget, profile, max(top, 256),
+                              all_gather is None or process_rank()[0] == 0,
+                              all_gather or (lambda o: [o]), flag="profile")  # fmt: skip
 
 
 def build_sampler(runtime: AttachedRuntime, dataset, config: PlannerConfig,
-                  profile: str | Path | None = None, lengths=None,
-                  sources=None) -> BalancedBatchSampler:  # fmt: skip
+                  profile: str | Path | None = None, lengths=None, sources=None,
+                  device=None) -> BalancedBatchSampler:  # fmt: skip
     """The planner for ``runtime``'s model over ``dataset`` and its :class:`BalancedBatchSampler`
-    (``runtime.planner`` is set to the planner)."""
+    (``runtime.planner`` is set to the planner). ``config.block_size`` None: the attached
+    attention's; ``device``: where training runs (default: where the model is)."""
+    if config.block_size is None:
+        config = replace(config, block_size=runtime.block_size)
     if config.block_size != runtime.block_size:
         raise ValueError(
             f"the planner's block_size {config.block_size} differs from the attached attention's "
@@ -99,7 +80,7 @@ def build_sampler(runtime: AttachedRuntime, dataset, config: PlannerConfig,
     rank, world = process_rank()
     check_global_batch(config.global_batch, lengths.size, world)  # before any profiling
     gather = all_gather_fn()
-    latency = latency_model(runtime.model, config, profile, lengths, gather)
+    latency = latency_model(runtime.model, config, profile, lengths, gather, device)
     planner = StepPlanner(lengths, config, latency, rank, world, gather, sources)
     runtime.planner = planner
     return BalancedBatchSampler(planner)

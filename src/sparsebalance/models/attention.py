@@ -30,6 +30,7 @@ reads them (:class:`LayerStats`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -177,14 +178,31 @@ class PackedAttention:
         return sum(s.density for s in self.stats) / max(1, len(self.stats))
 
 
+# attention module -> ``(module, query, sb_attention, kwargs) -> PackedAttention``: how a layer of
+# a model another trainer drives finds its micro-batch (``sparsebalance.attach`` binds it).
+_CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def bind_context(module: torch.nn.Module, resolve) -> None:
+    """Let attention ``module`` find its :class:`PackedAttention` when a forward passes none:
+    ``resolve(module, query, sb_attention, kwargs)`` returns it (``sb_attention``: whatever the
+    forward passed, e.g. an integration's ticket, or None)."""
+    _CONTEXTS[module] = resolve
+
+
 def sparsebalance_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                             sb_attention: PackedAttention | None = None, **kwargs):  # fmt: skip
-    """transformers attention function: ``query (1, Hq, T, D)`` -> ``((1, T, Hq, D), None)``."""
-    if sb_attention is None:
-        raise ValueError(
-            "the 'sparsebalance' attention needs model(..., sb_attention=PackedAttention(...), "
-            "use_cache=False): it only runs packed inputs with cu_seqlens"
-        )
+    """transformers attention function: ``query (1, Hq, T, D)`` -> ``((1, T, Hq, D), None)``.
+    The one registration behind ``sparsebalance train``'s models and ``sparsebalance.attach``."""
+    if not isinstance(sb_attention, PackedAttention):
+        resolve = _CONTEXTS.get(module)
+        if resolve is None:
+            raise ValueError(
+                "the 'sparsebalance' attention needs model(..., sb_attention=PackedAttention("
+                "...), use_cache=False), or a model prepared with sparsebalance.attach(model): "
+                "call sparsebalance.attach(model) to run it inside another trainer"
+            )
+        sb_attention = resolve(module, query, sb_attention, kwargs)
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise ValueError(
             "the 'sparsebalance' attention implements full document-causal attention: this "

@@ -1,6 +1,6 @@
 """Where this rank waits, so that a hang becomes one line instead of a silent wait.
 
-The step (:mod:`sparsebalance.train.step`) says which training step runs, the executor which CP
+The step (:mod:`sparsebalance.engine.step`) says which training step runs, the executor which CP
 unit, the ring which of its steps; a transfer that does not complete in ``--comm-timeout``
 seconds raises :class:`CommTimeout` with
 

@@ -10,11 +10,11 @@ import signal
 import sys
 from pathlib import Path
 
+from ..engine.step import NonFiniteLoss
 from .config import add_train_arguments, config_from_args
 from .multinode import adopt_slurm_env
 from .runlock import ENV_TOKEN, RunLock, join
 from .signals import Stopped, StopSignals, die_with_parent
-from .step import NonFiniteLoss
 from .trainer import Trainer
 
 

@@ -19,6 +19,8 @@ import torch
 from .. import flags
 from ..batching import ESTIMATORS, OVERLONG, STRATEGIES
 from ..data.mixture import parse_mixture
+from ..engine.loss import LOSS_IMPLS
+from ..engine.parallelize import MEASURE_BUBBLE, PARALLEL
 from ..files import check_output_folder
 from ..latency.memory import parse_bytes
 from ..models.checkpointing import MODES as CHECKPOINT_MODES
@@ -27,8 +29,6 @@ from ..ops.flex_config import check_flex_block_size, resolve_block_size
 from ..precision import PRECISIONS
 from ..tuning import DSTConfig
 from ..versions import CONFIG
-from .loss import LOSS_IMPLS
-from .parallelize import MEASURE_BUBBLE, PARALLEL
 
 ZERO_OK = ("checkpoint_every", "keep_checkpoints", "max_nonfinite_steps")
 RUN_STATE = ("metrics.jsonl", "checkpoints", "tensorboard")

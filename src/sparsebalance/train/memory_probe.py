@@ -8,7 +8,7 @@ what the trainer uses, notes its resident size (the memory model's ``base``: lib
 builds the model in fp32 with activation checkpointing as asked, gives AdamW its state (one step
 on a 64-token batch, as in every step after the first), then runs one packed micro-batch of
 ``--tokens`` tokens (one document) forward + loss + backward exactly as the trainer does
-(:func:`sparsebalance.train.loss.packed_loss`: bf16 autocast on CUDA) and prints one JSON line:
+(:func:`sparsebalance.engine.loss.packed_loss`: bf16 autocast on CUDA) and prints one JSON line:
 
 - ``base_bytes``: CPU: resident bytes before the model; CUDA: 0 (the allocator counts tensors only);
 - ``static_bytes``: after the warm-up step (model, optimizer state; CPU: + the libraries);
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ..data import pack
+from ..engine.loss import packed_loss
 from ..latency.memory import (
     cpu_coefficients,
     current_rss_bytes,
@@ -48,15 +49,15 @@ from ..models.hf import build_model
 from ..models.shapes import CONFIG_DIR
 from ..ops import Budget
 from ..ops.flex_config import resolve_block_size
-from .loss import packed_loss
 
 
 def _step(model, tokens: int, device, loss: str, block_size: int, backend: str) -> float:
     """Forward + loss + backward of one document of ``tokens`` random ids; seconds."""
     ids = np.random.default_rng(tokens).integers(0, model.config.vocab_size, tokens)
     batch = pack([ids], device)
-    ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=0.9), block_size, backend,
-                          lengths=batch.lengths)
+    ctx = PackedAttention(
+        batch.cu_seqlens, Budget(gamma=0.9), block_size, backend, lengths=batch.lengths
+    )
     t0 = time.perf_counter()
     loss_sum = packed_loss(model, batch, ctx, loss)
     (loss_sum / max(1, tokens - 1)).backward()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .records import StepResult
+from ..engine.records import StepResult
 
 
 class Telemetry:

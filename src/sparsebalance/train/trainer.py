@@ -28,16 +28,21 @@ from ..data.dataset import (
 )
 from ..data.mixture import MixtureSampler
 from ..data.store import is_store
-from ..latency import (
-    LatencyModel,
-    OutsideGridWarning,
-    Profile,
-    check_profile_fits,
-    context_cost,
-    default_latency_model,
-    fingerprint,
-    load_profile,
+from ..engine import (
+    ExecutionConfig,
+    PlanningConfig,
+    RankExecutor,
+    StepEngine,
+    StepRunner,
+    UpdateConfig,
+    Updater,
+    load_latency_model,
+    resolve_kernel,
 )
+from ..engine.parallelize import parallelize
+from ..engine.records import StepResult
+from ..engine.runtime import Runtime, rng_state, seed_everything, set_rng_state
+from ..latency import LatencyModel, OutsideGridWarning, context_cost, fingerprint, load_profile
 from ..latency.memory import (
     GIB,
     MemoryBound,
@@ -53,7 +58,6 @@ from ..latency.memory_fit import find_calibration, memory_fingerprint
 from ..models import ModelShapes, check_attention
 from ..models.checkpointing import apply_activation_checkpointing
 from ..models.hf import build_model
-from ..ops.flex_config import check_flex_block_size
 from ..parallel.groups import RingGroups
 from ..parallel.p2p import RING_WAITS
 from ..parallel.watch import DeviceWaits
@@ -62,24 +66,10 @@ from ..tuning import DSTTuner
 from ..workload import Sample
 from .checkpoint import clean_temporaries, load_checkpoint, save_checkpoint
 from .config import RUN_FILES, RUN_STATE, TrainConfig, resolve_strategy, to_dict, to_record
-from .execute import RankExecutor
 from .multinode import Topology, launcher_placement, node_leaders, resolve_on_nodes
-from .parallelize import parallelize
-from .records import StepResult
 from .resume import choose_checkpoint
-from .runtime import Runtime, rng_state, seed_everything, set_rng_state
 from .signals import Stopped, StopSignals
-from .step import StepRunner
 from .telemetry import Telemetry
-
-
-def training_kernel(device, backend: str, precision: str = "auto") -> tuple[str, str]:
-    """(compute precision, attention backend) a run uses on ``device``: bf16 + flex on CUDA,
-    fp32 + torch on CPU, unless ``--precision`` / ``--backend`` name them."""
-    name = resolve_precision(precision, device).name
-    if device.type == "cuda":
-        return name, "flex" if backend == "auto" else backend
-    return name, "torch" if backend == "auto" else backend
 
 
 def batch_schedule(seed: int, num_docs: int, global_batch: int, steps: int) -> list[list[int]]:
@@ -119,8 +109,8 @@ class Trainer:
         self.cfg = cfg
         self.rt = rt = runtime or Runtime.init(cfg.device, cfg.comm_timeout)
         self.precision = resolve_precision(cfg.precision, rt.device)
-        if training_kernel(rt.device, cfg.backend)[1] == "flex":
-            check_flex_block_size(cfg.block_size, rt.device)  # before anything compiles
+        # block, backend and precision on this device, checked before anything compiles
+        self.kernel = resolve_kernel(rt.device, cfg.block_size, cfg.backend, cfg.precision)
         if cfg.emulate_ranks and rt.distributed:
             raise ValueError("--emulate-ranks runs in one process: launch it with --nproc 1")
         self.num_ranks = cfg.emulate_ranks or rt.world_size
@@ -160,7 +150,10 @@ class Trainer:
         minimum CP degree from it."""
         if cfg.capacity == "auto":
             self.cfg = cfg = replace(cfg, capacity=self._auto_capacity(shapes, base_rss))
-        self.latency = self._latency_model(shapes)
+        self.latency = load_latency_model(
+            shapes, self.kernel, cfg.dst.budget, cfg.profile,
+            profile_length(cfg, self.corpus.lengths()), rt.is_main, rt.all_gather_object,
+        )  # fmt: skip
         tuner = DSTTuner(cfg.dst, block_size=cfg.block_size)
         self.estimator = make_estimator(cfg.estimator, tuner.knob)
         if rt.is_main:
@@ -171,22 +164,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.scaler = self.precision.grad_scaler()  # fp16's loss scaling, None otherwise
-        time_layers = cfg.dst.layer_feedback and not cfg.deterministic and rt.device.type == "cpu"
-        executor = RankExecutor(self.par, corpus.docs, self.latency, cfg.dst, tuner.knob,
-                                rt.device, cfg.block_size, cfg.backend,
-                                cfg.per_doc_loss_weighting, time_layers, cfg.loss, self.precision,
-                                self.scaler, self._ring_groups())  # fmt: skip
-        cost = None
-        if cfg.strategy == "sab-cp":  # prices split documents: measured links, else analytic H100
-            cost = context_cost(self.latency, "h100", shapes, block_size=cfg.block_size,
-                                memory=self.memory_bound)  # fmt: skip
-            cost = cost.on_nodes(self.topology.ranks_per_node)  # the planner's and DST's nodes
-            self._price_long_documents(corpus.lengths())
-        self.runner = StepRunner(
-            cfg, rt, self.num_ranks, self.latency, self.estimator, tuner, self.par,
-            executor, self.params, self.optimizer, self.scheduler, self.sample, cost,
-            self.topology.ranks_per_node, self.scaler,
-        )  # fmt: skip
+        self.engine = self._engine(tuner, shapes)
+        self.runner = self._runner()
         self.step = 0
         earlier = [self.run_dir / n for n in RUN_STATE if (self.run_dir / n).exists()]
         if cfg.resume:
@@ -202,6 +181,35 @@ class Trainer:
         self._stale = [p for p in stale if p.name != "launch-config.json"] if cfg.overwrite else []
 
     # ------------------------------------------------------------------ setup
+    def _engine(self, tuner: DSTTuner, shapes: ModelShapes) -> StepEngine:
+        """The step engine over this run's latency model, tuner and estimator; ``sab-cp``
+        prices split documents with a ``ContextCost`` (measured links, else analytic H100)."""
+        cfg, cost = self.cfg, None
+        if cfg.strategy == "sab-cp":
+            cost = context_cost(self.latency, "h100", shapes, block_size=cfg.block_size,
+                                memory=self.memory_bound)  # fmt: skip
+            cost = cost.on_nodes(self.topology.ranks_per_node)  # the planner's and DST's nodes
+            self._price_long_documents(self.corpus.lengths())
+        planning = PlanningConfig(self.num_ranks, cfg.micro_batches, cfg.capacity, cfg.strategy,
+                                  cfg.overlong, cfg.cp, self.topology.ranks_per_node,
+                                  cfg.per_doc_loss_weighting, cfg.deterministic)  # fmt: skip
+        return StepEngine(planning, self.latency, tuner, self.estimator, self.sample,
+                          self.rt.all_gather_object, cost)  # fmt: skip
+
+    def _runner(self) -> StepRunner:
+        """The own loop's step: the engine, this rank's executor and the optimizer update."""
+        cfg, rt = self.cfg, self.rt
+        time_layers = cfg.dst.layer_feedback and not cfg.deterministic and rt.device.type == "cpu"
+        execution = ExecutionConfig(self.kernel.block_size, self.kernel.backend,
+                                    cfg.per_doc_loss_weighting, time_layers, cfg.loss)  # fmt: skip
+        executor = RankExecutor(self.par, self.corpus.docs, self.engine, execution, rt.device,
+                                self.precision, self.scaler, self._ring_groups())  # fmt: skip
+        updater = Updater(self.params, self.optimizer, self.scheduler,
+                          UpdateConfig(cfg.grad_clip, cfg.max_nonfinite_steps), self.scaler,
+                          rt.is_main)  # fmt: skip
+        return StepRunner(self.engine, executor, updater, self.par, rt, bool(cfg.emulate_ranks),
+                          (cfg.strategy, cfg.dst.mode))  # fmt: skip
+
     def _ring_groups(self) -> RingGroups | None:
         """``sab-cp`` on several processes: the ring groups, created once (every rank, same
         order), and on CUDA the watch that turns a stuck ring transfer into one line."""
@@ -250,8 +258,9 @@ class Trainer:
         cfg, dev = self.cfg, self.rt.device
         analytic = device_coefficients(dev, base_rss)
         tied = bool(getattr(self.model.config, "tie_word_embeddings", True))
-        dtype, backend = training_kernel(dev, cfg.backend, cfg.precision)
-        running = memory_fingerprint(fingerprint(shapes, dev, dtype, backend, cfg.block_size), tied)
+        kernel = self.kernel
+        running = memory_fingerprint(fingerprint(shapes, dev, kernel.precision, kernel.backend,
+                                                 cfg.block_size), tied)  # fmt: skip
         meta = load_profile(cfg.profile).meta if cfg.profile else None
         cal, source = find_calibration(running, meta, checkpointing=cfg.activation_checkpointing)
         coeffs = cal.coefficients(analytic) if cal is not None else analytic
@@ -275,35 +284,6 @@ class Trainer:
                   f"{budget / GIB:.2f} GiB budget, {coeffs.name}; {source})",
                   file=sys.stderr)  # fmt: skip
         return cap
-
-    def _latency_model(self, shapes: ModelShapes) -> LatencyModel:
-        """Rank 0 loads (or measures) the profile and sends it to every rank, so all ranks plan
-        with the same model even across nodes with different caches."""
-        cfg, dev = self.cfg, self.rt.device
-        dtype, backend = training_kernel(dev, cfg.backend, cfg.precision)
-        layout = "top-k" if cfg.dst.budget == "top-k" else "threshold"  # the layouts it will run
-        data = None
-        if self.rt.is_main:
-            try:
-                if cfg.profile:
-                    profile = load_profile(cfg.profile)
-                    check_profile_fits(profile, shapes, cfg.block_size, dev.type,
-                                       f"--profile {cfg.profile}")  # fmt: skip
-                    running = fingerprint(shapes, dev, dtype, backend, cfg.block_size,
-                                          layout=layout)  # fmt: skip
-                    profile.check_fingerprint(running)
-                else:
-                    top = profile_length(cfg, self.corpus.lengths())
-                    profile = default_latency_model(
-                        shapes, dev, dtype, backend, cfg.block_size, max_len=top, layout=layout
-                    ).profile
-                data = profile.to_json()
-            except ValueError as err:  # every rank raises it (rank 0 says it), none waits on
-                data = {"error": str(err)}
-        data = self.rt.all_gather_object(data)[0]
-        if "error" in data:
-            raise ValueError(data["error"])
-        return LatencyModel(Profile.from_json(data))
 
     def _price_long_documents(self, lengths: np.ndarray) -> None:
         """``sab-cp`` prices whole documents longer than one rank's micro-batch with the
@@ -341,11 +321,11 @@ class Trainer:
     @property
     def tuner(self) -> DSTTuner:
         """DST's step-level tuner (replaceable: the accuracy benchmark's dense variant)."""
-        return self.runner.tuner
+        return self.engine.tuner
 
     @tuner.setter
     def tuner(self, tuner: DSTTuner) -> None:
-        self.runner.tuner = tuner
+        self.engine.tuner = tuner
 
     def run_step(self) -> StepResult:
         """One step on the next global batch (:class:`StepRunner`); advances ``self.step``."""
@@ -359,10 +339,8 @@ class Trainer:
         return {
             "step": self.step,
             "data": self.data.state_dict(),
-            "latency": self.latency.state_dict(),
-            # the ContextCost's recalibrated ring terms (sab-cp), None without one
-            "context": None if self.runner.cost is None else self.runner.cost.state_dict(),
-            "estimator": self.estimator.state_dict(),
+            # the latency calibration, the estimator and sab-cp's recalibrated ring terms
+            **self.engine.state_dict(),
             "grad_scaler": None if self.scaler is None else self.scaler.state_dict(),
             "vocab_map": self.corpus.vocab_map,
             "config": to_dict(self.cfg),
@@ -417,10 +395,7 @@ class Trainer:
         if tr.get("vocab_map") != self.corpus.vocab_map:
             raise ValueError("--resume: the checkpoint's compact vocabulary differs from this one")
         self.step = tr["step"]
-        self.latency.load_state_dict(tr["latency"])
-        if self.runner.cost is not None and tr.get("context") is not None:
-            self.runner.cost.load_state_dict(tr["context"])
-        self.estimator.load_state_dict(tr["estimator"])
+        self.engine.load_state_dict(tr)
         if self.scaler is not None and tr.get("grad_scaler"):
             self.scaler.load_state_dict(tr["grad_scaler"])
         set_rng_state(state["rng"][self.rt.rank])

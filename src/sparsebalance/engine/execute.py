@@ -17,7 +17,6 @@ times inside the step."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,21 +26,35 @@ import torch
 from ..batching import Unit
 from ..clock import Clock, Mark, use_clock
 from ..data import pack
-from ..latency import LatencyModel
 from ..models.attention import LayerStats, PackedAttention
 from ..ops import Budget
 from ..parallel import watch
 from ..parallel.groups import RingGroups
 from ..parallel.p2p import RING_WAITS
 from ..precision import Precision, resolve_precision
-from ..tuning import DSTConfig, Knob, LayerController
+from ..tuning import LayerController
 from ..workload import MicroBatch
 from .cp_unit import unit_batch
 from .loss import packed_loss
 from .parallelize import Parallelized
+from .planning import StepEngine
 from .records import LocalWork, MicroBatchResult, RankRecord, TunedStep
+from .stages import LayerTimer, microbatch_attention
 
-BACKWARD_RATIO = 3.0  # forward + backward ~ 3x forward: prices a layer before its backward runs
+
+@dataclass(frozen=True)
+class ExecutionConfig:
+    """How a rank's micro-batches run (the own trainer's executor)."""
+
+    block_size: int
+    backend: str
+    """Resolved attention backend (flex | torch | reference)."""
+    per_doc_weighting: bool = False
+    """Every document's tokens share one total loss weight (LongAlign)."""
+    time_layers: bool = False
+    """Feed per-layer host times to DST's closed loop (CPU, not ``--deterministic``)."""
+    loss: str = "auto"
+    """LM loss implementation (:mod:`.loss`): auto | chunked | plain | liger."""
 
 
 @dataclass
@@ -62,18 +75,11 @@ class _Timed:
 
     def resolve(self, clock: Clock, origin: Mark) -> MicroBatchResult:
         """After the synchronize: seconds relative to ``origin``, Python floats."""
-        return MicroBatchResult(
-            seconds=clock.seconds(self.start, self.ready),
-            lengths=self.lengths,
-            sample_ids=self.sample_ids,
-            layer_densities=tuple(tuple(s.document_density) for s in self.stats),
-            budgets=tuple(s.budget for s in self.stats),
-            loss_sum=float(self.loss_sum),
-            weight_sum=float(self.weight_sum),
-            start_s=clock.seconds(origin, self.start),
-            ring_wait_s=RING_WAITS.seconds(*self.waits) if self.waits[1] else 0.0,
-            **self.extra,
-        )
+        return MicroBatchResult.from_stats(
+            clock.seconds(self.start, self.ready), self.lengths, self.sample_ids, self.stats,
+            float(self.loss_sum), float(self.weight_sum), start_s=clock.seconds(origin, self.start),
+            ring_wait_s=RING_WAITS.seconds(*self.waits) if self.waits[1] else 0.0, **self.extra,
+        )  # fmt: skip
 
 
 @dataclass
@@ -83,18 +89,10 @@ class RankExecutor:
     par: Parallelized
     docs: Sequence[np.ndarray]
     """Token ids of every document of the corpus (indexed by sample id)."""
-    latency: LatencyModel
-    dst: DSTConfig
-    knob: Knob
-    """DST's budget knob (top-k or gamma): turns the decisions' values into budgets."""
+    engine: StepEngine
+    """The latency model, DST's config and knob the layer controllers use."""
+    config: ExecutionConfig
     device: torch.device
-    block_size: int
-    backend: str
-    per_doc_weighting: bool
-    time_layers: bool
-    """Feed per-layer forward times to DST's closed loop (CPU, not ``--deterministic``)."""
-    loss: str = "auto"
-    """LM loss implementation (``train.loss``): auto | chunked | plain | liger."""
     precision: Precision | None = None
     """Compute precision (autocast) of every forward, fillers included; None: the device's
     default (``--precision auto``)."""
@@ -133,7 +131,7 @@ class RankExecutor:
     def _run(self, step: TunedStep, rank: int) -> tuple[list[_Timed], Mark | None, Mark]:
         planned = step.planned
         mine, units = step.decision.ranks[rank], planned.units
-        controller = rank_controller(step, rank, self.latency, self.dst, self.knob)
+        controller = self.engine.controller(step, rank)
         self._controllers = [] if controller is None else [controller]
         row = planned.rounds[rank]
         mine_units = [u for u in row if u is not None]
@@ -164,19 +162,21 @@ class RankExecutor:
     ) -> tuple[_Timed, Mark]:
         """Forward + backward of this rank's shard of CP unit ``unit`` (see the module
         docstring); the result (this rank's loss share, the unit's layer densities)."""
-        batch, ring = unit_batch(unit, rank, self.docs, self.block_size, self.device,
-                                 self.per_doc_weighting, self.ring_groups)  # fmt: skip
+        cfg, engine = self.config, self.engine
+        batch, ring = unit_batch(unit, rank, self.docs, cfg.block_size, self.device,
+                                 cfg.per_doc_weighting, self.ring_groups)  # fmt: skip
         choose = None
-        if self.dst.mode != "off":
+        if engine.tuner.config.mode != "off":
             mb = MicroBatch(unit.sample_ids, unit.lengths, unit.densities)
             # Target: the unit's own prediction at its budget; fed no measured times, the
             # controller's choices depend on the shared estimates only (same on every rank).
-            ctl = LayerController([mb], self.latency, self.dst, 0.0, value=value, knob=self.knob)
+            ctl = LayerController([mb], engine.latency, engine.tuner.config, 0.0, value=value,
+                                  knob=engine.knob)  # fmt: skip
             ctl.target_seconds = float(ctl.planned.sum())
             self._controllers.append(ctl)
             choose = lambda layer, e: ctl.choose(0, layer, e)  # noqa: E731
-        ctx = PackedAttention(batch.cu_seqlens, self.budget(value), self.block_size,
-                              self.backend, choose_budget=choose, ring=ring)  # fmt: skip
+        ctx = PackedAttention(batch.cu_seqlens, self.budget(value), cfg.block_size, cfg.backend,
+                              choose_budget=choose, ring=ring)  # fmt: skip
         t0, wait0 = self.clock.mark(), len(RING_WAITS)
         result, ready = self._forward_backward(batch, ctx, loss_scale, t0, unit.lengths,
                                                unit.sample_ids)  # fmt: skip
@@ -199,21 +199,13 @@ class RankExecutor:
         (for an overlapped sync: when the last bucket was handed over, before the wait)."""
         docs = [self.docs[i][o : o + n] for i, o, n in zip(mb.sample_ids, offsets, mb.lengths,
                                                             strict=True)]  # fmt: skip
-        batch = pack(docs, self.device, self.per_doc_weighting)
-        last = [time.perf_counter()]
-
-        def on_layer_end(layer: int) -> None:
-            now = time.perf_counter()
-            if self.time_layers and controller is not None:
-                controller.observe(m, layer, (now - last[0]) * BACKWARD_RATIO)
-            last[0] = now
-
-        choose = None if controller is None else (lambda layer, e: controller.choose(m, layer, e))
-        ctx = PackedAttention(batch.cu_seqlens, self.budget(value), self.block_size, self.backend,
-                              choose_budget=choose, on_layer_end=on_layer_end,
-                              lengths=batch.lengths)  # fmt: skip
+        cfg = self.config
+        batch = pack(docs, self.device, cfg.per_doc_weighting)
+        timer = LayerTimer(controller, m, cfg.time_layers)
+        ctx = microbatch_attention(batch.cu_seqlens, batch.lengths, self.budget(value),
+                                   cfg.block_size, cfg.backend, controller, m, timer)  # fmt: skip
         t0 = self.clock.mark()
-        last[0] = t0.host
+        timer.start(t0.host)
         return self._forward_backward(batch, ctx, loss_scale, t0, mb.lengths, mb.sample_ids)
 
     def _forward_backward(self, batch, ctx: PackedAttention, loss_scale: float, t0: Mark,
@@ -222,8 +214,9 @@ class RankExecutor:
         """The packed loss, its backward (scaled by ``loss_scale``, and by fp16's loss scale)
         and the micro-batch's record; ``ready``: when its gradients were handed to the sync
         (``t0``: its start). Nothing here waits for the device."""
-        loss_sum = packed_loss(self.par.model, batch, ctx, self.loss, precision=self.precision,
-                               uniform_weights=not self.per_doc_weighting)  # fmt: skip
+        loss_sum = packed_loss(self.par.model, batch, ctx, self.config.loss,
+                               precision=self.precision,
+                               uniform_weights=not self.config.per_doc_weighting)  # fmt: skip
         scaled = loss_sum * loss_scale
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         ready = self.par.ready_time() or self.clock.mark()
@@ -233,40 +226,20 @@ class RankExecutor:
 
     def budget(self, value: float) -> Budget:
         """The budget at knob ``value`` (the op's default anchors)."""
-        return self.knob.budget(Budget(top_k=0), value)
+        return self.engine.knob.budget(Budget(top_k=0), value)
 
     def filler(self) -> Mark:
         """A two-token forward/backward that adds nothing to the gradients (loss x 0), under the
         run's autocast like every micro-batch (one dtype per run: no graph of its own); returns
         when its gradients were ready."""
         batch = pack([np.zeros(2, dtype=np.int64)], self.device)
-        ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=1.0), self.block_size, self.backend,
-                              lengths=batch.lengths)  # fmt: skip
+        ctx = microbatch_attention(batch.cu_seqlens, batch.lengths, Budget(gamma=1.0),
+                                   self.config.block_size, self.config.backend)  # fmt: skip
         with self.precision.autocast():
             out = self.par.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                                  sb_attention=ctx, use_cache=False).logits  # fmt: skip
         (out.float().sum() * 0.0).backward()
         return self.par.ready_time() or self.clock.mark()
-
-
-def rank_controller(
-    step: TunedStep, rank: int, latency: LatencyModel, dst: DSTConfig, knob: Knob
-) -> LayerController | None:
-    """DST's closed-loop layer controller for rank ``rank``'s one-rank micro-batches of ``step``
-    (None with ``--dst-mode off`` or when the rank has none); shared with the trainer
-    integrations (:mod:`sparsebalance.integrations`). Micro-batch ``m`` of the controller is the
-    rank's m-th one-rank micro-batch in plan order."""
-    planned = step.planned
-    plan, units = planned.plan, planned.units
-    solo = [plan.ranks[rank][j] for j, u in enumerate(planned.rank_units[rank])
-            if units[u].degree == 1]  # fmt: skip
-    if dst.mode == "off" or not solo:
-        return None
-    controller = LayerController.from_decision(step.decision.ranks[rank], solo, latency, dst,
-                                               knob=knob)  # fmt: skip
-    if len(solo) < len(plan.ranks[rank]):  # its CP units are not the controller's
-        controller.target_seconds = float(controller.planned.sum())
-    return controller
 
 
 def _real_tokens(placement, position: int) -> int:

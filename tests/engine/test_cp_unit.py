@@ -9,9 +9,9 @@ import torch
 
 from sparsebalance.batching import Unit
 from sparsebalance.data.packing import IGNORE, pack
+from sparsebalance.engine.cp_unit import pass_schedule, shard_batch, unit_batch
+from sparsebalance.engine.stages import check_plan_agreement
 from sparsebalance.parallel import make_placement
-from sparsebalance.train.cp_unit import pass_schedule, shard_batch, unit_batch
-from sparsebalance.train.step import check_plan_agreement
 
 BLOCK = 16
 

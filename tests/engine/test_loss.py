@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from sparsebalance.data import pack
-from sparsebalance.models.attention import PackedAttention
-from sparsebalance.models.hf import build_model
-from sparsebalance.ops import Budget
-from sparsebalance.train.loss import (
+from sparsebalance.engine.loss import (
     ChunkedLinearCrossEntropy,
     default_chunk_tokens,
     linear_cross_entropy,
     packed_loss,
     resolve_loss,
 )
+from sparsebalance.models.attention import PackedAttention
+from sparsebalance.models.hf import build_model
+from sparsebalance.ops import Budget
 
 
 def _inputs(t=203, h=24, v=97, bias=True, seed=0):

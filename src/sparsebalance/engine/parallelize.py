@@ -63,7 +63,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for _, m in found]
 
 
-class _ReadyClock:
+class ReadyClock:
     """DDP comm hook state: marks when each gradient bucket is handed to the all-reduce (the
     last mark of a backward = this rank's gradients are computed), then runs the default hook.
     The mark is the clock's: on CUDA an event on the compute stream (the autograd engine's
@@ -96,7 +96,7 @@ class Parallelized:
     world_size: int
     clock: Clock = dataclasses.field(default_factory=Clock)
     """The run's clock (the device's): every time of the step is one of its marks."""
-    _ready: _ReadyClock | None = None
+    _ready: ReadyClock | None = None
 
     @property
     def sharded(self) -> bool:
@@ -184,8 +184,8 @@ def parallelize(model: nn.Module, runtime: Runtime, parallel: str, measure_bubbl
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=None, broadcast_buffers=False)
-    ready = _ReadyClock(clock)
-    ddp.register_comm_hook(ready, _ReadyClock.hook)
+    ready = ReadyClock(clock)
+    ddp.register_comm_hook(ready, ReadyClock.hook)
     return Parallelized(ddp, model, "ddp", measure_bubble, world, clock, ready)
 
 

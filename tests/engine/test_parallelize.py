@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from sparsebalance.train.parallelize import Parallelized, decoder_layers, parallelize
-from sparsebalance.train.runtime import Runtime
+from sparsebalance.engine.parallelize import Parallelized, decoder_layers, parallelize
+from sparsebalance.engine.runtime import Runtime
 
 SMALL = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
              intermediate_size=64, vocab_size=128, max_position_embeddings=256)  # fmt: skip

@@ -1,4 +1,4 @@
-"""What flows through one training step, stage by stage (see :mod:`.step`)::
+"""What flows through one training step, stage by stage (the engine's stage types)::
 
     list[Sample] --plan--> StepPlan --tune--> TunedStep --execute--> LocalWork
       --synchronize--> list[RankRecord] --update--> StepResult (StepSummary + StepFeedback)
@@ -42,7 +42,7 @@ class StepPlan:
     """Per rank, its units (indices into ``units``) in slot order."""
     rounds: tuple[tuple[int | None, ...], ...] = ()
     """Per rank, the unit run at each pass round, None for a gap
-    (:func:`~sparsebalance.train.cp_unit.pass_schedule`)."""
+    (:func:`~sparsebalance.engine.cp_unit.pass_schedule`)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,17 @@ class MicroBatchResult:
     local_tokens: int = 0
     """Tokens this rank held: its shard's real tokens for a CP unit (whose ``lengths`` are the
     unit's whole documents); 0 = ``sum(lengths)``."""
+
+    @classmethod
+    def from_stats(cls, seconds: float, lengths, sample_ids, stats, loss_sum: float,
+                   weight_sum: float, **extra) -> MicroBatchResult:  # fmt: skip
+        """The result of a micro-batch whose attention layers left ``stats`` (each with a
+        ``budget`` and a per-document ``document_density``; reading them syncs, so callers do it
+        at the step's end); ``extra``: the other fields (slot, CP unit, start, ring wait)."""
+        return cls(seconds=float(seconds), lengths=tuple(lengths), sample_ids=tuple(sample_ids),
+                   layer_densities=tuple(tuple(s.document_density) for s in stats),
+                   budgets=tuple(s.budget for s in stats), loss_sum=float(loss_sum),
+                   weight_sum=float(weight_sum), **extra)  # fmt: skip
 
     @property
     def density(self) -> float | None:

@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
+from sparsebalance.engine.runtime import Runtime
 from sparsebalance.train import Trainer
-from sparsebalance.train.runtime import Runtime
 from tests.test_clock import TICK, fake_clock
 from tests.train.harness import base_config
 

@@ -9,8 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from sparsebalance.train.feedback import apply_feedback
-from sparsebalance.train.records import MicroBatchResult, RankRecord, StepFeedback
+from sparsebalance.engine.feedback import apply_feedback
+from sparsebalance.engine.records import MicroBatchResult, RankRecord, StepFeedback
 from sparsebalance.tuning import DensityCurve, DSTConfig, RankDecision
 from sparsebalance.workload import Sample
 
@@ -129,7 +129,7 @@ def test_feedback_under_top_k_gives_realized_densities_and_final_budgets():
 
 
 def test_cp_units_recalibrate_the_ring_terms_not_the_base_model():
-    from sparsebalance.train.feedback import unit_timings
+    from sparsebalance.engine.feedback import unit_timings
     from tests.batching.fake_cost import FakeCost, fake_context
 
     def shard(rank, start, seconds, wait, slot=0):
