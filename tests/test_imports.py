@@ -77,6 +77,22 @@ def _imports(name: str, path: Path, is_pkg: bool) -> set[str]:
 GRAPH = {name: _imports(name, *info) for name, info in MODULES.items()}
 
 
+def _imported_names(name: str, path: Path, is_pkg: bool) -> set[tuple[str, str]]:
+    """``(module, name)`` of every ``from module import name`` of a package module in ``name``."""
+    here = name.split(".") if is_pkg else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = here[: len(here) - (node.level - 1)] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            if target in MODULES:
+                found.update((target, alias.name) for alias in node.names)
+    return found
+
+
+NAMES = {name: _imported_names(name, *info) for name, info in MODULES.items()}
+
+
 def _part(module: str) -> str:
     """``sparsebalance.engine.step`` -> ``train``; the root package -> ``""``."""
     parts = module.split(".")
@@ -170,11 +186,12 @@ def test_front_ends_drive_the_engine_and_import_no_other_front_end():
                         and any(_part(t) == "engine" for t in targets)}  # fmt: skip
         assert engine_users, f"{front} does not use the engine"
     private = [
-        f"{src} imports {dst}"
-        for src, targets in GRAPH.items()
-        for dst in targets
-        if _part(src) in FRONT_ENDS and _part(dst) == "engine" and any(
-            seg.startswith("_") and seg != "__init__" for seg in dst.split("."))
+        f"{src} imports {name} from {dst}"
+        for src, names in NAMES.items()
+        for dst, name in names
+        if _part(src) in FRONT_ENDS and _part(dst) != _part(src)
+        and (name.startswith("_") or any(seg.startswith("_") and seg != "__init__"
+                                         for seg in dst.split(".")))
     ]  # fmt: skip
     assert not private, "\n".join(sorted(private))
 

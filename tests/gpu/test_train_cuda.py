@@ -54,3 +54,29 @@ def test_fp16_loss_scaling_trains_and_is_checkpointed(tmp_path):
     state = torch.load(tmp_path / "run" / "checkpoints" / "step-000002" / "state.pt",
                        map_location="cpu", weights_only=False)  # fmt: skip
     assert state["trainer"]["grad_scaler"]["scale"] == trainer.scaler.get_scale()
+
+
+def test_a_nan_in_the_attention_input_skips_the_step_on_cuda(tmp_path, monkeypatch):
+    """Flex contains nothing (issue 36): a NaN in one layer's values reaches the loss or the
+    gradients, and the step's check skips it, applies nothing, and the run goes on."""
+    from sparsebalance.models import attention as module
+
+    profile = tmp_path / "profile.json"
+    analytic_profile(load_shapes("tiny"), "h100", block_size=128).save(profile)
+    cfg = base_config(tmp_path, steps=3, device="cuda", precision="bf16", profile=str(profile))
+    trainer = Trainer(cfg, GPU)
+    original, calls = module._attend, {"n": 0}
+
+    def poisoned(ctx, q, k, v, layout, scaling):
+        calls["n"] += 1
+        if trainer.step == 1:  # every layer of step 2
+            v = v.clone()
+            v[3, 0, 0] = math.nan
+        return original(ctx, q, k, v, layout, scaling)
+
+    monkeypatch.setattr(module, "_attend", poisoned)
+    trainer.run()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r["skipped_nonfinite"] for r in lines if r["rank"] == "all"]
+    assert skipped == [False, True, False] and calls["n"] > 0
+    assert all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())

@@ -109,3 +109,16 @@ def test_attach_other_families_exact(kind):
         pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
         out = model(input_ids=ids, position_ids=pos).logits
     assert (out - ref).abs().max() < 1e-10
+
+
+def test_an_attached_model_is_freed_when_dropped():
+    """The review's L11: the layer -> runtime binding held the model alive for good."""
+    import gc
+    import weakref
+
+    model = _model()
+    sparsebalance.attach(model)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None

@@ -27,18 +27,25 @@ STEPS, GLOBAL_BATCH, MICRO = 3, 6, 8
 
 
 def _own(tmp_path, profile):
+    """The own trainer's steps: (plan hash, DST's cut, predicted step, every micro-batch's
+    per-layer budgets in plan order, global loss) per step."""
     from dataclasses import replace
 
     cfg = replace(sb_config(tmp_path, profile), global_batch=GLOBAL_BATCH, steps=STEPS)
     trainer = Trainer(cfg, Runtime(0, 1, torch.device("cpu")))
-    out = trainer.run()
-    return trainer, out, out["summaries"]
+    steps = []
+    for _ in range(STEPS):
+        result = trainer.run_step()
+        layers = [list(mb.budgets) for rec in result.records for mb in rec.microbatches]
+        steps.append((result.summary.plan_hash, result.summary.dst_budget_cut,
+                      result.summary.predicted_max_s, layers, result.summary.loss))  # fmt: skip
+    return trainer, steps
 
 
 def test_the_own_trainer_and_the_plain_loop_run_the_same_engine(tmp_path):
     profile = tmp_path / "profile.json"
     analytic_profile(load_shapes("tiny"), "h100", block_size=BLOCK).save(profile)
-    trainer, out, summaries = _own(tmp_path, profile)
+    trainer, own = _own(tmp_path, profile)
     docs = [trainer.corpus.docs[i].tolist() for i in range(len(trainer.corpus.lengths()))]
     dataset = [{"input_ids": d} for d in docs]
 
@@ -48,7 +55,7 @@ def test_the_own_trainer_and_the_plain_loop_run_the_same_engine(tmp_path):
     config = PlannerConfig(GLOBAL_BATCH, MICRO, CAPACITY, dst=DST, block_size=BLOCK,
                            deterministic=True)  # fmt: skip
     loop = balanced_loader(runtime, dataset, config, profile=profile)
-    losses, telemetry = [], []
+    theirs = []
     for step in loop.steps(epoch=0, max_steps=STEPS):
         total = 0.0
         for batch in step:
@@ -58,22 +65,13 @@ def test_the_own_trainer_and_the_plain_loop_run_the_same_engine(tmp_path):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-        telemetry.append(step.finish())
-        losses.append(total)
+        tickets = [t for t in step.work.tickets if not t.filler]
+        layers = [[s.budget for s in t.attention.stats] for t in tickets]
+        t = step.finish()
+        theirs.append((t["plan_hash"], t["dst_budget_cut"], t["predicted_step_s"], layers, total))
 
-    assert [t["plan_hash"] for t in telemetry] == [s["plan_hash"] for s in summaries]
-    assert len({s["plan_hash"] for s in summaries}) == STEPS
-    for t, s in zip(telemetry, summaries, strict=True):  # DST's decisions, bit for bit
-        assert t["dst_budget_cut"] == s["dst_budget_cut"]
-        assert t["predicted_step_s"] == s["predicted_max_s"]
-    own_layers = [r.budget_mean for r in _rank_records(tmp_path)]
-    assert [t["budget_mean"] for t in telemetry] == own_layers  # per-layer budgets, mean
-    assert losses == pytest.approx(out["losses"], rel=1e-6)
-
-
-def _rank_records(tmp_path):
-    import json
-    from types import SimpleNamespace
-
-    lines = [json.loads(x) for x in (tmp_path / "sb" / "metrics.jsonl").read_text().splitlines()]
-    return [SimpleNamespace(**x) for x in lines if x.get("rank") != "all"]
+    assert len({h for h, *_ in own}) == STEPS
+    for mine, other in zip(own, theirs, strict=True):
+        assert mine[:4] == other[:4]  # plan, DST's decision, every layer's budget: bit for bit
+        assert len(mine[3]) > 1 and len(mine[3][0]) == 4  # several micro-batches, 4 layers each
+        assert other[4] == pytest.approx(mine[4], rel=1e-6)

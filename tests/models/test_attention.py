@@ -117,3 +117,29 @@ def test_batch_of_two_refused_and_output_shape():
         sparsebalance_attention(_Layer(), q, q, q, None, sb_attention=ctx)
     out, weights = sparsebalance_attention(_Layer(), q[:1], q[:1], q[:1], None, sb_attention=ctx)
     assert out.shape == (1, 8, 2, 4) and weights is None  # (1, T, Hq, D), as transformers expects
+
+
+def test_dst_does_not_select_where_its_lowest_budget_covers_every_document(monkeypatch):
+    """The review's H2: with DST's layer controller every layer estimated block mass, even for
+    a pack of documents any budget it may pick covers (the all-dense shortcut was reached only
+    with a fixed budget)."""
+    from sparsebalance.models import attention as module
+
+    calls = []
+    monkeypatch.setattr(module, "estimate_block_mass",
+                        lambda *a, **k: calls.append(1) or pytest.fail("estimated"))  # fmt: skip
+    model = build_model("tiny", seed=1)
+    batch = pack(_docs(70, 33, 100))
+    chosen = []
+    ctx = PackedAttention(batch.cu_seqlens, Budget(top_k=8), block_size=32, backend="torch",
+                          choose_budget=lambda layer, e: chosen.append(layer) or Budget(top_k=8),
+                          min_budget=Budget(top_k=4), lengths=batch.lengths)  # fmt: skip
+    _forward(model, batch, ctx)
+    assert not calls and not chosen
+    assert all(s.density == 1.0 for s in ctx.stats)
+    # a budget that does not cover the 100-token document (4 blocks of 32) is estimated
+    ctx = PackedAttention(batch.cu_seqlens, Budget(top_k=8), block_size=32, backend="torch",
+                          choose_budget=lambda layer, e: Budget(top_k=1),
+                          min_budget=Budget(top_k=1), lengths=batch.lengths)  # fmt: skip
+    with pytest.raises(pytest.fail.Exception, match="estimated"):
+        _forward(model, batch, ctx)

@@ -25,6 +25,7 @@ from sparsebalance.models.attention import PackedAttention
 from sparsebalance.models.hf import build_model
 from sparsebalance.ops import Budget, block_sparse_attention, block_sparse_flex, select_blocks
 from sparsebalance.ops import attention as op_module
+from sparsebalance.ops.dense import dense_attention
 from sparsebalance.ops.pack_index import PackIndex
 from tests.conftest import make_qkv
 
@@ -36,14 +37,37 @@ HOST_READS = {
 HOST_READ_OVERLOADS = {aten.repeat_interleave.Tensor}
 
 
+HOST_METHODS = ("tolist", "numpy", "cpu", "item", "__bool__", "__int__", "__float__", "__index__")
+"""Tensor methods that read values on the host without (always) dispatching an aten op."""
+
+
 class Recorder(TorchDispatchMode):
-    """Every op outside the stand-in kernel: host reads, and elements written to new storage."""
+    """Every op outside the stand-in kernel: host reads (aten ops and the tensor methods that
+    read values without one), and elements written to new storage."""
 
     def __init__(self):
         super().__init__()
         self.reads: list[str] = []
         self.writes: list[tuple[str, int]] = []
         self.paused = 0
+        self._saved = {}
+
+    def __enter__(self):
+        for name in HOST_METHODS:
+            original = self._saved[name] = getattr(torch.Tensor, name)
+
+            def read(tensor, *args, _name=name, _original=original, **kwargs):
+                if not self.paused:
+                    self.reads.append(f"Tensor.{_name}")
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, read)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -79,7 +103,18 @@ def fake_flex(monkeypatch):
             if mode is not None:
                 mode.paused -= 1
 
+    def dense(*args, **kwargs):  # the dense kernel's own work is not "around the kernel" either
+        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+        if mode is not None:
+            mode.paused += 1
+        try:
+            return dense_attention(*args, **kwargs)
+        finally:
+            if mode is not None:
+                mode.paused -= 1
+
     monkeypatch.setattr(block_sparse_flex, "_compiled_flex", lambda: kernel)
+    monkeypatch.setattr(block_sparse_flex, "dense_attention", dense)
     monkeypatch.setattr(op_module, "flex_available", lambda device: True)
     return calls
 
@@ -140,6 +175,7 @@ def test_transformers_mask_preparation_reads_nothing_back():
 def _flex_case(lengths=(1500, 900), hq=4, hkv=2, d=16, block=64, top_k=3):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     q, k, v = make_qkv(sum(lengths), hq, hkv, d, dtype=torch.float32, seed=1)
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     pack_index = PackIndex.build(cu, block, lengths)
     layout = select_blocks(q.detach(), k.detach(), cu, Budget(top_k=top_k), block,
                            pack=pack_index)  # fmt: skip
@@ -167,6 +203,29 @@ def test_work_around_the_flex_kernel_is_o_blocks_not_o_thd(fake_flex):
     assert fake_flex[0]["mask"] is fake_flex[1]["mask"]  # built once, reused
     assert fake_flex[0]["kv_heads"] == hq and not fake_flex[0]["gqa"]  # K/V expanded
     assert out.shape == q.shape
+
+
+def test_many_dense_runs_cost_what_one_does(fake_flex):
+    """Dense documents between sparse ones (many runs): one gather, one dense call and one
+    scatter for all of them, not a slice and a concatenation per run (the review's H1: 8 T H D
+    passes more per run, forward and backward)."""
+    counts = {}
+    for n_runs in (1, 6):
+        lengths = [1200]
+        for _ in range(n_runs):
+            lengths += [130, 1200]  # a covered document, then a sparse one
+        q, k, v, cu, layout = _flex_case(tuple(lengths), top_k=1)
+        assert sum(layout.dense_docs) == n_runs
+        block_sparse_attention(q, k, v, layout, cu, backend="flex")  # the mask, built once
+        t, d = q.shape[0], q.shape[2]
+        with Recorder() as rec:
+            out = block_sparse_attention(q, k, v, layout, cu, backend="flex")
+            out.sum().backward()
+        # passes over the whole pack (writes of >= T Hkv D elements); the dense kernel's own
+        # backward (SDPA's math on CPU) scales with its documents, not with the runs
+        counts[n_runs] = sorted(op for op, n in rec.writes if n >= t * k.shape[1] * d)
+        assert not rec.reads, _read_free_text(rec.reads)
+    assert counts[6] == counts[1], counts  # constant in the number of runs
 
 
 def test_a_pack_of_dense_documents_never_calls_flex(fake_flex):

@@ -176,7 +176,7 @@ class RankExecutor:
             self._controllers.append(ctl)
             choose = lambda layer, e: ctl.choose(0, layer, e)  # noqa: E731
         ctx = PackedAttention(batch.cu_seqlens, self.budget(value), cfg.block_size, cfg.backend,
-                              choose_budget=choose, ring=ring)  # fmt: skip
+                              choose_budget=choose, ring=ring, lengths=unit.lengths)  # fmt: skip
         t0, wait0 = self.clock.mark(), len(RING_WAITS)
         result, ready = self._forward_backward(batch, ctx, loss_scale, t0, unit.lengths,
                                                unit.sample_ids)  # fmt: skip

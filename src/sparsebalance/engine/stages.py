@@ -109,6 +109,12 @@ def rank_controller(
     return controller
 
 
+def layer_feedback(dst: DSTConfig, deterministic: bool, device: torch.device | str) -> bool:
+    """Whether DST's closed loop gets measured layer times: host times mean the layer's time
+    only where the host does the work (CPU), and never in a deterministic run."""
+    return bool(dst.layer_feedback) and not deterministic and torch.device(device).type == "cpu"
+
+
 class LayerTimer:
     """DST's closed loop inside a forward: each attention layer's host time since the previous
     one (x :data:`BACKWARD_RATIO`, its forward + backward) fed to the controller as micro-batch
@@ -126,7 +132,7 @@ class LayerTimer:
 
     def __call__(self, layer: int) -> None:
         now = time.perf_counter()
-        if self.enabled and self.last is not None:
+        if self.enabled and self.last is not None and self.controller.was_chosen(self.m, layer):
             self.controller.observe(self.m, layer, (now - self.last) * BACKWARD_RATIO)
         self.last = now
 
@@ -144,6 +150,10 @@ def microbatch_attention(
     """The attention context of micro-batch ``m`` (its documents' ``lengths`` on the host):
     ``budget`` for every layer, or DST's per-layer choice when a ``controller`` is given; the
     ``timer`` sees each layer's end. What the own executor and the integrations' collator build."""
-    choose = None if controller is None else (lambda layer, e: controller.choose(m, layer, e))
+    choose, low = None, None
+    if controller is not None:
+        choose = lambda layer, e: controller.choose(m, layer, e)  # noqa: E731
+        low = controller.lowest_budget()
     return PackedAttention(cu_seqlens, budget, block_size, backend, choose_budget=choose,
-                           on_layer_end=timer, lengths=tuple(int(n) for n in lengths))  # fmt: skip
+                           on_layer_end=timer, lengths=tuple(int(n) for n in lengths),
+                           min_budget=low)  # fmt: skip

@@ -16,7 +16,6 @@ import torch
 
 from ..models.attention import (
     PackedAttention,
-    _no_mask,
     recompute_phase,
     register,
     sparsebalance_attention,
@@ -66,7 +65,7 @@ def _register() -> None:
 
     register()
     AttentionInterface.register(RECALL_IMPLEMENTATION, _recall_attention)
-    AttentionMaskInterface.register(RECALL_IMPLEMENTATION, _no_mask)
+    AttentionMaskInterface.register(RECALL_IMPLEMENTATION, lambda *args, **kwargs: None)
 
 
 def layer_recall(

@@ -121,11 +121,14 @@ def enable(
     if global_batch is None:
         global_batch = args.per_device_train_batch_size * accum * max(args.world_size, 1)
     runtime = attach(trainer.model, block_size=block_size, backend=backend, device=args.device)
-    config = PlannerConfig(global_batch, accum, capacity, strategy, overlong,
-                           dst or DSTConfig(), runtime.block_size, backend, args.seed,
-                           deterministic)  # fmt: skip
+    config = PlannerConfig(
+        global_batch=global_batch, micro_batches=accum, capacity=capacity, strategy=strategy,
+        overlong=overlong, dst=dst or DSTConfig(), block_size=runtime.block_size, backend=backend,
+        seed=args.seed, deterministic=deterministic,
+    )  # fmt: skip
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"  # the Trainer's autocast
     sampler = build_sampler(runtime, trainer.train_dataset, config, profile, lengths,
-                            device=args.device)  # fmt: skip
+                            device=args.device, precision=precision)  # fmt: skip
     dataset, pad = trainer.train_dataset, _pad_token_id(trainer)
     trainer.get_train_dataloader = lambda: sampler.dataloader(dataset, pad)
     trainer.add_callback(SparseBalanceCallback(sampler.planner, trainer))

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from .. import flags
 from ..batching import OVERLONG, make_estimator
@@ -163,6 +164,9 @@ class StepPlanner:
         """Optional ``(sample id, offset, length) -> targets`` (masked prompts); default n - 1."""
         self.history: list[dict] = []
         """One telemetry dict per finished step (what the trainer's loggers get)."""
+        self.device = torch.device("cpu")
+        """Where the micro-batches train (set by ``build_sampler``): decides whether layer times
+        are fed back (:func:`~sparsebalance.engine.stages.layer_feedback`)."""
         self._work: StepWork | None = None
 
     @property

@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from ..engine import LayerTimer, microbatch_attention
+from ..engine.stages import layer_feedback
 from ..ops import Budget
 from .attach import MicroBatchTicket
 from .planner import StepPlanner
@@ -213,7 +214,7 @@ class PackedCollator:
             return MicroBatchTicket(ctx, spec.step, spec.index, spec, filler=True)
         value = work.tuned.decision.ranks[self.planner.rank].budget
         budget = self.planner.tuner.knob.budget(Budget(top_k=0), value)
-        feedback = cfg.dst.layer_feedback and not cfg.deterministic and cu.device.type == "cpu"
+        feedback = layer_feedback(cfg.dst, cfg.deterministic, self.planner.device)
         timer = LayerTimer(work.controller, spec.index, feedback)
         ctx = microbatch_attention(cu, lengths, budget, cfg.block_size, cfg.backend,
                                    work.controller, spec.index, timer)  # fmt: skip

@@ -42,14 +42,14 @@ def process_rank() -> tuple[int, int]:
 
 
 def latency_model(model: torch.nn.Module, config: PlannerConfig, profile: str | Path | None,
-                  lengths: np.ndarray, all_gather, device=None) -> LatencyModel:  # fmt: skip
+                  lengths: np.ndarray, all_gather, device=None,
+                  precision: str = "auto") -> LatencyModel:  # fmt: skip
     """The engine's latency start-up (:func:`~sparsebalance.engine.load_latency_model`) for
-    ``model`` on ``device`` (default: where its parameters are): the profile ``sparsebalance
-    train`` would use for the same model, block size, backend, precision and budget kind."""
+    ``model`` on ``device`` (default: where its parameters are) computing in ``precision``
+    (``auto``: the device's, bf16 on CUDA): the profile ``sparsebalance train`` would use for the
+    same model, block size, backend, precision and budget kind."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(next(model.parameters()).dtype,
-                                                                "fp32")  # fmt: skip
-    kernel = resolve_kernel(device, config.block_size, config.backend, dtype)
+    kernel = resolve_kernel(device, config.block_size, config.backend, precision)
     shapes = ModelShapes.from_hf_config(model.config.to_dict(), name=model.config.model_type)
     top = config.capacity or int(np.sort(lengths)[-config.global_batch :].sum())
     return load_latency_model(shapes, kernel, config.dst.budget, profile, max(top, 256),
@@ -59,10 +59,12 @@ def latency_model(model: torch.nn.Module, config: PlannerConfig, profile: str | 
 
 def build_sampler(runtime: AttachedRuntime, dataset, config: PlannerConfig,
                   profile: str | Path | None = None, lengths=None, sources=None,
-                  device=None) -> BalancedBatchSampler:  # fmt: skip
+                  device=None, precision: str = "auto") -> BalancedBatchSampler:  # fmt: skip
     """The planner for ``runtime``'s model over ``dataset`` and its :class:`BalancedBatchSampler`
     (``runtime.planner`` is set to the planner). ``config.block_size`` None: the attached
-    attention's; ``device``: where training runs (default: where the model is)."""
+    attention's; ``device``: where training runs (default: where the model is); ``precision``:
+    what the forwards compute in (``auto``: the device's)."""
+    device = torch.device(device) if device is not None else next(runtime.model.parameters()).device
     if config.block_size is None:
         config = replace(config, block_size=runtime.block_size)
     if config.block_size != runtime.block_size:
@@ -80,7 +82,8 @@ def build_sampler(runtime: AttachedRuntime, dataset, config: PlannerConfig,
     rank, world = process_rank()
     check_global_batch(config.global_batch, lengths.size, world)  # before any profiling
     gather = all_gather_fn()
-    latency = latency_model(runtime.model, config, profile, lengths, gather, device)
+    latency = latency_model(runtime.model, config, profile, lengths, gather, device, precision)
     planner = StepPlanner(lengths, config, latency, rank, world, gather, sources)
+    planner.device = device
     runtime.planner = planner
     return BalancedBatchSampler(planner)

@@ -1,10 +1,10 @@
 """The ``sparsebalance`` attention implementation for Hugging Face models.
 
-Registered with transformers' ``AttentionInterface`` (and a mask function that builds no dense
-mask), so any decoder whose attention goes through that interface (Qwen2/Qwen2.5, Llama, Qwen3)
-runs packed, document-causal, dynamically sparse attention. Per forward the caller passes a
-:class:`PackedAttention` as ``model(..., sb_attention=ctx, use_cache=False)``; transformers hands
-extra keyword arguments through to the attention function.
+Registered with transformers' ``AttentionInterface`` (no mask function: transformers then prepares
+no mask at all), so any decoder whose attention goes through that interface (Qwen2/Qwen2.5,
+Llama, Qwen3) runs packed, document-causal, dynamically sparse attention. Per forward the caller
+passes a :class:`PackedAttention` as ``model(..., sb_attention=ctx, use_cache=False)``;
+transformers hands extra keyword arguments through to the attention function.
 
 Activation checkpointing (:mod:`.checkpointing`) reruns a layer's forward in the backward. The
 rerun must not choose again: :func:`recompute_phase` tells this function whether it runs in a
@@ -117,14 +117,15 @@ class RingContext:
                 f"{len(self.group.ranks)}"
             )
 
-    def estimate(self, q, k, cu_seqlens, block_size: int, scale):
-        """The global ``BlockMassEstimate`` from the local ``q (Tl, Hq, D)``, ``k (Tl, Hkv, D)``."""
+    def estimate(self, q, k, cu_seqlens, block_size: int, scale, pack=None):
+        """The global ``BlockMassEstimate`` from the local ``q (Tl, Hq, D)``, ``k (Tl, Hkv, D)``
+        (``pack``: the global pack's index, built once per unit)."""
         if block_size != self.placement.block_size:
             raise ValueError(
                 f"block size {block_size} differs from the placement's {self.placement.block_size}"
             )
         return estimate_block_mass_distributed(
-            self.group, q, k, self.placement, cu_seqlens, scale=scale
+            self.group, q, k, self.placement, cu_seqlens, scale=scale, pack=pack
         )
 
     def attend(self, q, k, v, layout: BlockLayout, scale) -> torch.Tensor:
@@ -159,12 +160,19 @@ class PackedAttention:
     lengths: tuple[int, ...] | None = None
     """The documents' lengths on the host (what ``cu_seqlens`` holds): every layer's shapes come
     from them (:class:`~sparsebalance.ops.pack_index.PackIndex`), so no layer reads a shape back
-    from the device. None: read from ``cu_seqlens`` once, at the first layer."""
+    from the device. None: read from ``cu_seqlens`` once, when the context is built."""
+    min_budget: Budget | None = None
+    """The smallest budget ``choose_budget`` may return. Where it covers every document of the
+    pack (:meth:`Budget.covers`), every causal block is kept whatever DST picks: no layer
+    estimates or chooses (a pack of short documents under top-k runs dense, selection-free)."""
     _pack: PackIndex | None = field(default=None, init=False, repr=False)
+    _all_covered: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.ring is None:  # a CP unit's shards index the global pack in the ring's estimate
             self._pack = PackIndex.build(self.cu_seqlens, self.block_size, self.lengths)
+            low = self.min_budget if self.choose_budget is not None else self.budget
+            self._all_covered = low is not None and all(low.dense_documents(self._pack))
 
     @property
     def pack(self) -> PackIndex:
@@ -186,8 +194,10 @@ _CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def bind_context(module: torch.nn.Module, resolve) -> None:
     """Let attention ``module`` find its :class:`PackedAttention` when a forward passes none:
     ``resolve(module, query, sb_attention, kwargs)`` returns it (``sb_attention``: whatever the
-    forward passed, e.g. an integration's ticket, or None)."""
-    _CONTEXTS[module] = resolve
+    forward passed, e.g. an integration's ticket, or None). A bound method is held weakly: the
+    entry must not keep its owner, hence the model and the module, alive."""
+    _CONTEXTS[module] = weakref.WeakMethod(resolve) if hasattr(resolve, "__self__") else (
+        lambda: resolve)  # fmt: skip
 
 
 def sparsebalance_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -195,7 +205,8 @@ def sparsebalance_attention(module, query, key, value, attention_mask, scaling=N
     """transformers attention function: ``query (1, Hq, T, D)`` -> ``((1, T, Hq, D), None)``.
     The one registration behind ``sparsebalance train``'s models and ``sparsebalance.attach``."""
     if not isinstance(sb_attention, PackedAttention):
-        resolve = _CONTEXTS.get(module)
+        ref = _CONTEXTS.get(module)
+        resolve = None if ref is None else ref()
         if resolve is None:
             raise ValueError(
                 "the 'sparsebalance' attention needs model(..., sb_attention=PackedAttention("
@@ -235,10 +246,10 @@ def _layer(ctx: PackedAttention, module, q, k, v, scaling) -> torch.Tensor:
         return _attend(ctx, q, k, v, layout, scaling)
     layer = int(getattr(module, "layer_idx", len(ctx.stats)))
     if ctx.ring is not None:
-        estimate = ctx.ring.estimate(q, k, ctx.cu_seqlens, ctx.block_size, scaling)
+        estimate = ctx.ring.estimate(q, k, ctx.cu_seqlens, ctx.block_size, scaling, ctx.pack)
         budget = ctx.budget if ctx.choose_budget is None else ctx.choose_budget(layer, estimate)
         layout = estimate.layout(budget)
-    elif ctx.choose_budget is not None:
+    elif ctx.choose_budget is not None and not ctx._all_covered:
         estimate = estimate_block_mass(q, k, ctx.cu_seqlens, ctx.block_size, scale=scaling,
                                        pack=ctx.pack)  # fmt: skip
         budget = ctx.choose_budget(layer, estimate)
@@ -263,11 +274,6 @@ def _attend(ctx: PackedAttention, q, k, v, layout: BlockLayout, scaling) -> torc
     return block_sparse_attention(
         q, k, v, layout, ctx.cu_seqlens, scale=scaling, backend=ctx.backend
     )
-
-
-def _no_mask(*args, **kwargs):
-    """Document-causal masking happens inside the op: no dense (T, T) mask is ever built."""
-    return None
 
 
 def register() -> None:

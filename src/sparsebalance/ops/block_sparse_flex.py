@@ -94,21 +94,20 @@ def flex_block_sparse_attention(
         x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x
         return x.transpose(0, 1).unsqueeze(0)
 
-    kk, vv = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v)) if expand else (k, v)
+    qt, kt, vt = heads_first(q), heads_first(k), heads_first(v)
+    if expand:  # contiguous heads-first copies, as measured (K/V repeated to the query heads)
+        kt, vt = (x.repeat_interleave(hq // hkv, dim=1) for x in (kt, vt))
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         out = _compiled_flex()(
-            heads_first(q), heads_first(kk), heads_first(vv), block_mask=block_mask,
-            scale=scale, enable_gqa=hq != kk.shape[1],
+            qt, kt, vt, block_mask=block_mask, scale=scale, enable_gqa=hq != kt.shape[1],
             kernel_options=settings.kernel_options or None,
         )  # fmt: skip
     out = out[0].transpose(0, 1)[:t]
     if not runs:
         return out
-    pieces, pos = [], 0
-    for d0, d1, t0, t1 in runs:  # the dense runs' rows replace flex's (emptied) ones
-        run = dense_attention(q[t0:t1], k[t0:t1], v[t0:t1], pack.run_offsets(d0, d1),
-                              pack.lengths[d0:d1], scale)  # fmt: skip
-        pieces += [out[pos:t0], run]
-        pos = t1
-    pieces.append(out[pos:])
-    return torch.cat(pieces)
+    # The dense runs' rows replace flex's (emptied) ones: one gather of their tokens, one dense
+    # call, one scatter, however many runs (a constant number of T x H x D passes).
+    idx, cu, lengths = pack.dense_tokens(runs)
+    dense = dense_attention(q.index_select(0, idx), k.index_select(0, idx),
+                            v.index_select(0, idx), cu, lengths, scale)  # fmt: skip
+    return out.index_copy(0, idx, dense)

@@ -73,19 +73,21 @@ def dense_attention(
         ``(T, Hq, D)`` in q's dtype, differentiable in q, k and v.
     """
     if uses_varlen(q, scale):
-        return _varlen(q, k, v, cu_seqlens, max(lengths), scale)
-    outs, start = [], 0
-    gqa = q.shape[1] != k.shape[1]
-    for n in lengths:  # (L, H, D) -> (H, L, D): SDPA's heads-first layout, views only
-        qd, kd, vd = (x[start : start + n].transpose(0, 1) for x in (q, k, v))
-        out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale,
+        return varlen_kernel(q, k, v, cu_seqlens, max(lengths), scale)
+    outs, gqa, sizes = [], q.shape[1] != k.shape[1], [int(n) for n in lengths]
+    # split: views whose backward is one concatenation (slicing each document would allocate a
+    # zero tensor of the whole run per document in the backward)
+    for qd, kd, vd in zip(q.split(sizes), k.split(sizes), v.split(sizes), strict=True):
+        out = F.scaled_dot_product_attention(qd.transpose(0, 1), kd.transpose(0, 1),
+                                             vd.transpose(0, 1), is_causal=True, scale=scale,
                                              enable_gqa=gqa)  # fmt: skip
-        outs.append(out.transpose(0, 1))
-        start += n
+        outs.append(out.transpose(0, 1))  # (H, L, D) -> (L, H, D)
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _varlen(q, k, v, cu_seqlens, max_len: int, scale: float) -> torch.Tensor:
+def varlen_kernel(q, k, v, cu_seqlens, max_len: int, scale: float) -> torch.Tensor:
+    """FlashAttention varlen over the documents of ``cu_seqlens`` (causal), as the installed
+    torch names its keywords (the module docstring); ``q (T, Hq, D)``, ``k``/``v (T, Hkv, D)``."""
     api = varlen_api()
     hq, hkv = q.shape[1], k.shape[1]
     kwargs = {"scale": scale} if api["scale"] else {}

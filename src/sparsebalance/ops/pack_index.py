@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .varlen import check_cu_seqlens
+from .varlen import check_cu_seqlens, debug_checks
 
 
 def num_blocks(total: int, block_size: int) -> int:
@@ -77,6 +77,13 @@ class PackIndex:
                 f"lengths must give {cu_seqlens.numel() - 1} documents of >= 1 token, "
                 f"got {len(lengths)} (min {min(lengths, default=0)})"
             )
+        if cu_seqlens.device.type == "cpu" or debug_checks():  # free on the host
+            offsets = cu_seqlens.detach().to("cpu", torch.int64).numpy()
+            if not np.array_equal(np.diff(offsets), lengths):
+                raise ValueError(
+                    f"lengths {list(lengths)[:8]}... do not match cu_seqlens "
+                    f"{offsets.tolist()[:9]}...: the host's and the device's packs differ"
+                )
         return cls(lengths, cu_seqlens.to(torch.int32), block_size)
 
     # ------------------------------------------------------------------ host facts
@@ -131,8 +138,13 @@ class PackIndex:
         )
 
     def upload(self, array: np.ndarray, dtype=torch.int64) -> torch.Tensor:
-        # Built before the forward (or on first use): a copy to the device, never a read back.
-        return torch.as_tensor(array, dtype=dtype).to(self.device, non_blocking=True)
+        """``array`` on the pack's device: a copy to the device, never a read back. On CUDA from
+        pinned memory, so the copy is queued on the stream without waiting for it (a copy from
+        pageable memory would wait for the kernels before it)."""
+        host = torch.as_tensor(np.ascontiguousarray(array), dtype=dtype)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def memo(self, key, build):
         """``build()`` once per key for this pack (derived device tensors, kernel indices)."""
@@ -225,27 +237,20 @@ class PackIndex:
         return self.memo("score_batches", build)
 
     # ------------------------------------------------------------------ blocks
-    def causal_lo(self, dense_docs: tuple[bool, ...] | None = None) -> torch.Tensor:
-        """int64 ``(nb,)`` device: the lowest key block query block ``qb`` may see (its first
-        token's document start); with ``dense_docs``, the lowest key block of a *dense*
-        document touching ``qb`` (``nb`` where none does): the key blocks ``[lo, qb]`` are
-        then exactly those the dense documents need."""
+    def causal_lo(self) -> torch.Tensor:
+        """int64 ``(nb,)`` device: the lowest key block query block ``qb`` may see (the document
+        start of its first token): its doc-causal key blocks are ``[lo, qb]``."""
 
         def build():
-            nb = self.num_blocks
-            first, last = self.doc_blocks
-            lo = np.full(nb, nb, dtype=np.int64)
-            keep = np.ones(self.num_docs, bool) if dense_docs is None else np.array(dense_docs)
-            for d in np.flatnonzero(keep)[::-1]:  # earlier documents win (lower first block)
-                lo[first[d] : last[d] + 1] = first[d]
-            return self.upload(lo)
+            first_tok = np.arange(self.num_blocks) * self.block_size
+            doc = np.searchsorted(self.offsets[1:], first_tok, side="right")
+            return self.upload(self.offsets[doc] // self.block_size)
 
-        return self.memo(("causal_lo", dense_docs), build)
+        return self.memo("causal_lo", build)
 
-    def causal_block_mask(self, dense_docs: tuple[bool, ...] | None = None) -> torch.Tensor:
-        """Bool ``(nb, nb)`` device: the doc-causal block pairs (of the dense documents only,
-        with ``dense_docs``)."""
-        lo = self.causal_lo(dense_docs)
+    def causal_block_mask(self) -> torch.Tensor:
+        """Bool ``(nb, nb)`` device: the doc-causal block pairs."""
+        lo = self.causal_lo()
         kb = torch.arange(lo.numel(), device=lo.device)
         return (kb[None, :] >= lo[:, None]) & (kb[None, :] <= kb[:, None])
 
@@ -264,9 +269,16 @@ class PackIndex:
             d = e
         return tuple(runs)
 
-    def run_offsets(self, first_doc: int, end_doc: int) -> torch.Tensor:
-        """int32 ``(n + 1,)`` device offsets of documents ``first_doc .. end_doc - 1``,
-        starting at 0 (device arithmetic on ``cu_seqlens``: no upload, no read back)."""
-        key = ("run_offsets", first_doc, end_doc)
-        cu = self.cu_seqlens
-        return self.memo(key, lambda: (cu[first_doc : end_doc + 1] - cu[first_doc]).contiguous())
+    def dense_tokens(self, runs) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        """The tokens of the documents in ``runs`` (:meth:`dense_runs`) gathered into one pack:
+        int64 ``(T_d,)`` device token indices, int32 ``(n + 1,)`` device offsets of the gathered
+        documents, and their lengths (host)."""
+
+        def build():
+            docs = [d for d0, d1, _, _ in runs for d in range(d0, d1)]
+            lengths = tuple(self.lengths[d] for d in docs)
+            idx = np.concatenate([np.arange(t0, t1) for _, _, t0, t1 in runs])
+            cu = np.concatenate([[0], np.cumsum(lengths)])
+            return self.upload(idx), self.upload(cu, torch.int32), lengths
+
+        return self.memo(("dense_tokens", runs), build)

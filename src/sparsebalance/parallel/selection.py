@@ -42,8 +42,10 @@ def estimate_block_mass_distributed(
     cu_seqlens: torch.Tensor,
     share_kv_groups: bool = False,
     scale: float | None = None,
+    pack=None,
 ) -> BlockMassEstimate:
-    """:func:`~sparsebalance.ops.estimate_block_mass` of the whole sequence, from the shards.
+    """:func:`~sparsebalance.ops.estimate_block_mass` of the whole sequence, from the shards
+    (``pack``: the global pack's :class:`~sparsebalance.ops.pack_index.PackIndex`, if built).
 
     Args:
         group: the context-parallel group (``None``: default group) or a
@@ -77,7 +79,7 @@ def estimate_block_mass_distributed(
         full[seg_ids.to(q.device)] = parts[r][: len(seg_ids)]
     cu = cu_seqlens.to(q.device)
     return estimate_from_pooled(
-        full[:, :hq], full[:, hq:], cu, placement.block_size, share_kv_groups, scale
+        full[:, :hq], full[:, hq:], cu, placement.block_size, share_kv_groups, scale, pack
     )
 
 

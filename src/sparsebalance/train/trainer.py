@@ -42,6 +42,7 @@ from ..engine import (
 from ..engine.parallelize import parallelize
 from ..engine.records import StepResult
 from ..engine.runtime import Runtime, rng_state, seed_everything, set_rng_state
+from ..engine.stages import layer_feedback
 from ..latency import LatencyModel, OutsideGridWarning, context_cost, fingerprint, load_profile
 from ..latency.memory import (
     GIB,
@@ -190,25 +191,32 @@ class Trainer:
                                 memory=self.memory_bound)  # fmt: skip
             cost = cost.on_nodes(self.topology.ranks_per_node)  # the planner's and DST's nodes
             self._price_long_documents(self.corpus.lengths())
-        planning = PlanningConfig(self.num_ranks, cfg.micro_batches, cfg.capacity, cfg.strategy,
-                                  cfg.overlong, cfg.cp, self.topology.ranks_per_node,
-                                  cfg.per_doc_loss_weighting, cfg.deterministic)  # fmt: skip
+        planning = PlanningConfig(
+            num_ranks=self.num_ranks, micro_batches=cfg.micro_batches, capacity=cfg.capacity,
+            strategy=cfg.strategy, overlong=cfg.overlong, cp_degree=cfg.cp,
+            ranks_per_node=self.topology.ranks_per_node,
+            per_doc_weighting=cfg.per_doc_loss_weighting, deterministic=cfg.deterministic,
+        )  # fmt: skip
         return StepEngine(planning, self.latency, tuner, self.estimator, self.sample,
-                          self.rt.all_gather_object, cost)  # fmt: skip
+                          all_gather=self.rt.all_gather_object, cost=cost)  # fmt: skip
 
     def _runner(self) -> StepRunner:
         """The own loop's step: the engine, this rank's executor and the optimizer update."""
         cfg, rt = self.cfg, self.rt
-        time_layers = cfg.dst.layer_feedback and not cfg.deterministic and rt.device.type == "cpu"
-        execution = ExecutionConfig(self.kernel.block_size, self.kernel.backend,
-                                    cfg.per_doc_loss_weighting, time_layers, cfg.loss)  # fmt: skip
+        time_layers = layer_feedback(cfg.dst, cfg.deterministic, rt.device)
+        execution = ExecutionConfig(
+            block_size=self.kernel.block_size, backend=self.kernel.backend,
+            per_doc_weighting=cfg.per_doc_loss_weighting, time_layers=time_layers, loss=cfg.loss,
+        )  # fmt: skip
         executor = RankExecutor(self.par, self.corpus.docs, self.engine, execution, rt.device,
-                                self.precision, self.scaler, self._ring_groups())  # fmt: skip
-        updater = Updater(self.params, self.optimizer, self.scheduler,
-                          UpdateConfig(cfg.grad_clip, cfg.max_nonfinite_steps), self.scaler,
-                          rt.is_main)  # fmt: skip
-        return StepRunner(self.engine, executor, updater, self.par, rt, bool(cfg.emulate_ranks),
-                          (cfg.strategy, cfg.dst.mode))  # fmt: skip
+                                precision=self.precision, scaler=self.scaler,
+                                ring_groups=self._ring_groups())  # fmt: skip
+        update = UpdateConfig(grad_clip=cfg.grad_clip, max_nonfinite_steps=cfg.max_nonfinite_steps)
+        updater = Updater(self.params, self.optimizer, self.scheduler, update, scaler=self.scaler,
+                          is_main=rt.is_main)  # fmt: skip
+        return StepRunner(self.engine, executor, updater, self.par, rt,
+                          emulated=bool(cfg.emulate_ranks),
+                          labels=(cfg.strategy, cfg.dst.mode))  # fmt: skip
 
     def _ring_groups(self) -> RingGroups | None:
         """``sab-cp`` on several processes: the ring groups, created once (every rank, same

@@ -137,6 +137,16 @@ class LayerController:
             budget=budget,
         )
 
+    def was_chosen(self, microbatch: int, layer: int) -> bool:
+        """Whether unit (``microbatch``, ``layer``) was decided (a layer whose every budget keeps
+        every causal block is not asked)."""
+        self._check_unit(microbatch, layer)
+        return bool(self._chosen[microbatch, layer])
+
+    def lowest_budget(self) -> Budget:
+        """The smallest budget :meth:`choose` may return (the knob at ``lo``)."""
+        return self.knob.budget(self.budget, self.lo)
+
     def spent_seconds(self) -> float:
         """Seconds of the units decided so far: measured where observed, else predicted."""
         done = self._chosen
