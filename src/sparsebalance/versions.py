@@ -68,12 +68,14 @@ RNG state as a pickled array, loadable only with ``weights_only=False``."""
 
 PROFILE = Schema(
     "latency profile",
-    version=2,
+    version=3,
     fix="measure it again with `sparsebalance profile`",
-    readable=(1,),
+    readable=(1, 2),
     remade=True,
 )
-"""``schema`` of a profile JSON (``sparsebalance.profile/<version>``); 1: interpolated grids."""
+"""``schema`` of a profile JSON (``sparsebalance.profile/<version>``); 1: interpolated grids;
+2: tables of a fitted form; 3: ``dense_from`` (the dense-path crossover), the attention table
+flat from it (a version-2 profile has no crossover and means what it meant)."""
 
 STORE = Schema(
     "token store",

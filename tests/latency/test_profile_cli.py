@@ -99,4 +99,4 @@ def test_default_model_is_measured_once_then_cached(tmp_path):
     assert second.predict([300], [0.3]) == first.predict([300], [0.3])
     # The cache key carries the schema: profiles of the old interpolated-grid schema (1) are
     # re-measured, not reused.
-    assert first.profile.fingerprint["schema"] == "sparsebalance.profile/2"
+    assert first.profile.fingerprint["schema"] == "sparsebalance.profile/3"

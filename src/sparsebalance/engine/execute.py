@@ -203,7 +203,8 @@ class RankExecutor:
         batch = pack(docs, self.device, cfg.per_doc_weighting)
         timer = LayerTimer(controller, m, cfg.time_layers)
         ctx = microbatch_attention(batch.cu_seqlens, batch.lengths, self.budget(value),
-                                   cfg.block_size, cfg.backend, controller, m, timer)  # fmt: skip
+                                   cfg.block_size, cfg.backend, controller, m, timer,
+                                   self.engine.dense_from)  # fmt: skip
         t0 = self.clock.mark()
         timer.start(t0.host)
         return self._forward_backward(batch, ctx, loss_scale, t0, mb.lengths, mb.sample_ids)

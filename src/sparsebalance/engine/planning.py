@@ -83,6 +83,12 @@ class StepEngine:
     def knob(self):
         return self.tuner.knob
 
+    @property
+    def dense_from(self) -> float | None:
+        """The latency profile's crossover density (documents from it run on the dense kernel);
+        None where the profile has none (CPU, analytic, gamma budgets)."""
+        return self.latency.profile.dense_from
+
     def plan(self, samples: list[Sample]) -> StepPlan:
         """SAB: samples -> ranks -> micro-batches; every rank derived the same (checked)."""
         cfg = self.config

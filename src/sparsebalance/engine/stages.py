@@ -146,14 +146,17 @@ def microbatch_attention(
     controller: LayerController | None = None,
     m: int = 0,
     timer: LayerTimer | None = None,
+    dense_from: float | None = None,
 ) -> PackedAttention:
     """The attention context of micro-batch ``m`` (its documents' ``lengths`` on the host):
     ``budget`` for every layer, or DST's per-layer choice when a ``controller`` is given; the
-    ``timer`` sees each layer's end. What the own executor and the integrations' collator build."""
+    ``timer`` sees each layer's end; ``dense_from``: the latency profile's crossover (documents
+    from that density run whole on the dense kernel). What the own executor and the
+    integrations' collator build."""
     choose, low = None, None
     if controller is not None:
         choose = lambda layer, e: controller.choose(m, layer, e)  # noqa: E731
         low = controller.lowest_budget()
     return PackedAttention(cu_seqlens, budget, block_size, backend, choose_budget=choose,
                            on_layer_end=timer, lengths=tuple(int(n) for n in lengths),
-                           min_budget=low)  # fmt: skip
+                           min_budget=low, dense_from=dense_from)  # fmt: skip

@@ -217,7 +217,8 @@ class PackedCollator:
         feedback = layer_feedback(cfg.dst, cfg.deterministic, self.planner.device)
         timer = LayerTimer(work.controller, spec.index, feedback)
         ctx = microbatch_attention(cu, lengths, budget, cfg.block_size, cfg.backend,
-                                   work.controller, spec.index, timer)  # fmt: skip
+                                   work.controller, spec.index, timer,
+                                   self.planner.engine.dense_from)  # fmt: skip
         return MicroBatchTicket(ctx, spec.step, spec.index, spec)
 
 

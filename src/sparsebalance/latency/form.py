@@ -45,15 +45,26 @@ def kept_pairs(lengths: np.ndarray, densities: np.ndarray, block_size: int) -> n
     return (s_lo + frac * (s_hi - s_lo)).reshape(lengths.shape)
 
 
+def effective_density(densities, dense_from: float | None) -> np.ndarray:
+    """What a document of each density costs, as a density of the sparse kernel: the density
+    itself, or ``dense_from`` from there on (such documents run whole on the dense kernel, which
+    costs what the sparse one does at the crossover)."""
+    d = np.asarray(densities, float)
+    return d if dense_from is None else np.minimum(d, dense_from)
+
+
 def features(
-    batches: Sequence[tuple[Sequence[int], Sequence[float]]], num_layers: int, block_size: int
-) -> np.ndarray:
+    batches: Sequence[tuple[Sequence[int], Sequence[float]]], num_layers: int, block_size: int,
+    dense_from: float | None = None,
+) -> np.ndarray:  # fmt: skip
     """``(M, 5)`` design matrix (columns :data:`FEATURES`) of M micro-batches ``(lengths,
-    densities)``; multiply by the coefficients for seconds."""
+    densities)``; multiply by the coefficients for seconds. ``dense_from``: the profile's
+    crossover (:func:`effective_density`)."""
     rows = []
     for lengths, dens in batches:
         lengths = np.asarray(lengths, float)
-        dens = np.broadcast_to(np.asarray(dens, float), lengths.shape)
+        dens = effective_density(np.broadcast_to(np.asarray(dens, float), lengths.shape),
+                                 dense_from)  # fmt: skip
         tokens = float(lengths.sum())
         rows.append([
             num_layers * float(kept_pairs(lengths, dens, block_size).sum()),
@@ -180,6 +191,7 @@ def form_tables(
     block_size: int,
     max_len: int,
     layer_token_share: float,
+    dense_from: float | None = None,
 ) -> dict:
     """The fitted form written as the profile's tables (what :class:`LatencyModel` reads).
 
@@ -187,11 +199,13 @@ def form_tables(
     ``layer_other(T) = share b T / num_layers + c (T/B)^2 + f / num_layers``; once:
     ``head(T) = (1 - share) b T``. ``layer_token_share`` splits the per-token term between the
     layers and the head (it cannot be told apart from micro-batch times: both grow with T).
+    ``dense_from``: the crossover; the attention table is flat from it (:func:`effective_density`).
     """
     a, b, c, e, f = (float(x) for x in coefficients)
     lengths = np.asarray(length_grid(max_len), float)
     dens = np.asarray(density_grid())
-    attention = a * kept_pairs(lengths[:, None], dens[None, :], block_size) + e
+    cost_dens = effective_density(dens, dense_from)
+    attention = a * kept_pairs(lengths[:, None], cost_dens[None, :], block_size) + e
     other = layer_token_share * b * lengths / num_layers + c * (lengths / block_size) ** 2
     other += f / num_layers
     head = (1.0 - layer_token_share) * b * lengths

@@ -38,7 +38,9 @@ import torch.multiprocessing as mp
 from ..models import ModelShapes
 from ..ops import resolve_backend
 from ..ops.flex_config import check_flex_block_size
+from ..precision import DTYPES
 from ..timing import median_time, torch_threads
+from .crossover import measure_dense_crossover
 from .form import FEATURES, features, fit_form_robust, form_tables, nnls
 from .model import LatencyModel
 from .profile import AttentionTable, Profile, Table1D, fingerprint
@@ -107,24 +109,28 @@ def _measure_profile(
         check_flex_block_size(block_size, device)  # one line, before rank 0 compiles anything
     model = ProxyModel(shapes, precision=dtype).to(device)
     nl = shapes.num_layers
+    crossover = None  # the dense kernel's crossover: CUDA's flex with top-k budgets only
+    if device.type == "cuda" and backend == "flex" and layout == "top-k":
+        crossover = measure_dense_crossover(shapes, device, DTYPES[dtype], block_size, top,
+                                            lambda fn: median_time(fn, device, 2, 5))  # fmt: skip
 
     def shaped(batch: Batch) -> Batch:
         return topk_batch(batch, block_size) if layout == "top-k" else batch
 
     def prep(batch: Batch, i: int):
         return prepare_microbatch(model, batch[0], batch[1], device, backend, block_size, seed + i,
-                                  layout)  # fmt: skip
+                                  layout, crossover)  # fmt: skip
 
     # Pilot: a rough (per pair, per token, per call) cost prices the candidates.
     pilot = [([min(top, 8 * block_size + 5)], [1.0]), ([min(top, 4 * block_size + 3)], [0.1]),
              ([min(top, block_size + 9)], [0.5])]  # fmt: skip
     pilot = [shaped(b) for b in pilot]
     pt = np.array([median_time(prep(b, i), device, 1, 1) for i, b in enumerate(pilot)])
-    px = features(pilot, nl, block_size)[:, [0, 1, 4]]
+    px = features(pilot, nl, block_size, crossover)[:, [0, 1, 4]]
     rough = np.maximum(nnls(px / pt[:, None], np.ones(len(pilot))), 1e-12)
 
     def featurize(batches) -> np.ndarray:
-        return features(batches, nl, block_size)
+        return features(batches, nl, block_size, crossover)
 
     def cost(batch: Batch) -> float:
         return float(featurize([batch])[0, [0, 1, 4]] @ rough)
@@ -137,7 +143,7 @@ def _measure_profile(
     timings = time_interleaved([prep(b, i) for i, b in enumerate(design)], device,
                                max(MAX_ROUNDS, rounds), min_rounds=rounds,
                                budget_s=budget_s * ROUNDS_SHARE, seed=seed)  # fmt: skip
-    x, y = features(design, nl, block_size), timings.median
+    x, y = featurize(design), timings.median
     fit, dropped = fit_form_robust(x, y, noise=float(np.median(timings.cv)))
     # Refinement: what is left of the budget goes to micro-batches like the worst LOO point.
     left = budget_s - (time.perf_counter() - t_start)
@@ -150,7 +156,7 @@ def _measure_profile(
         more = time_interleaved([prep(b, 100 + i) for i, b in enumerate(extra)], device,
                                 timings.seconds.shape[0], seed=seed + 1)  # fmt: skip
         design += extra
-        x = np.vstack([x, features(extra, nl, block_size)])
+        x = np.vstack([x, featurize(extra)])
         y = np.concatenate([y, more.median])
         timings.seconds = np.hstack([timings.seconds, more.seconds])
     fit, rejected = fit_form_robust(x, y, noise=float(np.median(timings.cv)))
@@ -160,7 +166,7 @@ def _measure_profile(
         measure_allreduce(num_params, allreduce_world_size) if allreduce_world_size > 1 else None
     )
     share = nl * shapes.layer_params() / (nl * shapes.layer_params() + _head_params(shapes))
-    t = form_tables(fit.coefficients, nl, block_size, top, share)
+    t = form_tables(fit.coefficients, nl, block_size, top, share, crossover)
     noise = {**timings.noise(), "load_1min": _load(), "design_points": len(design),
              "design_outliers": len(rejected)}  # fmt: skip
     profile = Profile(
@@ -183,6 +189,7 @@ def _measure_profile(
                          "rejected": i in rejected, "rounds": timings.seconds[:, i].tolist()}
                         for i, (b, s, c) in enumerate(zip(design, y, timings.cv, strict=True))]},
         noise=noise,
+        dense_from=crossover,
     )  # fmt: skip
     if not quiet:
         print(noise_line(profile), file=sys.stderr)

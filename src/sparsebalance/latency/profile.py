@@ -130,6 +130,12 @@ class Profile:
     noise: dict = field(default_factory=dict)
     """Timing noise while measuring: coefficient of variation of repeats (median, p90), rounds,
     outliers rejected, machine load."""
+    dense_from: float | None = None
+    """The crossover: the density from which one document's attention is faster on the dense
+    kernel (FlashAttention varlen) than on the sparse one, measured on CUDA for top-k profiles
+    (:mod:`.crossover`). Documents from it run whole and dense; the attention table is flat from
+    it (what they cost). None: not measured (CPU, analytic, gamma): only documents a budget
+    covers run dense."""
 
     def __post_init__(self) -> None:
         for name in ("fingerprint", "meta", "fit", "noise"):
@@ -146,6 +152,9 @@ class Profile:
         self.attention.validate()
         self.layer_other.validate("layer_other")
         self.head.validate("head")
+        c = self.dense_from
+        if c is not None and not (_is_number(c) and 0.0 < c <= 1.0):
+            raise ValueError(f"profile: dense_from must be in (0, 1] or null, got {c!r}")
         if not 0.0 <= self.attention_call_seconds <= min(map(min, self.attention.seconds)):
             raise ValueError("profile: attention_call_seconds must be in [0, min attention time]")
 
@@ -181,6 +190,7 @@ class Profile:
                 meta=data.get("meta", {}),
                 fit=data.get("fit", {}),
                 noise=data.get("noise", {}),
+                dense_from=data.get("dense_from"),
             )
         except (KeyError, TypeError) as err:  # a missing key, a table of the wrong shape
             raise ValueError(f"{where}: damaged: a field is missing or malformed ({err})") from None

@@ -32,6 +32,7 @@ def prepare_microbatch(
     block_size: int,
     seed: int = 0,
     layout: str = "threshold",
+    dense_from: float | None = None,
 ) -> Callable[[], object]:
     """A closure running forward + backward of one packed micro-batch on the proxy model (its
     inputs and per-layer layouts built once, outside the timed call). ``layout``: the shape of
@@ -43,9 +44,15 @@ def prepare_microbatch(
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, s.vocab_size, (int(cu[-1]),), generator=gen).to(device)
     layouts = [
-        random_layout(cu, s.num_heads, block_size, list(densities), seed=seed + i, shape=layout).to(
-            device
-        )
+        random_layout(
+            cu,
+            s.num_heads,
+            block_size,
+            list(densities),
+            seed=seed + i,
+            shape=layout,
+            dense_from=dense_from,
+        ).to(device)
         for i in range(len(model.layers))
     ]
     cu = cu.to(device)

@@ -165,6 +165,11 @@ class PackedAttention:
     """The smallest budget ``choose_budget`` may return. Where it covers every document of the
     pack (:meth:`Budget.covers`), every causal block is kept whatever DST picks: no layer
     estimates or chooses (a pack of short documents under top-k runs dense, selection-free)."""
+    dense_from: float | None = None
+    """The density from which a document runs faster on the dense kernel than on the sparse one
+    (the latency profile's crossover, ``Profile.dense_from``): a top-k document whose density
+    reaches it keeps every causal block (exact attention, on the dense path). None: only the
+    documents the budget covers."""
     _pack: PackIndex | None = field(default=None, init=False, repr=False)
     _all_covered: bool = field(default=False, init=False, repr=False)
 
@@ -172,7 +177,9 @@ class PackedAttention:
         if self.ring is None:  # a CP unit's shards index the global pack in the ring's estimate
             self._pack = PackIndex.build(self.cu_seqlens, self.block_size, self.lengths)
             low = self.min_budget if self.choose_budget is not None else self.budget
-            self._all_covered = low is not None and all(low.dense_documents(self._pack))
+            self._all_covered = low is not None and all(
+                low.dense_documents(self._pack, self.dense_from)
+            )
 
     @property
     def pack(self) -> PackIndex:
@@ -253,11 +260,11 @@ def _layer(ctx: PackedAttention, module, q, k, v, scaling) -> torch.Tensor:
         estimate = estimate_block_mass(q, k, ctx.cu_seqlens, ctx.block_size, scale=scaling,
                                        pack=ctx.pack)  # fmt: skip
         budget = ctx.choose_budget(layer, estimate)
-        layout = estimate.layout(budget)
+        layout = estimate.layout(budget, ctx.dense_from)
     else:
         budget = ctx.budget
         layout = select_blocks(q, k, ctx.cu_seqlens, budget, ctx.block_size, scale=scaling,
-                               pack=ctx.pack)  # fmt: skip
+                               pack=ctx.pack, dense_from=ctx.dense_from)  # fmt: skip
     if phase == "forward":
         ctx.layouts[layer] = (budget, layout)
     out = _attend(ctx, q, k, v, layout, scaling)

@@ -115,9 +115,18 @@ class Budget:
             return np.full(s.shape, self.gamma >= 1.0)
         return self.top_k >= s - self.sink_blocks - self.local_blocks
 
-    def dense_documents(self, pack) -> tuple[bool, ...]:
-        """:meth:`covers` for every document of a :class:`~.pack_index.PackIndex` (host)."""
-        return tuple(bool(x) for x in self.covers(pack.doc_segments))
+    def dense_documents(self, pack, dense_from: float | None = None) -> tuple[bool, ...]:
+        """Per document of a :class:`~.pack_index.PackIndex` (host): it keeps every causal block,
+        because the budget :meth:`covers` it, or because its top-k density (from its length,
+        :func:`topk_density`) reaches ``dense_from``, the density from which the dense kernel is
+        faster than the sparse one (the latency profile's crossover): such a document is
+        *promoted* to exact attention, never cut (more attention, less time)."""
+        dense = self.covers(pack.doc_segments)
+        if dense_from is not None and self.top_k is not None and self.max_density is None:
+            lengths = np.asarray(pack.lengths, dtype=np.float64)
+            density = topk_density(lengths, self.top_k, pack.block_size, self.anchor_blocks)
+            dense = dense | (density >= dense_from)
+        return tuple(bool(x) for x in dense)
 
     def with_value(self, value: float) -> Budget:
         """A copy with another knob value (gamma, or top_k rounded to an integer)."""

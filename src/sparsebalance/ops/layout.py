@@ -270,6 +270,7 @@ def random_layout(
     density: float | list[float] | torch.Tensor,
     seed: int = 0,
     shape: str = "threshold",
+    dense_from: float | None = None,
 ) -> BlockLayout:
     """A layout with a chosen density per document (for benchmarks and latency profiling).
 
@@ -280,7 +281,8 @@ def random_layout(
     the realized density is :func:`~sparsebalance.ops.topk_density` of that ``W`` minus the two
     anchors). Kept: the diagonal, the document's first block, then random causal blocks; ``d``
     is the density of the document that holds the block's last token (``density`` is one float
-    or one value per document).
+    or one value per document). ``dense_from``: documents of at least that density keep every
+    causal block (a run promotes them to the dense kernel, :meth:`Budget.dense_documents`).
     """
     if shape not in ("threshold", "top-k"):
         raise ValueError(f"shape must be 'threshold' or 'top-k', got {shape!r}")
@@ -293,6 +295,8 @@ def random_layout(
         dens = dens.expand(cu.numel() - 1)
     if dens.numel() != cu.numel() - 1 or not bool(((dens > 0) & (dens <= 1)).all()):
         raise ValueError("density must be one value or one per document, each in (0, 1]")
+    if dense_from is not None:
+        dens = torch.where(dens >= dense_from, torch.ones_like(dens), dens)
     qb = torch.arange(nb)
     last_tok = torch.clamp((qb + 1) * block_size, max=total) - 1
     doc = torch.searchsorted(cu[1:], last_tok, right=True)

@@ -254,6 +254,23 @@ class PackIndex:
         kb = torch.arange(lo.numel(), device=lo.device)
         return (kb[None, :] >= lo[:, None]) & (kb[None, :] <= kb[:, None])
 
+    def documents_block_mask(self, docs: tuple[bool, ...]) -> torch.Tensor:
+        """Bool ``(nb, nb)`` device: the causal block pairs of the documents marked in ``docs``
+        (query block ``qb`` touched by such a document keeps key blocks from the first block of
+        the earliest one through ``qb``): what a document kept whole needs."""
+
+        def build():
+            nb = self.num_blocks
+            first, last = self.doc_blocks
+            lo = np.full(nb, nb, dtype=np.int64)
+            for d in np.flatnonzero(np.asarray(docs))[::-1]:  # the earliest document wins
+                lo[first[d] : last[d] + 1] = first[d]
+            lo_t = self.upload(lo)
+            kb = torch.arange(nb, device=lo_t.device)
+            return (kb[None, :] >= lo_t[:, None]) & (kb[None, :] <= kb[:, None])
+
+        return self.memo(("documents_block_mask", docs), build)
+
     def dense_runs(self, dense_docs: tuple[bool, ...]) -> tuple[tuple[int, int, int, int], ...]:
         """Maximal runs of consecutive dense documents: ``(first doc, end doc, first token,
         end token)`` each, ends exclusive (host)."""

@@ -145,11 +145,16 @@ class BlockMassEstimate:
             hits.scatter_add_(1, index, keep.reshape(h, -1).to(torch.int32))
         return (hits > 0).view(h, nb, nb)
 
-    def layout(self, budget: Budget) -> BlockLayout:
-        """The :class:`BlockLayout` this budget keeps (with the documents the budget covers
-        marked dense: :meth:`Budget.covers`)."""
-        return BlockLayout(self.block_mask(budget), self.pack, self.num_q_heads,
-                           budget.dense_documents(self.pack))  # fmt: skip
+    def layout(self, budget: Budget, dense_from: float | None = None) -> BlockLayout:
+        """The :class:`BlockLayout` this budget keeps, with the documents kept whole marked dense
+        (:meth:`Budget.dense_documents`: covered by the budget, or promoted from
+        ``dense_from``: every causal block of a promoted document is added)."""
+        dense = budget.dense_documents(self.pack, dense_from)
+        mask = self.block_mask(budget)
+        covered = budget.dense_documents(self.pack)
+        if dense != covered:
+            mask = mask | self.pack.documents_block_mask(dense)[None]
+        return BlockLayout(mask, self.pack, self.num_q_heads, dense)
 
     def document_density(self, budget: Budget) -> torch.Tensor:
         """float64 ``(N,)``: per-document density of :meth:`layout`, without building it."""
@@ -298,6 +303,7 @@ def select_blocks(
     share_kv_groups: bool = False,
     scale: float | None = None,
     pack: PackIndex | None = None,
+    dense_from: float | None = None,
 ) -> BlockLayout:
     """Choose the key blocks each query block computes.
 
@@ -312,6 +318,9 @@ def select_blocks(
         scale: softmax scale, default ``D ** -0.5``.
         pack: the pack's :class:`PackIndex` (built from ``cu_seqlens`` if None, which reads the
             offsets back when they live on a device).
+        dense_from: the density from which a document runs faster on the dense kernel (the
+            latency profile's crossover): a top-k document whose density reaches it keeps every
+            causal block (:meth:`Budget.dense_documents`). None: only covered documents.
 
     Returns:
         A :class:`BlockLayout` with ``Hq`` heads (or ``Hkv`` with ``share_kv_groups``). When the
@@ -322,12 +331,11 @@ def select_blocks(
         raise TypeError(f"budget must be a sparsebalance.ops.Budget, got {type(budget).__name__}")
     check_qkv(q, k)
     pack = _pack_for(q, cu_seqlens, block_size, pack)
-    dense = budget.dense_documents(pack)
-    if all(dense):
+    if all(budget.dense_documents(pack, dense_from)):
         heads = k.shape[1] if share_kv_groups else q.shape[1]
         return BlockLayout.full(pack, heads, q.shape[1])
     est = estimate_block_mass(q, k, cu_seqlens, block_size, share_kv_groups, scale, pack)
-    return est.layout(budget)
+    return est.layout(budget, dense_from)
 
 
 def attention_recall(
