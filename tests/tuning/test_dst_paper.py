@@ -173,3 +173,29 @@ def test_layer_controller_realizes_a_fractional_step_budget():
     ks = [ctl.choose(0, layer, est).top_k for layer in range(8)]
     assert set(ks) <= {9, 10} and 9 in ks and 10 in ks
     assert np.mean(ks) == pytest.approx(9.5, abs=0.26)
+
+
+def test_the_coverage_bound_decided_on_the_device_runs_the_same_k_without_a_read_back():
+    """Issue 38, item 3: on a GPU the layer controller's coverage bound is decided on the device
+    (``v_cov`` a device scalar, the layer running ``max(v_time, v_cov)``), so no layer waits for
+    the device; the layout is the host decision's, the record reads back at the step's end."""
+    from tests.ops.test_host_sync import Recorder
+
+    est, lengths = _gate()
+    oracle = Oracle(num_layers=3, a=0.0, b=1e-6, c=0.0, overhead=0.0)
+    mb = MicroBatch((0, 1), lengths, (0.5, 0.5))
+    cfg = DSTConfig(budget_tokens=1024, p=0.05)
+    knob = cfg.knob(64)
+    host = LayerController([mb], oracle, cfg, target_seconds=1e-9, knob=knob)
+    device = LayerController([mb], oracle, cfg, target_seconds=1e-9, knob=knob)
+    device.device_floor = True
+    want = host.choose(0, 0, est)
+    with Recorder() as rec:
+        got = device.choose(0, 0, est)
+        layout = est.layout(got)
+    assert not rec.reads, rec.reads
+    assert got.floor is not None and got.top_k < want.top_k  # the time choice, raised on device
+    assert torch.equal(layout.block_mask, est.layout(want).block_mask)
+    record = device.records[-1]
+    assert record.chosen == want.top_k and bool(record.coverage_limited)
+    assert device.num_coverage_limited == 1 and device.summary().budget_min == want.top_k

@@ -75,12 +75,17 @@ class LayerStats:
     trainer reads them once, at the step's end."""
 
     layer: int
-    budget: float
-    """The knob value the layer ran with (k or gamma)."""
+    budget_value: float | torch.Tensor
+    """The knob value the layer ran with (k or gamma); a 0-dim device tensor where DST decided
+    it on the device (a top-k budget with a ``floor``), read with the statistics."""
     density_tensor: torch.Tensor
     """0-dim float64: fraction of the doc-causal block pairs kept (:meth:`BlockLayout.density`)."""
     document_density_tensor: torch.Tensor
     """float64 ``(N,)``: per document (:meth:`BlockLayout.document_density`)."""
+
+    @property
+    def budget(self) -> float:
+        return float(self.budget_value)
 
     @property
     def density(self) -> float:
@@ -92,7 +97,10 @@ class LayerStats:
 
     @classmethod
     def of(cls, layer: int, budget: Budget, layout: BlockLayout) -> LayerStats:
-        return cls(layer, budget.value, layout.density_tensor(), layout.document_density())
+        value = budget.value
+        if budget.floor is not None:  # max(top_k, floor), kept on the device
+            value = torch.clamp(budget.floor, min=budget.top_k).double()
+        return cls(layer, value, layout.density_tensor(), layout.document_density())
 
 
 @dataclass(frozen=True)

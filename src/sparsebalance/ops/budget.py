@@ -16,7 +16,8 @@ never keeps fewer blocks; DST tunes it per micro-batch and layer.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -52,6 +53,11 @@ class Budget:
     their anchors and floor, which keeps every query's own block."""
     min_blocks: int = 1
     """Floor: keep at least this many key blocks per query block (when that many are causal)."""
+    floor: Any = field(default=None, compare=False)
+    """Top-k only: an int64 0-dim device tensor; the selection keeps ``max(top_k, floor)`` key
+    blocks per query (DST's coverage bound decided on the device, never read back inside the
+    step). ``top_k`` is then a lower bound: host decisions that use it (:meth:`covers`) stay
+    conservative."""
 
     def __post_init__(self) -> None:
         if (self.gamma is None) == (self.top_k is None):
@@ -78,6 +84,8 @@ class Budget:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.max_density is not None and not (0.0 < self.max_density <= 1.0):
             raise ValueError(f"max_density must be in (0, 1] or None, got {self.max_density}")
+        if self.floor is not None and (self.top_k is None or getattr(self.floor, "ndim", 1) != 0):
+            raise ValueError("floor is a 0-dim tensor, for a top_k budget only")
 
     @property
     def kind(self) -> str:

@@ -187,12 +187,17 @@ class BlockMassEstimate:
         sync, however many k a decision looks at)."""
         if budget.top_k is None or budget.max_density is not None:
             return np.array([self.coverage(budget.with_value(k)) for k in ks])
+        return self.coverage_curve_tensor(budget, ks).cpu().numpy()
+
+    def coverage_curve_tensor(self, budget: Budget, ks) -> torch.Tensor:
+        """:meth:`coverage_curve` of a top-k budget without a cap as a float64 ``(K,)`` device
+        tensor: nothing read back (``ks``: host ints, copied to the device)."""
         dev = self.cu_seqlens.device
-        ks_t = torch.as_tensor(np.asarray(ks), dtype=torch.int64).to(dev, non_blocking=True)
+        ks_t = self.pack.upload(np.asarray(ks, dtype=np.int64))
         total = torch.zeros(ks_t.numel(), dtype=torch.float64, device=dev)
         for i, batch in enumerate(self.batches):
             total += batch.topk_covered(budget, self._cache.setdefault(i, {}), ks_t).sum(-1)
-        return (total / (self.seq_len * self.num_layout_heads)).cpu().numpy()
+        return total / (self.seq_len * self.num_layout_heads)
 
     def coverage(self, budget: Budget) -> float:
         """The pack's coverage: :meth:`document_coverage` weighted by document tokens."""

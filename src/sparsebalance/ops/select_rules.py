@@ -53,6 +53,8 @@ def _keep_top_k(allowed, anchors, budget: Budget, rows) -> torch.Tensor:
     n_allowed = allowed.sum(-1, keepdim=True)
     floor_n = torch.clamp(n_allowed, max=budget.min_blocks)
     extra_n = torch.clamp(floor_n - anchors.sum(-1, keepdim=True), min=budget.top_k)
+    if budget.floor is not None:  # k = max(top_k, floor), on the device
+        extra_n = torch.maximum(extra_n, budget.floor.to(extra_n.device, extra_n.dtype))
     keep = (rank < extra_n) & allowed & ~anchors
     return _cap(keep | anchors, anchors, n_allowed, floor_n, budget, order)
 

@@ -39,6 +39,7 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..ops import Budget
 from ..workload import CostModel, MicroBatch
@@ -115,6 +116,11 @@ class LayerController:
         self._records: dict[tuple[int, int], LayerRecord] = {}
         self.decide_seconds = 0.0
         """Wall seconds spent in :meth:`choose` (DST's per-layer overhead)."""
+        self.device_floor: bool | None = None
+        """Decide the top-k coverage bound on the device (no read back inside the step): None =
+        where the gate lives on a GPU. The layer then runs ``max(v_time, v_cov)`` with ``v_cov``
+        a device scalar, and its time is accounted at ``v_time`` (a lower bound: later layers
+        may be allotted a little more than the host decision would give them)."""
 
     @classmethod
     def from_decision(
@@ -199,18 +205,24 @@ class LayerController:
 
         probes = self.config.layer_probes
         value = _bisect(self.knob, lambda v: cost(v) <= limit, self.lo, self.hi, probes)
-        coverage, limited = None, False
+        coverage, limited, floor = None, False, None
         if value < self.base and self.config.p < 1:
-            found = self._coverage_floor(estimate, value)
-            if found is not None:
-                v_cov, coverage = found
-                limited = v_cov > value
-                value = max(value, v_cov)
+            if self._on_device(estimate):
+                floor = self._coverage_floor_tensor(estimate)
+                limited = floor > value
+            else:
+                found = self._coverage_floor(estimate, value)
+                if found is not None:
+                    v_cov, coverage = found
+                    limited = v_cov > value
+                    value = max(value, v_cov)
         cost(value)
         attention, dens = cache[value]
         predicted = attention + self.fixed[microbatch, layer]
         on_host = getattr(getattr(estimate, "cu_seqlens", None), "is_cuda", False) is False
-        if by_length and on_host and hasattr(estimate, "document_density"):
+        if by_length and on_host and floor is None and not self.device_floor and hasattr(
+            estimate, "document_density"
+        ):  # fmt: skip
             # the layout's own densities (on CUDA the knob's stand in: no read-back per layer)
             dens = _document_densities(estimate, self.knob.budget(self.budget, value),
                                        lengths.size)  # fmt: skip
@@ -220,9 +232,26 @@ class LayerController:
         self._predicted[microbatch, layer] = predicted
         self._records[(microbatch, layer)] = LayerRecord(
             microbatch, layer, value, density, predicted, allotted, coverage=coverage,
-            coverage_limited=limited,
+            coverage_limited=limited, floor=floor,
         )  # fmt: skip
-        return self.knob.budget(self.budget, value)
+        budget = self.knob.budget(self.budget, value)
+        return budget if floor is None else replace(budget, floor=floor)
+
+    def _on_device(self, estimate: Any) -> bool:
+        """Whether the coverage bound is decided on the device (:attr:`device_floor`)."""
+        if not (self.knob.integer and callable(getattr(estimate, "coverage_curve_tensor", None))):
+            return False
+        if self.device_floor is not None:
+            return self.device_floor
+        return bool(getattr(getattr(estimate, "cu_seqlens", None), "is_cuda", False))
+
+    def _coverage_floor_tensor(self, estimate: Any):
+        """``v_cov`` of :meth:`_coverage_floor` as an int64 0-dim device tensor: the smallest
+        whole k in ``[lo, base]`` within the coverage bound, found without a read back."""
+        ks = np.arange(int(self.lo), int(self.base) + 1)
+        cov = estimate.coverage_curve_tensor(self.knob.budget(self.budget, self.base), ks)
+        ok = cov >= cov[-1] - self.config.p  # non-decreasing in k: True from v_cov on
+        return torch.argmax(ok.to(torch.int8)) + int(ks[0])
 
     def _coverage_floor(self, estimate: Any, value: float) -> tuple[float, float] | None:
         """``(v_cov, coverage at max(value, v_cov))``: the smallest budget in ``[lo, base]``
@@ -263,7 +292,8 @@ class LayerController:
     @property
     def num_coverage_limited(self) -> int:
         """Decisions where the coverage bound stopped a cut the time target asked for."""
-        return sum(r.coverage_limited for r in self._records.values())
+        # device flags (the bound decided on the device) are read here, at the step's end
+        return sum(int(r.coverage_limited) for r in self._records.values())
 
     @property
     def records(self) -> list[LayerRecord]:
@@ -278,7 +308,7 @@ class LayerController:
         values = np.full(self._chosen.shape, np.nan)
         dens = []
         for (m, layer), rec in self._records.items():
-            values[m, layer] = rec.budget
+            values[m, layer] = rec.chosen
             dens.append(rec.density)
         predicted = np.where(self._chosen, self._predicted, self.planned)
         measured = np.where(np.isnan(self._measured), predicted, self._measured)

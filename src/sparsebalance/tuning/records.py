@@ -176,9 +176,18 @@ class LayerRecord:
     coverage: float | None = None
     """The gate's coverage at the chosen budget (None when no coverage bound was checked)."""
     coverage_limited: bool = False
-    """The coverage bound stopped a cut the time target asked for (the empty feasible set)."""
+    """The coverage bound stopped a cut the time target asked for (the empty feasible set); a
+    0-dim device tensor where the bound was decided on the device (read at the step's end)."""
     measured_seconds: float | None = None
     """What it actually cost (``None`` until :meth:`LayerController.observe`)."""
+    floor: object = None
+    """Where the coverage bound was decided on the device: the int64 0-dim tensor ``v_cov``;
+    the layer ran ``max(budget, floor)`` (:attr:`chosen`)."""
+
+    @property
+    def chosen(self) -> float:
+        """The knob value the layer ran with (reads ``floor`` back: call at the step's end)."""
+        return self.budget if self.floor is None else max(self.budget, float(self.floor))
 
 
 @dataclass(frozen=True)
