@@ -13,6 +13,7 @@ model's loss over ``shift_labels`` / ``num_items_in_batch`` with
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -244,6 +245,12 @@ def main(tmp: Path) -> None:
                                    resume=str(tmp / "hf" / "checkpoint-2"))  # fmt: skip
     (tmp / f"result-{rank}.json").write_text(json.dumps(result))
     dist.barrier()
+    # The trainers above sit in reference cycles that hold their DDP models and, through them,
+    # gloo's last work objects: freed by the interpreter's shutdown, gloo's threads can touch
+    # objects already gone and a rank aborts ("terminate called without an active exception",
+    # exit -6; seen under load). Free them now, then tear the group down (as train/__main__.py).
+    gc.collect()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
