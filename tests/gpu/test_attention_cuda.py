@@ -115,3 +115,17 @@ def test_the_dense_path_uses_flash_varlen_on_cuda():
     q = torch.zeros(8, HQ, D, dtype=torch.bfloat16, device="cuda")
     assert varlen_api() is not None, "torch.nn.attention.varlen is missing on this image"
     assert uses_varlen(q, D**-0.5)
+
+
+def test_varlen_takes_the_models_heads_first_views():
+    """The model hands q/k/v over as (T, H, D) views of heads-first tensors (not contiguous)."""
+    from sparsebalance.ops.dense import dense_attention
+
+    lengths = (300, 1000, 77)
+    cu = cu_from_lengths(lengths, "cuda")
+    q, k, v = make_qkv(sum(lengths), HQ, HKV, D, dtype=torch.bfloat16, device="cuda", seed=7)
+    views = [x.detach().transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v)]
+    assert not views[0].is_contiguous()
+    want = dense_attention(q.detach(), k.detach(), v.detach(), cu, lengths, D**-0.5)
+    got = dense_attention(*views, cu, lengths, D**-0.5)
+    torch.testing.assert_close(got, want)

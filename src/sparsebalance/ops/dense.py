@@ -100,4 +100,7 @@ def varlen_kernel(q, k, v, cu_seqlens, max_len: int, scale: float) -> torch.Tens
             kwargs["enable_gqa"] = True
         else:
             k, v = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+    # The kernel wants (total, H, D) rows one after the other; the model's q/k/v come as views
+    # of heads-first tensors (a copy only where they are not already laid out that way).
+    q, k, v = (x.contiguous() for x in (q, k, v))
     return api["fn"](q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
