@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from .flags import command_line
+
 # command -> (module under sparsebalance.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench-attn": ("bench_attn", "time block-sparse attention vs density and vs dense SDPA"),
@@ -43,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with command_line():  # messages name the flags typed, not the Python fields
+            return args.func(args)
     except ValueError as err:  # user errors: one clear line, no traceback
         print(f"sparsebalance {args.command}: error: {err}", file=sys.stderr)
         return 2

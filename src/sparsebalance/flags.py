@@ -21,12 +21,18 @@ the command line's values, naming the key and its source; :func:`check_fields` i
 ``2.7``), a ``float`` a finite number (not ``nan``, not ``"1e-3"``), a ``bool`` ``true`` or
 ``false``, a ``str`` a string, a section a table. Nothing is coerced: a wrong type is
 :class:`ConfigTypeError`, one line.
+
+Messages name a field as its user wrote it (:func:`name`): ``--lr`` on the command line (the
+``sparsebalance`` commands run inside :func:`command_line`), ``TrainConfig.lr (--lr)`` from the
+Python API.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import contextvars
 import dataclasses
 import inspect
 import itertools
@@ -317,6 +323,43 @@ def check_fields(obj: Any) -> None:
                          if o.path == (name,)), None)  # fmt: skip
             shown = f"{cls.__name__}.{name}" + (f" ({flag})" if flag else "")
             raise ConfigTypeError(f"{shown} must be {problem}, got {_shown(value)}")
+
+
+_COMMAND_LINE = contextvars.ContextVar("sparsebalance_command_line", default=False)
+
+
+@contextlib.contextmanager
+def command_line():
+    """Inside it, :func:`name` names a field by its flag alone: the user typed flags (the
+    ``sparsebalance`` commands and the training ranks they start run inside it)."""
+    token = _COMMAND_LINE.set(True)
+    try:
+        yield
+    finally:
+        _COMMAND_LINE.reset(token)
+
+
+def name(config: Any, field: str) -> str:
+    """How a message names ``field`` of config dataclass ``config`` (an instance or the class):
+    its flag on the command line (``--lr``, :func:`command_line`), ``TrainConfig.lr (--lr)``
+    from the Python API, where the user passed the field. A field that is not a flag is named
+    ``TrainConfig.field`` either way."""
+    cls = config if isinstance(config, type) else type(config)
+    flag = next((o.aliases[0] if o.aliases else o.flag for o in options(cls)
+                 if o.path == (field,)), None)  # fmt: skip
+    if flag is None:
+        return f"{cls.__name__}.{field}"
+    return flag if _COMMAND_LINE.get() else f"{cls.__name__}.{field} ({flag})"
+
+
+def given(config: Any, field: str, value: Any) -> str:
+    """A field with the value given, as the user wrote it: ``--backend nope`` on the command
+    line, ``TrainConfig.backend='nope' (--backend)`` from the Python API (see :func:`name`)."""
+    if _COMMAND_LINE.get():
+        return f"{name(config, field)} {value}"
+    flag = name(config, field)
+    cls, _, flag = flag.partition(" ")
+    return f"{cls}={value!r}" + (f" {flag}" if flag else "")
 
 
 _HINTS: dict[type, dict[str, Any]] = {}

@@ -123,6 +123,16 @@ def sliding_window_model(tmp: Path) -> Path:
     return folder
 
 
+def gpt2_model(tmp: Path) -> Path:
+    """A model folder (config only) of a type SparseBalance does not run: GPT-2, whose config
+    has ``n_head`` / ``n_layer`` instead of the keys a Qwen2 / Llama config has."""
+    folder = tmp / "gpt2"
+    folder.mkdir()
+    config = {"model_type": "gpt2", "n_embd": 64, "n_head": 2, "n_layer": 2, "vocab_size": 4096}
+    write_json(folder / "config.json", config)
+    return folder
+
+
 def write_profile(tmp: Path, name: str = "profile.json", model: str = "tiny", block_size: int = 32,
                   edit=None) -> Path:  # fmt: skip
     """An analytic profile of ``model`` at ``block_size``; ``edit(data)`` damages its JSON."""

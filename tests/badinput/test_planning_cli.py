@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.badinput.conftest import assert_refused, cli, snapshot
+from tests.badinput.conftest import assert_refused, cli, gpt2_model, snapshot, write_profile
 
 
 def _lengths(tmp):
@@ -38,6 +38,13 @@ CASES = [
                  ["[dst] layer_feedback must be true or false"], id="simulate-dst-bool-int"),
     pytest.param(lambda tmp: ["simulate", "--capacity", "4096", "--plot", tmp / "keep.txt"],
                  "simulate", ["--plot", "is not a folder"], id="simulate-plot-is-a-file"),
+    pytest.param(lambda tmp: ["simulate", "--capacity", "4096", "--model", gpt2_model(tmp)],
+                 "simulate", ["--model", "model type 'gpt2' is not supported"],
+                 id="simulate-gpt2-model"),
+    pytest.param(lambda tmp: ["simulate", "--capacity", "4096", "--profile", write_profile(tmp),
+                              "--model", "qwen2.5-0.5b"], "simulate",
+                 ["--profile", "profile.json was made for another model than --model qwen2.5-0.5b",
+                  "num_layers 4 vs 24"], id="simulate-profile-of-another-model"),
     pytest.param(lambda tmp: ["ring-balance", "--seq-len", "100000000"], "ring-balance",
                  ["--seq-len", "GiB of memory"], id="ring-balance-seq-len"),
     pytest.param(lambda tmp: ["ring-balance", "--block-size", "0"], "ring-balance",

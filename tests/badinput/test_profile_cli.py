@@ -11,6 +11,7 @@ import pytest
 from tests.badinput.conftest import (
     assert_refused,
     cli,
+    gpt2_model,
     sliding_window_model,
     snapshot,
     write_profile,
@@ -35,6 +36,8 @@ CASES = [
                  id="model-too-large"),
     pytest.param(lambda tmp: (["--model", sliding_window_model(tmp)], ["sliding-window"]),
                  id="sliding-window-model"),
+    pytest.param(lambda tmp: (["--model", gpt2_model(tmp)], ["model type 'gpt2' is not supported"]),
+                 id="gpt2-model"),
     pytest.param(lambda tmp: (["--analytic", "h100", "--block-size", "0"], ["--block-size"]),
                  id="analytic-block-size-zero"),
     pytest.param(lambda tmp: (["--validate", write_profile(tmp, "q.json", "qwen2.5-0.5b"),

@@ -11,10 +11,15 @@ import torch
 
 from sparsebalance.engine.runtime import Runtime
 from sparsebalance.integrations import PlannerConfig
-from sparsebalance.simulate import SimConfig
+from sparsebalance.simulate import SimConfig, run_simulation
 from sparsebalance.train import TrainConfig, Trainer
 from sparsebalance.tuning import DSTConfig
-from tests.badinput.conftest import assert_one_line, sliding_window_model, write_profile
+from tests.badinput.conftest import (
+    assert_one_line,
+    gpt2_model,
+    sliding_window_model,
+    write_profile,
+)
 from tests.train.harness import write_dataset
 
 # (config class, keyword arguments) -> what the one line must name
@@ -66,10 +71,42 @@ def test_a_config_value_of_the_wrong_type_is_refused(tmp_path, cls, kwargs, culp
     assert_one_line(err.value, *culprits)
 
 
-def test_an_unknown_backend_is_refused_by_the_config(tmp_path):
+# TrainConfig keyword arguments of the right type but out of range -> what the one line must
+# name: the field the caller passed, with its flag (the command line names the flag alone)
+OUT_OF_RANGE = [
+    pytest.param({"lr": 0.0}, ["TrainConfig.lr (--lr) must be > 0, got 0.0"], id="lr"),
+    pytest.param({"grad_clip": -1.0}, ["TrainConfig.grad_clip (--grad-clip) must be >= 0"],
+                 id="grad-clip"),
+    pytest.param({"weight_decay": -0.1}, ["TrainConfig.weight_decay (--weight-decay)"],
+                 id="weight-decay"),
+    pytest.param({"warmup_steps": -1}, ["TrainConfig.warmup_steps (--warmup-steps) must be"],
+                 id="warmup-steps"),
+    pytest.param({"steps": 0}, ["TrainConfig.steps (--steps) must be >= 1"], id="steps"),
+    pytest.param({"schedule": "step"}, ["TrainConfig.schedule (--schedule) must be one of"],
+                 id="schedule"),
+    pytest.param({"micro_batches": 2}, ["TrainConfig.micro_batches (--micro-batches) and "
+                                        "TrainConfig.capacity (--capacity)"], id="both-bounds"),
+    pytest.param({"capacity": "auto"}, ["TrainConfig.capacity='auto' (--capacity) on CPU needs "
+                                        "TrainConfig.memory_budget (--memory-budget)"],
+                 id="auto-capacity"),
+    pytest.param({"capacity": "auto", "memory_budget": "nanGB"},
+                 ["TrainConfig.memory_budget (--memory-budget) must be a finite number"],
+                 id="memory-budget"),
+    pytest.param({"block_size": 0}, ["TrainConfig.block_size (--block-size)"], id="block-size"),
+    pytest.param({"backend": "nope"}, ["TrainConfig.backend='nope' (--backend)"], id="backend"),
+    pytest.param({"tokenizer": "missing"}, ["TrainConfig.tokenizer='missing' (--tokenizer)"],
+                 id="tokenizer-missing"),
+    pytest.param({"resume": True, "overwrite": True}, ["TrainConfig.resume (--resume)",
+                                                       "TrainConfig.overwrite (--overwrite)"],
+                 id="resume-and-overwrite"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kwargs", "culprits"), OUT_OF_RANGE)
+def test_an_out_of_range_value_names_the_field_and_the_flag(tmp_path, kwargs, culprits):
     with pytest.raises(ValueError) as err:
-        TrainConfig(backend="nope", device="cpu", out=str(tmp_path / "run"))
-    assert_one_line(err.value, "--backend nope")
+        TrainConfig(device="cpu", out=str(tmp_path / "run"), **kwargs)
+    assert_one_line(err.value, *culprits)
 
 
 def _config(tmp_path, **over) -> TrainConfig:
@@ -86,7 +123,10 @@ TRAINER_CASES = [
     pytest.param(lambda tmp: {"profile": str(write_profile(tmp, "b.json", block_size=64))},
                  ["--profile", "block_size 64 vs 32"], id="profile-of-another-block-size"),
     pytest.param(lambda tmp: {"model": str(sliding_window_model(tmp))},
-                 ["--model", "sliding-window"], id="sliding-window-model"),
+                 ["TrainConfig.model=", "(--model)", "sliding-window"], id="sliding-window-model"),
+    pytest.param(lambda tmp: {"model": str(gpt2_model(tmp))},
+                 ["TrainConfig.model=", "(--model)", "model type 'gpt2' is not supported"],
+                 id="gpt2-model"),
 ]  # fmt: skip
 
 
@@ -98,3 +138,13 @@ def test_the_trainer_refuses_before_profiling_or_training(tmp_path, over, culpri
         Trainer(cfg, Runtime(0, 1, torch.device("cpu")))
     assert_one_line(err.value, *culprits)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_simulation_refuses_a_profile_of_another_model(tmp_path):
+    """``model`` with ``profile``: the profile prices its own model only (it was ignored)."""
+    config = SimConfig(capacity=4096, steps=2, profile=str(write_profile(tmp_path)),
+                       model="qwen2.5-0.5b")  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        run_simulation(config)
+    assert_one_line(err.value, "SimConfig.profile (--profile)", "SimConfig.model (--model)",
+                    "num_layers 4 vs 24")  # fmt: skip

@@ -14,6 +14,7 @@ from sparsebalance.train.config import TrainConfig, to_dict
 from tests.badinput.conftest import (
     assert_refused,
     cli,
+    gpt2_model,
     sliding_window_model,
     snapshot,
     write_profile,
@@ -72,6 +73,9 @@ FLAGS = [
     ),
     pytest.param(["--backend", "nope"], ["--backend nope"], id="backend"),
     pytest.param(["--backend", "flex"], ["--backend flex", "needs CUDA"], id="flex-on-cpu"),
+    # range checks name the flag alone on the command line (the Python API adds the field)
+    pytest.param(["--lr", "0"], ["--lr must be > 0, got 0.0"], id="lr-zero"),
+    pytest.param(["--weight-decay", "-1"], ["--weight-decay must be >= 0"], id="weight-decay"),
 ]
 
 
@@ -132,10 +136,19 @@ def test_resume_refuses_a_profile_of_another_run(tmp_path, capsys):
     assert snapshot(run) == before
 
 
-def test_a_sliding_window_model_is_refused_before_it_is_profiled(tmp_path, capsys):
-    model = sliding_window_model(tmp_path)
+# a model folder (made by the case) -> what the line must name besides --model
+MODELS = [
+    pytest.param(sliding_window_model, ["sliding-window"], id="sliding-window"),
+    pytest.param(gpt2_model, ["model type 'gpt2' is not supported", "Qwen2/Qwen2.5", "Qwen3",
+                              "Llama", "Mistral without a sliding window"], id="gpt2"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "culprits"), MODELS)
+def test_a_model_it_cannot_run_is_refused_before_it_is_profiled(tmp_path, capsys, make, culprits):
+    model = make(tmp_path)
     code, err = cli(capsys, *_run_flags(tmp_path, "--model", model, "--nproc", "1"))
-    assert_refused(code, err, "train", f"--model {model}", "sliding-window")
+    assert_refused(code, err, "train", f"--model {model}", *culprits)
     assert not (tmp_path / "run").exists()
 
 

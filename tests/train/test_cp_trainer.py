@@ -81,15 +81,23 @@ def test_fsdp2_runs_cp_units_that_leave_gaps_like_ddp(tmp_path):
 
 
 def test_sab_cp_refuses_emulated_ranks(tmp_path):
-    with pytest.raises(ValueError, match="--strategy sab-cp cannot run with --emulate-ranks"):
+    with pytest.raises(
+        ValueError,
+        match=r"TrainConfig.strategy='sab-cp' \(--strategy\) cannot run with "
+        r"TrainConfig.emulate_ranks \(--emulate-ranks\)",
+    ):
         TrainConfig(strategy="sab-cp", emulate_ranks=4, out=str(tmp_path / "run"))
     TrainConfig(strategy="sab", emulate_ranks=4, out=str(tmp_path / "run"))  # plans without units
 
 
 def test_cp_k_is_checked_before_any_work(tmp_path):
-    with pytest.raises(ValueError, match="--cp must be >= 2 and needs --strategy sab-cp"):
+    with pytest.raises(
+        ValueError,
+        match=r"TrainConfig.cp \(--cp\) must be >= 2 and needs "
+        r"TrainConfig.strategy='sab-cp' \(--strategy\)",
+    ):
         TrainConfig(strategy="sab", cp=2, out=str(tmp_path / "run"))
-    with pytest.raises(ValueError, match="--cp must be >= 2"):
+    with pytest.raises(ValueError, match=r"TrainConfig.cp \(--cp\) must be >= 2"):
         TrainConfig(strategy="sab-cp", cp=1, out=str(tmp_path / "run"))
     cfg = TrainConfig(strategy="sab-cp", cp=2, out=str(tmp_path / "run"), device="cpu")
     with pytest.raises(ValueError, match=r"--cp 2 must divide the world size \(3\)"):

@@ -27,7 +27,9 @@ def test_auto_is_sab_cp_on_real_ranks_and_sab_elsewhere(tmp_path):
     explicit = TrainConfig(out=str(tmp_path / "run"), strategy="sab", overlong="split")
     assert resolve_strategy(explicit, 4).strategy == "sab"
     assert resolve_strategy(TrainConfig(out=str(tmp_path / "run"), cp=2), 4).strategy == "sab-cp"
-    with pytest.raises(ValueError, match="--strategy must be auto or one of"):
+    with pytest.raises(
+        ValueError, match=r"TrainConfig.strategy \(--strategy\) must be auto or one of"
+    ):
         TrainConfig(out=str(tmp_path / "run"), strategy="whole")
 
 

@@ -162,14 +162,14 @@ def test_latest_pointing_to_a_missing_step_falls_back(tmp_path):
 def test_cheap_checks_fail_at_construction(tmp_path):
     (tmp_path / "file").write_text("x")
     cases = [
-        (dict(out=str(tmp_path / "file")), "--out .*exists and is not a folder"),
-        (dict(out=str(tmp_path / "file" / "run")), "--out .*is not a folder"),
-        (dict(out=str(tmp_path / "none"), resume=True), "--resume: no checkpoint in"),
+        (dict(out=str(tmp_path / "file")), r"out='.*' \(--out\): exists and is not a folder"),
+        (dict(out=str(tmp_path / "file" / "run")), r"out='.*' \(--out\): .*is not a folder"),
+        (dict(out=str(tmp_path / "none"), resume=True), r"resume \(--resume\): no checkpoint"),
         (dict(out=str(tmp_path / "r"), resume=True, overwrite=True), "pick one"),
-        (dict(capacity=0), "--capacity must be >= 1"),
-        (dict(checkpoint_every=-1), "--checkpoint-every must be >= 0"),
+        (dict(capacity=0), r"capacity \(--capacity\) must be >= 1"),
+        (dict(checkpoint_every=-1), r"checkpoint_every \(--checkpoint-every\) must be >= 0"),
         (dict(lr=float("nan")), r"lr \(--lr\) must be a finite number"),
-        (dict(profile=str(tmp_path / "p.json")), "--profile .*no such file"),
+        (dict(profile=str(tmp_path / "p.json")), r"profile='.*' \(--profile\): no such file"),
     ]
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):

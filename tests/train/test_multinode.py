@@ -252,7 +252,9 @@ def test_trainer_takes_ranks_per_node(tmp_path):
     assert trainer.topology.describe() == {"world_size": 4, "nodes": 2, "ranks_per_node": 2,
                                            "source": "--ranks-per-node"}  # fmt: skip
     assert trainer.engine.config.ranks_per_node == 2  # what the planner's PlanConfig gets
-    with pytest.raises(ValueError, match="--ranks-per-node must be >= 1"):
+    with pytest.raises(
+        ValueError, match=r"TrainConfig.ranks_per_node \(--ranks-per-node\) must be"
+    ):
         base_config(tmp_path, ranks_per_node=0)
 
 

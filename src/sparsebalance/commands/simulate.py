@@ -6,9 +6,10 @@ density and budget moved.
 Batches: ``R x --samples-per-rank`` documents per step from ``--dist heavy|uniform|bimodal`` or a
 ``--lengths FILE`` (one length per line, or JSON with a ``lengths`` list and optional paired
 ``densities``); densities at gamma0 (the documents' content) from the power-law model (see
-``sparsebalance.simulate.sparsity``) unless the file has them. Cost: ``--profile P`` or the
-analytic FLOP-count profile (``--analytic h100|h200 --model ... --efficiency E``), plus the
-optimizer step and a ring all-reduce of bf16 gradients per step.
+``sparsebalance.simulate.sparsity``) unless the file has them. Cost: ``--profile P`` (with
+``--model``, only the model it was made for) or the analytic FLOP-count profile (``--analytic
+h100|h200 --model ... --efficiency E``), plus the optimizer step and a ring all-reduce of bf16
+gradients per step.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .. import flags
 from ..files import check_output_folder
 from ..results import markdown_table
 from ..simulate import LengthDistribution, SimConfig
-from ..simulate.scenario import run_simulation
+from ..simulate.scenario import cost_inputs, run_simulation
 
 # Filled by the command itself: the lengths file (``--lengths FILE``) and the sparsity model's
 # block size (= ``--block-size``).
@@ -92,6 +93,7 @@ def write_plots(summary: dict, out_dir: str) -> list[Path]:
 
 def main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    cost_inputs(config)  # --model and --profile readable and of one model, before simulating
     if args.plot:  # before simulating: its results are never lost to an output error
         check_output_folder(args.plot, "--plot")
     summary = run_simulation(config)

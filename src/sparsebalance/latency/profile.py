@@ -242,12 +242,7 @@ def check_profile_fits(
     relative costs hold and online recalibration scales them. The rest of the fingerprint
     (threads, torch version, dtype, backend) only warns (:meth:`Profile.check_fingerprint`)."""
     fp = profile.fingerprint
-    theirs = fp.get("shapes") if isinstance(fp.get("shapes"), dict) else {}
-    mine = shapes.to_dict()
-    diffs = [f"{k} {theirs[k]!r} vs {mine[k]!r}" for k in COST_SHAPES
-             if k in theirs and theirs[k] != mine[k]]  # fmt: skip
-    if "num_layers" not in theirs and profile.num_layers != shapes.num_layers:
-        diffs.append(f"num_layers {profile.num_layers} vs {shapes.num_layers}")
+    diffs = shape_differences(profile, shapes)
     if fp.get("block_size") is not None and fp["block_size"] != block_size:
         diffs.append(f"block_size {fp['block_size']!r} vs {block_size}")
     if fp.get("device_type") is not None and fp["device_type"] != device_type:
@@ -258,6 +253,20 @@ def check_profile_fits(
             f"one for this run with `sparsebalance profile --model MODEL --block-size "
             f"{block_size} --device {device_type}`"
         )
+
+
+def shape_differences(profile: Profile, shapes: ModelShapes) -> list[str]:
+    """``"num_layers 24 vs 4"`` for each cost-relevant shape (:data:`COST_SHAPES`) in which the
+    model ``profile`` was made for differs from ``shapes`` (the layer count alone for a profile
+    whose fingerprint keeps no shapes)."""
+    theirs = profile.fingerprint.get("shapes")
+    theirs = theirs if isinstance(theirs, dict) else {}
+    mine = shapes.to_dict()
+    diffs = [f"{k} {theirs[k]!r} vs {mine[k]!r}" for k in COST_SHAPES
+             if k in theirs and theirs[k] != mine[k]]  # fmt: skip
+    if "num_layers" not in theirs and profile.num_layers != shapes.num_layers:
+        diffs.append(f"num_layers {profile.num_layers} vs {shapes.num_layers}")
+    return diffs
 
 
 def load_profile(path: str | Path) -> Profile:

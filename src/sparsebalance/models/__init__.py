@@ -2,8 +2,10 @@
 
 from .shapes import (
     BUILTIN_MODELS,
+    SUPPORTED_MODEL_TYPES,
     ModelShapes,
     check_attention,
+    check_model_type,
     check_trainable,
     load_shapes,
     model_config,
@@ -12,8 +14,10 @@ from .shapes import (
 
 __all__ = [
     "BUILTIN_MODELS",
+    "SUPPORTED_MODEL_TYPES",
     "ModelShapes",
     "check_attention",
+    "check_model_type",
     "check_trainable",
     "load_shapes",
     "model_config",

@@ -12,6 +12,16 @@ from pathlib import Path
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 BUILTIN_MODELS = tuple(sorted(p.stem for p in CONFIG_DIR.glob("*.json")))
+SUPPORTED_MODEL_TYPES = {
+    "qwen2": "Qwen2/Qwen2.5",
+    "qwen3": "Qwen3",
+    "llama": "Llama",
+    "mistral": "Mistral without a sliding window",
+}
+"""``config.json``'s ``model_type`` -> the family: decoders whose attention goes through
+transformers' ``AttentionInterface`` as full causal attention, with the keys :class:`ModelShapes`
+reads. Others (GPT-2's ``n_head``, ``n_layer``, ...) are refused before anything is built."""
+SUPPORTED = ", ".join(f"{name} ({kind!r})" for kind, name in SUPPORTED_MODEL_TYPES.items())
 
 
 @dataclass(frozen=True)
@@ -59,7 +69,10 @@ class ModelShapes:
                 qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
             )
         except KeyError as err:
-            raise ValueError(f"model config {name!r} lacks the key {err.args[0]!r}") from None
+            raise ValueError(
+                f"model config {name!r} lacks the key {err.args[0]!r}, which the config of a "
+                f"supported model has (supported: {SUPPORTED})"
+            ) from None
 
     def layer_params(self) -> int:
         """Parameters of one decoder layer (projections + MLP + norms)."""
@@ -72,9 +85,11 @@ class ModelShapes:
         return asdict(self)
 
 
-def model_config(model: str) -> dict:
+def model_config(model: str, who: str | None = None) -> dict:
     """The ``config.json`` dict of a built-in model name, a ``config.json`` path, or a directory
-    holding one (``ValueError`` naming ``--model`` when there is none or it is not JSON)."""
+    holding one, of a supported model type (:func:`check_model_type`). ``ValueError`` naming
+    ``who`` (default ``--model M``) when there is none, it is not JSON or the type is not one."""
+    who = who or f"--model {model}"
     if model in BUILTIN_MODELS:
         path = CONFIG_DIR / f"{model}.json"
     else:
@@ -83,15 +98,29 @@ def model_config(model: str) -> dict:
             path = path / "config.json"
         if not path.is_file():
             raise ValueError(
-                f"--model {model!r}: not a built-in model {BUILTIN_MODELS} and no config.json there"
+                f"{who}: not a built-in model {BUILTIN_MODELS} and no config.json there"
             )
     try:
         cfg = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"--model {model!r}: {path} is not valid JSON ({err})") from None
+        raise ValueError(f"{who}: {path} is not valid JSON ({err})") from None
     if not isinstance(cfg, dict):
-        raise ValueError(f"--model {model!r}: {path} is not a model config (a JSON object)")
+        raise ValueError(f"{who}: {path} is not a model config (a JSON object)")
+    check_model_type(cfg, who)
     return cfg
+
+
+def check_model_type(config, who: str) -> None:
+    """One ``ValueError`` naming ``who`` (``--model M``) when the config (a dict or a
+    transformers config) declares a ``model_type`` outside :data:`SUPPORTED_MODEL_TYPES`; a
+    hand-written config without one is judged by its keys (:meth:`ModelShapes.from_hf_config`)."""
+    kind = config.get("model_type") if isinstance(config, dict) else getattr(
+        config, "model_type", None)  # fmt: skip
+    if kind is not None and kind not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{who}: model type {kind!r} is not supported (supported: {SUPPORTED}): SparseBalance "
+            "runs decoders whose attention it replaces as full document-causal attention"
+        )
 
 
 def load_shapes(model: str) -> ModelShapes:
@@ -131,9 +160,11 @@ def check_attention(config, who: str) -> None:
         )
 
 
-def check_trainable(model: str) -> ModelShapes:
-    """The shapes of ``--model``, refused in one line before anything is built or profiled when
-    the block-sparse attention cannot run it."""
-    cfg = model_config(model)
-    check_attention(cfg, f"--model {model}")
+def check_trainable(model: str, who: str | None = None) -> ModelShapes:
+    """The shapes of ``--model``, refused in one line naming ``who`` (default ``--model M``)
+    before anything is built or profiled when it is not a supported model type or the
+    block-sparse attention cannot run it."""
+    who = who or f"--model {model}"
+    cfg = model_config(model, who)
+    check_attention(cfg, who)
     return ModelShapes.from_hf_config(cfg, name=model)

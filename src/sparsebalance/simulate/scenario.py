@@ -31,6 +31,7 @@ from ..latency import (
     load_profile,
 )
 from ..latency.context import RING_KINDS
+from ..latency.profile import Profile, shape_differences
 from ..models import ModelShapes, load_shapes
 from ..sizes import SIM_BYTES_PER_DOCUMENT, check_memory, plan_bytes
 from ..tuning import DensityCurve, DSTConfig
@@ -74,8 +75,9 @@ class SimConfig:
     """[--profile] a measured latency profile; else the analytic one."""
     analytic: str = "h100"
     """[--analytic] accelerator of the analytic profile (and of the all-reduce model)."""
-    model: str = "qwen2.5-0.5b"
-    """[--model] model shapes (built-in name or config.json path)."""
+    model: str | None = None
+    """[--model] model shapes (built-in name or config.json path) of the analytic profile, default
+    qwen2.5-0.5b; with --profile, the model the profile was made for (it prices no other)."""
     efficiency: float = 0.45
     """[--efficiency] fraction of peak FLOP/s reached by dense GEMMs (analytic profile)."""
     attention_efficiency: float = 0.35
@@ -147,14 +149,40 @@ def draw_batches(config: SimConfig, world_size: int) -> list[StepBatch]:
     return out
 
 
+DEFAULT_MODEL = "qwen2.5-0.5b"
+"""The analytic profile's model when ``--model`` is not given."""
+
+
+def cost_inputs(config: SimConfig) -> tuple[Profile | None, ModelShapes | None]:
+    """The measured profile (or None: analytic) and the model shapes the simulation prices,
+    checked before anything is simulated: ``--model`` must be a supported model, and with
+    ``--profile`` the model the profile was made for (a profile prices no other model's layers;
+    ``ValueError`` naming both). Shapes are None for a profile that keeps none and no
+    ``--model``: the all-reduce is then left out."""
+    model = flags.name(config, "model")
+    shapes = None if config.model is None else load_shapes(config.model)
+    if config.profile is None:
+        return None, shapes or load_shapes(DEFAULT_MODEL)
+    profile = load_profile(config.profile)
+    if shapes is not None:
+        diffs = shape_differences(profile, shapes)
+        if diffs:
+            raise ValueError(
+                f"{flags.name(config, 'profile')} {config.profile} was made for another model "
+                f"than {model} {config.model} (profile vs model: {'; '.join(diffs)}): leave "
+                f"{model} out (the profile prices its own model), or make a profile of "
+                f"{config.model} with `sparsebalance profile --model {config.model}`"
+            )
+        return profile, shapes
+    kept = profile.fingerprint.get("shapes")
+    return profile, ModelShapes(name="profile", **kept) if isinstance(kept, dict) else None
+
+
 def build_cost_model(config: SimConfig) -> tuple[LatencyModel, ModelShapes | None, str]:
     """The latency model, the shapes it prices (for the all-reduce) and a one-line description."""
-    if config.profile is not None:
-        profile = load_profile(config.profile)
-        shapes = profile.fingerprint.get("shapes")
-        model_shapes = ModelShapes(name="profile", **shapes) if isinstance(shapes, dict) else None
-        return LatencyModel(profile), model_shapes, f"profile {config.profile}"
-    shapes = load_shapes(config.model)
+    profile, shapes = cost_inputs(config)
+    if profile is not None:
+        return LatencyModel(profile), shapes, f"profile {config.profile}"
     # The analytic grid spans 2 x max_context tokens: widen it to the largest possible pack so
     # no prediction leaves the table (the analytic form is the same function either way).
     per_rank = config.lengths.longest * config.samples_per_rank
@@ -164,7 +192,7 @@ def build_cost_model(config: SimConfig) -> tuple[LatencyModel, ModelShapes | Non
         config.block_size,
     )  # fmt: skip
     desc = (
-        f"analytic {config.model} on {config.analytic} (GEMM efficiency {config.efficiency:g}, "
+        f"analytic {shapes.name} on {config.analytic} (GEMM efficiency {config.efficiency:g}, "
         f"attention {config.attention_efficiency:g}, block {config.block_size})"
     )
     return LatencyModel(profile), shapes, desc

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ..engine.step import NonFiniteLoss
+from ..flags import command_line
 from .config import add_train_arguments, config_from_args
 from .multinode import adopt_slurm_env
 from .runlock import ENV_TOKEN, RunLock, join
@@ -19,6 +20,11 @@ from .trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
+    with command_line():  # a rank of `sparsebalance train`: messages name the flags
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         adopt_slurm_env()  # under srun without torchrun: SLURM_* -> RANK/WORLD_SIZE/LOCAL_RANK
     except ValueError as err:

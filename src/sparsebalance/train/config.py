@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -163,85 +163,79 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         flags.check_fields(self)  # types first (the Python API): one line naming the field
+        n, given = self._name, partial(flags.given, self)
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
-            raise ValueError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}")
+            raise ValueError(f"{n('ranks_per_node')} must be >= 1, got {self.ranks_per_node}")
         if self.emulate_ranks < 0:
-            raise ValueError(f"--emulate-ranks must be >= 0, got {self.emulate_ranks}")
+            raise ValueError(f"{n('emulate_ranks')} must be >= 0, got {self.emulate_ranks}")
         if self.steps <= 0:
-            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+            raise ValueError(f"{n('steps')} must be >= 1, got {self.steps}")
         if self.global_batch <= 0:
-            raise ValueError(f"--global-batch must be >= 1, got {self.global_batch}")
+            raise ValueError(f"{n('global_batch')} must be >= 1, got {self.global_batch}")
         if (self.micro_batches is None) == (self.capacity is None):
-            raise ValueError("give exactly one of --micro-batches and --capacity")
+            raise ValueError(f"give exactly one of {n('micro_batches')} and {n('capacity')}")
         self._check_memory_options()
         if self.strategy not in ("auto", *STRATEGIES):
             raise ValueError(
-                f"--strategy must be auto or one of {STRATEGIES}, got {self.strategy!r}"
+                f"{n('strategy')} must be auto or one of {STRATEGIES}, got {self.strategy!r}"
             )
         if self.cp is not None and (self.cp < 2 or self.strategy not in ("sab-cp", "auto")):
             raise ValueError(
-                f"--cp must be >= 2 and needs --strategy sab-cp, got --cp {self.cp} with "
-                f"--strategy {self.strategy}"
+                f"{n('cp')} must be >= 2 and needs {given('strategy', 'sab-cp')}, "
+                f"got {self.cp} with {self.strategy!r}"
             )
         if self.strategy == "sab-cp" and self.emulate_ranks:
             raise ValueError(
-                "--strategy sab-cp cannot run with --emulate-ranks: its CP units need their ranks "
-                "to run together (a ring); emulate with --strategy sab, or launch real ranks "
-                "with --nproc"
+                f"{given('strategy', 'sab-cp')} cannot run with {n('emulate_ranks')}: its CP "
+                f"units need their ranks to run together (a ring); emulate with "
+                f"{given('strategy', 'sab')}, or launch real ranks with --nproc"
             )
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"--estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
         if self.estimator == "ema" and self.dst.budget != "top-k":
-            raise ValueError("--estimator ema averages top-k budgets: it needs --budget top-k")
-        if self.overlong not in OVERLONG:
-            raise ValueError(f"--overlong must be one of {OVERLONG}, got {self.overlong!r}")
-        if self.parallel not in PARALLEL:
-            raise ValueError(f"--parallel must be one of {PARALLEL}, got {self.parallel!r}")
-        if self.measure_bubble not in MEASURE_BUBBLE:
             raise ValueError(
-                f"--measure-bubble must be one of {MEASURE_BUBBLE}, got {self.measure_bubble!r}"
+                f"{given('estimator', 'ema')} averages top-k budgets: it needs --budget top-k"
             )
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(
-                f"--schedule must be cosine, linear or constant, got {self.schedule!r}"
-            )
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
-        if self.lr <= 0 or self.grad_clip < 0 or self.warmup_steps < 0:
-            raise ValueError("--lr must be > 0; --grad-clip, --warmup-steps >= 0")
+        self._check_choices(
+            estimator=ESTIMATORS, overlong=OVERLONG, parallel=PARALLEL,
+            measure_bubble=MEASURE_BUBBLE, precision=PRECISIONS,
+            schedule=("cosine", "linear", "constant"),
+            device=("auto", "cpu", "cuda"), on_bad_record=("error", "skip"),
+        )  # fmt: skip
+        for key, low in (("lr", "> 0"), ("grad_clip", ">= 0"), ("weight_decay", ">= 0")):
+            value = getattr(self, key)
+            if not (value > 0 if low == "> 0" else value >= 0):  # finite: checked by type
+                raise ValueError(f"{n(key)} must be {low}, got {value}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"{n('warmup_steps')} must be >= 0, got {self.warmup_steps}")
         self._resolve_block_size()
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.precision == "fp16" and self.parallel == "fsdp2":
-            raise ValueError("--precision fp16 (loss scaling) is not supported with --parallel "
-                             "fsdp2: use bf16")  # fmt: skip
-        if not (math.isfinite(self.comm_timeout) and self.comm_timeout > 0):
-            raise ValueError(f"--comm-timeout must be > 0 seconds, got {self.comm_timeout}")
+            raise ValueError(f"{given('precision', 'fp16')} (loss scaling) is not supported "
+                             f"with {given('parallel', 'fsdp2')}: use bf16")  # fmt: skip
+        if not self.comm_timeout > 0:
+            raise ValueError(f"{n('comm_timeout')} must be > 0 seconds, got {self.comm_timeout}")
         if (self.min_len is not None and self.min_len < 1) or (
             self.max_len is not None and self.max_len < (self.min_len or 1)
         ):
             raise ValueError(
-                f"need 1 <= --min-len <= --max-len, got {self.min_len}, {self.max_len}"
+                f"need 1 <= {n('min_len')} <= {n('max_len')}, got {self.min_len}, {self.max_len}"
             )
-        if self.on_bad_record not in ("error", "skip"):
-            raise ValueError(f"--on-bad-record must be error or skip, got {self.on_bad_record!r}")
         if self.data is not None:
             for path, _ in parse_mixture(self.data):
                 if not Path(path).exists():
-                    raise ValueError(f"--data {path!r}: no such file or directory")
-        for name in ("num_builtin", "checkpoint_every", "keep_checkpoints", "micro_batches",
-                     "capacity", "max_nonfinite_steps"):  # fmt: skip
-            value, low = getattr(self, name), 0 if name in ZERO_OK else 1
+                    raise ValueError(f"{given('data', path)}: no such file or directory")
+        for key in ("num_builtin", "checkpoint_every", "keep_checkpoints", "micro_batches",
+                    "capacity", "max_nonfinite_steps"):  # fmt: skip
+            value, low = getattr(self, key), 0 if key in ZERO_OK else 1
             if value is not None and value != "auto" and value < low:  # capacity may be "auto"
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be >= {low}, got {value}")
-        if not math.isfinite(self.lr) or not self.weight_decay >= 0:
-            raise ValueError(f"--lr must be finite and --weight-decay >= 0, got {self.lr}, "
-                             f"{self.weight_decay}")  # fmt: skip
-        for flag, path in (("--tokenizer", self.tokenizer), ("--profile", self.profile)):
+                raise ValueError(f"{n(key)} must be >= {low}, got {value}")
+        for key in ("tokenizer", "profile"):
+            path = getattr(self, key)
             if path is not None and not Path(path).exists():
-                raise ValueError(f"{flag} {path!r}: no such file or directory")
-        check_out_folder(Path(self.out), self.resume, self.overwrite)
+                raise ValueError(f"{given(key, path)}: no such file or directory")
+        check_out_folder(Path(self.out), self.resume, self.overwrite, self)
+
+    def _name(self, field: str) -> str:
+        """``--lr`` on the command line, ``TrainConfig.lr (--lr)`` from the Python API."""
+        return flags.name(self, field)
 
     def on_cuda(self) -> bool:
         """The run's device is CUDA (``--device cuda``, or ``auto`` with a GPU present)."""
@@ -251,36 +245,57 @@ class TrainConfig:
         """``--block-size`` default per device (saved resolved: a run's identity), and the
         combination flex cannot compile refused here, before anything runs."""
         device = "cuda" if self.on_cuda() else "cpu"
-        self.block_size = resolve_block_size(self.block_size, device)
+        try:
+            self.block_size = resolve_block_size(self.block_size, device)
+        except ValueError as err:
+            raise self._renamed(err, "block_size") from None
         if self.backend != "auto":  # a name the op does not know fails here, not at a forward
             try:
                 resolve_backend(self.backend, torch.device(device))
             except ValueError as err:
-                raise ValueError(f"--backend {self.backend}: {err}") from None
-        if self.backend in ("auto", "flex"):
-            check_flex_block_size(self.block_size, device)
+                raise ValueError(f"{flags.given(self, 'backend', self.backend)}: {err}") from None
+        try:
+            if self.backend in ("auto", "flex"):
+                check_flex_block_size(self.block_size, device)
+        except ValueError as err:
+            raise self._renamed(err, "block_size") from None
+
+    def _renamed(self, err: ValueError, field: str) -> ValueError:
+        """``err``, raised by a helper that names the field's flag, naming it as :meth:`_name`
+        does."""
+        flag = "--" + field.replace("_", "-")
+        return ValueError(str(err).replace(flag, self._name(field), 1))
 
     def _check_memory_options(self) -> None:
+        n = self._name
         if isinstance(self.capacity, str) and self.capacity != "auto":
             try:
                 self.capacity = int(self.capacity)
             except ValueError:
                 raise ValueError(
-                    f"--capacity must be a token count or 'auto', got {self.capacity!r}"
+                    f"{n('capacity')} must be a token count or 'auto', got {self.capacity!r}"
                 ) from None
         if isinstance(self.capacity, int) and self.capacity < 1:
-            raise ValueError(f"--capacity must be >= 1, got {self.capacity}")
+            raise ValueError(f"{n('capacity')} must be >= 1, got {self.capacity}")
         if self.memory_budget is not None:
-            parse_bytes(self.memory_budget)  # raises naming --memory-budget
+            try:
+                parse_bytes(self.memory_budget)  # raises naming --memory-budget
+            except ValueError as err:
+                raise self._renamed(err, "memory_budget") from None
         elif self.capacity == "auto" and self.device == "cpu":
-            raise ValueError("--capacity auto on CPU needs --memory-budget (e.g. 8GiB)")
-        if self.activation_checkpointing not in CHECKPOINT_MODES:
             raise ValueError(
-                f"--activation-checkpointing must be one of {CHECKPOINT_MODES}, "
-                f"got {self.activation_checkpointing!r}"
+                f"{flags.given(self, 'capacity', 'auto')} on CPU needs {n('memory_budget')} "
+                "(e.g. 8GiB)"
             )
-        if self.loss not in LOSS_IMPLS:
-            raise ValueError(f"--loss must be one of {LOSS_IMPLS}, got {self.loss!r}")
+        self._check_choices(activation_checkpointing=CHECKPOINT_MODES, loss=LOSS_IMPLS)
+
+    def _check_choices(self, **allowed: tuple) -> None:
+        """Each field named is one of its allowed values."""
+        for key, values in allowed.items():
+            if getattr(self, key) not in values:
+                raise ValueError(
+                    f"{self._name(key)} must be one of {values}, got {getattr(self, key)!r}"
+                )
 
 
 def resolve_strategy(cfg: TrainConfig, num_ranks: int) -> TrainConfig:
@@ -305,14 +320,23 @@ def check_batch(cfg: TrainConfig, num_docs: int, num_ranks: int) -> None:
         )
 
 
-def check_out_folder(out: Path, resume: bool, overwrite: bool) -> None:
+def check_out_folder(out: Path, resume: bool, overwrite: bool, config=None) -> None:
     """Cheap checks of ``--out`` before anything expensive: a folder (or creatable as one) that
-    this user can write, holding a checkpoint when resuming."""
+    this user can write, holding a checkpoint when resuming. Messages name the fields as
+    ``config`` (a :class:`TrainConfig`) was given (:func:`sparsebalance.flags.name`)."""
+    n = partial(flags.name, config) if config is not None else lambda f: f"--{f}"
     if resume and overwrite:
-        raise ValueError("--resume continues the run in --out, --overwrite replaces it: pick one")
-    check_output_folder(out, "--out")
+        raise ValueError(f"{n('resume')} continues the run in {n('out')}, {n('overwrite')} "
+                         "replaces it: pick one")  # fmt: skip
+    try:
+        check_output_folder(out, "--out")
+    except ValueError as err:
+        if config is None:
+            raise
+        raise ValueError(str(err).replace(f"--out {out}", flags.given(config, "out", str(out)),
+                                          1)) from None  # fmt: skip
     if resume and not any((out / "checkpoints").glob("step-*")):
-        raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}")
+        raise ValueError(f"{n('resume')}: no checkpoint in {out / 'checkpoints'}")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:

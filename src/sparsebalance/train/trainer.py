@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import flags
 from ..batching import make_estimator
 from ..data import load_tokenizer
 from ..data.batches import BatchSource
@@ -56,7 +57,7 @@ from ..latency.memory import (
     with_budget_fraction,
 )
 from ..latency.memory_fit import find_calibration, memory_fingerprint
-from ..models import ModelShapes, check_attention
+from ..models import ModelShapes, check_attention, check_trainable
 from ..models.checkpointing import apply_activation_checkpointing
 from ..models.hf import build_model
 from ..parallel.groups import RingGroups
@@ -126,10 +127,12 @@ class Trainer:
         self.topology = self._topology()
         seed_everything(cfg.seed)
         self.run_dir = Path(cfg.out)
+        named = flags.given(cfg, "model", cfg.model)  # --model M, or TrainConfig.model='M'
+        check_trainable(cfg.model, named)  # a type or an attention it cannot run: before building
         tokenizer = load_tokenizer(cfg.tokenizer)
         corpus = open_corpus(self._resolve_data(tokenizer), cfg.min_len, cfg.max_len)
         self.model = build_model(cfg.model, rt.device, torch.float32, seed=cfg.seed)
-        check_attention(self.model.config, f"--model {cfg.model}")  # before it is profiled
+        check_attention(self.model.config, named)  # as built: defaults the file left out
         apply_activation_checkpointing(self.model, cfg.activation_checkpointing)
         vocab = int(self.model.config.vocab_size)
         if corpus.max_token_id() >= vocab:
