@@ -26,6 +26,8 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from .store import MANIFEST, is_store
+
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".parquet", ".txt", ".arrow")
 REASONS = (
     "invalid JSON",
@@ -104,23 +106,41 @@ def is_hf_dataset(path: Path) -> bool:
 
 
 def input_files(paths: list[str | Path], flag: str = "INPUT") -> list[Path]:
-    """Every readable input (files, saved HF dataset folders), folders expanded in sorted order."""
+    """Every readable input (files, saved HF dataset folders), folders expanded in sorted order.
+    A token store (or a folder holding one, or its manifest) is refused: it is already
+    prepared, and its manifest would be read as a JSON record."""
     out: list[Path] = []
     for p in map(Path, paths):
+        _refuse_store(p, flag)
         if is_hf_dataset(p):
             out.append(p)
         elif p.is_dir():
             found = sorted(f for f in p.rglob("*") if f.is_file() and suffix(f) in SUFFIXES)
             if not found:
                 raise ValueError(f"{flag} {p}: no {'/'.join(SUFFIXES)} files in the folder")
+            for manifest in (f for f in found if f.name == MANIFEST):
+                _refuse_store(manifest.parent, flag, within=p)
             out += found
         elif p.is_file():
             if suffix(p) not in SUFFIXES:
                 raise ValueError(f"{flag} {p}: unknown format (expected one of {SUFFIXES})")
+            if p.name == MANIFEST:
+                _refuse_store(p.parent, flag, within=p)
             out.append(p)
         else:
             raise ValueError(f"{flag} {p}: no such file or directory")
     return out
+
+
+def _refuse_store(path: Path, flag: str, within: Path | None = None) -> None:
+    """One ``ValueError`` when ``path`` is a token store given where raw data is read."""
+    if not is_store(path):
+        return
+    where = f"{flag} {within}: {path} is" if within else f"{flag} {path}:"
+    raise ValueError(
+        f"{where} a token store, already prepared, not raw data to tokenize: train on it with "
+        f"`sparsebalance train --data {path}` (prepare reads {'/'.join(SUFFIXES)} files)"
+    )
 
 
 def file_digest(path: Path, chunk: int = 1 << 22) -> str:
@@ -309,18 +329,30 @@ def _read_batches(batches, path: Path, field: str, bad: BadRecords) -> Iterator[
                 yield rec
 
 
+def _unreadable(path: Path, what: str, err: Exception) -> ValueError:
+    """A file pyarrow cannot read, named, in one line (pyarrow's own message names no file)."""
+    detail = " ".join(str(err).split())
+    return ValueError(f"{path}: not a readable {what} file ({type(err).__name__}: {detail})")
+
+
 def _read_parquet(path: Path, field: str, bad: BadRecords, progress) -> Iterator[tuple[str, str]]:
     pa = _pyarrow(path)
-    pf = pa.parquet.ParquetFile(path)
+    try:
+        pf = pa.parquet.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:  # garbage, truncated, not parquet
+        raise _unreadable(path, "parquet", err) from None
     names = pf.schema_arrow.names
     cols = [c for c in (field, "source", "task") if c in names] or None
     size, groups = path.stat().st_size, max(1, pf.num_row_groups)
 
     def batches():
-        for g in range(pf.num_row_groups):
-            yield from pf.iter_batches(batch_size=1024, row_groups=[g], columns=cols)
-            if progress:
-                progress(size // groups)
+        try:
+            for g in range(pf.num_row_groups):
+                yield from pf.iter_batches(batch_size=1024, row_groups=[g], columns=cols)
+                if progress:
+                    progress(size // groups)
+        except (pa.ArrowException, OSError) as err:  # a damaged row group
+            raise _unreadable(path, "parquet", err) from None
 
     yield from _read_batches(batches(), path, field, bad)
 
@@ -342,13 +374,16 @@ def _read_arrow(path: Path, field: str, bad: BadRecords, progress) -> Iterator[t
     for f in _arrow_files(path) if path.is_dir() else [path]:
         with pa.memory_map(str(f)) as source:
             try:
-                reader = pa.ipc.open_stream(source)
-            except pa.ArrowInvalid:
-                reader = pa.ipc.open_file(source)
-                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-            else:
-                batches = iter(reader)
-            yield from _read_batches(batches, f, field, bad)
+                try:
+                    reader = pa.ipc.open_stream(source)
+                except pa.ArrowInvalid:
+                    reader = pa.ipc.open_file(source)
+                    batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+                else:
+                    batches = iter(reader)
+                yield from _read_batches(batches, f, field, bad)
+            except (pa.ArrowException, OSError) as err:  # garbage, truncated, not Arrow
+                raise _unreadable(f, "Arrow", err) from None
         if progress:
             progress(f.stat().st_size)
 

@@ -60,6 +60,12 @@ class QwenTokenizer:
         return {"input_ids": self.encode(text)}
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "spiece.model")  # fmt: skip
+"""A Hugging Face tokenizer folder holds at least one of these (``save_pretrained`` writes
+``tokenizer.json`` and ``tokenizer_config.json``)."""
+
+
 class HFTokenizer:
     """A local Hugging Face tokenizer directory."""
 
@@ -68,7 +74,20 @@ class HFTokenizer:
 
         if not Path(path).is_dir():
             raise ValueError(f"--tokenizer {path!r} is not a directory of tokenizer files")
-        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(
+                f"--tokenizer {path}: no tokenizer files in the folder (it needs tokenizer.json, "
+                "or tokenizer_config.json with its vocabulary: vocab.json + merges.txt, "
+                "tokenizer.model or vocab.txt; write them with tokenizer.save_pretrained(DIR))"
+            )
+        try:
+            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as err:  # transformers and tokenizers raise many kinds, over lines
+            detail = " ".join(str(err).split())
+            raise ValueError(
+                f"--tokenizer {path}: transformers could not load a tokenizer from the folder "
+                f"({type(err).__name__}: {detail})"
+            ) from None
         self.name = f"hf:{Path(path).resolve()}"
         self.eos_token_id = self._tok.eos_token_id
         self.vocab_size = len(self._tok)
