@@ -148,3 +148,19 @@ def test_a_simulation_refuses_a_profile_of_another_model(tmp_path):
         run_simulation(config)
     assert_one_line(err.value, "SimConfig.profile (--profile)", "SimConfig.model (--model)",
                     "num_layers 4 vs 24")  # fmt: skip
+
+
+def test_the_trainer_refuses_to_resume_with_fewer_steps_than_trained(tmp_path):
+    from sparsebalance.train.checkpoint import save_checkpoint
+    from sparsebalance.train.config import to_dict
+
+    done = _config(tmp_path, steps=10)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    save_checkpoint(tmp_path / "run", 10, model, opt, sched,
+                    {"step": 10, "config": to_dict(done)}, [], True)  # fmt: skip
+    cfg = _config(tmp_path, steps=6, resume=True)
+    with pytest.raises(ValueError) as err:
+        Trainer(cfg, Runtime(0, 1, torch.device("cpu")))
+    assert_one_line(err.value, "TrainConfig.steps (--steps) 6", "already has 10 steps")

@@ -5,6 +5,7 @@ refused in one line (exit 2) before anything is launched or profiled, and nothin
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from sparsebalance.train.checkpoint import save_checkpoint
 from sparsebalance.train.config import TrainConfig, to_dict
 from tests.badinput.conftest import (
+    ExpensiveStageReached,
     assert_refused,
     cli,
     gpt2_model,
@@ -117,23 +119,81 @@ def test_a_profile_of_another_run_is_refused_before_launch(tmp_path, capsys, mod
     assert not (tmp_path / "run").exists()
 
 
+def _saved_run(tmp_path, step: int = 1, steps: int = 2) -> Path:
+    """The folder of a run of ``--steps steps`` (the flags of :func:`_run_flags`) with its
+    checkpoint at ``step`` (a stand-in model: nothing loads it before launch)."""
+    run = tmp_path / "run"
+    cfg = TrainConfig(data=str(tmp_path / "data.jsonl"), block_size=32, device="cpu",
+                      steps=steps, global_batch=4, capacity=512, out=str(run),
+                      strategy="sab")  # fmt: skip
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    save_checkpoint(run, step, model, opt, sched, {"step": step, "config": to_dict(cfg)}, [],
+                    True)  # fmt: skip
+    (run / "config.json").write_text(json.dumps({"schema_version": 2, **to_dict(cfg)}))
+    return run
+
+
 def test_resume_refuses_a_profile_of_another_run(tmp_path, capsys):
     """``--profile`` may change on --resume, but only to one for this run: the folder of the
     run being resumed stays as it was."""
     argv = _run_flags(tmp_path, "--nproc", "1")
-    run = tmp_path / "run"
-    cfg = TrainConfig(data=str(tmp_path / "data.jsonl"), block_size=32, device="cpu", steps=2,
-                      global_batch=4, capacity=512, out=str(run), strategy="sab")  # fmt: skip
-    model = torch.nn.Linear(4, 4)
-    opt = torch.optim.AdamW(model.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    save_checkpoint(run, 1, model, opt, sched, {"step": 1, "config": to_dict(cfg)}, [], True)
-    (run / "config.json").write_text(json.dumps({"schema_version": 2, **to_dict(cfg)}))
+    run = _saved_run(tmp_path)
     before = snapshot(run)
     other = write_profile(tmp_path, "other.json", model="qwen2.5-0.5b")
     code, err = cli(capsys, *argv, "--resume", "--profile", other)
     assert_refused(code, err, "train", f"--profile {other}", "num_layers 24 vs 4")
     assert snapshot(run) == before
+
+
+def test_resume_with_fewer_steps_than_trained_is_refused_before_launch(tmp_path, capsys):
+    """``--resume --steps 6`` from step 10 trained nothing and exited 0 (its config then said 6
+    steps of a 10-step run)."""
+    argv = _run_flags(tmp_path, "--nproc", "1")
+    run = _saved_run(tmp_path, step=10, steps=10)
+    before = snapshot(run)
+    code, err = cli(capsys, *argv, "--resume", "--steps", "6")
+    assert_refused(code, err, "train", "--resume with --steps 6", "already has 10 steps",
+                   "checkpoints/step-000010", "--steps > 10")  # fmt: skip
+    assert snapshot(run) == before
+
+
+def test_resume_of_a_complete_run_says_so_without_launching(tmp_path, capsys):
+    argv = _run_flags(tmp_path, "--nproc", "1")
+    run = _saved_run(tmp_path, step=10, steps=10)
+    before = snapshot(run)
+    code, err = cli(capsys, *argv, "--resume", "--steps", "10")
+    lines = err.strip().splitlines()
+    assert code == 0 and len(lines) == 1, err
+    assert lines[0].startswith("sparsebalance train: --resume: the run in") and "complete" in err
+    assert snapshot(run) == before  # no launch (the tripwire), no report rewritten
+
+
+def _damage(checkpoint: Path) -> None:
+    data = bytearray((checkpoint / "model.pt").read_bytes())
+    data[-20] ^= 0xFF
+    (checkpoint / "model.pt").write_bytes(bytes(data))
+
+
+# (the run's own --steps, damage to its step-10 checkpoint): --resume --steps 10 launches
+ENDS_THERE_BUT_NOT_COMPLETE = [
+    pytest.param(20, None, id="a-longer-run-stopped-at-step-10"),
+    pytest.param(10, _damage, id="its-last-checkpoint-damaged"),
+]
+
+
+@pytest.mark.parametrize(("steps", "damage"), ENDS_THERE_BUT_NOT_COMPLETE)
+def test_resume_at_the_last_step_launches_unless_the_run_is_complete(tmp_path, capsys, steps,
+                                                                     damage):  # fmt: skip
+    """Equal steps launch when the run did not end there (it is ended: its config and metrics
+    follow) or its checkpoint there is damaged (rank 0 resumes from an older one)."""
+    argv = _run_flags(tmp_path, "--nproc", "1")
+    run = _saved_run(tmp_path, step=10, steps=steps)
+    if damage is not None:
+        damage(run / "checkpoints" / "step-000010")
+    with pytest.raises(ExpensiveStageReached, match="training was launched"):
+        cli(capsys, *argv, "--resume", "--steps", "10")
 
 
 # a model folder (made by the case) -> what the line must name besides --model

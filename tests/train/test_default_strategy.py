@@ -38,6 +38,7 @@ def test_the_command_line_launches_the_resolved_strategy(tmp_path, monkeypatch):
 
     def fake_launch(cfg, nproc, rdzv=None):
         launched.append((cfg.strategy, nproc))
+        return True  # launched (not a complete run's --resume)
 
     monkeypatch.setattr("sparsebalance.commands.train.launch", fake_launch)
     monkeypatch.setattr("sparsebalance.commands.train.write_report", lambda out: (None, {}))

@@ -59,18 +59,24 @@ def main(args: argparse.Namespace) -> int:
     if rdzv.multinode and args.demo:
         raise ValueError("--demo runs on one machine: drop --nnodes")
     runs = demo_configs(cfg) if args.demo else {"run": resolve_strategy(cfg, nproc * rdzv.nnodes)}
+    launched = False
     for name, run_cfg in runs.items():
         if not args.json:
             print(f"== {name}: strategy={run_cfg.strategy}, dst={run_cfg.dst.mode}, "
                   f"ranks={nproc * rdzv.nnodes}, steps={run_cfg.steps} -> {run_cfg.out}",
                   flush=True)  # fmt: skip
         try:
-            launch(run_cfg, nproc, rdzv)
+            launched |= launch(run_cfg, nproc, rdzv)
         except RunFailed as err:
             if err.reported:  # rank 0 already said why in one line
                 return err.code
             raise
     if rdzv.node_rank > 0:  # node 0 writes the run folder and its report
+        return 0
+    if not launched:  # --resume of a complete run: its report is there already
+        comparison = Path(cfg.out) / "comparison.json"
+        if args.json and comparison.is_file():
+            print(comparison.read_text().strip())
         return 0
     path, comparison = write_report(Path(cfg.out))
     if args.json:

@@ -18,7 +18,7 @@ import torch
 from .checkpoint import find_checkpoint
 from .config import RUN_STATE, TrainConfig, check_batch, resolve_strategy, to_record
 from .multinode import Rendezvous, Topology
-from .resume import check_same_run
+from .resume import check_same_run, check_steps, is_complete
 from .runlock import ENV_TOKEN, FOLLOW, RunLock
 from .signals import HANDLED, die_with_parent
 
@@ -89,11 +89,14 @@ class RunFailed(RuntimeError):
 REPORTED_CODES = {2, 3} | {128 + s for s in HANDLED}  # user error, non-finite loss, signals
 
 
-def preflight(cfg: TrainConfig, nproc: int) -> None:
+def preflight(cfg: TrainConfig, nproc: int, multinode: bool = False) -> str | None:
     """Everything cheap that can fail, before any process starts or anything is profiled: the
     model's config, the tokenizer, the data (read and tokenized into the shared cache, which the
     workers then read), the global batch against the dataset and the ranks, ``--ranks-per-node``
-    against the ranks, and with ``--resume`` that the checkpoint belongs to this run."""
+    against the ranks, and with ``--resume`` that the checkpoint belongs to this run and that
+    ``--steps`` does not ask for fewer steps than it has. Returns the line to print instead of
+    launching when ``--resume`` has nothing to train (the run is complete; on one machine: other
+    machines' ranks would wait for node 0's), else None."""
     from ..data import load_corpus, load_tokenizer
     from ..latency import check_profile_fits, load_profile
     from ..models import check_trainable
@@ -105,6 +108,11 @@ def preflight(cfg: TrainConfig, nproc: int) -> None:
         if path is None:
             raise ValueError(f"--resume: no intact checkpoint in {Path(cfg.out) / 'checkpoints'}")
         check_same_run(path, cfg, None)  # the data's content is checked by rank 0
+        check_steps(path, cfg)  # --steps 6 from step 10: refused, not a run that trains nothing
+        if not multinode and is_complete(path, cfg):
+            return (f"--resume: the run in {cfg.out} is complete ({path.name} of --steps "
+                    f"{cfg.steps}): nothing to train; pass --steps > {cfg.steps} to train it "
+                    "further")  # fmt: skip
     shapes = check_trainable(cfg.model)  # a sliding window: refused before it is profiled
     if cfg.profile:  # readable, and for this run (also on --resume, where it may change)
         profile = load_profile(cfg.profile)
@@ -120,6 +128,7 @@ def preflight(cfg: TrainConfig, nproc: int) -> None:
     note = overlong_note(cfg, corpus.lengths(), cfg.emulate_ranks or nproc)
     if note is not None:
         print(f"sparsebalance train: {note}", file=sys.stderr, flush=True)
+    return None
 
 
 def check_run_folder(cfg: TrainConfig) -> None:
@@ -183,10 +192,12 @@ def overlong_note(cfg: TrainConfig, lengths, num_ranks: int) -> str | None:
             f"--overlong {cfg.overlong}: {fate} ({why})")  # fmt: skip
 
 
-def launch(cfg: TrainConfig, nproc: int, rdzv: Rendezvous | None = None) -> None:
+def launch(cfg: TrainConfig, nproc: int, rdzv: Rendezvous | None = None) -> bool:
     """Run ``torchrun --standalone --nproc_per_node nproc -m sparsebalance.train`` (or a single
     process when ``nproc == 1``) holding the run folder's lock; raises ``ValueError`` for bad
     input found before launching and :class:`RunFailed` if training fails or is stopped.
+    Returns whether anything was launched: not for a ``--resume`` of a complete run (said in
+    one line).
 
     With ``rdzv.nnodes > 1`` torchrun joins the c10d rendezvous instead; node 0 holds the lock
     and writes the run folder, the other nodes only read their own copy of the config.
@@ -209,7 +220,10 @@ def launch(cfg: TrainConfig, nproc: int, rdzv: Rendezvous | None = None) -> None
         with lock:
             if lock.note:
                 print(f"sparsebalance train: note: {lock.note}", file=sys.stderr, flush=True)
-            preflight(cfg, nproc * rdzv.nnodes)
+            complete = preflight(cfg, nproc * rdzv.nnodes, rdzv.multinode)
+            if complete is not None:
+                print(f"sparsebalance train: {complete}", file=sys.stderr, flush=True)
+                return False
             cfg_path = out / "launch-config.json"
             cfg_path.write_text(json.dumps(to_record(cfg), indent=1) + "\n")  # whole nested config
             worker = ["-m", "sparsebalance.train", "--config", str(cfg_path)]
@@ -224,6 +238,7 @@ def launch(cfg: TrainConfig, nproc: int, rdzv: Rendezvous | None = None) -> None
             out.rmdir()  # a refused run leaves no empty folder behind
         raise
     check_exit(rc)
+    return True
 
 
 def check_exit(rc: int) -> None:
@@ -247,6 +262,7 @@ def launch_follower(cfg: TrainConfig, nproc: int, rdzv: Rendezvous) -> None:
         env = {**os.environ, ENV_TOKEN: FOLLOW, LAUNCHER_PID: str(os.getpid())}
         rc = supervise(cmd, env)
     check_exit(rc)
+    return True
 
 
 def supervise(cmd: list[str], env: dict[str, str]) -> int:

@@ -12,8 +12,9 @@ import json
 from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 
+from .. import flags
 from ..versions import CHECKPOINT, CONFIG
-from .checkpoint import checkpoint_version, find_checkpoint
+from .checkpoint import checkpoint_version, find_checkpoint, verify_checkpoint
 from .config import TrainConfig, to_dict, upgrade
 
 SAFE_ON_RESUME = {
@@ -111,6 +112,39 @@ def check_same_run(checkpoint: Path, cfg: TrainConfig, data: dict | None) -> lis
     ]
 
 
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step a checkpoint folder (``step-000010``) holds the run at."""
+    return int(Path(checkpoint).name.rsplit("-", 1)[-1])
+
+
+def check_steps(checkpoint: Path, cfg: TrainConfig) -> None:
+    """``--steps`` below the step ``checkpoint`` holds is refused in one line: the resumed run
+    would train nothing and end with a config that says fewer steps than it has (a run is not
+    shortened on resume). Equal is allowed: the run ends there (:func:`is_complete`)."""
+    done = checkpoint_step(checkpoint)
+    if cfg.steps < done:
+        steps = flags.name(cfg, "steps")
+        raise ValueError(
+            f"--resume with {steps} {cfg.steps}: the run already has {done} steps "
+            f"({Path(checkpoint).parent.name}/{Path(checkpoint).name}): pass {steps} > {done} "
+            f"to continue it, or {steps} {done} if it is complete"
+        )
+
+
+def is_complete(checkpoint: Path, cfg: TrainConfig) -> bool:
+    """Whether ``--resume`` has nothing to do: ``checkpoint`` is the last one of a run that
+    ended at ``--steps`` (its own ``--steps`` was its step) and is intact (hashed: a damaged
+    one is not the end of the run, an older intact one is resumed from instead)."""
+    done = checkpoint_step(checkpoint)
+    if cfg.steps != done or saved_identity(checkpoint)[0].get("steps") != done:
+        return False
+    try:
+        verify_checkpoint(checkpoint)
+    except ValueError:
+        return False
+    return True
+
+
 def choose_checkpoint(
     run_dir: Path, cfg: TrainConfig, data: dict | None, runtime
 ) -> tuple[Path, list[str]]:
@@ -128,6 +162,7 @@ def choose_checkpoint(
                 where = Path(run_dir) / "checkpoints"
                 raise ValueError(f"--resume: no intact checkpoint in {where}")
             changes = check_same_run(path, cfg, data)
+            check_steps(path, cfg)
             line = f"resuming from {path.name}" + (f" ({'; '.join(changes)})" if changes else "")
             choice = {"path": str(path), "lines": [*notes, line]}
         except (ValueError, OSError) as err:  # the other ranks raise the same, not hang
