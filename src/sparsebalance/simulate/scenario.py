@@ -159,7 +159,6 @@ def cost_inputs(config: SimConfig) -> tuple[Profile | None, ModelShapes | None]:
     ``--profile`` the model the profile was made for (a profile prices no other model's layers;
     ``ValueError`` naming both). Shapes are None for a profile that keeps none and no
     ``--model``: the all-reduce is then left out."""
-    model = flags.name(config, "model")
     shapes = None if config.model is None else load_shapes(config.model)
     if config.profile is None:
         return None, shapes or load_shapes(DEFAULT_MODEL)
@@ -167,6 +166,7 @@ def cost_inputs(config: SimConfig) -> tuple[Profile | None, ModelShapes | None]:
     if shapes is not None:
         diffs = shape_differences(profile, shapes)
         if diffs:
+            model = flags.name(config, "model")
             raise ValueError(
                 f"{flags.name(config, 'profile')} {config.profile} was made for another model "
                 f"than {model} {config.model} (profile vs model: {'; '.join(diffs)}): leave "

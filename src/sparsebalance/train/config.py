@@ -261,10 +261,11 @@ class TrainConfig:
             raise self._renamed(err, "block_size") from None
 
     def _renamed(self, err: ValueError, field: str) -> ValueError:
-        """``err``, raised by a helper that names the field's flag, naming it as :meth:`_name`
-        does."""
-        flag = "--" + field.replace("_", "-")
-        return ValueError(str(err).replace(flag, self._name(field), 1))
+        """``err``, raised by a helper that names the field's flag, with the field first from
+        the Python API (``TrainConfig.block_size: --block-size ...``); as it is on the command
+        line."""
+        name = self._name(field)
+        return ValueError(str(err) if name.startswith("--") else f"{name.split()[0]}: {err}")
 
     def _check_memory_options(self) -> None:
         n = self._name
