@@ -72,7 +72,7 @@ def test_from_args_validates():
 
 def test_gamma0_one_means_dense_and_needs_dst_off():
     assert DSTConfig(budget="gamma", mode="off", gamma0=1.0).gamma0 == 1.0
-    with pytest.raises(ValueError, match="--dst-mode off"):
+    with pytest.raises(ValueError, match=r"\(--dst-mode\) off"):
         DSTConfig(budget="gamma", mode="bidirectional", gamma0=1.0, gamma_max=1.0)
     curve = DensityCurve(gamma0=1.0)
     assert curve.density(0.3, 1.0) == pytest.approx(1.0)

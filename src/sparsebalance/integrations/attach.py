@@ -28,15 +28,12 @@ from typing import Any
 
 import torch
 
-from ..models import check_attention
+from ..models import SUPPORTED_MODEL_TYPES, check_attention
 from ..models.attention import IMPLEMENTATION, LayerStats, PackedAttention, bind_context, register
+from ..models.shapes import SUPPORTED
 from ..ops import Budget, resolve_backend
 from ..ops.flex_config import resolve_block_size
 from . import inference
-
-# Architectures whose attention goes through AttentionInterface with full causal attention (the
-# ones tested here: Qwen2 / Qwen2.5, Llama, Mistral without a sliding window, Qwen3).
-SUPPORTED = ("qwen2", "qwen3", "llama", "mistral")
 
 
 class MicroBatchTicket:
@@ -158,11 +155,11 @@ def check_model(model: torch.nn.Module) -> None:
     would (sliding windows, logit soft-capping), and models it was not tested on."""
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
-    if kind not in SUPPORTED:
+    if kind not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"sparsebalance.attach: model_type {kind!r} is not supported (supported: "
-            f"{', '.join(SUPPORTED)}; their attention goes through transformers' "
-            "AttentionInterface with full causal attention)"
+            f"{SUPPORTED}; their attention goes through transformers' AttentionInterface with "
+            "full causal attention)"
         )
     check_attention(config, "sparsebalance.attach")
 

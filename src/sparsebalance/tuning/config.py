@@ -71,32 +71,26 @@ class DSTConfig:
 
     def __post_init__(self) -> None:
         flags.check_fields(self)  # types first (the Python API): one line naming the field
-        for flag, value, allowed in (
-            ("--dst-mode", self.mode, MODES),
-            ("--anchor", self.anchor, ANCHORS),
-            ("--raise-to", self.raise_to, RAISE_TO),
-            ("--budget", self.budget, BUDGETS),
-        ):
+        name = lambda field: flags.name(self, field)  # noqa: E731  (--flag, or DSTConfig.field)
+        for field, allowed in (("mode", MODES), ("anchor", ANCHORS), ("raise_to", RAISE_TO),
+                               ("budget", BUDGETS)):  # fmt: skip
+            value = getattr(self, field)
             if value not in allowed:
-                raise ValueError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
-        for flag, value in (
-            ("--coverage-bound", self.p),
-            ("--tolerance", self.tolerance),
-            ("--gamma0", self.gamma0),
-            ("--gamma-min", self.gamma_min),
-            ("--gamma-max", self.gamma_max),
-        ):
+                raise ValueError(f"{name(field)} must be one of {', '.join(allowed)}, "
+                                 f"got {value!r}")  # fmt: skip
+        for field in ("p", "tolerance", "gamma0", "gamma_min", "gamma_max"):
+            value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{flag} must be a number, got {value!r}")
+                raise ValueError(f"{name(field)} must be a number, got {value!r}")
             if not math.isfinite(value):
-                raise ValueError(f"{flag} must be finite, got {value}")
+                raise ValueError(f"{name(field)} must be finite, got {value}")
         if not 0.0 <= self.p <= 1.0:
-            raise ValueError(f"--coverage-bound (p) must be in [0, 1], got {self.p}")
+            raise ValueError(f"{name('p')} (the paper's p) must be in [0, 1], got {self.p}")
         if self.tolerance < 0:
-            raise ValueError(f"--tolerance must be >= 0, got {self.tolerance}")
+            raise ValueError(f"{name('tolerance')} must be >= 0, got {self.tolerance}")
         probes = self.layer_probes
         if isinstance(probes, bool) or not isinstance(probes, int) or probes < 2:
-            raise ValueError(f"--dst-probes must be an integer >= 2, got {probes!r}")
+            raise ValueError(f"{name('layer_probes')} must be an integer >= 2, got {probes!r}")
         self._check_kind_fields()
         if self.budget == "top-k":
             self._check_tokens()
@@ -109,53 +103,49 @@ class DSTConfig:
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         changed = [n for n in other if getattr(self, n) != defaults[n]]
         if changed:
-            names = ", ".join("--" + n.replace("_", "-") for n in changed)
+            names = ", ".join(flags.name(self, n) for n in changed)
             other_kind = "gamma" if self.budget == "top-k" else "top-k"
+            verb, them = ("applies", "it") if len(changed) == 1 else ("apply", "them")
             raise ValueError(
-                f"{names} only apply to --budget {other_kind}: drop them, or set --budget "
-                f"{other_kind} (the budget kind is {self.budget})"
+                f"{names} only {verb} to {flags.name(self, 'budget')} {other_kind}: drop {them}, "
+                f"or set the budget kind to {other_kind} (it is {self.budget})"
             )
 
     def _check_tokens(self) -> None:
-        for flag, value in (
-            ("--budget-tokens", self.budget_tokens),
-            ("--budget-tokens-min", self.budget_tokens_min),
-            ("--budget-tokens-max", self.budget_tokens_max),
-        ):
-            if value is None and flag != "--budget-tokens":
+        name = lambda field: flags.name(self, field)  # noqa: E731
+        for field in ("budget_tokens", "budget_tokens_min", "budget_tokens_max"):
+            value = getattr(self, field)
+            if value is None and field != "budget_tokens":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{flag} must be an integer >= 0 (tokens), got {value!r}")
-        lo, hi = self.budget_tokens_min, self.budget_tokens_max
-        if lo is not None and lo > self.budget_tokens:
-            raise ValueError(
-                f"--budget-tokens-min ({lo}) must be <= --budget-tokens ({self.budget_tokens})"
-            )
-        if hi is not None and hi < self.budget_tokens:
-            raise ValueError(
-                f"--budget-tokens-max ({hi}) must be >= --budget-tokens ({self.budget_tokens})"
-            )
+                raise ValueError(f"{name(field)} must be an integer >= 0 (tokens), got {value!r}")
+        lo, hi, base = self.budget_tokens_min, self.budget_tokens_max, self.budget_tokens
+        if lo is not None and lo > base:
+            raise ValueError(f"{name('budget_tokens_min')} ({lo}) must be <= "
+                             f"{name('budget_tokens')} ({base})")  # fmt: skip
+        if hi is not None and hi < base:
+            raise ValueError(f"{name('budget_tokens_max')} ({hi}) must be >= "
+                             f"{name('budget_tokens')} ({base})")  # fmt: skip
 
     def _check_gammas(self) -> None:
+        name = lambda field: flags.name(self, field)  # noqa: E731
+        g0 = self.gamma0
         if self.mode == "off":  # a fixed budget: gamma0 = 1 is dense attention; bounds unused
-            if not 0.0 < self.gamma0 <= 1.0:
-                raise ValueError(
-                    f"--gamma0 must be in (0, 1] with --dst-mode off, got {self.gamma0}"
-                )
+            if not 0.0 < g0 <= 1.0:
+                raise ValueError(f"{name('gamma0')} must be in (0, 1] with "
+                                 f"{name('mode')} off, got {g0}")  # fmt: skip
             return
-        if not 0.0 < self.gamma0 < 1.0:
+        if not 0.0 < g0 < 1.0:
             raise ValueError(
-                f"--gamma0 must be in (0, 1) when DST tunes budgets, got {self.gamma0} "
-                "(--gamma0 1 = dense attention needs --dst-mode off)"
+                f"{name('gamma0')} must be in (0, 1) when DST tunes budgets, got {g0} "
+                f"(gamma0 1 = dense attention needs {name('mode')} off)"
             )
-        if not 0.0 < self.gamma_min <= self.gamma0:
-            raise ValueError(
-                f"--gamma-min must be in (0, --gamma0={self.gamma0}], got {self.gamma_min}"
-            )
-        if not self.gamma0 <= self.gamma_max <= 1.0:
-            raise ValueError(
-                f"--gamma-max must be in [--gamma0={self.gamma0}, 1], got {self.gamma_max}"
-            )
+        if not 0.0 < self.gamma_min <= g0:
+            raise ValueError(f"{name('gamma_min')} must be in (0, gamma0={g0}], "
+                             f"got {self.gamma_min}")  # fmt: skip
+        if not g0 <= self.gamma_max <= 1.0:
+            raise ValueError(f"{name('gamma_max')} must be in [gamma0={g0}, 1], "
+                             f"got {self.gamma_max}")  # fmt: skip
 
     def knob(
         self, block_size: int, curve: DensityCurve | None = None, anchor_blocks: int = 2
