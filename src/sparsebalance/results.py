@@ -47,6 +47,8 @@ def command_line() -> str:
     prog = os.path.basename(sys.argv[0])
     if prog in ("__main__.py", "-c"):
         prog = "python -m sparsebalance"
+    elif prog.endswith(".py"):  # a script: its path as typed (benchmarks/x.py), not its name
+        prog = f"python {sys.argv[0]}"
     return " ".join([prog, *map(shlex.quote, sys.argv[1:])])
 
 
