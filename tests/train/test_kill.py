@@ -60,10 +60,38 @@ def _workers(out: Path) -> list[str]:
     return [line for line in ps.splitlines() if f"{out}/launch-config.json" in line]
 
 
-def _wait_gone(out: Path, timeout: float = 120) -> float:
+def _descendants(root: int) -> set[int]:
+    """Every live process below ``root`` (from ``/proc``'s parent links), whatever its command
+    line shows: a command line can read empty for a moment, a pid cannot."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        parent[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie counts as gone: it can write nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _wait_gone(out: Path, pids: set[int] = frozenset(), timeout: float = 120) -> float:
+    """Until no process of the run is left: none whose command line names ``out``'s launch
+    config, and none of ``pids`` (the launcher's tree, taken while it ran)."""
     t0 = time.monotonic()
-    while _workers(out):
-        assert time.monotonic() - t0 < timeout, f"still running: {_workers(out)}"
+    while _workers(out) or any(map(_alive, pids)):
+        left = _workers(out) or sorted(filter(_alive, pids))
+        assert time.monotonic() - t0 < timeout, f"still running: {left}"
         time.sleep(0.2)
     return time.monotonic() - t0
 
@@ -91,9 +119,11 @@ def test_kill_9_of_the_launcher_kills_the_workers_and_resume_matches(data):
         second = subprocess.run(_argv(data, out, *many, "--resume"), env=_env(),
                                 capture_output=True, text=True, timeout=300)  # fmt: skip
         assert second.returncode == 2 and "another run is live" in second.stderr
+        tree = _descendants(proc.pid)  # torchrun, both ranks and anything they started
+        assert len(tree) >= 3, tree
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher's whole process group, as in the issue
         proc.wait(timeout=60)
-        _wait_gone(out)  # torchrun and both ranks: nothing keeps writing to the folder
+        _wait_gone(out, tree)  # torchrun and both ranks: nothing keeps writing to the folder
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
