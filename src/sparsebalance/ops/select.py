@@ -117,18 +117,6 @@ class BlockMassEstimate:
     num_layout_heads: int
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
-    @property
-    def cu_seqlens(self) -> torch.Tensor:
-        return self.pack.cu_seqlens
-
-    @property
-    def seq_len(self) -> int:
-        return self.pack.seq_len
-
-    @property
-    def block_size(self) -> int:
-        return self.pack.block_size
-
     def block_mask(self, budget: Budget) -> torch.Tensor:
         """Bool ``(H_layout, nb, nb)``: the block pairs this budget keeps."""
         if not isinstance(budget, Budget):
@@ -136,7 +124,7 @@ class BlockMassEstimate:
                 f"budget must be a sparsebalance.ops.Budget, got {type(budget).__name__}"
             )
         nb, h = self.pack.num_blocks, self.num_layout_heads
-        hits = torch.zeros(h, nb * nb, dtype=torch.int32, device=self.cu_seqlens.device)
+        hits = torch.zeros(h, nb * nb, dtype=torch.int32, device=self.pack.cu_seqlens.device)
         for i, batch in enumerate(self.batches):
             keep = batch.keep(budget, self._cache.setdefault(i, {}))  # (H, n, s, s)
             # Segments -> blocks: a query block keeps the union over its query segments; a
@@ -171,14 +159,14 @@ class BlockMassEstimate:
         over layout heads and query tokens (each query's estimated masses sum to 1): ``C`` of the
         paper's coverage bound. 1.0 when every causal block is kept."""
         num_docs = self.pack.num_docs
-        out = torch.zeros(num_docs, dtype=torch.float64, device=self.cu_seqlens.device)
+        out = torch.zeros(num_docs, dtype=torch.float64, device=self.pack.cu_seqlens.device)
         for i, batch in enumerate(self.batches):
             cache = self._cache.setdefault(i, {})
             if budget.top_k is not None and budget.max_density is None:
                 out[batch.docs] = batch.topk_covered(budget, cache)
             else:
                 out[batch.docs] = batch.covered(batch.keep(budget, cache))
-        tokens = torch.diff(self.cu_seqlens.long()).double().clamp_min(1)
+        tokens = torch.diff(self.pack.cu_seqlens.long()).double().clamp_min(1)
         return out / (tokens * self.num_layout_heads)
 
     def coverage_curve(self, budget: Budget, ks) -> np.ndarray:
@@ -192,16 +180,16 @@ class BlockMassEstimate:
     def coverage_curve_tensor(self, budget: Budget, ks) -> torch.Tensor:
         """:meth:`coverage_curve` of a top-k budget without a cap as a float64 ``(K,)`` device
         tensor: nothing read back (``ks``: host ints, copied to the device)."""
-        dev = self.cu_seqlens.device
+        dev = self.pack.cu_seqlens.device
         ks_t = self.pack.upload(np.asarray(ks, dtype=np.int64))
         total = torch.zeros(ks_t.numel(), dtype=torch.float64, device=dev)
         for i, batch in enumerate(self.batches):
             total += batch.topk_covered(budget, self._cache.setdefault(i, {}), ks_t).sum(-1)
-        return total / (self.seq_len * self.num_layout_heads)
+        return total / (self.pack.seq_len * self.num_layout_heads)
 
     def coverage(self, budget: Budget) -> float:
         """The pack's coverage: :meth:`document_coverage` weighted by document tokens."""
-        tokens = torch.diff(self.cu_seqlens.long()).double()
+        tokens = torch.diff(self.pack.cu_seqlens.long()).double()
         return float((self.document_coverage(budget) * tokens).sum() / tokens.sum())
 
 
