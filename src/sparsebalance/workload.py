@@ -50,6 +50,18 @@ class MicroBatch:
         return sum(self.lengths)
 
 
+class PreparedCost(Protocol):
+    """:meth:`CostModel.prepare`'s result: ``predict_many`` at fixed ``(M, K)`` lengths."""
+
+    def predict(self, densities: np.ndarray) -> np.ndarray:
+        """``(M, K)`` densities -> ``(M,)`` seconds: ``predict_many(lengths, densities)``."""
+        ...
+
+    def take(self, rows: np.ndarray) -> PreparedCost:
+        """The same for the rows ``rows`` (int indices, increasing) only."""
+        ...
+
+
 class CostModel(Protocol):
     """What balancing needs from a latency model (seconds of forward + backward).
 
@@ -84,4 +96,10 @@ class CostModel(Protocol):
 
     def layer_other_seconds(self, num_tokens: int) -> float:
         """One layer's non-attention part (projections, MLP, norms) for a pack of this size."""
+        ...
+
+    def prepare(self, lengths: np.ndarray) -> PreparedCost | None:
+        """``predict_many`` for fixed ``(M, K)`` lengths at many densities (DST's bisection), the
+        length half done once; None where the model has no such shortcut (callers then call
+        ``predict_many``)."""
         ...

@@ -38,6 +38,9 @@ class FakeCost:
     def layer_other_seconds(self, num_tokens):
         return self.a * num_tokens / self.num_layers
 
+    def prepare(self, lengths):
+        return None  # no prepared pricing: DST calls predict_many
+
 
 def fake_context(cost=None, per_node: int = 4, bandwidth: float = 1e9, **kwargs):
     """A :class:`~sparsebalance.latency.context.ContextCost` over ``FakeCost`` (what ``sab-cp``

@@ -122,3 +122,18 @@ def test_an_attached_model_is_freed_when_dropped():
     del model
     gc.collect()
     assert ref() is None
+
+
+def test_the_model_keeps_its_runtime():
+    """The model -> runtime registry is weak both ways: the model alone keeps its runtime (the
+    one a second ``attach`` returns, the one its layers resolve through)."""
+    import gc
+    import weakref
+
+    model = _model()
+    runtime = weakref.ref(sparsebalance.attach(model, block_size=32, budget=Budget(gamma=0.5)))
+    gc.collect()
+    assert runtime() is not None and sparsebalance.attach(model) is runtime()
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 1000, (1, 200)))
+    assert runtime().forwards == 1

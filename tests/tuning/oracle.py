@@ -43,6 +43,9 @@ class Oracle:
         attention = self.layer_attention_seconds(n, densities).sum(axis=1)
         return self.overhead + self.num_layers * (attention + self.c * n.sum(axis=1))
 
+    def prepare(self, lengths):
+        return None  # no prepared pricing: DST calls predict_many
+
 
 def random_plan(rng, num_ranks, mbs_per_rank=2, docs=(1, 4), lengths=(256, 8192), d0=(0.05, 0.6)):
     """``num_ranks`` lists of micro-batches with random lengths and densities at gamma0."""

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..latency.context import ContextCost
+from ..latency.model import LatencyModel
 from ..sizes import check_memory, plan_bytes
 from ..workload import CostModel, Sample
 from .context import CPResult, plan_cp
@@ -212,7 +214,7 @@ def assign_batch(
 
 def _on_nodes(cost_model, config: PlanConfig):
     """The cost model on ``config.ranks_per_node`` nodes (a ContextCost's links), else as is."""
-    if config.ranks_per_node is None or not hasattr(cost_model, "on_nodes"):
+    if config.ranks_per_node is None or not isinstance(cost_model, ContextCost):
         return cost_model
     return cost_model.on_nodes(config.ranks_per_node)
 
@@ -269,7 +271,8 @@ def _items(ids, lens, dens, cost_model, config) -> tuple[Items, dict]:
     if cap is not None and config.strategy == "sab-cp":
         k_max = config.cp_degree or config.world_size
         cap = cap * k_max  # a unit of k ranks holds k x C
-        memory = getattr(cost_model, "memory", None)  # --capacity auto: the memory model's limit
+        # --capacity auto: the memory model's limit (sab-cp refuses any other cost model below)
+        memory = cost_model.memory if isinstance(cost_model, ContextCost) else None
         if memory is not None:
             cap = min(cap, memory.max_document(k_max))
     if cap is not None:  # split and truncate fit any C >= 1; skip refuses an empty batch below
@@ -323,9 +326,10 @@ def _rank_key(strategy: str, items: Items, cost_model, config) -> np.ndarray:
 def _model_shapes(cost_model) -> dict | None:
     """The model shapes behind a cost model: a ``LatencyModel``'s profile fingerprint (also
     under a ``ContextCost``'s ``base``); None for a synthetic cost model."""
-    profile = getattr(getattr(cost_model, "base", cost_model), "profile", None)
-    fingerprint = getattr(profile, "fingerprint", None)
-    return fingerprint.get("shapes") if isinstance(fingerprint, dict) else None
+    model = cost_model.base if isinstance(cost_model, ContextCost) else cost_model
+    if not isinstance(model, LatencyModel):
+        return None
+    return model.profile.fingerprint.get("shapes")
 
 
 def _baseline(strategy, items: Items, regime: Regime, cost_model, config) -> list:
@@ -366,7 +370,7 @@ def _sab(items: Items, regime: Regime, cost_model, config: PlanConfig):
 def _sab_cp(items: Items, regime: Regime, cost_model, config: PlanConfig, overlong: dict):
     """``sab`` and the best hybrid plan of :func:`~sparsebalance.batching.context.plan_cp`; the
     hybrid one is kept only if predicted strictly faster (or if memory forces splits)."""
-    if not hasattr(cost_model, "table"):
+    if not isinstance(cost_model, ContextCost):
         raise ValueError(
             "--strategy sab-cp needs a ContextCost (sparsebalance.latency.context) as the cost "
             "model: it prices documents split over k ranks"

@@ -43,6 +43,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks, found as Hugging Face tooling does: instances of the classes
     ``model._no_split_modules`` names (``Qwen2DecoderLayer``, ``LlamaDecoderLayer``, ...),
     outermost first, never one nested inside another."""
+    # transformers' PreTrainedModel attribute, absent on plain torch modules (refused below)
     names = set(getattr(model, "_no_split_modules", None) or ())
     if not names:
         raise ValueError(

@@ -103,7 +103,8 @@ class Updater:
         else:
             grads = [p.grad for p in self.params if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        if hasattr(norm, "full_tensor"):  # FSDP2: a sharded norm
+        # torch's norm is a DTensor under FSDP2 (sharded; gathered here), a plain tensor otherwise
+        if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         return float(norm)
 

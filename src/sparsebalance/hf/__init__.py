@@ -40,6 +40,7 @@ def _check_args(trainer) -> None:
             f"sparsebalance.hf.enable: dataloader_num_workers={args.dataloader_num_workers}; it "
             "must be 0 (each step is planned after the previous step's feedback; packing is cheap)"
         )
+    # TRL's SFTConfig has packing; transformers' TrainingArguments has not (nothing packs then)
     if getattr(args, "packing", False):
         raise ValueError(
             "sparsebalance.hf.enable: set SFTConfig(packing=False): SparseBalance's collator packs "
@@ -56,6 +57,8 @@ def _check_args(trainer) -> None:
             "would rebuild SparseBalance's callback without its planner (which restores its own "
             "state from the checkpoint)"
         )
+    # transformers renamed gradient_checkpointing to activation_checkpointing: a version has one
+    # or both, and a field it lacks is a feature it cannot have switched on
     if getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing",
                                                                    None):  # fmt: skip
         raise ValueError(
@@ -67,6 +70,8 @@ def _check_args(trainer) -> None:
 
 
 def _pad_token_id(trainer) -> int:
+    # an HF Trainer's processing_class (a tokenizer, or None / absent on older Trainers) and the
+    # model's config: either may lack pad_token_id; 0 when neither has one
     for owner in (getattr(trainer, "processing_class", None), trainer.model.config):
         pad = getattr(owner, "pad_token_id", None)
         if isinstance(pad, int):

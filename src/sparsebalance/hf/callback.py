@@ -92,6 +92,8 @@ class SparseBalanceCallback(TrainerCallback, ExportableState):
         """Stamp when DDP hands the last gradient bucket over (the default all-reduce runs)."""
         import torch
 
+        # the HF Trainer's model_wrapped (its DDP wrapper once it made one); a callback built
+        # without a trainer (None) has nothing to hook
         wrapped = getattr(self.trainer, "model_wrapped", None)
         if self._clock is not None or not isinstance(
             wrapped, torch.nn.parallel.DistributedDataParallel

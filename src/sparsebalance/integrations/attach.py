@@ -23,6 +23,7 @@ The attention itself is :func:`sparsebalance.models.attention.sparsebalance_atte
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,7 @@ class AttachedRuntime:
         """The :class:`PackedAttention` of attention ``module``'s forward (bound to every
         attention layer by :func:`attach`): a planned ticket's, or one built from the packed
         arguments HF collators produce (:meth:`context`)."""
+        # transformers' attention modules carry layer_idx; a module without one counts as first
         first = int(getattr(module, "layer_idx", 0)) == 0
         if first:
             self.forwards += 1
@@ -135,6 +137,14 @@ class AttachedRuntime:
         return self._current
 
 
+# model -> its runtime, weakly both ways: the model keeps its runtime alive (the forward hooks
+# inference.install registers hold it), and a strong value would keep the model alive through
+# runtime.model (the attached model must be freed when dropped).
+_RUNTIMES: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[AttachedRuntime]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def cu_from_positions(position_ids: torch.Tensor | None, total: int, device) -> torch.Tensor:
     """int32 ``(N + 1,)`` document offsets of a packed row: a document starts wherever
     ``position_ids`` is 0 (``(1, T)``); without positions the row is one document of ``total``."""
@@ -153,6 +163,8 @@ def cu_from_positions(position_ids: torch.Tensor | None, total: int, device) -> 
 def check_model(model: torch.nn.Module) -> None:
     """Refuse models whose attention this op does not implement, as ``sparsebalance train``
     would (sliding windows, logit soft-capping), and models it was not tested on."""
+    # any torch module may be passed: one without a transformers config (or whose config has no
+    # model_type) reads as model_type None and is refused below, naming what is supported
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED_MODEL_TYPES:
@@ -202,7 +214,8 @@ def attach(
             raise ValueError(f"sparsebalance.attach: {err}") from None
     if budget is not None and not isinstance(budget, Budget):
         raise TypeError(f"sparsebalance.attach: budget must be a Budget, got {budget!r}")
-    existing = getattr(model, "_sparsebalance_runtime", None)
+    ref = _RUNTIMES.get(model)
+    existing = None if ref is None else ref()
     if existing is not None:
         return existing
     check_model(model)
@@ -210,6 +223,8 @@ def attach(
     runtime = AttachedRuntime(model, block_size, backend, budget or Budget(gamma=1.0))
     found = 0
     for module in model.modules():
+        # transformers' attention modules (Qwen2Attention, LlamaAttention, ...): no common base
+        # class to test, so they are recognised by their attributes
         if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
             bind_context(module, runtime.resolve)
             found += 1
@@ -220,5 +235,5 @@ def attach(
         )
     inference.install(model, runtime)  # before the switch: it keeps the model's own attention
     model.set_attn_implementation(IMPLEMENTATION)
-    model._sparsebalance_runtime = runtime
+    _RUNTIMES[model] = weakref.ref(runtime)
     return runtime

@@ -50,6 +50,8 @@ def needs_dense(model: torch.nn.Module, kwargs: dict) -> bool:
         return False
     for name in ("cache", "past_key_values"):  # transformers >= 5.x renames it ``cache``
         cache = kwargs.get(name)
+        # a transformers Cache has get_seq_length; anything else passed under these names (a
+        # legacy tuple cache) is not read as a non-empty cache here
         if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
             return True
     mask = kwargs.get("attention_mask")

@@ -75,6 +75,7 @@ def example_tokens(example) -> tuple[np.ndarray, np.ndarray | None]:
 
 def dataset_lengths(dataset) -> np.ndarray:
     """Tokens of every example (one pass over the dataset; an ``input_ids`` column at once)."""
+    # a datasets.Dataset has column_names (read the column at once); a plain sequence has not
     column = getattr(dataset, "column_names", None)
     if column is not None and "input_ids" in column:
         return np.array([len(x) for x in dataset["input_ids"]], dtype=np.int64)

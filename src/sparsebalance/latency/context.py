@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from ..workload import CostModel
+from ..workload import CostModel, PreparedCost
 from .analytic import ACCELERATORS
 from .ring_calibration import RingCalibration, UnitTiming
 
@@ -358,12 +358,9 @@ class ContextCost:
     def layer_other_seconds(self, num_tokens: int) -> float:
         return float(self.base.layer_other_seconds(num_tokens))
 
-    def __getattr__(self, name: str):
-        # Optional extras of the base (``prepare`` for DST's bisection): the base's, when it has
-        # them, so wrapping a LatencyModel costs no speed.
-        if name in ("prepare",):
-            return getattr(self.base, name)
-        raise AttributeError(name)
+    def prepare(self, lengths: np.ndarray) -> PreparedCost | None:
+        # The base's (DST's bisection), so wrapping a LatencyModel costs no speed.
+        return self.base.prepare(lengths)
 
     def crossover(self, length: int, density: float, max_degree: int) -> int:
         """The k in ``1..max_degree`` with the lowest per-rank time for this document: beyond it

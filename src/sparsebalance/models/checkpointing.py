@@ -20,13 +20,16 @@ non-reentrant ``torch.utils.checkpoint``.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from .attention import recompute_phase
 
 MODES = ("off", "full", "selective")
-_MARK = "_sparsebalance_checkpointed"
+# The modules whose forward _wrap replaced (weakly: the set keeps no model alive).
+_CHECKPOINTED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -35,6 +38,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     Raises:
         ValueError: the model names no ``_no_split_modules`` or none of them is present.
     """
+    # transformers' PreTrainedModel attribute, absent on plain torch modules (refused below)
     names = set(getattr(model, "_no_split_modules", None) or ())
     if not names:
         raise ValueError(
@@ -51,7 +55,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def _wrap(module: torch.nn.Module) -> None:
     """Run ``module``'s forward under non-reentrant checkpointing, marking forward and rerun."""
-    if getattr(module, _MARK, False):
+    if module in _CHECKPOINTED:
         raise ValueError(f"{type(module).__name__} is already checkpointed")
     inner = module.forward  # the bound method of the class
 
@@ -69,7 +73,7 @@ def _wrap(module: torch.nn.Module) -> None:
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward
-    setattr(module, _MARK, True)
+    _CHECKPOINTED.add(module)
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
@@ -92,6 +96,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
     else:
         targets = []
         for layer in layers:
+            # a transformers decoder layer's MLP child; a layer without one is refused below
             mlp = getattr(layer, "mlp", None)
             if not isinstance(mlp, torch.nn.Module):
                 raise ValueError(

@@ -19,6 +19,8 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def output_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(weight (V, H), bias (V,) or None)`` of the model's lm-head."""
     head = _unwrap(model).get_output_embeddings()
+    # transformers returns whatever module the model uses as its lm-head (usually nn.Linear,
+    # with or without a bias): a head without a weight is refused, a missing bias is none
     if head is None or not hasattr(head, "weight"):
         raise ValueError(f"{type(model).__name__} has no output embedding (lm-head) weight")
     return head.weight, getattr(head, "bias", None)

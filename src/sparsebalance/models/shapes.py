@@ -114,6 +114,7 @@ def check_model_type(config, who: str) -> None:
     """One ``ValueError`` naming ``who`` (``--model M``) when the config (a dict or a
     transformers config) declares a ``model_type`` outside :data:`SUPPORTED_MODEL_TYPES`; a
     hand-written config without one is judged by its keys (:meth:`ModelShapes.from_hf_config`)."""
+    # a transformers config may lack model_type (a hand-made PretrainedConfig): judged by its keys
     kind = config.get("model_type") if isinstance(config, dict) else getattr(
         config, "model_type", None)  # fmt: skip
     if kind is not None and kind not in SUPPORTED_MODEL_TYPES:
@@ -135,6 +136,8 @@ def unsupported_attention(config) -> str | None:
     layers) or logit soft-capping would be silently computed wrong."""
 
     def get(key, default=None):
+        # a transformers config defines only its own family's fields (Qwen2's use_sliding_window,
+        # Gemma's softcapping): a field it lacks is a feature the model does not use
         return config.get(key, default) if isinstance(config, dict) else getattr(
             config, key, default)  # fmt: skip
 

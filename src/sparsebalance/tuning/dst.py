@@ -35,8 +35,8 @@ import numpy as np
 from ..workload import CostModel, MicroBatch
 from .config import ANCHORS, MODES, DSTConfig, add_dst_arguments
 from .curve import DensityCurve
-from .knob import Knob, search_many, search_one
-from .plan_workload import PlanWorkload
+from .knob import GammaKnob, Knob, search_many, search_one
+from .plan_workload import PlanWorkload, StepWorkload
 from .records import CUT, KEPT, RAISED, RankDecision, StepDecision, StepTargets
 
 __all__ = ["ANCHORS", "MODES", "DSTConfig", "DSTTuner", "RankWorkload", "add_dst_arguments"]
@@ -142,7 +142,7 @@ class DSTTuner:
     @property
     def curve(self) -> DensityCurve | None:
         """The gamma knob's density curve (None for top-k)."""
-        return getattr(self.knob, "curve", None)
+        return self.knob.curve if isinstance(self.knob, GammaKnob) else None
 
     @property
     def base(self) -> float:
@@ -261,7 +261,7 @@ class DSTTuner:
         )  # fmt: skip
         return self.assemble(a.targets, ranks)
 
-    def coverage_floor(self, work) -> np.ndarray:
+    def coverage_floor(self, work: StepWorkload) -> np.ndarray:
         """``(W,)`` the smallest budget each worker may be cut to: the knob's floor, raised to
         the smallest value within the coverage bound ``C(base) - C(v) <= p`` when the workload
         has a coverage model; the base itself with p = 0."""
@@ -270,7 +270,7 @@ class DSTTuner:
         base, lo = np.full(n, float(knob.base)), np.full(n, self._floor())
         if self.config.mode == "off" or p == 0 or p >= 1:
             return base if self.config.mode == "off" or p == 0 else lo
-        if not getattr(work, "has_coverage", False):
+        if not work.has_coverage:
             return lo
         c_base = work.coverage(base)
 
@@ -279,7 +279,7 @@ class DSTTuner:
 
         return search_many(knob, g, lo, base, np.ones(n, dtype=bool), largest=False)
 
-    def decide_arrays(self, workload) -> StepArrays:
+    def decide_arrays(self, workload: StepWorkload) -> StepArrays:
         """:meth:`decide` on a plan's :class:`PlanWorkload` (or a ``UnitWorkload``), as ``(W,)``
         arrays without one :class:`RankDecision` per worker (what the simulator reads for
         thousands of ranks)."""

@@ -23,30 +23,66 @@ Python calls; building is O(total micro-batches) Python.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
-from ..workload import CostModel, MicroBatch
+from ..workload import CostModel, MicroBatch, PreparedCost
 from .knob import Knob
+
+
+class StepWorkload(Protocol):
+    """What :meth:`DSTTuner.decide_arrays <sparsebalance.tuning.dst.DSTTuner.decide_arrays>`
+    prices: W workers (ranks, or ranks joined by CP units) at per-worker knob values ``(W,)``.
+    :class:`PlanWorkload` and :class:`~.unit_workload.UnitWorkload` implement it."""
+
+    num_ranks: int
+    """W, the workers."""
+    knob: Knob
+    max_lengths: np.ndarray
+    """``(W,)`` each worker's longest document (0 for an empty one)."""
+
+    @property
+    def has_coverage(self) -> bool:
+        """Whether :meth:`coverage` is available (a coverage model was given)."""
+        ...
+
+    def seconds(self, values: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
+        """``(W,)`` predicted seconds at ``values``; workers outside ``active`` read 0."""
+        ...
+
+    def coverage(self, values: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
+        """``(W,)`` gate coverage at ``values``; workers outside ``active`` read 1."""
+        ...
+
+    def mean_density(self, values: np.ndarray) -> np.ndarray:
+        """``(W,)`` length²-weighted mean density at ``values``."""
+        ...
+
+    def attention_seconds(self, values: np.ndarray) -> np.ndarray:
+        """``(W,)`` predicted attention seconds (all layers) at ``values``."""
+        ...
 
 
 class _Group:
     """Ranks sharing one padded shape: ``lengths``/``d0`` ``(n, M, K)``, ``ranks`` ``(n,)``.
 
-    With a cost model that has ``prepare(lengths)`` (:meth:`LatencyModel.prepare
-    <sparsebalance.latency.LatencyModel.prepare>`), the length half of every prediction is done
-    once per group and per set of priced ranks (a bisection prices the same set at ~23 budgets).
+    With a cost model whose ``prepare(lengths)`` returns a :class:`PreparedCost`
+    (:meth:`LatencyModel.prepare <sparsebalance.latency.LatencyModel.prepare>`), the length half
+    of every prediction is done once per group and per set of priced ranks (a bisection prices
+    the same set at ~23 budgets).
     """
 
-    def __init__(self, ranks: list[int], lengths: np.ndarray, d0: np.ndarray, cost_model) -> None:
+    def __init__(
+        self, ranks: list[int], lengths: np.ndarray, d0: np.ndarray, cost_model: CostModel
+    ) -> None:
         self.ranks = np.asarray(ranks, dtype=np.int64)
         self.lengths = lengths
         self.d0 = d0
         self.cost_model = cost_model
         n, m, k = lengths.shape
-        prepare = getattr(cost_model, "prepare", None)
-        self._prepared = None if prepare is None else prepare(lengths.reshape(n * m, k))
-        self._subsets: dict[bytes, object] = {}
+        self._prepared = cost_model.prepare(lengths.reshape(n * m, k))
+        self._subsets: dict[bytes, PreparedCost] = {}
 
     def predict(self, sel: np.ndarray | slice | None, dens: np.ndarray) -> np.ndarray:
         """``(n', M)`` micro-batch seconds of the selected ranks (``sel`` bool ``(n,)``, None =
@@ -59,7 +95,8 @@ class _Group:
             t = self._subset(sel).predict(dens.reshape(n * m, k))
         return np.asarray(t, dtype=np.float64).reshape(n, m)
 
-    def _subset(self, sel: np.ndarray | None):
+    def _subset(self, sel: np.ndarray | None) -> PreparedCost:
+        assert self._prepared is not None
         if sel is None or sel.all():
             return self._prepared
         key = sel.tobytes()
