@@ -37,7 +37,7 @@ def measure(global_batch: int, steps: int, ranks: int, seed: int = 0) -> dict:
     tuner = DSTTuner(DSTConfig(), block_size=128)
     engine = StepEngine(PlanningConfig(ranks, None, 32768), latency, tuner,
                         make_estimator("auto", tuner.knob),
-                        lambda i: Sample(i, int(lengths[i])))  # fmt: skip
+                        lambda i: Sample(i, int(lengths[i])), device="cuda")  # fmt: skip
     plan_s, dst_s = [], []
     for _ in range(steps + 1):
         ids = rng.choice(lengths.size, global_batch, replace=False)

@@ -24,7 +24,18 @@ ROOT = Path(sparsebalance.__file__).parent
 # a lower layer, never a higher one. Parts of one layer may import each other as long as the
 # part-level graph stays acyclic (checked separately).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("workload", "results", "timing", "clock", "precision", "sizes", "flags", "versions", "files"),
+    (
+        "workload",
+        "results",
+        "timing",
+        "clock",
+        "precision",
+        "sizes",
+        "flags",
+        "versions",
+        "files",
+        "launches",
+    ),
     ("ops",),  # the attention op
     ("models", "tasks", "data", "batching", "tuning", "latency", "parallel"),  # library stages
     ("evaluation", "simulate", "timeline"),  # built from the stages

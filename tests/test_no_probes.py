@@ -32,9 +32,6 @@ ALLOWED_BY_FILE: dict[str, dict[tuple[str, str], str]] = {
     "engine/step.py": {
         ("norm", "full_tensor"): "torch's grad norm: a DTensor under FSDP2, else a tensor",
     },
-    "ops/budget.py": {
-        ("self.floor", "ndim"): "Budget.floor, a caller's torch tensor; no ndim: refused",
-    },
     "models/checkpointing.py": {
         ("model", "_no_split_modules"): "transformers' PreTrainedModel field; none: refused",
         ("layer", "mlp"): "a transformers decoder layer's MLP child; none: refused",
@@ -66,26 +63,14 @@ ALLOWED_BY_FILE: dict[str, dict[tuple[str, str], str]] = {
         ("trainer", "processing_class"): "an HF Trainer's tokenizer; may be absent",
         ("owner", "pad_token_id"): "a tokenizer or HF config may lack a pad token (then 0)",
     },
+    "models/attention.py": {
+        ("module", "layer_idx"): "a transformers attention module carries it; a bare one not",
+    },
     "hf/callback.py": {
         ("self.trainer", "model_wrapped"): "an HF Trainer's DDP wrapper; no trainer: None",
     },
 }
 ALLOWED: set[Key] = {(f, *k) for f, entries in ALLOWED_BY_FILE.items() for k in entries}
-
-# Being removed by the hot-path change (issue 42): the probes of tuning/layer.py and
-# models/attention.py as they stand today. Delete these entries once that change lands.
-BEING_REMOVED: set[Key] = {
-    ("tuning/layer.py", "estimate", "cu_seqlens"),
-    ("tuning/layer.py", "getattr(estimate, 'cu_seqlens', None)", "is_cuda"),
-    ("tuning/layer.py", "estimate", "document_density"),
-    ("tuning/layer.py", "estimate", "coverage_curve_tensor"),
-    ("tuning/layer.py", "estimate", "coverage_curve"),
-    ("tuning/layer.py", "estimate", "coverage"),
-    ("tuning/layer.py", "estimate", "layout"),
-    ("tuning/layer.py", "dd", "detach"),
-    ("models/attention.py", "resolve", "__self__"),
-    ("models/attention.py", "module", "layer_idx"),
-}
 
 
 def probes(source: str, name: str) -> list[tuple[Key, int]]:
@@ -117,7 +102,7 @@ def test_no_probe_outside_the_allow_list():
     new = [
         f"sparsebalance/{file}:{line}: {attr!r} of {obj}"
         for (file, obj, attr), line in _all_probes()
-        if (file, obj, attr) not in ALLOWED | BEING_REMOVED
+        if (file, obj, attr) not in ALLOWED
     ]
     assert not new, (
         "getattr(obj, name, default) / hasattr probes: depend on the type (a Protocol, a declared "

@@ -128,6 +128,8 @@ def test_dst_does_not_select_where_its_lowest_budget_covers_every_document(monke
     calls = []
     monkeypatch.setattr(module, "estimate_block_mass",
                         lambda *a, **k: calls.append(1) or pytest.fail("estimated"))  # fmt: skip
+    monkeypatch.setattr(module.TopKGate, "score",
+                        lambda *a, **k: calls.append(1) or pytest.fail("estimated"))  # fmt: skip
     model = build_model("tiny", seed=1)
     batch = pack(_docs(70, 33, 100))
     chosen = []

@@ -17,104 +17,30 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparsebalance.data import pack
 from sparsebalance.engine.loss import packed_loss
+from sparsebalance.launches import LaunchCounter as Recorder
+from sparsebalance.launches import kernel
 from sparsebalance.models.attention import PackedAttention
 from sparsebalance.models.hf import build_model
 from sparsebalance.ops import Budget, block_sparse_attention, block_sparse_flex, select_blocks
 from sparsebalance.ops import attention as op_module
-from sparsebalance.ops.dense import dense_attention
 from sparsebalance.ops.pack_index import PackIndex
 from tests.conftest import make_qkv
-
-aten = torch.ops.aten
-HOST_READS = {
-    aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.equal, aten.is_nonzero,
-    aten._unique, aten._unique2, aten.unique_dim, aten.unique_consecutive,
-}  # fmt: skip
-HOST_READ_OVERLOADS = {aten.repeat_interleave.Tensor}
-
-
-HOST_METHODS = ("tolist", "numpy", "cpu", "item", "__bool__", "__int__", "__float__", "__index__")
-"""Tensor methods that read values on the host without (always) dispatching an aten op."""
-
-
-class Recorder(TorchDispatchMode):
-    """Every op outside the stand-in kernel: host reads (aten ops and the tensor methods that
-    read values without one), and elements written to new storage."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads: list[str] = []
-        self.writes: list[tuple[str, int]] = []
-        self.paused = 0
-        self._saved = {}
-
-    def __enter__(self):
-        for name in HOST_METHODS:
-            original = self._saved[name] = getattr(torch.Tensor, name)
-
-            def read(tensor, *args, _name=name, _original=original, **kwargs):
-                if not self.paused:
-                    self.reads.append(f"Tensor.{_name}")
-                return _original(tensor, *args, **kwargs)
-
-            setattr(torch.Tensor, name, read)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(torch.Tensor, name, original)
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.paused:
-            return out
-        if func.overloadpacket in HOST_READS or func in HOST_READ_OVERLOADS:
-            self.reads.append(str(func))
-        inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
-        fresh = [t for t in _tensors(out) if t.untyped_storage().data_ptr() not in inputs]
-        if fresh:
-            self.writes.append((str(func), sum(t.numel() for t in fresh)))
-        return out
-
-
-def _tensors(tree):
-    flat, _ = torch.utils._pytree.tree_flatten(tree)
-    return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
 @pytest.fixture
 def fake_flex(monkeypatch):
-    """Flex "available" on CPU, its compiled kernel replaced by a differentiable stand-in."""
+    """Flex "available" on CPU, its compiled kernel replaced by a differentiable stand-in (run,
+    like the real one, through :func:`sparsebalance.launches.kernel`: not counted)."""
     calls = []
 
-    def kernel(q, k, v, block_mask, scale, enable_gqa, kernel_options):
+    def stand_in(q, k, v, block_mask, scale, enable_gqa, kernel_options):
         calls.append({"mask": block_mask, "gqa": enable_gqa, "kv_heads": k.shape[1]})
-        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
-        if mode is not None:
-            mode.paused += 1
-        try:  # stands in for attention: depends on q, k and v, costs nothing to count
-            return q + (k.sum() + v.sum()) * 0.0
-        finally:
-            if mode is not None:
-                mode.paused -= 1
+        return q + (k.sum() + v.sum()) * 0.0  # depends on q, k and v, costs nothing to count
 
-    def dense(*args, **kwargs):  # the dense kernel's own work is not "around the kernel" either
-        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
-        if mode is not None:
-            mode.paused += 1
-        try:
-            return dense_attention(*args, **kwargs)
-        finally:
-            if mode is not None:
-                mode.paused -= 1
-
-    monkeypatch.setattr(block_sparse_flex, "_compiled_flex", lambda: kernel)
-    monkeypatch.setattr(block_sparse_flex, "dense_attention", dense)
+    monkeypatch.setattr(block_sparse_flex, "_compiled_flex", lambda: stand_in)
     monkeypatch.setattr(op_module, "flex_available", lambda device: True)
     return calls
 
@@ -152,11 +78,7 @@ def test_transformers_mask_preparation_reads_nothing_back():
     recorded = []
 
     def attention(*args, **kwargs):  # the op itself (torch backend: sizes on the host) not counted
-        mode.paused += 1
-        try:
-            return original(*args, **kwargs)
-        finally:
-            mode.paused -= 1
+        return kernel(original, *args, **kwargs)
 
     from sparsebalance.models import attention as model_attention
 

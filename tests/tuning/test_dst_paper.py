@@ -147,7 +147,7 @@ def test_layer_controller_runs_whole_k_within_the_coverage_bound():
     mb = MicroBatch((0, 1), lengths, (0.5, 0.5))
     cfg = DSTConfig(budget_tokens=1024, p=0.05)  # base k = 16 at block 64
     knob = cfg.knob(64)
-    ctl = LayerController([mb], oracle, cfg, target_seconds=1e-9, knob=knob)
+    ctl = LayerController([mb], oracle, cfg, target_seconds=1e-9, knob=knob, device="cpu")
     for layer in range(3):
         budget = ctl.choose(0, layer, est)
         assert isinstance(budget.top_k, int) and budget.top_k < knob.base
@@ -157,7 +157,9 @@ def test_layer_controller_runs_whole_k_within_the_coverage_bound():
         assert est.coverage(budget.with_value(budget.top_k - 1)) < base_cov - 0.05
         assert rec.coverage_limited and rec.coverage == pytest.approx(est.coverage(budget))
     # with no bound (p = 1) the same layers cut to the floor
-    loose = LayerController([mb], oracle, DSTConfig(budget_tokens=1024, p=1.0), 1e-9, knob=knob)
+    loose = LayerController(
+        [mb], oracle, DSTConfig(budget_tokens=1024, p=1.0), 1e-9, knob=knob, device="cpu"
+    )
     assert loose.choose(0, 0, est).top_k == knob.lo
 
 
@@ -168,29 +170,42 @@ def test_layer_controller_realizes_a_fractional_step_budget():
     mb = MicroBatch((0, 1), lengths, (0.5, 0.5))
     cfg = DSTConfig(budget_tokens=512, p=1.0)
     knob = cfg.knob(64)
-    ctl = LayerController([mb], oracle, cfg, 0.0, value=9.5, knob=knob)
+    ctl = LayerController([mb], oracle, cfg, 0.0, value=9.5, knob=knob, device="cpu")
     ctl.target_seconds = float(ctl.planned.sum())
     ks = [ctl.choose(0, layer, est).top_k for layer in range(8)]
     assert set(ks) <= {9, 10} and 9 in ks and 10 in ks
     assert np.mean(ks) == pytest.approx(9.5, abs=0.26)
 
 
-def test_the_coverage_bound_decided_on_the_device_runs_the_same_k_without_a_read_back():
+def _topk_gate(seed=0, lengths=(2048, 1024)):
+    """The one-batch top-k gate (what a training layer uses) of the same q, k as :func:`_gate`."""
+    from sparsebalance.ops.pack_index import PackIndex
+    from sparsebalance.ops.topk_gate import GateTables, TopKGate
+
+    q, k, _ = make_qkv(sum(lengths), 2, 1, 16, dtype=torch.float32, seed=seed,
+                       requires_grad=False)  # fmt: skip
+    pack = PackIndex.build(cu_from_lengths(lengths), 64, lengths)
+    tables = GateTables.of(pack, Budget(top_k=0))
+    return TopKGate.score(q * 2.0, k, tables, 16**-0.5), lengths
+
+
+@pytest.mark.parametrize("gate", [_gate, _topk_gate], ids=["per-document", "one-batch"])
+def test_the_coverage_bound_decided_on_the_device_runs_the_same_k_without_a_read_back(gate):
     """Issue 38, item 3: on a GPU the layer controller's coverage bound is decided on the device
     (``v_cov`` a device scalar, the layer running ``max(v_time, v_cov)``), so no layer waits for
-    the device; the layout is the host decision's, the record reads back at the step's end."""
-    from tests.ops.test_host_sync import Recorder
+    the device; the layout is the host decision's, the record reads back at the step's end.
+    The device is the controller's ``device`` (a CUDA run's, the tensors stay on the CPU)."""
+    from sparsebalance.launches import LaunchCounter
 
-    est, lengths = _gate()
+    est, lengths = gate()
     oracle = Oracle(num_layers=3, a=0.0, b=1e-6, c=0.0, overhead=0.0)
     mb = MicroBatch((0, 1), lengths, (0.5, 0.5))
     cfg = DSTConfig(budget_tokens=1024, p=0.05)
     knob = cfg.knob(64)
-    host = LayerController([mb], oracle, cfg, target_seconds=1e-9, knob=knob)
-    device = LayerController([mb], oracle, cfg, target_seconds=1e-9, knob=knob)
-    device.device_floor = True
+    host = LayerController([mb], oracle, cfg, target_seconds=1e-9, knob=knob, device="cpu")
+    device = LayerController([mb], oracle, cfg, target_seconds=1e-9, knob=knob, device="cuda")
     want = host.choose(0, 0, est)
-    with Recorder() as rec:
+    with LaunchCounter() as rec:
         got = device.choose(0, 0, est)
         layout = est.layout(got)
     assert not rec.reads, rec.reads

@@ -171,7 +171,7 @@ class RankExecutor:
             # Target: the unit's own prediction at its budget; fed no measured times, the
             # controller's choices depend on the shared estimates only (same on every rank).
             ctl = LayerController([mb], engine.latency, engine.tuner.config, 0.0, value=value,
-                                  knob=engine.knob)  # fmt: skip
+                                  knob=engine.knob, device=engine.device)  # fmt: skip
             ctl.target_seconds = float(ctl.planned.sum())
             self._controllers.append(ctl)
             choose = lambda layer, e: ctl.choose(0, layer, e)  # noqa: E731

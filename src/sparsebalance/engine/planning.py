@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ..batching import DensityEstimator, PlanConfig
 from ..latency import LatencyModel
 from ..tuning import DSTTuner, LayerController
@@ -65,13 +67,17 @@ class StepEngine:
         all_gather: ``obj -> [obj of every rank]`` (one rank: ``[obj]``).
         cost: what plans and DST price with, when not ``latency`` itself (``sab-cp``'s
             ``ContextCost``, which prices documents split over several ranks).
+        device: where the micro-batches train: off the CPU nothing inside a step may wait for
+            it (DST's layer controllers decide on it, :class:`~sparsebalance.tuning.
+            LayerController`).
     """
 
     def __init__(self, config: PlanningConfig, latency: LatencyModel, tuner: DSTTuner,
                  estimator: DensityEstimator, sample: Callable[[int], Sample],
                  all_gather: Callable[[object], list] | None = None,
-                 cost: CostModel | None = None) -> None:  # fmt: skip
+                 cost: CostModel | None = None, *, device: torch.device) -> None:  # fmt: skip
         self.config = config
+        self.device = torch.device(device)
         self.latency = latency
         self.tuner = tuner
         self.estimator = estimator
@@ -102,7 +108,8 @@ class StepEngine:
 
     def controller(self, tuned: TunedStep, rank: int) -> LayerController | None:
         """DST's layer controller for ``rank``'s one-rank micro-batches (None: budgets fixed)."""
-        return rank_controller(tuned, rank, self.latency, self.tuner.config, self.tuner.knob)
+        return rank_controller(tuned, rank, self.latency, self.tuner.config, self.tuner.knob,
+                               self.device)  # fmt: skip
 
     def records(self, tuned: TunedStep, rank: int, results: Sequence[MicroBatchResult],
                 gather: bool = True) -> list[RankRecord]:  # fmt: skip

@@ -91,11 +91,12 @@ def tune_step(
 
 
 def rank_controller(
-    step: TunedStep, rank: int, latency: LatencyModel, dst: DSTConfig, knob: Knob
-) -> LayerController | None:
+    step: TunedStep, rank: int, latency: LatencyModel, dst: DSTConfig, knob: Knob,
+    device: torch.device,
+) -> LayerController | None:  # fmt: skip
     """DST's closed-loop layer controller for rank ``rank``'s one-rank micro-batches of ``step``
-    (None with ``mode="off"`` or when the rank has none). Micro-batch ``m`` of the controller is
-    the rank's m-th one-rank micro-batch in plan order."""
+    (None with ``mode="off"`` or when the rank has none), deciding for ``device`` (the run's).
+    Micro-batch ``m`` of the controller is the rank's m-th one-rank micro-batch in plan order."""
     planned = step.planned
     plan, units = planned.plan, planned.units
     solo = [plan.ranks[rank][j] for j, u in enumerate(planned.rank_units[rank])
@@ -103,7 +104,7 @@ def rank_controller(
     if dst.mode == "off" or not solo:
         return None
     controller = LayerController.from_decision(step.decision.ranks[rank], solo, latency, dst,
-                                               knob=knob)  # fmt: skip
+                                               knob=knob, device=device)  # fmt: skip
     if len(solo) < len(plan.ranks[rank]):  # its CP units are not the controller's
         controller.target_seconds = float(controller.planned.sum())
     return controller

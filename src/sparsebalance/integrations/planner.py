@@ -138,12 +138,15 @@ class StepPlanner:
         rank, world_size: this process and the data-parallel world.
         all_gather: ``obj -> [obj of every rank]`` (``torch.distributed.all_gather_object``).
         sources: optional ``(N,)`` source names (the density estimator learns per source).
+        device: where the micro-batches train (DST decides on it off the CPU; layer times are
+            fed back only on the CPU, :func:`~sparsebalance.engine.stages.layer_feedback`).
     """
 
     def __init__(self, lengths: Sequence[int] | np.ndarray, config: PlannerConfig,
                  latency: LatencyModel, rank: int = 0, world_size: int = 1,
                  all_gather: Callable[[object], list] | None = None,
-                 sources: Sequence[str] | None = None) -> None:  # fmt: skip
+                 sources: Sequence[str] | None = None,
+                 device: torch.device | str = "cpu") -> None:  # fmt: skip
         self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
         if self.lengths.size == 0 or int(self.lengths.min()) < 1:
             raise ValueError("every document needs at least one token (an empty one was given)")
@@ -158,15 +161,13 @@ class StepPlanner:
         planning = PlanningConfig(world_size, None if config.capacity else config.micro_batches,
                                   config.capacity, config.strategy, config.overlong,
                                   deterministic=config.deterministic)  # fmt: skip
+        self.device = torch.device(device)
         self.engine = StepEngine(planning, latency, tuner, make_estimator("auto", tuner.knob),
-                                 self.sample, self.all_gather)  # fmt: skip
+                                 self.sample, self.all_gather, device=self.device)  # fmt: skip
         self.target_count: Callable[[int, int, int], int] | None = None
         """Optional ``(sample id, offset, length) -> targets`` (masked prompts); default n - 1."""
         self.history: list[dict] = []
         """One telemetry dict per finished step (what the trainer's loggers get)."""
-        self.device = torch.device("cpu")
-        """Where the micro-batches train (set by ``build_sampler``): decides whether layer times
-        are fed back (:func:`~sparsebalance.engine.stages.layer_feedback`)."""
         self._work: StepWork | None = None
 
     @property

@@ -30,6 +30,7 @@ reads them (:class:`LayerStats`).
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,6 +42,8 @@ import torch
 
 from ..ops import BlockLayout, Budget, block_sparse_attention, estimate_block_mass, select_blocks
 from ..ops.pack_index import PackIndex
+from ..ops.topk_gate import GateTables, TopKGate, gate_applies
+from ..ops.varlen import resolve_scale
 from ..parallel import (
     Placement,
     RankList,
@@ -70,18 +73,41 @@ def recompute_phase(phase: str | None) -> Iterator[None]:
 
 @dataclass
 class LayerStats:
-    """What one attention layer did in one forward. The densities are device tensors computed
-    without a host sync; reading :attr:`density` / :attr:`document_density` syncs, so the
-    trainer reads them once, at the step's end."""
+    """What one attention layer did in one forward, kept as two small device tensors (two
+    reductions of the layout: nothing read back, no ``O(nb^2)`` mask held): reading
+    :attr:`density`, :attr:`document_density` or :attr:`budget` syncs, so the trainer reads them
+    once, at the step's end, for all layers of a micro-batch at once (:func:`read_stats`).
+
+    The layout's pairs are doc-causal (as every selection makes them), so a document's kept
+    pairs are its query blocks' row counts plus, where it starts inside a block it shares with
+    the document before, that block's diagonal (:meth:`PackIndex.density_matrix`)."""
 
     layer: int
-    budget_value: float | torch.Tensor
-    """The knob value the layer ran with (k or gamma); a 0-dim device tensor where DST decided
-    it on the device (a top-k budget with a ``floor``), read with the statistics."""
-    density_tensor: torch.Tensor
-    """0-dim float64: fraction of the doc-causal block pairs kept (:meth:`BlockLayout.density`)."""
-    document_density_tensor: torch.Tensor
-    """float64 ``(N,)``: per document (:meth:`BlockLayout.document_density`)."""
+    budget_rule: Budget
+    """The budget the layer ran with (a ``floor`` is DST's device decision, read at the end)."""
+    rows: torch.Tensor
+    """int64 ``(nb,)``: kept pairs of every query block, summed over layout heads."""
+    diagonal: torch.Tensor
+    """int64 ``(nb,)``: kept diagonal pairs of every block, summed over layout heads."""
+    pack: PackIndex
+    heads: int
+    """Layout heads the counts sum over."""
+
+    @classmethod
+    def of(cls, layer: int, budget: Budget, layout: BlockLayout) -> LayerStats:
+        mask = layout.block_mask
+        rows = mask.sum((0, 2))
+        diagonal = mask.diagonal(dim1=1, dim2=2).sum(0)
+        return cls(layer, budget, rows, diagonal, layout.pack, mask.shape[0])
+
+    @property
+    def budget_value(self) -> float | torch.Tensor:
+        """The knob value the layer ran with (k or gamma); ``max(top_k, floor)`` where DST
+        decided a floor on the device (a 0-dim tensor then, read with the statistics)."""
+        b = self.budget_rule
+        if b.floor is None:
+            return b.value
+        return torch.clamp(b.floor.reshape(()), min=b.top_k).double()
 
     @property
     def budget(self) -> float:
@@ -89,18 +115,31 @@ class LayerStats:
 
     @property
     def density(self) -> float:
-        return float(self.density_tensor)
+        return read_stats([self])[2][0]
 
     @property
     def document_density(self) -> list[float]:
-        return self.document_density_tensor.tolist()
+        return read_stats([self])[1][0]
 
-    @classmethod
-    def of(cls, layer: int, budget: Budget, layout: BlockLayout) -> LayerStats:
-        value = budget.value
-        if budget.floor is not None:  # max(top_k, floor), kept on the device
-            value = torch.clamp(budget.floor, min=budget.top_k).double()
-        return cls(layer, value, layout.density_tensor(), layout.document_density())
+
+def read_stats(stats: list[LayerStats]) -> tuple[list[float], list[list[float]], list[float]]:
+    """``(budgets (L,), per-document densities (L, N), pack densities (L,))`` of one micro-batch's
+    layers, read back together (one host read; call after the step's synchronize)."""
+    if not stats:
+        return [], [], []
+    pack = stats[0].pack
+    heads = torch.tensor([s.heads for s in stats], dtype=torch.float64)
+    counts = torch.stack([t for s in stats for t in (s.rows, s.diagonal)])  # (2 L, nb)
+    densities = pack.density_matrix(counts.view(len(stats), -1))  # (L, N + 1): documents, pack
+    floors = [s.budget_value for s in stats]
+    device = [x.reshape(1) for x in floors if isinstance(x, torch.Tensor)]
+    host = torch.cat([densities.flatten(), *device]).cpu()  # the one read
+    num_layers, n = len(stats), pack.num_docs
+    table = host[: num_layers * (n + 1)].view(num_layers, n + 1) / heads[:, None]
+    docs, dens = table[:, :n].tolist(), table[:, n].tolist()
+    read = iter(host[num_layers * (n + 1) :].tolist())
+    budgets = [next(read) if isinstance(x, torch.Tensor) else float(x) for x in floors]
+    return budgets, docs, dens
 
 
 @dataclass(frozen=True)
@@ -197,8 +236,20 @@ class PackedAttention:
             self._pack = PackIndex.build(self.cu_seqlens, self.block_size, self.lengths)
         return self._pack
 
+    def estimate(self, q: torch.Tensor, k: torch.Tensor, scale: float | None):
+        """The layer's gate for DST's choice: the one-batch top-k gate (:mod:`~sparsebalance.
+        ops.topk_gate`) where :attr:`min_budget` is top-k, else the per-document estimate."""
+        low = self.min_budget or self.budget
+        scale = resolve_scale(scale, q.shape[-1])
+        if gate_applies(low):
+            tables = GateTables.of(self.pack, low, self.dense_from)
+            if tables is not None:
+                return TopKGate.score(q, k, tables, scale)
+        return estimate_block_mass(q, k, self.cu_seqlens, self.block_size, scale=scale,
+                                   pack=self.pack)  # fmt: skip
+
     def mean_density(self) -> float:
-        return sum(s.density for s in self.stats) / max(1, len(self.stats))
+        return sum(read_stats(self.stats)[2]) / max(1, len(self.stats))
 
 
 # attention module -> ``(module, query, sb_attention, kwargs) -> PackedAttention``: how a layer of
@@ -211,7 +262,7 @@ def bind_context(module: torch.nn.Module, resolve) -> None:
     ``resolve(module, query, sb_attention, kwargs)`` returns it (``sb_attention``: whatever the
     forward passed, e.g. an integration's ticket, or None). A bound method is held weakly: the
     entry must not keep its owner, hence the model and the module, alive."""
-    _CONTEXTS[module] = weakref.WeakMethod(resolve) if hasattr(resolve, "__self__") else (
+    _CONTEXTS[module] = weakref.WeakMethod(resolve) if inspect.ismethod(resolve) else (
         lambda: resolve)  # fmt: skip
 
 
@@ -259,14 +310,14 @@ def _layer(ctx: PackedAttention, module, q, k, v, scaling) -> torch.Tensor:
             )
         budget, layout = ctx.layouts.pop(layer)  # the forward's choice; nothing chosen again
         return _attend(ctx, q, k, v, layout, scaling)
+    # a transformers attention module carries its layer_idx; a bare one counts its calls
     layer = int(getattr(module, "layer_idx", len(ctx.stats)))
     if ctx.ring is not None:
         estimate = ctx.ring.estimate(q, k, ctx.cu_seqlens, ctx.block_size, scaling, ctx.pack)
         budget = ctx.budget if ctx.choose_budget is None else ctx.choose_budget(layer, estimate)
         layout = estimate.layout(budget)
     elif ctx.choose_budget is not None and not ctx._all_covered:
-        estimate = estimate_block_mass(q, k, ctx.cu_seqlens, ctx.block_size, scale=scaling,
-                                       pack=ctx.pack)  # fmt: skip
+        estimate = ctx.estimate(q, k, scaling)
         budget = ctx.choose_budget(layer, estimate)
         layout = estimate.layout(budget, ctx.dense_from)
     else:

@@ -39,6 +39,7 @@ import functools
 
 import torch
 
+from ..launches import kernel
 from .dense import dense_attention
 from .flex_config import flex_settings
 from .flex_mask import build_block_mask, whole_block_runs
@@ -83,7 +84,7 @@ def flex_block_sparse_attention(
     hq, hkv, t, d = q.shape[1], k.shape[1], q.shape[0], q.shape[2]
     runs = whole_block_runs(pack, layout.dense_docs) if layout.dense_docs else ()
     if len(runs) == 1 and runs[0][2] == 0 and runs[0][3] == t:  # every document dense
-        return dense_attention(q, k, v, pack.cu_seqlens, pack.lengths, scale)
+        return kernel(dense_attention, q, k, v, pack.cu_seqlens, pack.lengths, scale)
     expand = gqa == "expand" and hq != hkv
     total = padded_length(layout, (hq, hq if expand else hkv, d))
     block_mask = layout.memo(("flex", hq, total, runs),
@@ -98,16 +99,22 @@ def flex_block_sparse_attention(
     if expand:  # contiguous heads-first copies, as measured (K/V repeated to the query heads)
         kt, vt = (x.repeat_interleave(hq // hkv, dim=1) for x in (kt, vt))
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        out = _compiled_flex()(
-            qt, kt, vt, block_mask=block_mask, scale=scale, enable_gqa=hq != kt.shape[1],
+        out = kernel(
+            _compiled_flex(),
+            qt,
+            kt,
+            vt,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=hq != kt.shape[1],
             kernel_options=settings.kernel_options or None,
-        )  # fmt: skip
+        )
     out = out[0].transpose(0, 1)[:t]
     if not runs:
         return out
     # The dense runs' rows replace flex's (emptied) ones: one gather of their tokens, one dense
     # call, one scatter, however many runs (a constant number of T x H x D passes).
     idx, cu, lengths = pack.dense_tokens(runs)
-    dense = dense_attention(q.index_select(0, idx), k.index_select(0, idx),
-                            v.index_select(0, idx), cu, lengths, scale)  # fmt: skip
+    dense = kernel(dense_attention, q.index_select(0, idx), k.index_select(0, idx),
+                   v.index_select(0, idx), cu, lengths, scale)  # fmt: skip
     return out.index_copy(0, idx, dense)

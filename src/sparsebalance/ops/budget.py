@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import torch
 from numpy.typing import ArrayLike
 
 KINDS = ("top-k", "gamma")
@@ -84,7 +85,9 @@ class Budget:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.max_density is not None and not (0.0 < self.max_density <= 1.0):
             raise ValueError(f"max_density must be in (0, 1] or None, got {self.max_density}")
-        if self.floor is not None and (self.top_k is None or getattr(self.floor, "ndim", 1) != 0):
+        if self.floor is not None and (
+            self.top_k is None or not isinstance(self.floor, torch.Tensor) or self.floor.ndim
+        ):
             raise ValueError("floor is a 0-dim tensor, for a top_k budget only")
 
     @property

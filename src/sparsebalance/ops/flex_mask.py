@@ -4,14 +4,15 @@ FlexAttention reads four index lists: per query block the *partial* key blocks (
 causal ``mask_mod`` applies) and the *full* ones (every token pair doc-causal: no mask_mod), for
 the forward; per key block the same two lists over query blocks, for the backward's dK/dV.
 ``BlockMask.from_kv_blocks`` derives the query-side lists by converting the kv-side lists back to
-a dense mask and argsorting it, twice per call; here both sides come straight from the dense
-bool mask the layout already is (:func:`~.layout.dense_to_ordered`: a prefix count and a
-scatter, no sort), so a layer costs a handful of ``O(H nb^2)`` kernels, built once and kept on
-the layout for the backward and any recomputation. On the CPU the lists are checked equal to
-``from_kv_blocks``' (``tests/ops/test_flex_mask.py``).
+a dense mask and argsorting it, twice per call. Here all four come from the layout's dense bool
+mask in five device operations: split into partial and full by the pack's tables (one ``&``),
+the two masks and their transposes stacked (one ``cat``), counted (one ``sum``) and ordered
+(one stable sort of the rows, kept blocks first in ascending order; one cast to int32). Built
+once per layer, kept on the layout for the backward and any recomputation. On the CPU the lists
+are checked equal to ``from_kv_blocks``' (``tests/ops/test_flex_mask.py``).
 
 Query blocks wholly inside a run of dense documents (:mod:`.dense` computes those) get no key
-block at all: the flex kernel skips them.
+block at all: the flex kernel skips them (the pack's tables leave them out).
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .layout import BlockLayout, dense_to_ordered
+from .layout import BlockLayout
 from .pack_index import PackIndex, num_blocks
 
 
-def block_tables(pack: PackIndex, total: int) -> dict[str, torch.Tensor]:
+def block_tables(pack: PackIndex, total: int, runs=()) -> dict[str, torch.Tensor]:
     """Per padded pack (``total >= T`` tokens; padding tokens form a document of their own
-    starting at ``T``), device tensors: ``doc`` int64 ``(total,)`` each token's document,
-    ``causal`` / ``full`` bool ``(nbp, nbp)`` doc-causal and full block pairs."""
+    starting at ``T``), device tensors: ``doc`` int64 ``(total,)`` each token's document and
+    ``split`` bool ``(2, 1, nbp, nbp)`` the partial and the full doc-causal block pairs, without
+    the query blocks of ``runs`` (computed by the dense kernel)."""
 
     def build():
         bs, t = pack.block_size, pack.seq_len
@@ -37,38 +39,22 @@ def block_tables(pack: PackIndex, total: int) -> dict[str, torch.Tensor]:
         first_tok, last_tok = qb * bs, np.minimum((qb + 1) * bs, total) - 1
         first = starts[np.searchsorted(off[1:], first_tok, side="right")]
         last = starts[np.searchsorted(off[1:], last_tok, side="right")]
+        # "full": the key block lies inside the query block's only document and before it.
+        one_doc = first == last
+        kb_lo = (first + bs - 1) // bs  # first key block wholly at or after the doc start
+        before = qb[None, :] < qb[:, None]
+        full = one_doc[:, None] & (qb[None, :] >= kb_lo[:, None]) & before
+        causal = (qb[None, :] >= (first // bs)[:, None]) & (qb[None, :] <= qb[:, None])
+        rows = np.ones(nbp, dtype=bool)
+        for _, _, t0, t1 in runs:  # query blocks the dense kernel computes: no key block
+            lo, hi = qb * bs, np.minimum((qb + 1) * bs, t)
+            rows &= ~((lo >= t0) & (hi <= t1) & (lo < hi))
+        split = np.stack([causal & ~full, full]) & rows[None, :, None]
         doc = np.repeat(np.arange(starts.size), np.diff(off))
         up = pack.upload
-        first_d, last_d, qb_d = up(first), up(last), up(qb)
-        # "full": the key block lies inside the query block's only document and before it.
-        one_doc = first_d == last_d
-        kb_lo = (first_d + bs - 1) // bs  # first key block wholly at or after the doc start
-        before = qb_d[None, :] < qb_d[:, None]
-        full = one_doc[:, None] & (qb_d[None, :] >= kb_lo[:, None]) & before
-        lo = first_d // bs
-        causal = (qb_d[None, :] >= lo[:, None]) & (qb_d[None, :] <= qb_d[:, None])
-        return {"doc": up(doc), "causal": causal, "full": full}
+        return {"doc": up(doc), "split": up(split[:, None], torch.bool)}
 
-    return pack.memo(("flex_tables", total), build)
-
-
-def dense_rows(pack: PackIndex, runs, total: int) -> torch.Tensor | None:
-    """Bool ``(nbp,)`` device: query blocks wholly inside one of ``runs`` (``(doc0, doc1, t0,
-    t1)`` each), which the dense kernel computes; None without runs."""
-    if not runs:
-        return None
-
-    def build():
-        bs = pack.block_size
-        nbp = num_blocks(total, bs)
-        qb = np.arange(nbp)
-        lo, hi = qb * bs, np.minimum((qb + 1) * bs, pack.seq_len)
-        inside = np.zeros(nbp, dtype=bool)
-        for _, _, t0, t1 in runs:
-            inside |= (lo >= t0) & (hi <= t1) & (lo < hi)
-        return pack.upload(inside, torch.bool)
-
-    return pack.memo(("dense_rows", runs, total), build)
+    return pack.memo(("flex_tables", total, runs), build)
 
 
 def whole_block_runs(pack: PackIndex, dense_docs: tuple[bool, ...]):
@@ -85,26 +71,24 @@ def whole_block_runs(pack: PackIndex, dense_docs: tuple[bool, ...]):
 
 def build_block_mask(layout: BlockLayout, num_heads: int, total: int, runs=()):
     """The layout as a FlexAttention ``BlockMask`` over ``num_heads`` query heads and ``total``
-    padded tokens, the query blocks of ``runs`` emptied."""
+    padded tokens, the query blocks of ``runs`` emptied (five device operations, see the module
+    docstring; one more to pad the mask, one to repeat its heads, where needed)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     pack, bs = layout.pack, layout.block_size
     nb, nbp = layout.num_blocks, num_blocks(total, bs)
-    tables = block_tables(pack, total)
+    tables = block_tables(pack, total, tuple(runs))
     kept = layout.block_mask
     if kept.shape[0] != num_heads:
         kept = kept.repeat_interleave(num_heads // kept.shape[0], dim=0)
     if nbp > nb:
         kept = torch.nn.functional.pad(kept, (0, nbp - nb, 0, nbp - nb))
-    skip = dense_rows(pack, runs, total)
-    if skip is not None:
-        kept = kept & ~skip[None, :, None]
-    partial = kept & (tables["causal"] & ~tables["full"])[None]
-    full = kept & tables["full"][None]
-    kv_num, kv_idx = dense_to_ordered(partial, nbp)
-    full_num, full_idx = dense_to_ordered(full, nbp)
-    q_num, q_idx = dense_to_ordered(partial.transpose(-2, -1), nbp)
-    full_q_num, full_q_idx = dense_to_ordered(full.transpose(-2, -1), nbp)
+    parts = kept[None] & tables["split"]  # (2, H, nbp, nbp): partial, full
+    lists = torch.cat([parts, parts.transpose(-2, -1)])  # kv side, then query side
+    counts = lists.sum(-1, dtype=torch.int32)  # (4, H, nbp)
+    # kept blocks first, in ascending order (a stable sort); what follows a row's count is unread
+    order = torch.sort(lists.view(torch.uint8), dim=-1, descending=True, stable=True).indices
+    order = order.to(torch.int32)
     doc = tables["doc"]
 
     def doc_causal(b, h, q_idx, kv_idx):
@@ -112,9 +96,9 @@ def build_block_mask(layout: BlockLayout, num_heads: int, total: int, runs=()):
 
     return BlockMask(
         seq_lengths=(total, total),
-        kv_num_blocks=kv_num[None], kv_indices=kv_idx[None],
-        full_kv_num_blocks=full_num[None], full_kv_indices=full_idx[None],
-        q_num_blocks=q_num[None], q_indices=q_idx[None],
-        full_q_num_blocks=full_q_num[None], full_q_indices=full_q_idx[None],
+        kv_num_blocks=counts[0][None], kv_indices=order[0][None],
+        full_kv_num_blocks=counts[1][None], full_kv_indices=order[1][None],
+        q_num_blocks=counts[2][None], q_indices=order[2][None],
+        full_q_num_blocks=counts[3][None], full_q_indices=order[3][None],
         BLOCK_SIZE=(bs, bs), mask_mod=doc_causal,
     )  # fmt: skip

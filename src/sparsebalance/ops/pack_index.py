@@ -65,8 +65,11 @@ class PackIndex:
     ) -> PackIndex:
         """The index of the pack ``cu_seqlens`` (int32 ``(N + 1,)``); ``lengths``: its document
         lengths if the caller has them on the host (else read from ``cu_seqlens``: one host sync
-        when it lives on a device, so the training paths pass them)."""
-        check_cu_seqlens(cu_seqlens)
+        when it lives on a device, so the training paths pass them). Given lengths are checked
+        on the host; that they are ``cu_seqlens``' only under :func:`~.varlen.debug_checks` (a
+        read of the offsets, wherever they live: the training paths build both from the same
+        documents, and a CPU run does what a CUDA run does)."""
+        check_cu_seqlens(cu_seqlens, values=None if lengths is None else debug_checks())
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         if lengths is None:
@@ -77,7 +80,7 @@ class PackIndex:
                 f"lengths must give {cu_seqlens.numel() - 1} documents of >= 1 token, "
                 f"got {len(lengths)} (min {min(lengths, default=0)})"
             )
-        if cu_seqlens.device.type == "cpu" or debug_checks():  # free on the host
+        if debug_checks():
             offsets = cu_seqlens.detach().to("cpu", torch.int64).numpy()
             if not np.array_equal(np.diff(offsets), lengths):
                 raise ValueError(
@@ -247,6 +250,35 @@ class PackIndex:
             return self.upload(self.offsets[doc] // self.block_size)
 
         return self.memo("causal_lo", build)
+
+    def density_matrix(self, counts: torch.Tensor) -> torch.Tensor:
+        """Densities from per-layer counts: ``counts`` ``(L, 2 nb)`` holds, per layer, the kept
+        doc-causal pairs of every query block and then of every diagonal block (summed over
+        layout heads); returns float64 ``(L, N + 1)``: each document's kept pairs over its causal
+        pairs, then the pack's (divide by the heads for a density). A document owns the rows of
+        the query blocks whose first token it holds (their causal key blocks all touch it) and,
+        where it starts inside a block it shares with the document before, that block's
+        diagonal pair: the pairs with both blocks touching it (:func:`~.layout.document_density`).
+        One matrix product (the matrix built once per pack)."""
+
+        def build():
+            nb, n = self.num_blocks, self.num_docs
+            first, last = self.doc_blocks
+            owner = np.searchsorted(self.offsets[1:], np.arange(nb) * self.block_size,
+                                    side="right")  # fmt: skip
+            blocks = (last - first + 1).astype(np.float64)
+            causal = blocks * (blocks + 1) / 2
+            m = np.zeros((2 * nb, n + 1))
+            m[np.arange(nb), owner] = 1.0
+            shared = np.flatnonzero(self.offsets[:-1] % self.block_size != 0)
+            m[nb + first[shared], shared] = 1.0
+            m[:nb, n] = 1.0
+            lo = self.offsets[owner] // self.block_size
+            pairs = np.append(causal, float(np.sum(np.arange(nb) - lo + 1)))
+            return self.upload(m, torch.float64), self.upload(pairs, torch.float64)
+
+        matrix, pairs = self.memo("density_matrix", build)
+        return (counts.to(torch.float64) @ matrix) / pairs
 
     def causal_block_mask(self) -> torch.Tensor:
         """Bool ``(nb, nb)`` device: the doc-causal block pairs."""

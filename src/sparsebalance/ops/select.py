@@ -44,6 +44,7 @@ from .budget import Budget
 from .layout import BlockLayout, document_density
 from .pack_index import PackIndex, ScoreBatch
 from .select_rules import DocumentBatch
+from .topk_gate import GateTables, TopKGate, gate_applies
 from .varlen import check_cu_seqlens, check_qkv, doc_ids, resolve_scale, token_mask
 
 # Bound on (heads x documents x s x s) elements processed at once, so long contexts fit in memory.
@@ -187,6 +188,13 @@ class BlockMassEstimate:
             total += batch.topk_covered(budget, self._cache.setdefault(i, {}), ks_t).sum(-1)
         return total / (self.pack.seq_len * self.num_layout_heads)
 
+    def coverage_floor(self, budget: Budget, ks, p: float) -> torch.Tensor:
+        """int64 ``(1,)`` device: the index in ``ks`` (ascending, the last the base) of the
+        smallest k whose coverage of ``budget``'s anchors is within ``p`` of the last's (a top-k
+        budget without a cap; no read back)."""
+        cov = self.coverage_curve_tensor(budget, ks)
+        return torch.searchsorted(cov, cov[-1:] - p)
+
     def coverage(self, budget: Budget) -> float:
         """The pack's coverage: :meth:`document_coverage` weighted by document tokens."""
         tokens = torch.diff(self.pack.cu_seqlens.long()).double()
@@ -327,6 +335,11 @@ def select_blocks(
     if all(budget.dense_documents(pack, dense_from)):
         heads = k.shape[1] if share_kv_groups else q.shape[1]
         return BlockLayout.full(pack, heads, q.shape[1])
+    if gate_applies(budget, share_kv_groups):
+        tables = GateTables.of(pack, budget, dense_from)
+        if tables is not None:  # one batch for the pack (else the per-document batches)
+            scale = resolve_scale(scale, q.shape[-1])
+            return TopKGate.score(q, k, tables, scale).layout(budget, dense_from)
     est = estimate_block_mass(q, k, cu_seqlens, block_size, share_kv_groups, scale, pack)
     return est.layout(budget, dense_from)
 

@@ -21,12 +21,15 @@ def debug_checks() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None) -> None:
+def check_cu_seqlens(
+    cu_seqlens: torch.Tensor, total: int | None = None, values: bool | None = None
+) -> None:
     """Raise ``ValueError``/``TypeError`` unless ``cu_seqlens`` is a valid varlen offset vector.
 
-    Type and shape always; the values (0 first, increasing, ``total`` last) where reading them
-    costs no host sync: ``cu_seqlens`` on the CPU, or on a device under
-    :func:`debug_checks`. The trainer builds its offsets from document lengths on the host."""
+    Type and shape always; the values (0 first, increasing, ``total`` last) if ``values``, by
+    default where reading them costs no host sync: ``cu_seqlens`` on the CPU, or on a device
+    under :func:`debug_checks`. The trainer builds its offsets from document lengths on the host
+    (and checks those: ``values=False`` where they come with them)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -35,7 +38,9 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None) -> None
         raise ValueError(
             f"cu_seqlens must be 1-D with N + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}"
         )
-    if cu_seqlens.device.type != "cpu" and not debug_checks():
+    if values is None:
+        values = cu_seqlens.device.type == "cpu" or debug_checks()
+    if not values:
         return
     cpu = cu_seqlens.detach().to("cpu", torch.int64)
     if int(cpu[0]) != 0:

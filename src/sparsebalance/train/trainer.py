@@ -201,7 +201,8 @@ class Trainer:
             per_doc_weighting=cfg.per_doc_loss_weighting, deterministic=cfg.deterministic,
         )  # fmt: skip
         return StepEngine(planning, self.latency, tuner, self.estimator, self.sample,
-                          all_gather=self.rt.all_gather_object, cost=cost)  # fmt: skip
+                          all_gather=self.rt.all_gather_object, cost=cost,
+                          device=self.rt.device)  # fmt: skip
 
     def _runner(self) -> StepRunner:
         """The own loop's step: the engine, this rank's executor and the optimizer update."""

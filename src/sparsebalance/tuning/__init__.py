@@ -5,7 +5,7 @@ tuner = DSTTuner(DSTConfig(budget="top-k", budget_tokens=512, anchor="mean", p=0
                  block_size=64)
 decision = tuner.decide(plan, cost_model)        # plan: rank -> micro-batches; StepDecision
 ctl = LayerController.from_decision(decision.ranks[rank], plan[rank], cost_model, tuner.config,
-                                    knob=tuner.knob)
+                                    knob=tuner.knob, device=device)
 budget = ctl.choose(mb, layer, estimate_block_mass(q, k, cu, block_size))   # in the forward
 ctl.observe(mb, layer, seconds)                  # closed loop
 ```

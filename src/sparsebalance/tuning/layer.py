@@ -36,7 +36,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -46,6 +46,24 @@ from ..workload import CostModel, MicroBatch
 from .config import DSTConfig
 from .knob import Knob, converged, midpoint
 from .records import LayerRecord, RankDecision, RankRunSummary
+
+
+class LayerGate(Protocol):
+    """What the controller asks of one layer's gate (``ops.TopKGate``, ``ops.BlockMassEstimate``):
+    the estimated block mass of the layer's real queries and keys, for any budget."""
+
+    def document_density(self, budget: Budget) -> torch.Tensor:
+        """float64 ``(N,)``: per-document density of the layout ``budget`` keeps."""
+
+    def coverage(self, budget: Budget) -> float:
+        """The gate mass ``budget`` keeps, mean over heads and tokens (one read back)."""
+
+    def coverage_curve(self, budget: Budget, ks: Sequence[int]) -> np.ndarray:
+        """float64 ``(K,)``: the coverage of ``budget``'s anchors at every k of ``ks`` (host)."""
+
+    def coverage_floor(self, budget: Budget, ks: Sequence[int], p: float) -> torch.Tensor:
+        """int64 ``(1,)`` device: the index in ``ks`` (ascending, the last the base) of the
+        smallest k whose coverage is within ``p`` of the last's (no read back)."""
 
 
 class LayerController:
@@ -60,6 +78,10 @@ class LayerController:
         knob: the budget knob (default ``config.knob(64)``: pass the tuner's, whose block size
             is the model's).
         budget: template for the returned budgets (anchors, caps); its knob value is replaced.
+        device: the run's training device. Off the CPU nothing inside the step may wait for
+            the device, so the top-k coverage bound is decided there (:meth:`LayerGate.
+            coverage_floor`: the layer runs ``max(v_time, v_cov)``, ``v_cov`` a device scalar)
+            and every record's device values are read at the step's end.
     """
 
     def __init__(
@@ -71,6 +93,8 @@ class LayerController:
         value: float | None = None,
         knob: Knob | None = None,
         budget: Budget | None = None,
+        *,
+        device: torch.device | str,
     ) -> None:
         if not np.isfinite(target_seconds) or target_seconds < 0:
             raise ValueError(f"target_seconds must be finite and >= 0, got {target_seconds}")
@@ -114,13 +138,15 @@ class LayerController:
         self._predicted = np.full((m, num_layers), np.nan)  # at the chosen budget
         self._measured = np.full((m, num_layers), np.nan)
         self._records: dict[tuple[int, int], LayerRecord] = {}
+        self._costs: list[dict[float, tuple[float, np.ndarray]]] = [{} for _ in range(m)]
+        """Per micro-batch, top-k: attention seconds and densities at each k probed so far (a
+        top-k density follows from the lengths: every layer of a micro-batch shares them)."""
         self.decide_seconds = 0.0
         """Wall seconds spent in :meth:`choose` (DST's per-layer overhead)."""
-        self.device_floor: bool | None = None
-        """Decide the top-k coverage bound on the device (no read back inside the step): None =
-        where the gate lives on a GPU. The layer then runs ``max(v_time, v_cov)`` with ``v_cov``
-        a device scalar, and its time is accounted at ``v_time`` (a lower bound: later layers
-        may be allotted a little more than the host decision would give them)."""
+        self.on_device = torch.device(device).type != "cpu"
+        """Top-k coverage bound decided on the device (see ``device`` above); the layer's time is
+        then accounted at ``v_time`` (a lower bound: later layers may be allotted a little more
+        than the host decision would give them)."""
 
     @classmethod
     def from_decision(
@@ -131,17 +157,12 @@ class LayerController:
         config: DSTConfig,
         knob: Knob | None = None,
         budget: Budget | None = None,
+        *,
+        device: torch.device | str,
     ) -> LayerController:
         """The controller for a rank's step-level :class:`RankDecision`."""
-        return cls(
-            microbatches,
-            cost_model,
-            config,
-            decision.target_seconds,
-            value=decision.budget,
-            knob=knob,
-            budget=budget,
-        )
+        return cls(microbatches, cost_model, config, decision.target_seconds,
+                   value=decision.budget, knob=knob, budget=budget, device=device)  # fmt: skip
 
     def was_chosen(self, microbatch: int, layer: int) -> bool:
         """Whether unit (``microbatch``, ``layer``) was decided (a layer whose every budget keeps
@@ -161,15 +182,14 @@ class LayerController:
         )
 
     def choose(
-        self, microbatch: int, layer: int, estimate: Any, spent_seconds: float | None = None
+        self, microbatch: int, layer: int, estimate: LayerGate, spent_seconds: float | None = None
     ) -> Budget:
         """The budget for one attention layer of one micro-batch.
 
         Args:
             microbatch, layer: which unit (each is decided once, in any order).
-            estimate: the layer's ``BlockMassEstimate``, or anything with ``density(Budget)``
-                (one density for the pack) or ``layout(Budget).document_density()`` (``(N,)``);
-                the coverage bound needs ``coverage(Budget)`` (skipped without it).
+            estimate: the layer's gate (:class:`LayerGate`: ``TopKGate`` or
+                ``BlockMassEstimate``).
             spent_seconds: override for the seconds spent so far this step (e.g. wall clock);
                 default :meth:`spent_seconds`.
         """
@@ -182,15 +202,15 @@ class LayerController:
         finally:
             self.decide_seconds += time.perf_counter() - t0
 
-    def _choose(self, microbatch, layer, estimate, spent_seconds) -> Budget:
+    def _choose(self, microbatch, layer, estimate: LayerGate, spent_seconds) -> Budget:
         spent = self.spent_seconds() if spent_seconds is None else float(spent_seconds)
         left = self.planned[~self._chosen]
         share = self.planned[microbatch, layer] / left.sum() if left.sum() > 0 else 0.0
         allotted = (self.target_seconds - spent) * share
         limit = allotted - self.fixed[microbatch, layer]
         lengths = self.lengths[microbatch]
-        cache: dict[float, tuple[float, np.ndarray]] = {}
         by_length = self.knob.kind == "top-k"  # a top-k density follows from length and k
+        cache = self._costs[microbatch] if by_length else {}
 
         def cost(v: float) -> float:
             if v not in cache:
@@ -207,71 +227,42 @@ class LayerController:
         value = _bisect(self.knob, lambda v: cost(v) <= limit, self.lo, self.hi, probes)
         coverage, limited, floor = None, False, None
         if value < self.base and self.config.p < 1:
-            if self._on_device(estimate):
-                floor = self._coverage_floor_tensor(estimate)
-                limited = floor > value
+            if self.on_device and self.knob.integer:
+                ks = tuple(range(int(self.lo), int(self.base) + 1))
+                base = self.knob.budget(self.budget, self.base)
+                floor = estimate.coverage_floor(base, ks, self.config.p)[0] + ks[0]
             else:
-                found = self._coverage_floor(estimate, value)
-                if found is not None:
-                    v_cov, coverage = found
-                    limited = v_cov > value
-                    value = max(value, v_cov)
+                v_cov, coverage = self._coverage_floor(estimate, value)
+                limited = v_cov > value
+                value = max(value, v_cov)
         cost(value)
         attention, dens = cache[value]
         predicted = attention + self.fixed[microbatch, layer]
-        on_host = getattr(getattr(estimate, "cu_seqlens", None), "is_cuda", False) is False
-        if by_length and on_host and floor is None and not self.device_floor and hasattr(
-            estimate, "document_density"
-        ):  # fmt: skip
-            # the layout's own densities (on CUDA the knob's stand in: no read-back per layer)
-            dens = _document_densities(estimate, self.knob.budget(self.budget, value),
-                                       lengths.size)  # fmt: skip
         weights = lengths.astype(np.float64) ** 2
         density = float(weights @ dens / weights.sum()) if weights.sum() else 1.0
         self._chosen[microbatch, layer] = True
         self._predicted[microbatch, layer] = predicted
         self._records[(microbatch, layer)] = LayerRecord(
             microbatch, layer, value, density, predicted, allotted, coverage=coverage,
-            coverage_limited=limited, floor=floor,
+            limited_on_host=limited, floor=floor,
         )  # fmt: skip
         budget = self.knob.budget(self.budget, value)
         return budget if floor is None else replace(budget, floor=floor)
 
-    def _on_device(self, estimate: Any) -> bool:
-        """Whether the coverage bound is decided on the device (:attr:`device_floor`)."""
-        if not (self.knob.integer and callable(getattr(estimate, "coverage_curve_tensor", None))):
-            return False
-        if self.device_floor is not None:
-            return self.device_floor
-        return bool(getattr(getattr(estimate, "cu_seqlens", None), "is_cuda", False))
-
-    def _coverage_floor_tensor(self, estimate: Any):
-        """``v_cov`` of :meth:`_coverage_floor` as an int64 0-dim device tensor: the smallest
-        whole k in ``[lo, base]`` within the coverage bound, found without a read back."""
-        ks = np.arange(int(self.lo), int(self.base) + 1)
-        cov = estimate.coverage_curve_tensor(self.knob.budget(self.budget, self.base), ks)
-        ok = cov >= cov[-1] - self.config.p  # non-decreasing in k: True from v_cov on
-        return torch.argmax(ok.to(torch.int8)) + int(ks[0])
-
-    def _coverage_floor(self, estimate: Any, value: float) -> tuple[float, float] | None:
+    def _coverage_floor(self, estimate: LayerGate, value: float) -> tuple[float, float]:
         """``(v_cov, coverage at max(value, v_cov))``: the smallest budget in ``[lo, base]``
-        within the coverage bound ``C(base) - C(v) <= p`` of the layer's gate; None when the
-        estimate has no coverage (the bound is then not checked). Top-k: every whole k of the
-        range at once (one read-back); gamma: a bisection of ``layer_probes`` coverages."""
-        curve = getattr(estimate, "coverage_curve", None)
-        if self.knob.integer and callable(curve):
-            ks = np.arange(int(self.lo), int(self.base) + 1)
-            cov = curve(self.knob.budget(self.budget, self.base), ks)
-            ok = cov >= cov[-1] - self.config.p  # non-decreasing in k: True from v_cov on
-            first = int(np.argmax(ok))
-            v_cov = float(ks[first])
-            return v_cov, float(cov[max(first, int(np.searchsorted(ks, value)))])
-        covers = getattr(estimate, "coverage", None)
-        if not callable(covers):
-            return None
+        within the coverage bound ``C(base) - C(v) <= p`` of the layer's gate, on the host.
+        Top-k: every whole k of the range at once (one read-back); gamma: a bisection of
+        ``layer_probes`` coverages."""
+        base = self.knob.budget(self.budget, self.base)
+        if self.knob.integer:
+            ks = tuple(range(int(self.lo), int(self.base) + 1))
+            first = int(estimate.coverage_floor(base, ks, self.config.p)[0])
+            cov = estimate.coverage_curve(base, ks)
+            return float(ks[first]), float(cov[max(first, int(np.searchsorted(ks, value)))])
 
         def cov(v: float) -> float:
-            return float(covers(self.knob.budget(self.budget, v)))
+            return float(estimate.coverage(self.knob.budget(self.budget, v)))
 
         floor_c = cov(self.base) - self.config.p
         v_cov = _bisect(self.knob, lambda v: cov(v) >= floor_c, self.lo, self.base,
@@ -289,11 +280,21 @@ class LayerController:
         key = (microbatch, layer)
         self._records[key] = replace(self._records[key], measured_seconds=float(seconds))
 
+    def _chosen_values(self) -> dict[tuple[int, int], float]:
+        """Every decided unit's knob value, device floors read back together (one read)."""
+        keys = [k for k, r in self._records.items() if r.floor is not None]
+        floors = torch.stack([self._records[k].floor for k in keys]).tolist() if keys else []
+        read = dict(zip(keys, floors, strict=True))
+        return {k: max(r.budget, read[k]) if k in read else r.budget
+                for k, r in self._records.items()}  # fmt: skip
+
     @property
     def num_coverage_limited(self) -> int:
-        """Decisions where the coverage bound stopped a cut the time target asked for."""
-        # device flags (the bound decided on the device) are read here, at the step's end
-        return sum(int(r.coverage_limited) for r in self._records.values())
+        """Decisions where the coverage bound stopped a cut the time target asked for (device
+        floors are read here, at the step's end, in one read)."""
+        chosen = self._chosen_values()
+        return sum(int(chosen[k] > r.budget if r.floor is not None else r.limited_on_host)
+                   for k, r in self._records.items())  # fmt: skip
 
     @property
     def records(self) -> list[LayerRecord]:
@@ -307,9 +308,9 @@ class LayerController:
             raise ValueError("no unit was chosen yet")
         values = np.full(self._chosen.shape, np.nan)
         dens = []
-        for (m, layer), rec in self._records.items():
-            values[m, layer] = rec.chosen
-            dens.append(rec.density)
+        for (m, layer), chosen in self._chosen_values().items():
+            values[m, layer] = chosen
+            dens.append(self._records[(m, layer)].density)
         predicted = np.where(self._chosen, self._predicted, self.planned)
         measured = np.where(np.isnan(self._measured), predicted, self._measured)
         with warnings.catch_warnings():  # layers no micro-batch decided yet are all-NaN
@@ -338,20 +339,15 @@ class LayerController:
             )
 
 
-def _document_densities(estimate: Any, budget: Budget, num_docs: int) -> np.ndarray:
-    """``(N,)`` float64 densities of the layout ``budget`` keeps, per document when possible."""
-    fast = getattr(estimate, "document_density", None)  # BlockMassEstimate: no layout built
-    layout = getattr(estimate, "layout", None)
-    if fast is not None or layout is not None:
-        dd = fast(budget) if fast is not None else layout(budget).document_density()
-        dd = dd.detach().cpu().numpy() if hasattr(dd, "detach") else np.asarray(dd)
-        dd = np.asarray(dd, dtype=np.float64).reshape(-1)
-        if dd.size != num_docs:
-            raise ValueError(
-                f"the layer's layout has {dd.size} documents, the micro-batch has {num_docs}"
-            )
-        return dd
-    return np.full(num_docs, float(estimate.density(budget)))
+def _document_densities(estimate: LayerGate, budget: Budget, num_docs: int) -> np.ndarray:
+    """``(N,)`` float64 densities of the layout ``budget`` keeps (one read back: gamma only)."""
+    dd = np.asarray(estimate.document_density(budget).detach().cpu(), dtype=np.float64)
+    dd = dd.reshape(-1)
+    if dd.size != num_docs:
+        raise ValueError(
+            f"the layer's layout has {dd.size} documents, the micro-batch has {num_docs}"
+        )
+    return dd
 
 
 def _bisect(

@@ -174,10 +174,10 @@ class LayerRecord:
     allotted_seconds: float
     """The share of the remaining budget this unit was given."""
     coverage: float | None = None
-    """The gate's coverage at the chosen budget (None when no coverage bound was checked)."""
-    coverage_limited: bool = False
-    """The coverage bound stopped a cut the time target asked for (the empty feasible set); a
-    0-dim device tensor where the bound was decided on the device (read at the step's end)."""
+    """The gate's coverage at the chosen budget (None when no coverage bound was checked, or
+    where it was decided on the device)."""
+    limited_on_host: bool = False
+    """The host's coverage bound stopped a cut (see :attr:`coverage_limited`)."""
     measured_seconds: float | None = None
     """What it actually cost (``None`` until :meth:`LayerController.observe`)."""
     floor: object = None
@@ -188,6 +188,12 @@ class LayerRecord:
     def chosen(self) -> float:
         """The knob value the layer ran with (reads ``floor`` back: call at the step's end)."""
         return self.budget if self.floor is None else max(self.budget, float(self.floor))
+
+    @property
+    def coverage_limited(self) -> bool:
+        """The coverage bound stopped a cut the time target asked for (the empty feasible set;
+        reads ``floor`` back where it was decided on the device: call at the step's end)."""
+        return self.limited_on_host if self.floor is None else float(self.floor) > self.budget
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,140 @@
+"""What a region of code asks of the device: the operations that launch work, the elements they
+write, and every read of a value back to the host. Counted on any device, so a CPU run shows
+what a CUDA run would launch and where it would wait.
+
+A :class:`LaunchCounter` is a ``TorchDispatchMode``: it sees every aten op the region dispatches
+(forward and, if the region runs it, backward). An op *launches* unless it only makes a view or
+an uninitialised allocation (no kernel runs for those). A *host read* is an op that needs a
+tensor's values on the host (``.item()``, ``bool(t)``, ``nonzero``, ``unique``, ...), or one of
+the tensor methods that read values without dispatching an op (``.tolist()``, ``.numpy()``,
+``.cpu()``): on CUDA each one makes the host wait for the device.
+
+The attention kernels themselves are called through :func:`kernel`: inside a counted region it
+runs them with the counter paused (their own work is the kernel, not what is around it) and
+counts the call; outside one it is a plain call (one context-variable read).
+
+    with LaunchCounter() as count:
+        layer(q, k, v)
+    count.num_ops, count.reads, count.kernels
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import Counter as _Tally
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any, TypeVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+aten = torch.ops.aten
+HOST_READS = frozenset({
+    aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.equal, aten.is_nonzero,
+    aten._unique, aten._unique2, aten.unique_dim, aten.unique_consecutive,
+})  # fmt: skip
+"""Ops whose result depends on values only the host can size or return (a sync on CUDA)."""
+HOST_READ_OVERLOADS = frozenset({aten.repeat_interleave.Tensor})
+HOST_METHODS = ("tolist", "numpy", "cpu", "item", "__bool__", "__int__", "__float__", "__index__")
+"""Tensor methods that read values on the host without (always) dispatching an aten op."""
+NO_LAUNCH = frozenset({
+    aten.empty, aten.empty_like, aten.empty_strided, aten._unsafe_view, aten.lift_fresh,
+    aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset,
+})  # fmt: skip
+"""Ops that allocate without writing, or only read metadata: no kernel runs."""
+
+_ACTIVE: ContextVar[LaunchCounter | None] = ContextVar("sparsebalance_launch_counter", default=None)
+T = TypeVar("T")
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts a region's launches, host reads and written elements (see the module docstring)."""
+
+    def __init__(self, trace: bool = False) -> None:
+        super().__init__()
+        self.trace = trace
+        """Keep where each host read came from (:attr:`read_sites`)."""
+        self.read_sites: list[str] = []
+        """With ``trace``: per read, the innermost project frame that made it (file:line)."""
+        self.ops: list[str] = []
+        """Every launching op, in order (its aten name)."""
+        self.reads: list[str] = []
+        """Every host read, in order."""
+        self.writes: list[tuple[str, int]] = []
+        """``(op, elements)`` for every op that wrote new storage."""
+        self.kernels = 0
+        """Calls made through :func:`kernel` (not counted in :attr:`ops`)."""
+        self._paused = 0
+        self._saved: dict[str, Any] = {}
+        self._token = None
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.ops)
+
+    def tally(self) -> dict[str, int]:
+        """Launches per op name, most frequent first."""
+        return dict(_Tally(self.ops).most_common())
+
+    def __enter__(self):
+        for name in HOST_METHODS:
+            original = self._saved[name] = getattr(torch.Tensor, name)
+
+            def read(tensor, *args, _name=name, _original=original, **kwargs):
+                if not self._paused:
+                    self._read(f"Tensor.{_name}")
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, read)
+        self._token = _ACTIVE.set(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+        _ACTIVE.reset(self._token)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self._paused:
+            return out
+        if func.overloadpacket in HOST_READS or func in HOST_READ_OVERLOADS:
+            self._read(str(func))
+            return out
+        if func.is_view or func.overloadpacket in NO_LAUNCH:
+            return out
+        self.ops.append(str(func.overloadpacket).removeprefix("aten."))
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+        fresh = [t for t in _tensors(out) if t.untyped_storage().data_ptr() not in inputs]
+        if fresh:
+            self.writes.append((str(func), sum(t.numel() for t in fresh)))
+        return out
+
+    def _read(self, what: str) -> None:
+        self.reads.append(what)
+        if self.trace:
+            frames = [f for f in traceback.extract_stack()[:-2] if "sparsebalance" in f.filename
+                      and not f.filename.endswith("launches.py")]  # fmt: skip
+            self.read_sites.append(f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?")
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    flat, _ = torch.utils._pytree.tree_flatten(tree)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def kernel(fn: Callable[..., T], *args, **kwargs) -> T:
+    """``fn(*args, **kwargs)``: an attention kernel. Inside a :class:`LaunchCounter` region the
+    call is counted once and runs uncounted (and undisturbed: a compiled kernel sees no mode)."""
+    counter = _ACTIVE.get()
+    if counter is None:
+        return fn(*args, **kwargs)
+    counter.kernels += 1
+    counter._paused += 1
+    try:
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+    finally:
+        counter._paused -= 1
