@@ -57,6 +57,8 @@ class LaunchCounter(TorchDispatchMode):
         """Keep where each host read came from (:attr:`read_sites`)."""
         self.read_sites: list[str] = []
         """With ``trace``: per read, the innermost project frame that made it (file:line)."""
+        self.op_sites: list[str] = []
+        """With ``trace``: the same for every launching op."""
         self.ops: list[str] = []
         """Every launching op, in order (its aten name)."""
         self.reads: list[str] = []
@@ -106,6 +108,8 @@ class LaunchCounter(TorchDispatchMode):
         if func.is_view or func.overloadpacket in NO_LAUNCH:
             return out
         self.ops.append(str(func.overloadpacket).removeprefix("aten."))
+        if self.trace:
+            self.op_sites.append(_site())
         inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
         fresh = [t for t in _tensors(out) if t.untyped_storage().data_ptr() not in inputs]
         if fresh:
@@ -115,9 +119,16 @@ class LaunchCounter(TorchDispatchMode):
     def _read(self, what: str) -> None:
         self.reads.append(what)
         if self.trace:
-            frames = [f for f in traceback.extract_stack()[:-2] if "sparsebalance" in f.filename
-                      and not f.filename.endswith("launches.py")]  # fmt: skip
-            self.read_sites.append(f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?")
+            self.read_sites.append(_site())
+
+
+def _site() -> str:
+    """``file:line`` of the innermost frame of this project outside this module."""
+    for frame in reversed(traceback.extract_stack()):
+        name = frame.filename
+        if "sparsebalance" in name and not name.endswith("launches.py"):
+            return f"{name.rsplit('sparsebalance/', 1)[-1]}:{frame.lineno}"
+    return "?"
 
 
 def _tensors(tree) -> list[torch.Tensor]:

@@ -87,8 +87,9 @@ class LayerStats:
     """The budget the layer ran with (a ``floor`` is DST's device decision, read at the end)."""
     rows: torch.Tensor
     """int64 ``(nb,)``: kept pairs of every query block, summed over layout heads."""
-    diagonal: torch.Tensor
-    """int64 ``(nb,)``: kept diagonal pairs of every block, summed over layout heads."""
+    diagonal: torch.Tensor | None
+    """int64 ``(nb,)``: kept diagonal pairs of every block, summed over layout heads; None where
+    the budget keeps every diagonal (a local anchor): the heads, known on the host."""
     pack: PackIndex
     heads: int
     """Layout heads the counts sum over."""
@@ -97,7 +98,7 @@ class LayerStats:
     def of(cls, layer: int, budget: Budget, layout: BlockLayout) -> LayerStats:
         mask = layout.block_mask
         rows = mask.sum((0, 2))
-        diagonal = mask.diagonal(dim1=1, dim2=2).sum(0)
+        diagonal = None if budget.local_blocks else mask.diagonal(dim1=1, dim2=2).sum(0)
         return cls(layer, budget, rows, diagonal, layout.pack, mask.shape[0])
 
     @property
@@ -122,6 +123,10 @@ class LayerStats:
         return read_stats([self])[1][0]
 
 
+def _diagonal(s: LayerStats) -> torch.Tensor:
+    return s.rows.new_full(s.rows.shape, s.heads) if s.diagonal is None else s.diagonal
+
+
 def read_stats(stats: list[LayerStats]) -> tuple[list[float], list[list[float]], list[float]]:
     """``(budgets (L,), per-document densities (L, N), pack densities (L,))`` of one micro-batch's
     layers, read back together (one host read; call after the step's synchronize)."""
@@ -129,7 +134,7 @@ def read_stats(stats: list[LayerStats]) -> tuple[list[float], list[list[float]],
         return [], [], []
     pack = stats[0].pack
     heads = torch.tensor([s.heads for s in stats], dtype=torch.float64)
-    counts = torch.stack([t for s in stats for t in (s.rows, s.diagonal)])  # (2 L, nb)
+    counts = torch.stack([t for s in stats for t in (s.rows, _diagonal(s))])  # (2 L, nb)
     densities = pack.density_matrix(counts.view(len(stats), -1))  # (L, N + 1): documents, pack
     floors = [s.budget_value for s in stats]
     device = [x.reshape(1) for x in floors if isinstance(x, torch.Tensor)]
@@ -293,7 +298,10 @@ def sparsebalance_attention(module, query, key, value, attention_mask, scaling=N
     q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (T, H, D)
     # Selection and the op compute in q/k/v's dtype with their own float32 accumulators: the
     # same numbers inside and outside autocast (a backward runs outside it anyway).
-    with torch.autocast(q.device.type, enabled=False):
+    if torch.is_autocast_enabled(q.device.type):
+        with torch.autocast(q.device.type, enabled=False):
+            out = _layer(sb_attention, module, q, k, v, scaling)
+    else:
         out = _layer(sb_attention, module, q, k, v, scaling)
     return out.unsqueeze(0), None
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .block_sparse_flex import flex_block_sparse_attention
@@ -15,8 +17,11 @@ BACKENDS = ("reference", "torch", "flex", "triton")
 
 def flex_available(device: torch.device) -> bool:
     """FlexAttention trains (forward and backward, honouring block lists) only on CUDA."""
-    if device.type != "cuda":
-        return False
+    return device.type == "cuda" and _flex_importable()
+
+
+@functools.cache
+def _flex_importable() -> bool:
     try:
         from torch.nn.attention.flex_attention import BlockMask  # noqa: F401
     except ImportError:

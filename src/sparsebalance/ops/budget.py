@@ -132,12 +132,16 @@ class Budget:
         :func:`topk_density`) reaches ``dense_from``, the density from which the dense kernel is
         faster than the sparse one (the latency profile's crossover): such a document is
         *promoted* to exact attention, never cut (more attention, less time)."""
-        dense = self.covers(pack.doc_segments)
-        if dense_from is not None and self.top_k is not None and self.max_density is None:
-            lengths = np.asarray(pack.lengths, dtype=np.float64)
-            density = topk_density(lengths, self.top_k, pack.block_size, self.anchor_blocks)
-            dense = dense | (density >= dense_from)
-        return tuple(bool(x) for x in dense)
+
+        def build():
+            dense = self.covers(pack.doc_segments)
+            if dense_from is not None and self.top_k is not None and self.max_density is None:
+                lengths = np.asarray(pack.lengths, dtype=np.float64)
+                density = topk_density(lengths, self.top_k, pack.block_size, self.anchor_blocks)
+                dense = dense | (density >= dense_from)
+            return tuple(bool(x) for x in dense)
+
+        return pack.memo(("dense_documents", self, dense_from), build)  # once per pack
 
     def with_value(self, value: float) -> Budget:
         """A copy with another knob value (gamma, or top_k rounded to an integer)."""

@@ -66,7 +66,8 @@ def whole_block_runs(pack: PackIndex, dense_docs: tuple[bool, ...]):
         start = -(-run[2] // bs) * bs  # the first block starting inside the run
         return start < run[3] and min(start + bs, t) <= run[3]
 
-    return tuple(r for r in pack.dense_runs(dense_docs) if has_whole_block(r))
+    return pack.memo(("whole_block_runs", dense_docs), lambda: tuple(
+        r for r in pack.dense_runs(dense_docs) if has_whole_block(r)))  # fmt: skip
 
 
 def build_block_mask(layout: BlockLayout, num_heads: int, total: int, runs=()):

@@ -22,8 +22,9 @@ whatever the number of documents in its pack:
 
 Everything that depends only on the pack is built once per micro-batch (:meth:`GateTables.of`,
 memoised on the :class:`~.pack_index.PackIndex`) and uploaded from pinned memory; nothing is
-read back. Non-finite input: a query segment whose scores are not finite keeps every causal
-block (as :mod:`.select` does), so the NaN reaches the output instead of being hidden.
+read back. Non-finite input: NaN and ``+inf`` scores rank first, so a non-finite key is kept
+by every query segment that keeps any candidate and reaches the output (as with dense
+attention) instead of being hidden; the step is then skipped (``docs/reliability.md``).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class GateTables:
     """bool ``(S, S)``: causal pairs inside a document."""
     anchors: torch.Tensor
     """bool ``(S, S)``: the anchor pairs (sink, local), causal."""
+    anchor_ranks: np.ndarray
+    """bool ``(S, S)`` host: the sorted positions of every row's anchors (they sort after its
+    candidates, in column order, with the other pairs the row does not score)."""
     slots: torch.Tensor
     """int64 ``(S,)``: 0 .. S-1, a sorted row's positions."""
     extra_min: np.ndarray
@@ -115,6 +119,12 @@ class GateTables:
         anchors = allowed & (((block - block[first])[None, :] < rule.sink_blocks)
                              | (block[:, None] - block[None, :] < rule.local_blocks))  # fmt: skip
         candidate = allowed & ~anchors
+        n_cand = candidate.sum(-1)
+        # a row's unscored pairs sort after its candidates, in column order (stable sort)
+        after = n_cand[:, None] + np.cumsum(~candidate, axis=1) - 1
+        anchor_ranks = np.zeros((n, n), dtype=bool)
+        rows, cols = np.nonzero(anchors)
+        anchor_ranks[rows, after[rows, cols]] = True
         n_allowed = allowed.sum(-1)
         floor_n = np.minimum(n_allowed, rule.min_blocks)
         bias = np.broadcast_to(np.log(length.astype(np.float64))[None, :], (n, n)).copy()
@@ -132,8 +142,9 @@ class GateTables:
             inv_lengths=up(1.0 / np.outer(length, length).astype(np.float64), fdt),
             bias_rank=up(np.where(candidate, bias, -np.inf), fdt),
             bias_mass=up(np.where(allowed, bias, -np.inf), fdt),
-            allowed=up(allowed, torch.bool), anchors=up(anchors, torch.bool), slots=up(idx),
-            extra_min=np.maximum(floor_n - anchors.sum(-1), 0), num_candidates=candidate.sum(-1),
+            allowed=up(allowed, torch.bool), anchors=up(anchors, torch.bool),
+            anchor_ranks=anchor_ranks, slots=up(idx),
+            extra_min=np.maximum(floor_n - anchors.sum(-1), 0), num_candidates=n_cand,
             seg_tokens=length, pair_index=pair, scored=scored,
         )  # fmt: skip
 
@@ -143,12 +154,13 @@ class GateTables:
         return self._memo[key]
 
     def kept_ranks(self, top_k: int) -> torch.Tensor:
-        """Bool ``(S, S)``: the sorted positions a row keeps under ``top_k`` (host-built)."""
+        """Bool ``(S, S)``: the sorted positions a row keeps under ``top_k``, its anchors' included
+        (host-built)."""
 
         def build():
             extra = np.minimum(np.maximum(self.extra_min, top_k), self.num_candidates)
-            return self.pack.upload(np.arange(self.num_scored)[None, :] < extra[:, None],
-                                    torch.bool)  # fmt: skip
+            kept = np.arange(self.num_scored)[None, :] < extra[:, None]
+            return self.pack.upload(kept | self.anchor_ranks, torch.bool)
 
         return self.memo(("kept", top_k), build)
 
@@ -210,16 +222,16 @@ class TopKGate:
     # ------------------------------------------------------------------ the rule
     def keep(self, budget: Budget) -> torch.Tensor:
         """Bool ``(Hq, S, S)``: the kept segment pairs (anchors included) under ``budget``
-        (a ``floor`` raises ``k`` on the device)."""
+        (a ``floor`` raises ``k`` on the device). Which sorted positions a row keeps is known
+        on the host, so keeping is one scatter of the sort's order (three comparisons more for
+        a floor). NaN and ``+inf`` scores sort first: a non-finite key is kept by every row
+        that keeps a candidate, and reaches the output as with dense attention."""
         t = self.tables
         ranks = t.kept_ranks(int(budget.top_k))
         if budget.floor is not None:  # k = max(top_k, floor): three comparisons on the device
             ranks = ranks | ((t.slots[None, :] < budget.floor) & t.candidate_ranks())
         keep = torch.empty_like(self.order, dtype=torch.bool)
-        keep.scatter_(-1, self.order, ranks.expand_as(keep))
-        keep |= t.anchors
-        bad = ~torch.isfinite(self.ranked[..., :1])  # NaN/inf scores sort first
-        return torch.where(bad, t.allowed, keep)
+        return keep.scatter_(-1, self.order, ranks.expand_as(keep))
 
     def layout(self, budget: Budget, dense_from: float | None = None) -> BlockLayout:
         """The :class:`BlockLayout` ``budget`` keeps: the scored documents' kept pairs, every

@@ -117,6 +117,9 @@ class LayerController:
         if not self.lo <= self.value <= self.hi and config.mode != "off":
             raise ValueError(f"budget {self.value} outside [{self.lo}, {self.hi}]")
         self.budget = knob.budget(budget or Budget(top_k=0), self.value)
+        self._bound = (tuple(range(int(self.lo), int(self.base) + 1)),
+                       knob.budget(self.budget, self.base))  # fmt: skip
+        """Top-k's coverage bound: every whole k of ``[lo, base]``, and the base budget."""
 
         self.lengths = [np.asarray(mb.lengths, dtype=np.int64) for mb in microbatches]
         self.d0 = [np.asarray(mb.densities, dtype=np.float64) for mb in microbatches]
@@ -228,8 +231,7 @@ class LayerController:
         coverage, limited, floor = None, False, None
         if value < self.base and self.config.p < 1:
             if self.on_device and self.knob.integer:
-                ks = tuple(range(int(self.lo), int(self.base) + 1))
-                base = self.knob.budget(self.budget, self.base)
+                ks, base = self._bound
                 floor = estimate.coverage_floor(base, ks, self.config.p)[0] + ks[0]
             else:
                 v_cov, coverage = self._coverage_floor(estimate, value)
@@ -256,7 +258,7 @@ class LayerController:
         ``layer_probes`` coverages."""
         base = self.knob.budget(self.budget, self.base)
         if self.knob.integer:
-            ks = tuple(range(int(self.lo), int(self.base) + 1))
+            ks, base = self._bound
             first = int(estimate.coverage_floor(base, ks, self.config.p)[0])
             cov = estimate.coverage_curve(base, ks)
             return float(ks[first]), float(cov[max(first, int(np.searchsorted(ks, value)))])
@@ -363,14 +365,14 @@ def _bisect(
         return far
     if not ok(near):
         return near
-    a, b = np.array([lo]), np.array([hi])  # invariant: ok at the `near` end, not at the `far` end
+    a, b = float(lo), float(hi)  # invariant: ok at the `near` end, not at the `far` end
     for _ in range(probes - 2):
-        if converged(knob, a, b, integer=True)[0]:
+        if converged(knob, a, b, integer=True):
             break
-        mid = midpoint(knob, a, b, integer=True)
-        good = ok(float(mid[0]))
+        mid = float(midpoint(knob, a, b, integer=True))
+        good = ok(mid)
         if largest:
             a, b = (mid, b) if good else (a, mid)
         else:
             a, b = (a, mid) if good else (mid, b)
-    return float(a[0] if largest else b[0])
+    return a if largest else b
