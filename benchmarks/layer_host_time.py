@@ -19,27 +19,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from sparsebalance import launches  # noqa: E402
-from sparsebalance.engine.stages import LayerTimer, microbatch_attention  # noqa: E402
-from sparsebalance.latency import LatencyModel, analytic_profile  # noqa: E402
-from sparsebalance.models import load_shapes  # noqa: E402
-from sparsebalance.models.attention import sparsebalance_attention  # noqa: E402
-from sparsebalance.ops import Budget  # noqa: E402
-from sparsebalance.ops import attention as op_module  # noqa: E402
-from sparsebalance.ops import block_sparse_flex  # noqa: E402
-from sparsebalance.results import markdown_table, write_results  # noqa: E402
-from sparsebalance.tuning import DSTConfig, LayerController  # noqa: E402
-from sparsebalance.workload import MicroBatch  # noqa: E402
+from sparsebalance import launches
+from sparsebalance.engine.stages import LayerTimer, microbatch_attention
+from sparsebalance.latency import LatencyModel, analytic_profile
+from sparsebalance.models import load_shapes
+from sparsebalance.models.attention import sparsebalance_attention
+from sparsebalance.ops import Budget, block_sparse_flex
+from sparsebalance.ops import attention as op_module
+from sparsebalance.results import markdown_table, write_results
+from sparsebalance.tuning import DSTConfig, LayerController
+from sparsebalance.workload import MicroBatch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 4, 128
 """Qwen2.5-0.5B's heads and the CUDA block; a head dim of 4 instead of 64 keeps the CPU's own
