@@ -35,6 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "versions",
         "files",
         "launches",
+        "transfer",
     ),
     ("ops",),  # the attention op
     ("models", "tasks", "data", "batching", "tuning", "latency", "parallel"),  # library stages

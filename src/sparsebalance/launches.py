@@ -51,9 +51,12 @@ T = TypeVar("T")
 class LaunchCounter(TorchDispatchMode):
     """Counts a region's launches, host reads and written elements (see the module docstring)."""
 
-    def __init__(self, trace: bool = False) -> None:
+    def __init__(self, trace: bool = False, run_kernels: bool = True) -> None:
         super().__init__()
         self.trace = trace
+        self.run_kernels = run_kernels
+        """False: :func:`kernel` returns an uninitialised output instead of running the kernel
+        (counting at sizes the machine cannot compute, e.g. a GPU's on a CPU)."""
         """Keep where each host read came from (:attr:`read_sites`)."""
         self.read_sites: list[str] = []
         """With ``trace``: per read, the innermost project frame that made it (file:line)."""
@@ -136,9 +139,10 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
-def kernel(fn: Callable[..., T], *args, **kwargs) -> T:
-    """``fn(*args, **kwargs)``: an attention kernel. Inside a :class:`LaunchCounter` region the
-    call is counted once and runs uncounted (and undisturbed: a compiled kernel sees no mode)."""
+def kernel(fn: Callable[..., T], *args, like: torch.Tensor, **kwargs) -> T:
+    """``fn(*args, **kwargs)``: an attention kernel whose output is shaped like ``like``. Inside a
+    :class:`LaunchCounter` region the call is counted once and runs uncounted (and undisturbed:
+    a compiled kernel sees no mode), or not at all (``run_kernels=False``)."""
     counter = _ACTIVE.get()
     if counter is None:
         return fn(*args, **kwargs)
@@ -146,6 +150,8 @@ def kernel(fn: Callable[..., T], *args, **kwargs) -> T:
     counter._paused += 1
     try:
         with _disable_current_modes():
+            if not counter.run_kernels:
+                return torch.empty_like(like)
             return fn(*args, **kwargs)
     finally:
         counter._paused -= 1

@@ -1,10 +1,12 @@
-"""gpu tier (issues 26 and 36, item 5): a training step with the flex backend makes no host sync
-in its forward and backward, block selection included, checked with
-``torch.cuda.set_sync_debug_mode("error")`` (any synchronizing call raises, naming it). Exempt,
-and switched back to the default mode while it runs: DST's layer controller
-(``tuning/layer.py``: it reads the gate's coverage curve once per layer to decide on the host)
-and, not in this test, the ``torch`` backend, whose variable-size gathers size their outputs on
-the host. The CPU twin (a dispatch mode counting host reads): ``tests/ops/test_host_sync.py``."""
+"""gpu tier (issues 26, 36 item 5 and 42): a training step with the flex backend makes no host
+sync before the step's one synchronize: the packs' uploads, block selection, DST's layer
+decisions, forward and backward of every micro-batch of the rank, checked with
+``torch.cuda.set_sync_debug_mode("error")`` (any synchronizing call raises, naming it; a copy
+from pageable memory is one). Exempt, and switched back to the default mode while it runs: DST's
+layer controller under gamma budgets (it reads densities back per probe) and, not in this test,
+the ``torch`` backend, whose variable-size gathers size their outputs on the host. The CPU twins
+(a dispatch mode counting host reads): ``tests/engine/test_cuda_defaults.py`` (a CUDA run's
+defaults), ``tests/ops/test_host_sync.py``."""
 
 from __future__ import annotations
 
@@ -40,27 +42,23 @@ def _in_mode(mode, fn):
     return run
 
 
-@pytest.mark.parametrize("kind", ["gamma", "top-k"])
+@pytest.mark.parametrize("kind", ["gamma", "top-k", "dense"])
 def test_flex_training_step_has_no_host_sync(tmp_path, monkeypatch, kind):
     """Gamma: DST's layer controller reads densities back to decide (exempt). Top-k: nothing is
-    exempt, the controller's coverage bound is decided on the device (issue 38, item 3)."""
+    exempt, the controller's coverage bound is decided on the device (issue 38, item 3). Dense:
+    the default budget (8,192 tokens) keeps documents of 1-4K whole: the dense kernel, no
+    selection."""
     from sparsebalance.tuning import DSTConfig
 
     profile = tmp_path / "profile.json"
     analytic_profile(load_shapes("tiny"), "h100", block_size=128).save(profile)
-    over = (
-        {}
-        if kind == "gamma"
-        else {  # documents of 1-4K tokens: selection and DST run
-            "dst": DSTConfig(budget="top-k", budget_tokens=256),
-            "data": None,
-            "num_builtin": 16,
-            "min_len": 1024,
-            "max_len": 4096,
-            "capacity": 4096,
-            "global_batch": 4,
-        }
-    )
+    short = {"data": None, "num_builtin": 16, "min_len": 1024, "max_len": 4096,
+             "capacity": 4096, "global_batch": 4}  # fmt: skip
+    over = {
+        "gamma": {},
+        "top-k": {"dst": DSTConfig(budget="top-k", budget_tokens=256), **short},  # selection
+        "dense": {"dst": DSTConfig(), **short},
+    }[kind]
     cfg = base_config(tmp_path, steps=2, device="cuda", block_size=128, backend="flex",
                       precision="bf16", profile=str(profile), loss="chunked", **over)  # fmt: skip
     trainer = Trainer(cfg, Runtime(0, 1, torch.device("cuda")))
@@ -68,7 +66,6 @@ def test_flex_training_step_has_no_host_sync(tmp_path, monkeypatch, kind):
     if kind == "gamma":
         monkeypatch.setattr(LayerController, "choose",
                             _in_mode("default", LayerController.choose))  # fmt: skip
-    monkeypatch.setattr(RankExecutor, "_forward_backward",
-                        _in_mode("error", RankExecutor._forward_backward))  # fmt: skip
+    monkeypatch.setattr(RankExecutor, "_run", _in_mode("error", RankExecutor._run))
     result = trainer.run_step()  # raises at the first synchronizing call
     assert result.summary.mean_density > 0

@@ -23,7 +23,7 @@ def test_a_cpu_run_measures_every_part_of_every_case():
                  "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--json")  # fmt: skip
     result = bench_attn.run_benchmark(args)
     rows = {r["case"]: r for r in result["rows"]}
-    assert set(rows) == {"d=1", "d=0.1", "mixed", "short"}
+    assert set(rows) == {"d=1", "d=0.1", "mixed", "short", "docs4", "docs64"}
     for r in rows.values():
         for part in ("select_s", "mask_s", "fwd_s", "fwd_bwd_s", "base_fwd_s", "base_fwd_bwd_s"):
             assert r[part] > 0, (r["case"], part)
@@ -40,6 +40,39 @@ def test_packed_cases_fill_the_length_with_short_documents():
     mixed = pack_lengths(100_000, "mixed")
     assert mixed[0] == 50_000 and max(mixed[1:]) <= 4096 and len(mixed) > 10
     assert max(pack_lengths(9000, "short")) <= 4096
+
+
+def test_flex_on_the_cpu_times_the_forward_and_counts_the_cuda_path():
+    """Issue 42: ``bench-attn --device cpu --backends flex`` runs: selection, mask and forward
+    timed (flex has no backward on the CPU: not measured), and every row counts a training
+    layer's launches around the kernel and its host reads, the budget fixed and DST cutting."""
+    args = _args("--seq-lens", "1000", "--densities", "1,0.1", "--warmup", "0", "--repeats",
+                 "1", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--backends", "flex",
+                 "--packs", "mixed,short", "--json")  # fmt: skip
+    result = bench_attn.run_benchmark(args)
+    for r in result["rows"]:
+        assert r["fwd_s"] > 0 and r["fwd_bwd_s"] is None and r["ratio"] is None, r["case"]
+        assert 0 < r["ops_per_layer"] <= 40 and 0 < r["ops_per_layer_dst"] <= 40, r
+        assert r["host_reads_per_layer"] == 0
+    assert "not measured" in bench_attn.format_table(result["rows"], result["targets"])
+    verdict = {t["target"].split(":")[0]: t["met"] for t in result["targets"]}
+    assert verdict["host reads per layer"] is True
+
+
+def test_a_pack_of_64_documents_launches_what_one_of_4_does():
+    """``--counts-only`` counts at sizes this machine could not time: 64 and 4 selected
+    documents (block 32, each document more than 3 blocks long) launch the same operations."""
+    args = _args("--seq-lens", "8k", "--densities", "0.1", "--block-size", "32", "--heads", "4",
+                 "--kv-heads", "2", "--head-dim", "16", "--backends", "flex", "--packs",
+                 "docs4,docs64", "--counts-only")  # fmt: skip
+    result = bench_attn.run_benchmark(args)
+    rows = {r["case"]: r for r in result["rows"]}
+    assert rows["docs4"]["dense_docs"] == rows["docs64"]["dense_docs"] == 0
+    for field in ("ops_per_layer", "ops_per_layer_dst"):
+        assert rows["docs4"][field] == rows["docs64"][field] <= 40, field
+    assert all(r["fwd_s"] is None for r in rows.values())  # nothing timed
+    verdict = {t["target"].split(":")[0]: t["met"] for t in result["targets"]}
+    assert verdict["launches per layer"] is True
 
 
 def test_targets_are_judged_on_flex_rows_only():

@@ -1,11 +1,14 @@
 """``sparsebalance bench-attn``: each part of a layer's sparse attention against dense attention.
 
 For every packed length T: one document at each density (a random top-k-shaped layout), a mixed
-pack (one long document and many short ones) and a pack of short documents; per backend, the
-selection, the mask build, the forward and the backward, each timed apart and divided by the
-same run's dense baseline (SDPA causal; FlashAttention varlen for packs). Cases and parts:
-:mod:`.attention_cases`. The table ends with issue 36's targets, met or not, for what was
-measured (on CUDA; a CPU run shows the torch backend's own ratios, not a GPU figure).
+pack (one long document and many short ones), a pack of short documents, and packs of 4 and of
+64 selected documents; per backend, the selection, the mask build, the forward and the backward,
+each timed apart and divided by the same run's dense baseline (SDPA causal; FlashAttention
+varlen for packs), and a training layer's launches around the kernel and host reads, counted.
+Cases and parts: :mod:`.attention_cases`. The table ends with issues 36 and 42's targets, met or
+not, for what was measured (times on CUDA; a CPU run times the torch backend, and flex's
+selection, mask and forward only: flex has no backward on the CPU; its counts are the CUDA
+path's on any device).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from ..timing import median_time
 from .attention_cases import check_sizes, check_targets, measure_case
 
 DEFAULT_DENSITIES = (1.0, 0.25, 0.1, 0.05)
-PACK_CASES = ("mixed", "short")
+PACK_CASES = ("mixed", "short", "docs4", "docs64")
 
 
 def run_benchmark(args: argparse.Namespace) -> dict:
@@ -48,24 +51,42 @@ def run_benchmark(args: argparse.Namespace) -> dict:
 
 def format_table(rows: list[dict], targets: list[dict] | None = None) -> str:
     headers = ["T", "case", "backend", "density", "dense docs", "select", "mask", "fwd", "bwd",
-               "fwd+bwd", "layer (all parts)", "select+mask share", "SDPA fwd+bwd s"]  # fmt: skip
+               "fwd+bwd", "layer (all parts)", "select+mask share", "SDPA fwd+bwd s",
+               "launches / layer", "DST launches / layer", "host reads / layer"]  # fmt: skip
     body = [
         [r["seq_len"], r["case"], r["backend"], r["density"], f"{r['dense_docs']}/{r['num_docs']}",
-         r["select_s"] / r["base_fwd_bwd_s"], r["mask_s"] / r["base_fwd_bwd_s"], r["fwd_ratio"],
-         r["bwd_ratio"], r["ratio"], r["layer_ratio"], r["overhead_share"], r["base_fwd_bwd_s"]]
+         _part(r, "select_s"), _part(r, "mask_s"), _shown(r["fwd_ratio"]),
+         _shown(r["bwd_ratio"]), _shown(r["ratio"]), _shown(r["layer_ratio"]),
+         _shown(r["overhead_share"]), _shown(r["base_fwd_bwd_s"]), r["ops_per_layer"],
+         r["ops_per_layer_dst"], r["host_reads_per_layer"]]
         for r in rows
     ]  # fmt: skip
     table = markdown_table(headers, body)
     note = (
         "\n\nEach part is a ratio to the same run's dense baseline (select, mask: to its "
-        "fwd+bwd; fwd and bwd: to its fwd and bwd). 'layer' = select + mask + fwd + bwd."
+        "fwd+bwd; fwd and bwd: to its fwd and bwd). 'layer' = select + mask + fwd + bwd. "
+        "'not measured': flex has no backward on the CPU (--counts-only times nothing). "
+        "Launches: a training layer's operations around the attention kernel (forward; the "
+        "pack's tables, built once per micro-batch, apart), with the budget fixed and with "
+        "DST's layer controller cutting it."
     )
     if not targets:
         return table + note
     lines = [f"- {t['target']}: " + ("not measured" if t["met"] is None else
-             ", ".join(f"{x:.3f}" for x in t["measured"]) + (" — met" if t["met"] else " — missed"))
+             ", ".join(_value(x) for x in t["measured"]) + (" — met" if t["met"] else " — missed"))
              for t in targets]  # fmt: skip
-    return table + note + "\n\nTargets (issue 36, flex rows only):\n" + "\n".join(lines)
+    return table + note + "\n\nTargets (issues 36 and 42, flex rows only):\n" + "\n".join(lines)
+
+
+def _shown(value):
+    return "not measured" if value is None else value
+
+
+def _part(row: dict, field: str):
+    """A part's seconds over the baseline's fwd+bwd, or 'not measured'."""
+    if row[field] is None:
+        return "not measured"
+    return row[field] / row["base_fwd_bwd_s"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,7 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--quick 1,0.05)")  # fmt: skip
     p.add_argument("--packs", type=_name_list, default=None,
                    help="packed cases: mixed (one long document, many short), short (documents "
-                        "<= 4K) or none (default mixed,short)")  # fmt: skip
+                        "<= 4K), docs4 / docs64 (4 / 64 selected documents) or none (default "
+                        "all four)")  # fmt: skip
     p.add_argument("--heads", type=int, default=14, help="query heads Hq (default 14)")
     p.add_argument("--kv-heads", type=int, default=2,
                    help="key/value heads Hkv, Hq %% Hkv == 0 "
@@ -98,6 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (default 1)")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed runs; the median is kept (default 3)")  # fmt: skip
+    p.add_argument("--counts-only", action="store_true",
+                   help="count a training layer's launches and host reads only: no timing, "
+                        "the kernels not run (a GPU's sizes on any machine)")  # fmt: skip
     p.add_argument("--quick", action="store_true",
                    help="T=2048 (32K on CUDA), densities 1,0.05 unless given, "
                         "no results file")  # fmt: skip
@@ -129,14 +154,14 @@ def prepare_args(args: argparse.Namespace) -> argparse.Namespace:
     if any(not 0.0 < d <= 1.0 for d in args.densities):  # also rejects nan
         raise ValueError(f"--densities must lie in (0, 1], got {args.densities}")
     if bad := [p for p in args.packs if p not in PACK_CASES]:
-        raise ValueError(f"--packs must be mixed, short or none, got {bad}")
+        raise ValueError(f"--packs must be mixed, short, docs4, docs64 or none, got {bad}")
     if any(t <= 0 for t in args.seq_lens) or args.block_size <= 0:
         raise ValueError("--seq-lens and --block-size must be positive")
     if args.repeats < 1 or args.warmup < 0:
         raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats}, "
                          f"{args.warmup}")  # fmt: skip
     check_sizes(args.seq_lens, args.heads, args.kv_heads, args.head_dim, args.block_size,
-                args.device)  # fmt: skip
+                args.device, timed=not args.counts_only)  # fmt: skip
     return args
 
 
@@ -150,6 +175,10 @@ def main(args: argparse.Namespace) -> int:
         where = f"\nwrote {md} and {js}"
     print(json.dumps(result, indent=2) if args.json else table + where)
     return 0
+
+
+def _value(x) -> str:
+    return f"{x:.3f}" if isinstance(x, float) else str(x)
 
 
 def _int_list(s: str) -> list[int]:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..transfer import upload_many
+
 IGNORE = -100
 
 
@@ -47,13 +49,10 @@ def pack(
         if n > 1:
             weights[start : start + n - 1] = 1.0 / (n - 1) if per_doc_weighting else 1.0
         start += n
-    cu = np.concatenate([[0], np.cumsum(lengths)])
-    as_t = lambda a, dt: torch.as_tensor(a, dtype=dt, device=device)  # noqa: E731
-    return PackedBatch(
-        as_t(ids, torch.int64)[None],
-        as_t(labels, torch.int64)[None],
-        as_t(pos, torch.int64)[None],
-        as_t(cu, torch.int32),
-        as_t(weights, torch.float32)[None],
-        tuple(lengths),
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    # one pinned, non-blocking copy on CUDA (the host does not wait for the device)
+    ids_t, labels_t, pos_t, cu_t, weights_t = upload_many(
+        [ids, labels, pos.astype(np.int64), cu, weights], torch.device(device)
     )
+    return PackedBatch(ids_t[None], labels_t[None], pos_t[None], cu_t, weights_t[None],
+                       tuple(lengths))  # fmt: skip

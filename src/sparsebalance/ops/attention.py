@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from ..launches import kernel
 from .block_sparse_flex import flex_block_sparse_attention
 from .block_sparse_torch import torch_block_sparse_attention
 from .layout import BlockLayout
@@ -35,15 +36,20 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     return ["reference", "torch"] + (["flex"] if flex_available(device) else [])
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map ``"auto"`` to the fastest available backend; reject unavailable ones loudly."""
+def resolve_backend(backend: str, device: torch.device, forward_only: bool = False) -> str:
+    """Map ``"auto"`` to the fastest available backend; reject unavailable ones loudly.
+    ``forward_only``: no gradient is needed, so flex runs on the CPU too (forward only there)."""
     if backend == "auto":
         return "flex" if flex_available(device) else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {(*BACKENDS, 'auto')}, got {backend!r}")
     if backend == "triton":
         raise ValueError("backend='triton' is not implemented yet; use 'auto', 'torch' or 'flex'")
-    if backend == "flex" and not flex_available(device):
+    if (
+        backend == "flex"
+        and not flex_available(device)
+        and not (forward_only and device.type == "cpu" and _flex_importable())
+    ):
         raise ValueError(
             f"backend='flex' needs CUDA (FlexAttention on {device.type} cannot train with block "
             "lists); use backend='torch' or 'auto'"
@@ -69,7 +75,8 @@ def block_sparse_attention(
         layout: a :class:`BlockLayout` built for this pack (``select_blocks``).
         cu_seqlens: int32 ``(N + 1,)`` document offsets, ``0 ... T``.
         scale: softmax scale, default ``D ** -0.5``.
-        backend: ``"auto"`` (flex on CUDA, else torch), ``"torch"``, ``"flex"`` or ``"reference"``.
+        backend: ``"auto"`` (flex on CUDA, else torch), ``"torch"``, ``"flex"`` (on the CPU
+            without gradients only: FlexAttention has no backward there) or ``"reference"``.
 
     Returns:
         ``(T, Hq, D)`` in ``q.dtype``, differentiable in q, k and v. Query token i attends to the
@@ -84,9 +91,10 @@ def block_sparse_attention(
     if layout.device != q.device:
         layout = layout.to(q.device)
     scale = resolve_scale(scale, q.shape[-1])
-    backend = resolve_backend(backend, q.device)
+    forward_only = not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
+    backend = resolve_backend(backend, q.device, forward_only)
     if backend == "reference":
-        return reference_attention(q, k, v, layout, cu_seqlens, scale)
+        return kernel(reference_attention, q, k, v, layout, cu_seqlens, scale, like=q)
     if backend == "flex":
         return flex_block_sparse_attention(q, k, v, layout, scale)
-    return torch_block_sparse_attention(q, k, v, layout, scale)
+    return kernel(torch_block_sparse_attention, q, k, v, layout, scale, like=q)

@@ -84,7 +84,7 @@ def flex_block_sparse_attention(
     hq, hkv, t, d = q.shape[1], k.shape[1], q.shape[0], q.shape[2]
     runs = whole_block_runs(pack, layout.dense_docs) if layout.dense_docs else ()
     if len(runs) == 1 and runs[0][2] == 0 and runs[0][3] == t:  # every document dense
-        return kernel(dense_attention, q, k, v, pack.cu_seqlens, pack.lengths, scale)
+        return kernel(dense_attention, q, k, v, pack.cu_seqlens, pack.lengths, scale, like=q)
     expand = gqa == "expand" and hq != hkv
     total = padded_length(layout, (hq, hq if expand else hkv, d))
     block_mask = layout.memo(("flex", hq, total, runs),
@@ -95,6 +95,9 @@ def flex_block_sparse_attention(
         x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x
         return x.transpose(0, 1).unsqueeze(0)
 
+    if q.device.type == "cpu" and not torch.is_grad_enabled():
+        # forward only on the CPU: flex refuses inputs that require grad there, whatever the mode
+        q, k, v = q.detach(), k.detach(), v.detach()
     qt, kt, vt = heads_first(q), heads_first(k), heads_first(v)
     if expand:  # contiguous heads-first copies, as measured (K/V repeated to the query heads)
         kt, vt = (x.repeat_interleave(hq // hkv, dim=1) for x in (kt, vt))
@@ -104,6 +107,7 @@ def flex_block_sparse_attention(
             qt,
             kt,
             vt,
+            like=qt,
             block_mask=block_mask,
             scale=scale,
             enable_gqa=hq != kt.shape[1],
@@ -115,6 +119,7 @@ def flex_block_sparse_attention(
     # The dense runs' rows replace flex's (emptied) ones: one gather of their tokens, one dense
     # call, one scatter, however many runs (a constant number of T x H x D passes).
     idx, cu, lengths = pack.dense_tokens(runs)
-    dense = kernel(dense_attention, q.index_select(0, idx), k.index_select(0, idx),
-                   v.index_select(0, idx), cu, lengths, scale)  # fmt: skip
+    qd = q.index_select(0, idx)
+    dense = kernel(dense_attention, qd, k.index_select(0, idx), v.index_select(0, idx), cu,
+                   lengths, scale, like=qd)  # fmt: skip
     return out.index_copy(0, idx, dense)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..transfer import upload
 from .varlen import check_cu_seqlens, debug_checks
 
 
@@ -144,10 +145,7 @@ class PackIndex:
         """``array`` on the pack's device: a copy to the device, never a read back. On CUDA from
         pinned memory, so the copy is queued on the stream without waiting for it (a copy from
         pageable memory would wait for the kernels before it)."""
-        host = torch.as_tensor(np.ascontiguousarray(array), dtype=dtype)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
+        return upload(array, self.device, dtype)
 
     def memo(self, key, build):
         """``build()`` once per key for this pack (derived device tensors, kernel indices)."""
