@@ -171,7 +171,8 @@ def main(args: argparse.Namespace) -> int:
     table = format_table(result["rows"], result["targets"])
     where = ""
     if args.out and not args.quick:
-        md, js = write_results(args.out, "bench-attn", torch.device(args.device), table, result)
+        name = "bench-attn-counts" if args.counts_only else "bench-attn"
+        md, js = write_results(args.out, name, torch.device(args.device), table, result)
         where = f"\nwrote {md} and {js}"
     print(json.dumps(result, indent=2) if args.json else table + where)
     return 0

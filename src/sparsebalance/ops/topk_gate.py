@@ -29,6 +29,7 @@ attention) instead of being hidden; the step is then skipped (``docs/reliability
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,6 +71,8 @@ class GateTables:
     gate's probabilities (coverage)."""
     allowed: torch.Tensor
     """bool ``(S, S)``: causal pairs inside a document."""
+    unscored: torch.Tensor
+    """bool ``(S, S)``: pairs a row does not rank (anchors, other documents, later segments)."""
     anchors: torch.Tensor
     """bool ``(S, S)``: the anchor pairs (sink, local), causal."""
     anchor_ranks: np.ndarray
@@ -97,14 +100,18 @@ class GateTables:
         """The tables for ``pack`` when no budget below ``lowest`` is used (its anchors and
         ``min_blocks`` are every budget's), memoised on the pack; None when no document is
         scored or their segments exceed ``2 nb + 8`` (many short scored documents: the
-        per-document batches of :mod:`.select` hold less)."""
-        whole = lowest.dense_documents(pack, dense_from)
-        scored = tuple(not x for x in whole)
-        num = int(pack.doc_segments[np.asarray(scored)].sum())
-        if num == 0 or num > 2 * pack.num_blocks + 8:
-            return None
-        key = ("topk-gate", lowest.sink_blocks, lowest.local_blocks, lowest.min_blocks, scored)
-        return pack.memo(key, lambda: cls._build(pack, lowest, scored))
+        per-document batches of :mod:`.select` hold less). Decided once per pack and budget."""
+
+        def decide() -> GateTables | None:
+            scored = tuple(not x for x in lowest.dense_documents(pack, dense_from))
+            num = int(pack.doc_segments[np.asarray(scored)].sum())
+            if num == 0 or num > 2 * pack.num_blocks + 8:
+                return None
+            key = ("topk-gate", lowest.sink_blocks, lowest.local_blocks, lowest.min_blocks,
+                   scored)  # fmt: skip
+            return pack.memo(key, lambda: cls._build(pack, lowest, scored))
+
+        return pack.memo(("topk-gate-for", lowest, dense_from), decide)
 
     @classmethod
     def _build(cls, pack: PackIndex, rule: Budget, scored: tuple[bool, ...]) -> GateTables:
@@ -142,7 +149,8 @@ class GateTables:
             inv_lengths=up(1.0 / np.outer(length, length).astype(np.float64), fdt),
             bias_rank=up(np.where(candidate, bias, -np.inf), fdt),
             bias_mass=up(np.where(allowed, bias, -np.inf), fdt),
-            allowed=up(allowed, torch.bool), anchors=up(anchors, torch.bool),
+            allowed=up(allowed, torch.bool), unscored=up(~candidate, torch.bool),
+            anchors=up(anchors, torch.bool),
             anchor_ranks=anchor_ranks, slots=up(idx),
             extra_min=np.maximum(floor_n - anchors.sum(-1), 0), num_candidates=n_cand,
             seg_tokens=length, pair_index=pair, scored=scored,
@@ -199,6 +207,8 @@ class TopKGate:
         self.scale = scale
         self.num_q_heads = heads
         logits = torch.addcmul(tables.bias_rank, raw, self._weights())
+        # a NaN in raw survives the bias' -inf: pairs the row does not score sort last anyway
+        logits.masked_fill_(tables.unscored, -math.inf)
         self.ranked, self.order = torch.sort(logits, dim=-1, descending=True, stable=True)
         self._cums: torch.Tensor | None = None
 

@@ -142,6 +142,11 @@ class LayerController:
         self._measured = np.full((m, num_layers), np.nan)
         self._records: dict[tuple[int, int], LayerRecord] = {}
         self._costs: list[dict[float, tuple[float, np.ndarray]]] = [{} for _ in range(m)]
+        self._spent = 0.0
+        self._planned_left = float(self.planned.sum())
+        """Running sums: seconds of the decided units, planned seconds of the others."""
+        self._budgets: dict[float, Budget] = {}
+        """The knob's budget at each value chosen so far (built once)."""
         """Per micro-batch, top-k: attention seconds and densities at each k probed so far (a
         top-k density follows from the lengths: every layer of a micro-batch shares them)."""
         self.decide_seconds = 0.0
@@ -178,11 +183,9 @@ class LayerController:
         return self.knob.budget(self.budget, self.lo)
 
     def spent_seconds(self) -> float:
-        """Seconds of the units decided so far: measured where observed, else predicted."""
-        done = self._chosen
-        return float(
-            np.where(np.isnan(self._measured), self._predicted, self._measured)[done].sum()
-        )
+        """Seconds of the units decided so far: measured where observed, else predicted (a
+        running sum, kept by :meth:`choose` and :meth:`observe`)."""
+        return self._spent
 
     def choose(
         self, microbatch: int, layer: int, estimate: LayerGate, spent_seconds: float | None = None
@@ -206,9 +209,9 @@ class LayerController:
             self.decide_seconds += time.perf_counter() - t0
 
     def _choose(self, microbatch, layer, estimate: LayerGate, spent_seconds) -> Budget:
-        spent = self.spent_seconds() if spent_seconds is None else float(spent_seconds)
-        left = self.planned[~self._chosen]
-        share = self.planned[microbatch, layer] / left.sum() if left.sum() > 0 else 0.0
+        spent = self._spent if spent_seconds is None else float(spent_seconds)
+        left = self._planned_left
+        share = self.planned[microbatch, layer] / left if left > 0 else 0.0
         allotted = (self.target_seconds - spent) * share
         limit = allotted - self.fixed[microbatch, layer]
         lengths = self.lengths[microbatch]
@@ -244,11 +247,15 @@ class LayerController:
         density = float(weights @ dens / weights.sum()) if weights.sum() else 1.0
         self._chosen[microbatch, layer] = True
         self._predicted[microbatch, layer] = predicted
+        self._spent += predicted
+        self._planned_left -= float(self.planned[microbatch, layer])
         self._records[(microbatch, layer)] = LayerRecord(
             microbatch, layer, value, density, predicted, allotted, coverage=coverage,
             limited_on_host=limited, floor=floor,
         )  # fmt: skip
-        budget = self.knob.budget(self.budget, value)
+        if value not in self._budgets:
+            self._budgets[value] = self.knob.budget(self.budget, value)
+        budget = self._budgets[value]
         return budget if floor is None else replace(budget, floor=floor)
 
     def _coverage_floor(self, estimate: LayerGate, value: float) -> tuple[float, float]:
@@ -278,6 +285,10 @@ class LayerController:
             raise ValueError(f"unit (microbatch={microbatch}, layer={layer}) was never chosen")
         if not np.isfinite(seconds) or seconds < 0:
             raise ValueError(f"seconds must be finite and >= 0, got {seconds}")
+        before = self._measured[microbatch, layer]
+        if np.isnan(before):
+            before = self._predicted[microbatch, layer]
+        self._spent += float(seconds) - float(before)
         self._measured[microbatch, layer] = seconds
         key = (microbatch, layer)
         self._records[key] = replace(self._records[key], measured_seconds=float(seconds))
