@@ -77,7 +77,7 @@ class _Timed:
         """After the synchronize: seconds relative to ``origin``, Python floats."""
         return MicroBatchResult.from_stats(
             clock.seconds(self.start, self.ready), self.lengths, self.sample_ids, self.stats,
-            float(self.loss_sum), float(self.weight_sum), start_s=clock.seconds(origin, self.start),
+            self.loss_sum, self.weight_sum, start_s=clock.seconds(origin, self.start),
             ring_wait_s=RING_WAITS.seconds(*self.waits) if self.waits[1] else 0.0, **self.extra,
         )  # fmt: skip
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
+import torch
 
 from ..batching import Plan, Unit
+from ..models.attention import read_stats
 from ..tuning import RankDecision, StepDecision
 
 
@@ -94,15 +96,20 @@ class MicroBatchResult:
     unit's whole documents); 0 = ``sum(lengths)``."""
 
     @classmethod
-    def from_stats(cls, seconds: float, lengths, sample_ids, stats, loss_sum: float,
-                   weight_sum: float, **extra) -> MicroBatchResult:  # fmt: skip
-        """The result of a micro-batch whose attention layers left ``stats`` (each with a
-        ``budget`` and a per-document ``document_density``; reading them syncs, so callers do it
-        at the step's end); ``extra``: the other fields (slot, CP unit, start, ring wait)."""
+    def from_stats(cls, seconds: float, lengths, sample_ids, stats, loss_sum,
+                   weight_sum, **extra) -> MicroBatchResult:  # fmt: skip
+        """The result of a micro-batch whose attention layers left ``stats``
+        (:class:`~sparsebalance.models.attention.LayerStats`, read in one host read: callers do
+        it at the step's end, with ``loss_sum`` and ``weight_sum`` where they are device
+        tensors); ``extra``: the other fields (slot, CP unit, start, ring wait)."""
+        sums = [x for x in (loss_sum, weight_sum) if isinstance(x, torch.Tensor)]
+        budgets, densities, _, read = read_stats(list(stats), *sums)  # one read
+        read = iter(read)
+        loss_sum, weight_sum = (next(read) if isinstance(x, torch.Tensor) else float(x)
+                                for x in (loss_sum, weight_sum))  # fmt: skip
         return cls(seconds=float(seconds), lengths=tuple(lengths), sample_ids=tuple(sample_ids),
-                   layer_densities=tuple(tuple(s.document_density) for s in stats),
-                   budgets=tuple(s.budget for s in stats), loss_sum=float(loss_sum),
-                   weight_sum=float(weight_sum), **extra)  # fmt: skip
+                   layer_densities=tuple(tuple(d) for d in densities), budgets=tuple(budgets),
+                   loss_sum=loss_sum, weight_sum=weight_sum, **extra)  # fmt: skip
 
     @property
     def density(self) -> float | None:

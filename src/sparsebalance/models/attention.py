@@ -127,24 +127,29 @@ def _diagonal(s: LayerStats) -> torch.Tensor:
     return s.rows.new_full(s.rows.shape, s.heads) if s.diagonal is None else s.diagonal
 
 
-def read_stats(stats: list[LayerStats]) -> tuple[list[float], list[list[float]], list[float]]:
-    """``(budgets (L,), per-document densities (L, N), pack densities (L,))`` of one micro-batch's
-    layers, read back together (one host read; call after the step's synchronize)."""
+def read_stats(
+    stats: list[LayerStats], *extra: torch.Tensor
+) -> tuple[list[float], list[list[float]], list[float], list[float]]:
+    """``(budgets (L,), per-document densities (L, N), pack densities (L,), extra)`` of one
+    micro-batch's layers, read back together with the 0-dim tensors ``extra`` (its loss, say) in
+    one host read; call after the step's synchronize."""
     if not stats:
-        return [], [], []
+        return [], [], [], [float(x) for x in torch.stack(extra).cpu()] if extra else []
     pack = stats[0].pack
     heads = torch.tensor([s.heads for s in stats], dtype=torch.float64)
     counts = torch.stack([t for s in stats for t in (s.rows, _diagonal(s))])  # (2 L, nb)
     densities = pack.density_matrix(counts.view(len(stats), -1))  # (L, N + 1): documents, pack
     floors = [s.budget_value for s in stats]
     device = [x.reshape(1) for x in floors if isinstance(x, torch.Tensor)]
-    host = torch.cat([densities.flatten(), *device]).cpu()  # the one read
+    more = [x.reshape(1).to(torch.float64) for x in extra]
+    host = torch.cat([densities.flatten(), *device, *more]).cpu()  # the one read
     num_layers, n = len(stats), pack.num_docs
     table = host[: num_layers * (n + 1)].view(num_layers, n + 1) / heads[:, None]
     docs, dens = table[:, :n].tolist(), table[:, n].tolist()
-    read = iter(host[num_layers * (n + 1) :].tolist())
+    rest = host[num_layers * (n + 1) :].tolist()
+    read = iter(rest[: len(rest) - len(more)])
     budgets = [next(read) if isinstance(x, torch.Tensor) else float(x) for x in floors]
-    return budgets, docs, dens
+    return budgets, docs, dens, rest[len(rest) - len(more) :]
 
 
 @dataclass(frozen=True)
