@@ -119,9 +119,10 @@ def test_a_profile_of_another_run_is_refused_before_launch(tmp_path, capsys, mod
     assert not (tmp_path / "run").exists()
 
 
-def _saved_run(tmp_path, step: int = 1, steps: int = 2) -> Path:
+def _saved_run(tmp_path, step: int = 1, steps: int = 2, ranks: int = 0, data=None) -> Path:
     """The folder of a run of ``--steps steps`` (the flags of :func:`_run_flags`) with its
-    checkpoint at ``step`` (a stand-in model: nothing loads it before launch)."""
+    checkpoint at ``step`` (a stand-in model: nothing loads it before launch); ``ranks``: the
+    RNG states it holds, one per rank (0: none, any world size); ``data``: its data identity."""
     run = tmp_path / "run"
     cfg = TrainConfig(data=str(tmp_path / "data.jsonl"), block_size=32, device="cpu",
                       steps=steps, global_batch=4, capacity=512, out=str(run),
@@ -129,8 +130,11 @@ def _saved_run(tmp_path, step: int = 1, steps: int = 2) -> Path:
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    save_checkpoint(run, step, model, opt, sched, {"step": step, "config": to_dict(cfg)}, [],
-                    True)  # fmt: skip
+    state = {"step": step, "config": to_dict(cfg)}
+    if data is not None:
+        state["data"] = {"identity": data}
+    rngs = [{"torch": torch.get_rng_state()} for _ in range(ranks)]
+    save_checkpoint(run, step, model, opt, sched, state, rngs, True, keep_last=0)
     (run / "config.json").write_text(json.dumps({"schema_version": 2, **to_dict(cfg)}))
     return run
 
@@ -168,6 +172,76 @@ def test_resume_of_a_complete_run_says_so_without_launching(tmp_path, capsys):
     assert code == 0 and len(lines) == 1, err
     assert lines[0].startswith("sparsebalance train: --resume: the run in") and "complete" in err
     assert snapshot(run) == before  # no launch (the tripwire), no report rewritten
+
+
+@pytest.mark.parametrize("nproc", ["1", "3"])
+def test_resume_on_another_world_size_is_refused_before_launch(tmp_path, capsys, nproc):
+    """Issue 45: rank 2 died with ``IndexError`` at ``state["rng"][rank]``, every rank printing
+    a traceback."""
+    argv = _run_flags(tmp_path, "--nproc", nproc, "--strategy", "sab")  # auto: by the ranks
+    run = _saved_run(tmp_path, step=1, steps=4, ranks=2)
+    before = snapshot(run)
+    code, err = cli(capsys, *argv, "--resume", "--steps", "4")
+    assert_refused(code, err, "train", "--resume: checkpoints/step-000001 was saved by 2 ranks",
+                   f"this run has {nproc} (--nproc {nproc})", "resume with 2 ranks (--nproc 2",
+                   "another --out")  # fmt: skip
+    assert snapshot(run) == before
+
+
+def test_resume_on_the_same_world_size_launches(tmp_path, capsys):
+    argv = _run_flags(tmp_path, "--nproc", "1")
+    run = _saved_run(tmp_path, step=1, steps=4, ranks=1)
+    with pytest.raises(ExpensiveStageReached, match="training was launched"):
+        cli(capsys, *argv, "--resume", "--steps", "4")
+    assert (run / "checkpoints" / "step-000001").is_dir()
+
+
+def test_a_truncated_meta_json_falls_back_to_the_checkpoint_before(tmp_path, capsys):
+    """Issue 45: ``error: .../meta.json: unreadable`` (exit 2) blocked every resume; the launcher
+    now passes it over as rank 0 does (rank 0 names it when it resumes from step 1)."""
+    argv = _run_flags(tmp_path, "--nproc", "1")
+    run = _saved_run(tmp_path, step=1, steps=4)
+    _saved_run(tmp_path, step=2, steps=4)
+    meta = run / "checkpoints" / "step-000002" / "meta.json"
+    meta.write_bytes(meta.read_bytes()[:40])
+    with pytest.raises(ExpensiveStageReached, match="training was launched"):
+        cli(capsys, *argv, "--resume", "--steps", "4")
+
+
+def _identity(tmp_path) -> dict:
+    """The data identity a run of :func:`_run_flags` records (``data.jsonl`` as it is now)."""
+    from sparsebalance.data import load_corpus, load_tokenizer
+
+    corpus = load_corpus(str(write_dataset(tmp_path)), load_tokenizer(None))
+    return {**corpus.identity(), "vocab_map_size": None}
+
+
+def test_resume_on_changed_data_is_refused_before_launch(tmp_path, capsys):
+    """Issue 45 (weak): rank 0 refused it after the ranks launched (36 s)."""
+    argv = _run_flags(tmp_path, "--nproc", "1")
+    run = _saved_run(tmp_path, step=1, steps=4, data=_identity(tmp_path))
+    data = tmp_path / "data.jsonl"
+    data.write_text(data.read_text().replace("4821", "4822"))
+    before = snapshot(run)
+    code, err = cli(capsys, *argv, "--resume", "--steps", "4")
+    assert_refused(code, err, "train", "belongs to a different run", "data content",
+                   "trained on other data", "content changed")  # fmt: skip
+    assert snapshot(run) == before
+
+
+def test_resume_on_the_same_data_launches(tmp_path, capsys):
+    _saved_run(tmp_path, step=1, steps=4, data=_identity(tmp_path))
+    with pytest.raises(ExpensiveStageReached, match="training was launched"):
+        cli(capsys, *_run_flags(tmp_path, "--nproc", "1"), "--resume", "--steps", "4")
+
+
+@pytest.mark.parametrize("grace", ["0", "-5", "nan"])
+def test_a_bad_stop_grace_is_refused(tmp_path, capsys, grace):
+    out = tmp_path / "run"
+    code, err = cli(capsys, "train", "--device", "cpu", "--nproc", "1", "--out", out,
+                    "--stop-grace", grace)  # fmt: skip
+    assert_refused(code, err, "train", "--stop-grace must be a finite number of seconds > 0")
+    assert not out.exists()
 
 
 def _damage(checkpoint: Path) -> None:

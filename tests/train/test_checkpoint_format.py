@@ -212,7 +212,7 @@ def test_a_same_step_checkpoint_is_replaced_only_once_the_new_one_is_in_place(
         real(src, dst)
 
     monkeypatch.setattr(os, "replace", fail_to_install)
-    with pytest.raises(OSError):
+    with pytest.raises(ValueError, match=r"could not be written .*EIO.*step-000001 is intact"):
         _save(tmp_path, 1)  # the rewrite fails: the old step-1 must still be there
     monkeypatch.undo()
     assert (root / "step-000001" / "from-the-first-save").is_file()

@@ -1,6 +1,11 @@
 """Killing a real ``sparsebalance train --nproc 2`` (subprocesses, bounded by timeouts): workers
 die with their launcher, a second run refuses while one is live, SIGTERM stops with one line and
-a checkpoint, and ``--resume`` after ``kill -9`` reproduces the uninterrupted run's losses."""
+a checkpoint (also during a step longer than torchrun's own grace), a full disk while saving is
+one line and the run resumes from the checkpoint before, and ``--resume`` after ``kill -9``
+reproduces the uninterrupted run's losses.
+
+Faults inside the ranks (a full disk, a long step) are planted by a ``sitecustomize`` module on
+the ranks' ``PYTHONPATH`` (:func:`_faulty_env`), so the run under test is the real command."""
 
 from __future__ import annotations
 
@@ -32,6 +37,81 @@ def _argv(tmp: Path, out: Path, *extra: str) -> list[str]:
 
 def _env() -> dict:
     return {**os.environ, "PYTHONPATH": SRC, "PYTHONWARNINGS": "ignore"}
+
+
+FAULTS = """
+import os
+
+FAULT = os.environ.get("SPARSEBALANCE_TEST_FAULT")
+if FAULT == "disk-full":  # the disk fills 100 bytes into step 2's model.pt
+    import errno
+    import pathlib
+
+    real_open = pathlib.Path.open
+
+    class Full:
+        def __init__(self, f, room):
+            self._f, self._room = f, room
+
+        def write(self, data):
+            n = len(data) if isinstance(data, str) else memoryview(data).nbytes
+            if n > self._room:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self._room -= n
+            return self._f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+
+    def full_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        step_2 = path.parent.name.startswith(".step-000002.tmp") and path.name == "model.pt"
+        return Full(f, 100) if "w" in mode and step_2 else f
+
+    pathlib.Path.open = full_open
+elif FAULT == "long-step" and "TORCHELASTIC_RUN_ID" in os.environ:
+    # step 2 runs until the rank is asked to stop, then HOLD seconds more (a long document);
+    # each rank marks when it is inside it
+    import pathlib
+    import time
+
+    from sparsebalance.train.trainer import Trainer
+
+    real_step = Trainer.run_step
+    HOLD = float(os.environ["SPARSEBALANCE_TEST_HOLD"])
+    MARK = pathlib.Path(os.environ["SPARSEBALANCE_TEST_MARK"])
+
+    def long_step(self):
+        result = real_step(self)
+        if self.step == 2:
+            (MARK / f"in-step-2-rank-{self.rt.rank}").write_text("")
+            while self.stops is None or self.stops.signum is None:
+                time.sleep(0.05)
+            time.sleep(HOLD)
+        return result
+
+    Trainer.run_step = long_step
+"""
+
+
+def _faulty_env(tmp: Path, fault: str, **extra: str) -> dict:
+    """:func:`_env` with ``fault`` planted in every process of the run."""
+    (tmp / "faults").mkdir(exist_ok=True)
+    (tmp / "faults" / "sitecustomize.py").write_text(FAULTS)
+    return {**_env(), "PYTHONPATH": f"{SRC}{os.pathsep}{tmp / 'faults'}",
+            "SPARSEBALANCE_TEST_FAULT": fault, **extra}  # fmt: skip
+
+
+def _our_lines(err: str) -> list[str]:
+    """The run's own lines on stderr, without the startup line saying what the budget keeps."""
+    return [x for x in err.replace("\r", "\n").splitlines() if x.startswith("sparsebalance")
+            and not x.startswith("sparsebalance train: budget:")]  # fmt: skip
 
 
 def _losses(out: Path) -> dict[int, float]:
@@ -158,11 +238,71 @@ def test_sigterm_stops_with_one_line_and_a_checkpoint(data):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGTERM
-    ours = [x for x in err.replace("\r", "\n").splitlines() if x.startswith("sparsebalance")
-            and not x.startswith("sparsebalance train: budget:")]  # the startup line  # fmt: skip
-    assert len(ours) == 1 and "stopped by SIGTERM after step" in ours[0], err[-2000:]
+    ours = _our_lines(err)
+    assert len(ours) == 2, err[-2000:]  # the launcher waits, the ranks stop
+    assert ours[0].startswith("sparsebalance train: SIGTERM: the ranks finish their step")
+    assert "stopped by SIGTERM after step" in ours[1], err[-2000:]
     assert "Traceback" not in err
-    step = int(ours[0].split("after step ")[1].split(":")[0])
+    step = int(ours[1].split("after step ")[1].split(":")[0])
     assert (out / "checkpoints" / f"step-{step:06d}" / "checksums.json").is_file()
     assert max(_losses(out)) == step
     assert not _workers(out) and not (out / "run.lock").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_step_longer_than_torchruns_grace_still_saves(data):
+    """Issue 45: torchrun SIGKILLed the ranks 30 s after the launcher forwarded SIGTERM to it,
+    whatever their step still needed: exit 143, no line, the step lost. torchrun's grace is cut
+    to 2 s here (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) and step 2 goes on for 8 s after the signal;
+    the launcher now signals the ranks itself and waits for them (--stop-grace)."""
+    out = data / "run"
+    log = data / "run.log"
+    env = _faulty_env(data, "long-step", SPARSEBALANCE_TEST_HOLD="8",
+                      SPARSEBALANCE_TEST_MARK=str(data),
+                      TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2")  # fmt: skip
+    proc = subprocess.Popen(_argv(data, out, "--steps", "50"), env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"))  # fmt: skip
+    try:
+        inside = [data / f"in-step-2-rank-{r}" for r in range(2)]
+        while not all(f.exists() for f in inside):  # both ranks in step 2 (bounded: timeout)
+            assert proc.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+        err = log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    ours = _our_lines(err)
+    assert len(ours) == 2 and "waiting up to 900 s (--stop-grace)" in ours[0], err[-2000:]
+    assert ours[1] == ("sparsebalance train: stopped by SIGTERM after step 2: checkpoint "
+                       "step-000002 saved, continue with --resume"), err[-2000:]  # fmt: skip
+    assert "Traceback" not in err
+    assert (out / "checkpoints" / "step-000002" / "checksums.json").is_file()
+    assert max(_losses(out)) == 2
+    assert not _workers(out) and not (out / "run.lock").exists()
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_saving_is_one_line_and_resume_continues(data):
+    """Issue 45: torch's ``unexpected pos`` RuntimeError, uncaught, a traceback from each rank,
+    exit 1, no word of disk space. The disk fills while step 2's checkpoint is written."""
+    out = data / "run"
+    full = subprocess.run(_argv(data, out), env=_faulty_env(data, "disk-full"),
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    err = full.stderr
+    assert full.returncode == 2, err[-2000:]
+    ours = _our_lines(err)
+    assert len(ours) == 1, err[-2000:]
+    assert ours[0].startswith("sparsebalance train: error: checkpoint step-000002: no space left "
+                              f"in {out / 'checkpoints'} (disk full"), ours  # fmt: skip
+    assert "step-000001 is intact" in ours[0] and "Traceback" not in err
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001"]
+    assert not _workers(out) and not (out / "run.lock").exists()
+    resumed = subprocess.run(_argv(data, out, "--resume"), env=_env(), capture_output=True,
+                             text=True, timeout=600)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from step-000001" in resumed.stderr
+    assert sorted(_losses(out)) == [1, 2, 3, 4, 5]

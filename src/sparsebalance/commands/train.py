@@ -17,9 +17,11 @@ from ..train.launch import (
     DEMO_DEFAULTS,
     RunFailed,
     add_nproc_argument,
+    add_stop_grace_argument,
     default_nproc,
     demo_configs,
     launch,
+    stop_grace,
 )
 from ..train.multinode import Rendezvous
 
@@ -49,12 +51,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "+ report; --capacity 2100 and (on CPU) 2 ranks unless given",
     )
     p.add_argument("--json", action="store_true", help="print only JSON (the comparison) to stdout")
+    add_stop_grace_argument(p)
     add_train_arguments(p)  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, DEMO_DEFAULTS if args.demo else None)
     nproc = default_nproc(cfg, args.nproc, DEMO_CPU_RANKS if args.demo else 2)
+    with stop_grace(args.stop_grace):  # checked here, before anything is said to start
+        return _launch_all(args, cfg, nproc)
+
+
+def _launch_all(args: argparse.Namespace, cfg, nproc: int) -> int:
+    """Launch the run (or the demo's two) and write its report; the exit code."""
     rdzv = Rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id)
     if rdzv.multinode and args.demo:
         raise ValueError("--demo runs on one machine: drop --nnodes")

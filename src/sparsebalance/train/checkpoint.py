@@ -85,7 +85,26 @@ def _write(path: Path, write) -> None:
 
 def _save(obj, path: Path) -> None:
     with path.open("wb") as f:  # through a Python file: a full disk raises OSError(ENOSPC)
-        torch.save(obj, f)
+        try:
+            torch.save(obj, f)
+        except RuntimeError as err:
+            # torch's zip writer closes the archive after the file's write failed, which fails
+            # again ("unexpected pos ..."): the OSError that started it is the one to report
+            cause = _os_error(err)
+            if cause is None:
+                raise
+            raise cause from None
+
+
+def _os_error(err: BaseException) -> OSError | None:
+    """The first ``OSError`` in ``err``'s chain of causes and contexts (``err`` included)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def save_checkpoint(
@@ -101,39 +120,97 @@ def save_checkpoint(
     keep_last: int = KEEP_LAST,
 ) -> Path | None:
     """Collective (every rank calls it: FSDP2 gathers the full state); only rank 0 writes.
+    ``rng_states``: one per rank (their number is saved as the run's world size).
     ``keep_last``: checkpoints kept (0 = all). Returns the checkpoint folder on rank 0.
     ``fsdp`` is accepted for callers of the earlier signature; the state is gathered the same way
-    for every model. A full disk raises ``ValueError`` (one line)."""
+    for every model.
+
+    A write that fails (a full disk, a quota, an I/O error) removes what it wrote, leaves the
+    previous checkpoint and ``latest`` as they were, and raises the same one-line ``ValueError``
+    on every rank (rank 0's outcome is broadcast when a process group is up), so a run ends
+    with one line, not one traceback per rank."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(cpu_offload=True))
-    if not is_main:
-        return None
-    root = Path(run_dir) / "checkpoints"
+    final, error = None, None
+    if is_main:
+        state = {
+            "optimizer": optim_sd,
+            "scheduler": plain(scheduler.state_dict()),
+            "rng": plain(rng_states),
+            "trainer": plain(trainer_state),
+        }
+        try:
+            final = _write_checkpoint(Path(run_dir) / "checkpoints", step, model_sd, state)
+        except ValueError as err:
+            error = str(err)
+        except BaseException:
+            _agree("checkpoint: the save failed on rank 0 (see its traceback)")  # peers stop
+            raise
+    error = _agree(error)
+    if error is not None:
+        raise ValueError(error)
+    if final is not None:
+        prune_checkpoints(final.parent, step, keep_last)
+    return final
+
+
+def _agree(error: str | None) -> str | None:
+    """Rank 0's ``error`` on every rank of the default process group (as it is without one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return error
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _write_checkpoint(root: Path, step: int, model_sd: dict, state: dict) -> Path:
+    """Install ``step-{step}`` under ``root`` and point ``latest`` at it; an ``OSError`` becomes
+    one line (``ValueError``) once everything this save wrote is removed."""
     final = root / f"step-{step:06d}"
-    state = {
-        "optimizer": optim_sd,
-        "scheduler": plain(scheduler.state_dict()),
-        "rng": plain(rng_states),
-        "trainer": plain(trainer_state),
-    }
+    previous = _pointer(root)
+    latest_tmp = root / f"latest.tmp-{secrets.token_hex(4)}"
     try:
         install(final, lambda tmp: write_folder(tmp, step, model_sd, state))
-        latest_tmp = root / f"latest.tmp-{secrets.token_hex(4)}"
-        _write(latest_tmp, lambda p: p.write_text(final.name + "\n"))
-        os.replace(latest_tmp, root / "latest")
-        _fsync(root)
+        try:
+            _write(latest_tmp, lambda p: p.write_text(final.name + "\n"))
+            os.replace(latest_tmp, root / "latest")
+            _fsync(root)
+        except BaseException:
+            latest_tmp.unlink(missing_ok=True)
+            if _pointer(root) != final.name:  # not resumable without its pointer: it goes too
+                shutil.rmtree(final, ignore_errors=True)
+            raise
     except OSError as err:
+        if previous and (root / previous).is_dir():
+            kept, then = f"{previous} is intact", "continue with --resume"
+        else:
+            kept, then = "no earlier checkpoint was saved", "start the run again"
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            free = shutil.disk_usage(root).free / 2**30
+            try:
+                free = f", {shutil.disk_usage(root).free / 2**30:.1f} GiB free"
+            except OSError:
+                free = ""
             raise ValueError(
-                f"checkpoint {final.name}: no space left in {root} ({free:.1f} GiB free); the "
-                "previous checkpoint is intact: free space (or lower --keep-checkpoints) and "
-                "continue with --resume"
+                f"checkpoint {final.name}: no space left in {root} (disk full{free}); its "
+                f"partial files are removed and {kept}: free space (or lower "
+                f"--keep-checkpoints) and {then}"
             ) from None
-        raise
-    prune_checkpoints(root, step, keep_last)
+        raise ValueError(
+            f"checkpoint {final.name}: could not be written in {root} ({type(err).__name__}: "
+            f"{err}); its partial files are removed and {kept}"
+        ) from None
     return final
+
+
+def _pointer(root: Path) -> str | None:
+    """The checkpoint name ``root/latest`` holds (None without a readable one)."""
+    try:
+        return (root / "latest").read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def install(final: Path, write) -> None:
@@ -166,7 +243,8 @@ def write_folder(tmp: Path, step: int, model_sd: dict, state: dict, config_versi
     """A checkpoint's files in ``tmp``: ``model.pt``, ``state.pt`` (``state``: optimizer,
     scheduler, rng, trainer), ``meta.json`` (with the format and config versions; a converted
     checkpoint keeps the ``config_version`` it was written under), ``vocab_map.json``,
-    ``checksums.json``; each fsynced."""
+    ``checksums.json``; each fsynced. ``meta.json`` also holds the number of ranks that saved
+    it (``world_size``: one RNG state each; None when it holds none), read before a resume."""
     _write(tmp / "model.pt", lambda p: _save(model_sd, p))
     _write(tmp / "state.pt", lambda p: _save(state, p))
     trainer_state = state["trainer"]
@@ -174,7 +252,8 @@ def write_folder(tmp: Path, step: int, model_sd: dict, state: dict, config_versi
     meta = {"schema_version": CHECKPOINT.version,
             "config_schema_version": config_version or CONFIG.version,
             "step": step, "model": config.get("model"), "config": config,
-            "data": trainer_state.get("data")}  # fmt: skip
+            "data": trainer_state.get("data"),
+            "world_size": len(state.get("rng") or []) or None}  # fmt: skip
     _write(tmp / "meta.json", lambda p: p.write_text(json.dumps(meta, default=str) + "\n"))
     if trainer_state.get("vocab_map") is not None:  # tokenizer id -> model id (compact vocab)
         vocab = json.dumps(trainer_state["vocab_map"]) + "\n"
@@ -227,12 +306,15 @@ def checkpoint_version(path: Path) -> object:
         raise ValueError(f"checkpoint {meta}: unreadable") from None
 
 
-def verify_checkpoint(path: Path, needs: tuple[str, ...] = RESUME_FILES) -> None:
+def verify_checkpoint(
+    path: Path, needs: tuple[str, ...] = RESUME_FILES, hashed: bool = True
+) -> None:
     """Raise ``ValueError`` naming the first missing or corrupt file of checkpoint ``path``
     (``needs``: the files it must hold), or :class:`CheckpointFormatError` when its trainer
     state is of another format version. A checkpoint read for ``state.pt`` must hold
-    ``checksums.json``; one read only for its weights (``model.pt``, weights-only in every
-    version) is verified against it when it has one."""
+    ``checksums.json`` and a readable ``meta.json``; one read only for its weights
+    (``model.pt``, weights-only in every version) is verified against it when it has one.
+    ``hashed=False``: every check but the files' SHA-256 (the launcher's cheap look)."""
     missing = [n for n in needs if not (path / n).is_file()]
     if missing:
         raise ValueError(f"checkpoint {path / missing[0]}: missing")
@@ -260,7 +342,7 @@ def verify_checkpoint(path: Path, needs: tuple[str, ...] = RESUME_FILES) -> None
         f = path / name
         if not f.is_file():
             raise ValueError(f"checkpoint {f}: missing")
-        if sha256(f) != want:
+        if hashed and sha256(f) != want:
             raise ValueError(f"checkpoint {f}: corrupt (SHA-256 differs from the one saved)")
 
 
@@ -270,36 +352,54 @@ def find_checkpoint(
     """The checkpoint ``latest`` names if intact, else the newest intact one before it (or, with
     no usable pointer, the newest intact one); it must hold the files ``needs``. Returns it (None
     if there is none) and one line per checkpoint skipped (corrupt, incomplete, or missing).
-    ``verify=False``: the files are only checked to exist, nothing is hashed (the launcher's
-    cheap look; rank 0 verifies). A checkpoint of another format raises
-    :class:`CheckpointFormatError`."""
+    ``verify=False``: every check but the files' hashes (:func:`verify_checkpoint` with
+    ``hashed=False``: the launcher's cheap look; rank 0 hashes). A checkpoint of another format
+    raises :class:`CheckpointFormatError`.
+
+    A run still training may save and prune while this looks (``eval`` of a live run): a
+    checkpoint whose folder vanished meanwhile was pruned, not damaged, and the look starts
+    again from the new ``latest``."""
     root = Path(run_dir) / "checkpoints"
+    for _ in range(_RESCANS):
+        path, notes, pruned = _find(root, needs, verify)
+        if not pruned:
+            break
+    return path, notes
+
+
+_RESCANS = 5  # a run saves one checkpoint per step: it cannot prune five looks in a row
+
+
+def _find(root: Path, needs: tuple[str, ...], verify: bool):
+    """One look for :func:`find_checkpoint`: (path, notes, whether a checkpoint was pruned while
+    it looked)."""
     if not root.is_dir():
-        return None, []
+        return None, [], False
+    pointer = root / "latest"
+    name = _pointer(root) if pointer.is_file() else None  # before the list: a save may follow
     found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.fullmatch(p.name)))
     notes = []
-    pointer = root / "latest"
-    if pointer.is_file():
-        name = pointer.read_text().strip()
+    if name is not None:
         if not (root / name).is_dir():
+            if pointer.is_file() and _pointer(root) != name:
+                return None, [], True  # replaced meanwhile: a newer save
             notes.append(f"checkpoints/latest names {name}, which is missing")
         elif m := _STEP.fullmatch(name):  # a run rolled back by hand: nothing after it
             found = [(step, p) for step, p in found if step <= int(m.group(1))]
     for _, path in reversed(found):
         try:
-            if verify:
-                verify_checkpoint(path, needs)
-            elif missing := [n for n in needs if not (path / n).is_file()]:
-                raise ValueError(f"checkpoint {path / missing[0]}: missing")
+            verify_checkpoint(path, needs, hashed=verify)
         except CheckpointFormatError:
             raise
         except ValueError as err:
+            if not path.is_dir():
+                return None, [], True
             notes.append(str(err))
             continue
         if notes:
             notes[-1] += f"; resuming from {path.name} instead"
-        return path, notes
-    return None, notes
+        return path, notes, False
+    return None, notes, False
 
 
 def latest_checkpoint(run_dir: Path, needs: str = "state.pt") -> Path | None:

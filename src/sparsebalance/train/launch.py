@@ -4,12 +4,15 @@ and SparseBalance on the same samples and compares them."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,16 +21,48 @@ import torch
 from .checkpoint import find_checkpoint
 from .config import RUN_STATE, TrainConfig, check_batch, resolve_strategy, to_record
 from .multinode import Rendezvous, Topology
-from .resume import check_same_run, check_steps, is_complete
+from .resume import check_same_run, check_steps, check_world_size, is_complete, saved_identity
 from .runlock import ENV_TOKEN, FOLLOW, RunLock
 from .signals import HANDLED, die_with_parent
 
 LAUNCHER_PID = "SPARSEBALANCE_LAUNCHER_PID"
 CPU_NPROC = 2  # processes `sparsebalance train` starts on a CPU machine without --nproc
+STOP_GRACE = 900.0
+"""Seconds the launcher waits, after a first SIGINT/SIGTERM/SIGHUP, for the ranks to finish
+their step and save (``--stop-grace``): longer than ``--comm-timeout``'s default, so a stalled
+peer is reported by the ranks first; torchrun's own grace is 30 s."""
 
 
 def uses_cuda(cfg: TrainConfig) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def add_stop_grace_argument(p) -> None:
+    """``--stop-grace``: how long a stopped run may take to finish its step and save."""
+    p.add_argument("--stop-grace", type=float, default=STOP_GRACE, metavar="SECONDS",
+                   help="after a first SIGINT/SIGTERM/SIGHUP, how long the ranks may take to "
+                   "finish their step and save a checkpoint before they are killed (default "
+                   f"{STOP_GRACE:g}; torchrun alone would kill them after 30 s)")  # fmt: skip
+
+
+def check_stop_grace(seconds: float) -> None:
+    if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"--stop-grace must be a finite number of seconds > 0, got {seconds}")
+
+
+_STOP_GRACE = contextvars.ContextVar("stop_grace", default=STOP_GRACE)
+
+
+@contextlib.contextmanager
+def stop_grace(seconds: float):
+    """Inside it, :func:`launch` waits ``seconds`` for stopped ranks (``--stop-grace``) unless
+    given its own ``stop_grace``: the command sets it once for every run it launches."""
+    check_stop_grace(seconds)
+    token = _STOP_GRACE.set(seconds)
+    try:
+        yield
+    finally:
+        _STOP_GRACE.reset(token)
 
 
 def add_nproc_argument(p) -> None:
@@ -103,16 +138,21 @@ def preflight(cfg: TrainConfig, nproc: int, multinode: bool = False) -> str | No
 
     check_device(cfg)
     check_run_folder(cfg)
+    path = None
     if cfg.resume:  # the same run or a refusal listing the differences (rank 0 repeats it)
-        path = find_checkpoint(Path(cfg.out), verify=False)[0]  # rank 0 hashes and loads
+        # every check but the hashes (rank 0 hashes, and names what it skips): a damaged
+        # newest checkpoint (a truncated meta.json included) is passed over for the one before
+        path = find_checkpoint(Path(cfg.out), verify=False)[0]
         if path is None:
             raise ValueError(f"--resume: no intact checkpoint in {Path(cfg.out) / 'checkpoints'}")
-        check_same_run(path, cfg, None)  # the data's content is checked by rank 0
+        check_same_run(path, cfg, None)  # the data's content: once it is read, below
         check_steps(path, cfg)  # --steps 6 from step 10: refused, not a run that trains nothing
         if not multinode and is_complete(path, cfg):
             return (f"--resume: the run in {cfg.out} is complete ({path.name} of --steps "
                     f"{cfg.steps}): nothing to train; pass --steps > {cfg.steps} to train it "
                     "further")  # fmt: skip
+        # every rank restores its own RNG state: another --nproc died at the first index
+        check_world_size(path, nproc, "--nproc x --nnodes" if multinode else f"--nproc {nproc}")
     shapes = check_trainable(cfg.model)  # a sliding window: refused before it is profiled
     if cfg.profile:  # readable, and for this run (also on --resume, where it may change)
         profile = load_profile(cfg.profile)
@@ -122,6 +162,8 @@ def preflight(cfg: TrainConfig, nproc: int, multinode: bool = False) -> str | No
                          cfg.seed, cfg.min_len, cfg.max_len,
                          on_bad_record=cfg.on_bad_record,
                          progress=sys.stderr.isatty())  # fmt: skip
+    if path is not None:  # changed data: refused here, not by rank 0 after the launch
+        check_same_run(path, cfg, launch_identity(path, corpus))
     check_batch(cfg, len(corpus), cfg.emulate_ranks or nproc)
     if cfg.ranks_per_node is not None:  # must divide the ranks (raises naming the flag)
         Topology(cfg.emulate_ranks or nproc, cfg.ranks_per_node)
@@ -129,6 +171,14 @@ def preflight(cfg: TrainConfig, nproc: int, multinode: bool = False) -> str | No
     if note is not None:
         print(f"sparsebalance train: {note}", file=sys.stderr, flush=True)
     return None
+
+
+def launch_identity(checkpoint: Path, corpus) -> dict:
+    """The data identity the ranks will compute, as far as the launcher knows it: everything
+    but the compact vocabulary's size (it depends on the model, which the launcher does not
+    build; rank 0 checks it), taken from the checkpoint so that it never differs here."""
+    saved = saved_identity(checkpoint)[1] or {}
+    return {**corpus.identity(), "vocab_map_size": saved.get("vocab_map_size")}
 
 
 def check_run_folder(cfg: TrainConfig) -> None:
@@ -192,7 +242,12 @@ def overlong_note(cfg: TrainConfig, lengths, num_ranks: int) -> str | None:
             f"--overlong {cfg.overlong}: {fate} ({why})")  # fmt: skip
 
 
-def launch(cfg: TrainConfig, nproc: int, rdzv: Rendezvous | None = None) -> bool:
+def launch(
+    cfg: TrainConfig,
+    nproc: int,
+    rdzv: Rendezvous | None = None,
+    stop_grace: float | None = None,
+) -> bool:
     """Run ``torchrun --standalone --nproc_per_node nproc -m sparsebalance.train`` (or a single
     process when ``nproc == 1``) holding the run folder's lock; raises ``ValueError`` for bad
     input found before launching and :class:`RunFailed` if training fails or is stopped.
@@ -205,14 +260,17 @@ def launch(cfg: TrainConfig, nproc: int, rdzv: Rendezvous | None = None) -> bool
     The workers die with this process: torchrun runs in its own session (only this process
     receives the terminal's Ctrl-C and forwards it once) and gets SIGTERM when this process dies,
     even by SIGKILL; its workers get SIGKILL when torchrun dies (:func:`die_with_parent`).
-    A first SIGINT/SIGTERM stops the run (at the next step boundary, with a checkpoint); a second
-    one kills it."""
+    A first SIGINT/SIGTERM stops the run (at the next step boundary, with a checkpoint), however
+    long that step or save takes up to ``stop_grace`` seconds (:func:`supervise`; default
+    :func:`stop_grace`'s, else :data:`STOP_GRACE`); a second one kills it."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    stop_grace = _STOP_GRACE.get() if stop_grace is None else stop_grace
+    check_stop_grace(stop_grace)
     rdzv = rdzv or Rendezvous()
     cfg = resolve_strategy(cfg, nproc * rdzv.nnodes)  # --strategy auto
     if rdzv.node_rank > 0:
-        return launch_follower(cfg, nproc, rdzv)
+        return launch_follower(cfg, nproc, rdzv, stop_grace)
     out = Path(cfg.out)
     created = not out.exists()
     lock = RunLock(out)
@@ -227,12 +285,13 @@ def launch(cfg: TrainConfig, nproc: int, rdzv: Rendezvous | None = None) -> bool
             cfg_path = out / "launch-config.json"
             cfg_path.write_text(json.dumps(to_record(cfg), indent=1) + "\n")  # whole nested config
             worker = ["-m", "sparsebalance.train", "--config", str(cfg_path)]
-            if nproc == 1 and not rdzv.multinode:
+            torchrun = nproc > 1 or rdzv.multinode
+            if not torchrun:
                 cmd = [sys.executable, *worker]
             else:
                 cmd = [sys.executable, "-c", TORCHRUN, *rdzv.torchrun_args(nproc), *worker]
             env = {**os.environ, ENV_TOKEN: lock.token, LAUNCHER_PID: str(os.getpid())}
-            rc = supervise(cmd, env)
+            rc = supervise(cmd, env, stop_grace, torchrun)
     except ValueError:
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # a refused run leaves no empty folder behind
@@ -247,7 +306,9 @@ def check_exit(rc: int) -> None:
         raise RunFailed(rc, f"training exited with code {rc}", reported)
 
 
-def launch_follower(cfg: TrainConfig, nproc: int, rdzv: Rendezvous) -> None:
+def launch_follower(
+    cfg: TrainConfig, nproc: int, rdzv: Rendezvous, stop_grace: float = STOP_GRACE
+) -> bool:
     """A node other than 0: torchrun joins the rendezvous with this machine's ``nproc`` ranks;
     no lock of its own, nothing written here (its config goes to a private temporary file). The
     rendezvous may make one of these ranks global rank 0: it then joins node 0's lock in the
@@ -260,22 +321,55 @@ def launch_follower(cfg: TrainConfig, nproc: int, rdzv: Rendezvous) -> None:
         worker = ["-m", "sparsebalance.train", "--config", str(cfg_path)]
         cmd = [sys.executable, "-c", TORCHRUN, *rdzv.torchrun_args(nproc), *worker]
         env = {**os.environ, ENV_TOKEN: FOLLOW, LAUNCHER_PID: str(os.getpid())}
-        rc = supervise(cmd, env)
+        rc = supervise(cmd, env, stop_grace, torchrun=True)
     check_exit(rc)
     return True
 
 
-def supervise(cmd: list[str], env: dict[str, str]) -> int:
-    """Run ``cmd`` in a new session and wait; the first SIGINT/SIGTERM/SIGHUP here is forwarded
-    to it, any later one becomes SIGKILL. Returns its exit code (``128 + signal`` if
-    it was killed)."""
+def supervise(
+    cmd: list[str], env: dict[str, str], stop_grace: float = STOP_GRACE, torchrun: bool = True
+) -> int:
+    """Run ``cmd`` (torchrun, or with ``torchrun=False`` the only rank) in a new session and
+    wait. Returns its exit code (``128 + signal`` if it was stopped or killed).
+
+    The first SIGINT/SIGTERM/SIGHUP here goes to the ranks themselves (torchrun's children),
+    never to torchrun: torchrun would forward it and SIGKILL them 30 s later, whatever their step
+    or their save still needed. The ranks finish their step, save and exit; this process says in
+    one line that it waits, up to ``stop_grace`` seconds, then kills them and says so. A second
+    signal kills them at once (said too)."""
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     received: list[int] = []
+    expired = threading.Event()
+    ranks: list[int] = []
+
+    def kill() -> None:
+        for pid in ranks:  # they would die with torchrun (parent-death signal); at once here
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def expire() -> None:
+        expired.set()
+        kill()
+
+    timer = threading.Timer(stop_grace, expire)
+    timer.daemon = True
 
     def forward(signum: int, frame) -> None:
         received.append(signum)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signum if len(received) == 1 else signal.SIGKILL)
+        if len(received) > 1:
+            kill()
+            return
+        ranks.extend(children(proc.pid) if torchrun else [])
+        for pid in ranks or [proc.pid]:  # none yet (torchrun starting them): torchrun's way
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        # at the start of a line: rank 0's progress bar may be half drawn on this terminal
+        _say(f"{signal.Signals(signum).name}: the ranks finish their step and save a checkpoint; "
+             f"waiting up to {stop_grace:g} s (--stop-grace), a second signal kills them now",
+             start="\r\033[K" if sys.stderr.isatty() else "\r")  # fmt: skip
+        timer.start()
 
     previous = {sig: signal.signal(sig, forward) for sig in HANDLED}
     try:
@@ -283,7 +377,37 @@ def supervise(cmd: list[str], env: dict[str, str]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 128 - rc if rc < 0 else rc
+        timer.cancel()
+    rc = 128 - rc if rc < 0 else rc
+    if not received or rc == 0:
+        return rc
+    name = signal.Signals(received[0]).name
+    if expired.is_set():
+        _say(f"the ranks did not stop within --stop-grace {stop_grace:g} s of {name}: killed; "
+             "--resume continues from the last checkpoint saved")  # fmt: skip
+    elif len(received) > 1 and rc == 128 + signal.SIGKILL:
+        _say(f"a second {signal.Signals(received[1]).name}: the ranks were killed; --resume "
+             "continues from the last checkpoint saved")  # fmt: skip
+    else:
+        return rc  # the ranks stopped, saved and said so (or failed and said why)
+    return 128 + received[0]
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command's name
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+def _say(line: str, start: str = "") -> None:
+    print(f"{start}sparsebalance train: {line}", file=sys.stderr, flush=True)
 
 
 # torchrun through a wrapper that dies with the launcher and ends quietly: the ranks print
@@ -299,8 +423,13 @@ def torchrun_main() -> None:
     from torch.distributed.run import main
 
     die_with_parent(signal.SIGTERM, int(os.environ.get(LAUNCHER_PID, os.getppid())))
-    for name in ("torch.distributed.run", "torch.distributed.elastic"):
-        logging.getLogger(name).setLevel(logging.ERROR)  # no banner, no shutdown chatter
+    # No banner, no shutdown chatter, no "failed (exitcode: 143)" when the ranks stop after a
+    # signal: a failure is this wrapper's one line (below) or the ranks' own. Some of torch's
+    # loggers set their own level when created (on import, above), so each is quietened.
+    quiet = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher")
+    for name in [*quiet, *logging.root.manager.loggerDict]:
+        if name.startswith(quiet):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         main()
     except SignalException as err:

@@ -131,6 +131,45 @@ def check_steps(checkpoint: Path, cfg: TrainConfig) -> None:
         )
 
 
+def saved_world_size(checkpoint: Path) -> int | None:
+    """The number of ranks that saved ``checkpoint`` (one RNG state each): ``meta.json``'s
+    ``world_size``, or for a checkpoint written before it was recorded the length of
+    ``state.pt``'s RNG list (its pickle only: the tensors are memory-mapped, not read). None
+    when it holds no RNG state or ``state.pt`` cannot be read (damage rank 0 reports)."""
+    try:
+        meta = json.loads((Path(checkpoint) / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(meta, dict) and "world_size" in meta:
+        return meta["world_size"] if isinstance(meta["world_size"], int) else None
+    import torch
+
+    try:
+        state = torch.load(Path(checkpoint) / "state.pt", map_location="cpu", weights_only=True,
+                           mmap=True)  # fmt: skip
+        return len(state["rng"]) or None
+    except Exception:  # a damaged file, whatever torch raises: rank 0 names it
+        return None
+
+
+def check_world_size(checkpoint: Path, world_size: int, launched: str | None = None) -> None:
+    """A run resumes on as many ranks as saved ``checkpoint``: every rank restores its own RNG
+    state and data position from it. Refused in one line naming both; ``launched``: how this
+    launch chose its ranks (``--nproc 4``), said in the line. A checkpoint of unknown world
+    size (:func:`saved_world_size` is None) is not refused here."""
+    saved = saved_world_size(checkpoint)
+    if saved is None or saved == world_size:
+        return
+    how = f" ({launched})" if launched else ""
+    name = f"{Path(checkpoint).parent.name}/{Path(checkpoint).name}"
+    raise ValueError(
+        f"--resume: {name} was saved by {saved} ranks and this run has {world_size}{how}; a "
+        f"run resumes on as many ranks as it trained on (each restores its own RNG state): "
+        f"resume with {saved} ranks (--nproc {saved} on one machine), or start a new run in "
+        "another --out"
+    )
+
+
 def is_complete(checkpoint: Path, cfg: TrainConfig) -> bool:
     """Whether ``--resume`` has nothing to do: ``checkpoint`` is the last one of a run that
     ended at ``--steps`` (its own ``--steps`` was its step) and is intact (hashed: a damaged
@@ -152,8 +191,10 @@ def choose_checkpoint(
     finds the newest intact one (hashing its files, :func:`find_checkpoint`) and checks that it
     belongs to this run; every rank receives that choice, or rank 0's refusal as the same
     ``ValueError``. The other ranks never open the checkpoint folder, so ranks that would see
-    different files (NFS caching, a node-local folder) still resume from one step. Returns the
-    path and the lines to print (skipped checkpoints, allowed changes)."""
+    different files (NFS caching, a node-local folder) still resume from one step. The checks
+    are the launcher's (``--steps``, the ranks: :func:`check_world_size`) plus the data's
+    content, so the Python API refuses what the command line does. Returns the path and the
+    lines to print (skipped checkpoints, allowed changes)."""
     choice = None
     if runtime.is_main:
         try:
@@ -163,6 +204,7 @@ def choose_checkpoint(
                 raise ValueError(f"--resume: no intact checkpoint in {where}")
             changes = check_same_run(path, cfg, data)
             check_steps(path, cfg)
+            check_world_size(path, runtime.world_size)
             line = f"resuming from {path.name}" + (f" ({'; '.join(changes)})" if changes else "")
             choice = {"path": str(path), "lines": [*notes, line]}
         except (ValueError, OSError) as err:  # the other ranks raise the same, not hang

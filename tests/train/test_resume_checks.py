@@ -1,0 +1,117 @@
+"""What ``--resume`` checks of a checkpoint (issue 45), fast and single-process: the world size it
+was saved with (also through the Python API, rank 0's :func:`choose_checkpoint`), a damaged
+``meta.json`` passed over for the checkpoint before it by the launcher's cheap look as by rank 0,
+and a run that prunes while another command looks for its newest checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsebalance.engine.runtime import Runtime
+from sparsebalance.train import TrainConfig, resume
+from sparsebalance.train import checkpoint as ckpt
+from sparsebalance.train.checkpoint import CHECKSUMS, find_checkpoint, save_checkpoint, sha256
+from sparsebalance.train.config import to_dict
+
+CPU1 = Runtime(0, 1, torch.device("cpu"))
+
+
+def _save(run: Path, step: int, ranks: int = 2) -> Path:
+    cfg = TrainConfig(out=str(run), steps=10)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    rngs = [{"torch": torch.get_rng_state()} for _ in range(ranks)]
+    save_checkpoint(run, step, model, opt, sched, {"step": step, "config": to_dict(cfg)}, rngs,
+                    True, keep_last=0)  # fmt: skip
+    return run / "checkpoints" / f"step-{step:06d}"
+
+
+def _without_world_size(path: Path) -> None:
+    """``path`` as a checkpoint written before ``meta.json`` recorded its ranks."""
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["world_size"]
+    (path / "meta.json").write_text(json.dumps(meta))
+    sums = json.loads((path / CHECKSUMS).read_text())
+    (path / CHECKSUMS).write_text(json.dumps({**sums, "meta.json": sha256(path / "meta.json")}))
+
+
+def test_the_world_size_is_saved_and_read_back(tmp_path):
+    path = _save(tmp_path, 4, ranks=3)
+    assert json.loads((path / "meta.json").read_text())["world_size"] == 3
+    assert resume.saved_world_size(path) == 3
+    _without_world_size(path)  # an older checkpoint: the length of state.pt's RNG list
+    assert resume.saved_world_size(path) == 3
+    assert find_checkpoint(tmp_path) == (path, [])  # still intact
+
+
+def test_another_world_size_is_refused_in_one_line(tmp_path):
+    path = _save(tmp_path, 4, ranks=2)
+    resume.check_world_size(path, 2)
+    with pytest.raises(ValueError) as err:
+        resume.check_world_size(path, 4, "--nproc 4")
+    line = str(err.value)
+    assert "\n" not in line
+    for part in ("checkpoints/step-000004 was saved by 2 ranks", "this run has 4 (--nproc 4)",
+                 "resume with 2 ranks (--nproc 2"):  # fmt: skip
+        assert part in line, line
+
+
+def test_the_python_api_refuses_another_world_size(tmp_path):
+    """``Trainer(cfg, runtime)`` resumes through :func:`choose_checkpoint` on rank 0: a world of
+    1 from a checkpoint of 2 ranks is refused there (it died with ``IndexError`` in
+    ``trainer.py`` at ``state["rng"][rank]`` on rank 2 of 4)."""
+    _save(tmp_path, 4, ranks=2)
+    cfg = TrainConfig(out=str(tmp_path), steps=10, resume=True)
+    with pytest.raises(ValueError, match="saved by 2 ranks and this run has 1"):
+        resume.choose_checkpoint(tmp_path, cfg, None, CPU1)
+
+
+def test_a_truncated_meta_json_falls_back_to_the_checkpoint_before(tmp_path):
+    _save(tmp_path, 1, ranks=1)
+    newest = _save(tmp_path, 2, ranks=1)
+    meta = newest / "meta.json"
+    meta.write_bytes(meta.read_bytes()[:40])
+    want = tmp_path / "checkpoints" / "step-000001"
+    for verify in (False, True):  # the launcher's cheap look, rank 0's hashing one
+        path, notes = find_checkpoint(tmp_path, verify=verify)
+        assert path == want, verify
+        assert notes == [f"checkpoint {meta}: unreadable; resuming from step-000001 instead"]
+    cfg = TrainConfig(out=str(tmp_path), steps=10, resume=True)
+    path, lines = resume.choose_checkpoint(tmp_path, cfg, None, CPU1)
+    assert path == want and lines[0].startswith(f"checkpoint {meta}: unreadable; resuming from")
+
+
+def test_the_cheap_look_checks_everything_but_the_hashes(tmp_path):
+    _save(tmp_path, 1)
+    newest = _save(tmp_path, 2)
+    (newest / CHECKSUMS).unlink()
+    path, notes = find_checkpoint(tmp_path, verify=False)
+    assert path.name == "step-000001" and "checksums.json: missing" in notes[0]
+    _save(tmp_path, 3)
+    data = (tmp_path / "checkpoints" / "step-000003" / "model.pt").read_bytes()
+    (tmp_path / "checkpoints" / "step-000003" / "model.pt").write_bytes(data[:-1] + b"x")
+    assert find_checkpoint(tmp_path, verify=False)[0].name == "step-000003"  # not hashed
+    assert find_checkpoint(tmp_path)[0].name == "step-000001"
+
+
+def test_a_checkpoint_pruned_while_looking_is_not_called_damaged(tmp_path, monkeypatch):
+    """``eval`` of a run that is training: the run saves step 3 and prunes step 2 (keeping 1)
+    while the look verifies step 2. It said "no intact checkpoint" (step 2 missing); it looks
+    again and finds step 3."""
+    _save(tmp_path, 2)
+    real = ckpt.verify_checkpoint
+    saved = []
+
+    def verify_while_the_run_saves(path, *args, **kwargs):
+        if not saved:  # the run's next save lands now, and prunes what this look is reading
+            saved.append(_save(tmp_path, 3))
+            ckpt.prune_checkpoints(tmp_path / "checkpoints", 3, 1)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "verify_checkpoint", verify_while_the_run_saves)
+    assert find_checkpoint(tmp_path, ("model.pt",)) == (saved[0], [])
