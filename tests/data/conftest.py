@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import builtins
+import errno
+import io
 import json
+import os
 
 import pytest
 
@@ -28,3 +32,31 @@ def write_jsonl(path, records, opener=open):
         for r in records:
             f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
     return path
+
+
+class FullDisk:
+    """What the store writes goes to files sharing ``free`` bytes; the write that does not fit
+    raises ``OSError(ENOSPC)``, as on a full disk (a buffered file's ``close`` then fails too)."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def install(self, monkeypatch) -> FullDisk:
+        """Every file the store module opens for writing (through its module-level ``open``)."""
+        monkeypatch.setattr("sparsebalance.data.store.open", self.open, raising=False)
+        return self
+
+    def open(self, file, mode="r", *args, **kwargs):
+        if "w" not in mode:
+            return builtins.open(file, mode, *args, **kwargs)
+        disk = self
+
+        class Raw(io.FileIO):
+            def write(self, b):
+                n = memoryview(b).nbytes
+                if n > disk.free:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                disk.free -= n
+                return super().write(b)
+
+        return io.BufferedWriter(Raw(file, "wb"))

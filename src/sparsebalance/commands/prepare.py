@@ -5,6 +5,10 @@ folders, or folders of such files; read streaming and tokenized by ``--workers``
 store (a flat token file memory-mapped on read, document offsets, a source per document and a JSON
 manifest) is written under a temporary name and renamed when complete: an interrupted prepare
 leaves nothing that loads. Train on it with ``sparsebalance train --data STORE``.
+
+``sparsebalance prepare --verify STORE`` checks every byte of a store against its manifest (sizes,
+offsets, token ids, each shard's checksum, the content hash): one line per problem and exit 1
+when it is damaged, exit 0 when intact.
 """
 
 from __future__ import annotations
@@ -12,16 +16,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import time
 
 from ..data.prepare import PrepareConfig, prepare
 from ..data.readers import ON_BAD_RECORD
+from ..data.store import verify_store
 from ..data.tokenizer import load_tokenizer
 from ..results import markdown_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="files or folders to tokenize")
-    p.add_argument("--out", required=True, metavar="STORE", help="store folder to write")
+    p.add_argument("inputs", nargs="*", metavar="INPUT", help="files or folders to tokenize")
+    p.add_argument("--out", metavar="STORE", help="store folder to write (required)")
+    p.add_argument(
+        "--verify",
+        metavar="STORE",
+        default=None,
+        help="check every byte of an existing store instead (no INPUT, no --out); exit 1 when "
+        "it is damaged",
+    )
     p.add_argument(
         "--tokenizer", default=None, help="local HF tokenizer folder (default: Qwen2.5 vocabulary)"
     )
@@ -67,7 +81,28 @@ def record_bytes(text: str) -> int:
         ) from None
 
 
+def verify(store: str) -> int:
+    """``--verify STORE``: one line per problem on stderr and exit 1, or one line and 0."""
+    t0 = time.perf_counter()
+    problems, m = verify_store(store)
+    if problems:
+        for line in problems:
+            print(f"sparsebalance prepare: damaged: {line}", file=sys.stderr)
+        return 1
+    print(
+        f"{store}: intact: {m['num_documents']:,} documents, {m['num_tokens']:,} tokens, "
+        f"content hash {m['content_hash']} (verified in {time.perf_counter() - t0:.1f} s)"
+    )
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.verify is not None:
+        if args.inputs or args.out:
+            raise ValueError(f"--verify {args.verify} checks a store: give no INPUT and no --out")
+        return verify(args.verify)
+    if args.out is None:
+        raise ValueError("--out STORE is required (or --verify STORE to check a store)")
     cfg = PrepareConfig(
         inputs=args.inputs,
         out=args.out,

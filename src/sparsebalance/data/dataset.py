@@ -11,6 +11,8 @@ component, in ``--data`` order.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +20,16 @@ import numpy as np
 
 from .mixture import parse_mixture
 from .prepare import PrepareConfig, describe_inputs, prepare, store_key, tokenizer_info
-from .store import VERSION, StoreWriter, TokenStore, is_store
+from .store import (
+    VERSION,
+    StoreBusy,
+    StoreExists,
+    StoreWriter,
+    TokenStore,
+    is_store,
+    read_manifest,
+    wait_for_writer,
+)
 
 CACHE_DIR = Path.home() / ".cache" / "sparsebalance" / "tokens"
 BUILTIN_LEN = (128, 4096)
@@ -45,13 +56,52 @@ def _builtin_store(tokenizer, num, seed, min_len, max_len, cache_dir: Path) -> P
     out = cache_dir / "stores" / f"builtin-{key}"
     if is_store(out):
         return out
-    examples = synthetic_mix(num, tokenizer.encode, seed, min_len=min_len, max_len=max_len)
-    docs = [np.asarray(tokenizer.encode(e.prompt + e.answer), np.int64) for e in examples]
-    keep = [i for i, d in enumerate(docs) if len(d) >= 2]
-    with StoreWriter(out, info, overwrite=True) as w:
-        w.add_many([docs[i] for i in keep], [examples[i].task for i in keep])
-        w.close({"builtin": {"num": num, "seed": seed, "min_len": min_len, "max_len": max_len}})
+
+    def write() -> None:
+        examples = synthetic_mix(num, tokenizer.encode, seed, min_len=min_len, max_len=max_len)
+        docs = [np.asarray(tokenizer.encode(e.prompt + e.answer), np.int64) for e in examples]
+        keep = [i for i, d in enumerate(docs) if len(d) >= 2]
+        with StoreWriter(out, info) as w:
+            w.add_many([docs[i] for i in keep], [examples[i].task for i in keep])
+            w.close({"builtin": {"num": num, "seed": seed, "min_len": min_len, "max_len": max_len}})
+
+    _prepare_once(out, write)
     return out
+
+
+def _say(message: str) -> None:
+    print(f"sparsebalance: {message}", file=sys.stderr, flush=True)
+
+
+def _prepare_once(path: Path, write: Callable[[], object]) -> None:
+    """``write()`` the cache's store at ``path`` unless another process does: then wait for it
+    (one line first) and use its store. Never replaces a store in the cache: a reader may be
+    mapping it."""
+    try:
+        write()
+        return
+    except StoreBusy as busy:
+        _say(f"{busy.holder} is preparing the same data into {path}: waiting for it")
+        wait_for_writer(path)
+    except StoreExists:  # another process finished it between our look and our start
+        pass
+    if not is_store(path):  # the other writer failed or was killed: prepare it here
+        write()
+
+
+def _check_bad_records(name: str, path: Path, on_bad_record: str) -> None:
+    """A cached store made with ``--on-bad-record skip`` that skipped records is not what a run
+    asking for ``error`` would get: refused with the first bad record, as preparing would."""
+    if on_bad_record != "error":
+        return
+    skipped = read_manifest(path).get("bad_records") or {}
+    for reason, info in skipped.items():
+        where = (info.get("first") or [name])[0]
+        raise ValueError(
+            f"{where}: {reason}; pass --on-bad-record skip to skip such records (they are "
+            f"counted): the cached store {path} of --data {name} skipped "
+            f"{sum(i['count'] for i in skipped.values())} bad records"
+        )
 
 
 def resolve_data(
@@ -75,12 +125,12 @@ def resolve_data(
         return [DataSource("builtin", str(path), 1.0)]
     out = []
     for name, weight in parse_mixture(data):
-        if is_store(name):
-            store = TokenStore(name)
-            if store.tokenizer["identity"] != identity:
+        if is_store(name):  # its files are checked where they are opened (open_corpus)
+            theirs = (read_manifest(name).get("tokenizer") or {}).get("identity")
+            if theirs is not None and theirs != identity:  # None: damaged, said when opened
                 raise ValueError(
                     f"--data {name}: the store was prepared with tokenizer "
-                    f"{store.tokenizer['identity']}, this run uses {identity} (--tokenizer)"
+                    f"{theirs}, this run uses {identity} (--tokenizer)"
                 )
             out.append(DataSource(name, name, weight))
             continue
@@ -93,10 +143,10 @@ def resolve_data(
                 str(path),
                 text_field=text_field,
                 on_bad_record=on_bad_record,
-                overwrite=True,
                 progress=progress,
             )
-            prepare(cfg, tokenizer, inputs)
+            _prepare_once(path, lambda cfg=cfg, inputs=inputs: prepare(cfg, tokenizer, inputs))
+        _check_bad_records(name, path, on_bad_record)
         out.append(DataSource(name, str(path), weight))
     return out
 
@@ -135,6 +185,7 @@ class TokenizedCorpus:
     ``docs[i]`` / ``sources[i]``: tokens and source of document ``i``; ``lengths()``: int64
     ``(N,)`` from the offsets (no token read); ``pools()``: per component, the local indices
     that pass ``min_len <= length <= max_len``; ``filtered``: what the filter removed.
+    ``scan_ids``: see :class:`~.store.TokenStore` (the launcher scans, its ranks need not).
     """
 
     def __init__(
@@ -142,11 +193,12 @@ class TokenizedCorpus:
         sources: list[DataSource],
         min_len: int | None = None,
         max_len: int | None = None,
+        scan_ids: bool | None = None,
     ) -> None:
         if not sources:
             raise ValueError("--data: no data source")
         self.data_sources = list(sources)
-        self.stores = [TokenStore(s.store) for s in sources]
+        self.stores = [TokenStore(s.store, scan_ids) for s in sources]
         ids = {s.tokenizer["identity"] for s in self.stores}
         if len(ids) > 1:
             raise ValueError(f"--data: stores prepared with different tokenizers ({sorted(ids)})")
@@ -224,9 +276,13 @@ class TokenizedCorpus:
 
 
 def open_corpus(
-    sources: list[DataSource], min_len: int | None = None, max_len: int | None = None
+    sources: list[DataSource],
+    min_len: int | None = None,
+    max_len: int | None = None,
+    scan_ids: bool | None = None,
 ) -> TokenizedCorpus:
-    return TokenizedCorpus(sources, min_len, max_len)
+    """Map the stores on this rank (each opened with its cheap checks; see :class:`TokenStore`)."""
+    return TokenizedCorpus(sources, min_len, max_len, scan_ids)
 
 
 def load_corpus(
@@ -241,10 +297,11 @@ def load_corpus(
     on_bad_record: str = "error",
     progress: bool = False,
 ) -> TokenizedCorpus:
-    """:func:`resolve_data` then :func:`open_corpus` in one process."""
+    """:func:`resolve_data` then :func:`open_corpus` in one process (the launcher's check before
+    it starts any rank: every token id is read, so a damaged store is refused before launch)."""
     sources = resolve_data(data, tokenizer, text_field, num_builtin, seed, min_len, max_len,
                            cache_dir, on_bad_record, progress)  # fmt: skip
-    return open_corpus(sources, min_len, max_len)
+    return open_corpus(sources, min_len, max_len, scan_ids=True)
 
 
 def compact_vocabulary(corpus: TokenizedCorpus, vocab_size: int) -> dict[int, int]:

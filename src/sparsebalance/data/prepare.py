@@ -111,17 +111,21 @@ def tokenizer_info(tokenizer) -> dict:
 
 def prepare(cfg: PrepareConfig, tokenizer, inputs: list[dict] | None = None) -> dict:
     """Write the store; return its manifest (+ ``elapsed`` seconds). ``inputs``: precomputed
-    :func:`describe_inputs` (the caller may already have hashed them for a cache key)."""
-    inputs = inputs if inputs is not None else describe_inputs(cfg.inputs)
+    :func:`describe_inputs` (the caller may already have hashed them for a cache key).
+
+    The store is taken (:class:`StoreWriter`: refused when it exists without ``overwrite`` or
+    another prepare writes it) after the inputs are found and before they are hashed or read."""
+    files = input_files(cfg.inputs) if inputs is None else []
     bad = BadRecords(cfg.on_bad_record, max_record_bytes=cfg.max_record_bytes)
     encode = _encoder(tokenizer)
     info = tokenizer_info(tokenizer)
-    total_bytes = sum(i["bytes"] for i in inputs)
-    t0 = time.perf_counter()
-    bar = _Progress(total_bytes, cfg.progress)
     short = {"documents": 0, "tokens": 0}
     text_chars = 0
     with StoreWriter(cfg.out, info, overwrite=cfg.overwrite) as writer:
+        inputs = inputs if inputs is not None else describe_inputs(files)
+        total_bytes = sum(i["bytes"] for i in inputs)
+        t0 = time.perf_counter()
+        bar = _Progress(total_bytes, cfg.progress)
 
         def flush(job) -> None:
             future, sources = job
