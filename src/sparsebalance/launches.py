@@ -36,6 +36,9 @@ HOST_READS = frozenset({
 })  # fmt: skip
 """Ops whose result depends on values only the host can size or return (a sync on CUDA)."""
 HOST_READ_OVERLOADS = frozenset({aten.repeat_interleave.Tensor})
+MASK_INDEXING = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
+"""Indexing ops that read the host when an index is a boolean mask (its ``nonzero`` runs inside
+the op, unseen by a dispatch mode)."""
 HOST_METHODS = ("tolist", "numpy", "cpu", "item", "__bool__", "__int__", "__float__", "__index__")
 """Tensor methods that read values on the host without (always) dispatching an aten op."""
 NO_LAUNCH = frozenset({
@@ -105,7 +108,11 @@ class LaunchCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self._paused:
             return out
-        if func.overloadpacket in HOST_READS or func in HOST_READ_OVERLOADS:
+        if (
+            func.overloadpacket in HOST_READS
+            or func in HOST_READ_OVERLOADS
+            or (func.overloadpacket in MASK_INDEXING and _masked(args))
+        ):
             self._read(str(func))
             return out
         if func.is_view or func.overloadpacket in NO_LAUNCH:
@@ -132,6 +139,22 @@ def _site() -> str:
         if "sparsebalance" in name and not name.endswith("launches.py"):
             return f"{name.rsplit('sparsebalance/', 1)[-1]}:{frame.lineno}"
     return "?"
+
+
+def _masked(args) -> bool:
+    """An ``index``/``index_put`` call whose indices include a boolean (or byte) mask."""
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+               for i in indices or ())  # fmt: skip
+
+
+def copied(num_bytes: int) -> None:
+    """A copy to the device was queued (:mod:`sparsebalance.transfer`): inside a counted region
+    it is a launch (``h2d_copy``), whatever the device (on the CPU the copy is skipped)."""
+    counter = _ACTIVE.get()
+    if counter is not None and not counter._paused:
+        counter.ops.append("h2d_copy")
+        counter.writes.append(("h2d_copy", num_bytes))
 
 
 def _tensors(tree) -> list[torch.Tensor]:

@@ -12,6 +12,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .launches import copied
+
+ALIGN = 64
+"""Bytes each array of a shared upload starts on (a cache line; Triton/Inductor specialise
+kernels on 16-byte aligned inputs)."""
+
 
 def upload(
     array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None
@@ -19,6 +25,7 @@ def upload(
     """``array`` as a tensor on ``device`` (``dtype``: its torch dtype, default numpy's): one
     pinned, non-blocking copy on CUDA, never a read back."""
     host = torch.as_tensor(np.ascontiguousarray(array), dtype=dtype)
+    copied(host.numel() * host.element_size())
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
@@ -27,12 +34,13 @@ def upload(
 def upload_many(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """Several host arrays on ``device`` in one copy (CUDA: one pinned buffer, one non-blocking
     copy, then views of their dtypes and shapes on the device); each array keeps its dtype."""
+    copied(sum(np.asarray(a).nbytes for a in arrays))
     if device.type != "cuda":
         return [torch.as_tensor(np.ascontiguousarray(a)).to(device) for a in arrays]
     offsets, at = [], 0
     for a in arrays:
         a = np.ascontiguousarray(a)
-        at = -(-at // 8) * 8  # 8-byte aligned: every dtype's view is valid
+        at = -(-at // ALIGN) * ALIGN  # every dtype's view valid, kernels' loads aligned
         offsets.append((at, a))
         at += a.nbytes
     host = torch.empty(at, dtype=torch.uint8).pin_memory()

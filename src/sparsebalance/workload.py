@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -97,6 +97,12 @@ class CostModel(Protocol):
     def layer_other_seconds(self, num_tokens: int) -> float:
         """One layer's non-attention part (projections, MLP, norms) for a pack of this size."""
         ...
+
+
+@runtime_checkable
+class PreparableCost(Protocol):
+    """A :class:`CostModel` that can also price fixed lengths at many densities fast (optional:
+    a cost model without it is priced with ``predict_many``)."""
 
     def prepare(self, lengths: np.ndarray) -> PreparedCost | None:
         """``predict_many`` for fixed ``(M, K)`` lengths at many densities (DST's bisection), the

@@ -53,6 +53,11 @@ def test_query_side_lists_equal_from_kv_blocks(lengths, heads, block, density):
         assert _valid(getattr(ours, num), getattr(ours, idx)) == _valid(
             getattr(theirs, num), getattr(theirs, idx)
         )
+    # every list starts 16-byte aligned (Inductor copies a misaligned kernel input per call)
+    for side in ("kv", "full_kv", "q", "full_q"):
+        for part in ("num_blocks", "indices"):
+            tensor = getattr(ours, f"{side}_{part}")
+            assert tensor.data_ptr() % 16 == 0 and tensor.is_contiguous(), (side, part)
     # partial + full = the layout's doc-causal pairs, nothing else
     kept = ours.to_dense()[0].bool()[:, : layout.num_blocks, : layout.num_blocks]
     causal = layout.pack.causal_block_mask()

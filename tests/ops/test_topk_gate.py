@@ -122,3 +122,19 @@ def test_many_short_scored_documents_fall_back_to_the_per_document_batches():
     q, k, _ = make_qkv(sum(lengths), 2, 1, 16, requires_grad=False)
     layout = select_blocks(q, k, cu_from_lengths(lengths), lowest, block_size=32)
     assert layout.num_blocks == pack.num_blocks  # the per-document estimate made it
+
+
+def test_a_budget_the_tables_were_not_built_for_is_refused():
+    """The tables hold the lowest budget's anchors, min_blocks and k: anything else would keep
+    the wrong blocks silently (a document with no key at all, anchors lost)."""
+    lengths = (300, 700)
+    q, k, _ = make_qkv(sum(lengths), 4, 2, 16, requires_grad=False)
+    pack = PackIndex.build(cu_from_lengths(lengths), 32, lengths)
+    gate = TopKGate.score(q, k, GateTables.of(pack, Budget(top_k=4)), 16**-0.5)
+    gate.layout(Budget(top_k=6))  # above the lowest: served
+    for bad in (Budget(top_k=0), Budget(top_k=6, local_blocks=3), Budget(top_k=6, min_blocks=2),
+                Budget(top_k=6, max_density=0.5)):  # fmt: skip
+        with pytest.raises(ValueError, match="the gate's tables were built for budgets from"):
+            gate.layout(bad)
+    with pytest.raises(ValueError, match="k from 2"):
+        gate.coverage_floor(Budget(top_k=8), (2, 3, 8), 0.1)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from ..ops import BlockLayout, Budget, block_sparse_attention, estimate_block_mass, select_blocks
-from ..ops.pack_index import PackIndex
+from ..ops.pack_index import DensityIndex, PackIndex
 from ..ops.topk_gate import GateTables, TopKGate, gate_applies
 from ..ops.varlen import resolve_scale
 from ..parallel import (
@@ -80,7 +80,8 @@ class LayerStats:
 
     The layout's pairs are doc-causal (as every selection makes them), so a document's kept
     pairs are its query blocks' row counts plus, where it starts inside a block it shares with
-    the document before, that block's diagonal (:meth:`PackIndex.density_matrix`)."""
+    the document before, that block's diagonal (:class:`~sparsebalance.ops.pack_index.
+    DensityIndex`, the one part of the pack the statistics keep)."""
 
     layer: int
     budget_rule: Budget
@@ -90,7 +91,7 @@ class LayerStats:
     diagonal: torch.Tensor | None
     """int64 ``(nb,)``: kept diagonal pairs of every block, summed over layout heads; None where
     the budget keeps every diagonal (a local anchor): the heads, known on the host."""
-    pack: PackIndex
+    owners: DensityIndex
     heads: int
     """Layout heads the counts sum over."""
 
@@ -99,7 +100,7 @@ class LayerStats:
         mask = layout.block_mask
         rows = mask.sum((0, 2))
         diagonal = None if budget.local_blocks else mask.diagonal(dim1=1, dim2=2).sum(0)
-        return cls(layer, budget, rows, diagonal, layout.pack, mask.shape[0])
+        return cls(layer, budget, rows, diagonal, layout.pack.density_index(), mask.shape[0])
 
     @property
     def budget_value(self) -> float | torch.Tensor:
@@ -135,15 +136,15 @@ def read_stats(
     one host read; call after the step's synchronize."""
     if not stats:
         return [], [], [], [float(x) for x in torch.stack(extra).cpu()] if extra else []
-    pack = stats[0].pack
+    owners = stats[0].owners
     heads = torch.tensor([s.heads for s in stats], dtype=torch.float64)
     counts = torch.stack([t for s in stats for t in (s.rows, _diagonal(s))])  # (2 L, nb)
-    densities = pack.density_matrix(counts.view(len(stats), -1))  # (L, N + 1): documents, pack
+    densities = owners.densities(counts[0::2], counts[1::2])  # (L, N + 1): documents, pack
     floors = [s.budget_value for s in stats]
     device = [x.reshape(1) for x in floors if isinstance(x, torch.Tensor)]
     more = [x.reshape(1).to(torch.float64) for x in extra]
     host = torch.cat([densities.flatten(), *device, *more]).cpu()  # the one read
-    num_layers, n = len(stats), pack.num_docs
+    num_layers, n = len(stats), owners.num_docs
     table = host[: num_layers * (n + 1)].view(num_layers, n + 1) / heads[:, None]
     docs, dens = table[:, :n].tolist(), table[:, n].tolist()
     rest = host[num_layers * (n + 1) :].tolist()

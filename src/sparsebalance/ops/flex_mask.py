@@ -7,7 +7,9 @@ the forward; per key block the same two lists over query blocks, for the backwar
 a dense mask and argsorting it, twice per call. Here all four come from the layout's dense bool
 mask in five device operations: split into partial and full by the pack's tables (one ``&``),
 the two masks and their transposes stacked (one ``cat``), counted (one ``sum``) and ordered
-(one stable sort of the rows, kept blocks first in ascending order; one cast to int32). Built
+(one stable sort of the rows, kept blocks first in ascending order; one cast to int32). The
+four lists are slices of one tensor whose head dimension is rounded up to a multiple of 4, so
+every slice starts 16-byte aligned (a misaligned input would be copied by Inductor per call). Built
 once per layer, kept on the layout for the backward and any recomputation. On the CPU the lists
 are checked equal to ``from_kv_blocks``' (``tests/ops/test_flex_mask.py``).
 
@@ -84,9 +86,14 @@ def build_block_mask(layout: BlockLayout, num_heads: int, total: int, runs=()):
         kept = kept.repeat_interleave(num_heads // kept.shape[0], dim=0)
     if nbp > nb:
         kept = torch.nn.functional.pad(kept, (0, nbp - nb, 0, nbp - nb))
-    parts = kept[None] & tables["split"]  # (2, H, nbp, nbp): partial, full
+    # (2, H', nbp, nbp): partial, full. H' = H rounded up to 4 (heads past H unset, never read),
+    # so that each of the four lists below starts 16-byte aligned: Inductor copies a misaligned
+    # input of the compiled kernel on every call, forward and backward.
+    heads = -(-num_heads // 4) * 4
+    parts = torch.empty(2, heads, nbp, nbp, dtype=torch.bool, device=kept.device)
+    torch.bitwise_and(kept[None], tables["split"], out=parts[:, :num_heads])
     lists = torch.cat([parts, parts.transpose(-2, -1)])  # kv side, then query side
-    counts = lists.sum(-1, dtype=torch.int32)  # (4, H, nbp)
+    counts = lists.sum(-1, dtype=torch.int32)  # (4, H', nbp)
     # kept blocks first, in ascending order (a stable sort); what follows a row's count is unread
     order = torch.sort(lists.view(torch.uint8), dim=-1, descending=True, stable=True).indices
     order = order.to(torch.int32)
@@ -95,11 +102,12 @@ def build_block_mask(layout: BlockLayout, num_heads: int, total: int, runs=()):
     def doc_causal(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (doc[q_idx] == doc[kv_idx])
 
+    num, idx = counts[:, :num_heads], order[:, :num_heads]  # each list a contiguous slice
     return BlockMask(
         seq_lengths=(total, total),
-        kv_num_blocks=counts[0][None], kv_indices=order[0][None],
-        full_kv_num_blocks=counts[1][None], full_kv_indices=order[1][None],
-        q_num_blocks=counts[2][None], q_indices=order[2][None],
-        full_q_num_blocks=counts[3][None], full_q_indices=order[3][None],
+        kv_num_blocks=num[0][None], kv_indices=idx[0][None],
+        full_kv_num_blocks=num[1][None], full_kv_indices=idx[1][None],
+        q_num_blocks=num[2][None], q_indices=idx[2][None],
+        full_q_num_blocks=num[3][None], full_q_indices=idx[3][None],
         BLOCK_SIZE=(bs, bs), mask_mod=doc_causal,
     )  # fmt: skip

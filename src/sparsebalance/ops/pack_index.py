@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..transfer import upload
+from ..transfer import upload, upload_many
 from .varlen import check_cu_seqlens, debug_checks
 
 
@@ -44,6 +44,37 @@ class ScoreBatch:
     """int64 ``(n, s, s)``: flat ``query block * nb + key block`` of each segment pair."""
     n: int
     s: int
+
+
+@dataclass(frozen=True, eq=False)
+class DensityIndex:
+    """Which document owns which counted block pairs of a pack (layer statistics read them):
+    a document owns the rows of the query blocks whose first token it holds (their causal key
+    blocks all touch it) and, where it starts inside a block it shares with the document
+    before, that block's diagonal pair, so its pairs are those with both blocks touching it
+    (:func:`~.layout.document_density`). Small (``O(nb + N)``): statistics keep it, not the
+    pack."""
+
+    num_docs: int
+    owner: torch.Tensor
+    """int64 ``(nb,)``: the document holding each block's first token."""
+    shared_blocks: torch.Tensor
+    """int64 ``(K,)``: first blocks of the documents that start inside them."""
+    shared_docs: torch.Tensor
+    """int64 ``(K,)``: those documents."""
+    pairs: torch.Tensor
+    """float64 ``(N + 1,)``: causal block pairs of every document, then of the pack."""
+
+    def densities(self, rows: torch.Tensor, diagonal: torch.Tensor) -> torch.Tensor:
+        """float64 ``(L, N + 1)``: kept pairs over causal pairs per document, then the pack's,
+        from per-layer counts ``rows`` and ``diagonal`` ``(L, nb)`` (kept pairs of every query
+        block, of every diagonal block, summed over layout heads: divide by them)."""
+        rows, diagonal = rows.to(torch.float64), diagonal.to(torch.float64)
+        kept = rows.new_zeros(rows.shape[0], self.num_docs + 1)
+        kept.index_add_(1, self.owner, rows)  # integer counts: exact in any order
+        kept.index_add_(1, self.shared_docs, diagonal[:, self.shared_blocks])
+        kept[:, self.num_docs] = rows.sum(1)
+        return kept / self.pairs
 
 
 @dataclass(frozen=True, eq=False)
@@ -249,15 +280,8 @@ class PackIndex:
 
         return self.memo("causal_lo", build)
 
-    def density_matrix(self, counts: torch.Tensor) -> torch.Tensor:
-        """Densities from per-layer counts: ``counts`` ``(L, 2 nb)`` holds, per layer, the kept
-        doc-causal pairs of every query block and then of every diagonal block (summed over
-        layout heads); returns float64 ``(L, N + 1)``: each document's kept pairs over its causal
-        pairs, then the pack's (divide by the heads for a density). A document owns the rows of
-        the query blocks whose first token it holds (their causal key blocks all touch it) and,
-        where it starts inside a block it shares with the document before, that block's
-        diagonal pair: the pairs with both blocks touching it (:func:`~.layout.document_density`).
-        One matrix product (the matrix built once per pack)."""
+    def density_index(self) -> DensityIndex:
+        """What :meth:`DensityIndex.densities` needs of this pack (``O(nb + N)``, once)."""
 
         def build():
             nb, n = self.num_blocks, self.num_docs
@@ -265,18 +289,15 @@ class PackIndex:
             owner = np.searchsorted(self.offsets[1:], np.arange(nb) * self.block_size,
                                     side="right")  # fmt: skip
             blocks = (last - first + 1).astype(np.float64)
-            causal = blocks * (blocks + 1) / 2
-            m = np.zeros((2 * nb, n + 1))
-            m[np.arange(nb), owner] = 1.0
             shared = np.flatnonzero(self.offsets[:-1] % self.block_size != 0)
-            m[nb + first[shared], shared] = 1.0
-            m[:nb, n] = 1.0
             lo = self.offsets[owner] // self.block_size
-            pairs = np.append(causal, float(np.sum(np.arange(nb) - lo + 1)))
-            return self.upload(m, torch.float64), self.upload(pairs, torch.float64)
+            pairs = np.append(blocks * (blocks + 1) / 2, float(np.sum(np.arange(nb) - lo + 1)))
+            owner_d, shared_d, first_d, pairs_d = upload_many(
+                [owner, shared, first[shared], pairs], self.device
+            )
+            return DensityIndex(n, owner_d, first_d, shared_d, pairs_d)
 
-        matrix, pairs = self.memo("density_matrix", build)
-        return (counts.to(torch.float64) @ matrix) / pairs
+        return self.memo("density_index", build)
 
     def causal_block_mask(self) -> torch.Tensor:
         """Bool ``(nb, nb)`` device: the doc-causal block pairs."""

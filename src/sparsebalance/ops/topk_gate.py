@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..transfer import upload_many
 from .budget import Budget
 from .layout import BlockLayout
 from .pack_index import PackIndex
@@ -49,9 +50,13 @@ def gate_applies(budget: Budget, share_kv_groups: bool = False) -> bool:
 @dataclass(frozen=True, eq=False)
 class GateTables:
     """What one pack's gate needs besides q and k, for one anchor setting and one set of scored
-    documents: device tensors built once per micro-batch (see the module docstring)."""
+    documents: device tensors built once per micro-batch, on the device from ``O(S)`` uploaded
+    vectors (one copy; the ``S x S`` tables never cross from the host)."""
 
     pack: PackIndex
+    rule: Budget
+    """The lowest budget the tables serve: its anchors and ``min_blocks`` are every budget's, its
+    ``top_k`` the least (:meth:`check`)."""
     num_scored: int
     """``S``: segments of the scored documents."""
     full_blocks: int
@@ -69,21 +74,19 @@ class GateTables:
     bias_mass: torch.Tensor
     """float ``(S, S)``: the bias at every causal pair of a document, ``-inf`` elsewhere: the
     gate's probabilities (coverage)."""
-    allowed: torch.Tensor
-    """bool ``(S, S)``: causal pairs inside a document."""
     unscored: torch.Tensor
     """bool ``(S, S)``: pairs a row does not rank (anchors, other documents, later segments)."""
     anchors: torch.Tensor
     """bool ``(S, S)``: the anchor pairs (sink, local), causal."""
-    anchor_ranks: np.ndarray
-    """bool ``(S, S)`` host: the sorted positions of every row's anchors (they sort after its
-    candidates, in column order, with the other pairs the row does not score)."""
+    anchor_ranks: torch.Tensor
+    """bool ``(S, S)``: the sorted positions of every row's anchors (they sort after its
+    candidates, in column order, with the other pairs the row does not score: a stable sort)."""
     slots: torch.Tensor
     """int64 ``(S,)``: 0 .. S-1, a sorted row's positions."""
-    extra_min: np.ndarray
-    """int64 ``(S,)`` host: candidates each row keeps at least (``min_blocks`` minus anchors)."""
-    num_candidates: np.ndarray
-    """int64 ``(S,)`` host: non-anchor causal segments of each row."""
+    extra_min: torch.Tensor
+    """int64 ``(S,)``: candidates each row keeps at least (``min_blocks`` minus anchors)."""
+    num_candidates: torch.Tensor
+    """int64 ``(S,)``: non-anchor causal segments of each row."""
     seg_tokens: np.ndarray
     """int64 ``(S,)`` host: tokens of each scored segment (a row's weight in the coverage)."""
     pair_index: torch.Tensor | None
@@ -107,9 +110,8 @@ class GateTables:
             num = int(pack.doc_segments[np.asarray(scored)].sum())
             if num == 0 or num > 2 * pack.num_blocks + 8:
                 return None
-            key = ("topk-gate", lowest.sink_blocks, lowest.local_blocks, lowest.min_blocks,
-                   scored)  # fmt: skip
-            return pack.memo(key, lambda: cls._build(pack, lowest, scored))
+            return pack.memo(("topk-gate", lowest, scored),
+                             lambda: cls._build(pack, lowest, scored))  # fmt: skip
 
         return pack.memo(("topk-gate-for", lowest, dense_from), decide)
 
@@ -119,42 +121,52 @@ class GateTables:
         sel = np.flatnonzero(np.asarray(scored)[doc])
         start, length, block, doc = start[sel], length[sel], block[sel], doc[sel]
         n, bs, nb = sel.size, pack.block_size, pack.num_blocks
-        idx = np.arange(n)
         first = np.searchsorted(doc, doc)  # each row's document's first scored segment
-        same = doc[:, None] == doc[None, :]
-        allowed = same & (idx[None, :] <= idx[:, None])
-        anchors = allowed & (((block - block[first])[None, :] < rule.sink_blocks)
-                             | (block[:, None] - block[None, :] < rule.local_blocks))  # fmt: skip
+        offset = start - block * bs
+        ends = start + length - 1
+        host = [np.concatenate([ends, np.where(offset > 0, start - 1, ends)]),
+                np.where(offset > 0, -1.0, 0.0).astype(np.float32), length.astype(np.float32),
+                doc, block, first, np.arange(n)]  # fmt: skip
+        pool_index, sign, seg_len, doc_d, block_d, first_d, idx = upload_many(host, pack.device)
+        i, j = idx[:, None], idx[None, :]
+        allowed = (doc_d[:, None] == doc_d[None, :]) & (j <= i)
+        sink = (block_d - block_d[first_d]) < rule.sink_blocks
+        anchors = allowed & (sink[None, :] | ((block_d[:, None] - block_d[None, :])
+                                              < rule.local_blocks))  # fmt: skip
         candidate = allowed & ~anchors
         n_cand = candidate.sum(-1)
         # a row's unscored pairs sort after its candidates, in column order (stable sort)
-        after = n_cand[:, None] + np.cumsum(~candidate, axis=1) - 1
-        anchor_ranks = np.zeros((n, n), dtype=bool)
-        rows, cols = np.nonzero(anchors)
-        anchor_ranks[rows, after[rows, cols]] = True
-        n_allowed = allowed.sum(-1)
-        floor_n = np.minimum(n_allowed, rule.min_blocks)
-        bias = np.broadcast_to(np.log(length.astype(np.float64))[None, :], (n, n)).copy()
-        np.fill_diagonal(bias, np.log((length + 1) / 2.0))
-        offset = start - block * bs
-        up = pack.upload
-        fdt = torch.float32
+        after = n_cand[:, None] + torch.cumsum(~candidate, dim=1) - 1
+        anchor_ranks = torch.zeros(n, n + 1, dtype=torch.bool, device=pack.device)
+        anchor_ranks.scatter_(1, torch.where(anchors, after, n), True)  # column n: dropped
+        floor_n = torch.clamp(idx - first_d + 1, max=rule.min_blocks)  # causal segments, capped
+        log_len = torch.log(seg_len)
+        bias = torch.where(i == j, torch.log((seg_len + 1) / 2)[:, None], log_len[None, :])
         identity = n == nb and np.array_equal(block, np.arange(nb))
-        pair = None if identity else up((block[:, None] * nb + block[None, :]).reshape(-1))
+        pair = None if identity else (block_d[:, None] * nb + block_d[None, :]).reshape(-1)
         return cls(
-            pack=pack, num_scored=n, full_blocks=pack.seq_len // bs,
-            pool_index=up(np.concatenate([start + length - 1, np.where(offset > 0, start - 1,
-                                                                        start + length - 1)])),
-            start_sign=up(np.where(offset > 0, -1.0, 0.0)[:, None, None], fdt),
-            inv_lengths=up(1.0 / np.outer(length, length).astype(np.float64), fdt),
-            bias_rank=up(np.where(candidate, bias, -np.inf), fdt),
-            bias_mass=up(np.where(allowed, bias, -np.inf), fdt),
-            allowed=up(allowed, torch.bool), unscored=up(~candidate, torch.bool),
-            anchors=up(anchors, torch.bool),
-            anchor_ranks=anchor_ranks, slots=up(idx),
-            extra_min=np.maximum(floor_n - anchors.sum(-1), 0), num_candidates=n_cand,
+            pack=pack, rule=rule, num_scored=n, full_blocks=pack.seq_len // bs,
+            pool_index=pool_index, start_sign=sign[:, None, None],
+            inv_lengths=1.0 / (seg_len[:, None] * seg_len[None, :]),
+            bias_rank=torch.where(candidate, bias, -math.inf),
+            bias_mass=torch.where(allowed, bias, -math.inf), unscored=~candidate,
+            anchors=anchors, anchor_ranks=anchor_ranks[:, :n], slots=idx,
+            extra_min=torch.clamp(floor_n - anchors.sum(-1), min=0), num_candidates=n_cand,
             seg_tokens=length, pair_index=pair, scored=scored,
         )  # fmt: skip
+
+    def check(self, budget: Budget, least_k: int | None = None) -> None:
+        """Raise ``ValueError`` unless the tables serve ``budget`` (top-k without a cap, the
+        tables' anchors and ``min_blocks``, ``k`` at least theirs: ``least_k`` when given)."""
+        rule = self.rule
+        anchors = (budget.sink_blocks, budget.local_blocks, budget.min_blocks)
+        k = budget.top_k if least_k is None else least_k
+        if (not gate_applies(budget) or k < rule.top_k
+                or anchors != (rule.sink_blocks, rule.local_blocks, rule.min_blocks)):  # fmt: skip
+            raise ValueError(
+                f"the gate's tables were built for budgets from {rule}; {budget} (k from {k}) "
+                "is not one of them: build them for the lowest budget a layer may run"
+            )
 
     def memo(self, key, build):
         if key not in self._memo:
@@ -162,24 +174,19 @@ class GateTables:
         return self._memo[key]
 
     def kept_ranks(self, top_k: int) -> torch.Tensor:
-        """Bool ``(S, S)``: the sorted positions a row keeps under ``top_k``, its anchors' included
-        (host-built)."""
+        """Bool ``(S, S)``: the sorted positions a row keeps under ``top_k``, its anchors'
+        included (once per pack and ``k``, on the device)."""
 
         def build():
-            extra = np.minimum(np.maximum(self.extra_min, top_k), self.num_candidates)
-            kept = np.arange(self.num_scored)[None, :] < extra[:, None]
-            return self.pack.upload(kept | self.anchor_ranks, torch.bool)
+            extra = torch.minimum(self.extra_min.clamp(min=top_k), self.num_candidates)
+            return self.anchor_ranks | (self.slots[None, :] < extra[:, None])
 
         return self.memo(("kept", top_k), build)
 
     def candidate_ranks(self) -> torch.Tensor:
         """Bool ``(S, S)``: sorted positions that hold a candidate."""
-        return self.memo(
-            "candidates",
-            lambda: self.pack.upload(
-                np.arange(self.num_scored)[None, :] < self.num_candidates[:, None], torch.bool
-            ),
-        )
+        return self.memo("candidates",
+                         lambda: self.slots[None, :] < self.num_candidates[:, None])  # fmt: skip
 
     def coverage_terms(self, ks: tuple[int, ...], heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For the coverage of every ``k`` of ``ks``: int64 ``(S, K)`` positions of a row's
@@ -187,10 +194,11 @@ class GateTables:
         ``(S, K)`` weights (tokens over the pack's ``T x heads``; 0 where a row keeps none)."""
 
         def build():
-            kept = np.minimum(np.asarray(ks)[None, :], self.num_candidates[:, None])
-            weight = self.seg_tokens[:, None] * (kept >= 1) / (self.pack.seq_len * heads)
-            return (self.pack.upload(np.maximum(kept - 1, 0)),
-                    self.pack.upload(weight, torch.float32))  # fmt: skip
+            host = [self.seg_tokens.astype(np.float32), np.asarray(ks, dtype=np.int64)]
+            tokens, ks_d = upload_many(host, self.pack.device)
+            kept = torch.minimum(ks_d[None, :], self.num_candidates[:, None])
+            weight = tokens[:, None] * (kept >= 1) / (self.pack.seq_len * heads)
+            return kept.sub(1).clamp(min=0), weight
 
         return self.memo(("coverage", ks, heads), build)
 
@@ -209,7 +217,7 @@ class TopKGate:
         logits = torch.addcmul(tables.bias_rank, raw, self._weights())
         # a NaN in raw survives the bias' -inf: pairs the row does not score sort last anyway
         logits.masked_fill_(tables.unscored, -math.inf)
-        self.ranked, self.order = torch.sort(logits, dim=-1, descending=True, stable=True)
+        self.order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
         self._cums: torch.Tensor | None = None
 
     @classmethod
@@ -237,6 +245,7 @@ class TopKGate:
         a floor). NaN and ``+inf`` scores sort first: a non-finite key is kept by every row
         that keeps a candidate, and reaches the output as with dense attention."""
         t = self.tables
+        t.check(budget)
         ranks = t.kept_ranks(int(budget.top_k))
         if budget.floor is not None:  # k = max(top_k, floor): three comparisons on the device
             ranks = ranks | ((t.slots[None, :] < budget.floor) & t.candidate_ranks())
@@ -246,7 +255,6 @@ class TopKGate:
     def layout(self, budget: Budget, dense_from: float | None = None) -> BlockLayout:
         """The :class:`BlockLayout` ``budget`` keeps: the scored documents' kept pairs, every
         causal block of the others and of the documents ``dense_from`` promotes."""
-        _check(budget)
         t, pack = self.tables, self.pack
         dense = budget.dense_documents(pack, dense_from)
         keep = self.keep(budget)
@@ -260,7 +268,7 @@ class TopKGate:
                 ("documents_block_u8", dense),
                 lambda: pack.documents_block_mask(dense).to(torch.uint8),
             )
-            hits = base.expand(h, nb, nb).reshape(h, nb * nb).clone()
+            hits = base.expand(h, nb, nb).contiguous().view(h, nb * nb)  # one copy
             hits.scatter_reduce_(1, t.pair_index.expand(h, -1), keep.view(h, -1).view(torch.uint8),
                                  "amax")  # fmt: skip
             mask = hits.view(h, nb, nb).view(torch.bool)
@@ -289,15 +297,15 @@ class TopKGate:
         """int64 ``(1,)`` device: how many of ``ks`` (ascending; the last the base budget) lose
         more than ``p`` of the coverage at the last, i.e. the index in ``ks`` of the smallest
         ``k`` within the bound (``budget``: the anchors, the tables'). No read back."""
-        _check(budget)
+        self.tables.check(budget, least_k=int(ks[0]))
         mass = self.candidate_mass(ks)
         return torch.searchsorted(mass, mass[-1:] - p)
 
     def coverage_curve(self, budget: Budget, ks) -> np.ndarray:
         """float64 ``(K,)``: the pack's coverage of ``budget``'s anchors at every k of ``ks``
         (one read back: the host path)."""
-        _check(budget)
         ks = tuple(int(x) for x in ks)
+        self.tables.check(budget, least_k=ks[0])
         t, pack = self.tables, self.pack
         prob = torch.softmax(torch.addcmul(t.bias_mass, self.raw, self._weights()), dim=-1)
         anchor = (prob * t.anchors).sum(-1)  # (Hq, S)
@@ -316,11 +324,6 @@ class TopKGate:
     def document_density(self, budget: Budget) -> torch.Tensor:
         """float64 ``(N,)``: per-document density of :meth:`layout`."""
         return self.layout(budget).document_density()
-
-
-def _check(budget: Budget) -> None:
-    if not gate_applies(budget):
-        raise ValueError(f"TopKGate takes top-k budgets without a cap, got {budget}")
 
 
 def _pooled_sums(x: torch.Tensor, t: GateTables) -> torch.Tensor:

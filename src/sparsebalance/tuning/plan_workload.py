@@ -27,7 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..workload import CostModel, MicroBatch, PreparedCost
+from ..workload import CostModel, MicroBatch, PreparableCost, PreparedCost
 from .knob import Knob
 
 
@@ -81,7 +81,10 @@ class _Group:
         self.d0 = d0
         self.cost_model = cost_model
         n, m, k = lengths.shape
-        self._prepared = cost_model.prepare(lengths.reshape(n * m, k))
+        prepared = None
+        if isinstance(cost_model, PreparableCost):  # an optional capability, declared by type
+            prepared = cost_model.prepare(lengths.reshape(n * m, k))
+        self._prepared = prepared
         self._subsets: dict[bytes, PreparedCost] = {}
 
     def predict(self, sel: np.ndarray | slice | None, dens: np.ndarray) -> np.ndarray:
