@@ -101,16 +101,14 @@ rss0, t0 = rss_mb(), time.perf_counter()
 trainer = Trainer(cfg)
 t1 = time.perf_counter()
 samples = trainer.next_batch()
-plan = plan_batch(samples, trainer.latency,
-                  PlanConfig(1, cfg.micro_batches, cfg.capacity, cfg.strategy, cfg.overlong),
-                  estimator=trainer.estimator)
+plan = trainer.engine.plan(samples)  # the trainer's own planning: a StepPlan
 t2, rss1 = time.perf_counter(), rss_mb()
 print(json.dumps({"import_warmup_s": warm, "tokenizer_s": tokenizer_s, "data_path_s": data_s,
                   "data_path_rss_mb": data_rss, "trainer_s": t1 - t0, "first_plan_s": t2 - t0,
                   "rss_before_mb": rss0,
                   "rss_after_mb": rss1, "rss_growth_mb": rss1 - rss0,
-                  "documents": len(trainer.corpus), "planned_tokens": plan.metrics.num_tokens
-                  if hasattr(plan.metrics, "num_tokens") else sum(s.num_tokens for s in samples)}))
+                  "documents": len(trainer.corpus), "planned_tokens": sum(n for rank in plan.plan.ranks for mb in rank
+                                        for n in mb.lengths)}))
 """
 
 
