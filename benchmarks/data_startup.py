@@ -107,8 +107,8 @@ print(json.dumps({"import_warmup_s": warm, "tokenizer_s": tokenizer_s, "data_pat
                   "data_path_rss_mb": data_rss, "trainer_s": t1 - t0, "first_plan_s": t2 - t0,
                   "rss_before_mb": rss0,
                   "rss_after_mb": rss1, "rss_growth_mb": rss1 - rss0,
-                  "documents": len(trainer.corpus), "planned_tokens": sum(n for rank in plan.plan.ranks for mb in rank
-                                        for n in mb.lengths)}))
+                  "documents": len(trainer.corpus),
+                  "planned_tokens": sum(sum(mb.lengths) for r in plan.plan.ranks for mb in r)}))
 """
 
 
