@@ -164,3 +164,14 @@ def test_the_trainer_refuses_to_resume_with_fewer_steps_than_trained(tmp_path):
     with pytest.raises(ValueError) as err:
         Trainer(cfg, Runtime(0, 1, torch.device("cpu")))
     assert_one_line(err.value, "TrainConfig.steps (--steps) 6", "already has 10 steps")
+
+
+def test_cuda_on_a_machine_without_it_is_named_before_the_block_size(tmp_path, monkeypatch):
+    """Issue 45: ``TrainConfig(device='cuda', block_size=32)`` on a CPU-only machine blamed the
+    block size (flex on CUDA needs multiples of 128) and never said that there is no CUDA."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # whatever this machine has
+    with pytest.raises(ValueError) as err:
+        TrainConfig(out=str(tmp_path / "run"), device="cuda", block_size=32)
+    assert_one_line(err.value, "TrainConfig.device='cuda' (--device)", "CUDA is not available")
+    assert str(err.value).index("CUDA is not available") < str(err.value).index("--block-size")
+    assert not (tmp_path / "run").exists()

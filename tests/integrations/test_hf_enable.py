@@ -64,6 +64,7 @@ def test_enable_defaults_to_the_training_devices_block_size(tmp_path, monkeypatc
 
     trainer = _trainer(tmp_path, max_steps=1)
     monkeypatch.setattr(TrainingArguments, "device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the device, faked whole
     kernels = []  # no CUDA here: the start-up is stood in for, after the kernel is resolved
 
     def start(shapes, kernel, *args, **kwargs):
@@ -118,3 +119,27 @@ def test_the_integrations_profile_the_layouts_of_the_budget_kind(tmp_path, monke
         config = PlannerConfig(8, 4, 512, dst=dst, block_size=64)
         latency_model(model, config, None, lengths, None)
         assert asked[-1] == want
+
+
+def test_a_block_size_attach_left_to_the_default_follows_the_training_device(tmp_path, monkeypatch):
+    """Issue 45: the documented order (attach the model as loaded, on the CPU, then enable a
+    Trainer on CUDA) kept the CPU's block of 64, which flex cannot compile on CUDA: the enable
+    stopped naming a --block-size nobody had passed. A block size attach defaulted follows the
+    device enable trains on; one it was given stays (a different one is refused)."""
+    import torch
+    from transformers import TrainingArguments
+
+    import sparsebalance
+    import sparsebalance.hf
+    from sparsebalance.integrations import setup
+    from sparsebalance.latency import LatencyModel, analytic_profile
+
+    trainer = _trainer(tmp_path, max_steps=1)
+    runtime = sparsebalance.attach(trainer.model)  # where the model is: the CPU's block
+    assert runtime.block_size == 64
+    monkeypatch.setattr(TrainingArguments, "device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the device, faked whole
+    monkeypatch.setattr(setup, "load_latency_model", lambda shapes, kernel, *a, **k: LatencyModel(
+        analytic_profile(shapes, "h100", block_size=kernel.block_size)))  # fmt: skip
+    assert sparsebalance.hf.enable(trainer, capacity=512) is runtime
+    assert runtime.block_size == runtime.planner.config.block_size == 128

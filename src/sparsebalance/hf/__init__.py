@@ -17,13 +17,31 @@ instance's ``get_train_dataloader`` (its public override point) with one that re
 planned loader; installs :class:`~.callback.SparseBalanceCallback`. The loss stays the model's
 own (HF's causal-LM loss over ``shift_labels``, normalised by the Trainer's ``num_items_in_batch``:
 the global target-token count with ``average_tokens_across_devices=True``).
+
+What it refuses, one line each: an object that is not a Trainer (a model: attach it with
+:func:`sparsebalance.attach` and build the Trainer with it), ``Trainer(model_init=...)`` (it
+builds a new, unattached model in ``train()``), the settings of :func:`_check_args`, a second
+call asking for another block size or backend than the attached model's. When ``train()`` starts
+(and before every step) the ``TrainingArguments`` the plan was built from
+(``gradient_accumulation_steps``, ``per_device_train_batch_size`` when it made the global batch,
+the world size, ``seed``) must still hold their values at ``enable``, and ``trainer.model`` must
+be the attached model; the Trainer follows a changed ``max_steps`` / ``num_train_epochs`` itself.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..integrations.attach import AttachedRuntime, attach
+import torch
+from transformers import Trainer
+
+from ..integrations.attach import (
+    AttachedRuntime,
+    attach,
+    attached_runtime,
+    check_block_size,
+    reconcile,
+)
 from ..integrations.planner import PlannerConfig
 from ..integrations.setup import build_sampler
 from ..tuning import DSTConfig
@@ -32,28 +50,49 @@ from .callback import SparseBalanceCallback
 __all__ = ["SparseBalanceCallback", "enable"]
 
 
-def _check_args(trainer) -> None:
-    """Refuse Trainer settings that would silently undo the plan (one line each, naming it)."""
-    args = trainer.args
+def _check_trainer(trainer) -> None:
+    """``enable`` takes a Trainer (a model is the common slip: say what to call for it)."""
+    if isinstance(trainer, torch.nn.Module):
+        raise TypeError(
+            f"sparsebalance.hf.enable takes a transformers Trainer, got the model "
+            f"{type(trainer).__name__}: for a model call sparsebalance.attach(model), then build "
+            "Trainer(model=model, ...) and call sparsebalance.hf.enable(trainer)"
+        )
+    if not isinstance(trainer, Trainer):
+        raise TypeError(
+            f"sparsebalance.hf.enable takes a transformers Trainer (or a TRL trainer), got "
+            f"{type(trainer).__name__}"
+        )
+    if trainer.model_init is not None:
+        raise ValueError(
+            "sparsebalance.hf.enable: the Trainer was built with model_init, which builds a new "
+            "model in train() that would train with its own attention, not the attached one: "
+            "build it with Trainer(model=model, ...)"
+        )
+
+
+def _check_args(args, caller: str = "sparsebalance.hf.enable") -> None:
+    """Refuse Trainer settings that would silently undo the plan (one line each, naming it);
+    checked by ``enable`` and again when ``train()`` starts."""
     if args.dataloader_num_workers:
         raise ValueError(
-            f"sparsebalance.hf.enable: dataloader_num_workers={args.dataloader_num_workers}; it "
+            f"{caller}: dataloader_num_workers={args.dataloader_num_workers}; it "
             "must be 0 (each step is planned after the previous step's feedback; packing is cheap)"
         )
     # TRL's SFTConfig has packing; transformers' TrainingArguments has not (nothing packs then)
     if getattr(args, "packing", False):
         raise ValueError(
-            "sparsebalance.hf.enable: set SFTConfig(packing=False): SparseBalance's collator packs "
+            f"{caller}: set SFTConfig(packing=False): SparseBalance's collator packs "
             "the planned documents itself"
         )
     if args.world_size > 1 and not args.average_tokens_across_devices:
         raise ValueError(
-            "sparsebalance.hf.enable: set average_tokens_across_devices=True: the loss is "
+            f"{caller}: set average_tokens_across_devices=True: the loss is "
             "normalised by the global target-token count (every rank's micro-batches differ)"
         )
     if args.restore_callback_states_from_checkpoint:
         raise ValueError(
-            "sparsebalance.hf.enable: leave restore_callback_states_from_checkpoint=False: it "
+            f"{caller}: leave restore_callback_states_from_checkpoint=False: it "
             "would rebuild SparseBalance's callback without its planner (which restores its own "
             "state from the checkpoint)"
         )
@@ -62,7 +101,7 @@ def _check_args(trainer) -> None:
     if getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing",
                                                                    None):  # fmt: skip
         raise ValueError(
-            "sparsebalance.hf.enable: activation_checkpointing (gradient_checkpointing) reruns "
+            f"{caller}: activation_checkpointing (gradient_checkpointing) reruns "
             "attention in the backward "
             "and would select its blocks again; use sparsebalance.models.checkpointing."
             "apply_activation_checkpointing(model, 'full') (reuses the forward's layouts) instead"
@@ -79,6 +118,27 @@ def _pad_token_id(trainer) -> int:
     return 0
 
 
+def _planned_args(args, global_batch: int, given: bool) -> dict[str, tuple[object, str]]:
+    """The ``TrainingArguments`` the plan is built from: name -> (value at ``enable``, why a
+    change would break the run) (:meth:`SparseBalanceCallback.check_args`)."""
+    fixed = {
+        "gradient_accumulation_steps": (
+            args.gradient_accumulation_steps,
+            "every planned step holds that many micro-batches per rank; the Trainer would group "
+            "them into steps of another size",
+        ),
+        "world_size": (args.world_size, "each step's documents are planned over that many ranks"),
+        "seed": (args.seed, "the planner drew its document order with it"),
+    }
+    if not given:
+        fixed["per_device_train_batch_size"] = (
+            args.per_device_train_batch_size,
+            f"the planned steps take {global_batch} documents (per_device_train_batch_size x "
+            "gradient_accumulation_steps x ranks at enable)",
+        )
+    return fixed
+
+
 def enable(
     trainer,
     *,
@@ -89,7 +149,7 @@ def enable(
     dst: DSTConfig | None = None,
     profile: str | Path | None = None,
     block_size: int | None = None,
-    backend: str = "auto",
+    backend: str | None = None,
     deterministic: bool = False,
     lengths=None,
 ) -> AttachedRuntime:
@@ -109,8 +169,10 @@ def enable(
             budget="gamma", gamma0=1.0)`` is exact
             attention).
         profile: latency profile JSON (default: this machine's cached or measured one).
-        block_size / backend: the attention's (:func:`sparsebalance.attach`); block_size None:
-            the training device's default (``trainer.args.device``: 128 on CUDA, 64 on CPU).
+        block_size / backend: the attention's (:func:`sparsebalance.attach`); None: the
+            attached model's if ``attach`` chose them, else the defaults (block size: the
+            training device's, ``trainer.args.device``: 128 on CUDA, 64 on CPU; backend
+            ``auto``). Another value than an earlier ``attach`` chose is refused.
         deterministic: no measured time enters a decision (plans reproducible bit for bit).
         lengths: tokens per example if known (else read once from the dataset).
 
@@ -118,23 +180,53 @@ def enable(
         The :class:`~sparsebalance.integrations.attach.AttachedRuntime`; its ``planner.history``
         holds each step's telemetry (plan hash, predicted and measured balance, budgets).
     """
-    _check_args(trainer)
+    _check_trainer(trainer)
+    _check_args(trainer.args)
     if trainer.train_dataset is None:
         raise ValueError("sparsebalance.hf.enable: the trainer has no train_dataset")
     args = trainer.args
     accum = args.gradient_accumulation_steps
+    given = global_batch is not None
     if global_batch is None:
         global_batch = args.per_device_train_batch_size * accum * max(args.world_size, 1)
+    check_block_size(block_size, "sparsebalance.hf.enable")
+    existing = attached_runtime(trainer.model)
+    if existing is not None:  # attached before: this call's settings must agree (one line if not)
+        reconcile(existing, "sparsebalance.hf.enable", block_size=block_size, backend=backend,
+                  device=args.device)  # fmt: skip
     runtime = attach(trainer.model, block_size=block_size, backend=backend, device=args.device)
     config = PlannerConfig(
         global_batch=global_batch, micro_batches=accum, capacity=capacity, strategy=strategy,
-        overlong=overlong, dst=dst or DSTConfig(), block_size=runtime.block_size, backend=backend,
-        seed=args.seed, deterministic=deterministic,
+        overlong=overlong, dst=dst or DSTConfig(), block_size=runtime.block_size,
+        backend=runtime.backend, seed=args.seed, deterministic=deterministic,
     )  # fmt: skip
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"  # the Trainer's autocast
     sampler = build_sampler(runtime, trainer.train_dataset, config, profile, lengths,
                             device=args.device, precision=precision)  # fmt: skip
     dataset, pad = trainer.train_dataset, _pad_token_id(trainer)
-    trainer.get_train_dataloader = lambda: sampler.dataloader(dataset, pad)
-    trainer.add_callback(SparseBalanceCallback(sampler.planner, trainer))
+    fixed = _planned_args(args, global_batch, given)
+    callback = SparseBalanceCallback(sampler.planner, trainer, fixed)
+
+    def train_dataloader():
+        # train() asks for its loader first: a setting changed since enable is refused here,
+        # before anything is trained
+        _check_args(trainer.args, "sparsebalance.hf (at train())")
+        if trainer.model is not runtime.model:
+            raise ValueError(
+                f"sparsebalance.hf (at train()): trainer.model ({type(trainer.model).__name__}) is "
+                "not the model sparsebalance.hf.enable attached (it was replaced after enable) and "
+                "would train with its own attention: set it back, or attach the new model and "
+                "enable a new Trainer"
+            )
+        if trainer.train_dataset is not dataset:
+            raise ValueError(
+                "sparsebalance.hf (at train()): trainer.train_dataset was replaced after "
+                "sparsebalance.hf.enable, which planned the steps over the one it had then: set "
+                "it back, or enable a new Trainer (and model) with the new dataset"
+            )
+        callback.check_args(trainer.args)
+        return sampler.dataloader(dataset, pad)
+
+    trainer.get_train_dataloader = train_dataloader
+    trainer.add_callback(callback)
     return runtime

@@ -15,6 +15,12 @@ time any callback's ``on_log`` runs, the Trainer has already appended its copy o
 wrapper adds the ``sparsebalance/*`` means since the last log to every training log (one with a
 ``loss``) before the Trainer's own ``log`` runs, so ``log_history`` and every callback see one
 entry with the loss and the telemetry, whatever order the callbacks were added in.
+
+Two checks keep a run from training something other than what was planned: before every step,
+the ``TrainingArguments`` the plan was built from (:meth:`SparseBalanceCallback.check_args`;
+the Trainer reads ``gradient_accumulation_steps`` again at every step); after it, that the
+step's micro-batches ran through the attached attention (a model whose attention was switched
+away after ``attach`` would train dense while the telemetry showed the planned budgets).
 """
 
 from __future__ import annotations
@@ -33,9 +39,13 @@ from ..engine.parallelize import ReadyClock
 class SparseBalanceCallback(TrainerCallback, ExportableState):
     """See the module docstring; built by :func:`sparsebalance.hf.enable`."""
 
-    def __init__(self, planner=None, trainer=None) -> None:
+    def __init__(
+        self, planner=None, trainer=None, fixed: dict[str, tuple[object, str]] | None = None
+    ) -> None:
         self.planner = planner
         self.trainer = trainer
+        self.fixed = dict(fixed or {})
+        """``TrainingArguments`` name -> (its value when the plan was built, why it matters)."""
         self._stamps: list[float] = []
         self._clock: ReadyClock | None = None
         self._logged = 0
@@ -110,7 +120,22 @@ class SparseBalanceCallback(TrainerCallback, ExportableState):
             return
         self._clock = clock
 
+    def check_args(self, args) -> None:
+        """Refuse, in one line, a ``TrainingArguments`` value the plan was built from that has
+        changed since ``sparsebalance.hf.enable``."""
+        for name, (value, why) in self.fixed.items():
+            # TrainingArguments fields (world_size is its property): names from enable's table
+            now = getattr(args, name)
+            if now != value:
+                raise ValueError(
+                    f"sparsebalance.hf: trainer.args.{name} is {now!r} but was {value!r} at "
+                    f"sparsebalance.hf.enable ({why}): set it back to {value!r}, or set it before "
+                    "sparsebalance.hf.enable (which plans once per model: build the model and the "
+                    "Trainer again)"
+                )
+
     def on_step_begin(self, args, state, control, **kwargs):
+        self.check_args(args)
         if self._clock is not None:
             self._clock.last = None
         self._stamps = [time.perf_counter()]
@@ -124,6 +149,14 @@ class SparseBalanceCallback(TrainerCallback, ExportableState):
 
     def on_step_end(self, args, state, control, **kwargs):
         work = self.planner.current
+        planned = [] if work is None else [t for t in work.tickets if not t.filler]
+        if planned and not any(t.attention.stats for t in planned):
+            raise ValueError(
+                f"sparsebalance.hf: step {state.global_step} trained without SparseBalance's "
+                "attention (no planned micro-batch reached it): the model's attention was "
+                "switched away after sparsebalance.attach (set_attn_implementation?) or the "
+                "model trained is not the attached one; attach the model the Trainer trains"
+            )
         stamps, self._stamps = self._stamps, []
         seconds = [b - a for a, b in itertools.pairwise(stamps)]
         if work is None or len(seconds) != len(work.tickets):

@@ -88,6 +88,9 @@ class AttachedRuntime:
     batches at inference run with."""
     planner: Any = None
     """The step planner when :mod:`sparsebalance.hf` or a plain loop drives the model."""
+    chosen: set[str] = field(default_factory=lambda: {"block_size", "backend", "budget"})
+    """The settings a caller chose (:func:`attach` leaves out those it defaulted): a later
+    ``attach`` may still choose the others, until a planner is built."""
     _current: PackedAttention | None = field(default=None, repr=False)
 
     def resolve(self, module, query: torch.Tensor, sb_attention, kwargs: dict) -> PackedAttention:
@@ -176,12 +179,66 @@ def check_model(model: torch.nn.Module) -> None:
     check_attention(config, "sparsebalance.attach")
 
 
+def attached_runtime(model: torch.nn.Module) -> AttachedRuntime | None:
+    """The runtime :func:`attach` returned for ``model``, or None if it was never attached."""
+    ref = _RUNTIMES.get(model)
+    return None if ref is None else ref()
+
+
+def check_block_size(block_size, caller: str = "sparsebalance.attach") -> None:
+    """``block_size`` is None or a positive integer (one line naming it otherwise)."""
+    if block_size is None:
+        return
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"{caller}: block_size must be a positive integer, got {block_size!r}")
+    if block_size < 1:
+        raise ValueError(f"{caller}: block_size must be a positive integer, got {block_size}")
+
+
+def check_device(device) -> None:
+    """Refuse a CUDA device on a machine without CUDA (one line), before anything is built."""
+    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"sparsebalance.attach: device {str(device)!r} asked, but CUDA is not available on "
+            "this machine (torch.cuda.is_available() is False): leave device out (where the "
+            "model's parameters are) or pass 'cpu'"
+        )
+
+
+def reconcile(runtime: AttachedRuntime, caller: str, *, block_size: int | None = None,
+              backend: str | None = None, budget: Budget | None = None,
+              device: torch.device | str | None = None) -> None:  # fmt: skip
+    """Settings a later call asks of an attached model: the same (or left out) keep the runtime;
+    one its attach left to the default is taken while no planner is built (a defaulted block
+    size also follows the training ``device``); any other difference is refused in one line
+    naming both values (the attention would silently keep the first)."""
+    name = type(runtime.model).__name__
+    for key, current, asked in (("block_size", runtime.block_size, block_size),
+                                ("backend", runtime.backend, backend),
+                                ("budget", runtime.budget, budget)):  # fmt: skip
+        if asked is None:
+            continue
+        if asked != current:
+            if key in runtime.chosen or runtime.planner is not None:
+                raise ValueError(
+                    f"{caller}: this {name} is attached already with {key}={current!r}; this call "
+                    f"asks for {key}={asked!r}: pass {current!r} or leave {key} out (the attached "
+                    f"runtime is used), or attach a freshly loaded model for another {key}"
+                )
+            setattr(runtime, key, asked)
+        runtime.chosen.add(key)
+    if device is not None and "block_size" not in runtime.chosen and runtime.planner is None:
+        # attach(model) on a model loaded on the CPU, then a Trainer on CUDA: the block the
+        # attention and the planner use is the training device's default (128 on CUDA)
+        runtime.block_size = resolve_block_size(None, device)
+
+
 def attach(
     model: torch.nn.Module,
     *,
     budget: Budget | None = None,
     block_size: int | None = None,
-    backend: str = "auto",
+    backend: str | None = None,
     device: torch.device | str | None = None,
 ) -> AttachedRuntime:
     """Run ``model``'s attention through SparseBalance's block-sparse op.
@@ -191,36 +248,41 @@ def attach(
             not yet wrapped by DDP / FSDP.
         budget: the budget of forwards without a plan; default ``Budget(gamma=1.0)``, every
             causal block: exact varlen attention.
-        block_size: tokens per sparsity block; None: the training device's default (128 on
-            CUDA, where FlexAttention's tiles are, 64 elsewhere).
-        backend: ``auto`` | ``torch`` | ``flex`` | ``reference`` (``block_sparse_attention``).
+        block_size: tokens per sparsity block (a positive integer); None: the training device's
+            default (128 on CUDA, where FlexAttention's tiles are, 64 elsewhere).
+        backend: ``auto`` (the default) | ``torch`` | ``flex`` | ``reference``
+            (``block_sparse_attention``).
         device: where the model will train (default: where its parameters are now); decides
-            the default block size.
+            the default block size. ``cuda`` on a machine without CUDA is refused.
 
     Returns:
         The :class:`AttachedRuntime` (budget, layer statistics; the planner once a trainer
-        integration drives it). Calling ``attach`` again on the same model returns the same one.
+        integration drives it). Calling ``attach`` again on the same model returns the same one
+        when it asks for the same settings or leaves them out; a setting the first call chose
+        and this one asks to change is refused in one line naming both (:func:`reconcile`).
     """
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError("sparsebalance.attach: pass the model before wrapping it in DDP")
-    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
-                                   or block_size < 1):  # fmt: skip
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    block_size = resolve_block_size(block_size, device or next(model.parameters()).device)
-    if backend != "auto":  # a name the op does not know fails here, not at the first forward
+    check_block_size(block_size)
+    check_device(device)
+    if backend is not None:  # a name the op does not know fails here, not at the first forward
         try:  # (the model may move to CUDA later: only the name is checked, as on CUDA)
             resolve_backend(backend, torch.device("cuda"))
         except ValueError as err:
             raise ValueError(f"sparsebalance.attach: {err}") from None
     if budget is not None and not isinstance(budget, Budget):
         raise TypeError(f"sparsebalance.attach: budget must be a Budget, got {budget!r}")
-    ref = _RUNTIMES.get(model)
-    existing = None if ref is None else ref()
+    existing = attached_runtime(model)
     if existing is not None:
+        reconcile(existing, "sparsebalance.attach", block_size=block_size, backend=backend,
+                  budget=budget, device=device)  # fmt: skip
         return existing
     check_model(model)
     register()
-    runtime = AttachedRuntime(model, block_size, backend, budget or Budget(gamma=1.0))
+    resolved = resolve_block_size(block_size, device or next(model.parameters()).device)
+    asked = {"block_size": block_size, "backend": backend, "budget": budget}
+    runtime = AttachedRuntime(model, resolved, backend or "auto", budget or Budget(gamma=1.0),
+                              chosen={k for k, v in asked.items() if v is not None})  # fmt: skip
     found = 0
     for module in model.modules():
         # transformers' attention modules (Qwen2Attention, LlamaAttention, ...): no common base

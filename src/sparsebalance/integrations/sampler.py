@@ -73,13 +73,72 @@ def example_tokens(example) -> tuple[np.ndarray, np.ndarray | None]:
     return ids, mask
 
 
-def dataset_lengths(dataset) -> np.ndarray:
-    """Tokens of every example (one pass over the dataset; an ``input_ids`` column at once)."""
-    # a datasets.Dataset has column_names (read the column at once); a plain sequence has not
-    column = getattr(dataset, "column_names", None)
-    if column is not None and "input_ids" in column:
-        return np.array([len(x) for x in dataset["input_ids"]], dtype=np.int64)
-    return np.array([example_tokens(dataset[i])[0].size for i in range(len(dataset))], np.int64)
+def check_ids(ids: np.ndarray, vocab_size: int | None, example: int) -> None:
+    """Refuse, in one line naming the example, a token id outside ``[0, vocab_size)`` (the
+    embedding's rows): the model would stop with a raw ``IndexError`` at its first forward."""
+    if vocab_size is None or ids.size == 0 or (ids.min() >= 0 and ids.max() < vocab_size):
+        return
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    more = f" (and {bad.size - 1} more)" if bad.size > 1 else ""
+    raise ValueError(
+        f"example {example} of the dataset holds token id {int(ids[bad[0]])} at position "
+        f"{int(bad[0])}{more}, outside the model's vocabulary of {vocab_size} ids "
+        f"(0..{vocab_size - 1}): tokenize with the model's tokenizer, or resize its embeddings "
+        "(model.resize_token_embeddings)"
+    )
+
+
+def _arrow_ids(dataset):
+    """The ``input_ids`` column of a ``datasets.Dataset`` as a pyarrow list array, or None (any
+    other dataset, or a column that is not a list of integers without nulls)."""
+    try:
+        import datasets
+        import pyarrow as pa
+    except ImportError:  # the hf extra is optional: no datasets.Dataset can have been passed
+        return None
+    if not isinstance(dataset, datasets.Dataset) or "input_ids" not in dataset.column_names:
+        return None
+    column = dataset.with_format("arrow")["input_ids"]  # respects select / shuffle indices
+    kind = column.type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+        return None
+    if not pa.types.is_integer(kind.value_type) or column.null_count:
+        return None
+    return column
+
+
+def dataset_lengths(dataset, vocab_size: int | None = None) -> np.ndarray:
+    """Tokens of every example (one pass over the dataset; a ``datasets.Dataset``'s
+    ``input_ids`` column at once, in Arrow). With ``vocab_size`` every token id is checked in the
+    same pass (:func:`check_ids`: one line naming the first example outside the vocabulary)."""
+    column = _arrow_ids(dataset)
+    if column is not None:
+        import pyarrow.compute as pc
+
+        lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+        flat = pc.list_flatten(column)
+        span = pc.min_max(flat)  # nulls for an empty column
+        low, high = span["min"].as_py(), span["max"].as_py()
+        if vocab_size is not None and low is not None and (low < 0 or high >= vocab_size):
+            ids = flat.to_numpy(zero_copy_only=False)
+            first = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
+            example = int(np.searchsorted(np.cumsum(lengths), first, side="right"))
+            start = int(lengths[:example].sum())
+            check_ids(ids[start : start + lengths[example]], vocab_size, example)
+        return lengths
+    # another dataset with an input_ids column (column_names) reads it at once; a plain
+    # sequence of examples is read one by one
+    names = getattr(dataset, "column_names", None)
+    if names is not None and "input_ids" in names:
+        rows = dataset["input_ids"]
+    else:
+        rows = (example_tokens(dataset[i])[0] for i in range(len(dataset)))
+    lengths = []
+    for i, row in enumerate(rows):
+        lengths.append(len(row))
+        if vocab_size is not None:
+            check_ids(np.asarray(row, dtype=np.int64).reshape(-1), vocab_size, i)
+    return np.array(lengths, dtype=np.int64)
 
 
 def targets_of(ids: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
@@ -96,8 +155,10 @@ class BalancedBatchSampler(Sampler):
     """Yields ``[MicroBatchSlot]`` for every micro-batch of every step of an epoch on this rank:
     ``steps_per_epoch x micro_batches`` entries, the same count on every rank."""
 
-    def __init__(self, planner: StepPlanner) -> None:
+    def __init__(self, planner: StepPlanner, vocab_size: int | None = None) -> None:
         self.planner = planner
+        self.vocab_size = vocab_size
+        """The model's vocabulary (embedding rows): the collator refuses ids outside it."""
         self.epoch = 0
         self.start = 0
         """First step (in the epoch) of the next iteration (:meth:`load_state_dict`)."""
@@ -129,8 +190,9 @@ class BalancedBatchSampler(Sampler):
 
     def dataloader(self, dataset, pad_token_id: int = 0) -> PlannedDataLoader:
         """A ``DataLoader`` over ``dataset`` with this sampler and a :class:`PackedCollator`."""
+        collate = PackedCollator(self.planner, pad_token_id, self.vocab_size)
         return PlannedDataLoader(PlannedDataset(dataset, self.planner), batch_sampler=self,
-                                 collate_fn=PackedCollator(self.planner, pad_token_id))  # fmt: skip
+                                 collate_fn=collate)  # fmt: skip
 
 
 class PlannedDataLoader(DataLoader):
@@ -165,10 +227,13 @@ class PlannedDataset:
 
 class PackedCollator:
     """Packs one planned micro-batch (see the module docstring); ``pad_token_id`` fills the
-    two-token filler micro-batches."""
+    two-token filler micro-batches; with ``vocab_size`` a document holding an id outside the
+    vocabulary is refused in one line naming it (:func:`check_ids`)."""
 
-    def __init__(self, planner: StepPlanner, pad_token_id: int = 0) -> None:
+    def __init__(self, planner: StepPlanner, pad_token_id: int = 0,
+                 vocab_size: int | None = None) -> None:  # fmt: skip
         self.planner, self.pad_token_id = planner, int(pad_token_id)
+        self.vocab_size = vocab_size
 
     def __call__(self, entries):
         if len(entries) != 1 or len(entries[0]) != 3:
@@ -182,8 +247,10 @@ class PackedCollator:
             docs, masks, lengths = [ids], [np.zeros(2, np.int64)], [2]
         else:
             docs, masks = [], []
-            for ex, o, n in zip(examples, spec.offsets, spec.lengths, strict=True):
+            for ex, i, o, n in zip(examples, spec.sample_ids, spec.offsets, spec.lengths,
+                                   strict=True):  # fmt: skip
                 ids, mask = example_tokens(ex)
+                check_ids(ids, self.vocab_size, i)
                 docs.append(ids[o : o + n])
                 masks.append(None if mask is None else mask[o : o + n])
             lengths = list(spec.lengths)

@@ -63,7 +63,9 @@ def build_sampler(runtime: AttachedRuntime, dataset, config: PlannerConfig,
     """The planner for ``runtime``'s model over ``dataset`` and its :class:`BalancedBatchSampler`
     (``runtime.planner`` is set to the planner). ``config.block_size`` None: the attached
     attention's; ``device``: where training runs (default: where the model is); ``precision``:
-    what the forwards compute in (``auto``: the device's)."""
+    what the forwards compute in (``auto``: the device's). Token ids outside the model's
+    vocabulary are refused in one line naming the example: here when ``lengths`` is read from the
+    dataset, else when the example is first drawn."""
     device = torch.device(device) if device is not None else next(runtime.model.parameters()).device
     if config.block_size is None:
         config = replace(config, block_size=runtime.block_size)
@@ -78,11 +80,14 @@ def build_sampler(runtime: AttachedRuntime, dataset, config: PlannerConfig,
             "balanced_loader was called for it): call it once per model and trainer; a second "
             "planner would leave the first one's callback without its steps"
         )
-    lengths = dataset_lengths(dataset) if lengths is None else np.asarray(lengths, np.int64)
+    # the embedding's rows bound the token ids; checked in the lengths' pass over the dataset,
+    # and (lengths given, or every draw) by the collator
+    vocab = int(runtime.model.get_input_embeddings().weight.shape[0])
+    lengths = dataset_lengths(dataset, vocab) if lengths is None else np.asarray(lengths, np.int64)
     rank, world = process_rank()
     check_global_batch(config.global_batch, lengths.size, world)  # before any profiling
     gather = all_gather_fn()
     latency = latency_model(runtime.model, config, profile, lengths, gather, device, precision)
     planner = StepPlanner(lengths, config, latency, rank, world, gather, sources, device)
     runtime.planner = planner
-    return BalancedBatchSampler(planner)
+    return BalancedBatchSampler(planner, vocab)

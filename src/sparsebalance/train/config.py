@@ -258,6 +258,13 @@ class TrainConfig:
             if self.backend in ("auto", "flex"):
                 check_flex_block_size(self.block_size, device)
         except ValueError as err:
+            # a config for a GPU machine may be validated anywhere, but where there is no CUDA
+            # the first thing to say is that: the block size is only the check that failed
+            if device == "cuda" and not torch.cuda.is_available():
+                raise ValueError(
+                    f"{flags.given(self, 'device', self.device)}: CUDA is not available on this "
+                    f"machine: train on the cpu here (on a GPU machine this would stop at: {err})"
+                ) from None
             raise self._renamed(err, "block_size") from None
 
     def _renamed(self, err: ValueError, field: str) -> ValueError:
