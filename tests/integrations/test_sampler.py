@@ -30,7 +30,7 @@ def planner(rank=0, world=1, **over) -> StepPlanner:
     latency = LatencyModel(analytic_profile(load_shapes("tiny"), "h100", block_size=32))
     # every rank plans alone here: all_gather returns this rank's hash for every rank
     return StepPlanner(LENGTHS, PlannerConfig(**cfg), latency, rank, world,
-                       all_gather=lambda obj: [obj] * world)  # fmt: skip
+                       all_gather=lambda obj: [obj] * world, device="cpu")  # fmt: skip
 
 
 def collect(sampler: BalancedBatchSampler, data=DATA):

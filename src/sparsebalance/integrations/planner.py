@@ -145,8 +145,8 @@ class StepPlanner:
     def __init__(self, lengths: Sequence[int] | np.ndarray, config: PlannerConfig,
                  latency: LatencyModel, rank: int = 0, world_size: int = 1,
                  all_gather: Callable[[object], list] | None = None,
-                 sources: Sequence[str] | None = None,
-                 device: torch.device | str = "cpu") -> None:  # fmt: skip
+                 sources: Sequence[str] | None = None, *,
+                 device: torch.device | str) -> None:  # fmt: skip
         self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
         if self.lengths.size == 0 or int(self.lengths.min()) < 1:
             raise ValueError("every document needs at least one token (an empty one was given)")

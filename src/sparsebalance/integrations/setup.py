@@ -88,6 +88,6 @@ def build_sampler(runtime: AttachedRuntime, dataset, config: PlannerConfig,
     check_global_batch(config.global_batch, lengths.size, world)  # before any profiling
     gather = all_gather_fn()
     latency = latency_model(runtime.model, config, profile, lengths, gather, device, precision)
-    planner = StepPlanner(lengths, config, latency, rank, world, gather, sources, device)
+    planner = StepPlanner(lengths, config, latency, rank, world, gather, sources, device=device)
     runtime.planner = planner
     return BalancedBatchSampler(planner, vocab)
