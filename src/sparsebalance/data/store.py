@@ -28,20 +28,21 @@ store with an id outside the vocabulary is refused before any work; hashing ever
 open instead would cost every rank 0.17 s per 100M tokens with CRC-32, 0.6 s with BLAKE2b.
 :func:`verify_store` (``sparsebalance prepare --verify``) checks everything, the content hash
 included. Checksums detect damage, not tampering.
+
+The checks themselves live in :mod:`.integrity`, the writer's lock and temporary folders in
+:mod:`.store_lock`; the names other modules use are importable from here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import io
 import json
 import os
 import secrets
 import shutil
-import socket
 import time
 import zlib
 from pathlib import Path
@@ -50,32 +51,41 @@ from typing import NoReturn
 import numpy as np
 
 from ..versions import STORE
+from .integrity import (
+    FORMAT,
+    MANIFEST,
+    StoreDamaged,
+    _bad_id_problem,
+    _crc_problem,
+    _first_bad_id,
+    _layout,
+    _shard_checksums,
+    _size_problems,
+    _sources_problem,
+    check_offsets,
+    read_manifest,
+)
+from .integrity import verify_store as verify_store  # re-exported
+from .store_lock import STALE_ELSEWHERE_SECONDS as STALE_ELSEWHERE_SECONDS  # re-exported
+from .store_lock import StoreBusy as StoreBusy  # re-exported
+from .store_lock import (
+    _fsync_dir,
+    _release_lock,
+    _take_lock,
+    _temporary_name,
+    sweep_stale_temporaries,
+)
+from .store_lock import wait_for_writer as wait_for_writer  # re-exported
 
-FORMAT = "sparsebalance-token-store"
 VERSION = STORE.version  # bump it in sparsebalance/versions.py
-MANIFEST = "manifest.json"
 HIST_EDGES = [0, *(2**k for k in range(4, 22)), 2**62]  # 0, 16, 32, ..., 2M tokens, beyond
 SHARD_BYTES = 4 << 20
 """``tokens.bin`` is checksummed per shard of this many bytes (the manifest records the size)."""
-SCAN_BYTES = 4 << 20
-"""Chunk of the token-id scan at open (read into one reused buffer: memory stays bounded)."""
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-class StoreBusy(ValueError):
-    """Another process is writing the same store."""
-
-    def __init__(self, message: str, holder: str) -> None:
-        super().__init__(message)
-        self.holder = holder
 
 
 class StoreExists(ValueError):
     """The store exists and the writer was not asked to replace it."""
-
-
-class StoreDamaged(ValueError):
-    """A store whose files do not match its manifest."""
 
 
 class DiskFull(ValueError):
@@ -98,136 +108,6 @@ def is_store(path: str | Path) -> bool:
         return json.loads(manifest.read_text()).get("format") == FORMAT
     except (OSError, ValueError):
         return False
-
-
-STALE_ELSEWHERE_SECONDS = 24 * 3600
-"""A temporary folder of another host (or of a name without one) is removed only when nothing in
-it changed for this long: its writer's pid cannot be checked from here (a shared cache)."""
-
-
-def _temporary_name(path: Path) -> str:
-    """``.NAME.tmp-HOST-PID-RANDOM``: the writer's host and pid, so a sweep on another host of a
-    shared cache can tell it is not its own."""
-    return f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def _pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, owned by someone else
-        return False
-    return False
-
-
-def sweep_stale_temporaries(path: str | Path) -> list[Path]:
-    """Remove temporary folders beside ``path`` left by a writer that was killed (SIGKILL, power
-    loss: no ``__exit__`` ran).
-
-    A folder written on this host is removed when its writer's pid is gone; one written on
-    another host (a cache shared over NFS) or named without a host (an earlier version) when none
-    of its files changed for :data:`STALE_ELSEWHERE_SECONDS`, since a pid of another host means
-    nothing here. A live writer's folder is kept. Returns the removed folders."""
-    path = Path(path)
-    removed = []
-    here = socket.gethostname()
-    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
-        parts = tmp.name[len(f".{path.name}.tmp-") :].rsplit("-", 2)
-        if not tmp.is_dir() or not parts[-2].isdigit():
-            continue
-        host = parts[0] if len(parts) == 3 else None
-        if host == here:
-            stale = _pid_gone(int(parts[-2]))
-        else:
-            newest = max((f.stat().st_mtime for f in tmp.rglob("*")), default=0.0)
-            stale = time.time() - max(newest, tmp.stat().st_mtime) > STALE_ELSEWHERE_SECONDS
-        if stale:
-            shutil.rmtree(tmp, ignore_errors=True)
-            removed.append(tmp)
-    return removed
-
-
-def _lock_path(path: Path) -> Path:
-    return path.parent / f".{path.name}.lock"
-
-
-def _holder(fd: int) -> str:
-    try:
-        h = json.loads(os.pread(fd, 4096, 0))
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["since"]))
-        return f"pid {h['pid']} on {h['host']}, since {since}"
-    except (OSError, ValueError, KeyError, TypeError):  # written a moment later
-        return "another process"
-
-
-def _take_lock(path: Path) -> int | None:
-    """Hold ``.NAME.lock`` beside the store; returns its descriptor (None on a filesystem without
-    locks: then only the no-replace rename guards the store). Raises :class:`StoreBusy`."""
-    lock = _lock_path(path)
-    while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(fd)
-            os.close(fd)
-            raise StoreBusy(
-                f"{path}: another prepare is writing this token store ({holder}): wait for it "
-                "to finish; two writers of one store cannot both succeed",
-                holder,
-            ) from None
-        except OSError as err:
-            os.close(fd)
-            if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP):
-                lock.unlink(missing_ok=True)  # nobody can hold a lock here
-                return None
-            raise
-        try:  # the holder before us removes the file as it releases: lock the one now there
-            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
-    record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
-    except OSError:
-        _release_lock(path, fd)
-        raise
-    return fd
-
-
-def _release_lock(path: Path, fd: int | None) -> None:
-    if fd is None:
-        return
-    with contextlib.suppress(OSError):
-        os.unlink(_lock_path(path))  # before unlocking: a later writer creates a new file
-    os.close(fd)
-
-
-def wait_for_writer(path: str | Path) -> None:
-    """Block until no process writes the store at ``path`` (returns at once when none does)."""
-    try:
-        fd = os.open(_lock_path(Path(path)), os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-    except OSError:  # no locks on this filesystem: nothing to wait on
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class StoreWriter:
@@ -476,140 +356,6 @@ class StoreWriter:
             _release_lock(self.path, self._lock)
 
 
-def read_manifest(path: str | Path) -> dict:
-    """The manifest of the store at ``path``, of this format and a version this build reads (one
-    line otherwise: not a store, damaged, another version)."""
-    path = Path(path)
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        raise ValueError(
-            f"{path} is not a token store (no {MANIFEST}; an interrupted "
-            "`sparsebalance prepare` leaves none)"
-        )
-    try:
-        m = json.loads(mpath.read_text())
-    except (OSError, ValueError) as err:
-        raise StoreDamaged(f"{mpath}: unreadable manifest ({err}): the store is damaged") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise StoreDamaged(f"{mpath}: not a {FORMAT} manifest")
-    STORE.check(m.get("version"), str(path))
-    return m
-
-
-def _layout(path: Path, m: dict) -> tuple[int, int, np.dtype, list[str], int]:
-    """(documents, tokens, dtype, source names, vocabulary size) from the manifest."""
-    try:
-        n, t = int(m["num_documents"]), int(m["num_tokens"])
-        dtype = np.dtype(m["dtype"])
-        if n < 1 or t < 0 or dtype not in (np.uint16, np.uint32):
-            raise ValueError(f"{n} documents, {t} tokens of {dtype}")
-        names = [s["name"] for s in m["sources"]]
-        vocab = int(m["tokenizer"]["vocab_size"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise StoreDamaged(
-            f"{path / MANIFEST}: damaged manifest ({err}): the store is damaged"
-        ) from None
-    return n, t, dtype, names, vocab
-
-
-def _size_problems(path: Path, n: int, t: int, dtype: np.dtype) -> dict[str, str]:
-    """File name -> the line saying its size is not the manifest's (only files that differ)."""
-    out = {}
-    for name, size in (
-        ("tokens.bin", t * dtype.itemsize),
-        ("offsets.bin", (n + 1) * 8),
-        ("sources.bin", n * 4),
-    ):
-        f = path / name
-        if not f.is_file() or f.stat().st_size != size:
-            got = f.stat().st_size if f.is_file() else "missing"
-            out[name] = f"{f}: expected {size} bytes, found {got}: the store is damaged"
-    return out
-
-
-def _offsets_problem(path: Path, offsets: np.ndarray, num_tokens: int) -> str | None:
-    where = path / "offsets.bin"
-    first, last = int(offsets[0]), int(offsets[-1])
-    if first != 0 or last != num_tokens:
-        return (
-            f"{where}: offsets run from {first} to {last}, not 0 to the manifest's {num_tokens} "
-            "tokens: the store is damaged"
-        )
-    steps = np.diff(np.asarray(offsets))
-    if steps.size and int(steps.min()) < 0:
-        at = int(np.argmax(steps < 0))
-        return (
-            f"{where}: offsets decrease at document {at} ({int(offsets[at])} -> "
-            f"{int(offsets[at + 1])}): the store is damaged"
-        )
-    return None
-
-
-def check_offsets(path: Path, offsets: np.ndarray, num_tokens: int) -> None:
-    """``offsets.bin`` must start at 0, never decrease and end at the token count: anything
-    else is a damaged store, refused when it is opened (one pass over the offsets, which opening
-    reads anyway), never read as documents of negative or impossible lengths."""
-    problem = _offsets_problem(path, offsets, num_tokens)
-    if problem is not None:
-        raise StoreDamaged(problem)
-
-
-def _sources_problem(path: Path, index: np.ndarray, num_sources: int) -> str | None:
-    if len(index) and not 0 <= int(index.min()) <= int(index.max()) < num_sources:
-        return (
-            f"{path / 'sources.bin'}: source indices outside the manifest's {num_sources} "
-            "sources: the store is damaged"
-        )
-    return None
-
-
-def _crc_problem(path: Path, name: str, arr: np.ndarray, m: dict) -> str | None:
-    """``name``'s CRC-32 against the manifest's (stores written before checksums: None)."""
-    want = m.get("checksums", {}).get(name, {}).get("crc32")
-    if want is None or zlib.crc32(memoryview(np.ascontiguousarray(arr)).cast("B")) == want:
-        return None
-    return f"{path / name}: differs from its checksum in the manifest: the store is damaged"
-
-
-def _first_bad_id(path: Path, t: int, dtype: np.dtype, vocab: int) -> tuple[int, int] | None:
-    """(token index, id) of the first id >= ``vocab`` in ``tokens.bin``, else None. Reads the
-    file in :data:`SCAN_BYTES` chunks into one buffer (not through the map: resident memory stays
-    bounded); nothing to read when the dtype cannot hold an id out of range."""
-    if vocab >= 2 ** (8 * dtype.itemsize):
-        return None
-    buf = np.empty(SCAN_BYTES // dtype.itemsize, dtype)
-    raw = memoryview(buf).cast("B")
-    pos = 0
-    with open(path / "tokens.bin", "rb", buffering=0) as f:
-        while pos < t:
-            k = (f.readinto(raw) or 0) // dtype.itemsize
-            if k == 0:
-                break
-            chunk = buf[:k]
-            if int(chunk.max()) >= vocab:
-                i = int(np.argmax(chunk >= vocab))
-                return pos + i, int(chunk[i])
-            pos += k
-    return None
-
-
-def _bad_id_problem(path: Path, at: tuple[int, int], offsets: np.ndarray, vocab: int) -> str:
-    pos, value = at
-    doc = int(np.searchsorted(offsets, pos, side="right")) - 1
-    return (
-        f"{path / 'tokens.bin'}: token id {value} (token {pos:,}, document {doc}) is outside "
-        f"the vocabulary of {vocab:,} the store was prepared with: the store is damaged"
-    )
-
-
-def _shard_checksums(m: dict) -> tuple[int, np.ndarray] | None:
-    """(shard bytes, CRC-32 per shard) of ``tokens.bin`` from the manifest, or None."""
-    info = m.get("checksums", {}).get("tokens.bin")
-    if not info:
-        return None
-    return int(info["shard_bytes"]), np.frombuffer(bytes.fromhex(info["shard_crc32"]), ">u4")
-
-
 class TokenStore:
     """A store mapped read-only. ``doc(i)`` is a view into the token file (no copy).
 
@@ -721,127 +467,3 @@ class TokenStore:
 
 def open_store(path: str | Path) -> TokenStore:
     return TokenStore(path)
-
-
-MAX_SHARD_LINES = 10
-"""``verify_store`` names at most this many damaged shards, then counts the rest."""
-
-
-def _file_digest(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(SCAN_BYTES):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def verify_store(path: str | Path) -> tuple[list[str], dict]:
-    """Check every byte of the store at ``path`` against its manifest (``prepare --verify``).
-
-    What opening checks (sizes, offsets, sources, the largest token id), then each file's
-    BLAKE2b digest and checksums, each shard of ``tokens.bin`` (naming its bytes and documents),
-    ``token_counts.npy`` and the content hash recomputed from the files (the only content check
-    of a store written before checksums). One read of every file: about 0.9 s per 100M tokens.
-    Returns (one line per problem, empty when intact; the manifest). Raises ``ValueError`` when
-    ``path`` is not a store or of a version this build does not read."""
-    path = Path(path)
-    try:
-        m = read_manifest(path)
-        n, t, dtype, names, vocab = _layout(path, m)
-    except StoreDamaged as err:
-        return [str(err)], {}
-    sizes = _size_problems(path, n, t, dtype)
-    problems = list(sizes.values())
-    sums = m.get("checksums", {})
-    digests: dict[str, str] = {}
-    offsets = None
-    for name, dt, check in (
-        ("offsets.bin", np.int64, lambda a: _offsets_problem(path, a, t)),
-        ("sources.bin", np.int32, lambda a: _sources_problem(path, a, len(names))),
-    ):
-        if not (path / name).is_file():
-            continue
-        digests[name] = _file_digest(path / name)
-        if name in sizes:
-            continue
-        arr = np.fromfile(path / name, dt)
-        offsets = arr if name == "offsets.bin" else offsets
-        found = [check(arr), _crc_problem(path, name, arr, m)]
-        if found[1] is None and sums.get(name, {}).get("blake2b") not in (None, digests[name]):
-            found[1] = (
-                f"{path / name}: differs from its digest in the manifest: the store is damaged"
-            )
-        problems += [p for p in found if p is not None]
-    if (path / "tokens.bin").is_file():
-        digests["tokens.bin"], token_lines = _verify_tokens(path, m, dtype, vocab, offsets)
-        problems += token_lines
-    counts = path / "token_counts.npy"
-    want = sums.get("token_counts.npy", {}).get("crc32")
-    if counts.is_file() and want is not None and zlib.crc32(counts.read_bytes()) != want:
-        problems.append(
-            f"{counts}: differs from its checksum in the manifest: the store is damaged"
-        )
-    if len(digests) == 3:
-        content = hashlib.blake2b(digest_size=16)
-        for name in ("tokens.bin", "offsets.bin", "sources.bin"):
-            content.update(bytes.fromhex(digests[name]))
-        if content.hexdigest() != m.get("content_hash"):
-            problems.append(
-                f"{path / MANIFEST}: content hash {m.get('content_hash')} recorded, the files "
-                f"give {content.hexdigest()}: the store changed since it was prepared"
-            )
-    return problems, m
-
-
-def _verify_tokens(
-    path: Path, m: dict, dtype: np.dtype, vocab: int, offsets: np.ndarray | None
-) -> tuple[str, list[str]]:
-    """One pass over ``tokens.bin``: (its BLAKE2b digest, lines for ids out of range and damaged
-    shards)."""
-    shards = _shard_checksums(m)
-    size = shards[0] if shards is not None else SCAN_BYTES
-    h = hashlib.blake2b(digest_size=16)
-    damaged: list[int] = []
-    first_bad, num_bad, pos = None, 0, 0
-    with open(path / "tokens.bin", "rb", buffering=0) as f:
-        k = 0
-        while chunk := f.read(size):
-            h.update(chunk)
-            if shards is not None and (k >= len(shards[1]) or zlib.crc32(chunk) != shards[1][k]):
-                damaged.append(k)
-            ids = np.frombuffer(chunk[: len(chunk) - len(chunk) % dtype.itemsize], dtype)
-            out = ids >= vocab
-            if out.any():
-                num_bad += int(out.sum())
-                if first_bad is None:
-                    i = int(np.argmax(out))
-                    first_bad = (pos + i, int(ids[i]))
-            pos += len(ids)
-            k += 1
-    lines = []
-    if first_bad is not None:
-        where = (
-            _bad_id_problem(path, first_bad, offsets, vocab)
-            if offsets is not None
-            else (
-                f"{path / 'tokens.bin'}: token id {first_bad[1]} (token {first_bad[0]:,}) is "
-                f"outside the vocabulary of {vocab:,}: the store is damaged"
-            )
-        )
-        lines.append(where + (f" ({num_bad:,} such ids in all)" if num_bad > 1 else ""))
-    for k in damaged[:MAX_SHARD_LINES]:
-        lo, hi = k * size, min((k + 1) * size, pos * dtype.itemsize)
-        docs = ""
-        if offsets is not None:
-            d0, d1 = (int(np.searchsorted(offsets, x // dtype.itemsize, side="right")) - 1
-                      for x in (lo, max(lo, hi - 1)))  # fmt: skip
-            docs = f", documents {d0}..{d1}" if d1 > d0 else f", document {d0}"
-        lines.append(
-            f"{path / 'tokens.bin'}: bytes {lo:,}..{hi:,} (shard {k}{docs}) differ from their "
-            "checksum: the store is damaged"
-        )
-    if len(damaged) > MAX_SHARD_LINES:
-        lines.append(
-            f"{path / 'tokens.bin'}: and {len(damaged) - MAX_SHARD_LINES} more damaged shards"
-        )
-    return h.hexdigest(), lines
