@@ -1,7 +1,9 @@
 """torchrun entry point: ``torchrun --nproc_per_node N -m sparsebalance.train [flags]``.
 
 Every way a run ends is one line from rank 0 (user error: exit 2; non-finite loss: 3; stopped by
-a signal: 128 + signal) and the other ranks stay silent. Rank 0 holds the run folder's lock."""
+a signal: 128 + signal) and the other ranks stay silent, but for an error a rank meets on its
+own while training (a damaged shard of a token store only it reads, say): that rank says it,
+naming itself. Rank 0 holds the run folder's lock."""
 
 import argparse
 import gc
@@ -37,6 +39,7 @@ def _main(argv: list[str] | None) -> int:
         die_with_parent(signal.SIGTERM)
     stops = StopSignals().install()
     lock = None
+    training = False  # past the set-up every rank does alike: a rank's own errors are its own
 
     def say(message: str) -> None:
         if rank == 0:
@@ -52,6 +55,7 @@ def _main(argv: list[str] | None) -> int:
                 say(f"note: {lock.note}")
         trainer = Trainer(cfg)
         trainer.stops = stops
+        training = True
         trainer.run()
         trainer.rt.close()
         # The trainer sits in reference cycles (bound methods handed to its parts) that hold the
@@ -61,7 +65,10 @@ def _main(argv: list[str] | None) -> int:
         del trainer
         gc.collect()
     except ValueError as err:
-        say(f"error: {err}")
+        if rank == 0 or not training:
+            say(f"error: {err}")
+        else:
+            print(f"sparsebalance train: rank {rank}: error: {err}", file=sys.stderr, flush=True)
         return 2
     except NonFiniteLoss as err:
         say(f"stopped: {err}; the last checkpoint is intact")

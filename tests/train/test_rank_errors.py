@@ -1,0 +1,41 @@
+"""A training rank's own error is said by that rank (rank 0 says everything else): a damaged
+shard only rank 1 reads used to end the run with rank 1 silent and rank 0 waiting."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparsebalance.train import __main__ as entry
+
+
+class _Trainer:
+    def __init__(self, cfg, fail_in_run):
+        self.fail_in_run = fail_in_run
+
+    def run(self):
+        if self.fail_in_run:
+            raise ValueError("data/store: shard 7 of tokens.bin does not match its checksum")
+
+
+@pytest.mark.parametrize("rank, in_run, says", [
+    ("1", True, "sparsebalance train: rank 1: error: data/store: shard 7"),
+    ("0", True, "sparsebalance train: error: data/store: shard 7"),
+    ("1", False, None),  # set-up errors are every rank's: rank 0 says them, once
+])  # fmt: skip
+def test_a_ranks_own_error_is_said_by_that_rank(tmp_path, monkeypatch, capsys, rank, in_run, says):
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+
+    def trainer(cfg):
+        if not in_run:
+            raise ValueError("data/store: shard 7 of tokens.bin does not match its checksum")
+        return _Trainer(cfg, in_run)
+
+    monkeypatch.setattr(entry, "Trainer", trainer)
+    code = entry.main(["--out", str(tmp_path / "run"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    if says is None:
+        assert err == ""
+    else:
+        assert says in err and err.count("\n") == 1
