@@ -104,3 +104,23 @@ def test_a_cp_unit_is_one_bar_over_its_ranks(hybrid_plan):
     assert len([p for p in ax2.patches if p.get_facecolor()[3] > 0]) == 3 and ax2.lines
     plt.close(fig)
     plt.close(fig2)
+
+
+def test_the_legend_names_each_colour_link_and_hatching_drawn_beside_the_axis():
+    plt = pytest.importorskip("matplotlib.pyplot")
+    bars = record_bars(_records(True))  # rank 3 reaches the CP unit 0.5 s after ranks 1 and 2
+    fig, ax = plt.subplots()
+    draw_timeline(ax, bars, 4)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["micro-batch on one rank", "CP unit over 3 ranks",
+                      "waiting for the unit's\nlast rank (up to 500 ms)"]  # fmt: skip
+    fig.canvas.draw()
+    assert not ax.get_legend().get_window_extent().overlaps(ax.get_window_extent())
+    # no wait, ranks not neighbours: the link is named and the hatching is not
+    fig2, ax2 = plt.subplots()
+    split = next(b for b in bars if b.degree == 3)
+    draw_timeline(ax2, [replace(split, ranks=(0, 2, 3), arrivals=())], 4)
+    labels = [t.get_text() for t in ax2.get_legend().get_texts()]
+    assert labels == ["CP unit over 3 ranks", "one CP unit on ranks\nthat are not neighbours"]
+    plt.close(fig)
+    plt.close(fig2)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .results import markdown_table
+from .results import markdown_table, write_file
 from .timeline import draw_timeline, record_bars
 
 
@@ -70,27 +70,29 @@ def comparison_table(
     """The ablation table (``report``, ``train --demo``, ``bench-e2e``): markdown and JSON-ready.
 
     Args:
-        runs: run name -> :func:`summarize` of its steps.
+        runs: run name -> :func:`summarize` of its steps. One run has no speed-up columns (or
+            ``speedup`` keys): it is compared with nothing.
         baseline: the run speed-ups are measured against (default ``baseline``, else the first).
         predicted: run name -> the simulator's summary of the same strategy (``step_seconds``,
             ``speedup``, ``mean_density``); adds the predicted speed-up and the prediction's error
             against the measured slowest-rank compute time.
     """
-    base = runs.get(baseline or "baseline") or next(iter(runs.values()))
-    headers = ["run", "steps", "mean step (s)", "speedup", "compute speedup", "balance eff.",
-               "bubble frac.", "mean density", "final loss"]  # fmt: skip
+    base = runs[baseline_name(runs, baseline)]
+    compared = len(runs) > 1
+    headers = ["run", "steps", "mean step (s)", *(["speedup", "compute speedup"] * compared),
+               "balance eff.", "bubble frac.", "mean density", "final loss"]  # fmt: skip
     if predicted is not None:
         headers += ["predicted speedup", "prediction error (step)"]
     rows, out = [], {}
     for name, s in runs.items():
-        entry = {
-            **s,
-            "speedup": base["mean_step_s"] / s["mean_step_s"],
-            "compute_speedup": base["mean_max_compute_s"] / s["mean_max_compute_s"],
-        }
-        rows.append([name, s["steps"], s["mean_step_s"], entry["speedup"],
-                     entry["compute_speedup"], s["efficiency"], s["bubble_fraction"],
-                     s["mean_density"], s["final_loss"]])  # fmt: skip
+        entry = dict(s)
+        speedups = []
+        if compared:
+            entry["speedup"] = base["mean_step_s"] / s["mean_step_s"]
+            entry["compute_speedup"] = base["mean_max_compute_s"] / s["mean_max_compute_s"]
+            speedups = [entry["speedup"], entry["compute_speedup"]]
+        rows.append([name, s["steps"], s["mean_step_s"], *speedups, s["efficiency"],
+                     s["bubble_fraction"], s["mean_density"], s["final_loss"]])  # fmt: skip
         if predicted is not None:
             p = predicted[name]
             entry.update(
@@ -102,6 +104,29 @@ def comparison_table(
             rows[-1] += [p["speedup"], f"{100 * entry['prediction_error']:+.0f} %"]
         out[name] = entry
     return markdown_table(headers, rows), out
+
+
+def baseline_name(runs: dict, baseline: str | None = None) -> str:
+    """The run speed-ups are measured against: ``baseline`` if given and there, else the run
+    named ``baseline``, else the first."""
+    for name in (baseline, "baseline"):
+        if name in runs:
+            return name
+    return next(iter(runs))
+
+
+def table_note(runs: dict, baseline: str | None = None) -> str:
+    """What :func:`comparison_table`'s columns mean, for the runs it was given."""
+    if len(runs) > 1:
+        base = baseline_name(runs, baseline)
+        speed = (f"Speedup = {base}'s mean step time / the run's; compute speedup uses the "
+                 "slowest rank's compute time. ")  # fmt: skip
+    else:
+        speed = "No speed-up column: one run, nothing to compare it with. "
+    return (
+        f"Means over steps 2..N (step 1 is warm-up). {speed}Balance efficiency = mean / max "
+        "rank compute time; bubble fraction = 1 - efficiency."
+    )
 
 
 def long_documents(steps: list[dict]) -> str:
@@ -157,118 +182,192 @@ def budgets(ranks: list[dict], steps: list[dict]) -> str:
     share = overhead / max(float(np.mean([s["step_seconds"] for s in body])), 1e-12)
     limited = sum(int(s.get("coverage_limited", 0)) for s in steps)
     fmt = "{:.1f}" if kind == "top-k" else "{:.3f}"
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    if lo == hi:  # a fixed budget: no range, no spread to speak of
+        spent = f"{kind}, budget {unit}{lo} on every rank and step (mean over layers)"
+    else:
+        spent = (f"{kind}, per-rank budgets {unit}{lo} .. {hi} (mean over layers; up to "
+                 f"{fmt.format(spread)} apart within a step)")  # fmt: skip
+    stopped = f"{limited} layer cut{'s' if limited != 1 else ''}" if limited else "no layer cut"
     return (
-        f"{kind}, per-rank budgets {unit}{fmt.format(min(values))} .. {fmt.format(max(values))} "
-        f"(mean over layers; up to {fmt.format(spread)} apart within a step), realized density "
-        f"{float(np.mean([s['mean_density'] for s in body])):.2f}, coverage bound stopped "
-        f"{limited} layer cut{'s' if limited != 1 else ''}; planning + DST {1e3 * overhead:.1f} ms "
-        f"a step ({100 * share:.2f} % of it)."
+        f"{spent}, realized density {float(np.mean([s['mean_density'] for s in body])):.2f}, "
+        f"coverage bound stopped {stopped}; planning + DST {1e3 * overhead:.1f} ms a step "
+        f"({100 * share:.2f} % of it)."
     )
 
 
-def _plots(run_data: dict[str, tuple[list[dict], list[dict]]], out_dir: Path) -> list[str]:
+RunData = dict[str, tuple[list[dict], list[dict]]]
+"""run name -> (per-rank records, per-step summaries), as :func:`load_run` reads them."""
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    files = []
-    fig, axes = plt.subplots(1, len(run_data), figsize=(6 * len(run_data), 3.5), squeeze=False)
+    return plt
+
+
+def _integer_steps(ax) -> None:
+    """Steps are whole numbers: no 2.5 on a step axis."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def timeline_figure(run_data: RunData):
+    """``timeline.png``: compute and bubble seconds per rank and step, a panel per run on one
+    y scale (the runs are compared by bar height), the legend beside the panels."""
+    from matplotlib.patches import Patch
+
+    plt = _pyplot()
+    n = len(run_data)
+    fig, axes = plt.subplots(1, n, figsize=(5.5 * n + 1.8, 3.5), sharey=True, squeeze=False,
+                             layout="constrained")  # fmt: skip
+    num_ranks = _max_ranks(run_data)
+    width = 0.8 / num_ranks
     for ax, (name, (ranks, _)) in zip(axes[0], run_data.items(), strict=True):
-        nr = max(r["rank"] for r in ranks) + 1
-        for r in range(nr):
+        for r in range(num_ranks):
             recs = [x for x in ranks if x["rank"] == r]
-            x = np.array([x["step"] for x in recs]) + (r - (nr - 1) / 2) * 0.8 / nr
+            x = np.array([x["step"] for x in recs]) + (r - (num_ranks - 1) / 2) * width
             comp = np.array([x["compute_s"] for x in recs])
             bub = np.array([x["derived_bubble_s"] for x in recs])
-            ax.bar(x, comp, width=0.8 / nr, color=f"C{r}", label=f"rank {r} compute")
-            ax.bar(
-                x,
-                bub,
-                bottom=comp,
-                width=0.8 / nr,
-                color=f"C{r}",
-                alpha=0.3,
-                hatch="//",
-                label=f"rank {r} bubble",
-            )
-        ax.set(title=f"{name}: compute vs bubble", xlabel="step", ylabel="seconds")
-        ax.legend(fontsize=7)
-    files.append(_save(fig, out_dir / "timeline.png"))
-    fig, axes = plt.subplots(len(run_data), 1, figsize=(9, 1.2 + 0.5 * _max_ranks(run_data)
-                             * len(run_data)), squeeze=False)  # fmt: skip
-    for ax, (name, (ranks, steps)) in zip(axes[:, 0], run_data.items(), strict=True):
-        # the last step that ran a CP unit (the point of the plot), else the last step
-        cp = [x["step"] for x in ranks if any(u["degree"] > 1 for u in x.get("units", ()))]
-        step = max(cp) if cp else steps[-1]["step"]
-        recs = [x for x in ranks if x["step"] == step]
-        draw_timeline(
-            ax,
-            record_bars(recs),
-            max(r["rank"] for r in ranks) + 1,
-            f"{name}, step {step}: units per rank (a bar over several ranks: one CP unit; "
-            "hatched: waiting for its last rank)",
-        )
-    files.append(_save(fig, out_dir / "units.png"))
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+            ax.bar(x, comp, width=width, color=f"C{r}")
+            ax.bar(x, bub, bottom=comp, width=width, color=f"C{r}", alpha=0.3, hatch="//")
+        ax.set(title=f"{name}: compute and bubble per rank", xlabel="step")
+        _integer_steps(ax)
+    axes[0, 0].set_ylabel("seconds")
+    handles = [Patch(color=f"C{r}", label=f"rank {r} compute") for r in range(num_ranks)]
+    handles.append(Patch(facecolor="0.85", edgecolor="0.3", hatch="//",
+                         label="bubble: waiting for\nthe slowest rank"))  # fmt: skip
+    fig.legend(handles=handles, loc="outside right upper", fontsize=7)
+    return fig
+
+
+def _units_step(run_data: RunData) -> tuple[dict[str, int], str]:
+    """The step ``units.png`` shows of each run: the same step in every run (the last in which
+    any ran a CP unit, else the last), unless the runs share no step; and the reason, said."""
+    steps = [{x["step"] for x in ranks} for ranks, _ in run_data.values()]
+    common = set.intersection(*steps)
+    cp = {x["step"] for ranks, _ in run_data.values() for x in ranks
+          if any(u["degree"] > 1 for u in x.get("units", ()))}  # fmt: skip
+    one = "" if len(run_data) == 1 else " in every run"
+    if common & cp:
+        step = max(common & cp)
+        why = f"step {step}{one}: the last step in which a document ran over several ranks"
+    elif common:
+        step = max(common)
+        why = f"step {step}{one}: the last step (no document ran over several ranks)"
+    else:
+        last = {name: max(s) for name, s in zip(run_data, steps, strict=True)}
+        return last, "each run's last step (the runs have no step in common)"
+    return {name: step for name in run_data}, why
+
+
+def units_figure(run_data: RunData):
+    """``units.png``: the units each rank ran in one step, the same step of every run (see
+    :func:`_units_step`), on one time scale; the legend names every colour and the hatching."""
+    plt = _pyplot()
+    shown, why = _units_step(run_data)
+    fig, axes = plt.subplots(len(run_data), 1, figsize=(11, 1.4 + 0.5 * _max_ranks(run_data)
+                             * len(run_data)), squeeze=False, layout="constrained")  # fmt: skip
+    for ax, (name, (ranks, _)) in zip(axes[:, 0], run_data.items(), strict=True):
+        recs = [x for x in ranks if x["step"] == shown[name]]
+        draw_timeline(ax, record_bars(recs), max(r["rank"] for r in ranks) + 1,
+                      f"{name}, step {shown[name]}")  # fmt: skip
+    right = max(ax.get_xlim()[1] for ax in axes[:, 0])
+    for ax in axes[:, 0]:
+        ax.set_xlim(0, right)
+    fig.suptitle(f"units per rank, {why}", fontsize=9)
+    return fig
+
+
+def step_times_figure(run_data: RunData):
+    """``step_times.png``: the distribution of each run's step times (warm-up step left out)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.5), layout="constrained")
     ax.boxplot([[s["step_seconds"] for s in st[1:] or st] for _, st in run_data.values()])
     ax.set_xticks(range(1, len(run_data) + 1), list(run_data))
-    ax.set(title="step time per run", ylabel="seconds")
-    files.append(_save(fig, out_dir / "step_times.png"))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax.set(title="step time per run (box: quartiles, line: median)", ylabel="seconds per step")
+    return fig
+
+
+def budget_density_figure(run_data: RunData):
+    """``budget_density.png``: each rank's budget (left) and realized attention density
+    (right) per step; one legend, beside the right panel, for the lines of both."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11.5, 3.5), layout="constrained")
     for i, (name, (ranks, _)) in enumerate(run_data.items()):
         for r in sorted({x["rank"] for x in ranks}):
             recs = [x for x in ranks if x["rank"] == r]
-            axes[0].plot(
-                [x["step"] for x in recs],
-                [x.get("budget_mean", x.get("gamma_mean")) for x in recs],  # gamma_*: old runs
-                ls="-" if i == 0 else "--",
-                label=f"{name} r{r}",
-            )
-            axes[1].plot(
-                [x["step"] for x in recs],
-                [x["density"] for x in recs],
-                ls="-" if i == 0 else "--",
-                label=f"{name} r{r}",
-            )
-    axes[0].set(title="budget per rank (k or gamma, mean over layers)", xlabel="step")
-    axes[1].set(title="realized density per rank", xlabel="step")
-    axes[0].legend(fontsize=7)
-    files.append(_save(fig, out_dir / "budget_density.png"))
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+            style = {"ls": "-" if i == 0 else "--", "label": f"{name}, rank {r}"}
+            axes[0].plot([x["step"] for x in recs],
+                         [x.get("budget_mean", x.get("gamma_mean")) for x in recs],  # gamma_*: old
+                         **style)  # fmt: skip
+            axes[1].plot([x["step"] for x in recs], [x["density"] for x in recs], **style)
+    kinds = {st[-1].get("budget_kind") or "" for _, st in run_data.values()}
+    unit = "k (top-k)" if kinds == {"top-k"} else "gamma" if kinds == {"gamma"} else "k or gamma"
+    axes[0].set(title="budget per rank (mean over layers)", xlabel="step", ylabel=unit)
+    axes[1].set(title="realized attention density per rank", xlabel="step",
+                ylabel="density (kept / causal block pairs)")  # fmt: skip
+    for ax in axes:
+        _integer_steps(ax)
+    axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, fontsize=7,
+                   title="both panels", title_fontsize=7)  # fmt: skip
+    return fig
+
+
+def loss_figure(run_data: RunData):
+    """``loss.png``: each run's training loss per step."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.5), layout="constrained")
     for name, (_, steps) in run_data.items():
         ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], label=name)
     ax.set(title="training loss", xlabel="step", ylabel="loss")
+    _integer_steps(ax)
     ax.legend()
-    files.append(_save(fig, out_dir / "loss.png"))
-    return files
+    return fig
 
 
-def _max_ranks(run_data) -> int:
+PLOTS = {
+    "timeline.png": timeline_figure,
+    "units.png": units_figure,
+    "step_times.png": step_times_figure,
+    "budget_density.png": budget_density_figure,
+    "loss.png": loss_figure,
+}
+"""The report's figures, in the order ``report.md`` shows them."""
+
+
+def _plots(run_data: RunData, out_dir: Path) -> list[str]:
+    return [_save(make(run_data), out_dir / name) for name, make in PLOTS.items()]
+
+
+def _max_ranks(run_data: RunData) -> int:
     return max(max(r["rank"] for r in ranks) + 1 for ranks, _ in run_data.values())
 
 
 def _save(fig, path: Path) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
+    plt = _pyplot()
+    try:
+        write_file(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    finally:
+        plt.close(fig)
     return path.name
 
 
 def write_report(root: Path, plots: bool = True) -> tuple[Path, dict]:
-    """Write ``report.md`` (and PNGs) into ``root``; returns its path and the comparison."""
+    """Write ``report.md`` (and PNGs) into ``root``; returns its path and the comparison.
+
+    Each file is written atomically and replaces the one of an earlier report of this run (they
+    are made from its ``metrics.jsonl`` again at will); a full disk raises
+    :class:`~sparsebalance.results.DiskFull` with the earlier file intact."""
     root = Path(root)
     runs = find_runs(root)
     data = {name: load_run(path) for name, path in runs.items()}
     table, comparison = comparison_table({n: summarize(st) for n, (_, st) in data.items()})
-    note = (
-        "Means over steps 2..N (step 1 is warm-up). Speedup = baseline mean step time / run's; "
-        "compute speedup uses the slowest rank's compute time. Balance efficiency = mean / max "
-        "rank compute time; bubble fraction = 1 - efficiency."
-    )
-    lines = [f"# Training report: {root}", "", table, "", note, ""]
+    lines = [f"# Training report: {root}", "", table, "", table_note(comparison), ""]
     for name, (_, steps) in data.items():
         line = long_documents(steps)
         if line:
@@ -283,7 +382,7 @@ def write_report(root: Path, plots: bool = True) -> tuple[Path, dict]:
                 lines.append(f"![{f}]({f})")
         except ImportError:
             lines.append("(plots skipped: `pip install matplotlib`, or the `plot` extra)")
-    path = root / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    (root / "comparison.json").write_text(json.dumps(comparison, indent=1) + "\n")
+    # atomic, and replaced: the run's own report, made again from its metrics.jsonl at will
+    path = write_file(root / "report.md", "\n".join(lines) + "\n")
+    write_file(root / "comparison.json", json.dumps(comparison, indent=1) + "\n")
     return path, comparison

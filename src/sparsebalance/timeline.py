@@ -13,7 +13,7 @@ Two sources, one drawing:
 :func:`draw_timeline` draws either on a matplotlib axis: ranks on the y axis, time on the x axis,
 one bar per unit; a CP unit on contiguous ranks is **one bar spanning its ranks** (non-contiguous
 ranks: one bar per rank linked by a line), with the time its early ranks waited for the last one
-hatched in front of it.
+hatched in front of it; a legend beside the axis names every colour, link and hatching drawn.
 """
 
 from __future__ import annotations
@@ -121,11 +121,17 @@ def _measured(key: tuple[int, tuple[int, ...]], parts: list[tuple[int, dict]]) -
 
 def draw_timeline(ax, bars: Sequence[Bar], num_ranks: int, title: str = "") -> None:
     """Draw ``bars`` on a matplotlib axis (rank 0 at the top). One colour per degree k; a CP
-    unit's arrival waits are hatched; each bar is labelled with its documents when wide enough."""
+    unit's arrival waits are hatched; each bar is labelled with its documents when wide enough.
+    The legend, outside the axis on its right, names what was drawn and nothing else."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     height = 0.8
     span = max((b.end for b in bars), default=1.0) or 1.0
+    degrees, linked, waited = set(), False, 0.0
     for b in bars:
-        color = "C0" if b.degree == 1 else f"C{1 + (b.degree - 2) % 8}"
+        color = _color(b.degree)
+        degrees.add(b.degree)
         lo, hi = min(b.ranks), max(b.ranks)
         if b.degree > 1 and b.contiguous:
             ax.add_patch(_rect(b.start, lo - height / 2, b.seconds, hi - lo + height, color))
@@ -143,6 +149,7 @@ def draw_timeline(ax, bars: Sequence[Bar], num_ranks: int, title: str = "") -> N
             if b.degree > 1:  # linked bars: the unit's ranks are not neighbours
                 x = b.start + b.seconds / 2
                 ax.plot([x, x], [lo, hi], color="k", lw=1, marker="o", ms=3)
+                linked = True
             elif b.seconds > 0.06 * span and b.sample_ids:
                 ax.text(b.start + b.seconds / 2, lo, ",".join(map(str, b.sample_ids[:4]))
                         + ("…" if len(b.sample_ids) > 4 else ""), ha="center", va="center",
@@ -150,11 +157,32 @@ def draw_timeline(ax, bars: Sequence[Bar], num_ranks: int, title: str = "") -> N
         for r, t in zip(b.ranks, b.arrivals or (), strict=False):
             if b.start - t > 1e-9:  # waited for the unit's last rank
                 ax.add_patch(_rect(t, r - height / 2, b.start - t, height, "none", hatch="//"))
+                waited = max(waited, b.start - t)
     ax.set_xlim(0, span * 1.02)
     ax.set_ylim(num_ranks - 0.5, -0.5)
     ax.set_yticks(range(num_ranks), [f"rank {r}" for r in range(num_ranks)])
     ax.set_xlabel("seconds into the step")
-    ax.set_title(title or "units per rank (a bar over several ranks: one CP unit)", fontsize=9)
+    ax.set_title(title or "units per rank", fontsize=9)
+    handles = [
+        Patch(facecolor=_color(k), edgecolor="k", lw=0.6, alpha=0.85,
+              label="micro-batch on one rank" if k == 1 else f"CP unit over {k} ranks")
+        for k in sorted(degrees)
+    ]  # fmt: skip
+    if linked:
+        handles.append(Line2D([], [], color="k", lw=1, marker="o", ms=3,
+                              label="one CP unit on ranks\nthat are not neighbours"))  # fmt: skip
+    if waited:  # with its size: a wait of a few ms is drawn but too thin to see
+        longest = f"{1e3 * waited:.0f} ms" if waited < 1 else f"{waited:.2f} s"
+        label = f"waiting for the unit's\nlast rank (up to {longest})"
+        handles.append(Patch(facecolor="none", edgecolor="0.5", hatch="//", label=label))
+    if handles:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0,
+                  fontsize=7)  # fmt: skip
+
+
+def _color(degree: int) -> str:
+    """The colour of a unit of ``degree`` ranks: C0 for one rank, then one colour per k."""
+    return "C0" if degree == 1 else f"C{1 + (degree - 2) % 8}"
 
 
 def _rect(x, y, w, h, color, hatch=None):

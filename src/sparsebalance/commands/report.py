@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..files import check_output_folder
-from ..report import write_report
+from ..report import table_note, write_report
 from ..results import write_results
 
 
@@ -30,6 +30,7 @@ def main(args: argparse.Namespace) -> int:
     if args.results_dir:
         check_output_folder(args.results_dir, "--results-dir")
     path, comparison = write_report(args.run_dir, plots=not args.no_plots)
+    wrote = [f"wrote {path}"]
     if args.results_dir:
         root = Path(args.run_dir)
         configs = {
@@ -39,11 +40,18 @@ def main(args: argparse.Namespace) -> int:
         device = torch.device(
             "cuda" if any(c.get("device") == "cuda" for c in configs.values()) else "cpu"
         )
-        notes = f"Runs in `{root}` (their configurations are in the JSON file). " + (
-            "Means over steps 2..N; speedup = baseline mean step time / run's."
+        notes = f"Runs in `{root}` (their configurations are in the JSON file). " + table_note(
+            comparison
         )
-        md, _ = write_results(args.results_dir, args.name, device, table,
-                              {"comparison": comparison, "configs": configs}, notes)  # fmt: skip
-        comparison = {**comparison, "results_file": str(md)}
-    print(json.dumps(comparison, indent=2) if args.json else f"wrote {path}")
+        md, js = write_results(args.results_dir, args.name, device, table,
+                               {"comparison": comparison, "configs": configs}, notes)  # fmt: skip
+        comparison = {**comparison, "results_file": str(md), "results_json": str(js)}
+        wrote.append(f"wrote {md} and {js.name}{_kept(md, args.name, device)}")
+    print(json.dumps(comparison, indent=2) if args.json else "\n".join(wrote))
     return 0
+
+
+def _kept(md: Path, name: str, device: torch.device) -> str:
+    """Why a results file has a suffix: today's file of that name exists and was kept."""
+    first = md.with_name(f"{md.name[:10]}-{name}-{device.type}.md")  # <YYYY-MM-DD>-name-device
+    return "" if first == md else f" ({first.name} exists from earlier today and is kept)"
