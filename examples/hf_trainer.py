@@ -39,8 +39,8 @@ def main(out: str, steps: int = 2) -> list[float]:
         ddp_find_unused_parameters=False,
     )  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=documents())
-    # A profile from FLOP counts keeps the example quick: drop profile= to use (and on first
-    # use measure, about 50 s) this machine's own latency profile.
+    # A profile from FLOP counts keeps the example quick: drop profile= to use this machine's
+    # own latency profile (measured on first use, about a minute, said in one line, then cached).
     profile = f"{out}/profile-{os.environ.get('RANK', '0')}.json"  # one per rank
     analytic_profile(load_shapes("tiny"), "h100", block_size=32).save(profile)
     runtime = sparsebalance.hf.enable(trainer, capacity=1024, profile=profile, block_size=32)

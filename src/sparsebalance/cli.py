@@ -1,16 +1,24 @@
 """The ``sparsebalance`` command line: one explicit ``command -> (module, help)`` table.
 
 Each command module exposes ``add_arguments(parser)`` and ``main(args) -> int``. Commands appear
-here only once they work; there are no placeholders.
+here only once they work; there are no placeholders. A command's module is imported only when
+that command runs (or shows its help): ``sparsebalance --help`` and ``--version`` load neither
+torch nor numpy.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import inspect
+import re
 import sys
+import textwrap
+from collections.abc import Iterable, Sequence
+from typing import NoReturn
 
-from .flags import command_line
+from .flags import command_line, plain_text, shown_default
 
 # command -> (module under sparsebalance.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -28,22 +36,156 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+class HelpFormatter(argparse.HelpFormatter):
+    """Plain-text help. A description is re-wrapped paragraph by paragraph, its indented blocks
+    kept line by line as examples; reST markup (````x````, ``:mod:`x```) is dropped; a flag that
+    takes a value and has a default says it once, ``(default: X)``, unless its help already says
+    what the default is."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = re.split(r"\n\s*\n", plain_text(inspect.cleandoc(text)))
+        out = []
+        for par in paragraphs:
+            lines = par.splitlines()
+            if all(line[:1].isspace() for line in lines):  # command lines: as written
+                out.append(f"{indent}examples:\n" + "\n".join(indent + line for line in lines))
+            else:
+                lines = self._split_lines(par, width - len(indent))
+                out.append("\n".join(indent + line for line in lines))
+        return "\n\n".join(out)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # whole words: --memory-tokens is never cut at its hyphen
+        text = " ".join(text.split())
+        return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = plain_text(action.help or "")
+        default = action.default
+        said = re.search(r"\bdefault\b", text, re.IGNORECASE)
+        if said or action.nargs == 0 or default is None or default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: {shown_default(default).replace('%', '%%')})"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the errors a user can act on: an unknown command or flag names the closest
+    one, and a command's error shows that command's usage (one line when its flags are many)."""
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace=None) -> argparse.Namespace:
+        args = sys.argv[1:] if args is None else [str(a) for a in args]
+        sub = _subcommands(self)
+        if sub is not None:
+            name = command_word(args)
+            if name is not None and name not in sub.choices:
+                self.error(f"unknown command {name}{_did_you_mean(name, sub.choices)}")
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            target = sub.choices[parsed.command] if sub is not None else self
+            target.error(_unknown(extra, target))
+        return parsed
+
+    def error(self, message: str) -> NoReturn:
+        usage = self.format_usage()
+        if usage.count("\n") > 3:  # dozens of flags: the synopsis, not all of them
+            formatter = self._get_formatter()
+            positionals = [a for a in self._actions if not a.option_strings]
+            words = [formatter._format_args(a, a.dest.upper()) for a in positionals]
+            usage = f"usage: {' '.join([self.prog, *words])} [flags] (--help lists them)\n"
+        self._print_message(usage, sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def command_word(argv: Sequence[str]) -> str | None:
+    """The command of a ``sparsebalance`` command line: its first word that is not a flag (no
+    top-level flag takes a value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
+    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+
+
+def _closest(word: str, choices: Iterable[str]) -> str | None:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return close[0] if close else None
+
+
+def _did_you_mean(word: str, choices: Iterable[str]) -> str:
+    close = _closest(word, choices)
+    return f"; did you mean {close}?" if close else ""
+
+
+def _unknown(extra: list[str], parser: argparse.ArgumentParser) -> str:
+    """The message for what ``parser`` did not recognise: each unknown flag with the closest
+    known one, else the first stray argument."""
+    flags = [a.split("=", 1)[0] for a in extra if a.startswith("-")]
+    if not flags:
+        return f"unexpected argument {extra[0]!r}"
+    known = [s for a in parser._actions for s in a.option_strings]
+    if len(flags) == 1:
+        return f"unknown flag {flags[0]}{_did_you_mean(flags[0], known)}"
+    named = []
+    for flag in flags:
+        close = _closest(flag, known)
+        named.append(f"{flag} (did you mean {close}?)" if close else flag)
+    return "unknown flags " + ", ".join(named)
+
+
+def version() -> str:
+    """``sparsebalance X (torch Y)``: the installed distributions' versions (torch not imported)."""
+    from importlib import metadata  # ~50 ms to import: only for --version
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"sparsebalance {installed('sparsebalance')} (torch {installed('torch')})"
+
+
+class _Version(argparse.Action):
+    """``--version``: :func:`version`, looked up only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, argparse.SUPPRESS, 0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:
+        print(version())
+        parser.exit()
+
+
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line; ``commands``: the commands whose flags are added (their modules
+    imported), default all of them. The others are listed with their one-line help only."""
+    load = set(COMMANDS if commands is None else commands)
+    parser = Parser(
         prog="sparsebalance",
         description="Balanced data-parallel long-context training with dynamic sparse attention.",
+        epilog="sparsebalance COMMAND --help lists a command's flags.",
+        formatter_class=HelpFormatter,
     )
+    parser.add_argument("--version", action=_Version, help="print the versions and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
+        if name not in load:
+            sub.add_parser(name, help=help_text, formatter_class=HelpFormatter)
+            continue
         mod = importlib.import_module(f"sparsebalance.commands.{module}")
-        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip())
+        description = (mod.__doc__ or help_text).strip()
+        p = sub.add_parser(
+            name, help=help_text, description=description, formatter_class=HelpFormatter
+        )
         mod.add_arguments(p)
         p.set_defaults(func=mod.main)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    command = command_word(argv)
+    args = build_parser([command] if command in COMMANDS else []).parse_args(argv)
     try:
         with command_line():  # messages name the flags typed, not the Python fields
             return args.func(args)

@@ -47,8 +47,6 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 _ALIAS = re.compile(r"^\[(--[\w.-]+(?:\s*/\s*--[\w.-]+)*)\]\s*")
 
 
@@ -137,10 +135,7 @@ def add_arguments(
         if opt.dest in skip:
             continue
         target = groups.get(opt.dest, group)
-        shown = opt.default
-        if isinstance(shown, tuple):  # as it is typed: a comma list
-            shown = ",".join(str(x) for x in shown)
-        text = f"{opt.help} (default: {shown})".replace("``", "").strip().replace("%", "%%")
+        text = help_text(opt).replace("%", "%%")  # argparse %-formats help
         names = [opt.flag, *opt.aliases]
         if _base(opt.kind) is bool:
             target.add_argument(*names, dest=opt.dest, action=argparse.BooleanOptionalAction,
@@ -149,6 +144,40 @@ def add_arguments(
             target.add_argument(*names, dest=opt.dest, type=_converter(opt.kind), default=None,
                                 help=text, metavar=opt.path[-1].upper())  # fmt: skip
     return groups
+
+
+_ROLE = re.compile(r":[a-z]+:`(~?)\.?([^`]+)`")
+_DEFAULT = re.compile(r"\bdefault\b", re.IGNORECASE)
+
+
+def plain_text(text: str) -> str:
+    """``text`` without reST / markdown markup, as a terminal shows it: ````x````, ```x``` and
+    ``:role:`x``` become ``x`` (``:role:`~a.b``` becomes ``b``, as Sphinx shows it)."""
+    text = _ROLE.sub(lambda m: m[2].rsplit(".", 1)[-1] if m[1] else m[2], text)
+    return re.sub(r"``?([^`]+?)``?", r"\1", text)
+
+
+def shown_default(value: Any) -> str:
+    """A default as it is typed on the command line: ``off`` / ``on``, a comma list."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (tuple, list)):
+        return ",".join(shown_default(x) for x in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def help_text(opt: Option) -> str:
+    """A flag's help, from its field's docstring: plain text in the command line's style (a
+    fragment, no closing full stop) ending with its default once, ``(default: X)``. A docstring
+    that says what an unset field means keeps its own words; a field whose default is None and
+    whose docstring says nothing of it states none."""
+    text = plain_text(opt.help).strip().removesuffix(".")
+    first = text.split(" ", 1)[0]
+    if first == "A" or first[1:].islower():  # "Optimizer steps" -> "optimizer steps"; "LM" kept
+        text = text[:1].lower() + text[1:]
+    if _DEFAULT.search(text) or opt.default is None:
+        return text
+    return f"{text} (default: {shown_default(opt.default)})"
 
 
 def values_from_args(args: argparse.Namespace, cls: type, prefix: tuple[str, ...] = ()) -> dict:
@@ -226,7 +255,7 @@ def type_problem(kind: Any, value: Any) -> str | None:
     if base is None and set(typing.get_args(kind)) - {type(None)} == {int, str}:
         want, ok = "an integer or a word", isinstance(value, str) or _is_int(value)
     elif base is bool:
-        want, ok = "true or false", isinstance(value, (bool, np.bool_))
+        want, ok = "true or false", isinstance(value, bool) or _numpy(value, "bool_")
     elif base is int:
         want, ok = "an integer", _is_int(value)
     elif base is float:
@@ -257,7 +286,9 @@ def _tuple_want(kind: Any) -> str | None:
 def _tuple_fits(kind: Any, value: Any) -> bool:
     args = typing.get_args(kind)
     size = None if len(args) == 2 and args[1] is Ellipsis else len(args)
-    if not isinstance(value, (tuple, list, np.ndarray)) or getattr(value, "ndim", 1) != 1:
+    if not isinstance(value, (tuple, list)) and not _numpy(value, "ndarray"):
+        return False
+    if getattr(value, "ndim", 1) != 1:
         return False
     if size is not None and len(value) != size:
         return False
@@ -265,11 +296,23 @@ def _tuple_fits(kind: Any, value: Any) -> bool:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    return isinstance(value, numbers.Integral) and not _is_bool(value)
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    return isinstance(value, numbers.Real) and not _is_bool(value)
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool) or _numpy(value, "bool_")
+
+
+def _numpy(value: Any, kind: str) -> bool:
+    """Whether ``value`` is a ``numpy.<kind>``. Asked of the loaded module, not by importing it:
+    a numpy value cannot exist before numpy is imported, and the command line's ``--help``
+    stays fast without it."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, getattr(np, kind))
 
 
 def _optional(kind: Any) -> bool:

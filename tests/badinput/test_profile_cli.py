@@ -69,4 +69,7 @@ def test_analytic_honours_the_block_size(tmp_path, capsys, block):
     code, _ = cli(capsys, "profile", "--analytic", "h100", "--block-size", block, "--out", out)
     data = json.loads(out.read_text())
     assert code == 0 and data["fingerprint"]["block_size"] == block
-    assert all(n % block == 0 for n in data["attention"]["lengths"])
+    lengths = data["attention"]["lengths"]
+    # whole blocks, and below one block the powers of two from 1 (short documents, fillers)
+    assert all(n % block == 0 for n in lengths if n >= block)
+    assert [n for n in lengths if n < block] == [2**i for i in range(block.bit_length() - 1)]

@@ -9,6 +9,7 @@ import torch
 
 from sparsebalance.latency import LatencyModel
 from sparsebalance.latency.form import (
+    attention_floor,
     features,
     fit_form,
     form_tables,
@@ -204,3 +205,21 @@ def test_time_interleaved_warms_up_untimed():
     calls[0] = 0  # cold again: without the warm-up the slow first call is timed
     cold = time_interleaved([make(0)], torch.device("cpu"), rounds=1, min_rounds=1, warmup=False)
     assert calls[0] == 1 and float(cold.seconds.max()) >= 0.2
+
+
+def test_a_floor_keeps_attention_priced_when_the_times_hide_it():
+    # Times that are per-token work only: NNLS puts the attention coefficient at 0, which would
+    # price every budget at nothing. The floor holds it at the physical least, and the fit of
+    # the rest stays close (the floor is small next to the per-token term).
+    batches = [([64 * k + 7], [0.1 * k]) for k in range(1, 12)]
+    x = features(batches, num_layers=2, block_size=16)
+    y = 1e-6 * x[:, 1] + 1e-4
+    free = fit_form(x, y)
+    assert free.coefficients[0] == 0.0
+    a_min = attention_floor(1e-6, token_flops=6e7, heads=4, head_dim=16, block_size=16)
+    assert a_min == pytest.approx(0.25 * 14 * 16 * 16 * 16 * 4 * 1e-6 / 6e7)
+    held = fit_form(x, y, floor=[a_min, 0, 0, 0, 0])
+    assert held.coefficients[0] >= a_min
+    assert all(c >= 0 for c in held.coefficients)
+    assert np.max(np.abs(held.predict(x) / y - 1)) < 0.05
+    assert attention_floor(0.0, 6e5, 4, 16, 16) == 0.0

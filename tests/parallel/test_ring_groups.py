@@ -98,7 +98,7 @@ def test_a_stalled_rank_becomes_one_line_naming_where_its_peer_waits(tmp_path):
     flag = tmp_path / "reported"
     mp.spawn(_stall, args=(2, str(tmp_path / "rdzv"), str(flag)), nprocs=2, join=True)
     line = flag.read_text()
-    assert line.startswith(
-        "rank 0 waiting in unit 5, ring step 0, step 7: no message from rank 1 within 2 s"
+    assert line == (  # gloo's own text ("[.../unbound_buffer.cc:81] Timed out ...") left out
+        "rank 0 waiting in unit 5, ring step 0, step 7: no message from rank 1 within 2 s "
+        "(--comm-timeout): it is stalled or has died"
     ), line
-    assert "\n" not in line

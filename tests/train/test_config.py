@@ -74,10 +74,10 @@ def test_help_text_is_the_field_docstring():
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
     helps = {a.dest: a.help for a in parser._actions}
-    assert helps["seed"].startswith("Seeds the model") and "(default: 0)" in helps["seed"]
+    assert helps["seed"].startswith("seeds the model") and "(default: 0)" in helps["seed"]
     assert "weight decay" in helps["weight_decay"]
     assert "coverage" in helps["dst.p"] and "(default: 0.1)" in helps["dst.p"]
-    assert "time band" in helps["dst.tolerance"] and "(default: 0.0)" in helps["dst.tolerance"]
+    assert "time band" in helps["dst.tolerance"] and "(default: 0)" in helps["dst.tolerance"]
     assert all(h for d, h in helps.items() if d not in ("help",)), "every flag has help text"
 
 

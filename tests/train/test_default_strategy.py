@@ -57,7 +57,7 @@ def test_the_note_says_what_happens_to_over_long_documents(tmp_path):
     one = resolve_strategy(TrainConfig(out=out, capacity=512), 1)
     line = overlong_note(one, LENGTHS, 1)
     assert line == (
-        "4 of 6 documents are longer than --capacity 512 = 512 tokens: --overlong split: cut "
+        "4 of 6 documents are longer than --capacity 512: --overlong split: cut "
         "into 512-token chunks trained as separate documents (CP units need >= 2 ranks)"
     )
     emulated = TrainConfig(out=out, capacity=512, emulate_ranks=4, overlong="truncate")
@@ -83,4 +83,4 @@ def test_preflight_prints_the_note_first(tmp_path, capsys):
                                        global_batch=2), 1)  # fmt: skip
     preflight(cfg, 1)
     err = capsys.readouterr().err
-    assert "4 of 8 documents are longer than --capacity 256 = 256 tokens: --overlong split" in err
+    assert "4 of 8 documents are longer than --capacity 256: --overlong split" in err

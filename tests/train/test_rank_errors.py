@@ -39,3 +39,22 @@ def test_a_ranks_own_error_is_said_by_that_rank(tmp_path, monkeypatch, capsys, r
         assert err == ""
     else:
         assert says in err and err.count("\n") == 1
+
+
+def test_a_stalled_peer_is_one_line_from_the_rank_that_waited(tmp_path, monkeypatch, capsys):
+    from sparsebalance.parallel.watch import CommTimeout
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    line = ("rank 1 waiting in the gradient sync, step 3: no message from rank 0 within 5 s "
+            "(--comm-timeout): it is stalled or has died")  # fmt: skip
+
+    class Stalled(_Trainer):
+        def run(self):
+            raise CommTimeout(line)
+
+    monkeypatch.setattr(entry, "Trainer", lambda cfg: Stalled(cfg, True))
+    code = entry.main(["--out", str(tmp_path / "run"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err == f"sparsebalance train: {line}; the last checkpoint is intact\n"

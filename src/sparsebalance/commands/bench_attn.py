@@ -5,10 +5,10 @@ pack (one long document and many short ones), a pack of short documents, and pac
 64 selected documents; per backend, the selection, the mask build, the forward and the backward,
 each timed apart and divided by the same run's dense baseline (SDPA causal; FlashAttention
 varlen for packs), and a training layer's launches around the kernel and host reads, counted.
-Cases and parts: :mod:`.attention_cases`. The table ends with issues 36 and 42's targets, met or
-not, for what was measured (times on CUDA; a CPU run times the torch backend, and flex's
-selection, mask and forward only: flex has no backward on the CPU; its counts are the CUDA
-path's on any device).
+Cases and parts: :mod:`sparsebalance.commands.attention_cases`. The table ends with issues 36 and
+42's targets, met or not, for what was measured (times on CUDA; a CPU run times the torch
+backend, and flex's selection, mask and forward only: flex has no backward on the CPU; its counts
+are the CUDA path's on any device).
 """
 
 from __future__ import annotations
@@ -91,35 +91,35 @@ def _part(row: dict, field: str):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-lens", type=_int_list, default=None,
-                   help="comma-separated T, e.g. 16k,32k (default 16k,32k,64k,128k on CUDA; "
+                   help="comma-separated T, e.g. 16k,32k (default: 16k,32k,64k,128k on CUDA, "
                         "2k,4k on CPU)")  # fmt: skip
     p.add_argument("--densities", type=_float_list, default=None,
-                   help="one-document cases, each in (0, 1] (default 1,0.25,0.1,0.05; "
+                   help="one-document cases, each in (0, 1] (default: 1,0.25,0.1,0.05; with "
                         "--quick 1,0.05)")  # fmt: skip
     p.add_argument("--packs", type=_name_list, default=None,
                    help="packed cases: mixed (one long document, many short), short (documents "
-                        "<= 4K), docs4 / docs64 (4 / 64 selected documents) or none (default "
+                        "<= 4K), docs4 / docs64 (4 / 64 selected documents) or none (default: "
                         "all four)")  # fmt: skip
-    p.add_argument("--heads", type=int, default=14, help="query heads Hq (default 14)")
+    p.add_argument("--heads", type=int, default=14, help="query heads Hq")
     p.add_argument("--kv-heads", type=int, default=2,
                    help="key/value heads Hkv, Hq %% Hkv == 0 "
-                        "(default 2: Qwen2.5-0.5B)")  # fmt: skip
-    p.add_argument("--head-dim", type=int, default=64, help="head dimension D (default 64)")
+                        "(default: 2, as Qwen2.5-0.5B)")  # fmt: skip
+    p.add_argument("--head-dim", type=int, default=64, help="head dimension D")
     p.add_argument("--block-size", type=int, default=None,
-                   help="sparse block (tokens; default 128 on CUDA, 64 on CPU)")  # fmt: skip
+                   help="sparse block in tokens (default: 128 on CUDA, 64 on CPU)")  # fmt: skip
     p.add_argument("--backends", type=_name_list, default=None,
                    help="comma-separated backends (default: every available one except "
                         "reference)")  # fmt: skip
     p.add_argument("--gqa", default="expand", choices=GQA_MODES,
-                   help="flex's grouped-query attention: expand K/V (default) "
+                   help="flex's grouped-query attention: expand K/V "
                         "or native")  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu | cuda (default: cuda when available, else cpu)")  # fmt: skip
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="default fp32 on CPU, bf16 on CUDA")  # fmt: skip
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (default 1)")
+                   help="compute dtype (default: fp32 on CPU, bf16 on CUDA)")  # fmt: skip
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
     p.add_argument("--repeats", type=int, default=3,
-                   help="timed runs; the median is kept (default 3)")  # fmt: skip
+                   help="timed runs; the median is kept")  # fmt: skip
     p.add_argument("--counts-only", action="store_true",
                    help="count a training layer's launches and host reads only: no timing, "
                         "the kernels not run (a GPU's sizes on any machine)")  # fmt: skip

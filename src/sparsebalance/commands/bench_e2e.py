@@ -35,8 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_nproc_argument(p)
     p.add_argument("--results-dir", default="benchmarks/results",
-                   help="folder of the dated results file (default benchmarks/results; '' to "
-                   "write nothing)")  # fmt: skip
+                   help="folder of the dated results file ('' to write nothing)")  # fmt: skip
     p.add_argument(
         "--reuse-runs",
         action="store_true",

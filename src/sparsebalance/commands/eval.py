@@ -2,7 +2,7 @@
 
 Tasks: ``passkey | niah | niah1 | vt | kv | mqar`` (teacher-forced greedy exact match on freshly
 generated eval-split examples, by context length and needle depth; a heatmap PNG for niah/passkey
-with ``--out``), ``ppl`` (perplexity per window length on ``--data`` text, default the synthetic
+with ``--out``), ``ppl`` (perplexity per window length on ``--data`` text; default: the synthetic
 eval split), ``longbench`` (local LongBench v1 jsonl under ``--data``, prompts middle-truncated to
 each ``--lengths`` value (``--truncation``), greedy generation, official metrics;
 ``--code-sim-backend`` for lcc / repobench-p).
@@ -78,22 +78,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", type=parse_lengths, default=[1024, 2048, 4096],
                    help="e.g. 1k,2k,4k (longbench: max prompt tokens)")  # fmt: skip
     p.add_argument("--attn", choices=["dense", "sparse"], default="sparse",
-                   help="sparse: the block-sparse op at one budget (default); dense: gamma 1.0, "
+                   help="sparse: the block-sparse op at one budget; dense: gamma 1.0, "
                    "exact attention")  # fmt: skip
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--top-k", type=int, default=None,
                         help="sparse budget: key blocks per query (MoBA top-k)")  # fmt: skip
     budget.add_argument("--budget-tokens", type=int, default=None,
                         help="sparse budget in tokens attended: top-k with k = tokens / block "
-                        f"size (default {DEFAULT_BUDGET_TOKENS}, the trainer's)")  # fmt: skip
+                        f"size (default: {DEFAULT_BUDGET_TOKENS}, the trainer's)")  # fmt: skip
     budget.add_argument("--gamma", type=float, default=None,
                         help="sparse budget by the threshold rule: the fewest blocks whose "
                         "estimated mass reaches gamma, in (0, 1]")  # fmt: skip
-    p.add_argument("--num-examples", type=int, default=20, help="per length (and depth)")
+    p.add_argument("--num-examples", type=int, default=20, help="examples per length (and depth)")
     p.add_argument("--depths", type=parse_depths, default=None,
                    help="needle depths, e.g. 0,0.25,0.5,0.75,1 (default: 5 for niah/passkey, "
                    "random for vt/kv)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated examples (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated examples")
     p.add_argument("--data", default=None, help="longbench jsonl file/dir; ppl text/jsonl")
     p.add_argument("--prompts", default=None, help="longbench templates (dataset2prompt format)")
     p.add_argument("--truncation", choices=TRUNCATIONS, default=TRUNCATIONS[0],
@@ -105,18 +105,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-windows", type=int, default=32, help="ppl windows per length")
     p.add_argument("--base", default=None, help="base model of a trainer checkpoint")
     p.add_argument("--vocab-map", default=None, help="JSON {tokenizer id: model id}")
-    p.add_argument("--tokenizer", default=None, help="local HF tokenizer dir (default Qwen2.5)")
+    p.add_argument("--tokenizer", default=None, help="local HF tokenizer dir (default: Qwen2.5's)")
     p.add_argument("--block-size", type=int, default=None,
-                   help="sparse block (tokens; default 128 on CUDA, 64 on CPU)")  # fmt: skip
+                   help="sparse block in tokens (default: 128 on CUDA, 64 on CPU)")  # fmt: skip
     p.add_argument(
         "--backend", default="auto", help="attention backend: auto | torch | flex | reference"
     )
     p.add_argument("--pack-tokens", type=int, default=16384, help="tokens per forward")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu | cuda (default: cuda when available, else cpu)")  # fmt: skip
-    p.add_argument(
-        "--dtype", choices=list(DTYPES), default="fp32", help="model dtype (default fp32)"
-    )
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="model dtype")
     p.add_argument("--out", default=None, help="folder for result JSON (+ heatmap PNG)")
     p.add_argument("--json", action="store_true", help="print only JSON to stdout")
 

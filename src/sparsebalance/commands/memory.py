@@ -55,14 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="bytes per device, e.g. 72GB or 16GiB (default: 90%% of the GPU)",
     )
     p.add_argument("--devices", default="1,8,32", help="comma-separated device counts")
-    p.add_argument(
-        "--block-size", type=int, default=128, help="sparse block in tokens (default 128)"
-    )
+    p.add_argument("--block-size", type=int, default=128, help="sparse block in tokens")
     p.add_argument(
         "--density",
         type=float,
         default=0.1,
-        help="attention density assumed for the layout metadata (default 0.1)",
+        help="attention density assumed for the layout metadata",
     )
     p.add_argument(
         "--check",

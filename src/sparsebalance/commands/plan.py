@@ -13,12 +13,12 @@ Densities: those given in the file, else what the budget keeps before any measur
 the profile's block size; the paper's per-length-bin estimate starts there), under ``--budget
 gamma`` the history estimator's prior.
 Cost model: a :class:`~sparsebalance.latency.LatencyModel` from ``--profile P`` (made by
-``sparsebalance profile``), else from the analytic FLOP-count profile of ``--model`` (default the
-built-in ``tiny``) on ``--accelerator``. The model used is printed.
+``sparsebalance profile``), else from the analytic FLOP-count profile of ``--model`` (default:
+the built-in ``tiny``) on ``--accelerator``. The model used is printed.
 
 ``--capacity auto``: C is the largest micro-batch whose peak the memory model
 (:mod:`sparsebalance.latency.memory`, analytic coefficients of ``--accelerator`` for ``--model``)
-predicts within ``--memory-budget`` (default 90% of the accelerator's memory), with the run's
+predicts within ``--memory-budget`` (default: 90% of the accelerator's memory), with the run's
 ``--activation-checkpointing``, ``--loss`` and ``--parallel`` (fsdp2 shards the weights, gradients
 and optimizer state over R ranks). ``sab-cp`` then also takes each long document's minimum CP
 degree from the memory model (which counts the ring's buffer and the document's layout metadata
@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--memory-budget", default=None,
-        help="--capacity auto: bytes per device, e.g. 72GB (default 90%% of --accelerator's)",
+        help="--capacity auto: bytes per device, e.g. 72GB (default: 90%% of --accelerator's)",
     )  # fmt: skip
     p.add_argument("--activation-checkpointing", choices=CHECKPOINTING, default="off",
                    help="--capacity auto: the run's checkpointing")  # fmt: skip
@@ -85,9 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="h100",
         help="accelerator for the analytic profile",
     )
-    p.add_argument(
-        "--strategy", default="all", help=f"one of {', '.join(STRATEGIES)}, or all (default)"
-    )
+    p.add_argument("--strategy", default="all", help=f"one of {', '.join(STRATEGIES)}, or all")
     p.add_argument("--ranks-per-node", type=int, default=None, metavar="G",
                    help="ranks sharing a node: sab-cp keeps units of <= G ranks inside one node "
                    "(default: the links' node size, 8 for an analytic accelerator)")  # fmt: skip
@@ -96,13 +94,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--budget",
         choices=("top-k", "gamma"),
         default="top-k",
-        help="the budget kind the densities are estimated for (default top-k)",
+        help="the budget kind the densities are estimated for",
     )
     p.add_argument(
         "--budget-tokens",
         type=int,
         default=8192,
-        help="top-k: the base budget in tokens attended (default 8192, the paper's)",
+        help="top-k: the base budget in tokens attended (default: 8192, the paper's)",
     )
     p.add_argument("--text-field", default="text", help="jsonl field to tokenize")
     p.add_argument("--seed", type=int, default=None, help="shuffle the file order with this seed")

@@ -37,9 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "it is damaged",
     )
     p.add_argument(
-        "--tokenizer", default=None, help="local HF tokenizer folder (default: Qwen2.5 vocabulary)"
+        "--tokenizer",
+        default=None,
+        help="local HF tokenizer folder (default: the Qwen2.5 vocabulary)",
     )
-    p.add_argument("--text-field", default="text", help="field holding the text (default: text)")
+    p.add_argument("--text-field", default="text", help="field holding the text")
     p.add_argument(
         "--workers",
         type=int,
@@ -50,19 +52,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--on-bad-record",
         choices=ON_BAD_RECORD,
         default="error",
-        help="error: stop naming file and line (default); skip: skip and count per reason",
+        help="error: stop naming file and line; skip: skip and count per reason",
     )
     p.add_argument(
         "--min-tokens",
         type=int,
         default=2,
-        help="documents with fewer tokens are not stored, counted (default: 2)",
+        help="documents with fewer tokens are not stored, counted",
     )
     p.add_argument(
         "--max-record-bytes",
         default="64MiB",
-        help="a record longer than this after decompression is a bad record (default 64MiB; "
-        "memory stays bounded whatever the input holds)",
+        help="a record longer than this after decompression is a bad record (memory stays "
+        "bounded whatever the input holds)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing store")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

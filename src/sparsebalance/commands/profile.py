@@ -1,10 +1,9 @@
 """``sparsebalance profile``: measure a latency profile, validate one, or build an analytic one.
 
-    sparsebalance profile --model tiny --device cpu --out profile.json [--max-len N] [--budget 50]
-        [--threads N]
-    sparsebalance profile --validate profile.json [--num-batches 30] [--json] [--results-dir DIR]
+    sparsebalance profile --model tiny --device cpu --out profile.json --budget 50
+    sparsebalance profile --validate profile.json --num-batches 30 --json
     sparsebalance profile --analytic h100 --model qwen2.5-0.5b --out h100.json
-    sparsebalance profile --model tiny --device cpu --memory-only [--memory-tokens 1024,2048,4096]
+    sparsebalance profile --model tiny --device cpu --memory-only --memory-tokens 1024,2048
 
 Measuring times whole micro-batches of the model's shapes (attention with the training backend
 and the block selection included) in interleaved rounds, fits the physical form of
@@ -63,35 +62,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu | cuda (default: cuda when available, else cpu)")  # fmt: skip
     p.add_argument(
-        "--dtype", choices=sorted(DTYPES), default=None, help="fp32 on CPU, bf16 on CUDA"
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="compute dtype (default: fp32 on CPU, bf16 on CUDA)",
     )
     p.add_argument(
-        "--backend", default="auto", help="attention backend training uses (auto/torch/flex)"
+        "--backend", default="auto", help="attention backend training uses: auto | torch | flex"
     )
     p.add_argument("--block-size", type=int, default=None,
-                   help="sparse block (tokens; default 128 on CUDA and for --analytic, 64 on "
+                   help="sparse block in tokens (default: 128 on CUDA and for --analytic, 64 on "
                    "CPU)")  # fmt: skip
     p.add_argument(
         "--budget-kind", choices=("top-k", "gamma"), default="top-k",
         help="the budgets training will run, so the layouts timed have their shape: top-k (equal "
-             "rows, train --budget top-k, the default) or gamma (threshold rows)",
+             "rows, as train --budget top-k) or gamma (threshold rows)",
     )  # fmt: skip
     p.add_argument("--out", default="profile.json", help="where to write the profile")
     p.add_argument(
         "--max-len", type=int, default=None,
-        help="most tokens per micro-batch to profile (default: 4096, the trainer's default "
-             "--capacity, capped at the model's context)",
+        help="most tokens per micro-batch to profile (default: 4096, as train --capacity, "
+             "capped at the model's context)",
     )  # fmt: skip
     p.add_argument(
         "--budget", type=float, default=50.0,
-        help="seconds spent timing micro-batches (default 50; total profiling ~1.1x this)",
+        help="seconds spent timing micro-batches (total profiling ~1.1x this)",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="--budget 6 (a coarse profile, for tests)")
     p.add_argument(
         "--allreduce-world-size",
         type=int,
         default=0,
-        help="gloo processes for an all-reduce timing (default 0 = skip)",
+        help="gloo processes for an all-reduce timing (0: none)",
     )
     p.add_argument(
         "--validate",
@@ -114,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=int, default=None,
         help="CPU threads to measure with (default: what each rank of `sparsebalance train` "
-             f"uses: $OMP_NUM_THREADS, else 1 as torchrun sets for its default {CPU_NPROC} "
+             f"uses: $OMP_NUM_THREADS, else 1, as torchrun sets for train's {CPU_NPROC} CPU "
              "processes; with --validate: the profile's own count)",
     )  # fmt: skip
     p.add_argument(

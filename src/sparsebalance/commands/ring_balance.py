@@ -43,10 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--pattern", default="vslash", help=f"one of {', '.join(PATTERNS)}")
     p.add_argument("--docs", type=int, default=1, help="documents in the pack (halving lengths)")
-    p.add_argument("--block-size", type=int, default=64, help="sparse block in tokens (default 64)")
+    p.add_argument("--block-size", type=int, default=64, help="sparse block in tokens")
     p.add_argument("--heads", type=int, default=4, help="layout heads")
     p.add_argument("--inner-size", type=int, default=None, help="G of a hierarchical ring")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic layout (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic layout")
     p.add_argument("--json", action="store_true", help="print only JSON to stdout")
 
 

@@ -6,11 +6,13 @@ them."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from ..report import write_report
-from ..train import add_train_arguments, config_from_args
+from ..train import TrainConfig, add_train_arguments, config_from_args
 from ..train.config import resolve_strategy
 from ..train.launch import (
     DEMO_CPU_RANKS,
@@ -21,6 +23,7 @@ from ..train.launch import (
     default_nproc,
     demo_configs,
     launch,
+    on_start,
     stop_grace,
 )
 from ..train.multinode import Rendezvous
@@ -32,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--nnodes",
         type=int,
         default=1,
-        help="machines in the run (default 1: torchrun --standalone)",
+        help="machines in the run; 1 runs torchrun --standalone",
     )
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index in [0, nnodes)")
     p.add_argument(
@@ -70,12 +73,11 @@ def _launch_all(args: argparse.Namespace, cfg, nproc: int) -> int:
     runs = demo_configs(cfg) if args.demo else {"run": resolve_strategy(cfg, nproc * rdzv.nnodes)}
     launched = False
     for name, run_cfg in runs.items():
-        if not args.json:
-            print(f"== {name}: strategy={run_cfg.strategy}, dst={run_cfg.dst.mode}, "
-                  f"ranks={nproc * rdzv.nnodes}, steps={run_cfg.steps} -> {run_cfg.out}",
-                  flush=True)  # fmt: skip
+        # the run's line once launch has checked it (a refused run never says it started)
+        said = contextlib.nullcontext() if args.json else on_start(_say(name, nproc * rdzv.nnodes))
         try:
-            launched |= launch(run_cfg, nproc, rdzv)
+            with said:
+                launched |= launch(run_cfg, nproc, rdzv)
         except RunFailed as err:
             if err.reported:  # rank 0 already said why in one line
                 return err.code
@@ -95,3 +97,13 @@ def _launch_all(args: argparse.Namespace, cfg, nproc: int) -> int:
         longdocs = [x for x in text.split("\n") if x.startswith(("Long documents", "Budgets"))]
         print("\n\n".join([text.split("\n\n")[1], *longdocs]) + f"\n\nreport: {path}")
     return 0
+
+
+def _say(name: str, ranks: int) -> Callable[[TrainConfig], None]:
+    """What prints ``== NAME: ...``, the line a run starts with."""
+
+    def say(cfg: TrainConfig) -> None:
+        print(f"== {name}: strategy={cfg.strategy}, dst={cfg.dst.mode}, ranks={ranks}, "
+              f"steps={cfg.steps} -> {cfg.out}", flush=True)  # fmt: skip
+
+    return say

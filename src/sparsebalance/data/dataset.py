@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import CACHE_ENV, cache_folder, unwritable
 from .mixture import parse_mixture
 from .prepare import PrepareConfig, describe_inputs, prepare, store_key, tokenizer_info
 from .store import (
@@ -31,7 +32,9 @@ from .store import (
     wait_for_writer,
 )
 
-CACHE_DIR = Path.home() / ".cache" / "sparsebalance" / "tokens"
+CACHE_DIR: Path | None = None
+"""Where raw ``--data`` is prepared into stores; None: ``$SPARSEBALANCE_CACHE/tokens``, else
+``~/.cache/sparsebalance/tokens`` (:func:`~sparsebalance.files.cache_folder`, read at each call)."""
 BUILTIN_LEN = (128, 4096)
 """Length range of the built-in synthetic documents when --min-len / --max-len are not given."""
 
@@ -48,7 +51,7 @@ class DataSource:
     """Share of the documents drawn from this component (the weights sum to 1)."""
 
 
-def _builtin_store(tokenizer, num, seed, min_len, max_len, cache_dir: Path) -> Path:
+def _builtin_store(tokenizer, num, seed, min_len, max_len, cache_dir: Path, default: bool) -> Path:
     from ..tasks import synthetic_mix
 
     info = tokenizer_info(tokenizer)
@@ -56,6 +59,7 @@ def _builtin_store(tokenizer, num, seed, min_len, max_len, cache_dir: Path) -> P
     out = cache_dir / "stores" / f"builtin-{key}"
     if is_store(out):
         return out
+    _check_cache(cache_dir, None, default)
 
     def write() -> None:
         examples = synthetic_mix(num, tokenizer.encode, seed, min_len=min_len, max_len=max_len)
@@ -67,6 +71,26 @@ def _builtin_store(tokenizer, num, seed, min_len, max_len, cache_dir: Path) -> P
 
     _prepare_once(out, write)
     return out
+
+
+def _token_cache(cache_dir: Path | None) -> tuple[Path, bool]:
+    """The token cache folder, and whether it is the default one (``$SPARSEBALANCE_CACHE``)."""
+    given = cache_dir or CACHE_DIR
+    return (Path(given), False) if given else (cache_folder("tokens"), True)
+
+
+def _check_cache(cache_dir: Path, name: str | None, default: bool) -> None:
+    """Before anything is tokenised into the cache: refused in one line naming the folder and
+    how to point it elsewhere when it cannot be written (a read-only home)."""
+    why = unwritable(cache_dir)
+    if why is None:
+        return
+    data = f"--data {name}" if name else "the built-in documents (no --data)"
+    hint = f"set {CACHE_ENV} to a writable folder" if default else "pass a writable cache_dir"
+    if name:
+        hint += f", or prepare it yourself (sparsebalance prepare {name} --out STORE) and pass "
+        hint += "--data STORE"
+    raise ValueError(f"{data}: the token cache {cache_dir} cannot be written ({why}): {hint}")
 
 
 def _say(message: str) -> None:
@@ -117,11 +141,10 @@ def resolve_data(
     progress: bool = False,
 ) -> list[DataSource]:
     """``--data`` -> store folders with weights (raw inputs prepared into the cache once)."""
-    cache_dir = Path(cache_dir or CACHE_DIR)
     identity = getattr(tokenizer, "identity", tokenizer.name)  # no vocabulary load for stores
     if data is None:
         lo, hi = min_len or BUILTIN_LEN[0], max_len or BUILTIN_LEN[1]
-        path = _builtin_store(tokenizer, num_builtin, seed, lo, hi, cache_dir)
+        path = _builtin_store(tokenizer, num_builtin, seed, lo, hi, *_token_cache(cache_dir))
         return [DataSource("builtin", str(path), 1.0)]
     out = []
     for name, weight in parse_mixture(data):
@@ -136,8 +159,10 @@ def resolve_data(
             continue
         inputs = describe_inputs([name], "--data")
         key = store_key(inputs, identity, text_field, 2)
-        path = cache_dir / "stores" / key
+        folder, default = _token_cache(cache_dir)
+        path = folder / "stores" / key
         if not is_store(path):
+            _check_cache(folder, name, default)
             cfg = PrepareConfig(
                 [name],
                 str(path),

@@ -1,5 +1,7 @@
 """Process-level setup: torch.distributed (gloo on CPU, NCCL on CUDA), device, seeds, and the few
-collectives the trainer needs (with a single-process fallback)."""
+collectives the trainer needs (with a single-process fallback). A collective that times out
+(``--comm-timeout``) or loses its peer raises :class:`~sparsebalance.parallel.watch.CommTimeout`,
+one line naming the rank, where it waited, the collective, the peer and the timeout."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from ..parallel import watch
 
 
 @dataclass
@@ -39,6 +43,7 @@ class Runtime:
         if world > 1 and not dist.is_initialized():
             timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
             dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+            watch.set_comm_timeout(timeout_s)
         if use_cuda:
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local)
@@ -49,13 +54,15 @@ class Runtime:
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            with watch.at(collective="barrier"):
+                dist.barrier()
 
     def all_gather_object(self, obj) -> list:
         if not self.distributed:
             return [obj]
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        with watch.at(collective="all_gather_object"):
+            dist.all_gather_object(out, obj)
         return out
 
     def broadcast_object(self, obj):
@@ -63,7 +70,8 @@ class Runtime:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        with watch.at(collective="broadcast_object_list"):
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def close(self) -> None:

@@ -1,8 +1,9 @@
 """Latency start-up, one implementation for every front end: rank 0 loads ``--profile`` (checked
 against the model's shapes, the block size, the device kind and the running fingerprint) or
-measures / reuses the cached default profile for this setup, and every rank gets rank 0's copy,
-so all ranks plan with the same model (even across nodes with different caches). A refusal on
-rank 0 is raised on every rank (none waits in the gather).
+reuses the cached default profile for this setup, or measures one (said first in one line on
+stderr: what, about how long, where it is cached, how to skip it), and every rank gets rank 0's
+copy, so all ranks plan with the same model (even across nodes with different caches). A
+refusal on rank 0 is raised on every rank (none waits in the gather).
 
 The profile times the layouts the run will use: top-k-shaped for top-k budgets, threshold-shaped
 for gamma (the integrations profiled threshold-shaped layouts under the default top-k budget
@@ -51,7 +52,8 @@ def load_latency_model(
         max_len: the longest micro-batch a measured profile must cover (tokens).
         is_main: this is rank 0 (the one that loads or measures).
         all_gather: ``obj -> [obj of every rank]``.
-        flag: how the caller names ``profile`` in a refusal.
+        flag: how the caller names ``profile`` in a refusal, a warning and the line said
+            before a profile is measured (``--profile``, or ``profile`` for a keyword).
     """
     layout = layout_kind(budget_kind)
     data = None
@@ -63,11 +65,14 @@ def load_latency_model(
                                    f"{flag} {profile}")  # fmt: skip
                 loaded.check_fingerprint(fingerprint(shapes, kernel.device, kernel.precision,
                                                      kernel.backend, kernel.block_size,
-                                                     layout=layout))  # fmt: skip
+                                                     layout=layout),
+                                         where=f"{flag} {profile}")  # fmt: skip
             else:
+                given = f"{flag} PATH" if flag.startswith("-") else f"{flag}=PATH"
                 loaded = default_latency_model(shapes, kernel.device, kernel.precision,
                                                kernel.backend, kernel.block_size,
-                                               max_len=max_len, layout=layout).profile  # fmt: skip
+                                               max_len=max_len, layout=layout,
+                                               given=given).profile  # fmt: skip
             data = loaded.to_json()
         except ValueError as err:  # every rank raises it (rank 0 says it), none waits on
             data = {"error": str(err)}

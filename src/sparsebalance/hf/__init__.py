@@ -9,6 +9,10 @@ sparsebalance.hf.enable(trainer, capacity=4096)           # before trainer.train
 trainer.train()
 ```
 
+The first ``enable`` for a model, device, block size and budget kind measures a latency profile
+on rank 0 (about a minute, said first in one line on stderr) and caches it; ``profile=PATH``
+passes one instead.
+
 What it does: :func:`sparsebalance.attach` on ``trainer.model``; builds the planner and the
 balanced sampler over ``trainer.train_dataset`` (global batch: ``per_device_train_batch_size x
 gradient_accumulation_steps x world size`` documents per optimizer step unless given; every rank
@@ -102,9 +106,10 @@ def _check_args(args, caller: str = "sparsebalance.hf.enable") -> None:
                                                                    None):  # fmt: skip
         raise ValueError(
             f"{caller}: activation_checkpointing (gradient_checkpointing) reruns "
-            "attention in the backward "
-            "and would select its blocks again; use sparsebalance.models.checkpointing."
-            "apply_activation_checkpointing(model, 'full') (reuses the forward's layouts) instead"
+            "attention in the backward and would select its blocks again: set "
+            "activation_checkpointing=False (TRL's configs turn it on by default) and use "
+            "sparsebalance.models.checkpointing.apply_activation_checkpointing(model, 'full') "
+            "(reuses the forward's layouts) instead"
         )
 
 
@@ -168,7 +173,11 @@ def enable(
         dst: budgets (default ``DSTConfig()``, the paper's top-k rule; ``DSTConfig(mode="off",
             budget="gamma", gamma0=1.0)`` is exact
             attention).
-        profile: latency profile JSON (default: this machine's cached or measured one).
+        profile: latency profile JSON (``sparsebalance profile --out``, or an analytic one).
+            Default: the profile cached for this model, device, block size and budget kind
+            (``~/.cache/sparsebalance/profiles``), else one measured here on rank 0: about a
+            minute, said first in one line on stderr, then cached for every later run of this
+            setup (any budget of the kind, micro-batches up to its capacity).
         block_size / backend: the attention's (:func:`sparsebalance.attach`); None: the
             attached model's if ``attach`` chose them, else the defaults (block size: the
             training device's, ``trainer.args.device``: 128 on CUDA, 64 on CPU; backend

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import CACHE_ENV, cache_folder, unwritable
 from ..models import ModelShapes, load_shapes
 from .analytic import ACCELERATORS, allreduce_seconds, analytic_profile
 from .context import ContextCost, Links, analytic_links, context_cost, links_from_profile
@@ -30,7 +31,9 @@ from .profile import (
 )
 
 SHIPPED_DIR = Path(__file__).parent / "profiles"
-CACHE_DIR = Path.home() / ".cache" / "sparsebalance" / "profiles"
+CACHE_DIR: Path | None = None
+"""Where measured profiles are cached; None: ``$SPARSEBALANCE_CACHE/profiles``, else
+``~/.cache/sparsebalance/profiles`` (:func:`~sparsebalance.files.cache_folder`, read per call)."""
 
 
 def default_latency_model(
@@ -44,41 +47,123 @@ def default_latency_model(
     budget_s: float = 50.0,
     threads: int | None = None,
     layout: str = "threshold",
+    given: str = "--profile PATH",
 ) -> LatencyModel:
     """A latency model for the running setup with no manual step.
 
-    Order: a cached profile with this exact fingerprint; a profile shipped with the package with
-    this fingerprint; otherwise a profile for micro-batches up to ``max_len`` tokens (default: the
-    model's context) is measured now (under a minute on a 2-core CPU, see :mod:`.measure`), its
-    noise line printed, and cached. The fingerprint, hence the cache key, holds the CPU
-    ``threads`` the profile is for (default: this process's count, which is what a trainer rank
-    runs with) and the profile schema: a profile for other threads, or of an older schema, is
-    not reused. ``layout``: ``top-k`` for top-k budgets (a profile of top-k layouts).
+    Order: a cached or shipped profile of this setup (:func:`find_profile`: the same
+    fingerprint, measured for micro-batches at least as long); otherwise a profile for
+    micro-batches up to ``max_len`` tokens (default: the model's context) is measured now (about
+    a minute on a 2-core CPU, see :mod:`.measure`), announced first in one line on stderr
+    (:func:`measuring_line`; ``given``: how the caller passes a profile instead, for that line),
+    its noise line printed after, and cached. The fingerprint holds the CPU ``threads`` the
+    profile is for (default: this process's count, what a trainer rank runs with), the block
+    size and the ``layout`` (``top-k`` for top-k budgets, ``threshold`` for gamma): a profile
+    serves every budget of its layout kind, not another block size or kind (``docs/latency.md``).
     """
     from .measure import measure_profile, noise_line
 
     running = fingerprint(shapes, device, dtype, backend, block_size, threads, layout)
     running["max_len"] = max_len or shapes.max_context
     running["schema"] = SCHEMA
-    key = hashlib.sha1(json.dumps(running, sort_keys=True).encode()).hexdigest()[:12]
-    cache = Path(cache_dir or CACHE_DIR) / f"{shapes.name.replace('/', '_')}-{key}.json"
-    for path in [cache, *sorted(SHIPPED_DIR.glob("*.json"))]:
-        if path.is_file():
-            try:
-                profile = load_profile(path)
-            except ValueError:
-                continue
-            if profile.fingerprint == running:
-                return LatencyModel(profile)
+    cache = cache_path(shapes, running, cache_dir)
+    mine = sorted(cache.parent.glob(f"{cache.name.rsplit('-', 1)[0]}-*.json"))
+    found = find_profile(running, [cache, *mine, *sorted(SHIPPED_DIR.glob("*.json"))])
+    if found is not None:
+        return LatencyModel(found)
+    kept = _cache_writable(cache.parent, given, default=not (cache_dir or CACHE_DIR))
+    print(measuring_line(shapes.name, running, cache, budget_s, given), file=sys.stderr, flush=True)
     profile = measure_profile(
         shapes, device, dtype, backend, block_size, running["max_len"], budget_s, quiet=True,
         threads=running["threads"], layout=layout,
     )  # fmt: skip
-    print(noise_line(profile), file=sys.stderr)
+    redo = (f"to measure again, delete {_home(cache)} and run when the machine is quieter "
+            f"(or pass {given})")  # fmt: skip
+    print(noise_line(profile, redo=redo), file=sys.stderr, flush=True)
     profile.fingerprint["max_len"] = running["max_len"]
     profile.fingerprint["schema"] = SCHEMA
-    profile.save(cache)
+    if kept:
+        profile.save(cache)
     return LatencyModel(profile)
+
+
+def cache_path(shapes: ModelShapes, running: dict, cache_dir: Path | None = None) -> Path:
+    """Where the trainer's cache keeps the profile of the fingerprint ``running``."""
+    key = hashlib.sha1(json.dumps(running, sort_keys=True).encode()).hexdigest()[:12]
+    folder = Path(cache_dir or CACHE_DIR or cache_folder("profiles"))
+    return folder / f"{shapes.name.replace('/', '_')}-{key}.json"
+
+
+def _cache_writable(folder: Path, given: str, default: bool) -> bool:
+    """Whether a profile measured now can be kept in ``folder``. When not (a read-only home),
+    one line says so before the measuring, which goes on: the profile is used, not kept."""
+    why = unwritable(folder)
+    if why is None:
+        return True
+    hint = f"set {CACHE_ENV} to a writable folder" if default else "pass a writable cache_dir"
+    print(
+        f"sparsebalance: the latency profile cache {folder} cannot be written ({why}): the "
+        f"profile measured now is used but not kept, and the next run measures it again; "
+        f"{hint}, or pass {given}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return False
+
+
+def find_profile(running: dict, paths: list[Path]) -> Profile | None:
+    """The first of ``paths`` holding a profile of the setup ``running`` (a fingerprint with
+    ``max_len``), else the one measured for the shortest micro-batches of those that serve it: a
+    profile serves when every field is equal but ``max_len``, which may be larger (its tables and
+    fitted form cover shorter micro-batches as well: the fit weighs every micro-batch by its
+    relative error, the tiny ones of its design included). None when none does; unreadable
+    files are passed over."""
+    setup = {k: v for k, v in running.items() if k != "max_len"}
+    best: Profile | None = None
+    for path in paths:
+        if not path.is_file():
+            continue
+        try:
+            profile = load_profile(path)
+        except ValueError:
+            continue
+        top = profile.fingerprint.get("max_len")
+        theirs = {k: v for k, v in profile.fingerprint.items() if k != "max_len"}
+        if theirs != setup or not isinstance(top, int) or top < running["max_len"]:
+            continue
+        if top == running["max_len"]:
+            return profile
+        if best is None or top < best.fingerprint["max_len"]:
+            best = profile
+    return best
+
+
+def measuring_line(model: str, running: dict, cache: Path, budget_s: float, given: str) -> str:
+    """The line said before a profile is measured: what, about how long, where it is kept, what
+    reuses it, how to skip it."""
+    cpu = running["device_type"] == "cpu"
+    threads = running["threads"]
+    where = f"cpu ({threads} thread{'s' if threads != 1 else ''})" if cpu \
+        else f"{running['device_type']} ({running['device']})"  # fmt: skip
+    kind = "top-k" if running.get("layout") == "top-k" else "gamma"
+    # the timing budget, the pilot and the model's set-up; on CUDA the kernels compile first
+    seconds = 1.4 * budget_s + (0 if cpu else 30)
+    top = running["max_len"]
+    return (
+        f"sparsebalance: measuring a latency profile for {model} on {where}, block size "
+        f"{running['block_size']}, {kind} budgets, micro-batches up to {top:,} tokens: about "
+        f"{seconds:.0f} s; cached in {_home(cache)} for later runs with any {kind} budget and up "
+        f"to {top:,} tokens (another block size or budget kind measures its own); pass {given} "
+        "to skip it"
+    )
+
+
+def _home(path: Path) -> str:
+    """``path`` with the home folder written ``~``."""
+    try:
+        return "~/" + str(Path(path).relative_to(Path.home()))
+    except ValueError:
+        return str(path)
 
 
 def load_cost_model(
@@ -107,6 +192,7 @@ __all__ = [
     "check_profile_fits",
     "context_cost",
     "default_latency_model",
+    "find_profile",
     "fingerprint",
     "links_from_profile",
     "load_cost_model",

@@ -86,7 +86,10 @@ def analytic_profile(
         raise ValueError("efficiency and attention_efficiency must lie in (0, 1]")
     acc = ACCELERATORS[device]
     top = max(2 * shapes.max_context, 4 * block_size)
-    lengths = [block_size * 2**i for i in range(20) if block_size * 2**i <= top]
+    # From one token: documents shorter than a block (a short example, a rank's two-token
+    # filler) are priced by the same counts, not extrapolated outside the tables.
+    short = [2**i for i in range(20) if 2**i < block_size]
+    lengths = short + [block_size * 2**i for i in range(20) if block_size * 2**i <= top]
     dens = np.asarray(DENSITY_GRID)
     length = np.asarray(lengths, float)[:, None]
     pairs = dens[None, :] * (length**2 / 2 + length * block_size / 2)

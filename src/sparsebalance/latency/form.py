@@ -117,13 +117,17 @@ class FormFit:
         return np.asarray(x, float) @ np.asarray(self.coefficients)
 
 
-def fit_form(x: np.ndarray, seconds: np.ndarray, ridge: float = 1e-3) -> FormFit:
+def fit_form(
+    x: np.ndarray, seconds: np.ndarray, ridge: float = 1e-3, floor: Sequence[float] | None = None
+) -> FormFit:
     """Relative-error NNLS of ``seconds (M,)`` on features ``x (M, 5)``, with leave-one-out errors.
 
-    Columns are scaled to unit size first; a small ridge toward zero keeps coefficients that the
-    design does not pin down (collinear columns) from taking extreme values.
+    Columns are scaled to unit size first; a small ridge toward the floor keeps coefficients that
+    the design does not pin down (collinear columns) from taking extreme values. ``floor``: the
+    least each coefficient may be (zeros by default; see :func:`attention_floor`).
     """
     x, y = np.asarray(x, float), np.asarray(seconds, float)
+    lo = np.zeros(x.shape[1] if x.ndim == 2 else 0) if floor is None else np.asarray(floor, float)
     if x.ndim != 2 or x.shape[0] != y.shape[0] or x.shape[0] < 2:
         raise ValueError(f"fit_form: need (M, k) features and (M,) times, M >= 2; got {x.shape}")
     if not np.all(np.isfinite(y) & (y > 0)):
@@ -135,8 +139,8 @@ def fit_form(x: np.ndarray, seconds: np.ndarray, ridge: float = 1e-3) -> FormFit
         a_s = a / scale
         k = a.shape[1]
         a_aug = np.vstack([a_s, np.sqrt(ridge) * np.eye(k)])
-        b_aug = np.concatenate([np.ones(len(rows)), np.zeros(k)])
-        return nnls(a_aug, b_aug) / scale
+        b_aug = np.concatenate([1.0 - a @ lo, np.zeros(k)])  # fit what is above the floor
+        return lo + nnls(a_aug, b_aug) / scale
 
     coef = solve(np.arange(len(y)))
     loo = []
@@ -153,6 +157,7 @@ def fit_form_robust(
     noise: float = 0.0,
     threshold: float = 3.5,
     max_share: float = 0.2,
+    floor: Sequence[float] | None = None,
 ) -> tuple[FormFit, list[int]]:
     """:func:`fit_form`, then drop the micro-batches whose relative residual is beyond
     ``threshold`` x a robust scale (1.4826 x the median absolute residual, at least ``noise``,
@@ -161,7 +166,7 @@ def fit_form_robust(
     fit and the dropped indices (a burst of load that hit every round of one micro-batch passes
     the median over rounds; it does not pass this)."""
     x, y = np.asarray(x, float), np.asarray(seconds, float)
-    fit = fit_form(x, y)
+    fit = fit_form(x, y, floor=floor)
     resid = fit.predict(x) / y - 1.0
     scale = max(1.4826 * float(np.median(np.abs(resid))), noise, 1e-12)
     limit = min(int(max_share * len(y)), len(y) - x.shape[1] - 2)
@@ -170,7 +175,22 @@ def fit_form_robust(
     if not dropped:
         return fit, []
     keep = np.setdiff1d(np.arange(len(y)), dropped)
-    return fit_form(x[keep], y[keep]), dropped
+    return fit_form(x[keep], y[keep], floor=floor), dropped
+
+
+def attention_floor(
+    per_token_seconds: float, token_flops: float, heads: int, head_dim: int, block_size: int
+) -> float:
+    """The least the attention coefficient ``a`` (seconds per kept block pair and layer) can be:
+    a kept pair is ``14 B^2 d H`` FLOPs forward + backward (two matmuls forward, five backward),
+    and attention is taken to run at no more than 4x the FLOP rate the rest of the model reaches
+    (``token_flops`` per token in ``per_token_seconds``). Timing noise can hide the attention
+    term of a short, quick profile entirely (NNLS puts it at 0); a profile that prices attention
+    at nothing would let DST raise every budget for free."""
+    if per_token_seconds <= 0 or token_flops <= 0:
+        return 0.0
+    pair_flops = 14.0 * block_size * block_size * head_dim * heads
+    return 0.25 * pair_flops * per_token_seconds / token_flops
 
 
 def density_grid() -> list[float]:

@@ -41,7 +41,7 @@ from ..ops.flex_config import check_flex_block_size
 from ..precision import DTYPES
 from ..timing import median_time, torch_threads
 from .crossover import measure_dense_crossover
-from .form import FEATURES, features, fit_form_robust, form_tables, nnls
+from .form import FEATURES, attention_floor, features, fit_form_robust, form_tables, nnls
 from .model import LatencyModel
 from .profile import AttentionTable, Profile, Table1D, fingerprint
 from .proxy import ProxyModel
@@ -160,6 +160,12 @@ def _measure_profile(
         y = np.concatenate([y, more.median])
         timings.seconds = np.hstack([timings.seconds, more.seconds])
     fit, rejected = fit_form_robust(x, y, noise=float(np.median(timings.cv)))
+    token_flops = 6.0 * (nl * shapes.layer_params() + _head_params(shapes))
+    a_min = attention_floor(fit.coefficients[1], token_flops, shapes.num_heads, shapes.head_dim,
+                            block_size)  # fmt: skip
+    if fit.coefficients[0] < a_min:  # noise hid the attention term: keep it priced
+        floor = [a_min, 0.0, 0.0, 0.0, 0.0]
+        fit, rejected = fit_form_robust(x, y, noise=float(np.median(timings.cv)), floor=floor)
     t_design = time.perf_counter() - t_start - t_pilot
     opt_s, num_params = _optimizer_seconds(model, device)
     allreduce = (
@@ -196,9 +202,14 @@ def _measure_profile(
     return profile
 
 
-def noise_line(profile: Profile, target: float = TARGET_MAPE) -> str:
+def noise_line(
+    profile: Profile,
+    target: float = TARGET_MAPE,
+    redo: str = "to measure again, rerun `sparsebalance profile` when the machine is quieter",
+) -> str:
     """One line: the timing noise and the fit's own leave-one-out error, and whether ``target``
-    MAPE is reachable on this machine now."""
+    MAPE is reachable on this machine now; when not, what that means for the run and what to do
+    (``redo``: how to measure again)."""
     n, f = profile.noise, profile.fit
     if not n or not f:
         return "profile: no noise measurement (analytic or schema-1 profile)"
@@ -212,8 +223,11 @@ def noise_line(profile: Profile, target: float = TARGET_MAPE) -> str:
     # A median of 3 timings has about 0.6x the spread of one; |N(0, s)| averages 0.8 s.
     floor = 0.8 * 0.6 * cv
     if floor > target:
-        return head + (f"; the {100 * target:.0f} % target is NOT reachable at this noise "
-                       "(rerun on a quieter machine)")  # fmt: skip
+        return head + (
+            f"; this noise keeps predictions from the {100 * target:.0f} % target: SAB's plans "
+            "and DST's budgets rest on a rough profile, so expect less balance (online "
+            f"recalibration corrects its overall level during training, not relative costs); {redo}"
+        )
     if loo > target:
         return head + (
             f"; above the {100 * target:.0f} % target (too few points for this noise, "

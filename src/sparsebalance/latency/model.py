@@ -3,19 +3,20 @@
 ``predict = s_attn * sum_layers sum_docs attn(L, d) + s_other * layers * other(tokens)
 + s_head * head(tokens)``. Inside the profiled grid, attention is interpolated as a power law in
 length and linearly in density (exact at grid points, monotone in both); outside it, an analytic
-fit ``c0 + c1 L + c2 d L^2`` anchored at the grid edge takes over, with one warning. Predictions are
-never NaN or negative. Batched prediction is pure numpy (10,000 micro-batches in milliseconds).
+fit ``c0 + c1 L + c2 d L^2`` anchored at the grid edge takes over, with one warning per model
+naming the inputs and the grid (:class:`OutsideGridWarning`). Predictions are never NaN or
+negative. Batched prediction is pure numpy (10,000 micro-batches in milliseconds).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from .calibration import RecursiveScales
-from .profile import Profile
+from .profile import Profile, user_stacklevel
 
 _FLOOR = 1e-9  # seconds: predictions stay strictly positive
 
@@ -34,6 +35,17 @@ def _monotone(table: np.ndarray) -> np.ndarray:
     for axis in range(table.ndim):
         table = np.maximum.accumulate(table, axis=axis)
     return np.maximum(table, _FLOOR)
+
+
+def _span(what: str, values: np.ndarray, grid_lo: float, grid_hi: float) -> str:
+    """``document lengths 2..16 (grid 32..16,384)``: the range of ``values`` against the grid's."""
+    lo, hi = _num(values.min()), _num(values.max())
+    return f"{what} {lo}..{hi} (grid {_num(grid_lo)}..{_num(grid_hi)})"
+
+
+def _num(x) -> str:
+    x = float(x)
+    return f"{int(x):,}" if x == int(x) and abs(x) >= 1 else f"{x:.3g}"
 
 
 class LatencyModel:
@@ -75,22 +87,33 @@ class LatencyModel:
         out = np.interp(tokens, x, y)
         outside = (tokens < x[0]) | (tokens > x[-1])
         if outside.any():
-            self._warn_outside()
+            self._warn_outside(lambda: [_span("micro-batch tokens", tokens[outside], x[0], x[-1])])
             edge = np.where(tokens < x[0], x[0], x[-1])
             out = np.where(outside, np.interp(edge, x, y) + slope * (tokens - edge), out)
         return np.maximum(out, _FLOOR)
 
-    def _warn_outside(self) -> None:
+    def _outside_documents(self, lengths: np.ndarray, densities: np.ndarray) -> list[str]:
+        """What of these documents lies outside the attention table: lengths beyond its lengths,
+        densities below its first density (for :meth:`_warn_outside`)."""
+        out = []
+        far = (lengths < self._len[0]) | (lengths > self._len[-1])
+        if far.any():
+            out.append(_span("document lengths", lengths[far], self._len[0], self._len[-1]))
+        low = densities < self._dens[0]
+        if low.any():
+            out.append(_span("densities", densities[low], self._dens[0], 1.0))
+        return out
+
+    def _warn_outside(self, parts: Callable[[], list[str]]) -> None:
+        """One :class:`OutsideGridWarning` per model, naming the inputs (the first ones seen;
+        ``parts`` is called only then: later calls cost nothing)."""
         if not self._warned:
             self._warned = True
-            tok = self._other[0]
             warnings.warn(
-                "latency model: some inputs lie outside the profiled grid "
-                f"(lengths {int(self._len[0])}..{int(self._len[-1])}, densities "
-                f"{self._dens[0]:g}..1, tokens {int(tok[0])}..{int(tok[-1])});"
-                " using the fitted analytic form there",
+                "latency model: inputs outside the profiled grid, priced by the fitted analytic "
+                f"form there (said once per model): {'; '.join(parts())}",
                 OutsideGridWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
     def _attention(self, lengths: np.ndarray, densities: np.ndarray) -> np.ndarray:
@@ -114,7 +137,7 @@ class LatencyModel:
         out = at(dj) * (1 - wd) + at(dj + 1) * wd  # linear in density (extrapolates below dmin)
         outside = (lengths != inside_l) | (densities < self._dens[0])
         if outside.any():
-            self._warn_outside()
+            self._warn_outside(lambda: self._outside_documents(lengths, densities))
             ratio = self._outside_ratio(lengths, inside_l, densities)
             out = np.where(lengths != inside_l, out * ratio, out)
         return np.maximum(out, _FLOOR)
@@ -290,7 +313,7 @@ class PreparedLengths:
         out = flat[pos] * (1 - wd) + flat[pos + 1] * wd
         below = d < m._dens[0]
         if self._outside_l.any() or below.any():
-            m._warn_outside()
+            m._warn_outside(lambda: m._outside_documents(self._lengths, d))
             o = self._outside_l
             if o.any():
                 out[o] = out[o] * m._outside_ratio(self._lengths[o], self._inside[o], d[o])

@@ -19,6 +19,8 @@ still load; the trainer's profile cache only reuses schema-2 entries.
 from __future__ import annotations
 
 import json
+import os
+import sys
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -202,23 +204,62 @@ class Profile:
         # concurrent writers (ranks, runs sharing the cache) each write a temporary of their own
         write_text_atomic(path, json.dumps(self.to_json(), indent=1) + "\n")
 
-    def check_fingerprint(self, running: dict, strict: bool = False) -> list[str]:
-        """Compare with the running setup: warn (or raise with ``strict``) on differences."""
-        diffs = [
-            f"{key}: profile {self.fingerprint.get(key)!r} vs running {running.get(key)!r}"
-            for key in sorted(set(self.fingerprint) | set(running))
-            if self.fingerprint.get(key) != running.get(key)
-        ]
-        if diffs:
-            msg = "latency profile was measured on another setup (" + "; ".join(diffs) + ")"
-            if strict:
-                raise ValueError(msg + "; re-run `sparsebalance profile` or drop --strict")
-            warnings.warn(
-                msg + "; predictions start from it and online recalibration adapts them",
-                ProfileMismatchWarning,
-                stacklevel=2,
-            )
+    def check_fingerprint(
+        self, running: dict, strict: bool = False, where: str = "latency profile"
+    ) -> list[str]:
+        """Compare with the running setup: warn (or raise with ``strict``) in one line naming
+        the fields that differ; returns them (``"threads 2 vs 1"``).
+
+        Not compared: :data:`BOOKKEEPING` (the cache's ``max_len`` and ``schema``). An analytic
+        profile (FLOP counts of a named accelerator) differs from every machine it runs on by
+        design (device, dtype, backend, threads, layout): what it must match, the model shapes
+        and the block size, :func:`check_profile_fits` refuses; the rest is returned but not
+        warned about (``strict`` still raises). ``where``: how the line names the profile."""
+        keys = sorted((set(self.fingerprint) | set(running)) - set(BOOKKEEPING))
+        diffs = [_difference(key, self.fingerprint.get(key), running.get(key))
+                 for key in keys if self.fingerprint.get(key) != running.get(key)]  # fmt: skip
+        if not diffs:
+            return diffs
+        msg = f"{where} was measured on another setup: {', '.join(diffs)} (profile vs this run)"
+        if strict:
+            raise ValueError(msg + "; re-run `sparsebalance profile` or drop --strict")
+        if self.fingerprint.get("analytic") is not True:
+            warnings.warn(msg + "; predictions start from it and online recalibration adapts them",
+                          ProfileMismatchWarning, stacklevel=user_stacklevel())  # fmt: skip
         return diffs
+
+
+BOOKKEEPING = ("max_len", "schema")
+"""Fingerprint fields of the trainer's cache that are no part of the setup: ``max_len`` (the
+longest micro-batch the profile was measured for; longer ones are priced by its fitted form) and
+the file's schema (checked when it is read)."""
+
+
+def _difference(key: str, theirs, mine) -> str:
+    """``threads 2 vs 1``; the field's name alone where a value would not fit a short line (a
+    CPU's name, the model shapes)."""
+    if all(v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 16)
+           for v in (theirs, mine)):  # fmt: skip
+        return f"{key} {_short(theirs)} vs {_short(mine)}"
+    return key
+
+
+def _short(value) -> str:
+    return "none" if value is None else str(value)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` in the function calling this one that names
+    the first frame outside the sparsebalance package: the user's line that led to the warning
+    (``sparsebalance.hf.enable(...)``), not a line of the library (2, the caller's caller, when
+    every frame is the package's)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def _is_number(value) -> bool:

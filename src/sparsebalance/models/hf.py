@@ -4,6 +4,8 @@ from a local directory (safetensors). Never a hub download."""
 from __future__ import annotations
 
 import json
+import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -47,12 +49,45 @@ def build_model(
             )
         has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
         if has_weights:
-            net = AutoModelForCausalLM.from_pretrained(
-                path, local_files_only=True, attn_implementation=attn_implementation,
-                dtype=dtype,
-            )  # fmt: skip
+            try:
+                net = AutoModelForCausalLM.from_pretrained(
+                    path, local_files_only=True, attn_implementation=attn_implementation,
+                    dtype=dtype,
+                )  # fmt: skip
+            except pickle.UnpicklingError as err:  # torch's safe loader refused a .bin file
+                raise ValueError(_refused_pickle(model, path, err)) from None
         else:
             config = AutoConfig.from_pretrained(path, local_files_only=True)
             torch.manual_seed(seed)
             net = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return net.to(device=device, dtype=dtype)
+
+
+def _refused_pickle(model: str, folder: Path, err: pickle.UnpicklingError) -> str:
+    """One line for a ``pytorch_model.bin`` that torch's safe loader refused: it names the file
+    and what it holds, and points at safetensors (torch's own message suggests turning the safe
+    loader off, which would run whatever the file holds)."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(err))
+    holds = f" ({found.group(1)})" if found else ""
+    culprit = _unsafe_file(folder) or folder
+    return (
+        f"--model {model}: {culprit} refused: it holds objects{holds} that torch's safe loader "
+        "does not allow, so loading it could run code; nothing of it was loaded. Use the "
+        "model's weights as safetensors (model.safetensors; from a copy you trust, "
+        "model.save_pretrained(DIR, safe_serialization=True) writes them)"
+    )
+
+
+def _unsafe_file(folder: Path) -> Path | None:
+    """The first ``*.bin`` in ``folder`` that torch's safe loader refuses (None if none does).
+    Only on the error path: each file is mapped, not read, where torch can map it."""
+    for f in sorted(folder.glob("*.bin")):
+        for mmap in (True, False):  # files of torch's old format cannot be mapped
+            try:
+                torch.load(f, map_location="cpu", weights_only=True, mmap=mmap)
+            except pickle.UnpicklingError:
+                return f
+            except Exception:  # not the refusal: a damaged or unmappable file
+                continue
+            break
+    return None

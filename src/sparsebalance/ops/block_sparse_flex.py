@@ -36,6 +36,7 @@ hit anyway, the call fails loudly instead of silently running flex eagerly, whic
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
@@ -51,6 +52,24 @@ def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=True)
+
+
+_ANNOUNCED: set[tuple[torch.dtype, bool]] = set()
+
+
+def _announce_compile(dtype: torch.dtype, grad: bool) -> None:
+    """One line on stderr (rank 0) before the first call of each graph compiles it: a silent
+    wait of several seconds (~17 s for forward and backward on an H100's 16-core host)."""
+    if (dtype, grad) in _ANNOUNCED:
+        return
+    _ANNOUNCED.add((dtype, grad))
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    what = "forward and backward" if grad else "forward"
+    print(f"sparsebalance: compiling the block-sparse attention kernel (FlexAttention, "
+          f"{str(dtype).removeprefix('torch.')}, {what}; once per process, ~20 s on a 16-core "
+          "host)", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def padded_length(layout: BlockLayout, static_sizes: tuple[int, ...] = ()) -> int:
@@ -101,6 +120,7 @@ def flex_block_sparse_attention(
     qt, kt, vt = heads_first(q), heads_first(k), heads_first(v)
     if expand:  # contiguous heads-first copies, as measured (K/V repeated to the query heads)
         kt, vt = (x.repeat_interleave(hq // hkv, dim=1) for x in (kt, vt))
+    _announce_compile(qt.dtype, torch.is_grad_enabled() and qt.requires_grad)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         out = kernel(
             _compiled_flex(),

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import watch
+
 ROLES = ("flat", "inner", "outer")
 
 
@@ -51,11 +53,12 @@ class RingGroups:
         ranks = list(range(dist.get_world_size()))
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         groups = {}
-        for role in ROLES:
-            group = dist.new_group(ranks, timeout=timeout)
-            # The first call on a group involves all its ranks (batch_isend_irecv's NCCL rule).
-            dist.all_reduce(torch.zeros(1, device=device), group=group)
-            groups[role] = group
+        with watch.at(where="the ring groups' set-up"):  # a stalled peer: one line, not gloo's
+            for role in ROLES:
+                group = dist.new_group(ranks, timeout=timeout)
+                # The first call on a group involves all its ranks (batch_isend_irecv's NCCL rule).
+                dist.all_reduce(torch.zeros(1, device=device), group=group)
+                groups[role] = group
         return cls(groups, timeout_s)
 
     def group(self, role: str) -> dist.ProcessGroup:

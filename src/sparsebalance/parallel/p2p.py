@@ -73,12 +73,9 @@ class _Pending:
                 continue
             try:
                 req.wait(datetime.timedelta(seconds=self.timeout_s))
-            except RuntimeError as err:
-                first = (str(err).strip().splitlines() or [""])[-1][:200]
-                raise watch.CommTimeout(
-                    f"{watch.waiting_line(dist.get_rank())}: no message from rank {self.peer} "
-                    f"within {self.timeout_s:g} s (--comm-timeout; {first})"
-                ) from err
+            except RuntimeError as err:  # gloo's text is the cause; the line says what it means
+                reason = watch.failure(err, self.timeout_s, self.peer)
+                raise watch.CommTimeout(f"{watch.waiting_line(dist.get_rank())}: {reason}") from err
         end = clock.mark()
         RING_WAITS.pairs.append((start, end))
         if RING_WAITS.device_waits is not None and end.event is not None:

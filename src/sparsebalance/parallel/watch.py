@@ -4,7 +4,18 @@ The step (:mod:`sparsebalance.engine.step`) says which training step runs, the e
 unit, the ring which of its steps; a transfer that does not complete in ``--comm-timeout``
 seconds raises :class:`CommTimeout` with
 
-    rank 0 waiting in unit 3, ring step 1, step 12: no message from rank 1 within 30 s (...)
+    rank 0 waiting in unit 3, ring step 1, step 12: no message from rank 1 within 30 s
+    (--comm-timeout): it is stalled or has died
+
+and a collective that fails inside :func:`at` (the plan agreement, the gradient sync, the
+runtime's barrier / object collectives) the same, naming the collective::
+
+    rank 0 waiting in the plan agreement (all_gather_object), step 2: no message from rank 1
+    within 5 s (--comm-timeout): it is stalled or has died
+
+The backend's own text (gloo's ``[.../unbound_buffer.cc:129] Timed out waiting 5000ms for send
+operation to complete``) is read for what happened (a timeout, a closed connection) and left
+out; it stays the exception's cause.
 
 - gloo (CPU): ``Work.wait(timeout)`` blocks the host, so the wait itself times out.
 - NCCL (CUDA): ``Work.wait()`` only makes the compute stream wait and returns, so a host timeout
@@ -18,6 +29,7 @@ seconds raises :class:`CommTimeout` with
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -40,6 +52,8 @@ class Position:
     ring_step: int | None = None
     where: str | None = None
     """Outside a unit: the stage (``gradient sync``, ``plan agreement``)."""
+    collective: str | None = None
+    """The collective call waiting (``barrier``, ``all_gather_object``), when one is named."""
 
 
 _POSITION: list[Position] = [Position()]
@@ -51,7 +65,8 @@ def position() -> Position:
 
 @contextmanager
 def at(**fields) -> Iterator[Position]:
-    """Inside the block, the position has ``fields`` (step=, unit=, ring_step=, where=). A
+    """Inside the block, the position has ``fields`` (step=, unit=, ring_step=, where=,
+    collective=). A
     communication failure inside (a collective's timeout, a peer gone) leaves as one
     :class:`CommTimeout` line naming where this rank waited; the original is its cause."""
     _POSITION.append(replace(_POSITION[-1], **fields))
@@ -60,10 +75,54 @@ def at(**fields) -> Iterator[Position]:
     except RuntimeError as err:
         if isinstance(err, CommTimeout) or not is_comm_failure(err):
             raise
-        last = (str(err).strip().splitlines() or [""])[-1][:200]
-        raise CommTimeout(f"{waiting_line(_rank(), _POSITION[-1])}: {last}") from err
+        line = f"{waiting_line(_rank(), _POSITION[-1])}: {failure(err, peer=_peers())}"
+        raise CommTimeout(line) from err
     finally:
         _POSITION.pop()
+
+
+_TIMEOUT_S: list[float | None] = [None]
+
+
+def set_comm_timeout(seconds: float | None) -> None:
+    """The process group's timeout (``--comm-timeout``), for lines whose backend text lacks it
+    (:class:`~sparsebalance.engine.runtime.Runtime` sets it when it starts the group)."""
+    _TIMEOUT_S[0] = seconds
+
+
+def failure(
+    err: BaseException, timeout_s: float | None = None, peer: int | str | None = None
+) -> str:
+    """What a communication error means, in a few words, without the backend's source paths:
+    ``no message from rank 1 within 5 s (--comm-timeout): it is stalled or has died`` for a
+    timeout, ``rank 1 closed its connection: it has stopped or died`` for a peer gone;
+    anything else is the backend's text, cleaned. ``peer``: the rank waited for, or a phrase
+    (``one of the other 3 ranks``); ``timeout_s``: when the text lacks it."""
+    text = " ".join(str(err).split())
+    who = "a peer" if peer is None else peer if isinstance(peer, str) else f"rank {peer}"
+    lowered = text.lower()
+    if "timed out" in lowered or "timeout" in lowered:
+        # gloo: "Timed out waiting 5000ms for recv"; NCCL's watchdog: "Timeout(ms)=5000"
+        found = re.search(r"waiting (\d+) ?ms", text) or re.search(r"Timeout\(ms\)=(\d+)", text)
+        seconds = int(found.group(1)) / 1000 if found else timeout_s or _TIMEOUT_S[0]
+        within = f"within {seconds:g} s (--comm-timeout)" if seconds else "within --comm-timeout"
+        return f"no message from {who} {within}: it is stalled or has died"
+    if any(s in lowered for s in ("connection closed", "connection reset", "broken pipe")):
+        return f"{who} closed its connection: it has stopped or died"
+    return re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", text)[:200]
+
+
+def _peers() -> str | None:
+    """Who a collective of the whole world waits for, seen from this rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world, me = dist.get_world_size(), dist.get_rank()
+    others = [r for r in range(world) if r != me]
+    if len(others) == 1:
+        return f"rank {others[0]}"
+    return f"one of the other {len(others)} ranks"
 
 
 def is_comm_failure(err: BaseException) -> bool:
@@ -73,7 +132,9 @@ def is_comm_failure(err: BaseException) -> bool:
     if isinstance(err, getattr(dist, "DistError", ())):
         return True
     text = str(err).lower()
-    return any(s in text for s in ("gloo", "nccl", "timed out", "connection closed"))
+    # "pair closure": gloo's error for every call on a pair after one of its waits timed out
+    signs = ("gloo", "nccl", "timed out", "connection closed", "pair closure")
+    return any(s in text for s in signs)
 
 
 def _rank() -> int:
@@ -93,8 +154,10 @@ def waiting_line(rank: int, pos: Position | None = None) -> str:
     if pos.unit is not None:
         where = f"unit {pos.unit}" + ("" if pos.ring_step is None else
                                       f", ring step {pos.ring_step}")  # fmt: skip
+    elif pos.where is not None:
+        where = pos.where + ("" if pos.collective is None else f" ({pos.collective})")
     else:
-        where = pos.where or "a collective"
+        where = pos.collective or "a collective"
     step = "" if pos.step is None else f", step {pos.step}"
     return f"rank {rank} waiting in {where}{step}"
 

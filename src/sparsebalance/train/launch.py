@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,8 +42,8 @@ def add_stop_grace_argument(p) -> None:
     """``--stop-grace``: how long a stopped run may take to finish its step and save."""
     p.add_argument("--stop-grace", type=float, default=STOP_GRACE, metavar="SECONDS",
                    help="after a first SIGINT/SIGTERM/SIGHUP, how long the ranks may take to "
-                   "finish their step and save a checkpoint before they are killed (default "
-                   f"{STOP_GRACE:g}; torchrun alone would kill them after 30 s)")  # fmt: skip
+                   "finish their step and save a checkpoint before they are killed (torchrun "
+                   "alone would kill them after 30 s)")  # fmt: skip
 
 
 def check_stop_grace(seconds: float) -> None:
@@ -63,6 +64,29 @@ def stop_grace(seconds: float):
         yield
     finally:
         _STOP_GRACE.reset(token)
+
+
+_ON_START: contextvars.ContextVar[Callable[[TrainConfig], None] | None] = contextvars.ContextVar(
+    "on_start", default=None
+)
+
+
+@contextlib.contextmanager
+def on_start(callback: Callable[[TrainConfig], None]):
+    """Inside it, :func:`launch` calls ``callback(cfg)`` (the run's resolved configuration) once
+    the run has passed every check (:func:`preflight`), just before its ranks start: a command
+    says a run started only when it does, never before a refusal."""
+    token = _ON_START.set(callback)
+    try:
+        yield
+    finally:
+        _ON_START.reset(token)
+
+
+def _started(cfg: TrainConfig) -> None:
+    callback = _ON_START.get()
+    if callback is not None:
+        callback(cfg)
 
 
 def add_nproc_argument(p) -> None:
@@ -221,7 +245,7 @@ def overlong_note(cfg: TrainConfig, lengths, num_ranks: int) -> str | None:
     cap = int(cfg.capacity)
     if cfg.strategy == "sab-cp":
         k = cfg.cp or num_ranks
-        limit, what = k * cap, f"{k} ranks x --capacity {cap}"
+        limit, what = k * cap, f"{k} ranks x --capacity {cap} = {k * cap} tokens"
     else:
         limit, what = cap, f"--capacity {cap}"
     over = int((lengths > limit).sum())
@@ -238,7 +262,7 @@ def overlong_note(cfg: TrainConfig, lengths, num_ranks: int) -> str | None:
         why = "CP units need >= 2 ranks"
     else:
         why = "--strategy sab-cp would train them whole over several ranks"
-    return (f"{over} of {lengths.size} documents are longer than {what} = {limit} tokens: "
+    return (f"{over} of {lengths.size} documents are longer than {what}: "
             f"--overlong {cfg.overlong}: {fate} ({why})")  # fmt: skip
 
 
@@ -282,6 +306,7 @@ def launch(
             if complete is not None:
                 print(f"sparsebalance train: {complete}", file=sys.stderr, flush=True)
                 return False
+            _started(cfg)
             cfg_path = out / "launch-config.json"
             cfg_path.write_text(json.dumps(to_record(cfg), indent=1) + "\n")  # whole nested config
             worker = ["-m", "sparsebalance.train", "--config", str(cfg_path)]
@@ -321,6 +346,7 @@ def launch_follower(
         worker = ["-m", "sparsebalance.train", "--config", str(cfg_path)]
         cmd = [sys.executable, "-c", TORCHRUN, *rdzv.torchrun_args(nproc), *worker]
         env = {**os.environ, ENV_TOKEN: FOLLOW, LAUNCHER_PID: str(os.getpid())}
+        _started(cfg)
         rc = supervise(cmd, env, stop_grace, torchrun=True)
     check_exit(rc)
     return True

@@ -39,6 +39,48 @@ def load_trained_model(
     if ckpt is None:  # a built-in name, or a Hugging Face folder (its own map, if it has one)
         here = [path / "vocab_map.json"] if path.is_dir() else []
         return build_model(model, device, dtype), read_vocab_map(vocab_map, here)
+    if ckpt == path:  # a checkpoint folder, named
+        try:
+            return _from_checkpoint(ckpt, device, dtype, base, vocab_map)
+        except (ValueError, OSError) as err:
+            if not (ckpt / "model.pt").is_file():
+                raise ValueError(
+                    f"--model {ckpt}: the checkpoint was removed while it was read (pruned by a "
+                    "run still training?): retry, or give the run folder to read its newest one"
+                ) from None
+            raise _one_line(ckpt, err) from None
+    # A run folder: the run may still be training, saving a checkpoint and pruning the oldest
+    # while this reads. A checkpoint that fails to read is looked for again: pruned (or replaced)
+    # meanwhile, the look gives a newer one, read instead; the same one: the failure is its own.
+    for _ in range(_RELOOKS):
+        try:
+            return _from_checkpoint(ckpt, device, dtype, base, vocab_map)
+        except (ValueError, OSError) as err:
+            again = find_weights(path)
+            if again == ckpt:
+                raise _one_line(ckpt, err) from None
+            if again is None:
+                raise ValueError(
+                    f"--model {path}: {ckpt.name} was removed while it was read, and the run "
+                    "folder holds no other checkpoint"
+                ) from None
+            ckpt = again
+    raise ValueError(
+        f"--model {path}: its newest checkpoint was pruned while it was read, {_RELOOKS} times "
+        "in a row (the run saves and prunes faster than it can be read): retry"
+    )
+
+
+_RELOOKS = 5
+"""Checkpoints of a run folder read in a row before giving up (each pruned while read)."""
+
+
+def _from_checkpoint(
+    ckpt: Path, device, dtype, base: str | None, vocab_map: str | None
+) -> tuple[torch.nn.Module, dict[int, int] | None]:
+    """The model and vocabulary map of the checkpoint folder ``ckpt``, every file read once."""
+    from ..models.hf import build_model
+
     meta_file = ckpt / "meta.json"
     try:
         meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
@@ -47,6 +89,8 @@ def load_trained_model(
     base = base or meta.get("model")
     if base is None:
         raise ValueError(f"--model {ckpt}: a trainer checkpoint; give its base model with --base")
+    candidates = [ckpt / "vocab_map.json", ckpt.parent.parent / "vocab_map.json"]
+    vmap = read_vocab_map(vocab_map, candidates)
     state = load_weights(ckpt, device)  # checksums first: a damaged file is never evaluated
     net = build_model(base, device, dtype)
     try:
@@ -55,8 +99,14 @@ def load_trained_model(
         first = str(err).strip().splitlines()[0]
         raise ValueError(f"--model {ckpt}: its weights do not fit the base model {base!r} "
                          f"({first})") from None  # fmt: skip
-    candidates = [ckpt / "vocab_map.json", ckpt.parent.parent / "vocab_map.json"]
-    return net, read_vocab_map(vocab_map, candidates)
+    return net, vmap
+
+
+def _one_line(ckpt: Path, err: BaseException) -> ValueError:
+    """``err`` as the one line ``eval`` prints (an ``OSError`` of a file named in it)."""
+    if isinstance(err, ValueError):
+        return err
+    return ValueError(f"checkpoint {ckpt}: unreadable ({err})")
 
 
 def find_weights(path: Path) -> Path | None:
