@@ -68,17 +68,13 @@ from sparsebalance.tuning import DSTConfig
 VARIANTS: dict[str, dict] = {
     "fixed-K": dict(strategy="tokens", budget="top-k", k=1.0, mode="off"),
     "fixed-K/2": dict(strategy="tokens", budget="top-k", k=0.5, mode="off"),
-    "dst-mean-p0.1": dict(strategy="tokens", budget="top-k", k=1.0, mode="bidirectional",
-                          anchor="mean", p=0.1),
-    "dst-mean-p0.2": dict(strategy="tokens", budget="top-k", k=1.0, mode="bidirectional",
-                          anchor="mean", p=0.2),
-    "dst-min-p0.1": dict(strategy="tokens", budget="top-k", k=1.0, mode="bidirectional",
-                         anchor="min", p=0.1),
-    "sab-dst-mean-p0.1": dict(strategy="sab", budget="top-k", k=1.0, mode="bidirectional",
-                              anchor="mean", p=0.1),
+    "dst-mean-p0.1": dict(strategy="tokens", budget="top-k", k=1.0, mode="bidirectional", anchor="mean", p=0.1),
+    "dst-mean-p0.2": dict(strategy="tokens", budget="top-k", k=1.0, mode="bidirectional", anchor="mean", p=0.2),
+    "dst-min-p0.1": dict(strategy="tokens", budget="top-k", k=1.0, mode="bidirectional", anchor="min", p=0.1),
+    "sab-dst-mean-p0.1": dict(strategy="sab", budget="top-k", k=1.0, mode="bidirectional", anchor="mean", p=0.1),
     "gamma-rule": dict(strategy="sab", budget="gamma", mode="bidirectional", anchor="mean"),
     "dense": dict(strategy="tokens", budget="dense", mode="off"),
-}  # fmt: skip
+}
 DEFAULT_VARIANTS = [v for v in VARIANTS if v != "dense"]
 GAMMA0 = 0.9
 
@@ -131,10 +127,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(resume an interrupted grid with the same arguments; two processes can share a grid, "
         "one with --reverse)",
     )
-    p.add_argument(
-        "--reverse", action="store_true", help="walk the grid from its last run (see --records)"
-    )
-    args = p.parse_args(argv)  # fmt: skip
+    p.add_argument("--reverse", action="store_true", help="walk the grid from its last run (see --records)")
+    args = p.parse_args(argv)
     if args.out is None and not args.quick:
         args.out = "benchmarks/results"
     if args.quick:
@@ -177,8 +171,7 @@ def dst_config(name: str, args) -> DSTConfig:
     tokens = int(v["k"] * args.k_base) * args.block_size
     if v["mode"] == "off":
         return DSTConfig(mode="off", budget="top-k", budget_tokens=tokens)
-    return DSTConfig(mode=v["mode"], anchor=v["anchor"], p=v["p"], budget="top-k",
-                     budget_tokens=tokens)  # fmt: skip
+    return DSTConfig(mode=v["mode"], anchor=v["anchor"], p=v["p"], budget="top-k", budget_tokens=tokens)
 
 
 def describe(name: str, args) -> str:
@@ -208,9 +201,7 @@ def write_data(path: Path, args, encode) -> dict[str, int]:
     with path.open("w") as f:
         for i, n in enumerate(lengths):
             task = TASKS[int(rng.integers(len(TASKS)))]
-            ex = BUILDERS[task](
-                np.random.default_rng([29, i]), int(n), encode, "train", float(rng.uniform())
-            )
+            ex = BUILDERS[task](np.random.default_rng([29, i]), int(n), encode, "train", float(rng.uniform()))
             f.write(json.dumps({"text": ex.text}) + "\n")
             counts[task] = counts.get(task, 0) + 1
     return counts
@@ -224,8 +215,7 @@ def train_metrics(results, base: float) -> dict:
     roles = {"cut": 0, "raised": 0, "kept": 0}
     for rec in recs:
         roles[rec.dst_role] = roles.get(rec.dst_role, 0) + 1
-    pred_eff = [np.mean([x.predicted_s for x in r.records]) / max(x.predicted_s for x in
-                r.records) for r in results]  # fmt: skip
+    pred_eff = [np.mean([x.predicted_s for x in r.records]) / max(x.predicted_s for x in r.records) for r in results]
     return {
         "density": float(np.mean([s.mean_density for s in sums])),
         "predicted_step_s": float(np.mean([s.predicted_max_s for s in sums])),
@@ -246,13 +236,26 @@ def train_metrics(results, base: float) -> dict:
 def continue_training(args, name, seed, data, pretrained, vocab_map, work, tokenizer) -> dict:
     """Train variant ``name`` with ``seed``; choose a checkpoint on dev; evaluate it on test."""
     cfg = TrainConfig(
-        model=str(pretrained), data=str(data), min_len=1, steps=args.steps,
-        global_batch=args.global_batch, capacity=args.capacity,
-        strategy=VARIANTS[name]["strategy"], block_size=args.block_size, backend="torch",
-        lr=args.lr, warmup_steps=args.warmup_steps, schedule="cosine", seed=seed,
-        deterministic=True, emulate_ranks=args.ranks, device="cpu",
-        out=str(work / "run"), dst=dst_config(name, args), overwrite=True,
-    )  # fmt: skip
+        model=str(pretrained),
+        data=str(data),
+        min_len=1,
+        steps=args.steps,
+        global_batch=args.global_batch,
+        capacity=args.capacity,
+        strategy=VARIANTS[name]["strategy"],
+        block_size=args.block_size,
+        backend="torch",
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        schedule="cosine",
+        seed=seed,
+        deterministic=True,
+        emulate_ranks=args.ranks,
+        device="cpu",
+        out=str(work / "run"),
+        dst=dst_config(name, args),
+        overwrite=True,
+    )
     t0 = time.perf_counter()
     trainer = Trainer(cfg, Runtime(0, 1, torch.device("cpu")))
     apply_vocabulary(trainer.corpus, vocab_map)  # the checkpoint's ids, eval-split keys included
@@ -273,33 +276,35 @@ def continue_training(args, name, seed, data, pretrained, vocab_map, work, token
     dev = {}
     for step, (state, _) in snapshots.items():
         model.load_state_dict(state)
-        dev[step] = scores(model, vocab_map, tokenizer, own, args.eval_lengths,
-                           args.dev_examples, DEV_SEED, args.block_size)["mean_em"]  # fmt: skip
+        dev[step] = scores(
+            model, vocab_map, tokenizer, own, args.eval_lengths, args.dev_examples, DEV_SEED, args.block_size
+        )["mean_em"]
     chosen = max(dev, key=lambda s: (dev[s], s))  # ties: the later checkpoint
     state, bins = snapshots[chosen]
     model.load_state_dict(state)
     tuner_base = float(trainer.tuner.knob.base)
     record = {
-        "variant": name, "seed": seed, "train_wall_s": train_s, "chosen_step": chosen,
-        "dev_mean_em": {str(s): v for s, v in dev.items()}, "final_bins": bins,
+        "variant": name,
+        "seed": seed,
+        "train_wall_s": train_s,
+        "chosen_step": chosen,
+        "dev_mean_em": {str(s): v for s, v in dev.items()},
+        "final_bins": bins,
         "unknown_tokens": int(trainer.corpus.meta.get("unknown_tokens", 0)),
         "latency_profile": hashlib.sha256(profile).hexdigest()[:16],
-        "train": train_metrics(results, tuner_base), "eval": {},
-    }  # fmt: skip
+        "train": train_metrics(results, tuner_base),
+        "eval": {},
+    }
     lengths = args.eval_lengths
-    record["eval"]["dense"] = evaluate(model, vocab_map, tokenizer, DENSE, lengths,
-                                       args.eval_examples, args)  # fmt: skip
+    record["eval"]["dense"] = evaluate(model, vocab_map, tokenizer, DENSE, lengths, args.eval_examples, args)
     if own.is_dense:
         record["eval"]["base"] = record["eval"]["dense"]
     else:
-        record["eval"]["base"] = evaluate(model, vocab_map, tokenizer, own, lengths,
-                                          args.eval_examples, args)  # fmt: skip
+        record["eval"]["base"] = evaluate(model, vocab_map, tokenizer, own, lengths, args.eval_examples, args)
     if bins is not None and VARIANTS[name]["mode"] != "off":
         spec = BinBudget(bins, own.top_k)
-        record["eval"]["final"] = evaluate(model, vocab_map, tokenizer, spec, lengths,
-                                           args.eval_examples, args)  # fmt: skip
-        record["eval"]["final"]["analytic_density"] = analytic_density(
-            spec, lengths, args.block_size)  # fmt: skip
+        record["eval"]["final"] = evaluate(model, vocab_map, tokenizer, spec, lengths, args.eval_examples, args)
+        record["eval"]["final"]["analytic_density"] = analytic_density(spec, lengths, args.block_size)
     else:  # a fixed budget ends where it started
         record["eval"]["final"] = record["eval"]["base"]
     record["run_wall_s"] = time.perf_counter() - t0  # training, dev choice and test evaluation
@@ -311,16 +316,25 @@ def baseline(pretrained: Path, tokenizer, args) -> dict:
     k (what K was chosen from: dev examples only)."""
     model, vmap = load_trained_model(str(pretrained), vocab_map=str(pretrained / "vocab_map.json"))
     k = args.k_base
-    specs = {"dense": DENSE, f"top-k {k}": Budget(top_k=k), f"top-k {k // 2}": Budget(top_k=k // 2),
-             f"gamma {GAMMA0}": Budget(gamma=GAMMA0)}  # fmt: skip
-    test = {n: evaluate(model, vmap, tokenizer, s, args.eval_lengths, args.eval_examples, args)
-            for n, s in specs.items()}  # fmt: skip
+    specs = {
+        "dense": DENSE,
+        f"top-k {k}": Budget(top_k=k),
+        f"top-k {k // 2}": Budget(top_k=k // 2),
+        f"gamma {GAMMA0}": Budget(gamma=GAMMA0),
+    }
+    test = {
+        n: evaluate(model, vmap, tokenizer, s, args.eval_lengths, args.eval_examples, args) for n, s in specs.items()
+    }
     sweep = {}
     for kk in args.sweep:
-        ev = scores(model, vmap, tokenizer, Budget(top_k=kk), args.eval_lengths,
-                    args.dev_examples, DEV_SEED, args.block_size)  # fmt: skip
-        sweep[str(kk)] = {"mean_em": ev["mean_em"], "density": ev["eval_density"],
-                          **{t: ev[t]["by_length"] for t in TASKS}}  # fmt: skip
+        ev = scores(
+            model, vmap, tokenizer, Budget(top_k=kk), args.eval_lengths, args.dev_examples, DEV_SEED, args.block_size
+        )
+        sweep[str(kk)] = {
+            "mean_em": ev["mean_em"],
+            "density": ev["eval_density"],
+            **{t: ev[t]["by_length"] for t in TASKS},
+        }
     return {"test": test, "dev_sweep": sweep}
 
 
@@ -371,24 +385,33 @@ def main(argv=None) -> int:
         work = Path(tmp)
         pretrained = Path(args.pretrained) if args.pretrained else work / "pretrained"
         if not args.pretrained:
-            over = {"stages": ((128, 256, 4),), "eval_lengths": (256,), "eval_examples": 1,
-                    "eval_every": 0, "test_examples": 0} if args.quick else {}  # fmt: skip
+            over = (
+                {
+                    "stages": ((128, 256, 4),),
+                    "eval_lengths": (256,),
+                    "eval_examples": 1,
+                    "eval_every": 0,
+                    "test_examples": 0,
+                }
+                if args.quick
+                else {}
+            )
             cfg = load_config(args.pretrain_config, over)
             print(f"pretraining {args.pretrain_config} -> {pretrained}", flush=True)
             pretrain(cfg, pretrained)
         elif not (pretrained / "vocab_map.json").is_file():
             raise ValueError(f"--pretrained {pretrained}: no vocab_map.json (not step 1's output)")
-        vmap = {
-            int(a): b for a, b in json.loads((pretrained / "vocab_map.json").read_text()).items()
-        }
+        vmap = {int(a): b for a, b in json.loads((pretrained / "vocab_map.json").read_text()).items()}
         data = work / "continuation.jsonl"
         task_counts = write_data(data, args, tokenizer.encode)
         base = baseline(pretrained, tokenizer, args)
-        print("pretrained checkpoint (test EM):",
-              json.dumps({n: round(e["mean_em"], 3) for n, e in base["test"].items()}),
-              "| dev sweep of k:",
-              json.dumps({k: round(e["mean_em"], 3) for k, e in base["dev_sweep"].items()}),
-              flush=True)  # fmt: skip
+        print(
+            "pretrained checkpoint (test EM):",
+            json.dumps({n: round(e["mean_em"], 3) for n, e in base["test"].items()}),
+            "| dev sweep of k:",
+            json.dumps({k: round(e["mean_em"], 3) for k, e in base["dev_sweep"].items()}),
+            flush=True,
+        )
         key, ckpt = _run_key(args), _checkpoint_id(pretrained)
         cells = [(name, seed) for seed in range(args.seeds) for name in args.variants]
         total, ran = len(cells), {}
@@ -397,21 +420,22 @@ def main(argv=None) -> int:
         for name, seed in reversed(cells) if args.reverse else cells:
             if (name, seed) in _load_records(args.records, key, ckpt):  # another's, or earlier
                 continue
-            rec = continue_training(args, name, seed, data, pretrained, vmap,
-                                    work / name.replace("/", "_"), tokenizer)  # fmt: skip
+            rec = continue_training(args, name, seed, data, pretrained, vmap, work / name.replace("/", "_"), tokenizer)
             rec["checkpoint"] = ckpt
             ran[name, seed] = rec
             if args.records is not None:
                 with args.records.open("a") as f:
                     f.write(json.dumps({"run_key": key, **rec}) + "\n")
             tr, ev = rec["train"], rec["eval"]
-            print(f"[{len(ran)} here, {total} in the grid, {time.perf_counter() - start:5.0f}s] "
-                  f"{name:18s} s{seed}: density {tr['density']:.3f}, pred step "
-                  f"{tr['predicted_step_s']:.4f}s, roles {tr['roles']}, k "
-                  f"[{tr['budget_min']:.3g}, {tr['budget_max']:.3g}], ckpt "
-                  f"{rec['chosen_step']} | EM dense {ev['dense']['mean_em']:.3f} base "
-                  f"{ev['base']['mean_em']:.3f} final {ev['final']['mean_em']:.3f}",
-                  flush=True)  # fmt: skip
+            print(
+                f"[{len(ran)} here, {total} in the grid, {time.perf_counter() - start:5.0f}s] "
+                f"{name:18s} s{seed}: density {tr['density']:.3f}, pred step "
+                f"{tr['predicted_step_s']:.4f}s, roles {tr['roles']}, k "
+                f"[{tr['budget_min']:.3g}, {tr['budget_max']:.3g}], ckpt "
+                f"{rec['chosen_step']} | EM dense {ev['dense']['mean_em']:.3f} base "
+                f"{ev['base']['mean_em']:.3f} final {ev['final']['mean_em']:.3f}",
+                flush=True,
+            )
         found = {**_load_records(args.records, key, ckpt), **ran}
         missing = [c for c in cells if c not in found]
         if missing:
@@ -426,10 +450,13 @@ def main(argv=None) -> int:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "variants": {n: VARIANTS[n] for n in args.variants},
         "dst": {n: describe(n, args) for n in args.variants},
-        "task_counts": task_counts, "pretrained": base, "records": records, "wall_s": wall,
+        "task_counts": task_counts,
+        "pretrained": base,
+        "records": records,
+        "wall_s": wall,
         "runs_here": len(ran),
         "latency_profiles": sorted({r["latency_profile"] for r in records}),
-    }  # fmt: skip
+    }
     print(f"done in {wall:.0f} s ({len(records)} runs)")
     if args.out is None:
         return 0

@@ -82,8 +82,7 @@ def scores(
     per_depth = max(1, examples // len(DEPTHS))
     found = []
     for task in TASKS:
-        found += evaluate_task(runner, task, lengths, encode, per_depth, DEPTHS, seed=seed,
-                               pack_tokens=8192)  # fmt: skip
+        found += evaluate_task(runner, task, lengths, encode, per_depth, DEPTHS, seed=seed, pack_tokens=8192)
     summary = summarize(found, num_depth_bins=None)
     out: dict = {"eval_density": float(np.mean(runner.densities)), "budget": describe(spec)}
     for task, s in summary.items():
@@ -102,14 +101,12 @@ def scores(
 
 def evaluate(model, vocab_map, tokenizer, spec: BudgetSpec, lengths, examples: int, args) -> dict:
     """:func:`scores` on the test examples plus perplexity and recall per layer."""
-    out = scores(model, vocab_map, tokenizer, spec, lengths, examples, TEST_SEED,
-                 args.block_size)  # fmt: skip
+    out = scores(model, vocab_map, tokenizer, spec, lengths, examples, TEST_SEED, args.block_size)
     vocab = model.get_input_embeddings().num_embeddings
     encode, _, eos = make_codec(tokenizer, vocab_map, vocab)
     runner = HFRunner(model, block_size=args.block_size, backend="torch", budget=spec)
     n = max(lengths)
-    held = [ex.text for t in TASKS for ex in generate(t, args.ppl_docs, n, encode, PPL_SEED,
-                                                      "eval")]  # fmt: skip
+    held = [ex.text for t in TASKS for ex in generate(t, args.ppl_docs, n, encode, PPL_SEED, "eval")]
     out["ppl"] = perplexity(runner, held, encode, [n], eos, len(held), 8192)[str(n)]["ppl"]
     docs = [
         encode(ex.text)
@@ -130,6 +127,5 @@ def analytic_density(spec: BudgetSpec, lengths: Sequence[int], block_size: int) 
     if any(b.kind != "top-k" for b in budgets):
         return None
     w = np.asarray(lengths, dtype=np.float64) ** 2
-    d = [float(topk_density(n, b.top_k, block_size, b.anchor_blocks)) for n, b in
-         zip(lengths, budgets, strict=True)]  # fmt: skip
+    d = [float(topk_density(n, b.top_k, block_size, b.anchor_blocks)) for n, b in zip(lengths, budgets, strict=True)]
     return float(np.dot(w, d) / w.sum())

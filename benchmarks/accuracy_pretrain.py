@@ -129,16 +129,12 @@ class PretrainConfig:
         if unknown:
             raise ValueError(f"tasks: unknown {unknown}; choose from {list(TASKS)}")
         if not 0.0 <= self.edge_depth_fraction <= 1.0:
-            raise ValueError(
-                f"edge_depth_fraction must be in [0, 1], got {self.edge_depth_fraction}"
-            )
+            raise ValueError(f"edge_depth_fraction must be in [0, 1], got {self.edge_depth_fraction}")
         if self.dev_seed == self.test_seed:
             raise ValueError(f"dev_seed and test_seed must differ, both are {self.dev_seed}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("hidden_size % num_heads and num_heads % num_kv_heads must be 0")
-        if self.task_weights and (
-            len(self.task_weights) != len(self.tasks) or min(self.task_weights) < 0
-        ):
+        if self.task_weights and (len(self.task_weights) != len(self.tasks) or min(self.task_weights) < 0):
             raise ValueError("task_weights: one weight >= 0 per task")
         if not self.sparse_top_k or min(self.sparse_top_k) < 0:
             raise ValueError(f"sparse_top_k: need k values >= 0, got {self.sparse_top_k}")
@@ -280,19 +276,12 @@ def evaluate(
     runner = HFRunner(model, gamma=1.0, block_size=cfg.block_size, backend="torch")
     out: dict[str, dict[str, float]] = {}
     for task in cfg.tasks:
-        found = evaluate_task(runner, task, cfg.eval_lengths, encode, per, depths, seed=seed,
-                              pack_tokens=8192)  # fmt: skip
-        out[task] = {
-            str(n): float(np.mean([s.correct for s in found if s.length == n]))
-            for n in cfg.eval_lengths
-        }
+        found = evaluate_task(runner, task, cfg.eval_lengths, encode, per, depths, seed=seed, pack_tokens=8192)
+        out[task] = {str(n): float(np.mean([s.correct for s in found if s.length == n])) for n in cfg.eval_lengths}
         if depths and by_depth is not None:
             by_depth[task] = {
                 str(n): {
-                    str(d): float(
-                        np.mean([s.correct for s in found if s.length == n and s.depth == d])
-                    )
-                    for d in depths
+                    str(d): float(np.mean([s.correct for s in found if s.length == n and s.depth == d])) for d in depths
                 }
                 for n in cfg.eval_lengths
             }
@@ -340,9 +329,7 @@ def pretrain(cfg: PretrainConfig, out: Path, log=print) -> dict:
     model = AutoModelForCausalLM.from_config(config, attn_implementation=IMPLEMENTATION)
     if cfg.init_from:
         init_from(model, Path(cfg.init_from), vocab_map)
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
-    )
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     batcher = Batcher(cfg, encode, len(vocab_map))
     sparse_rng = np.random.default_rng([cfg.seed, 29])
     curve: dict = {"steps": [], "loss": [], "answer_loss": [], "seconds": [], "evals": []}
@@ -358,9 +345,7 @@ def pretrain(cfg: PretrainConfig, out: Path, log=print) -> dict:
             budget = None  # dense, or top-k at a k drawn from sparse_top_k (own stream)
             if sparse_fraction and sparse_rng.uniform() < sparse_fraction:
                 budget = Budget(top_k=int(sparse_rng.choice(cfg.sparse_top_k)))
-            loss, answer_loss = step_loss(
-                model, docs, answers, cfg.block_size, cfg.answer_weight, budget
-            )
+            loss, answer_loss = step_loss(model, docs, answers, cfg.block_size, cfg.answer_weight, budget)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -401,9 +386,7 @@ def pretrain(cfg: PretrainConfig, out: Path, log=print) -> dict:
     )
     if cfg.test_examples:
         curve["test_by_depth"] = {}
-        curve["test"] = evaluate(
-            model, cfg, encode, cfg.test_examples, cfg.test_seed, DEPTHS, curve["test_by_depth"]
-        )
+        curve["test"] = evaluate(model, cfg, encode, cfg.test_examples, cfg.test_seed, DEPTHS, curve["test_by_depth"])
         curve["test_depths"] = list(DEPTHS)
         log(f"test eval ({cfg.test_examples} per task and length) {json.dumps(curve['test'])}")
     out.mkdir(parents=True, exist_ok=True)
@@ -414,9 +397,7 @@ def pretrain(cfg: PretrainConfig, out: Path, log=print) -> dict:
     return curve
 
 
-def write_curve_report(
-    run: Path, results: str, name: str = "accuracy-pretrain", note: str = ""
-) -> Path:
+def write_curve_report(run: Path, results: str, name: str = "accuracy-pretrain", note: str = "") -> Path:
     """A dated results file (markdown + json) of a finished run's learning curve (dev examples),
     its final test evaluation and recipe; ``note`` is appended (e.g. the load it ran under)."""
     import subprocess
@@ -430,9 +411,7 @@ def write_curve_report(
         i = ev["step"] - 1
         window = [x for x in curve["answer_loss"][max(0, i - 49) : i + 1] if x == x]
         cells = [f"{v:.2f}" for task in ev["exact"].values() for v in task.values()]
-        rows.append(
-            [ev["step"], f"{ev['seconds']:.0f}", f"{sum(window) / len(window):.3f}", *cells]
-        )
+        rows.append([ev["step"], f"{ev['seconds']:.0f}", f"{sum(window) / len(window):.3f}", *cells])
     if "test" in curve:
         cells = [f"**{v:.2f}**" for task in curve["test"].values() for v in task.values()]
         label = f"test ({recipe.get('test_examples')} per cell)"
@@ -451,8 +430,7 @@ def write_curve_report(
         table += markdown_table(["task", "length", *map(str, curve["test_depths"])], depth_rows)
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     tested = (
-        f"{len(curve['test_depths'])} depths {curve['test_depths']}: the accuracy benchmark's "
-        "examples"
+        f"{len(curve['test_depths'])} depths {curve['test_depths']}: the accuracy benchmark's examples"
         if curve.get("test_depths")
         else "depths drawn uniformly; the accuracy benchmark's grid of depths differs"
     )
@@ -509,8 +487,7 @@ def main(argv=None) -> int:
         "--threads",
         type=int,
         default=1,
-        help="torch threads for training (default 1, as the published recipes ran; the report "
-        "names them)",
+        help="torch threads for training (default 1, as the published recipes ran; the report names them)",
     )
     args = p.parse_args(argv)
     if args.threads < 1:

@@ -56,8 +56,7 @@ def ms(xs: list[float], digits: int = 3) -> str:
 def by_variant(payload: dict) -> dict[str, list[dict]]:
     recs = payload["records"]
     return {
-        v: sorted((r for r in recs if r["variant"] == v), key=lambda r: r["seed"])
-        for v in payload["args"]["variants"]
+        v: sorted((r for r in recs if r["variant"] == v), key=lambda r: r["seed"]) for v in payload["args"]["variants"]
     }
 
 
@@ -73,15 +72,18 @@ def pretrained_tables(payload: dict) -> list[str]:
     first = next(iter(base["test"].values()))
     head = ["setting", "eval density", "mean EM"]
     head += [f"{t} {n}" for t in TASKS for n in first[t]["by_length"]]
-    out = ["## Pretrained checkpoint (test examples)", "", markdown_table(
-        [*head, "ppl", "recall per layer"], rows)]  # fmt: skip
-    rows = [[k, f"{e['density']:.3f}", f"{e['mean_em']:.3f}"]
-            + [f"{e[t][n]:.2f}" for t in TASKS for n in e[t]] for k, e in
-            base["dev_sweep"].items()]  # fmt: skip
+    out = ["## Pretrained checkpoint (test examples)", "", markdown_table([*head, "ppl", "recall per layer"], rows)]
+    rows = [
+        [k, f"{e['density']:.3f}", f"{e['mean_em']:.3f}"] + [f"{e[t][n]:.2f}" for t in TASKS for n in e[t]]
+        for k, e in base["dev_sweep"].items()
+    ]
     first = next(iter(base["dev_sweep"].values()))
-    out += ["", "Dev sweep of k on the pretrained checkpoint (dev examples; what K was chosen "
-            "from):", "", markdown_table(["k", "eval density", "mean EM"] + [
-                f"{t} {n}" for t in TASKS for n in first[t]], rows)]  # fmt: skip
+    out += [
+        "",
+        "Dev sweep of k on the pretrained checkpoint (dev examples; what K was chosen from):",
+        "",
+        markdown_table(["k", "eval density", "mean EM"] + [f"{t} {n}" for t in TASKS for n in first[t]], rows),
+    ]
     return out
 
 
@@ -90,21 +92,39 @@ def training_table(by: dict[str, list[dict]], payload: dict) -> list[str]:
     for v, rs in by.items():
         tr = [r["train"] for r in rs]
         roles = {k: sum(t["roles"].get(k, 0) for t in tr) for k in ("cut", "raised", "kept")}
-        rows.append([
-            v, payload["dst"][v], len(rs), ms([t["density"] for t in tr]),
-            ms([t["predicted_step_s"] for t in tr], 4), ms([t["predicted_efficiency"] for t in tr]),
-            f"{roles['cut']}/{roles['raised']}/{roles['kept']}",
-            f"{min(t['budget_min'] for t in tr):g} / {ms([t['budget_mean'] for t in tr], 2)} / "
-            f"{max(t['budget_max'] for t in tr):g}",
-            ms([t["units_cut"] for t in tr], 2), ms([t["units_raised"] for t in tr], 2),
-            sum(t["coverage_limited"] for t in tr),
-            ms([statistics.mean(t["losses"][-5:]) for t in tr]),
-            " ".join(str(r["chosen_step"]) for r in rs),
-        ])  # fmt: skip
-    head = ["variant", "DST", "seeds", "trained density (len²-weighted)",
-            "predicted s / step (slowest rank)", "predicted balance", "roles cut/raised/kept",
-            "budget min / mean / max", "share of ranks cut", "share raised",
-            "coverage-bound stops", "loss (last 5)", "chosen step per seed"]  # fmt: skip
+        rows.append(
+            [
+                v,
+                payload["dst"][v],
+                len(rs),
+                ms([t["density"] for t in tr]),
+                ms([t["predicted_step_s"] for t in tr], 4),
+                ms([t["predicted_efficiency"] for t in tr]),
+                f"{roles['cut']}/{roles['raised']}/{roles['kept']}",
+                f"{min(t['budget_min'] for t in tr):g} / {ms([t['budget_mean'] for t in tr], 2)} / "
+                f"{max(t['budget_max'] for t in tr):g}",
+                ms([t["units_cut"] for t in tr], 2),
+                ms([t["units_raised"] for t in tr], 2),
+                sum(t["coverage_limited"] for t in tr),
+                ms([statistics.mean(t["losses"][-5:]) for t in tr]),
+                " ".join(str(r["chosen_step"]) for r in rs),
+            ]
+        )
+    head = [
+        "variant",
+        "DST",
+        "seeds",
+        "trained density (len²-weighted)",
+        "predicted s / step (slowest rank)",
+        "predicted balance",
+        "roles cut/raised/kept",
+        "budget min / mean / max",
+        "share of ranks cut",
+        "share raised",
+        "coverage-bound stops",
+        "loss (last 5)",
+        "chosen step per seed",
+    ]
     return ["", "## Continuation training (mean ± std over seeds)", "", markdown_table(head, rows)]
 
 
@@ -135,25 +155,41 @@ def comparisons(by: dict[str, list[dict]]) -> tuple[list[str], list[dict]]:
         ra, rb = by[a], by[b]
         if [r["seed"] for r in ra] != [r["seed"] for r in rb]:
             continue
-        c = paired([r["eval"][setting]["mean_em"] for r in ra],
-                   [r["eval"][setting]["mean_em"] for r in rb], alt)  # fmt: skip
+        c = paired([r["eval"][setting]["mean_em"] for r in ra], [r["eval"][setting]["mean_em"] for r in rb], alt)
         cost = statistics.mean(r["train"]["predicted_step_s"] for r in ra) / statistics.mean(
             r["train"]["predicted_step_s"] for r in rb
         )
         found.append({"a": a, "b": b, "setting": setting, **c})
         lo, hi = c["ci95"]
-        rows.append([
-            f"{a} - {b}", setting, question, f"{c['mean']:+.3f}", f"[{lo:+.3f}, {hi:+.3f}]",
-            f"{c['wins']}/{c['losses']}/{c['ties']}", f"{c['p_perm']:.3f}",
-            f"{c['p_perm_two_sided']:.3f}", f"{c['p_t']:.3f}",
-            f"{cost:.3f}", PAPER.get((a, b), ""),
-        ])  # fmt: skip
-    head = ["difference (mean EM)", "evaluated at", "question", "Δ", "95 % t-interval",
-            "seeds +/-/=", "one-sided sign-flip p (H1: Δ < 0)", "sign-flip p (2-sided)",
-            "paired t p (2-sided)",
-            "cost ratio (predicted s/step)", "the paper (as quoted in issue 29)"]  # fmt: skip
-    return ["", "## Paired by seed (ours beside the paper's figures)", "",
-            markdown_table(head, rows)], found  # fmt: skip
+        rows.append(
+            [
+                f"{a} - {b}",
+                setting,
+                question,
+                f"{c['mean']:+.3f}",
+                f"[{lo:+.3f}, {hi:+.3f}]",
+                f"{c['wins']}/{c['losses']}/{c['ties']}",
+                f"{c['p_perm']:.3f}",
+                f"{c['p_perm_two_sided']:.3f}",
+                f"{c['p_t']:.3f}",
+                f"{cost:.3f}",
+                PAPER.get((a, b), ""),
+            ]
+        )
+    head = [
+        "difference (mean EM)",
+        "evaluated at",
+        "question",
+        "Δ",
+        "95 % t-interval",
+        "seeds +/-/=",
+        "one-sided sign-flip p (H1: Δ < 0)",
+        "sign-flip p (2-sided)",
+        "paired t p (2-sided)",
+        "cost ratio (predicted s/step)",
+        "the paper (as quoted in issue 29)",
+    ]
+    return ["", "## Paired by seed (ours beside the paper's figures)", "", markdown_table(head, rows)], found
 
 
 def continuation_table(by: dict[str, list[dict]], payload: dict) -> list[str]:
@@ -171,10 +207,8 @@ def continuation_table(by: dict[str, list[dict]], payload: dict) -> list[str]:
                 "yes" if min(em) >= base - 0.05 else "no",
             ]
         )
-    head = ["variant", "pretrained dense EM", "continued dense EM", "Δ mean", "Δ worst seed",
-            "every seed within 0.05"]  # fmt: skip
-    return ["", "## Continuation vs the pretrained model (dense evaluation)", "",
-            markdown_table(head, rows)]  # fmt: skip
+    head = ["variant", "pretrained dense EM", "continued dense EM", "Δ mean", "Δ worst seed", "every seed within 0.05"]
+    return ["", "## Continuation vs the pretrained model (dense evaluation)", "", markdown_table(head, rows)]
 
 
 def tables(payload: dict) -> tuple[str, list[dict]]:
@@ -213,9 +247,7 @@ def plot(payload: dict, path: Path) -> Path | None:
     for i, v in enumerate(names):
         rec = by[v][0]["eval"]["final"]["recall"]
         layers = list(rec)
-        ys = [
-            statistics.mean(float(r["eval"]["final"]["recall"][k]) for r in by[v]) for k in layers
-        ]
+        ys = [statistics.mean(float(r["eval"]["final"]["recall"][k]) for r in by[v]) for k in layers]
         ax.plot([int(k) for k in layers], ys, marker="o", label=v, color=f"C{i}")
     ax.set_xlabel("layer")
     ax.set_ylabel("attention recall at the final budget")

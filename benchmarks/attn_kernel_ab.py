@@ -62,9 +62,11 @@ def main() -> int:
         )
     table = markdown_table(
         ["T", "density", "baseline min s", "candidate min s", "ratio (min)", "ratio (median)"],
-        [[r["seq_len"], r["density"], r["baseline_min_s"], r["candidate_min_s"], r["ratio_min"],
-          r["ratio_median"]] for r in rows],
-    )  # fmt: skip
+        [
+            [r["seq_len"], r["density"], r["baseline_min_s"], r["candidate_min_s"], r["ratio_min"], r["ratio_median"]]
+            for r in rows
+        ],
+    )
     notes = (
         f"{args.rounds} interleaved rounds of `bench-attn --quick --backends torch` per tree (each"
         " row of a run is itself the median of its repeats); ratio = candidate / baseline of the"
@@ -74,9 +76,7 @@ def main() -> int:
     )
     payload = {"rows": rows, "runs": runs, "load": load, "config": vars(args)}
     if args.out:
-        md, js = write_results(
-            args.out, "attn-kernel-ab", torch.device("cpu"), table, payload, notes
-        )
+        md, js = write_results(args.out, "attn-kernel-ab", torch.device("cpu"), table, payload, notes)
         print(f"wrote {md} and {js}", file=sys.stderr)
     print(table + "\n\n" + notes)
     return 0

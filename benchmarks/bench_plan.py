@@ -76,15 +76,20 @@ def bench_planning(args, model) -> list[dict]:
                         times.append(time.perf_counter() - t0)
                 per_seed.append(plan.metrics)
             eff = [m.efficiency for m in per_seed]
-            rows.append({
-                "mode": mode_name, "strategy": strategy, "plan_ms": 1e3 * statistics.median(times),
-                "max_time_s": statistics.mean(m.max_time for m in per_seed),
-                "lower_bound_s": statistics.mean(m.lower_bound for m in per_seed),
-                "efficiency": statistics.mean(eff), "efficiency_std": statistics.pstdev(eff),
-                "gap_to_bound": statistics.mean(m.gap_to_bound for m in per_seed),
-                "microbatches": statistics.mean(m.num_microbatches for m in per_seed),
-                "sab_candidate": per_seed[0].candidate,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "mode": mode_name,
+                    "strategy": strategy,
+                    "plan_ms": 1e3 * statistics.median(times),
+                    "max_time_s": statistics.mean(m.max_time for m in per_seed),
+                    "lower_bound_s": statistics.mean(m.lower_bound for m in per_seed),
+                    "efficiency": statistics.mean(eff),
+                    "efficiency_std": statistics.pstdev(eff),
+                    "gap_to_bound": statistics.mean(m.gap_to_bound for m in per_seed),
+                    "microbatches": statistics.mean(m.num_microbatches for m in per_seed),
+                    "sab_candidate": per_seed[0].candidate,
+                }
+            )
     return rows
 
 
@@ -163,13 +168,17 @@ def bench_probe(args) -> list[dict]:
             out.square().mean().backward()
             step_s.append(time.perf_counter() - t0)
             lm.zero_grad(set_to_none=True)
-        rows.append({
-            "seq_len": total, "probe_ms": 1e3 * statistics.median(probe_s),
-            "step_ms": 1e3 * statistics.median(step_s),
-            "probe_fraction": statistics.median(probe_s) / statistics.median(step_s),
-            "probe_density": d_probe, "realized_density": d_real,
-            "abs_pct_error": mape([d_probe], [d_real]),
-        })  # fmt: skip
+        rows.append(
+            {
+                "seq_len": total,
+                "probe_ms": 1e3 * statistics.median(probe_s),
+                "step_ms": 1e3 * statistics.median(step_s),
+                "probe_fraction": statistics.median(probe_s) / statistics.median(step_s),
+                "probe_density": d_probe,
+                "realized_density": d_real,
+                "abs_pct_error": mape([d_probe], [d_real]),
+            }
+        )
     return rows
 
 
@@ -179,8 +188,7 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=1024)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--probe-lengths", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[2048, 8192])  # fmt: skip
+    p.add_argument("--probe-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8192])
     p.add_argument("--quick", action="store_true", help="small sizes, writes nothing")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
@@ -193,23 +201,54 @@ def main() -> int:
     probe_rows = bench_probe(args)
 
     t1 = markdown_table(
-        ["mode", "strategy", "plan ms (median)", "max s", "lower bound s", "efficiency",
-         "eff. std", "gap to bound", "micro-batches"],
-        [[r["mode"], r["strategy"], r["plan_ms"], r["max_time_s"], r["lower_bound_s"],
-          r["efficiency"], r["efficiency_std"], r["gap_to_bound"], r["microbatches"]]
-         for r in plan_rows],
-    )  # fmt: skip
+        [
+            "mode",
+            "strategy",
+            "plan ms (median)",
+            "max s",
+            "lower bound s",
+            "efficiency",
+            "eff. std",
+            "gap to bound",
+            "micro-batches",
+        ],
+        [
+            [
+                r["mode"],
+                r["strategy"],
+                r["plan_ms"],
+                r["max_time_s"],
+                r["lower_bound_s"],
+                r["efficiency"],
+                r["efficiency_std"],
+                r["gap_to_bound"],
+                r["microbatches"],
+            ]
+            for r in plan_rows
+        ],
+    )
     t2 = markdown_table(
         ["observed steps", "observed samples", "density MAPE", "latency MAPE", "latency bias"],
-        [[r["observed_steps"], r["observed_samples"], r["density_mape"], r["latency_mape"],
-          r["latency_bias"]] for r in hist_rows],
-    )  # fmt: skip
+        [
+            [r["observed_steps"], r["observed_samples"], r["density_mape"], r["latency_mape"], r["latency_bias"]]
+            for r in hist_rows
+        ],
+    )
     t3 = markdown_table(
-        ["T", "probe ms", "fwd+bwd ms", "probe / step", "probe density", "realized density",
-         "abs. % error"],
-        [[r["seq_len"], r["probe_ms"], r["step_ms"], r["probe_fraction"], r["probe_density"],
-          r["realized_density"], r["abs_pct_error"]] for r in probe_rows],
-    )  # fmt: skip
+        ["T", "probe ms", "fwd+bwd ms", "probe / step", "probe density", "realized density", "abs. % error"],
+        [
+            [
+                r["seq_len"],
+                r["probe_ms"],
+                r["step_ms"],
+                r["probe_fraction"],
+                r["probe_density"],
+                r["realized_density"],
+                r["abs_pct_error"],
+            ]
+            for r in probe_rows
+        ],
+    )
     title = f"N = {args.samples} samples, R = {args.ranks} ranks, {args.seeds} seeds"
     table = (
         f"## Planning ({title})\n\n{t1}\n\n## History estimator (synthetic densities)\n\n{t2}"
@@ -218,8 +257,7 @@ def main() -> int:
     print(table)
     if not args.quick and args.out:
         notes = (__doc__ or "").strip()
-        payload = {"config": vars(args), "planning": plan_rows, "history": hist_rows,
-                   "probe": probe_rows}  # fmt: skip
+        payload = {"config": vars(args), "planning": plan_rows, "history": hist_rows, "probe": probe_rows}
         md, js = write_results(args.out, "plan", torch.device("cpu"), table, payload, notes)
         print(f"\nwrote {md} and {js}")
     return 0

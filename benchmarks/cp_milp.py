@@ -129,18 +129,29 @@ def main() -> None:
             lens, _ = LengthDistribution("heavy", 128, 32768).sample(rng, n)
             dens = SparsityModel().sample(rng, lens)
             samples = [Sample(i, int(x)) for i, x in enumerate(lens)]
-            plan = plan_batch(samples, cost, PlanConfig(r, micro_batches=1, strategy="sab-cp"),
-                              densities=dens)  # fmt: skip
-            sab = plan_batch(samples, cost, PlanConfig(r, micro_batches=1, strategy="sab"),
-                             densities=dens)  # fmt: skip
+            plan = plan_batch(samples, cost, PlanConfig(r, micro_batches=1, strategy="sab-cp"), densities=dens)
+            sab = plan_batch(samples, cost, PlanConfig(r, micro_batches=1, strategy="sab"), densities=dens)
             milp = solve_milp(lens, dens, cost, r, args.time_limit)
             # The MILP ignores waits: its optimum (or its dual bound when not closed) is <= OPT.
             ref = milp["value"] if milp["status"] == "Optimal" else milp["bound"]
             gap = plan.metrics.max_time / ref - 1.0
             vs_best = plan.metrics.max_time / milp["value"] - 1.0
-            rows.append([r, n, seed, sab.metrics.max_time, plan.metrics.max_time,
-                         milp["value"], milp["bound"], milp["status"], gap, vs_best,
-                         plan.metrics.num_split_documents, milp["seconds"]])  # fmt: skip
+            rows.append(
+                [
+                    r,
+                    n,
+                    seed,
+                    sab.metrics.max_time,
+                    plan.metrics.max_time,
+                    milp["value"],
+                    milp["bound"],
+                    milp["status"],
+                    gap,
+                    vs_best,
+                    plan.metrics.num_split_documents,
+                    milp["seconds"],
+                ]
+            )
             payload.append(
                 {
                     "R": r,
@@ -156,9 +167,22 @@ def main() -> None:
     gaps = np.array([row[8] for row in rows])
     vs = np.array([row[9] for row in rows])
     table = markdown_table(
-        ["R", "N", "seed", "sab s", "sab-cp s", "MILP best s", "MILP bound s", "HiGHS status",
-         "sab-cp / bound - 1", "sab-cp / MILP best - 1", "split docs", "MILP wall s"],
-        rows)  # fmt: skip
+        [
+            "R",
+            "N",
+            "seed",
+            "sab s",
+            "sab-cp s",
+            "MILP best s",
+            "MILP bound s",
+            "HiGHS status",
+            "sab-cp / bound - 1",
+            "sab-cp / MILP best - 1",
+            "split docs",
+            "MILP wall s",
+        ],
+        rows,
+    )
     load2 = os.getloadavg()
     text = (
         f"## sab-cp vs exact MILP (HiGHS), analytic Qwen2.5-0.5B / H100, M = 1\n\n{table}\n\n"
@@ -169,9 +193,13 @@ def main() -> None:
         f"than what HiGHS found in the time limit).\n\n"
         f"Load average before {load[0]:.1f}, after {load2[0]:.1f} (2 shared cores).\n"
     )
-    summary = {"instances": payload, "mean_gap": float(gaps.mean()),
-               "worst_gap": float(gaps.max()), "mean_vs_best": float(vs.mean()),
-               "worst_vs_best": float(vs.max())}  # fmt: skip
+    summary = {
+        "instances": payload,
+        "mean_gap": float(gaps.mean()),
+        "worst_gap": float(gaps.max()),
+        "mean_vs_best": float(vs.mean()),
+        "worst_vs_best": float(vs.max()),
+    }
     notes = __doc__.split("\n\n")[1]
     md, js = write_results(OUT, "cp-milp", torch.device("cpu"), text, summary, notes)
     print(text)

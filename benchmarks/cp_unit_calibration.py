@@ -49,9 +49,16 @@ def measured_units(run: Path) -> list[dict]:
         dens = units[0].get("density")
         if dens is None:
             dens = float(np.mean([r["density"] for r, _ in parts]))
-        out.append({"step": step, "slot": slot, "tokens": sum(u["tokens"] for u in units),
-                    "degree": units[0]["degree"], "density": dens,
-                    "seconds": end - start})  # fmt: skip
+        out.append(
+            {
+                "step": step,
+                "slot": slot,
+                "tokens": sum(u["tokens"] for u in units),
+                "degree": units[0]["degree"],
+                "density": dens,
+                "seconds": end - start,
+            }
+        )
     return out
 
 
@@ -83,23 +90,40 @@ def main() -> None:
         raw, _ = profiled.unit_seconds(lens, np.clip(dens, 1e-3, 1.0), ks)
     rows = []
     for u, c, r in zip(units, cal, raw, strict=True):
-        u.update(calibrated=float(c), as_profiled=float(r), err_cal=c / u["seconds"] - 1,
-                 err_raw=r / u["seconds"] - 1)  # fmt: skip
-        rows.append([u["step"], u["slot"], u["tokens"], u["degree"], u["density"], u["seconds"],
-                     u["calibrated"], f"{100 * u['err_cal']:+.0f} %", u["as_profiled"],
-                     f"{100 * u['err_raw']:+.0f} %"])  # fmt: skip
+        u.update(calibrated=float(c), as_profiled=float(r), err_cal=c / u["seconds"] - 1, err_raw=r / u["seconds"] - 1)
+        rows.append(
+            [
+                u["step"],
+                u["slot"],
+                u["tokens"],
+                u["degree"],
+                u["density"],
+                u["seconds"],
+                u["calibrated"],
+                f"{100 * u['err_cal']:+.0f} %",
+                u["as_profiled"],
+                f"{100 * u['err_raw']:+.0f} %",
+            ]
+        )
     last = max(u["step"] for u in units)
     late = [u for u in units if u["step"] > last - max(1, last // 3)]
 
     def mae(us, key):
         return float(np.mean([abs(u[key]) for u in us]))
 
-    summary = {"units": len(units), "late_steps_from": min(u["step"] for u in late),
-               "mae_calibrated": mae(units, "err_cal"), "mae_as_profiled": mae(units, "err_raw"),
-               "mae_calibrated_late": mae(late, "err_cal"),
-               "mae_as_profiled_late": mae(late, "err_raw"), "terms": state["context"]}  # fmt: skip
-    table = markdown_table(["step", "slot", "tokens", "k", "density", "measured s",
-                            "recalibrated s", "error", "as profiled s", "error"], rows)  # fmt: skip
+    summary = {
+        "units": len(units),
+        "late_steps_from": min(u["step"] for u in late),
+        "mae_calibrated": mae(units, "err_cal"),
+        "mae_as_profiled": mae(units, "err_raw"),
+        "mae_calibrated_late": mae(late, "err_cal"),
+        "mae_as_profiled_late": mae(late, "err_raw"),
+        "terms": state["context"],
+    }
+    table = markdown_table(
+        ["step", "slot", "tokens", "k", "density", "measured s", "recalibrated s", "error", "as profiled s", "error"],
+        rows,
+    )
     notes = (
         f"Run `{run}`; ring terms after its last step: {json.dumps(state['context'])}. "
         f"Mean |error| over all {len(units)} units: recalibrated "
@@ -112,8 +136,14 @@ def main() -> None:
     )
     print(table + "\n\n" + notes)
     if args.results_dir:
-        md, _ = write_results(args.results_dir, "cp-unit-calibration", torch.device("cpu"), table,
-                              {"units": units, "summary": summary}, notes)  # fmt: skip
+        md, _ = write_results(
+            args.results_dir,
+            "cp-unit-calibration",
+            torch.device("cpu"),
+            table,
+            {"units": units, "summary": summary},
+            notes,
+        )
         print(f"wrote {md}")
 
 

@@ -114,8 +114,9 @@ print(json.dumps({"import_warmup_s": warm, "tokenizer_s": tokenizer_s, "data_pat
 
 def startup(data: str, profile: Path, out: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    res = subprocess.run([sys.executable, "-c", CHILD, data, str(profile), str(out)],
-                         capture_output=True, text=True, env=env)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", CHILD, data, str(profile), str(out)], capture_output=True, text=True, env=env
+    )
     if res.returncode:
         raise RuntimeError(res.stderr[-3000:])
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -147,17 +148,43 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(store, ignore_errors=True)
     load_after = os.getloadavg()
-    named = [("built-in synthetic (256 docs)", builtin),
-             (f"store, {written['tokens'] / 1e9:.2f}B tokens (1st run)", big),
-             (f"store, {written['tokens'] / 1e9:.2f}B tokens (2nd run)", big_again)]  # fmt: skip
-    rows = [[name, r["documents"], r["import_warmup_s"], r["tokenizer_s"], r["data_path_s"],
-             r["data_path_rss_mb"], r["trainer_s"], r["first_plan_s"], r["rss_before_mb"],
-             r["rss_after_mb"], r["rss_growth_mb"]]
-            for name, r in named]  # fmt: skip
+    named = [
+        ("built-in synthetic (256 docs)", builtin),
+        (f"store, {written['tokens'] / 1e9:.2f}B tokens (1st run)", big),
+        (f"store, {written['tokens'] / 1e9:.2f}B tokens (2nd run)", big_again),
+    ]
+    rows = [
+        [
+            name,
+            r["documents"],
+            r["import_warmup_s"],
+            r["tokenizer_s"],
+            r["data_path_s"],
+            r["data_path_rss_mb"],
+            r["trainer_s"],
+            r["first_plan_s"],
+            r["rss_before_mb"],
+            r["rss_after_mb"],
+            r["rss_growth_mb"],
+        ]
+        for name, r in named
+    ]
     table = markdown_table(
-        ["data", "documents", "import warm-up s (excluded)", "tokenizer load s",
-         "data path s", "data path RSS growth MB", "Trainer() s", "to first plan s",
-         "RSS before MB", "RSS after MB", "RSS growth MB"], rows)  # fmt: skip
+        [
+            "data",
+            "documents",
+            "import warm-up s (excluded)",
+            "tokenizer load s",
+            "data path s",
+            "data path RSS growth MB",
+            "Trainer() s",
+            "to first plan s",
+            "RSS before MB",
+            "RSS after MB",
+            "RSS growth MB",
+        ],
+        rows,
+    )
     worst = max(big, big_again, key=lambda r: r["first_plan_s"])
     table += (
         f"\n\nStore: {written['documents']:,} documents, {written['tokens']:,} tokens, "
@@ -175,9 +202,15 @@ def main() -> None:
         "(2 cores, 24 GB) is shared with other engineers' jobs that were running during the "
         "measurement, so times are upper bounds of what an idle machine gives."
     )
-    payload = {"store": written, "size_gb": size_gb, "builtin": builtin, "store_first": big,
-               "store_second": big_again, "load_before": load_before,
-               "load_after": load_after}  # fmt: skip
+    payload = {
+        "store": written,
+        "size_gb": size_gb,
+        "builtin": builtin,
+        "store_first": big,
+        "store_second": big_again,
+        "load_before": load_before,
+        "load_after": load_after,
+    }
     md, _ = write_results(args.out, "data-startup", torch.device("cpu"), table, payload, notes)
     print(table)
     print(f"\nwrote {md}")

@@ -54,8 +54,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from table1 import CONFIG, draw_lengths  # the mixes' one definition
 
 VARIANTS = ("baseline", "sparsebalance")
-DEFAULTS = {"short": (2048, 16384, False), "chatqa2": (8192, 32768, True),
-            "longalign": (8192, 32768, True)}  # fmt: skip
+DEFAULTS = {"short": (2048, 16384, False), "chatqa2": (8192, 32768, True), "longalign": (8192, 32768, True)}
 """mix -> (--max-len on CPU, on CUDA, Liger's loss on CUDA)."""
 
 
@@ -169,12 +168,18 @@ def summarize(args, trainer, clock, seen: int, peak: int, history: list | None) 
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     tokens = int(rows[:, 1].sum())
     return {
-        "variant": args.variant, "steps": len(clock.steps), "step_s": float(np.mean(timed)),
-        "tokens": tokens, "tokens_per_s": tokens * len(timed) / len(clock.steps) / sum(timed),
-        "peak_bytes_max_rank": int(rows[:, 0].max()), "loss_last": losses[-1],
-        "loss_mean_last5": float(np.mean(losses[-5:])), "losses": losses,
-        "attention_share": float(np.mean(rows[:, 2] / rows[:, 3])), "balance": balance,
-    }  # fmt: skip
+        "variant": args.variant,
+        "steps": len(clock.steps),
+        "step_s": float(np.mean(timed)),
+        "tokens": tokens,
+        "tokens_per_s": tokens * len(timed) / len(clock.steps) / sum(timed),
+        "peak_bytes_max_rank": int(rows[:, 0].max()),
+        "loss_last": losses[-1],
+        "loss_mean_last5": float(np.mean(losses[-5:])),
+        "losses": losses,
+        "attention_share": float(np.mean(rows[:, 2] / rows[:, 3])),
+        "balance": balance,
+    }
 
 
 def worker(args) -> None:
@@ -201,21 +206,30 @@ def worker(args) -> None:
     model = build_model(args.model, "cuda" if cuda else "cpu", dtype, attn_implementation=impl)
     data, _, _ = documents(args, int(model.config.vocab_size))
     targs = TrainingArguments(
-        output_dir=args.out, per_device_train_batch_size=args.batch,
-        gradient_accumulation_steps=args.accum, max_steps=args.steps, learning_rate=args.lr,
-        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
-        use_cpu=not cuda, bf16=cuda, seed=args.seed, disable_tqdm=True,
-        ddp_find_unused_parameters=False, use_liger_kernel=args.liger,
+        output_dir=args.out,
+        per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=args.accum,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=not cuda,
+        bf16=cuda,
+        seed=args.seed,
+        disable_tqdm=True,
+        ddp_find_unused_parameters=False,
+        use_liger_kernel=args.liger,
         # no include_num_input_tokens_seen: it gathers per micro-batch, which makes every rank
         # wait for the slowest at each micro-batch
-    )  # fmt: skip
+    )
     collator = DataCollatorWithFlattening(return_position_ids=True)
     trainer = Trainer(model=model, args=targs, train_dataset=data, data_collator=collator)
     runtime = None
     if args.variant == "sparsebalance":
         runtime = sparsebalance.attach(model, block_size=args.block_size)
-        sparsebalance.hf.enable(trainer, capacity=args.capacity, profile=args.profile,
-                                block_size=args.block_size)  # fmt: skip
+        sparsebalance.hf.enable(trainer, capacity=args.capacity, profile=args.profile, block_size=args.block_size)
     marks = Marks(trainer.args.device)
     timer = AttentionTimer(marks)
     name = model.config._attn_implementation  # the variant's function, timed under its name
@@ -268,11 +282,38 @@ def worker(args) -> None:
 
 
 def launch(args, variant: str, tmp: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-           "--master-port", str(args.port), __file__, "--worker", "--variant", variant,
-           "--out", str(tmp), "--liger" if args.liger else "--no-liger"]  # fmt: skip
-    for key in ("model", "device", "mix", "steps", "warmup", "documents", "max_len", "capacity",
-                "batch", "accum", "lr", "seed", "block_size", "profile"):  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(args.nproc),
+        "--master-port",
+        str(args.port),
+        __file__,
+        "--worker",
+        "--variant",
+        variant,
+        "--out",
+        str(tmp),
+        "--liger" if args.liger else "--no-liger",
+    ]
+    for key in (
+        "model",
+        "device",
+        "mix",
+        "steps",
+        "warmup",
+        "documents",
+        "max_len",
+        "capacity",
+        "batch",
+        "accum",
+        "lr",
+        "seed",
+        "block_size",
+        "profile",
+    ):
         value = getattr(args, key)
         if value is not None:
             cmd += [f"--{key.replace('_', '-')}", str(value)]
@@ -347,27 +388,53 @@ def write(args, rows: dict) -> None:
 
     base, sb = rows["baseline"], rows["sparsebalance"]
     table = markdown_table(
-        ["variant", "step (s)", "tokens/s", "peak memory (GiB, max rank)", "attention share",
-         "measured balance", "loss (last)", "loss (mean of last 5)"],
-        [[r["variant"], r["step_s"], r["tokens_per_s"], r["peak_bytes_max_rank"] / 2**30,
-          r["attention_share"], r["balance"], r["loss_last"], r["loss_mean_last5"]]
-         for r in (base, sb)],
-    )  # fmt: skip
+        [
+            "variant",
+            "step (s)",
+            "tokens/s",
+            "peak memory (GiB, max rank)",
+            "attention share",
+            "measured balance",
+            "loss (last)",
+            "loss (mean of last 5)",
+        ],
+        [
+            [
+                r["variant"],
+                r["step_s"],
+                r["tokens_per_s"],
+                r["peak_bytes_max_rank"] / 2**30,
+                r["attention_share"],
+                r["balance"],
+                r["loss_last"],
+                r["loss_mean_last5"],
+            ]
+            for r in (base, sb)
+        ],
+    )
     _, lens, cut = documents(args, vocab=2)  # the lengths only matter here
-    notes = (f"{args.nproc} rank(s), model {args.model}, {args.steps} steps ({args.warmup} warm-up "
-             f"steps untimed), {args.batch} x {args.accum} x {args.nproc} documents per step; "
-             f"mix {args.mix}: {args.documents} documents of {lens.min()}..{lens.max()} tokens "
-             f"(mean {lens.mean():.0f}), {cut} truncated to --max-len {args.max_len}; "
-             f"SparseBalance capacity {args.capacity}, block {args.block_size}; Liger's fused "
-             f"loss {'in both variants' if args.liger else 'off'}. Speed-up (tokens/s): "
-             f"{sb['tokens_per_s'] / base['tokens_per_s']:.3f}x; peak memory "
-             f"{sb['peak_bytes_max_rank'] / base['peak_bytes_max_rank']:.3f}x. Attention share: "
-             "attention's forward + backward time / step time. Measured balance: none with one "
-             "rank. The two samplers draw different documents per step (same set, same "
-             "count).")  # fmt: skip
+    notes = (
+        f"{args.nproc} rank(s), model {args.model}, {args.steps} steps ({args.warmup} warm-up "
+        f"steps untimed), {args.batch} x {args.accum} x {args.nproc} documents per step; "
+        f"mix {args.mix}: {args.documents} documents of {lens.min()}..{lens.max()} tokens "
+        f"(mean {lens.mean():.0f}), {cut} truncated to --max-len {args.max_len}; "
+        f"SparseBalance capacity {args.capacity}, block {args.block_size}; Liger's fused "
+        f"loss {'in both variants' if args.liger else 'off'}. Speed-up (tokens/s): "
+        f"{sb['tokens_per_s'] / base['tokens_per_s']:.3f}x; peak memory "
+        f"{sb['peak_bytes_max_rank'] / base['peak_bytes_max_rank']:.3f}x. Attention share: "
+        "attention's forward + backward time / step time. Measured balance: none with one "
+        "rank. The two samplers draw different documents per step (same set, same "
+        "count)."
+    )
     device = torch.device(args.device)
-    paths = write_results(args.results, f"hf-trainer-gain-{args.mix}", device, table,
-                          {"rows": rows, "mix": args.mix, "truncated": cut}, notes)  # fmt: skip
+    paths = write_results(
+        args.results,
+        f"hf-trainer-gain-{args.mix}",
+        device,
+        table,
+        {"rows": rows, "mix": args.mix, "truncated": cut},
+        notes,
+    )
     print(table, "\n", notes, "\n", *paths)
 
 

@@ -40,25 +40,27 @@ STRATS = ("sab", "sab+dst", "sab-cp", "sab-cp+dst")
 
 def _row(tag, res):
     s = res["strategies"]
-    return [tag, res["world_size"], s["sab"]["balance_efficiency"],
-            s["sab-cp"]["balance_efficiency"],
-            s["sab"]["step_seconds"] / s["sab-cp"]["step_seconds"],
-            s["sab"]["compute_seconds"] / s["sab-cp"]["compute_seconds"],
-            s["sab+dst"]["step_seconds"] / s["sab-cp+dst"]["step_seconds"],
-            s["sab-cp"]["split_documents"], s["sab-cp"]["comm_seconds"] * 1e3,
-            s["sab-cp+dst"]["mean_density"] / s["sab-cp"]["mean_density"]]  # fmt: skip
+    return [
+        tag,
+        res["world_size"],
+        s["sab"]["balance_efficiency"],
+        s["sab-cp"]["balance_efficiency"],
+        s["sab"]["step_seconds"] / s["sab-cp"]["step_seconds"],
+        s["sab"]["compute_seconds"] / s["sab-cp"]["compute_seconds"],
+        s["sab+dst"]["step_seconds"] / s["sab-cp+dst"]["step_seconds"],
+        s["sab-cp"]["split_documents"],
+        s["sab-cp"]["comm_seconds"] * 1e3,
+        s["sab-cp+dst"]["mean_density"] / s["sab-cp"]["mean_density"],
+    ]
 
 
 def scenarios(args) -> tuple[list, list, dict]:
     rows, sections, payload = [], [], {}
     runs = [
-        ("heavy 131K, M=4", dict(lengths=LengthDistribution("heavy", 128, 131072),
-                                 micro_batches=4), (8, 64, 1024)),
-        ("uniform 1K-16K, M=4", dict(lengths=LengthDistribution("uniform", 1024, 16384),
-                                     micro_batches=4), (8, 64)),
-        ("longtail 256K, C=32K", dict(lengths=LengthDistribution("longtail", 128, 262144),
-                                      capacity=32768), (8, 64)),
-    ]  # fmt: skip
+        ("heavy 131K, M=4", dict(lengths=LengthDistribution("heavy", 128, 131072), micro_batches=4), (8, 64, 1024)),
+        ("uniform 1K-16K, M=4", dict(lengths=LengthDistribution("uniform", 1024, 16384), micro_batches=4), (8, 64)),
+        ("longtail 256K, C=32K", dict(lengths=LengthDistribution("longtail", 128, 262144), capacity=32768), (8, 64)),
+    ]
     for tag, kw, sizes in runs:
         for r in sizes:
             steps = args.steps if r < 1024 else max(1, args.steps // 2)
@@ -86,13 +88,15 @@ def planning_time(repeats: int) -> dict:
         walls = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            plan = plan_batch(samples, cost, PlanConfig(1024, micro_batches=4, strategy=strategy),
-                              densities=dens)  # fmt: skip
+            plan = plan_batch(samples, cost, PlanConfig(1024, micro_batches=4, strategy=strategy), densities=dens)
             walls.append(time.perf_counter() - t0)
-        out[strategy] = {"median_ms": 1e3 * statistics.median(walls),
-                         "min_ms": 1e3 * min(walls), "max_time": plan.metrics.max_time,
-                         "efficiency": plan.metrics.efficiency,
-                         "split": plan.metrics.num_split_documents}  # fmt: skip
+        out[strategy] = {
+            "median_ms": 1e3 * statistics.median(walls),
+            "min_ms": 1e3 * min(walls),
+            "max_time": plan.metrics.max_time,
+            "efficiency": plan.metrics.efficiency,
+            "split": plan.metrics.num_split_documents,
+        }
     return out
 
 
@@ -100,8 +104,7 @@ def sim_timing(steps: int, workers: int) -> dict:
     strategies = (*DEFAULT_STRATEGIES, "sab-cp", "sab-cp+dst")
     out = {}
     for name, strats in (("default", DEFAULT_STRATEGIES), ("default+sab-cp", strategies)):
-        cfg = SimConfig(world_sizes=(4096,), micro_batches=4, steps=steps, strategies=strats,
-                        workers=workers)  # fmt: skip
+        cfg = SimConfig(world_sizes=(4096,), micro_batches=4, steps=steps, strategies=strats, workers=workers)
         t0 = time.perf_counter()
         run_simulation(cfg)
         out[name] = time.perf_counter() - t0
@@ -124,11 +127,23 @@ def main() -> None:
     sim_t = {} if args.skip_timing else sim_timing(args.timing_steps, args.workers)
     load_after = os.getloadavg()
     head = markdown_table(
-        ["lengths", "R", "sab balance", "sab-cp balance", "sab-cp step speed-up vs sab",
-         "compute speed-up", "sab-cp+dst vs sab+dst", "split docs / step", "comm ms (busiest)",
-         "density sab-cp+dst / sab-cp"], rows)  # fmt: skip
-    plan_rows = [[k, v["median_ms"], v["min_ms"], v["max_time"], v["efficiency"], v["split"]]
-                 for k, v in plan_t.items()]  # fmt: skip
+        [
+            "lengths",
+            "R",
+            "sab balance",
+            "sab-cp balance",
+            "sab-cp step speed-up vs sab",
+            "compute speed-up",
+            "sab-cp+dst vs sab+dst",
+            "split docs / step",
+            "comm ms (busiest)",
+            "density sab-cp+dst / sab-cp",
+        ],
+        rows,
+    )
+    plan_rows = [
+        [k, v["median_ms"], v["min_ms"], v["max_time"], v["efficiency"], v["split"]] for k, v in plan_t.items()
+    ]
     plan_tab = markdown_table(
         [
             "strategy",
@@ -150,21 +165,30 @@ def main() -> None:
         f"{plan_tab}\n"
     )
     if sim_t:
-        text += (f"\n## Simulator wall time: 4,096 ranks x {args.timing_steps} steps, "
-                 f"workers = {args.workers}\n\n"
-                 + markdown_table(["strategies", "seconds"], [[k, v] for k, v in sim_t.items()])
-                 + "\n")  # fmt: skip
-    text += (f"\nLoad average (1/5/15 min) before: {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, "
-             f"after: {load_after[0]:.1f}/{load_after[1]:.1f}/{load_after[2]:.1f} on 2 cores "
-             "shared with other engineers' jobs: wall times are inflated and noisy; compare "
-             "ratios within this run.\n")  # fmt: skip
+        text += (
+            f"\n## Simulator wall time: 4,096 ranks x {args.timing_steps} steps, "
+            f"workers = {args.workers}\n\n"
+            + markdown_table(["strategies", "seconds"], [[k, v] for k, v in sim_t.items()])
+            + "\n"
+        )
+    text += (
+        f"\nLoad average (1/5/15 min) before: {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, "
+        f"after: {load_after[0]:.1f}/{load_after[1]:.1f}/{load_after[2]:.1f} on 2 cores "
+        "shared with other engineers' jobs: wall times are inflated and noisy; compare "
+        "ratios within this run.\n"
+    )
     notes = (
         "All step times are predictions of the analytic FLOP-count profile with analytic "
         "NVLink/InfiniBand links (ContextCost), not measurements."
     )
-    md, js = write_results(OUT, "hybrid-cp", torch.device("cpu"), text,
-                           {"scenarios": payload, "planning": plan_t, "simulate_wall": sim_t,
-                            "load": [load, load_after]}, notes)  # fmt: skip
+    md, js = write_results(
+        OUT,
+        "hybrid-cp",
+        torch.device("cpu"),
+        text,
+        {"scenarios": payload, "planning": plan_t, "simulate_wall": sim_t, "load": [load, load_after]},
+        notes,
+    )
     print(text)
     print(f"wrote {md} and {js}")
 

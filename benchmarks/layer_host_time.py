@@ -87,8 +87,7 @@ def measure(lengths: tuple[int, ...], mode: str, layers: int, micro_batches: int
         ctl.target_seconds = float(ctl.planned.sum()) * (3.0 if mode == "DST raise" else 0.3)
     modules = [_Module(i) for i in range(layers)]
     for m in range(micro_batches):
-        ctx = microbatch_attention(cu, lengths, base, BLOCK, "flex", ctl, m,
-                                   LayerTimer(ctl, m, False))  # fmt: skip
+        ctx = microbatch_attention(cu, lengths, base, BLOCK, "flex", ctl, m, LayerTimer(ctl, m, False))
         for layer in range(layers):
             if m == 1 and layer == 1:  # a layer's launches and reads, counted apart
                 with launches.LaunchCounter() as count:
@@ -101,8 +100,14 @@ def measure(lengths: tuple[int, ...], mode: str, layers: int, micro_batches: int
             if m > 0:
                 times.append(time.perf_counter() - t0)
     decide = ctl.decide_seconds / (micro_batches * layers) if ctl is not None else 0.0
-    return {"case": None, "mode": mode, "host_ms": 1e3 * statistics.median(times),
-            "decide_ms": 1e3 * decide, "ops": ops[0], "reads": reads[0]}  # fmt: skip
+    return {
+        "case": None,
+        "mode": mode,
+        "host_ms": 1e3 * statistics.median(times),
+        "decide_ms": 1e3 * decide,
+        "ops": ops[0],
+        "reads": reads[0],
+    }
 
 
 def main() -> None:
@@ -132,10 +137,8 @@ def main() -> None:
             row = min(runs, key=lambda r: r["host_ms"])  # the least disturbed run
             row.update(case=name, host_ms_runs=[r["host_ms"] for r in runs])
             rows.append(row)
-    headers = ["case", "budget", "host ms / layer", "of it DST decision ms", "launches / layer",
-               "host reads / layer"]  # fmt: skip
-    body = [[r["case"], r["mode"], r["host_ms"], r["decide_ms"], r["ops"], r["reads"]]
-            for r in rows]  # fmt: skip
+    headers = ["case", "budget", "host ms / layer", "of it DST decision ms", "launches / layer", "host reads / layer"]
+    body = [[r["case"], r["mode"], r["host_ms"], r["decide_ms"], r["ops"], r["reads"]] for r in rows]
     table = markdown_table(headers, body)
     print(table)
     if not args.quick:
@@ -149,8 +152,7 @@ def main() -> None:
             "host's time per layer (decision + selection + mask + launches), the figure issue 42 "
             "bounds at 1.5 ms on this CPU."
         )
-        md, js = write_results(args.out, "layer-host-time", torch.device("cpu"), table,
-                               {"rows": rows}, notes)  # fmt: skip
+        md, js = write_results(args.out, "layer-host-time", torch.device("cpu"), table, {"rows": rows}, notes)
         print(f"wrote {md} and {js}")
 
 

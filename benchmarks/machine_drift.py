@@ -60,39 +60,51 @@ def run(args: argparse.Namespace, threads: int) -> None:
     probe = random_batches(PROBES, args.max_len // 2, 128, seed=11)
     torch.manual_seed(1)
     proxy = ProxyModel(shapes).to(device, DTYPES["fp32"])
-    fns = [prepare_microbatch(proxy, b[0], b[1], device, "torch", args.block_size, 1000 + i)
-           for i, b in enumerate(probe)]  # fmt: skip
+    fns = [
+        prepare_microbatch(proxy, b[0], b[1], device, "torch", args.block_size, 1000 + i) for i, b in enumerate(probe)
+    ]
     windows = []
     t0 = time.perf_counter()
     for w in range(args.windows):
-        timed = time_interleaved(fns, device, rounds=1000, min_rounds=2,
-                                 budget_s=args.window_s, seed=w, warmup=w == 0)  # fmt: skip
+        timed = time_interleaved(fns, device, rounds=1000, min_rounds=2, budget_s=args.window_s, seed=w, warmup=w == 0)
         windows.append(timed.seconds)
-        print(f"window {w + 1}/{args.windows}: {timed.seconds.shape[0]} rounds "
-              f"in {timed.wall_seconds:.0f} s", flush=True)  # fmt: skip
+        print(
+            f"window {w + 1}/{args.windows}: {timed.seconds.shape[0]} rounds in {timed.wall_seconds:.0f} s", flush=True
+        )
     overall = np.median(np.vstack(windows), 0)
     levels = [float(np.median(np.median(s, 0) / overall)) - 1.0 for s in windows]
     cvs = [float(np.median(s.std(0, ddof=1) / s.mean(0))) for s in windows]
-    rows = [[w + 1, windows[w].shape[0], f"{100 * lv:+.1f} %", f"{100 * cv:.1f} %"]
-            for w, (lv, cv) in enumerate(zip(levels, cvs, strict=True))]  # fmt: skip
+    rows = [
+        [w + 1, windows[w].shape[0], f"{100 * lv:+.1f} %", f"{100 * cv:.1f} %"]
+        for w, (lv, cv) in enumerate(zip(levels, cvs, strict=True))
+    ]
     table = markdown_table(["window", "rounds", "level vs all windows", "CV of one timing"], rows)
     spread = max(levels) - min(levels)
     load_after = os.getloadavg()
-    notes = "\n".join([
-        f"Level range across the {args.windows} windows of {args.window_s:.0f} s: "
-        f"**{100 * spread:.1f} points** (issue 19 allows a MAPE spread of 3 points across three "
-        "fresh profiles, each measured in one such window).",
-        f"Probe: {PROBES} micro-batches of the {args.model} proxy (1-4 documents, 128.."
-        f"{args.max_len // 2} tokens), interleaved rounds, {threads} thread(s); "
-        f"total {time.perf_counter() - t0:.0f} s.",
-        f"Load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load_before)}; "
-        f"after: {', '.join(f'{x:.2f}' for x in load_after)}. The machine is shared: other "
-        "tenants are not visible in this container's load average.",
-    ])  # fmt: skip
-    payload = {"model": args.model, "max_len": args.max_len, "threads": threads,
-               "window_s": args.window_s, "levels": levels, "cv": cvs, "spread": spread,
-               "probe": [{"lengths": b[0], "densities": b[1]} for b in probe],
-               "seconds": [s.tolist() for s in windows]}  # fmt: skip
+    notes = "\n".join(
+        [
+            f"Level range across the {args.windows} windows of {args.window_s:.0f} s: "
+            f"**{100 * spread:.1f} points** (issue 19 allows a MAPE spread of 3 points across three "
+            "fresh profiles, each measured in one such window).",
+            f"Probe: {PROBES} micro-batches of the {args.model} proxy (1-4 documents, 128.."
+            f"{args.max_len // 2} tokens), interleaved rounds, {threads} thread(s); "
+            f"total {time.perf_counter() - t0:.0f} s.",
+            f"Load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load_before)}; "
+            f"after: {', '.join(f'{x:.2f}' for x in load_after)}. The machine is shared: other "
+            "tenants are not visible in this container's load average.",
+        ]
+    )
+    payload = {
+        "model": args.model,
+        "max_len": args.max_len,
+        "threads": threads,
+        "window_s": args.window_s,
+        "levels": levels,
+        "cv": cvs,
+        "spread": spread,
+        "probe": [{"lengths": b[0], "densities": b[1]} for b in probe],
+        "seconds": [s.tolist() for s in windows],
+    }
     md, _ = write_results(args.out_dir, args.name, device, table, payload, notes)
     print(table + "\n\n" + notes + f"\n\nwrote {md}")
 

@@ -116,8 +116,7 @@ def cpu_part(args) -> tuple[list[dict], dict]:
         "num_measured": len(measured),
         "max_abs_error": max(abs(r["error"]) for r in measured) if measured else None,
         "mean_abs_error": sum(abs(r["error"]) for r in measured) / max(1, len(measured)),
-        "ratio_16k_ckpt_chunked_vs_neither_predicted": best["predicted_gib"]
-        / worst["predicted_gib"],
+        "ratio_16k_ckpt_chunked_vs_neither_predicted": best["predicted_gib"] / worst["predicted_gib"],
         "ratio_16k_ckpt_chunked_measured_vs_neither_predicted": (
             best["measured_gib"] / worst["predicted_gib"] if best["measured_gib"] else None
         ),
@@ -144,9 +143,7 @@ def gpu_part() -> tuple[list[dict], list[dict]]:
                         "checkpointing": ckpt,
                         "loss": loss,
                         "1 GPU": mem.max_tokens(budget, base),
-                        "32 GPUs, CP 32 + FSDP2": mem.max_tokens(
-                            budget, replace(base, shard=32, cp=32)
-                        ),
+                        "32 GPUs, CP 32 + FSDP2": mem.max_tokens(budget, replace(base, shard=32, cp=32)),
                     }
                 )
     mem = MemoryModel(load_shapes("qwen2.5-3b"), ANALYTIC["a100"])
@@ -159,9 +156,7 @@ def gpu_part() -> tuple[list[dict], list[dict]]:
         ("full", "plain"),
         ("full", "chunked"),
     ):
-        parts = mem.breakdown(
-            524288, MemoryConfig(ckpt, loss, shard=32, cp=32, block_size=128, density=0.1)
-        )
+        parts = mem.breakdown(524288, MemoryConfig(ckpt, loss, shard=32, cp=32, block_size=128, density=0.1))
         mtraining.append(
             {
                 "checkpointing": ckpt,
@@ -179,9 +174,7 @@ def gpu_part() -> tuple[list[dict], list[dict]]:
 
 def _table(rows: list[dict], fmt=lambda v: f"{v:.2f}" if isinstance(v, float) else v) -> str:
     headers = list(rows[0])
-    return markdown_table(
-        headers, [[("-" if r[h] is None else fmt(r[h])) for h in headers] for r in rows]
-    )
+    return markdown_table(headers, [[("-" if r[h] is None else fmt(r[h])) for h in headers] for r in rows])
 
 
 def main() -> None:

@@ -28,8 +28,13 @@ from sparsebalance.results import markdown_table
 from sparsebalance.train.memory_probe import measure_memory, run_probes, tied_embeddings
 
 HERE = Path(__file__).parent
-HELD_OUT = [(8192, "off", "chunked"), (4096, "full", "chunked"), (4096, "selective", "chunked"),
-            (2048, "off", "plain"), (512, "off", "chunked")]  # fmt: skip
+HELD_OUT = [
+    (8192, "off", "chunked"),
+    (4096, "full", "chunked"),
+    (4096, "selective", "chunked"),
+    (2048, "off", "plain"),
+    (512, "off", "chunked"),
+]
 
 
 def main() -> None:
@@ -44,16 +49,14 @@ def main() -> None:
     t0 = time.perf_counter()
     dev = torch.device("cpu")
     shapes = load_shapes(a.model)
-    fp = memory_fingerprint(fingerprint(shapes, dev, "fp32", "torch", a.block_size),
-                            tied_embeddings(a.model))  # fmt: skip
+    fp = memory_fingerprint(fingerprint(shapes, dev, "fp32", "torch", a.block_size), tied_embeddings(a.model))
     tokens = [int(x) for x in a.fit_tokens.split(",")]
     cal = measure_memory(a.model, dev, fp, tokens, block_size=a.block_size)
     fit_seconds = time.perf_counter() - t0
     rows = []
     for pr, err, an in zip(cal.probes, cal.errors, cal.analytic_errors, strict=True):
         peak = pr.peak_bytes / GIB
-        rows.append(["fit", pr.tokens, pr.checkpointing, pr.loss, peak, peak * (1 + err), err,
-                     peak * (1 + an), an])  # fmt: skip
+        rows.append(["fit", pr.tokens, pr.checkpointing, pr.loss, peak, peak * (1 + err), err, peak * (1 + an), an])
     tied = tied_embeddings(a.model)
     held_err, held_an = [], []
     for t, ckpt, loss in HELD_OUT:
@@ -67,8 +70,19 @@ def main() -> None:
         held_an.append(ea)
         rows.append(["held out", t, ckpt, loss, pr.peak_bytes / GIB, pc / GIB, e, pa / GIB, ea])
     table = markdown_table(
-        ["probe", "tokens", "checkpointing", "loss", "measured GiB", "calibrated GiB",
-         "calibrated error", "analytic GiB", "analytic error"], rows)  # fmt: skip
+        [
+            "probe",
+            "tokens",
+            "checkpointing",
+            "loss",
+            "measured GiB",
+            "calibrated GiB",
+            "calibrated error",
+            "analytic GiB",
+            "analytic error",
+        ],
+        rows,
+    )
     summary = {
         "model": a.model,
         "act_bytes": cal.act_bytes,

@@ -63,9 +63,7 @@ def step(model, tokens, loss_impl: str, budget: Budget, block_size: int) -> floa
     weights = batch.loss_weights[0]
     if loss_impl == "plain":
         logits = model(**kw).logits[0]
-        ce = torch.nn.functional.cross_entropy(
-            logits.float(), batch.labels[0], ignore_index=-100, reduction="none"
-        )
+        ce = torch.nn.functional.cross_entropy(logits.float(), batch.labels[0], ignore_index=-100, reduction="none")
         loss = (ce * weights).sum()
     else:
         hidden = forward_hidden(model, **kw)[0]

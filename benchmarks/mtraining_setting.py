@@ -40,8 +40,7 @@ LENGTH, RANKS, DENSITY, PER_NODE = 524288, 32, 0.05, 8
 # MTraining's reported end-to-end speed-ups over the dense zigzag ring (their Fig./Sec. on
 # distributed sparse attention): up to 6x with striped + hierarchical, 4.6x striped without the
 # hierarchical ring, 2.9x with zigzag.
-PUBLISHED = {"dense zigzag": 1.0, "sparse zigzag": 2.9, "sparse striped": 4.6,
-             "sparse striped hierarchical": 6.0}  # fmt: skip
+PUBLISHED = {"dense zigzag": 1.0, "sparse zigzag": 2.9, "sparse striped": 4.6, "sparse striped hierarchical": 6.0}
 
 
 def main() -> None:
@@ -57,9 +56,7 @@ def main() -> None:
         "zigzag dense": estimate_ring_imbalance(LENGTH, 1.0, RANKS, "zigzag", est_block),
         "zigzag": estimate_ring_imbalance(LENGTH, DENSITY, RANKS, "zigzag", est_block),
         "striped": estimate_ring_imbalance(LENGTH, DENSITY, RANKS, "striped", est_block),
-        "striped hier": estimate_ring_imbalance(
-            LENGTH, DENSITY, RANKS, "striped", est_block, inner_size=PER_NODE
-        ),
+        "striped hier": estimate_ring_imbalance(LENGTH, DENSITY, RANKS, "striped", est_block, inner_size=PER_NODE),
     }
     variants = [
         ("dense zigzag", 1.0, "flat", imb["zigzag dense"]),
@@ -69,13 +66,13 @@ def main() -> None:
     ]
     rows, payload, base = [], {}, None
     for name, d, ring, factor in variants:
-        cost = ContextCost.for_shapes(model, shapes, links, ring=ring, imbalance_flat=factor,
-                                      imbalance_hier=factor)  # fmt: skip
+        cost = ContextCost.for_shapes(model, shapes, links, ring=ring, imbalance_flat=factor, imbalance_hier=factor)
         t, comm = cost.unit_seconds(np.array([LENGTH]), np.array([d]), np.array([RANKS]))
         one, _ = cost.unit_seconds(np.array([LENGTH]), np.array([d]), np.array([1]))
         base = base or float(t[0])
-        rows.append([name, factor, float(t[0]), float(comm[0]), base / float(t[0]),
-                     PUBLISHED[name], float(one[0]) / RANKS])  # fmt: skip
+        rows.append(
+            [name, factor, float(t[0]), float(comm[0]), base / float(t[0]), PUBLISHED[name], float(one[0]) / RANKS]
+        )
         payload[name] = {
             "imbalance": factor,
             "seconds": float(t[0]),
@@ -84,9 +81,17 @@ def main() -> None:
             "published": PUBLISHED[name],
         }
     table = markdown_table(
-        ["variant", "ring imbalance (estimated layout)", "step s per rank", "exposed comm s",
-         "speed-up vs dense zigzag (ours)", "MTraining (published)", "ideal s (1 rank / 32)"],
-        rows)  # fmt: skip
+        [
+            "variant",
+            "ring imbalance (estimated layout)",
+            "step s per rank",
+            "exposed comm s",
+            "speed-up vs dense zigzag (ours)",
+            "MTraining (published)",
+            "ideal s (1 rank / 32)",
+        ],
+        rows,
+    )
     crossover = ContextCost.for_shapes(model, shapes, links).crossover(LENGTH, DENSITY, 256)
     load = os.getloadavg()
     text = (
@@ -111,9 +116,14 @@ def main() -> None:
         "(MLP, projections, head) is in every "
         "variant's step, which caps the speed-up of sparse attention."
     )
-    md, js = write_results(OUT, "mtraining-setting", torch.device("cpu"), text,
-                           {"variants": payload, "imbalance": imb, "blocks": args.blocks,
-                            "crossover_k": crossover}, notes)  # fmt: skip
+    md, js = write_results(
+        OUT,
+        "mtraining-setting",
+        torch.device("cpu"),
+        text,
+        {"variants": payload, "imbalance": imb, "blocks": args.blocks, "crossover_k": crossover},
+        notes,
+    )
     print(text)
     print(notes)
     print(f"wrote {md} and {js}")

@@ -77,8 +77,7 @@ def tokenizer_alone(texts: list[str], workers: int, tokenizer) -> float:
 
 def prepare_once(src: Path, out: Path, workers: int, tokenizer) -> float:
     t0 = time.perf_counter()
-    prepare(PrepareConfig([str(src)], str(out), workers=workers, overwrite=True, progress=False),
-            tokenizer)  # fmt: skip
+    prepare(PrepareConfig([str(src)], str(out), workers=workers, overwrite=True, progress=False), tokenizer)
     return time.perf_counter() - t0
 
 
@@ -106,8 +105,13 @@ print(base, kb("VmHWM"), dt, m["num_documents"], m["num_tokens"])
 
 def peak_memory(src: Path, out: Path, workers: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    res = subprocess.run([sys.executable, "-c", CHILD, str(src), str(out), str(workers)],
-                         capture_output=True, text=True, env=env, check=True)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", CHILD, str(src), str(out), str(workers)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     base, peak, dt, docs, tokens = res.stdout.split()
     mb = src.stat().st_size / 1e6
     return {
@@ -147,27 +151,58 @@ def main() -> None:
         del texts
         ratio = min(alone) / min(prep)
         write_input(large, args.large_mb, seed=1)
-        mem = [peak_memory(small, tmp / "store-small", args.workers),
-               peak_memory(large, tmp / "store-large", args.workers)]  # fmt: skip
+        mem = [
+            peak_memory(small, tmp / "store-small", args.workers),
+            peak_memory(large, tmp / "store-large", args.workers),
+        ]
         mem_ratio = mem[1]["peak_rss_mb"] / mem[0]["peak_rss_mb"]
     finally:
         if args.tmp is None:
             shutil.rmtree(tmp, ignore_errors=True)
     load_after = os.getloadavg()
     rows = [
-        ["tokenizer alone (texts in memory)", args.workers, min(alone), mb / min(alone),
-         ", ".join(f"{t:.2f}" for t in alone)],
-        ["prepare (read + parse + tokenize + write)", args.workers, min(prep), mb / min(prep),
-         ", ".join(f"{t:.2f}" for t in prep)],
-    ]  # fmt: skip
+        [
+            "tokenizer alone (texts in memory)",
+            args.workers,
+            min(alone),
+            mb / min(alone),
+            ", ".join(f"{t:.2f}" for t in alone),
+        ],
+        [
+            "prepare (read + parse + tokenize + write)",
+            args.workers,
+            min(prep),
+            mb / min(prep),
+            ", ".join(f"{t:.2f}" for t in prep),
+        ],
+    ]
     table = markdown_table(["path", "threads", "best s", "MB/s", "all runs s"], rows)
     table += f"\n\nprepare / tokenizer throughput: **{ratio:.2f}x** (goal >= 0.8x)\n\n"
     table += markdown_table(
-        ["input MB", "documents", "tokens", "seconds", "MB/s", "RSS before prepare MB",
-         "peak RSS during prepare MB", "growth MB"],
-        [[m["input_mb"], m["documents"], m["tokens"], m["seconds"], m["mb_per_s"],
-          m["rss_before_mb"], m["peak_rss_mb"], m["growth_mb"]] for m in mem],
-    )  # fmt: skip
+        [
+            "input MB",
+            "documents",
+            "tokens",
+            "seconds",
+            "MB/s",
+            "RSS before prepare MB",
+            "peak RSS during prepare MB",
+            "growth MB",
+        ],
+        [
+            [
+                m["input_mb"],
+                m["documents"],
+                m["tokens"],
+                m["seconds"],
+                m["mb_per_s"],
+                m["rss_before_mb"],
+                m["peak_rss_mb"],
+                m["growth_mb"],
+            ]
+            for m in mem
+        ],
+    )
     table += f"\n\npeak RSS large / small: **{mem_ratio:.2f}x** (goal <= 1.5x)"
     notes = (
         f"Input: synthetic English-like jsonl ({n_small} documents in the small file), "
@@ -189,8 +224,7 @@ def main() -> None:
         "load_after": load_after,
         "rss_self_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    md, _ = write_results(args.out, "prepare-throughput", torch.device("cpu"), table, payload,
-                          notes)  # fmt: skip
+    md, _ = write_results(args.out, "prepare-throughput", torch.device("cpu"), table, payload, notes)
     print(table)
     print(f"\nwrote {md}")
 

@@ -81,9 +81,7 @@ def row(name: str, summary: dict, profile_s: float | None, profile, drift: float
     ]
 
 
-def goal_lines(
-    mapes: list[float], max_errors: list[float], seconds: list[float], shapes: list[float]
-) -> str:
+def goal_lines(mapes: list[float], max_errors: list[float], seconds: list[float], shapes: list[float]) -> str:
     """One line per goal of issue 19: the numbers and whether each is met."""
     if not mapes:
         return "Goals (issue 19): no fresh profile measured (--runs 0)."
@@ -92,18 +90,17 @@ def goal_lines(
         return "met" if ok else "NOT met"
 
     spread = max(mapes) - min(mapes)
-    return "\n".join([
-        "Goals (issue 19), the default profile, fresh each time:",
-        f"- MAPE <= 10 %: {', '.join(pct(m) for m in mapes)} -> "
-        f"{verdict(max(mapes) <= 0.10)}",
-        f"- max error <= 25 %: {', '.join(pct(m) for m in max_errors)} -> "
-        f"{verdict(max(max_errors) <= 0.25)}",
-        f"- MAPE spread <= 3 points: {100 * spread:.1f} points -> {verdict(spread <= 0.03)}"
-        f" (shape MAPE {', '.join(pct(m) for m in shapes)}: spread "
-        f"{100 * (max(shapes) - min(shapes)):.1f} points)",
-        f"- profiling <= 60 s: {', '.join(f'{s:.0f} s' for s in seconds)} -> "
-        f"{verdict(max(seconds) <= 60)}",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "Goals (issue 19), the default profile, fresh each time:",
+            f"- MAPE <= 10 %: {', '.join(pct(m) for m in mapes)} -> {verdict(max(mapes) <= 0.10)}",
+            f"- max error <= 25 %: {', '.join(pct(m) for m in max_errors)} -> {verdict(max(max_errors) <= 0.25)}",
+            f"- MAPE spread <= 3 points: {100 * spread:.1f} points -> {verdict(spread <= 0.03)}"
+            f" (shape MAPE {', '.join(pct(m) for m in shapes)}: spread "
+            f"{100 * (max(shapes) - min(shapes)):.1f} points)",
+            f"- profiling <= 60 s: {', '.join(f'{s:.0f} s' for s in seconds)} -> {verdict(max(seconds) <= 60)}",
+        ]
+    )
 
 
 def main() -> None:
@@ -125,8 +122,7 @@ def main() -> None:
         metavar="DIR",
         help="also write each fresh profile there (profile-1.json, ...)",
     )
-    p.add_argument("--note", default="", help="a line for the results file (how --reference "
-                   "profiles were made)")  # fmt: skip
+    p.add_argument("--note", default="", help="a line for the results file (how --reference profiles were made)")
     args = p.parse_args()
     if args.runs < (0 if args.reference else 1) or args.num_batches < 2:
         raise ValueError("--runs must be >= 1 (>= 0 with --reference) and --num-batches >= 2")
@@ -145,8 +141,7 @@ def run(args: argparse.Namespace, threads: int) -> None:
     probe = random_batches(PROBES, args.max_len // 2, 128, seed=11)
     for i in range(args.runs):
         t0 = time.perf_counter()
-        prof = measure_profile(shapes, device, "fp32", "auto", args.block_size, args.max_len,
-                               args.budget, quiet=True)  # fmt: skip
+        prof = measure_profile(shapes, device, "fp32", "auto", args.block_size, args.max_len, args.budget, quiet=True)
         seconds.append(time.perf_counter() - t0)
         profiles.append(prof)
         if args.save_profiles:
@@ -156,75 +151,103 @@ def run(args: argparse.Namespace, threads: int) -> None:
         # the machine's speed right after this profile: a fixed probe set, timed again at the
         # end inside the held-out rounds (the truth's time), so a profile's level error can be
         # told apart from the machine having been faster or slower while it was measured
-        probes.append(measure_heldout(shapes, probe, device, "fp32", prof.fingerprint["backend"],
-                                      args.block_size, 2).median)  # fmt: skip
+        probes.append(
+            measure_heldout(shapes, probe, device, "fp32", prof.fingerprint["backend"], args.block_size, 2).median
+        )
     refs_p = [load_profile(path) for path in args.reference]
-    design = {n for prof in profiles + refs_p for pt in prof.fit.get("design", [])
-              for n in pt["lengths"]}  # fmt: skip
+    design = {n for prof in profiles + refs_p for pt in prof.fit.get("design", []) for n in pt["lengths"]}
     batches = random_batches(args.num_batches, args.max_len, 128, seed=1, exclude=design)
     backend = (profiles + refs_p)[0].fingerprint["backend"]
     t0 = time.perf_counter()
-    timed = measure_heldout(shapes, batches + probe, device, "fp32", backend, args.block_size,
-                            args.heldout_rounds)  # fmt: skip
+    timed = measure_heldout(shapes, batches + probe, device, "fp32", backend, args.block_size, args.heldout_rounds)
     heldout_s = time.perf_counter() - t0
     heldout = Timings(timed.seconds[:, : len(batches)], timed.wall_seconds)
     measured = heldout.median.tolist()
     probe_end = timed.median[len(batches) :]
     drifts = [float(np.median(p / probe_end)) - 1.0 for p in probes]
     summaries = [validation_summary(LatencyModel(pr), batches, measured) for pr in profiles]
-    rows = [row(f"fresh profile {i + 1}", s, seconds[i], profiles[i], drifts[i])
-            for i, s in enumerate(summaries)]  # fmt: skip
+    rows = [row(f"fresh profile {i + 1}", s, seconds[i], profiles[i], drifts[i]) for i, s in enumerate(summaries)]
     refs = []
     for path, ref in zip(args.reference, refs_p, strict=True):
         refs.append({"profile": path, **validation_summary(LatencyModel(ref), batches, measured)})
         rows.append(row(f"reference: {Path(path).name}", refs[-1], None, ref, None))
     mapes = [s["mape"] for s in summaries]
     table = markdown_table(
-        ["profile", "profiling s", "design points", "noise CV", "fit LOO", "MAPE [95 % CI]",
-         "max error", "level", "machine drift", "shape MAPE (max)", "attention err",
-         "per-token err", "overhead err"], rows,
-    )  # fmt: skip
-    load_after = load_line()
-    goals = goal_lines(
-        mapes, [s["max_error"] for s in summaries], seconds, [s["shape_mape"] for s in summaries]
+        [
+            "profile",
+            "profiling s",
+            "design points",
+            "noise CV",
+            "fit LOO",
+            "MAPE [95 % CI]",
+            "max error",
+            "level",
+            "machine drift",
+            "shape MAPE (max)",
+            "attention err",
+            "per-token err",
+            "overhead err",
+        ],
+        rows,
     )
-    notes = "\n".join([
-        goals,
-        "",
-        f"Held-out set: {len(batches)} micro-batches (1-4 documents, 128..{args.max_len} tokens, "
-        f"off-design lengths, densities 0.04-0.95), median of {heldout.seconds.shape[0]} "
-        f"interleaved rounds, timed once ({heldout_s:.0f} s) and shared by every profile; its "
-        f"timing noise (CV of one timing, median) {pct(heldout.noise()['cv_median'])}.",
-        f"Level: median of predicted / measured - 1 (one global scale: the trainer's online "
-        f"recalibration removes it in 1-2 steps); shape MAPE: the error once it is divided out. "
-        f"Machine drift: the speed of this machine right after each profile vs while the "
-        f"held-out set was timed, from {PROBES} probe micro-batches timed at both moments "
-        f"(+5 % = the machine was 5 % slower during the profile): a level error that the drift "
-        f"matches is the machine's, not the profile's.",
-        f"CPU threads (profiles and held-out): {threads}. Load average (1, 5, 15 min) before: "
-        f"{load_before}; after: {load_after}. "
-        "This machine is shared: other jobs ran during the measurement unless the load says "
-        "otherwise.",
-        f"Total wall time {time.perf_counter() - t_all:.0f} s.",
-        *([args.note] if args.note else []),
-    ])  # fmt: skip
+    load_after = load_line()
+    goals = goal_lines(mapes, [s["max_error"] for s in summaries], seconds, [s["shape_mape"] for s in summaries])
+    notes = "\n".join(
+        [
+            goals,
+            "",
+            f"Held-out set: {len(batches)} micro-batches (1-4 documents, 128..{args.max_len} tokens, "
+            f"off-design lengths, densities 0.04-0.95), median of {heldout.seconds.shape[0]} "
+            f"interleaved rounds, timed once ({heldout_s:.0f} s) and shared by every profile; its "
+            f"timing noise (CV of one timing, median) {pct(heldout.noise()['cv_median'])}.",
+            f"Level: median of predicted / measured - 1 (one global scale: the trainer's online "
+            f"recalibration removes it in 1-2 steps); shape MAPE: the error once it is divided out. "
+            f"Machine drift: the speed of this machine right after each profile vs while the "
+            f"held-out set was timed, from {PROBES} probe micro-batches timed at both moments "
+            f"(+5 % = the machine was 5 % slower during the profile): a level error that the drift "
+            f"matches is the machine's, not the profile's.",
+            f"CPU threads (profiles and held-out): {threads}. Load average (1, 5, 15 min) before: "
+            f"{load_before}; after: {load_after}. "
+            "This machine is shared: other jobs ran during the measurement unless the load says "
+            "otherwise.",
+            f"Total wall time {time.perf_counter() - t_all:.0f} s.",
+            *([args.note] if args.note else []),
+        ]
+    )
     payload = {
-        "model": args.model, "max_len": args.max_len, "budget_s": args.budget,
-        "threads": threads, "heldout_rounds": args.heldout_rounds,
-        "load_before": load_before, "load_after": load_after,
-        "profiling_seconds": seconds, "mape": mapes,
+        "model": args.model,
+        "max_len": args.max_len,
+        "budget_s": args.budget,
+        "threads": threads,
+        "heldout_rounds": args.heldout_rounds,
+        "load_before": load_before,
+        "load_after": load_after,
+        "profiling_seconds": seconds,
+        "mape": mapes,
         "mape_spread": max(mapes) - min(mapes) if mapes else None,
-        "heldout_noise": heldout.noise(), "machine_drift": drifts,
+        "heldout_noise": heldout.noise(),
+        "machine_drift": drifts,
         "probe": [{"lengths": b[0], "densities": b[1]} for b in probe],
-        "runs": [{"profile_seconds": s, "noise": pr.noise,
-                  "fit": {k: v for k, v in pr.fit.items() if k != "design"},
-                  **{k: v for k, v in sm.items() if k != "batches"}}
-                 for s, pr, sm in zip(seconds, profiles, summaries, strict=True)],
+        "runs": [
+            {
+                "profile_seconds": s,
+                "noise": pr.noise,
+                "fit": {k: v for k, v in pr.fit.items() if k != "design"},
+                **{k: v for k, v in sm.items() if k != "batches"},
+            }
+            for s, pr, sm in zip(seconds, profiles, summaries, strict=True)
+        ],
         "references": [{k: v for k, v in r.items() if k != "batches"} for r in refs],
-        "heldout": [{"lengths": b[0], "densities": b[1], "seconds": m,
-                     "predicted": [s["batches"][i]["predicted"] for s in summaries]}
-                    for i, (b, m) in enumerate(zip(batches, measured, strict=True))],
-    }  # fmt: skip
+        "heldout": [
+            {
+                "lengths": b[0],
+                "densities": b[1],
+                "seconds": m,
+                "predicted": [s["batches"][i]["predicted"] for s in summaries],
+            }
+            for i, (b, m) in enumerate(zip(batches, measured, strict=True))
+        ],
+    }
     md, _ = write_results(args.out_dir, args.name, device, table, payload, notes)
     print(table + "\n\n" + notes + f"\n\nwrote {md}")
 

@@ -57,9 +57,14 @@ def simulate(coef, design_fn, noise, repeats, budget, rounds, seeds=6) -> dict:
             err = fit.predict(xh) / truth - 1
             out.append((len(design), rounds * t.sum(), np.mean(np.abs(err)), np.max(np.abs(err))))
     r = np.asarray(out)
-    return {"points": r[:, 0].mean(), "timing_s": r[:, 1].mean(), "mape": r[:, 2].mean(),
-            "mape_p90": float(np.quantile(r[:, 2], 0.9)), "mape_sd": r[:, 2].std(),
-            "max_error": r[:, 3].mean()}  # fmt: skip
+    return {
+        "points": r[:, 0].mean(),
+        "timing_s": r[:, 1].mean(),
+        "mape": r[:, 2].mean(),
+        "mape_p90": float(np.quantile(r[:, 2], 0.9)),
+        "mape_sd": r[:, 2].std(),
+        "max_error": r[:, 3].mean(),
+    }
 
 
 def main() -> None:
@@ -85,26 +90,47 @@ def main() -> None:
 
     rows, payload = [], []
     for label, coef in (("2 threads", COEF_2T), ("1 thread (x1.7)", 1.7 * COEF_2T)):
-        for name, fn in (("9-point core + random (before)", old),
-                         ("4 corners + random", corners_random),
-                         ("4 corners + I-optimal per second (now)", corners_optimal)):  # fmt: skip
+        for name, fn in (
+            ("9-point core + random (before)", old),
+            ("4 corners + random", corners_random),
+            ("4 corners + I-optimal per second (now)", corners_optimal),
+        ):
             r = simulate(coef, fn, args.noise, args.repeats, args.budget, 4)
             payload.append({"costs": label, "design": name, **r})
-            rows.append([label, name, f"{r['points']:.1f}", f"{r['timing_s']:.0f}",
-                         f"{100 * r['mape']:.2f} %", f"{100 * r['mape_p90']:.2f} %",
-                         f"{100 * r['mape_sd']:.2f}", f"{100 * r['max_error']:.2f} %"])  # fmt: skip
+            rows.append(
+                [
+                    label,
+                    name,
+                    f"{r['points']:.1f}",
+                    f"{r['timing_s']:.0f}",
+                    f"{100 * r['mape']:.2f} %",
+                    f"{100 * r['mape_p90']:.2f} %",
+                    f"{100 * r['mape_sd']:.2f}",
+                    f"{100 * r['max_error']:.2f} %",
+                ]
+            )
     table = markdown_table(
-        ["costs", "design", "points", "timing s (3 rounds + warm-up)", "MAPE", "MAPE p90",
-         "MAPE sd (points)", "max error"], rows,
-    )  # fmt: skip
+        [
+            "costs",
+            "design",
+            "points",
+            "timing s (3 rounds + warm-up)",
+            "MAPE",
+            "MAPE p90",
+            "MAPE sd (points)",
+            "max error",
+        ],
+        rows,
+    )
     notes = (
         f"Synthetic: exact form, log-normal noise sd {args.noise} per design point, "
         f"{args.repeats} noise draws x 6 design seeds per row, design budget {args.budget:.0f} s. "
         "Timing s over the budget means the real profiler cuts rounds (2 instead of 3): the "
         "former core alone overran it at 1 thread. No timing on this machine: load irrelevant."
     )
-    md, _ = write_results(args.out_dir, "profile-design-sim", torch.device("cpu"), table,
-                          {"rows": payload, "noise": args.noise}, notes)  # fmt: skip
+    md, _ = write_results(
+        args.out_dir, "profile-design-sim", torch.device("cpu"), table, {"rows": payload, "noise": args.noise}, notes
+    )
     print(table + "\n\n" + notes + f"\n\nwrote {md}")
 
 

@@ -32,16 +32,35 @@ def main() -> None:
         for pattern in ("vslash", "random"):
             for docs in (1, 4):
                 for inner in (None, 4) if docs == 4 else (None,):
-                    for r in analyse(total, world, DENSITIES, ["contiguous", "zigzag", "striped"],
-                                     pattern, docs, inner_size=inner):  # fmt: skip
+                    for r in analyse(
+                        total, world, DENSITIES, ["contiguous", "zigzag", "striped"], pattern, docs, inner_size=inner
+                    ):
                         rows.append({"seq_len": total, "world": world, "inner_size": inner, **r})
-    headers = ["T", "pattern", "docs", "G", "density", "layout", "rank", "ring", "lockstep",
-               "lightest step", "heaviest step"]  # fmt: skip
+    headers = [
+        "T",
+        "pattern",
+        "docs",
+        "G",
+        "density",
+        "layout",
+        "rank",
+        "ring",
+        "lockstep",
+        "lightest step",
+        "heaviest step",
+    ]
     body = [
-        [r["seq_len"], r["pattern"], r["docs"], r["inner_size"] or "-", r["density"], r["layout"],
-         *(r[c] for c in COLUMNS)]
+        [
+            r["seq_len"],
+            r["pattern"],
+            r["docs"],
+            r["inner_size"] or "-",
+            r["density"],
+            r["layout"],
+            *(r[c] for c in COLUMNS),
+        ]
         for r in rows
-    ]  # fmt: skip
+    ]
     table = markdown_table(headers, body)
     notes = (
         "Computed, not measured: kept (query block, key block) pairs per rank and ring step of "
@@ -51,8 +70,7 @@ def main() -> None:
         "slowest rank; lightest/heaviest step = per-step max work over the mean step. "
         "No GPU timing: none was available."
     )
-    md, js = write_results(args.out, "ring-balance", torch.device("cpu"), table, {"rows": rows},
-                           notes)  # fmt: skip
+    md, js = write_results(args.out, "ring-balance", torch.device("cpu"), table, {"rows": rows}, notes)
     print(table)
     print(f"\nwrote {md} and {js}")
 

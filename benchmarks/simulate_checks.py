@@ -41,12 +41,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
-    scale = ["--world-size", "4096", "--steps", "100", "--strategy", "baseline,sab,dst,sab+dst",
-             "--workers", str(args.workers), *BASE]  # fmt: skip
+    scale = [
+        "--world-size",
+        "4096",
+        "--steps",
+        "100",
+        "--strategy",
+        "baseline,sab,dst,sab+dst",
+        "--workers",
+        str(args.workers),
+        *BASE,
+    ]
     _, wall, cpu = run(scale)
     load = os.getloadavg()[0]
-    tok = ["--world-size", "64", "--steps", "10", "--dist", "heavy",
-           "--strategy", "tokens,sab,sab+dst", *BASE]  # fmt: skip
+    tok = ["--world-size", "64", "--steps", "10", "--dist", "heavy", "--strategy", "tokens,sab,sab+dst", *BASE]
     res, _, _ = run(tok)
     rows = res["results"][0]["strategies"] if "results" in res else res["strategies"]
     t_tokens = rows["tokens"]["step_seconds"]
@@ -56,15 +64,21 @@ def main() -> None:
     )
     table2 = markdown_table(
         ["strategy", "predicted step s", "speedup vs tokens", "speedup vs sequential"],
-        [[n, r["step_seconds"], t_tokens / r["step_seconds"], r["speedup"]]
-         for n, r in rows.items()],
-    )  # fmt: skip
-    text = ("## Scale: 4,096 ranks x 100 steps (target < 60 s)\n\n" + table1 +
-            "\n\n## Against a token-balanced plan (R = 64, heavy lengths, 10 steps)\n\n"
-            "`sparsebalance simulate " + " ".join(tok) + "`\n\n" + table2)  # fmt: skip
-    md, _ = write_results(OUT, "simulate-checks", torch.device("cpu"), text,
-                          {"scale": {"wall_s": wall, "cpu_s": cpu, "load": load},
-                           "tokens_baseline": rows})  # fmt: skip
+        [[n, r["step_seconds"], t_tokens / r["step_seconds"], r["speedup"]] for n, r in rows.items()],
+    )
+    text = (
+        "## Scale: 4,096 ranks x 100 steps (target < 60 s)\n\n"
+        + table1
+        + "\n\n## Against a token-balanced plan (R = 64, heavy lengths, 10 steps)\n\n"
+        "`sparsebalance simulate " + " ".join(tok) + "`\n\n" + table2
+    )
+    md, _ = write_results(
+        OUT,
+        "simulate-checks",
+        torch.device("cpu"),
+        text,
+        {"scale": {"wall_s": wall, "cpu_s": cpu, "load": load}, "tokens_baseline": rows},
+    )
     print(text + f"\n\nwrote {md}")
 
 

@@ -36,29 +36,40 @@ def main() -> None:
     sections, payload, headline = [], {"runs": []}, []
     for model in ("qwen2.5-0.5b", "qwen2.5-3b"):
         for dist in ("heavy", "bimodal"):
-            cfg = SimConfig(world_sizes=sizes, micro_batches=4, steps=args.steps,
-                            lengths=LengthDistribution(dist), model=model, analytic="h100",
-                            workers=args.workers)  # fmt: skip
+            cfg = SimConfig(
+                world_sizes=sizes,
+                micro_batches=4,
+                steps=args.steps,
+                lengths=LengthDistribution(dist),
+                model=model,
+                analytic="h100",
+                workers=args.workers,
+            )
             summary = run_simulation(cfg)
             payload["runs"].append({"model": model, "dist": dist, **summary})
             tag = f"{model}-{dist}"
-            plot_speedup(summary, OUT / f"{stamp}-simulate-speedup-{tag}.png",
-                         f"{model}, {dist}, analytic H100 (predicted)")  # fmt: skip
+            plot_speedup(
+                summary, OUT / f"{stamp}-simulate-speedup-{tag}.png", f"{model}, {dist}, analytic H100 (predicted)"
+            )
             last = summary["results"][-1]
             plot_rank_times(last, OUT / f"{stamp}-simulate-ranks-{tag}-R{last['world_size']}.png")
-            sections.append(f"### {model}, `{dist}` lengths\n\n{summary['cost_model']}; "
-                            f"densities: {summary['sparsity']}\n")  # fmt: skip
+            sections.append(
+                f"### {model}, `{dist}` lengths\n\n{summary['cost_model']}; densities: {summary['sparsity']}\n"
+            )
             for res in summary["results"]:
-                sections.append(f"R = {res['world_size']} ({args.steps} steps, all-reduce + "
-                                f"optimizer {res['step_overhead_seconds'] * 1e3:.1f} ms)\n\n"
-                                f"{format_table(res)}\n")  # fmt: skip
+                sections.append(
+                    f"R = {res['world_size']} ({args.steps} steps, all-reduce + "
+                    f"optimizer {res['step_overhead_seconds'] * 1e3:.1f} ms)\n\n"
+                    f"{format_table(res)}\n"
+                )
                 s = res["strategies"]
-                headline.append([model, dist, res["world_size"]] + [
-                    s[k]["speedup"] for k in ("sab", "dst", "sab+dst")] + [
-                    s["sab+dst"]["mean_density"] / s["baseline"]["mean_density"]])  # fmt: skip
+                headline.append(
+                    [model, dist, res["world_size"]]
+                    + [s[k]["speedup"] for k in ("sab", "dst", "sab+dst")]
+                    + [s["sab+dst"]["mean_density"] / s["baseline"]["mean_density"]]
+                )
     # Wall time of the scale target (one model / distribution, default strategies).
-    cfg = SimConfig(world_sizes=(4096,), micro_batches=4, steps=args.timing_steps,
-                    workers=args.workers)  # fmt: skip
+    cfg = SimConfig(world_sizes=(4096,), micro_batches=4, steps=args.timing_steps, workers=args.workers)
     t0 = time.perf_counter()
     run_simulation(cfg)
     wall = time.perf_counter() - t0
@@ -71,19 +82,21 @@ def main() -> None:
         "samples_per_rank": 8,
     }
     head = markdown_table(
-        ["model", "lengths", "R", "SAB speedup", "DST speedup", "SAB+DST speedup",
-         "SAB+DST density / baseline"],
-        [*headline, ["published (paper)", "-", "-", PUBLISHED["sab"], PUBLISHED["dst"],
-                     PUBLISHED["sab+dst"], "-"]],
-    )  # fmt: skip
-    table = (f"## Headline (predicted speed-up vs baseline = sequential + DST off)\n\n{head}\n\n"
-             f"Scale: 4,096 ranks x {args.timing_steps} steps, 8 strategies, M = 4, 8 samples "
-             f"per rank: {wall:.1f} s wall (workers = {args.workers}).\n\n"
-             "## Per configuration\n\n" + "\n".join(sections))  # fmt: skip
-    notes = ("All figures are predictions of the analytic FLOP-count H100 profile (45 % GEMM / "
-             "35 % attention efficiency) and the assumed density model, not measurements. The "
-             "published figures are end-to-end measurements on the paper's cluster and data; the "
-             "baseline there is not necessarily our sequential sharding.")  # fmt: skip
+        ["model", "lengths", "R", "SAB speedup", "DST speedup", "SAB+DST speedup", "SAB+DST density / baseline"],
+        [*headline, ["published (paper)", "-", "-", PUBLISHED["sab"], PUBLISHED["dst"], PUBLISHED["sab+dst"], "-"]],
+    )
+    table = (
+        f"## Headline (predicted speed-up vs baseline = sequential + DST off)\n\n{head}\n\n"
+        f"Scale: 4,096 ranks x {args.timing_steps} steps, 8 strategies, M = 4, 8 samples "
+        f"per rank: {wall:.1f} s wall (workers = {args.workers}).\n\n"
+        "## Per configuration\n\n" + "\n".join(sections)
+    )
+    notes = (
+        "All figures are predictions of the analytic FLOP-count H100 profile (45 % GEMM / "
+        "35 % attention efficiency) and the assumed density model, not measurements. The "
+        "published figures are end-to-end measurements on the paper's cluster and data; the "
+        "baseline there is not necessarily our sequential sharding."
+    )
     md, js = write_results(OUT, "simulate-scaling", torch.device("cpu"), table, payload, notes)
     print(table)
     print(f"wrote {md} and {js}")

@@ -35,9 +35,14 @@ def measure(global_batch: int, steps: int, ranks: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(8.5, 1.2, 4 * global_batch).astype(int), 128, 32768)
     tuner = DSTTuner(DSTConfig(), block_size=128)
-    engine = StepEngine(PlanningConfig(ranks, None, 32768), latency, tuner,
-                        make_estimator("auto", tuner.knob),
-                        lambda i: Sample(i, int(lengths[i])), device="cuda")  # fmt: skip
+    engine = StepEngine(
+        PlanningConfig(ranks, None, 32768),
+        latency,
+        tuner,
+        make_estimator("auto", tuner.knob),
+        lambda i: Sample(i, int(lengths[i])),
+        device="cuda",
+    )
     plan_s, dst_s = [], []
     for _ in range(steps + 1):
         ids = rng.choice(lengths.size, global_batch, replace=False)
@@ -48,8 +53,13 @@ def measure(global_batch: int, steps: int, ranks: int, seed: int = 0) -> dict:
         plan_s.append(t1 - t0)
         dst_s.append(time.perf_counter() - t1)
     plan, dst = statistics.median(plan_s[1:]), statistics.median(dst_s[1:])
-    return {"global_batch": global_batch, "ranks": ranks, "plan_ms": 1e3 * plan,
-            "dst_ms": 1e3 * dst, "total_ms": 1e3 * (plan + dst)}  # fmt: skip
+    return {
+        "global_batch": global_batch,
+        "ranks": ranks,
+        "plan_ms": 1e3 * plan,
+        "dst_ms": 1e3 * dst,
+        "total_ms": 1e3 * (plan + dst),
+    }
 
 
 def main() -> None:
@@ -74,8 +84,9 @@ def main() -> None:
             "lengths 128..32,768; median of the timed steps after one warm-up. Host work only: "
             "DST's per-layer decisions run inside the forward and are not in this figure."
         )
-        md, js = write_results(args.out, "step-overhead", torch.device("cpu"), table,
-                               {"rows": rows, "steps": args.steps}, notes)  # fmt: skip
+        md, js = write_results(
+            args.out, "step-overhead", torch.device("cpu"), table, {"rows": rows, "steps": args.steps}, notes
+        )
         print(f"wrote {md} and {js}")
 
 

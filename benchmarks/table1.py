@@ -84,13 +84,23 @@ def run_rows(cfg: dict, mix: str, seed: int, store: Path, out: Path, emulate: in
     m = cfg["measured"]
     trainers = {}
     for name, (strategy, mode) in ROWS.items():
-        dst = DSTConfig(mode=mode, anchor=cfg["anchor"], p=cfg["p"],
-                        budget_tokens=m["budget_tokens"])  # fmt: skip
-        tc = TrainConfig(model=m["model"], data=str(store), steps=cfg["rounds"],
-                         global_batch=m["global_batch"], micro_batches=m["micro_batches"],
-                         capacity=None, strategy=strategy, block_size=m["block_size"],
-                         emulate_ranks=emulate, seed=seed, out=str(out / name), overwrite=True,
-                         dst=dst, overlong="split")  # fmt: skip
+        dst = DSTConfig(mode=mode, anchor=cfg["anchor"], p=cfg["p"], budget_tokens=m["budget_tokens"])
+        tc = TrainConfig(
+            model=m["model"],
+            data=str(store),
+            steps=cfg["rounds"],
+            global_batch=m["global_batch"],
+            micro_batches=m["micro_batches"],
+            capacity=None,
+            strategy=strategy,
+            block_size=m["block_size"],
+            emulate_ranks=emulate,
+            seed=seed,
+            out=str(out / name),
+            overwrite=True,
+            dst=dst,
+            overlong="split",
+        )
         trainers[name] = Trainer(tc)
     rounds: dict[str, list[dict]] = {name: [] for name in ROWS}
     names = list(ROWS)
@@ -98,11 +108,19 @@ def run_rows(cfg: dict, mix: str, seed: int, store: Path, out: Path, emulate: in
         order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
         for name in order:
             s = trainers[name].run_step().summary
-            rounds[name].append({"step_s": s.step_seconds, "imbalance": s.imbalance,
-                                 "overhead_s": s.overhead_s, "plan_s": s.plan_s,
-                                 "dst_s": s.dst_s, "dst_layer_s": s.dst_layer_s,
-                                 "density": s.mean_density, "loss": s.loss,
-                                 "coverage_limited": s.coverage_limited})  # fmt: skip
+            rounds[name].append(
+                {
+                    "step_s": s.step_seconds,
+                    "imbalance": s.imbalance,
+                    "overhead_s": s.overhead_s,
+                    "plan_s": s.plan_s,
+                    "dst_s": s.dst_s,
+                    "dst_layer_s": s.dst_layer_s,
+                    "density": s.mean_density,
+                    "loss": s.loss,
+                    "coverage_limited": s.coverage_limited,
+                }
+            )
     return rounds
 
 
@@ -139,11 +157,17 @@ def measured(cfg: dict, args, emulate: int) -> dict:
                 store = write_store(tmp / f"store-{mix}-{seed}", lengths, seed)
                 t0 = time.perf_counter()
                 rounds = run_rows(cfg, mix, seed, store, tmp / f"runs-{mix}-{seed}", emulate)
-                results[f"{mix}/seed{seed}"] = {"rows": summarize(rounds), "raw": rounds,
-                                                "wall_s": time.perf_counter() - t0}  # fmt: skip
+                results[f"{mix}/seed{seed}"] = {
+                    "rows": summarize(rounds),
+                    "raw": rounds,
+                    "wall_s": time.perf_counter() - t0,
+                }
                 if int(os.environ.get("RANK", "0")) == 0:  # gloo: one line, not one per rank
-                    print(f"{mix} seed {seed}: {format_rows(results[f'{mix}/seed{seed}']['rows'])}",
-                          file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"{mix} seed {seed}: {format_rows(results[f'{mix}/seed{seed}']['rows'])}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     return results
 
 
@@ -164,13 +188,18 @@ def simulated(cfg: dict, args) -> dict:
     shapes = load_shapes(s["model"])
     longest = max(max(mx["long"][1], mx["short"][1]) for mx in s["mixes"].values())
     # the analytic grid spans 2 x max_context tokens: widen it to the largest rank's tokens
-    grid = replace(shapes, max_context=max(shapes.max_context,
-                                           longest * s["samples_per_rank"] // 2 + 1))  # fmt: skip
+    grid = replace(shapes, max_context=max(shapes.max_context, longest * s["samples_per_rank"] // 2 + 1))
     profile = analytic_profile(grid, s["accelerator"], block_size=s["block_size"])
     model = LatencyModel(profile)
     dst = DSTConfig(anchor=cfg["anchor"], p=cfg["p"], budget_tokens=s["budget_tokens"])
-    names = {"baseline": "baseline", "+DST": "dst", "+SAB": "sab", "+LBB": "lbb",
-             "+SAB+DST": "sab+dst", "+LBB+DST": "lbb+dst"}  # fmt: skip
+    names = {
+        "baseline": "baseline",
+        "+DST": "dst",
+        "+SAB": "sab",
+        "+LBB": "lbb",
+        "+SAB+DST": "sab+dst",
+        "+LBB+DST": "lbb+dst",
+    }
     assert all(v in ABLATIONS for v in names.values())
     out = {}
     for mix in args.mixes:
@@ -182,19 +211,27 @@ def simulated(cfg: dict, args) -> dict:
                 lengths = draw_lengths(s["mixes"][mix], n, rng)
                 content = SparsityModel(block_size=s["block_size"]).sample(rng, lengths)
                 batches.append((lengths, content))
-            res = simulate_steps(batches, r, model, micro_batches=s["micro_batches"],
-                                 strategies=list(names.values()), dst=dst,
-                                 block_size=s["block_size"])  # fmt: skip
+            res = simulate_steps(
+                batches,
+                r,
+                model,
+                micro_batches=s["micro_batches"],
+                strategies=list(names.values()),
+                dst=dst,
+                block_size=s["block_size"],
+            )
             st, ov = res["strategies"], res["overhead_seconds"]
-            out[f"{mix}/DP{r}"] = {row: {
-                "imbalance": 1 / st[key]["balance_efficiency"],
-                "step_ms": 1e3 * st[key]["step_seconds"],
-                "overhead_ms": 1e3 * (ov[key]["plan_seconds"] + ov[key]["dst_seconds"]),
-                "overhead_share": (ov[key]["plan_seconds"] + ov[key]["dst_seconds"])
-                / st[key]["step_seconds"],
-                "speedup": st[key]["speedup"],
-                "density": st[key]["mean_density"],
-            } for row, key in names.items()}  # fmt: skip
+            out[f"{mix}/DP{r}"] = {
+                row: {
+                    "imbalance": 1 / st[key]["balance_efficiency"],
+                    "step_ms": 1e3 * st[key]["step_seconds"],
+                    "overhead_ms": 1e3 * (ov[key]["plan_seconds"] + ov[key]["dst_seconds"]),
+                    "overhead_share": (ov[key]["plan_seconds"] + ov[key]["dst_seconds"]) / st[key]["step_seconds"],
+                    "speedup": st[key]["speedup"],
+                    "density": st[key]["mean_density"],
+                }
+                for row, key in names.items()
+            }
     return out
 
 
@@ -217,9 +254,18 @@ def table(cfg: dict, results: dict, mode: str) -> str:
         body = []
         for name, r in rows.items():
             p = paper[name]
-            body.append([name, r["imbalance"], r["step_ms"], r.get("overhead_ms", float("nan")),
-                         r.get("overhead_share", float("nan")), f"{r['speedup']:.3f}x",
-                         r["density"], f"{p[0]} / {p[1]} / {p[2]} / {p[3]:.2f}x"])  # fmt: skip
+            body.append(
+                [
+                    name,
+                    r["imbalance"],
+                    r["step_ms"],
+                    r.get("overhead_ms", float("nan")),
+                    r.get("overhead_share", float("nan")),
+                    f"{r['speedup']:.3f}x",
+                    r["density"],
+                    f"{p[0]} / {p[1]} / {p[2]} / {p[3]:.2f}x",
+                ]
+            )
         parts.append(f"### {key}\n\n" + markdown_table(head, body))
     return "\n\n".join(parts)
 
@@ -276,11 +322,15 @@ def main() -> int:
         sys.argv = [a for a in sys.argv if a != "--worker"]
     other = " (NOT the pre-registered file)" if args.not_preregistered else ""
     quick = " --quick: a smoke test, not a measurement" if args.quick else ""
-    notes = (f"Settings: {args.config}{other}{quick}; load average before {load[0]:.2f}, after "
-             f"{os.getloadavg()[0]:.2f}.")  # fmt: skip
-    md, _ = write_results(args.out, f"table1-{args.mode}{'-quick' if args.quick else ''}",
-                           torch.device("cpu"), table(cfg, results, args.mode),
-                           {"results": results, "config": cfg}, notes)  # fmt: skip
+    notes = f"Settings: {args.config}{other}{quick}; load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}."
+    md, _ = write_results(
+        args.out,
+        f"table1-{args.mode}{'-quick' if args.quick else ''}",
+        torch.device("cpu"),
+        table(cfg, results, args.mode),
+        {"results": results, "config": cfg},
+        notes,
+    )
     print(f"wrote {md}")
     return 0
 
@@ -288,8 +338,16 @@ def main() -> int:
 def _launch_gloo(args, cfg: dict) -> int:
     """Re-run this script under torchrun with the configured number of gloo ranks."""
     n = cfg["measured"]["gloo_ranks"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           __file__, *[a for a in sys.argv[1:]], "--worker"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={n}",
+        __file__,
+        *[a for a in sys.argv[1:]],
+        "--worker",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.call(cmd, env=env)
 

@@ -139,20 +139,45 @@ def main() -> int:
     ks = [int(x) for x in args.top_k.split(",")]
     torch.set_num_threads(1)
     load = os.getloadavg()
-    rows = [run(pat, args.seq_len, args.heads, args.head_dim, args.block_size, kk, args.repeats,
-                args.seed) for pat in PATTERNS for kk in ks]  # fmt: skip
+    rows = [
+        run(pat, args.seq_len, args.heads, args.head_dim, args.block_size, kk, args.repeats, args.seed)
+        for pat in PATTERNS
+        for kk in ks
+    ]
     table = markdown_table(
-        ["pattern", "k", "recall per-block", "recall per-token", "tiles/query block per-block",
-         "tiles/query block per-token (union)", "fwd+bwd s per-block", "fwd+bwd s per-token"],
-        [[r["pattern"], r["k"], r["recall_block"], r["recall_token"], r["tiles_block"],
-          r["tiles_token_union"], r["seconds_block"], r["seconds_token_union"]] for r in rows],
-    )  # fmt: skip
-    notes = (f"T = {args.seq_len} (one document), {args.heads} heads, head dim {args.head_dim}, "
-             f"block {args.block_size}, 1 thread, torch backend; recall = exact softmax mass "
-             f"covered (float64); load average before {load[0]:.2f}, after "
-             f"{os.getloadavg()[0]:.2f}.")  # fmt: skip
-    md, _ = write_results(args.out, "topk-gating", torch.device("cpu"), table,
-                           {"rows": rows, "args": vars(args)}, notes)  # fmt: skip
+        [
+            "pattern",
+            "k",
+            "recall per-block",
+            "recall per-token",
+            "tiles/query block per-block",
+            "tiles/query block per-token (union)",
+            "fwd+bwd s per-block",
+            "fwd+bwd s per-token",
+        ],
+        [
+            [
+                r["pattern"],
+                r["k"],
+                r["recall_block"],
+                r["recall_token"],
+                r["tiles_block"],
+                r["tiles_token_union"],
+                r["seconds_block"],
+                r["seconds_token_union"],
+            ]
+            for r in rows
+        ],
+    )
+    notes = (
+        f"T = {args.seq_len} (one document), {args.heads} heads, head dim {args.head_dim}, "
+        f"block {args.block_size}, 1 thread, torch backend; recall = exact softmax mass "
+        f"covered (float64); load average before {load[0]:.2f}, after "
+        f"{os.getloadavg()[0]:.2f}."
+    )
+    md, _ = write_results(
+        args.out, "topk-gating", torch.device("cpu"), table, {"rows": rows, "args": vars(args)}, notes
+    )
     print(table + "\n\n" + notes + f"\n\nwrote {md}")
     return 0
 

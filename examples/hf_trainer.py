@@ -33,11 +33,18 @@ def main(out: str, steps: int = 2) -> list[float]:
     model = build_model("tiny")  # random weights from the shipped config; no download
     sparsebalance.attach(model, block_size=32)  # AttentionInterface registration
     args = TrainingArguments(
-        output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=4,
-        max_steps=steps, learning_rate=3e-3, logging_steps=1, report_to=[], use_cpu=True,
-        save_strategy="no", disable_tqdm=True,
+        output_dir=out,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=4,
+        max_steps=steps,
+        learning_rate=3e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
         ddp_find_unused_parameters=False,
-    )  # fmt: skip
+    )
     trainer = Trainer(model=model, args=args, train_dataset=documents())
     # A profile from FLOP counts keeps the example quick: drop profile= to use this machine's
     # own latency profile (measured on first use, about a minute, said in one line, then cached).
@@ -46,8 +53,10 @@ def main(out: str, steps: int = 2) -> list[float]:
     runtime = sparsebalance.hf.enable(trainer, capacity=1024, profile=profile, block_size=32)
     trainer.train()
     for h in runtime.planner.history:
-        print(f"step {h['step']}: plan {h['plan_hash']} predicted balance "
-              f"{h['predicted_balance']:.3f} density {h['density']:.3f}")  # fmt: skip
+        print(
+            f"step {h['step']}: plan {h['plan_hash']} predicted balance "
+            f"{h['predicted_balance']:.3f} density {h['density']:.3f}"
+        )
     return [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
 

@@ -26,8 +26,7 @@ def tokenizer():
     """TRL wants a processing class; the documents are token ids already (nothing downloaded)."""
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>")  # fmt: skip
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 def main(out: str, steps: int = 2) -> list[float]:
@@ -35,14 +34,22 @@ def main(out: str, steps: int = 2) -> list[float]:
     model.config.eos_token_id = model.generation_config.eos_token_id = 1  # the tokenizer's <eos>
     sparsebalance.attach(model, block_size=32)
     args = SFTConfig(
-        output_dir=out, packing=False, activation_checkpointing=False, bf16=False,
+        output_dir=out,
+        packing=False,
+        activation_checkpointing=False,
+        bf16=False,
         dataset_kwargs={"skip_prepare_dataset": True},  # already tokenized
-        per_device_train_batch_size=1, gradient_accumulation_steps=4, max_steps=steps,
-        learning_rate=3e-3, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=4,
+        max_steps=steps,
+        learning_rate=3e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
         disable_tqdm=True,
-    )  # fmt: skip
-    trainer = SFTTrainer(model=model, args=args, train_dataset=documents(),
-                         processing_class=tokenizer())  # fmt: skip
+    )
+    trainer = SFTTrainer(model=model, args=args, train_dataset=documents(), processing_class=tokenizer())
     profile = f"{out}/profile-{os.environ.get('RANK', '0')}.json"
     analytic_profile(load_shapes("tiny"), "h100", block_size=32).save(profile)
     sparsebalance.hf.enable(trainer, capacity=1024, profile=profile, block_size=32)

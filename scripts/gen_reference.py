@@ -50,9 +50,7 @@ def _stop_after_parsing(argv: Sequence[str]) -> Iterator[None]:
         argparse.ArgumentParser.parse_args = original
 
 
-def capture_parser(
-    main: Callable, argv: Sequence[str] = ()
-) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+def capture_parser(main: Callable, argv: Sequence[str] = ()) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     """The parser a script's ``main`` builds, and ``argv`` parsed by it, without running the
     script: ``main`` is stopped at its first ``parse_args`` call (whatever arguments it passes,
     ``argv`` is parsed). A parse error exits as argparse does (``SystemExit(2)``)."""
@@ -101,11 +99,7 @@ def _cell(text: str) -> str:
 
 
 def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    return [
-        a
-        for a in parser._actions
-        if not isinstance(a, argparse._HelpAction) and a.help != argparse.SUPPRESS
-    ]
+    return [a for a in parser._actions if not isinstance(a, argparse._HelpAction) and a.help != argparse.SUPPRESS]
 
 
 def flag_rows(parser: argparse.ArgumentParser) -> list[str]:
@@ -123,9 +117,7 @@ def flag_rows(parser: argparse.ArgumentParser) -> list[str]:
 
 def synopsis(parser: argparse.ArgumentParser) -> str:
     formatter = parser._get_formatter()
-    positionals = [
-        formatter._format_args(a, a.dest.upper()) for a in _options(parser) if not a.option_strings
-    ]
+    positionals = [formatter._format_args(a, a.dest.upper()) for a in _options(parser) if not a.option_strings]
     return " ".join([parser.prog, *positionals, "[flags]"])
 
 

@@ -83,7 +83,4 @@ def cu_from_lengths(lengths, device="cpu"):
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative RMS difference ||a - b|| / ||b|| (fla style)."""
-    return float(
-        (a.double() - b.double()).pow(2).mean().sqrt()
-        / b.double().pow(2).mean().sqrt().clamp_min(1e-30)
-    )
+    return float((a.double() - b.double()).pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt().clamp_min(1e-30))

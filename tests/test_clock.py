@@ -99,11 +99,10 @@ def test_exact_mode_times_the_all_reduce_on_the_device():
     rec = SimpleNamespace(bubble_s=0.0, sync_s=0.0, compute_s=1.0)
     runner = SimpleNamespace(
         emulated=False,
-        par=SimpleNamespace(exact=True, clock=clock,
-                            sync_gradients=lambda params: setattr(dev, "now", dev.now + 1.5)),
+        par=SimpleNamespace(exact=True, clock=clock, sync_gradients=lambda params: setattr(dev, "now", dev.now + 1.5)),
         rt=SimpleNamespace(barrier=lambda: None, all_gather_object=lambda r: [r]),
         updater=SimpleNamespace(params=[]),
-    )  # fmt: skip
+    )
     StepRunner.synchronize(runner, SimpleNamespace(records=[rec]))
     assert dev.syncs == 1
     assert rec.bubble_s == pytest.approx(TICK) and rec.sync_s == pytest.approx(TICK + 1.5)

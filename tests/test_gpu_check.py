@@ -31,12 +31,15 @@ def test_gpu_check_skips_cleanly_without_cuda(tmp_path):
 
 
 def test_gpu_check_refuses_an_unknown_stage():
-    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--stage", "warmup"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    res = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--stage", "warmup"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2
     assert (
-        "--stage must be one of setup tier bench train hf profile tier-long bench-long hf-long, "
-        "got warmup"
+        "--stage must be one of setup tier bench train hf profile tier-long bench-long hf-long, got warmup"
     ) in res.stderr
 
 
@@ -51,16 +54,22 @@ def test_python3_of_a_virtualenv_is_used_as_it_is(tmp_path):
     python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     python3.chmod(0o755)
     stale = tmp_path / "venv-gpu"
-    subprocess.run([str(python3), "-m", "venv", "--system-site-packages", "--without-pip",
-                    str(stale)], check=True, timeout=120)  # fmt: skip
-    seen = subprocess.run([str(stale / "bin" / "python"), "-c", "import torch"],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    subprocess.run(
+        [str(python3), "-m", "venv", "--system-site-packages", "--without-pip", str(stale)], check=True, timeout=120
+    )
+    seen = subprocess.run(
+        [str(stale / "bin" / "python"), "-c", "import torch"], capture_output=True, text=True, timeout=120
+    )
     assert seen.returncode != 0 and "No module named 'torch'" in seen.stderr  # the defect
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "GPU_CHECK_VENV": str(stale)}  # fmt: skip
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "GPU_CHECK_VENV": str(stale)}
     env.pop("GPU_CHECK_PYTHON", None)
-    res = subprocess.run(["bash", str(SCRIPT), "--results", str(tmp_path / "results")], env=env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    res = subprocess.run(
+        ["bash", str(SCRIPT), "--results", str(tmp_path / "results")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     lines = res.stderr.splitlines()
     assert lines[0] == (
@@ -75,8 +84,10 @@ def test_a_failed_step_says_why_in_one_line(tmp_path):
     """run_step (the script sourced: its functions only) records a failure with the line of the
     log that says why, in the report and on stderr."""
     fail = "import sys; print('loading'); sys.exit('ValueError: --block-size 64 cannot compile')"
-    script = (f'source "{SCRIPT}"; work="{tmp_path}"; report="{tmp_path}/report.md"; '
-              f'run_step "demo stage" 60 "{sys.executable}" -c "{fail}"')  # fmt: skip
+    script = (
+        f'source "{SCRIPT}"; work="{tmp_path}"; report="{tmp_path}/report.md"; '
+        f'run_step "demo stage" 60 "{sys.executable}" -c "{fail}"'
+    )
     res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     assert res.returncode == 1
     why = "FAILED (exit 1): ValueError: --block-size 64 cannot compile"
@@ -101,8 +112,10 @@ def test_version_floors():
 
 
 def _bash(body: str, tmp_path: Path, timeout: int = 120) -> subprocess.CompletedProcess:
-    script = (f'source "{SCRIPT}"\nwork="{tmp_path}"; report="{tmp_path}/report.md"; quick=1\n'
-              'clock=0; now() { echo "$clock"; }\n' + body)  # fmt: skip
+    script = (
+        f'source "{SCRIPT}"\nwork="{tmp_path}"; report="{tmp_path}/report.md"; quick=1\n'
+        'clock=0; now() { echo "$clock"; }\n' + body
+    )
     return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=timeout)
 
 
@@ -114,12 +127,14 @@ def test_a_stage_is_timed_and_one_that_would_not_fit_is_skipped_with_one_line(tm
     """Before a stage its estimate and the time left, after it the time it took; a stage whose
     estimate exceeds what is left does not run, says so in one line, and every line is in the
     results file (and its copy in $OUT) as soon as it is printed."""
-    res = _bash(f'OUT="{tmp_path}/out"; deadline=300\n'
-                'EST_QUICK[tier]=120; EST_QUICK[bench]=240\n'
-                'stage_tier() { echo "tier ran" >&2; clock=$((clock + 90)); }\n'
-                'stage_bench() { echo "bench ran" >&2; }\n'
-                'run_stage tier && run_stage bench && echo "skipped for time: ${skipped[*]}" >&2',
-                tmp_path)  # fmt: skip
+    res = _bash(
+        f'OUT="{tmp_path}/out"; deadline=300\n'
+        "EST_QUICK[tier]=120; EST_QUICK[bench]=240\n"
+        'stage_tier() { echo "tier ran" >&2; clock=$((clock + 90)); }\n'
+        'stage_bench() { echo "bench ran" >&2; }\n'
+        'run_stage tier && run_stage bench && echo "skipped for time: ${skipped[*]}" >&2',
+        tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     lines = [
         "gpu_check: tier: estimated 2.0 min (5.0 min left)",
@@ -137,8 +152,7 @@ def test_a_stage_is_timed_and_one_that_would_not_fit_is_skipped_with_one_line(tm
 
 
 def test_a_failed_stage_is_timed_and_its_status_returned(tmp_path):
-    res = _bash("deadline=600\nstage_train() { clock=$((clock + 30)); return 3; }\nrun_stage train",
-                tmp_path)  # fmt: skip
+    res = _bash("deadline=600\nstage_train() { clock=$((clock + 30)); return 3; }\nrun_stage train", tmp_path)
     assert res.returncode == 3  # main counts any non-zero as a failed run
     assert _gpu_check_lines(res.stderr) == [
         "gpu_check: train: estimated 1.4 min (10.0 min left)",
@@ -148,9 +162,11 @@ def test_a_failed_stage_is_timed_and_its_status_returned(tmp_path):
 
 def test_no_step_runs_past_the_budget(tmp_path):
     """A step's timeout is what is left of the budget; with nothing left it does not start."""
-    res = _bash('deadline=2\nrun_step "long step" 600 sleep 60; echo "rc $?" >&2\n'
-                'clock=5\nrun_step "late step" 600 touch "$work/ran"; echo "rc $?" >&2',
-                tmp_path)  # fmt: skip
+    res = _bash(
+        'deadline=2\nrun_step "long step" 600 sleep 60; echo "rc $?" >&2\n'
+        'clock=5\nrun_step "late step" 600 touch "$work/ran"; echo "rc $?" >&2',
+        tmp_path,
+    )
     lines = res.stderr.splitlines()
     assert lines[0] == "gpu_check: long step: TIMED OUT after 2 s: "
     assert lines[1] == "rc 124"
@@ -164,9 +180,7 @@ def _fake_python(tmp_path: Path, blocked: list[str]) -> Path:
     arguments and unblocks the distributions it names (as an install from a wheel would)."""
     for name in blocked:
         (tmp_path / "blocked" / name).mkdir(parents=True)
-        (tmp_path / "blocked" / name / "__init__.py").write_text(
-            "raise ImportError('blocked by the test')\n"
-        )
+        (tmp_path / "blocked" / name / "__init__.py").write_text("raise ImportError('blocked by the test')\n")
     py = tmp_path / "py"
     py.write_text(
         "#!/bin/sh\n"
@@ -188,12 +202,14 @@ def test_the_preflight_names_what_is_missing_in_one_line(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     (wheels / "hypothesis-6.100.0-py3-none-any.whl").touch()
-    res = _bash(f'py="{py}"; wheels="{wheels}"; deadline=480\n'
-                'NEEDS=("json:-:all" "hypothesis:hypothesis:tier tier-long"'
-                ' "accelerate:accelerate:hf hf-long")\n'
-                'stage_tier() { echo "tier ran" >&2; }\nstage_hf() { echo "hf ran" >&2; }\n'
-                'run_stage setup; run_stage tier; run_stage hf; echo "rc $?" >&2',
-                tmp_path)  # fmt: skip
+    res = _bash(
+        f'py="{py}"; wheels="{wheels}"; deadline=480\n'
+        'NEEDS=("json:-:all" "hypothesis:hypothesis:tier tier-long"'
+        ' "accelerate:accelerate:hf hf-long")\n'
+        'stage_tier() { echo "tier ran" >&2; }\nstage_hf() { echo "hf ran" >&2; }\n'
+        'run_stage setup; run_stage tier; run_stage hf; echo "rc $?" >&2',
+        tmp_path,
+    )
     assert _gpu_check_lines(res.stderr) == [
         "gpu_check: setup: estimated 0.5 min (8.0 min left)",
         "gpu_check: setup: carried wheels (hypothesis): passed",
@@ -214,10 +230,12 @@ def test_the_preflight_names_what_is_missing_in_one_line(tmp_path):
 
 
 def test_a_preflight_that_cannot_run_skips_every_stage(tmp_path):
-    res = _bash('py=/bin/false; wheels=/nonexistent; deadline=480\n'
-                'stage_bench() { echo "bench ran" >&2; }\n'
-                'run_stage setup; echo "rc $?" >&2; run_stage bench; echo "rc $?" >&2',
-                tmp_path)  # fmt: skip
+    res = _bash(
+        "py=/bin/false; wheels=/nonexistent; deadline=480\n"
+        'stage_bench() { echo "bench ran" >&2; }\n'
+        'run_stage setup; echo "rc $?" >&2; run_stage bench; echo "rc $?" >&2',
+        tmp_path,
+    )
     lines = _gpu_check_lines(res.stderr)
     assert lines[1].startswith("gpu_check: preflight: FAILED: /bin/false could not run")
     assert lines[3:] == ["gpu_check: bench: skipped: python missing (see the preflight line)"]
@@ -228,9 +246,10 @@ def _stage_commands(tmp_path: Path, stages: list[str], quick: int) -> list[list[
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "commands"
     record = f'printf "%s\\0" "$@" >> "{out}"; printf "\\036" >> "{out}"'  # args, then RS
-    body = (f'py="{sys.executable}"; wheels="{tmp_path}/wheels"; quick={quick}; mode=test\n'
-            f"run_step() {{ shift 2; {record}; }}\n"
-            + "\n".join(f"stage_{s.replace('-', '_')}" for s in stages))  # fmt: skip
+    body = (
+        f'py="{sys.executable}"; wheels="{tmp_path}/wheels"; quick={quick}; mode=test\n'
+        f"run_step() {{ shift 2; {record}; }}\n" + "\n".join(f"stage_{s.replace('-', '_')}" for s in stages)
+    )
     res = _bash(body, tmp_path)
     assert res.returncode == 0, res.stderr
     return [cmd.split("\0")[:-1] for cmd in out.read_text().split("\036")[:-1]]
@@ -256,8 +275,9 @@ print(json.dumps(out))
 
 def _collect(*arg_lists: list[str]) -> list[set[str]]:
     """The test ids each pytest command line selects (one process: collection imports torch)."""
-    res = subprocess.run([sys.executable, "-c", COLLECT, json.dumps(arg_lists)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", COLLECT, json.dumps(arg_lists)], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     return [set(ids) for ids in json.loads(res.stdout.splitlines()[-1])]
 
@@ -279,8 +299,11 @@ def test_the_tier_and_tier_long_split_every_gpu_test(tmp_path):
     }
     assert all("qwen2_5" in x or "probes" in x or "fp16_loss" in x for x in long_ids), long_ids
     assert any("qwen2_5_0_5b_architecture_at_16k" in x for x in long_ids)
-    marked = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")
-              if "pytest.mark.gpu" in p.read_text() and p.name != "test_gpu_check.py"}  # fmt: skip
+    marked = {
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if "pytest.mark.gpu" in p.read_text() and p.name != "test_gpu_check.py"
+    }
     assert marked and all(any(m == f or m.startswith(f + "/") for f in files) for m in marked)
 
 
@@ -305,15 +328,44 @@ def test_every_command_of_the_stages_parses_with_its_parser(tmp_path, monkeypatc
                 seen.add(args.mix)
     assert seen == {"bench-attn", "train", "profile", "short", "chatqa2"}
     bench = _stage_commands(tmp_path / "bench", ["bench"], 1)
-    assert bench == [[sys.executable, "-m", "sparsebalance", "bench-attn", "--device", "cuda",
-                      "--dtype", "bf16", "--heads", "14", "--kv-heads", "2", "--head-dim", "64",
-                      "--backends", "flex", "--out", f"{tmp_path}/bench/results", "--seq-lens",
-                      "32k", "--densities", "1,0.1,0.05", "--packs", "mixed,short"]]  # fmt: skip
+    assert bench == [
+        [
+            sys.executable,
+            "-m",
+            "sparsebalance",
+            "bench-attn",
+            "--device",
+            "cuda",
+            "--dtype",
+            "bf16",
+            "--heads",
+            "14",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "64",
+            "--backends",
+            "flex",
+            "--out",
+            f"{tmp_path}/bench/results",
+            "--seq-lens",
+            "32k",
+            "--densities",
+            "1,0.1,0.05",
+            "--packs",
+            "mixed,short",
+        ]
+    ]
 
 
 def _script_values(name: str) -> list[str]:
-    res = subprocess.run(["bash", "-c", f'source "{SCRIPT}"; printf "%s\\n" "${{{name}[@]}}"'],
-                         capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    res = subprocess.run(
+        ["bash", "-c", f'source "{SCRIPT}"; printf "%s\\n" "${{{name}[@]}}"'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return res.stdout.splitlines()
 
 
@@ -323,9 +375,12 @@ def test_the_estimates_fit_the_budgets_and_every_carried_module_is_downloaded():
     est = {}
     for table in ("EST_QUICK", "EST_FULL"):
         res = subprocess.run(
-            ["bash", "-c", f'source "{SCRIPT}"; for s in "${{!{table}[@]}}"; do '
-             f'echo "$s ${{{table}[$s]}}"; done'],
-            capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+            ["bash", "-c", f'source "{SCRIPT}"; for s in "${{!{table}[@]}}"; do echo "$s ${{{table}[$s]}}"; done'],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         est[table] = {k: int(v) for k, v in (x.split() for x in res.stdout.splitlines())}
         assert set(est[table]) == set(stages)
     assert quick_stages == ["setup", "tier", "bench", "train", "hf"]
@@ -343,16 +398,18 @@ def test_the_estimates_fit_the_budgets_and_every_carried_module_is_downloaded():
 
 
 def test_minutes_and_budget_flags(tmp_path):
-    each = (f'source "{SCRIPT}"; for s in 0 29 30 470 480 -7; do minutes "$s"; done; '
-            'minutes 179 down; minutes 180 up; minutes 181 up')  # fmt: skip
+    each = (
+        f'source "{SCRIPT}"; for s in 0 29 30 470 480 -7; do minutes "$s"; done; '
+        "minutes 179 down; minutes 180 up; minutes 181 up"
+    )
     res = subprocess.run(["bash", "-c", each], capture_output=True, text=True, timeout=60)
     near = ["0.0", "0.5", "0.5", "7.8", "8.0", "0.0"]
     assert res.stdout.split() == [*near, "2.9", "3.0", "3.1"]  # never "3.0 min, 3.0 min left"
     for args, env in ((["--budget", "ten"], {}), (["--quick"], {"GPU_CHECK_BUDGET": "0"})):
-        res = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
-                             timeout=60, env={**os.environ, **env})  # fmt: skip
+        res = subprocess.run(
+            ["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60, env={**os.environ, **env}
+        )
         assert res.returncode == 2
         assert "--budget (or GPU_CHECK_BUDGET) must be a positive number of seconds" in res.stderr
-    res = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True,
-                         timeout=60)  # fmt: skip
+    res = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "--budget" in res.stdout and "<= 8 minutes" in res.stdout

@@ -137,8 +137,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_every_module_imports():
     names = [m.name for m in pkgutil.walk_packages(sparsebalance.__path__, f"{PACKAGE}.")]
     names = [n for n in names if not n.endswith("__main__")]  # running them is their import
-    assert set(names) | {PACKAGE} >= set(MODULES) - {f"{PACKAGE}.__main__",
-                                                      f"{PACKAGE}.train.__main__"}  # fmt: skip
+    assert set(names) | {PACKAGE} >= set(MODULES) - {f"{PACKAGE}.__main__", f"{PACKAGE}.train.__main__"}
     for name in names:
         importlib.import_module(name)
 
@@ -194,17 +193,18 @@ def test_front_ends_drive_the_engine_and_import_no_other_front_end():
     ]
     assert not wrong, "\n".join(sorted(wrong))
     for front in FRONT_ENDS:
-        engine_users = {src for src, targets in GRAPH.items() if _part(src) == front
-                        and any(_part(t) == "engine" for t in targets)}  # fmt: skip
+        engine_users = {
+            src for src, targets in GRAPH.items() if _part(src) == front and any(_part(t) == "engine" for t in targets)
+        }
         assert engine_users, f"{front} does not use the engine"
     private = [
         f"{src} imports {name} from {dst}"
         for src, names in NAMES.items()
         for dst, name in names
-        if _part(src) in FRONT_ENDS and _part(dst) != _part(src)
-        and (name.startswith("_") or any(seg.startswith("_") and seg != "__init__"
-                                         for seg in dst.split(".")))
-    ]  # fmt: skip
+        if _part(src) in FRONT_ENDS
+        and _part(dst) != _part(src)
+        and (name.startswith("_") or any(seg.startswith("_") and seg != "__init__" for seg in dst.split(".")))
+    ]
     assert not private, "\n".join(sorted(private))
 
 

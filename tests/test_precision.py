@@ -47,12 +47,8 @@ def test_hf_forward_backward_under_cpu_autocast(precision, backend):
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
     ref_model = build_model("tiny", "cpu", torch.float32, seed=0)
     ref_ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=0.8), block_size=32, backend=backend)
-    ref = packed_loss(
-        ref_model, batch, ref_ctx, "chunked", precision=resolve_precision("fp32", "cpu")
-    )
-    assert float(loss.detach()) == pytest.approx(
-        float(ref.detach()), rel=2e-2
-    )  # low precision, same function
+    ref = packed_loss(ref_model, batch, ref_ctx, "chunked", precision=resolve_precision("fp32", "cpu"))
+    assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=2e-2)  # low precision, same function
 
 
 def test_compute_dtype_is_autocasts_inside_it_and_the_lowest_outside():

@@ -80,9 +80,7 @@ def test_a_full_disk_leaves_no_partial_results_file(tmp_path, monkeypatch, after
     with pytest.raises(ValueError) as err:  # DiskFull
         _write(tmp_path, "| lost |")
     (line,) = str(err.value).splitlines()  # one line
-    assert (
-        line.startswith(f"results file {tmp_path}/") and "-bench-cpu.md/.json: not written" in line
-    )
+    assert line.startswith(f"results file {tmp_path}/") and "-bench-cpu.md/.json: not written" in line
     assert "the disk is full" in line and "partial temporary files were removed" in line
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp, no -2
 
@@ -91,13 +89,33 @@ def _metrics(run, scale=1.0, kind="top-k", budget=lambda r: 8.0):
     lines = []
     for step in (1, 2, 3):
         for r in (0, 1):
-            lines.append({"step": step, "rank": r, "compute_s": scale * (1 + r),
-                          "derived_bubble_s": scale * (1 - r), "budget_mean": budget(r),
-                          "density": 0.5, "units": []})  # fmt: skip
-        lines.append({"step": step, "rank": "all", "loss": 5.0, "step_seconds": 2 * scale,
-                      "max_compute_s": 2 * scale, "efficiency": 0.75, "bubble_fraction": 0.25,
-                      "mean_density": 0.5, "tokens_per_s": 1e3, "overhead_s": 0.01,
-                      "coverage_limited": 0, "budget_kind": kind})  # fmt: skip
+            lines.append(
+                {
+                    "step": step,
+                    "rank": r,
+                    "compute_s": scale * (1 + r),
+                    "derived_bubble_s": scale * (1 - r),
+                    "budget_mean": budget(r),
+                    "density": 0.5,
+                    "units": [],
+                }
+            )
+        lines.append(
+            {
+                "step": step,
+                "rank": "all",
+                "loss": 5.0,
+                "step_seconds": 2 * scale,
+                "max_compute_s": 2 * scale,
+                "efficiency": 0.75,
+                "bubble_fraction": 0.25,
+                "mean_density": 0.5,
+                "tokens_per_s": 1e3,
+                "overhead_s": 0.01,
+                "coverage_limited": 0,
+                "budget_kind": kind,
+            }
+        )
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     return run
@@ -108,8 +126,11 @@ def test_a_full_disk_while_writing_a_report_keeps_the_earlier_one(tmp_path, monk
     write_report(run, plots=False)
     before = {p.name: p.read_bytes() for p in run.iterdir()}
     _disk_full_at_fsync(monkeypatch)
-    with pytest.raises(ValueError, match=r"report\.md: not written, the disk is full.*earlier "
-                       r"report\.md is intact"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"report\.md: not written, the disk is full.*earlier "
+        r"report\.md is intact",
+    ):
         write_report(run, plots=False)
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 
@@ -143,9 +164,16 @@ def test_report_command_on_a_full_disk_says_so_in_one_line(tmp_path, capsys, mon
 
 
 def _summary(step):
-    return {"steps": 3, "mean_step_s": step, "mean_max_compute_s": step, "efficiency": 0.9,
-            "bubble_fraction": 0.1, "mean_density": 0.5, "tokens_per_s": 1.0,
-            "final_loss": 1.0}  # fmt: skip
+    return {
+        "steps": 3,
+        "mean_step_s": step,
+        "mean_max_compute_s": step,
+        "efficiency": 0.9,
+        "bubble_fraction": 0.1,
+        "mean_density": 0.5,
+        "tokens_per_s": 1.0,
+        "final_loss": 1.0,
+    }
 
 
 def test_one_run_has_no_speedup_against_itself(tmp_path):

@@ -15,9 +15,17 @@ NUM_STEPS = 20
 
 
 def _unit(slot, ranks, start, secs, ids):
-    return {"slot": slot, "ranks": ranks, "degree": max(len(ranks), 1), "ring": "flat",
-            "sample_ids": ids, "tokens": 1000, "start_s": start, "seconds": secs,
-            "ring_wait_s": 0.0}  # fmt: skip
+    return {
+        "slot": slot,
+        "ranks": ranks,
+        "degree": max(len(ranks), 1),
+        "ring": "flat",
+        "sample_ids": ids,
+        "tokens": 1000,
+        "start_s": start,
+        "seconds": secs,
+        "ring_wait_s": 0.0,
+    }
 
 
 def _run(scale: float, cp_step: int | None, late: float = 0.0, kind: str = "top-k"):
@@ -27,17 +35,35 @@ def _run(scale: float, cp_step: int | None, late: float = 0.0, kind: str = "top-
     for step in range(1, NUM_STEPS + 1):
         for r in (0, 1):
             if step == cp_step:
-                units = [_unit(0, [0, 1], late * r, scale - late * r, [9]),
-                         _unit(1, [], scale, 0.5 * scale, [r])]  # fmt: skip
+                units = [_unit(0, [0, 1], late * r, scale - late * r, [9]), _unit(1, [], scale, 0.5 * scale, [r])]
             else:
                 units = [_unit(0, [], 0.0, scale * (1 + r), [r])]
-            ranks.append({"step": step, "rank": r, "compute_s": scale * (1 + r),
-                          "derived_bubble_s": scale * (1 - r), "budget_mean": 8.0 + r,
-                          "density": 0.5 + 0.1 * r, "units": units})  # fmt: skip
-        steps.append({"step": step, "rank": "all", "loss": 5.0 - 0.1 * step,
-                      "step_seconds": 2 * scale, "max_compute_s": 2 * scale, "efficiency": 0.75,
-                      "bubble_fraction": 0.25, "mean_density": 0.55, "tokens_per_s": 1e3,
-                      "overhead_s": 0.01, "budget_kind": kind})  # fmt: skip
+            ranks.append(
+                {
+                    "step": step,
+                    "rank": r,
+                    "compute_s": scale * (1 + r),
+                    "derived_bubble_s": scale * (1 - r),
+                    "budget_mean": 8.0 + r,
+                    "density": 0.5 + 0.1 * r,
+                    "units": units,
+                }
+            )
+        steps.append(
+            {
+                "step": step,
+                "rank": "all",
+                "loss": 5.0 - 0.1 * step,
+                "step_seconds": 2 * scale,
+                "max_compute_s": 2 * scale,
+                "efficiency": 0.75,
+                "bubble_fraction": 0.25,
+                "mean_density": 0.55,
+                "tokens_per_s": 1e3,
+                "overhead_s": 0.01,
+                "budget_kind": kind,
+            }
+        )
     return ranks, steps
 
 
@@ -129,8 +155,7 @@ def test_units_legend_names_every_colour_and_titles_match_what_is_drawn(figures,
         hatched = [p for p in ax.patches if p.get_hatch()]
         legend = ax.get_legend()
         assert legend is not None, ax.get_title()
-        named = {h.get_facecolor() for h in legend.legend_handles
-                 if isinstance(h, Patch) and not h.get_hatch()}  # fmt: skip
+        named = {h.get_facecolor() for h in legend.legend_handles if isinstance(h, Patch) and not h.get_hatch()}
         assert filled <= named, "a colour without a legend entry"
         waiting = [t for t in _labels(legend) if t.startswith("waiting")]
         assert bool(waiting) == bool(hatched)  # the hatching is named where, and only where drawn
@@ -167,11 +192,15 @@ def test_simulator_plots_keep_their_legends_beside_the_lines(tmp_path, monkeypat
     kept = []
     monkeypatch.setattr(plots, "_save", lambda fig, path: kept.append(fig))
     names = ["baseline", "sab", "dst", "sab+dst"]
-    results = [{"world_size": w, "show_step": 0,
-                "strategies": {n: {"speedup": 1 + i * w / 10} for i, n in enumerate(names)},
-                "rank_times": {n: [0.1 * (r + 1) / (1 + i) for r in range(w)]
-                               for i, n in enumerate(names)}}
-               for w in (2, 4, 16)]  # fmt: skip
+    results = [
+        {
+            "world_size": w,
+            "show_step": 0,
+            "strategies": {n: {"speedup": 1 + i * w / 10} for i, n in enumerate(names)},
+            "rank_times": {n: [0.1 * (r + 1) / (1 + i) for r in range(w)] for i, n in enumerate(names)},
+        }
+        for w in (2, 4, 16)
+    ]
     plots.plot_speedup({"results": results, "cost_model": "a long cost model name " * 6}, "x")
     plots.plot_rank_times(results[-1], "y")
     for fig in kept:

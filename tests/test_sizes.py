@@ -29,9 +29,10 @@ def _err(capsys) -> str:
 
 def test_a_length_beyond_int32_is_refused_by_plan_and_simulate(lengths, capsys):
     path = lengths(10**12, 4096)
-    for argv in (["plan", "--lengths", path, "--world-size", "2", "--micro-batches", "2"],
-                 ["simulate", "--lengths", path, "--world-size", "2", "--micro-batches", "2",
-                  "--steps", "1"]):  # fmt: skip
+    for argv in (
+        ["plan", "--lengths", path, "--world-size", "2", "--micro-batches", "2"],
+        ["simulate", "--lengths", path, "--world-size", "2", "--micro-batches", "2", "--steps", "1"],
+    ):
         assert main(argv) == 2
         assert "entry 0" in (err := _err(capsys)) and "2,147,483,647" in err
     assert main(["simulate", "--max-len", str(2**31), "--world-size", "2", "--steps", "1"]) == 2
@@ -68,8 +69,17 @@ def test_sizes_beyond_memory_are_refused(command, flags, lengths, capsys):
 
 
 def test_the_check_follows_the_memory_available(monkeypatch, lengths, capsys):
-    argv = ["plan", "--lengths", lengths(4096, 100), "--world-size", str(10**6),
-            "--micro-batches", "2", "--strategy", "sequential"]  # fmt: skip
+    argv = [
+        "plan",
+        "--lengths",
+        lengths(4096, 100),
+        "--world-size",
+        str(10**6),
+        "--micro-batches",
+        "2",
+        "--strategy",
+        "sequential",
+    ]
     monkeypatch.setattr(sizes, "available_memory", lambda: 300 * 2**20)
     assert main(argv) == 2
     assert "300.0 MiB" not in (err := _err(capsys)) and "0.3 GiB available" in err

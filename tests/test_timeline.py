@@ -61,9 +61,8 @@ def _records(stamped: bool) -> list[dict]:
         {"rank": 0, "units": [unit(1, [], 0.0, 1.0, ids=(5,)), unit(2, [], 1.0, 1.5)]},
         {"rank": 1, "units": [unit(0, [1, 2, 3], 0.0, 2.5, wait=0.6, ids=(17,))]},
         {"rank": 2, "units": [unit(0, [1, 2, 3], 0.0, 2.5, wait=0.55, ids=(17,))]},
-        {"rank": 3, "units": [unit(0, [1, 2, 3], 0.5, 2.0, wait=0.1, ids=(17,)),
-                              unit(3, [], 2.5, 0.25)]},
-    ]  # fmt: skip
+        {"rank": 3, "units": [unit(0, [1, 2, 3], 0.5, 2.0, wait=0.1, ids=(17,)), unit(3, [], 2.5, 0.25)]},
+    ]
 
 
 @pytest.mark.parametrize("stamped", [True, False], ids=["start-stamps", "back-to-back"])
@@ -82,8 +81,7 @@ def test_record_bars_join_a_units_ranks(stamped):
 
 def test_old_records_without_units_fall_back_to_microbatch_times():
     bars = record_bars([{"rank": 0, "microbatch_s": [1.0, 2.0]}, {"rank": 1, "microbatch_s": [3]}])
-    assert [(b.ranks, b.start, b.seconds) for b in bars] == [
-        ((0,), 0.0, 1.0), ((1,), 0.0, 3.0), ((0,), 1.0, 2.0)]  # fmt: skip
+    assert [(b.ranks, b.start, b.seconds) for b in bars] == [((0,), 0.0, 1.0), ((1,), 0.0, 3.0), ((0,), 1.0, 2.0)]
 
 
 def test_a_cp_unit_is_one_bar_over_its_ranks(hybrid_plan):
@@ -112,8 +110,11 @@ def test_the_legend_names_each_colour_link_and_hatching_drawn_beside_the_axis():
     fig, ax = plt.subplots()
     draw_timeline(ax, bars, 4)
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert labels == ["micro-batch on one rank", "CP unit over 3 ranks",
-                      "waiting for the unit's\nlast rank (up to 500 ms)"]  # fmt: skip
+    assert labels == [
+        "micro-batch on one rank",
+        "CP unit over 3 ranks",
+        "waiting for the unit's\nlast rank (up to 500 ms)",
+    ]
     fig.canvas.draw()
     assert not ax.get_legend().get_window_extent().overlaps(ax.get_window_extent())
     # no wait, ranks not neighbours: the link is named and the hatching is not

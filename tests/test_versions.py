@@ -24,8 +24,7 @@ def test_check_says_what_to_do_in_one_line():
     with pytest.raises(ValueError) as err:
         s.check(1, "w.json")
     assert str(err.value) == (
-        "w.json: widget schema version 1 (written by an older SparseBalance); this build reads "
-        "2, 3: make it again"
+        "w.json: widget schema version 1 (written by an older SparseBalance); this build reads 2, 3: make it again"
     )
     with pytest.raises(ValueError, match=r"newer SparseBalance.*upgrade SparseBalance$"):
         s.check(4, "w.json")
@@ -76,9 +75,15 @@ def test_profile_and_calibration_writers_use_names_of_their_own(tmp_path):
 
     from sparsebalance.latency.memory_fit import MemoryCalibration, cache_path
 
-    cal = MemoryCalibration(fingerprint={"shapes": {"num_layers": 4}}, act_bytes=1.0,
-                            overhead_bytes=0.0, probes=(), errors=(), analytic_errors=(),
-                            at_range_end=False)  # fmt: skip
+    cal = MemoryCalibration(
+        fingerprint={"shapes": {"num_layers": 4}},
+        act_bytes=1.0,
+        overhead_bytes=0.0,
+        probes=(),
+        errors=(),
+        analytic_errors=(),
+        at_range_end=False,
+    )
     target = cache_path(cal.fingerprint, tmp_path)
     target.with_suffix(".tmp").mkdir()
     assert save_calibration(cal, tmp_path) == target

@@ -174,9 +174,7 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
             continue
         mod = importlib.import_module(f"sparsebalance.commands.{module}")
         description = (mod.__doc__ or help_text).strip()
-        p = sub.add_parser(
-            name, help=help_text, description=description, formatter_class=HelpFormatter
-        )
+        p = sub.add_parser(name, help=help_text, description=description, formatter_class=HelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(func=mod.main)
     return parser

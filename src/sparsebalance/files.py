@@ -78,9 +78,7 @@ def cache_folder(kind: str) -> Path:
     try:
         home = Path.home()
     except RuntimeError:  # no HOME and no password entry to find it in
-        raise ValueError(
-            f"no home folder to keep the {kind} cache in: set {CACHE_ENV} to a writable folder"
-        ) from None
+        raise ValueError(f"no home folder to keep the {kind} cache in: set {CACHE_ENV} to a writable folder") from None
     return home / ".cache" / "sparsebalance" / kind
 
 

@@ -138,11 +138,11 @@ def add_arguments(
         text = help_text(opt).replace("%", "%%")  # argparse %-formats help
         names = [opt.flag, *opt.aliases]
         if _base(opt.kind) is bool:
-            target.add_argument(*names, dest=opt.dest, action=argparse.BooleanOptionalAction,
-                                default=None, help=text)  # fmt: skip
+            target.add_argument(*names, dest=opt.dest, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            target.add_argument(*names, dest=opt.dest, type=_converter(opt.kind), default=None,
-                                help=text, metavar=opt.path[-1].upper())  # fmt: skip
+            target.add_argument(
+                *names, dest=opt.dest, type=_converter(opt.kind), default=None, help=text, metavar=opt.path[-1].upper()
+            )
     return groups
 
 
@@ -337,8 +337,9 @@ def check_values(cls: type, values: dict, where: str, prefix: tuple[str, ...] = 
         path, kind = (*prefix, key), hints[key]
         if dataclasses.is_dataclass(kind):
             if not isinstance(value, dict):
-                raise ConfigTypeError(f"{_name(path, where)} must be a table of "
-                                      f"{kind.__name__} fields, got {_shown(value)}")  # fmt: skip
+                raise ConfigTypeError(
+                    f"{_name(path, where)} must be a table of {kind.__name__} fields, got {_shown(value)}"
+                )
             check_values(kind, value, where, path)
             continue
         problem = type_problem(kind, value)
@@ -362,8 +363,7 @@ def check_fields(obj: Any) -> None:
         value = getattr(obj, name)
         problem = type_problem(kind, value)
         if problem is not None:
-            flag = next((o.aliases[0] if o.aliases else o.flag for o in options(cls)
-                         if o.path == (name,)), None)  # fmt: skip
+            flag = next((o.aliases[0] if o.aliases else o.flag for o in options(cls) if o.path == (name,)), None)
             shown = f"{cls.__name__}.{name}" + (f" ({flag})" if flag else "")
             raise ConfigTypeError(f"{shown} must be {problem}, got {_shown(value)}")
 
@@ -388,8 +388,7 @@ def name(config: Any, field: str) -> str:
     from the Python API, where the user passed the field. A field that is not a flag is named
     ``TrainConfig.field`` either way."""
     cls = config if isinstance(config, type) else type(config)
-    flag = next((o.aliases[0] if o.aliases else o.flag for o in options(cls)
-                 if o.path == (field,)), None)  # fmt: skip
+    flag = next((o.aliases[0] if o.aliases else o.flag for o in options(cls) if o.path == (field,)), None)
     if flag is None:
         return f"{cls.__name__}.{field}"
     return flag if _COMMAND_LINE.get() else f"{cls.__name__}.{field} ({flag})"
@@ -434,8 +433,9 @@ def _converter(kind: Any):
     if typing.get_origin(base) is tuple:
         args = typing.get_args(base)
         item = args[0]
-        if item not in (int, float, str) or (len(args) > 1 and args[1] is not Ellipsis
-                                              and any(a is not item for a in args)):  # fmt: skip
+        if item not in (int, float, str) or (
+            len(args) > 1 and args[1] is not Ellipsis and any(a is not item for a in args)
+        ):
             return None
         size = None if len(args) == 2 and args[1] is Ellipsis else len(args)
         return _comma_list(item, size)
@@ -454,16 +454,13 @@ def _int_or_str(text: str) -> int | str:
 def _comma_list(item: type, size: int | None):
     def parse(text: str) -> tuple:
         try:
-            out = tuple(item(x.strip().replace("_", "") if item is not str else x.strip())
-                        for x in text.split(",") if x.strip())  # fmt: skip
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected a comma list of {item.__name__}, got {text!r}"
-            ) from None
-        if size is not None and len(out) != size:
-            raise argparse.ArgumentTypeError(
-                f"expected {size} comma-separated values, got {text!r}"
+            out = tuple(
+                item(x.strip().replace("_", "") if item is not str else x.strip()) for x in text.split(",") if x.strip()
             )
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {item.__name__}, got {text!r}") from None
+        if size is not None and len(out) != size:
+            raise argparse.ArgumentTypeError(f"expected {size} comma-separated values, got {text!r}")
         return out
 
     parse.__name__ = f"{item.__name__} list"

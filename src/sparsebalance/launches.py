@@ -30,10 +30,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 aten = torch.ops.aten
-HOST_READS = frozenset({
-    aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.equal, aten.is_nonzero,
-    aten._unique, aten._unique2, aten.unique_dim, aten.unique_consecutive,
-})  # fmt: skip
+HOST_READS = frozenset(
+    {
+        aten._local_scalar_dense,
+        aten.nonzero,
+        aten.masked_select,
+        aten.equal,
+        aten.is_nonzero,
+        aten._unique,
+        aten._unique2,
+        aten.unique_dim,
+        aten.unique_consecutive,
+    }
+)
 """Ops whose result depends on values only the host can size or return (a sync on CUDA)."""
 HOST_READ_OVERLOADS = frozenset({aten.repeat_interleave.Tensor})
 MASK_INDEXING = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
@@ -41,10 +50,19 @@ MASK_INDEXING = frozenset({aten.index, aten.index_put, aten.index_put_, aten._in
 the op, unseen by a dispatch mode)."""
 HOST_METHODS = ("tolist", "numpy", "cpu", "item", "__bool__", "__int__", "__float__", "__index__")
 """Tensor methods that read values on the host without (always) dispatching an aten op."""
-NO_LAUNCH = frozenset({
-    aten.empty, aten.empty_like, aten.empty_strided, aten._unsafe_view, aten.lift_fresh,
-    aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset,
-})  # fmt: skip
+NO_LAUNCH = frozenset(
+    {
+        aten.empty,
+        aten.empty_like,
+        aten.empty_strided,
+        aten._unsafe_view,
+        aten.lift_fresh,
+        aten.sym_size,
+        aten.sym_stride,
+        aten.sym_numel,
+        aten.sym_storage_offset,
+    }
+)
 """Ops that allocate without writing, or only read metadata: no kernel runs."""
 
 _ACTIVE: ContextVar[LaunchCounter | None] = ContextVar("sparsebalance_launch_counter", default=None)
@@ -144,8 +162,7 @@ def _site() -> str:
 def _masked(args) -> bool:
     """An ``index``/``index_put`` call whose indices include a boolean (or byte) mask."""
     indices = args[1] if len(args) > 1 else ()
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-               for i in indices or ())  # fmt: skip
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
 
 
 def copied(num_bytes: int) -> None:

@@ -79,8 +79,16 @@ def comparison_table(
     """
     base = runs[baseline_name(runs, baseline)]
     compared = len(runs) > 1
-    headers = ["run", "steps", "mean step (s)", *(["speedup", "compute speedup"] * compared),
-               "balance eff.", "bubble frac.", "mean density", "final loss"]  # fmt: skip
+    headers = [
+        "run",
+        "steps",
+        "mean step (s)",
+        *(["speedup", "compute speedup"] * compared),
+        "balance eff.",
+        "bubble frac.",
+        "mean density",
+        "final loss",
+    ]
     if predicted is not None:
         headers += ["predicted speedup", "prediction error (step)"]
     rows, out = [], {}
@@ -91,8 +99,18 @@ def comparison_table(
             entry["speedup"] = base["mean_step_s"] / s["mean_step_s"]
             entry["compute_speedup"] = base["mean_max_compute_s"] / s["mean_max_compute_s"]
             speedups = [entry["speedup"], entry["compute_speedup"]]
-        rows.append([name, s["steps"], s["mean_step_s"], *speedups, s["efficiency"],
-                     s["bubble_fraction"], s["mean_density"], s["final_loss"]])  # fmt: skip
+        rows.append(
+            [
+                name,
+                s["steps"],
+                s["mean_step_s"],
+                *speedups,
+                s["efficiency"],
+                s["bubble_fraction"],
+                s["mean_density"],
+                s["final_loss"],
+            ]
+        )
         if predicted is not None:
             p = predicted[name]
             entry.update(
@@ -119,8 +137,7 @@ def table_note(runs: dict, baseline: str | None = None) -> str:
     """What :func:`comparison_table`'s columns mean, for the runs it was given."""
     if len(runs) > 1:
         base = baseline_name(runs, baseline)
-        speed = (f"Speedup = {base}'s mean step time / the run's; compute speedup uses the "
-                 "slowest rank's compute time. ")  # fmt: skip
+        speed = f"Speedup = {base}'s mean step time / the run's; compute speedup uses the slowest rank's compute time. "
     else:
         speed = "No speed-up column: one run, nothing to compare it with. "
     return (
@@ -186,8 +203,10 @@ def budgets(ranks: list[dict], steps: list[dict]) -> str:
     if lo == hi:  # a fixed budget: no range, no spread to speak of
         spent = f"{kind}, budget {unit}{lo} on every rank and step (mean over layers)"
     else:
-        spent = (f"{kind}, per-rank budgets {unit}{lo} .. {hi} (mean over layers; up to "
-                 f"{fmt.format(spread)} apart within a step)")  # fmt: skip
+        spent = (
+            f"{kind}, per-rank budgets {unit}{lo} .. {hi} (mean over layers; up to "
+            f"{fmt.format(spread)} apart within a step)"
+        )
     stopped = f"{limited} layer cut{'s' if limited != 1 else ''}" if limited else "no layer cut"
     return (
         f"{spent}, realized density {float(np.mean([s['mean_density'] for s in body])):.2f}, "
@@ -223,8 +242,7 @@ def timeline_figure(run_data: RunData):
 
     plt = _pyplot()
     n = len(run_data)
-    fig, axes = plt.subplots(1, n, figsize=(5.5 * n + 1.8, 3.5), sharey=True, squeeze=False,
-                             layout="constrained")  # fmt: skip
+    fig, axes = plt.subplots(1, n, figsize=(5.5 * n + 1.8, 3.5), sharey=True, squeeze=False, layout="constrained")
     num_ranks = _max_ranks(run_data)
     width = 0.8 / num_ranks
     for ax, (name, (ranks, _)) in zip(axes[0], run_data.items(), strict=True):
@@ -239,8 +257,7 @@ def timeline_figure(run_data: RunData):
         _integer_steps(ax)
     axes[0, 0].set_ylabel("seconds")
     handles = [Patch(color=f"C{r}", label=f"rank {r} compute") for r in range(num_ranks)]
-    handles.append(Patch(facecolor="0.85", edgecolor="0.3", hatch="//",
-                         label="bubble: waiting for\nthe slowest rank"))  # fmt: skip
+    handles.append(Patch(facecolor="0.85", edgecolor="0.3", hatch="//", label="bubble: waiting for\nthe slowest rank"))
     fig.legend(handles=handles, loc="outside right upper", fontsize=7)
     return fig
 
@@ -250,8 +267,9 @@ def _units_step(run_data: RunData) -> tuple[dict[str, int], str]:
     any ran a CP unit, else the last), unless the runs share no step; and the reason, said."""
     steps = [{x["step"] for x in ranks} for ranks, _ in run_data.values()]
     common = set.intersection(*steps)
-    cp = {x["step"] for ranks, _ in run_data.values() for x in ranks
-          if any(u["degree"] > 1 for u in x.get("units", ()))}  # fmt: skip
+    cp = {
+        x["step"] for ranks, _ in run_data.values() for x in ranks if any(u["degree"] > 1 for u in x.get("units", ()))
+    }
     one = "" if len(run_data) == 1 else " in every run"
     if common & cp:
         step = max(common & cp)
@@ -270,12 +288,16 @@ def units_figure(run_data: RunData):
     :func:`_units_step`), on one time scale; the legend names every colour and the hatching."""
     plt = _pyplot()
     shown, why = _units_step(run_data)
-    fig, axes = plt.subplots(len(run_data), 1, figsize=(11, 1.4 + 0.5 * _max_ranks(run_data)
-                             * len(run_data)), squeeze=False, layout="constrained")  # fmt: skip
+    fig, axes = plt.subplots(
+        len(run_data),
+        1,
+        figsize=(11, 1.4 + 0.5 * _max_ranks(run_data) * len(run_data)),
+        squeeze=False,
+        layout="constrained",
+    )
     for ax, (name, (ranks, _)) in zip(axes[:, 0], run_data.items(), strict=True):
         recs = [x for x in ranks if x["step"] == shown[name]]
-        draw_timeline(ax, record_bars(recs), max(r["rank"] for r in ranks) + 1,
-                      f"{name}, step {shown[name]}")  # fmt: skip
+        draw_timeline(ax, record_bars(recs), max(r["rank"] for r in ranks) + 1, f"{name}, step {shown[name]}")
     right = max(ax.get_xlim()[1] for ax in axes[:, 0])
     for ax in axes[:, 0]:
         ax.set_xlim(0, right)
@@ -302,19 +324,23 @@ def budget_density_figure(run_data: RunData):
         for r in sorted({x["rank"] for x in ranks}):
             recs = [x for x in ranks if x["rank"] == r]
             style = {"ls": "-" if i == 0 else "--", "label": f"{name}, rank {r}"}
-            axes[0].plot([x["step"] for x in recs],
-                         [x.get("budget_mean", x.get("gamma_mean")) for x in recs],  # gamma_*: old
-                         **style)  # fmt: skip
+            axes[0].plot(
+                [x["step"] for x in recs],
+                [x.get("budget_mean", x.get("gamma_mean")) for x in recs],  # gamma_*: old
+                **style,
+            )
             axes[1].plot([x["step"] for x in recs], [x["density"] for x in recs], **style)
     kinds = {st[-1].get("budget_kind") or "" for _, st in run_data.values()}
     unit = "k (top-k)" if kinds == {"top-k"} else "gamma" if kinds == {"gamma"} else "k or gamma"
     axes[0].set(title="budget per rank (mean over layers)", xlabel="step", ylabel=unit)
-    axes[1].set(title="realized attention density per rank", xlabel="step",
-                ylabel="density (kept / causal block pairs)")  # fmt: skip
+    axes[1].set(
+        title="realized attention density per rank", xlabel="step", ylabel="density (kept / causal block pairs)"
+    )
     for ax in axes:
         _integer_steps(ax)
-    axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, fontsize=7,
-                   title="both panels", title_fontsize=7)  # fmt: skip
+    axes[1].legend(
+        loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, fontsize=7, title="both panels", title_fontsize=7
+    )
     return fig
 
 

@@ -76,8 +76,7 @@ def check_memory(flags: str, what: str, num_bytes: int) -> None:
     have = available_memory()
     if num_bytes > have:
         raise ValueError(
-            f"{flags}: {what} would need about {_gib(num_bytes)} of memory; this machine has "
-            f"{_gib(have)} available"
+            f"{flags}: {what} would need about {_gib(num_bytes)} of memory; this machine has {_gib(have)} available"
         )
 
 
@@ -92,8 +91,7 @@ def check_device_memory(flags: str, what: str, num_bytes: float, device) -> None
     free = torch.cuda.mem_get_info(device)[0]
     if num_bytes > free:
         raise ValueError(
-            f"{flags}: {what} would need about {_gib(num_bytes)} of GPU memory; {device} has "
-            f"{_gib(free)} free"
+            f"{flags}: {what} would need about {_gib(num_bytes)} of GPU memory; {device} has {_gib(free)} free"
         )
 
 
@@ -110,8 +108,4 @@ def plan_bytes(num_items: int, world_size: int, micro_batches: int | None) -> in
     """Estimated planner memory for ``num_items`` items over ``world_size`` ranks with
     ``micro_batches`` per rank (None: capacity-bound, at most one slot per item)."""
     slots = world_size * (micro_batches if micro_batches is not None else 1) + num_items
-    return (
-        PLAN_BYTES_PER_ITEM * num_items
-        + PLAN_BYTES_PER_RANK * world_size
-        + PLAN_BYTES_PER_SLOT * slots
-    )
+    return PLAN_BYTES_PER_ITEM * num_items + PLAN_BYTES_PER_RANK * world_size + PLAN_BYTES_PER_SLOT * slots

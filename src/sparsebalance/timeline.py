@@ -99,11 +99,15 @@ def record_bars(rank_records: Sequence[dict]) -> list[Bar]:
     if stamped and groups:
         return sorted((_measured(k, p) for k, p in groups.items()), key=lambda b: (b.start, b.slot))
     return _schedule(
-        (slot, ranks, min(float(u["seconds"]) for _, u in parts),
-         tuple(parts[0][1].get("sample_ids", ())),
-         max(float(u.get("ring_wait_s", 0.0)) for _, u in parts))
+        (
+            slot,
+            ranks,
+            min(float(u["seconds"]) for _, u in parts),
+            tuple(parts[0][1].get("sample_ids", ())),
+            max(float(u.get("ring_wait_s", 0.0)) for _, u in parts),
+        )
         for (slot, ranks), parts in groups.items()
-    )  # fmt: skip
+    )
 
 
 def _measured(key: tuple[int, tuple[int, ...]], parts: list[tuple[int, dict]]) -> Bar:
@@ -151,9 +155,14 @@ def draw_timeline(ax, bars: Sequence[Bar], num_ranks: int, title: str = "") -> N
                 ax.plot([x, x], [lo, hi], color="k", lw=1, marker="o", ms=3)
                 linked = True
             elif b.seconds > 0.06 * span and b.sample_ids:
-                ax.text(b.start + b.seconds / 2, lo, ",".join(map(str, b.sample_ids[:4]))
-                        + ("…" if len(b.sample_ids) > 4 else ""), ha="center", va="center",
-                        fontsize=6)  # fmt: skip
+                ax.text(
+                    b.start + b.seconds / 2,
+                    lo,
+                    ",".join(map(str, b.sample_ids[:4])) + ("…" if len(b.sample_ids) > 4 else ""),
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                )
         for r, t in zip(b.ranks, b.arrivals or (), strict=False):
             if b.start - t > 1e-9:  # waited for the unit's last rank
                 ax.add_patch(_rect(t, r - height / 2, b.start - t, height, "none", hatch="//"))
@@ -164,20 +173,25 @@ def draw_timeline(ax, bars: Sequence[Bar], num_ranks: int, title: str = "") -> N
     ax.set_xlabel("seconds into the step")
     ax.set_title(title or "units per rank", fontsize=9)
     handles = [
-        Patch(facecolor=_color(k), edgecolor="k", lw=0.6, alpha=0.85,
-              label="micro-batch on one rank" if k == 1 else f"CP unit over {k} ranks")
+        Patch(
+            facecolor=_color(k),
+            edgecolor="k",
+            lw=0.6,
+            alpha=0.85,
+            label="micro-batch on one rank" if k == 1 else f"CP unit over {k} ranks",
+        )
         for k in sorted(degrees)
-    ]  # fmt: skip
+    ]
     if linked:
-        handles.append(Line2D([], [], color="k", lw=1, marker="o", ms=3,
-                              label="one CP unit on ranks\nthat are not neighbours"))  # fmt: skip
+        handles.append(
+            Line2D([], [], color="k", lw=1, marker="o", ms=3, label="one CP unit on ranks\nthat are not neighbours")
+        )
     if waited:  # with its size: a wait of a few ms is drawn but too thin to see
         longest = f"{1e3 * waited:.0f} ms" if waited < 1 else f"{waited:.2f} s"
         label = f"waiting for the unit's\nlast rank (up to {longest})"
         handles.append(Patch(facecolor="none", edgecolor="0.5", hatch="//", label=label))
     if handles:
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0,
-                  fontsize=7)  # fmt: skip
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0, fontsize=7)
 
 
 def _color(degree: int) -> str:

@@ -30,9 +30,7 @@ def time_once(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def median_time(
-    fn: Callable[[], object], device: torch.device, warmup: int = 1, repeats: int = 3
-) -> float:
+def median_time(fn: Callable[[], object], device: torch.device, warmup: int = 1, repeats: int = 3) -> float:
     """Median seconds of ``repeats`` calls after ``warmup`` untimed calls."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")

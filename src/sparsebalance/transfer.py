@@ -19,9 +19,7 @@ ALIGN = 64
 kernels on 16-byte aligned inputs)."""
 
 
-def upload(
-    array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None
-) -> torch.Tensor:
+def upload(array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``array`` as a tensor on ``device`` (``dtype``: its torch dtype, default numpy's): one
     pinned, non-blocking copy on CUDA, never a read back."""
     host = torch.as_tensor(np.ascontiguousarray(array), dtype=dtype)

@@ -38,11 +38,7 @@ class Schema:
         raise ValueError(
             f"{where}: {self.artefact} schema version {found} ({why}); this build reads "
             f"{', '.join(map(str, sorted({self.version, *self.readable})))}: "
-            + (
-                ("upgrade SparseBalance" + (f", or {self.fix}" if self.remade else ""))
-                if newer
-                else self.fix
-            )
+            + (("upgrade SparseBalance" + (f", or {self.fix}" if self.remade else "")) if newer else self.fix)
         )
 
 
@@ -80,8 +76,7 @@ flat from it (a version-2 profile has no crossover and means what it meant)."""
 STORE = Schema(
     "token store",
     version=1,
-    fix="prepare it again with `sparsebalance prepare` (a cached store: delete it, the next run "
-    "prepares it)",
+    fix="prepare it again with `sparsebalance prepare` (a cached store: delete it, the next run prepares it)",
     remade=True,
 )
 """``version`` of a token store's ``manifest.json``."""

@@ -70,9 +70,7 @@ class CostModel(Protocol):
 
     num_layers: int
 
-    def predict(
-        self, lengths: Sequence[int], densities: float | Sequence[float] | np.ndarray
-    ) -> float:
+    def predict(self, lengths: Sequence[int], densities: float | Sequence[float] | np.ndarray) -> float:
         """One micro-batch; densities scalar, ``(N,)`` per document or ``(num_layers, N)``."""
         ...
 

@@ -100,8 +100,7 @@ def snapshot(path: Path) -> dict[str, str] | None:
     if not path.exists():
         return None
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    return {str(p.relative_to(path.parent)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in files}  # fmt: skip
+    return {str(p.relative_to(path.parent)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
 def write_json(path: Path, data) -> Path:
@@ -133,8 +132,7 @@ def gpt2_model(tmp: Path) -> Path:
     return folder
 
 
-def write_profile(tmp: Path, name: str = "profile.json", model: str = "tiny", block_size: int = 32,
-                  edit=None) -> Path:  # fmt: skip
+def write_profile(tmp: Path, name: str = "profile.json", model: str = "tiny", block_size: int = 32, edit=None) -> Path:
     """An analytic profile of ``model`` at ``block_size``; ``edit(data)`` damages its JSON."""
     from sparsebalance.latency import analytic_profile
     from sparsebalance.models import load_shapes

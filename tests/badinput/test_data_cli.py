@@ -18,15 +18,13 @@ def store(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("store")
     (tmp / "docs.jsonl").write_text('{"text": "one two three four"}\n{"text": "five six"}\n')
-    assert main(["prepare", str(tmp / "docs.jsonl"), "--out", str(tmp / "store"),
-                 "--no-progress", "--json"]) == 0  # fmt: skip
+    assert main(["prepare", str(tmp / "docs.jsonl"), "--out", str(tmp / "store"), "--no-progress", "--json"]) == 0
     return tmp / "store"
 
 
 def _empty_tokenizer(tmp, store):
     (tmp / "tok").mkdir()
-    return ["--tokenizer", tmp / "tok"], [f"--tokenizer {tmp / 'tok'}", "no tokenizer files",
-                                          "tokenizer.json"]  # fmt: skip
+    return ["--tokenizer", tmp / "tok"], [f"--tokenizer {tmp / 'tok'}", "no tokenizer files", "tokenizer.json"]
 
 
 def _garbage_tokenizer(tmp, store):
@@ -110,8 +108,7 @@ def test_prepare_refuses_in_one_line_naming_the_file(tmp_path, capsys, store, ca
     extra, culprits = case(tmp_path, store)
     before = snapshot(store)
     out = tmp_path / "out"
-    code, err = cli(capsys, "prepare", _input(case, tmp_path, store), "--out", out,
-                    "--no-progress", *extra)  # fmt: skip
+    code, err = cli(capsys, "prepare", _input(case, tmp_path, store), "--out", out, "--no-progress", *extra)
     assert_refused(code, err, "prepare", *culprits)
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))  # no store, no leftovers
     assert snapshot(store) == before
@@ -131,17 +128,47 @@ def test_train_refuses_before_launch(tmp_path, capsys, store, case, monkeypatch)
     extra, culprits = case(tmp_path, store)
     culprits = [c.replace("INPUT ", "--data ") for c in culprits]
     run = tmp_path / "run"
-    code, err = cli(capsys, "train", "--data", _input(case, tmp_path, store), "--device", "cpu",
-                    "--nproc", "1", "--block-size", "32", "--capacity", "512", "--global-batch",
-                    "2", "--steps", "1", "--out", run, *extra)  # fmt: skip
+    code, err = cli(
+        capsys,
+        "train",
+        "--data",
+        _input(case, tmp_path, store),
+        "--device",
+        "cpu",
+        "--nproc",
+        "1",
+        "--block-size",
+        "32",
+        "--capacity",
+        "512",
+        "--global-batch",
+        "2",
+        "--steps",
+        "1",
+        "--out",
+        run,
+        *extra,
+    )
     assert_refused(code, err, "train", *culprits)
     assert not run.exists()
 
 
 # -- token stores under faults (issue 45) -------------------------------------------------------
 
-TRAIN = ["--device", "cpu", "--nproc", "1", "--block-size", "32", "--capacity", "512",
-         "--global-batch", "2", "--steps", "1"]  # fmt: skip
+TRAIN = [
+    "--device",
+    "cpu",
+    "--nproc",
+    "1",
+    "--block-size",
+    "32",
+    "--capacity",
+    "512",
+    "--global-batch",
+    "2",
+    "--steps",
+    "1",
+]
 
 
 def _no_tokenizing(monkeypatch):
@@ -211,8 +238,7 @@ def test_prepare_on_a_full_disk(tmp_path, capsys, store, monkeypatch):
     shutil.copytree(store, out)
     before = snapshot(out)
     FullDisk(20).install(monkeypatch)
-    code, err = cli(capsys, "prepare", write_dataset(tmp_path), "--out", out, "--no-progress",
-                    "--overwrite")  # fmt: skip
+    code, err = cli(capsys, "prepare", write_dataset(tmp_path), "--out", out, "--no-progress", "--overwrite")
     assert_refused(code, err, "prepare", f"{out}: the disk is full", "the existing store is intact")
     assert snapshot(out) == before and _leftovers(tmp_path) == []
 

@@ -68,15 +68,26 @@ DAMAGED = [
 
 
 @pytest.mark.parametrize(("damage", "named", "culprits"), DAMAGED)
-def test_a_damaged_checkpoint_is_never_evaluated(trained, tmp_path, capsys, damage, named,
-                                                 culprits):  # fmt: skip
+def test_a_damaged_checkpoint_is_never_evaluated(trained, tmp_path, capsys, damage, named, culprits):
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     ckpt = run / "checkpoints" / "step-000001"
     damage(ckpt)
     model = ckpt if named == "checkpoint" else run
-    code, err = cli(capsys, "eval", "--model", model, "--task", "passkey", "--lengths", "512",
-                    "--num-examples", "1", "--device", "cpu")  # fmt: skip
+    code, err = cli(
+        capsys,
+        "eval",
+        "--model",
+        model,
+        "--task",
+        "passkey",
+        "--lengths",
+        "512",
+        "--num-examples",
+        "1",
+        "--device",
+        "cpu",
+    )
     assert_refused(code, err, "eval", *culprits)
 
 
@@ -104,9 +115,23 @@ def test_bad_arguments_are_refused_before_the_evaluation(tmp_path, capsys, make)
     vocab = tmp_path / "vocab_map.json"
     vocab.write_text(json.dumps(VOCAB_MAP))
     before = snapshot(tmp_path)
-    code, err = cli(capsys, "eval", "--model", "tiny", "--task", "passkey", "--lengths", "512",
-                    "--num-examples", "1", "--device", "cpu", "--vocab-map", vocab,
-                    *argv)  # fmt: skip
+    code, err = cli(
+        capsys,
+        "eval",
+        "--model",
+        "tiny",
+        "--task",
+        "passkey",
+        "--lengths",
+        "512",
+        "--num-examples",
+        "1",
+        "--device",
+        "cpu",
+        "--vocab-map",
+        vocab,
+        *argv,
+    )
     assert_refused(code, err, "eval", *culprits)
     assert snapshot(tmp_path) == before  # an existing --out file is left as it was
 

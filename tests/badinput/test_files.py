@@ -16,9 +16,26 @@ from tests.train.harness import write_dataset
 
 
 def _run(tmp, *extra) -> list:
-    return ["train", "--data", write_dataset(tmp), "--block-size", "32", "--device", "cpu",
-            "--nproc", "1", "--steps", "2", "--global-batch", "4", "--capacity", "512",
-            "--out", tmp / "run", *extra]  # fmt: skip
+    return [
+        "train",
+        "--data",
+        write_dataset(tmp),
+        "--block-size",
+        "32",
+        "--device",
+        "cpu",
+        "--nproc",
+        "1",
+        "--steps",
+        "2",
+        "--global-batch",
+        "4",
+        "--capacity",
+        "512",
+        "--out",
+        tmp / "run",
+        *extra,
+    ]
 
 
 def _bytes(content: bytes):
@@ -49,20 +66,14 @@ def _set(path: str, value):
 # how the profile is damaged -> the culprits (besides the file's name)
 PROFILES = [
     pytest.param(_bytes(b"\x00\xff\x13garbage"), ["not valid JSON"], id="garbage"),
-    pytest.param(_bytes(b'{"schema": "sparsebalance.profile/2", '), ["not valid JSON"],
-                 id="bad-json"),
+    pytest.param(_bytes(b'{"schema": "sparsebalance.profile/2", '), ["not valid JSON"], id="bad-json"),
     pytest.param(_bytes(b"[1, 2, 3]"), ["not a SparseBalance profile"], id="a-list"),
-    pytest.param(_edited(_set("schema", "sparsebalance.profile/99")), ["schema version 99"],
-                 id="schema-99"),
-    pytest.param(_edited(_set("attention.seconds.0.0", math.nan)), ["attention.seconds"],
-                 id="nan-seconds"),
-    pytest.param(_edited(_set("head.seconds.1", -1.0)), ["head.seconds", ">= 0"],
-                 id="negative-seconds"),
-    pytest.param(_edited(_set("optimizer_seconds", math.nan)), ["optimizer_seconds"],
-                 id="nan-optimizer-seconds"),
-    pytest.param(_edited(lambda d: d.pop("layer_other")), ["damaged", "layer_other"],
-                 id="missing-table"),
-]  # fmt: skip
+    pytest.param(_edited(_set("schema", "sparsebalance.profile/99")), ["schema version 99"], id="schema-99"),
+    pytest.param(_edited(_set("attention.seconds.0.0", math.nan)), ["attention.seconds"], id="nan-seconds"),
+    pytest.param(_edited(_set("head.seconds.1", -1.0)), ["head.seconds", ">= 0"], id="negative-seconds"),
+    pytest.param(_edited(_set("optimizer_seconds", math.nan)), ["optimizer_seconds"], id="nan-optimizer-seconds"),
+    pytest.param(_edited(lambda d: d.pop("layer_other")), ["damaged", "layer_other"], id="missing-table"),
+]
 
 
 @pytest.mark.parametrize(("damage", "culprits"), PROFILES)
@@ -79,8 +90,7 @@ def store(tmp_path_factory):
     from sparsebalance.cli import main
 
     tmp = tmp_path_factory.mktemp("store")
-    assert main(["prepare", str(write_dataset(tmp)), "--out", str(tmp / "store"),
-                 "--no-progress", "--json"]) == 0  # fmt: skip
+    assert main(["prepare", str(write_dataset(tmp)), "--out", str(tmp / "store"), "--no-progress", "--json"]) == 0
     return tmp / "store"
 
 
@@ -105,8 +115,7 @@ OFFSETS = [
 
 
 @pytest.mark.parametrize(("damage", "culprits"), OFFSETS)
-def test_a_store_with_damaged_offsets_is_refused_when_opened(store, tmp_path, capsys, damage,
-                                                             culprits):  # fmt: skip
+def test_a_store_with_damaged_offsets_is_refused_when_opened(store, tmp_path, capsys, damage, culprits):
     damaged = tmp_path / "store"
     shutil.copytree(store, damaged)
     offsets = np.fromfile(damaged / "offsets.bin", np.int64)

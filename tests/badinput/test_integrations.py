@@ -20,9 +20,14 @@ def _trainer(tmp_path, documents: int = 8):
 
     from sparsebalance.models.hf import build_model
 
-    args = TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[],
-                             max_steps=1, per_device_train_batch_size=2,
-                             gradient_accumulation_steps=2)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "hf"),
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+    )
     data = [{"input_ids": list(range(3, 40 + i))} for i in range(documents)]
     return Trainer(model=build_model("tiny"), args=args, train_dataset=data)
 
@@ -97,8 +102,7 @@ def _enable_a_model_init_trainer(tmp_path):
     import sparsebalance.hf
     from sparsebalance.models.hf import build_model
 
-    args = TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[],
-                             max_steps=1)  # fmt: skip
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[], max_steps=1)
     data = [{"input_ids": list(range(3, 40))}] * 8
     trainer = Trainer(model_init=lambda: build_model("tiny"), args=args, train_dataset=data)
     sparsebalance.hf.enable(trainer, capacity=512, profile=write_profile(tmp_path, block_size=64))

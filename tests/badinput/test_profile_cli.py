@@ -26,30 +26,43 @@ def _folder(tmp):
 
 # arguments (made by the case from its folder) -> the culprits
 CASES = [
-    pytest.param(lambda tmp: (["--model", "tiny", "--out", _folder(tmp)], ["--out", "is a folder"]),
-                 id="out-is-a-folder"),
-    pytest.param(lambda tmp: (["--analytic", "h100", "--out", _folder(tmp)],
-                              ["--out", "is a folder"]), id="analytic-out-is-a-folder"),
+    pytest.param(
+        lambda tmp: (["--model", "tiny", "--out", _folder(tmp)], ["--out", "is a folder"]), id="out-is-a-folder"
+    ),
+    pytest.param(
+        lambda tmp: (["--analytic", "h100", "--out", _folder(tmp)], ["--out", "is a folder"]),
+        id="analytic-out-is-a-folder",
+    ),
     pytest.param(lambda tmp: (["--max-len", "0"], ["--max-len must be in"]), id="max-len-zero"),
     pytest.param(lambda tmp: (["--budget", "nan"], ["--budget must be > 0"]), id="budget-nan"),
-    pytest.param(lambda tmp: (["--model", "qwen2.5-3b"], ["--max-len", "GiB of memory"]),
-                 id="model-too-large"),
-    pytest.param(lambda tmp: (["--model", sliding_window_model(tmp)], ["sliding-window"]),
-                 id="sliding-window-model"),
-    pytest.param(lambda tmp: (["--model", gpt2_model(tmp)], ["model type 'gpt2' is not supported"]),
-                 id="gpt2-model"),
-    pytest.param(lambda tmp: (["--analytic", "h100", "--block-size", "0"], ["--block-size"]),
-                 id="analytic-block-size-zero"),
-    pytest.param(lambda tmp: (["--validate", write_profile(tmp, "q.json", "qwen2.5-0.5b"),
-                               "--block-size", "32"], ["--validate", "num_layers 24 vs 4"]),
-                 id="validate-another-model"),
-    pytest.param(lambda tmp: (["--validate", write_profile(tmp), "--block-size", "32",
-                               "--results-dir", tmp / "keep.txt"], ["--results-dir"]),
-                 id="validate-results-dir-is-a-file"),
-    pytest.param(lambda tmp: (["--validate", write_profile(tmp), "--block-size", "32",
-                               "--max-tokens", "100000"], ["--max-tokens", "GiB of memory"]),
-                 id="validate-too-many-tokens"),
-]  # fmt: skip
+    pytest.param(lambda tmp: (["--model", "qwen2.5-3b"], ["--max-len", "GiB of memory"]), id="model-too-large"),
+    pytest.param(lambda tmp: (["--model", sliding_window_model(tmp)], ["sliding-window"]), id="sliding-window-model"),
+    pytest.param(lambda tmp: (["--model", gpt2_model(tmp)], ["model type 'gpt2' is not supported"]), id="gpt2-model"),
+    pytest.param(
+        lambda tmp: (["--analytic", "h100", "--block-size", "0"], ["--block-size"]), id="analytic-block-size-zero"
+    ),
+    pytest.param(
+        lambda tmp: (
+            ["--validate", write_profile(tmp, "q.json", "qwen2.5-0.5b"), "--block-size", "32"],
+            ["--validate", "num_layers 24 vs 4"],
+        ),
+        id="validate-another-model",
+    ),
+    pytest.param(
+        lambda tmp: (
+            ["--validate", write_profile(tmp), "--block-size", "32", "--results-dir", tmp / "keep.txt"],
+            ["--results-dir"],
+        ),
+        id="validate-results-dir-is-a-file",
+    ),
+    pytest.param(
+        lambda tmp: (
+            ["--validate", write_profile(tmp), "--block-size", "32", "--max-tokens", "100000"],
+            ["--max-tokens", "GiB of memory"],
+        ),
+        id="validate-too-many-tokens",
+    ),
+]
 
 
 @pytest.mark.filterwarnings("ignore::sparsebalance.latency.ProfileMismatchWarning")

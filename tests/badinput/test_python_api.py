@@ -27,9 +27,7 @@ WRONG_TYPES = [
     pytest.param(TrainConfig, {"steps": 2.7}, ["TrainConfig.steps", "an integer"], id="float"),
     pytest.param(TrainConfig, {"steps": True}, ["TrainConfig.steps", "an integer"], id="bool"),
     pytest.param(TrainConfig, {"lr": "1e-3"}, ["TrainConfig.lr", "a finite number"], id="str"),
-    pytest.param(
-        TrainConfig, {"grad_clip": math.nan}, ["TrainConfig.grad_clip", "finite"], id="nan"
-    ),
+    pytest.param(TrainConfig, {"grad_clip": math.nan}, ["TrainConfig.grad_clip", "finite"], id="nan"),
     pytest.param(TrainConfig, {"out": 5}, ["TrainConfig.out", "a string"], id="out-int"),
     pytest.param(
         TrainConfig,
@@ -37,9 +35,7 @@ WRONG_TYPES = [
         ["TrainConfig.deterministic", "true or"],
         id="bool-str",
     ),
-    pytest.param(
-        TrainConfig, {"dst": {"mode": "off"}}, ["TrainConfig.dst", "a DSTConfig"], id="dst-dict"
-    ),
+    pytest.param(TrainConfig, {"dst": {"mode": "off"}}, ["TrainConfig.dst", "a DSTConfig"], id="dst-dict"),
     pytest.param(DSTConfig, {"layer_feedback": "yes"}, ["DSTConfig.layer_feedback"], id="dst-bool"),
     pytest.param(
         SimConfig,
@@ -75,31 +71,35 @@ def test_a_config_value_of_the_wrong_type_is_refused(tmp_path, cls, kwargs, culp
 # name: the field the caller passed, with its flag (the command line names the flag alone)
 OUT_OF_RANGE = [
     pytest.param({"lr": 0.0}, ["TrainConfig.lr (--lr) must be > 0, got 0.0"], id="lr"),
-    pytest.param({"grad_clip": -1.0}, ["TrainConfig.grad_clip (--grad-clip) must be >= 0"],
-                 id="grad-clip"),
-    pytest.param({"weight_decay": -0.1}, ["TrainConfig.weight_decay (--weight-decay)"],
-                 id="weight-decay"),
-    pytest.param({"warmup_steps": -1}, ["TrainConfig.warmup_steps (--warmup-steps) must be"],
-                 id="warmup-steps"),
+    pytest.param({"grad_clip": -1.0}, ["TrainConfig.grad_clip (--grad-clip) must be >= 0"], id="grad-clip"),
+    pytest.param({"weight_decay": -0.1}, ["TrainConfig.weight_decay (--weight-decay)"], id="weight-decay"),
+    pytest.param({"warmup_steps": -1}, ["TrainConfig.warmup_steps (--warmup-steps) must be"], id="warmup-steps"),
     pytest.param({"steps": 0}, ["TrainConfig.steps (--steps) must be >= 1"], id="steps"),
-    pytest.param({"schedule": "step"}, ["TrainConfig.schedule (--schedule) must be one of"],
-                 id="schedule"),
-    pytest.param({"micro_batches": 2}, ["TrainConfig.micro_batches (--micro-batches) and "
-                                        "TrainConfig.capacity (--capacity)"], id="both-bounds"),
-    pytest.param({"capacity": "auto"}, ["TrainConfig.capacity='auto' (--capacity) on CPU needs "
-                                        "TrainConfig.memory_budget (--memory-budget)"],
-                 id="auto-capacity"),
-    pytest.param({"capacity": "auto", "memory_budget": "nanGB"},
-                 ["TrainConfig.memory_budget: --memory-budget must be a finite number"],
-                 id="memory-budget"),
+    pytest.param({"schedule": "step"}, ["TrainConfig.schedule (--schedule) must be one of"], id="schedule"),
+    pytest.param(
+        {"micro_batches": 2},
+        ["TrainConfig.micro_batches (--micro-batches) and TrainConfig.capacity (--capacity)"],
+        id="both-bounds",
+    ),
+    pytest.param(
+        {"capacity": "auto"},
+        ["TrainConfig.capacity='auto' (--capacity) on CPU needs TrainConfig.memory_budget (--memory-budget)"],
+        id="auto-capacity",
+    ),
+    pytest.param(
+        {"capacity": "auto", "memory_budget": "nanGB"},
+        ["TrainConfig.memory_budget: --memory-budget must be a finite number"],
+        id="memory-budget",
+    ),
     pytest.param({"block_size": 0}, ["TrainConfig.block_size: --block-size"], id="block-size"),
     pytest.param({"backend": "nope"}, ["TrainConfig.backend='nope' (--backend)"], id="backend"),
-    pytest.param({"tokenizer": "missing"}, ["TrainConfig.tokenizer='missing' (--tokenizer)"],
-                 id="tokenizer-missing"),
-    pytest.param({"resume": True, "overwrite": True}, ["TrainConfig.resume (--resume)",
-                                                       "TrainConfig.overwrite (--overwrite)"],
-                 id="resume-and-overwrite"),
-]  # fmt: skip
+    pytest.param({"tokenizer": "missing"}, ["TrainConfig.tokenizer='missing' (--tokenizer)"], id="tokenizer-missing"),
+    pytest.param(
+        {"resume": True, "overwrite": True},
+        ["TrainConfig.resume (--resume)", "TrainConfig.overwrite (--overwrite)"],
+        id="resume-and-overwrite",
+    ),
+]
 
 
 @pytest.mark.parametrize(("kwargs", "culprits"), OUT_OF_RANGE)
@@ -110,24 +110,43 @@ def test_an_out_of_range_value_names_the_field_and_the_flag(tmp_path, kwargs, cu
 
 
 def _config(tmp_path, **over) -> TrainConfig:
-    fields = dict(data=str(write_dataset(tmp_path)), out=str(tmp_path / "run"), steps=2,
-                  global_batch=4, capacity=512, block_size=32, device="cpu", strategy="sab",
-                  profile=str(write_profile(tmp_path)))  # fmt: skip
+    fields = dict(
+        data=str(write_dataset(tmp_path)),
+        out=str(tmp_path / "run"),
+        steps=2,
+        global_batch=4,
+        capacity=512,
+        block_size=32,
+        device="cpu",
+        strategy="sab",
+        profile=str(write_profile(tmp_path)),
+    )
     return TrainConfig(**{**fields, **over})
 
 
 # what the Trainer is given -> what its one line must name
 TRAINER_CASES = [
-    pytest.param(lambda tmp: {"profile": str(write_profile(tmp, "q.json", "qwen2.5-0.5b"))},
-                 ["--profile", "num_layers 24 vs 4"], id="profile-of-another-model"),
-    pytest.param(lambda tmp: {"profile": str(write_profile(tmp, "b.json", block_size=64))},
-                 ["--profile", "block_size 64 vs 32"], id="profile-of-another-block-size"),
-    pytest.param(lambda tmp: {"model": str(sliding_window_model(tmp))},
-                 ["TrainConfig.model=", "(--model)", "sliding-window"], id="sliding-window-model"),
-    pytest.param(lambda tmp: {"model": str(gpt2_model(tmp))},
-                 ["TrainConfig.model=", "(--model)", "model type 'gpt2' is not supported"],
-                 id="gpt2-model"),
-]  # fmt: skip
+    pytest.param(
+        lambda tmp: {"profile": str(write_profile(tmp, "q.json", "qwen2.5-0.5b"))},
+        ["--profile", "num_layers 24 vs 4"],
+        id="profile-of-another-model",
+    ),
+    pytest.param(
+        lambda tmp: {"profile": str(write_profile(tmp, "b.json", block_size=64))},
+        ["--profile", "block_size 64 vs 32"],
+        id="profile-of-another-block-size",
+    ),
+    pytest.param(
+        lambda tmp: {"model": str(sliding_window_model(tmp))},
+        ["TrainConfig.model=", "(--model)", "sliding-window"],
+        id="sliding-window-model",
+    ),
+    pytest.param(
+        lambda tmp: {"model": str(gpt2_model(tmp))},
+        ["TrainConfig.model=", "(--model)", "model type 'gpt2' is not supported"],
+        id="gpt2-model",
+    ),
+]
 
 
 @pytest.mark.filterwarnings("ignore::sparsebalance.latency.ProfileMismatchWarning")
@@ -142,12 +161,10 @@ def test_the_trainer_refuses_before_profiling_or_training(tmp_path, over, culpri
 
 def test_a_simulation_refuses_a_profile_of_another_model(tmp_path):
     """``model`` with ``profile``: the profile prices its own model only (it was ignored)."""
-    config = SimConfig(capacity=4096, steps=2, profile=str(write_profile(tmp_path)),
-                       model="qwen2.5-0.5b")  # fmt: skip
+    config = SimConfig(capacity=4096, steps=2, profile=str(write_profile(tmp_path)), model="qwen2.5-0.5b")
     with pytest.raises(ValueError) as err:
         run_simulation(config)
-    assert_one_line(err.value, "SimConfig.profile (--profile)", "SimConfig.model (--model)",
-                    "num_layers 4 vs 24")  # fmt: skip
+    assert_one_line(err.value, "SimConfig.profile (--profile)", "SimConfig.model (--model)", "num_layers 4 vs 24")
 
 
 def test_the_trainer_refuses_to_resume_with_fewer_steps_than_trained(tmp_path):
@@ -158,8 +175,7 @@ def test_the_trainer_refuses_to_resume_with_fewer_steps_than_trained(tmp_path):
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    save_checkpoint(tmp_path / "run", 10, model, opt, sched,
-                    {"step": 10, "config": to_dict(done)}, [], True)  # fmt: skip
+    save_checkpoint(tmp_path / "run", 10, model, opt, sched, {"step": 10, "config": to_dict(done)}, [], True)
     cfg = _config(tmp_path, steps=6, resume=True)
     with pytest.raises(ValueError) as err:
         Trainer(cfg, Runtime(0, 1, torch.device("cpu")))

@@ -34,9 +34,7 @@ CONFIG_FILES = [
         id="checkpoint-every-float",
     ),
     pytest.param('lr = "1e-3"\n', ["lr must be a finite number", "'1e-3'"], id="lr-string"),
-    pytest.param(
-        "grad_clip = nan\n", ["grad_clip must be a finite number", "nan"], id="grad-clip-nan"
-    ),
+    pytest.param("grad_clip = nan\n", ["grad_clip must be a finite number", "nan"], id="grad-clip-nan"),
     pytest.param("out = 5\n", ["out must be a string"], id="out-int"),
     pytest.param("dst = 3\n", ["dst must be a table of DSTConfig fields"], id="dst-not-a-table"),
     pytest.param(
@@ -91,9 +89,24 @@ def test_a_bad_flag_is_refused(tmp_path, capsys, argv, culprits):
 
 def _run_flags(tmp_path, *extra) -> list:
     """A small CPU run that passes every check but the one under test."""
-    return ["train", "--data", write_dataset(tmp_path), "--block-size", "32", "--device", "cpu",
-            "--steps", "2", "--global-batch", "4", "--capacity", "512",
-            "--out", tmp_path / "run", *extra]  # fmt: skip
+    return [
+        "train",
+        "--data",
+        write_dataset(tmp_path),
+        "--block-size",
+        "32",
+        "--device",
+        "cpu",
+        "--steps",
+        "2",
+        "--global-batch",
+        "4",
+        "--capacity",
+        "512",
+        "--out",
+        tmp_path / "run",
+        *extra,
+    ]
 
 
 def _device_type(data: dict) -> None:
@@ -108,11 +121,11 @@ OTHER_RUNS = [
 ]
 
 
-@pytest.mark.parametrize("mode", [["--nproc", "1"], ["--nproc", "1", "--emulate-ranks", "2"]],
-                         ids=["ranks", "emulate-ranks"])  # fmt: skip
+@pytest.mark.parametrize(
+    "mode", [["--nproc", "1"], ["--nproc", "1", "--emulate-ranks", "2"]], ids=["ranks", "emulate-ranks"]
+)
 @pytest.mark.parametrize(("profile", "culprits"), OTHER_RUNS)
-def test_a_profile_of_another_run_is_refused_before_launch(tmp_path, capsys, mode, profile,
-                                                          culprits):  # fmt: skip
+def test_a_profile_of_another_run_is_refused_before_launch(tmp_path, capsys, mode, profile, culprits):
     path = write_profile(tmp_path, "other.json", **profile)
     code, err = cli(capsys, *_run_flags(tmp_path, "--profile", path, *mode))
     assert_refused(code, err, "train", f"--profile {path}", "another run", *culprits)
@@ -124,9 +137,16 @@ def _saved_run(tmp_path, step: int = 1, steps: int = 2, ranks: int = 0, data=Non
     checkpoint at ``step`` (a stand-in model: nothing loads it before launch); ``ranks``: the
     RNG states it holds, one per rank (0: none, any world size); ``data``: its data identity."""
     run = tmp_path / "run"
-    cfg = TrainConfig(data=str(tmp_path / "data.jsonl"), block_size=32, device="cpu",
-                      steps=steps, global_batch=4, capacity=512, out=str(run),
-                      strategy="sab")  # fmt: skip
+    cfg = TrainConfig(
+        data=str(tmp_path / "data.jsonl"),
+        block_size=32,
+        device="cpu",
+        steps=steps,
+        global_batch=4,
+        capacity=512,
+        out=str(run),
+        strategy="sab",
+    )
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -158,8 +178,9 @@ def test_resume_with_fewer_steps_than_trained_is_refused_before_launch(tmp_path,
     run = _saved_run(tmp_path, step=10, steps=10)
     before = snapshot(run)
     code, err = cli(capsys, *argv, "--resume", "--steps", "6")
-    assert_refused(code, err, "train", "--resume with --steps 6", "already has 10 steps",
-                   "checkpoints/step-000010", "--steps > 10")  # fmt: skip
+    assert_refused(
+        code, err, "train", "--resume with --steps 6", "already has 10 steps", "checkpoints/step-000010", "--steps > 10"
+    )
     assert snapshot(run) == before
 
 
@@ -182,9 +203,15 @@ def test_resume_on_another_world_size_is_refused_before_launch(tmp_path, capsys,
     run = _saved_run(tmp_path, step=1, steps=4, ranks=2)
     before = snapshot(run)
     code, err = cli(capsys, *argv, "--resume", "--steps", "4")
-    assert_refused(code, err, "train", "--resume: checkpoints/step-000001 was saved by 2 ranks",
-                   f"this run has {nproc} (--nproc {nproc})", "resume with 2 ranks (--nproc 2",
-                   "another --out")  # fmt: skip
+    assert_refused(
+        code,
+        err,
+        "train",
+        "--resume: checkpoints/step-000001 was saved by 2 ranks",
+        f"this run has {nproc} (--nproc {nproc})",
+        "resume with 2 ranks (--nproc 2",
+        "another --out",
+    )
     assert snapshot(run) == before
 
 
@@ -224,8 +251,9 @@ def test_resume_on_changed_data_is_refused_before_launch(tmp_path, capsys):
     data.write_text(data.read_text().replace("4821", "4822"))
     before = snapshot(run)
     code, err = cli(capsys, *argv, "--resume", "--steps", "4")
-    assert_refused(code, err, "train", "belongs to a different run", "data content",
-                   "trained on other data", "content changed")  # fmt: skip
+    assert_refused(
+        code, err, "train", "belongs to a different run", "data content", "trained on other data", "content changed"
+    )
     assert snapshot(run) == before
 
 
@@ -238,8 +266,7 @@ def test_resume_on_the_same_data_launches(tmp_path, capsys):
 @pytest.mark.parametrize("grace", ["0", "-5", "nan"])
 def test_a_bad_stop_grace_is_refused(tmp_path, capsys, grace):
     out = tmp_path / "run"
-    code, err = cli(capsys, "train", "--device", "cpu", "--nproc", "1", "--out", out,
-                    "--stop-grace", grace)  # fmt: skip
+    code, err = cli(capsys, "train", "--device", "cpu", "--nproc", "1", "--out", out, "--stop-grace", grace)
     assert_refused(code, err, "train", "--stop-grace must be a finite number of seconds > 0")
     assert not out.exists()
 
@@ -258,8 +285,7 @@ ENDS_THERE_BUT_NOT_COMPLETE = [
 
 
 @pytest.mark.parametrize(("steps", "damage"), ENDS_THERE_BUT_NOT_COMPLETE)
-def test_resume_at_the_last_step_launches_unless_the_run_is_complete(tmp_path, capsys, steps,
-                                                                     damage):  # fmt: skip
+def test_resume_at_the_last_step_launches_unless_the_run_is_complete(tmp_path, capsys, steps, damage):
     """Equal steps launch when the run did not end there (it is ended: its config and metrics
     follow) or its checkpoint there is damaged (rank 0 resumes from an older one)."""
     argv = _run_flags(tmp_path, "--nproc", "1")
@@ -273,9 +299,12 @@ def test_resume_at_the_last_step_launches_unless_the_run_is_complete(tmp_path, c
 # a model folder (made by the case) -> what the line must name besides --model
 MODELS = [
     pytest.param(sliding_window_model, ["sliding-window"], id="sliding-window"),
-    pytest.param(gpt2_model, ["model type 'gpt2' is not supported", "Qwen2/Qwen2.5", "Qwen3",
-                              "Llama", "Mistral without a sliding window"], id="gpt2"),
-]  # fmt: skip
+    pytest.param(
+        gpt2_model,
+        ["model type 'gpt2' is not supported", "Qwen2/Qwen2.5", "Qwen3", "Llama", "Mistral without a sliding window"],
+        id="gpt2",
+    ),
+]
 
 
 @pytest.mark.parametrize(("make", "culprits"), MODELS)

@@ -26,8 +26,20 @@ from sparsebalance.files import CACHE_ENV
 from tests.badinput.conftest import ExpensiveStageReached, assert_refused, cli, snapshot
 from tests.train.harness import write_dataset
 
-TRAIN = ["--device", "cpu", "--nproc", "1", "--block-size", "32", "--capacity", "512",
-         "--global-batch", "2", "--steps", "1"]  # fmt: skip
+TRAIN = [
+    "--device",
+    "cpu",
+    "--nproc",
+    "1",
+    "--block-size",
+    "32",
+    "--capacity",
+    "512",
+    "--global-batch",
+    "2",
+    "--steps",
+    "1",
+]
 
 
 @pytest.fixture
@@ -61,16 +73,21 @@ def _no_tokenizing(monkeypatch):
     monkeypatch.setattr("sparsebalance.data.prepare.read_records", trip)
 
 
-def test_a_read_only_home_refuses_raw_data_in_one_line(read_only_home, tmp_path, capsys,
-                                                       monkeypatch):  # fmt: skip
+def test_a_read_only_home_refuses_raw_data_in_one_line(read_only_home, tmp_path, capsys, monkeypatch):
     _no_tokenizing(monkeypatch)
     run = tmp_path / "run"
     data = write_dataset(tmp_path)
     code, err = cli(capsys, "train", "--data", data, *TRAIN, "--out", run)
     cache = read_only_home / ".cache" / "sparsebalance" / "tokens"
-    assert_refused(code, err, "train", f"--data {data}: the token cache {cache} cannot be written",
-                   "Permission denied", f"set {CACHE_ENV} to a writable folder",
-                   f"sparsebalance prepare {data} --out STORE")  # fmt: skip
+    assert_refused(
+        code,
+        err,
+        "train",
+        f"--data {data}: the token cache {cache} cannot be written",
+        "Permission denied",
+        f"set {CACHE_ENV} to a writable folder",
+        f"sparsebalance prepare {data} --out STORE",
+    )
     assert not run.exists()
 
 
@@ -88,21 +105,19 @@ def _measured(calls):
     setup's fingerprint (so that a cache finds it again), counted."""
     from sparsebalance.latency import analytic_profile, fingerprint
 
-    def measure(shapes, device, dtype, backend, block_size, max_len, budget_s, quiet=True,
-                threads=None, layout="threshold"):  # fmt: skip
+    def measure(
+        shapes, device, dtype, backend, block_size, max_len, budget_s, quiet=True, threads=None, layout="threshold"
+    ):
         calls.append(block_size)
         profile = analytic_profile(shapes, "h100", block_size=block_size)
         profile.fingerprint.clear()
-        profile.fingerprint.update(
-            fingerprint(shapes, device, dtype, backend, block_size, threads, layout)
-        )
+        profile.fingerprint.update(fingerprint(shapes, device, dtype, backend, block_size, threads, layout))
         return profile
 
     return measure
 
 
-def test_a_profile_measured_under_a_read_only_home_is_used_not_kept(read_only_home, capsys,
-                                                                   monkeypatch):  # fmt: skip
+def test_a_profile_measured_under_a_read_only_home_is_used_not_kept(read_only_home, capsys, monkeypatch):
     from sparsebalance.latency import default_latency_model
     from sparsebalance.models import load_shapes
 
@@ -120,8 +135,7 @@ def test_a_profile_measured_under_a_read_only_home_is_used_not_kept(read_only_ho
     assert snapshot(read_only_home) == before  # nothing written, nothing half-written
 
 
-def test_sparsebalance_cache_moves_the_profile_cache(read_only_home, tmp_path, capsys,
-                                                     monkeypatch):  # fmt: skip
+def test_sparsebalance_cache_moves_the_profile_cache(read_only_home, tmp_path, capsys, monkeypatch):
     from sparsebalance.latency import default_latency_model
     from sparsebalance.models import load_shapes
 
@@ -154,10 +168,28 @@ def _planted_model(tmp_path):
 
 def test_a_planted_pytorch_model_bin_is_refused_in_one_line(tmp_path, capsys):
     folder = _planted_model(tmp_path)
-    code, err = cli(capsys, "eval", "--model", folder, "--task", "passkey", "--lengths", "512",
-                    "--num-examples", "1", "--device", "cpu")  # fmt: skip
-    assert_refused(code, err, "eval", f"{folder / 'pytorch_model.bin'} refused",
-                   "torch's safe loader does not allow", "safetensors")  # fmt: skip
+    code, err = cli(
+        capsys,
+        "eval",
+        "--model",
+        folder,
+        "--task",
+        "passkey",
+        "--lengths",
+        "512",
+        "--num-examples",
+        "1",
+        "--device",
+        "cpu",
+    )
+    assert_refused(
+        code,
+        err,
+        "eval",
+        f"{folder / 'pytorch_model.bin'} refused",
+        "torch's safe loader does not allow",
+        "safetensors",
+    )
     assert "weights_only=False" not in err and "Traceback" not in err
     assert not (tmp_path / "ran").exists()
 
@@ -169,7 +201,8 @@ def test_the_python_api_refuses_it_naming_the_file(tmp_path):
     with pytest.raises(ValueError) as err:
         build_model(str(folder))
     line = str(err.value)
-    assert line.startswith(f"--model {folder}: {folder / 'pytorch_model.bin'} refused: it holds "
-                           "objects (posix.system)"), line  # fmt: skip
+    assert line.startswith(
+        f"--model {folder}: {folder / 'pytorch_model.bin'} refused: it holds objects (posix.system)"
+    ), line
     assert "\n" not in line and "weights_only" not in line
     assert json.loads((folder / "config.json").read_text())  # the folder is left as it was

@@ -73,8 +73,7 @@ def test_make_estimator_follows_the_budget_kind():
 @pytest.mark.parametrize("regime", [dict(micro_batches=2), dict(capacity=6000)])
 def test_lbb_buckets_consecutive_lengths_dealt_in_snake_order(regime):
     lengths = [500, 4000, 100, 2500, 3000, 800, 1200, 50]
-    plan = plan_batch(samples(lengths), Oracle(), PlanConfig(2, strategy="lbb", **regime),
-                      densities=np.full(8, 0.5))  # fmt: skip
+    plan = plan_batch(samples(lengths), Oracle(), PlanConfig(2, strategy="lbb", **regime), densities=np.full(8, 0.5))
     order = np.argsort(-np.array(lengths), kind="stable")
     mbs = [mb for rank in plan.ranks for mb in rank]
     # every micro-batch is a run of consecutive documents of the length order
@@ -83,8 +82,7 @@ def test_lbb_buckets_consecutive_lengths_dealt_in_snake_order(regime):
         p = sorted(pos[i] for i in mb.sample_ids)
         assert p == list(range(p[0], p[0] + len(p)))
     # micro-batches in length order go to ranks 0, 1, 1, 0, 0, 1, ... (snake order)
-    firsts = sorted((min(pos[i] for i in mb.sample_ids), r) for r, rank in enumerate(plan.ranks)
-                    for mb in rank)  # fmt: skip
+    firsts = sorted((min(pos[i] for i in mb.sample_ids), r) for r, rank in enumerate(plan.ranks) for mb in rank)
     assert [r for _, r in firsts] == [(0, 1, 1, 0)[j % 4] for j in range(len(firsts))]
     if "micro_batches" in regime:
         assert [len(rank) for rank in plan.ranks] == [2, 2]

@@ -51,9 +51,7 @@ def test_unit_on_one_rank_is_todays_microbatch(real_cost):
     assert np.array_equal(table[:, 0], want)
     fake = fake_context()
     t, _ = fake.unit_seconds(lens, dens, np.ones(4, dtype=int))
-    assert t == pytest.approx(
-        [FakeCost().predict([n], [d]) for n, d in zip(lens, dens, strict=True)]
-    )
+    assert t == pytest.approx([FakeCost().predict([n], [d]) for n, d in zip(lens, dens, strict=True)])
 
 
 def test_split_cost_falls_then_communication_dominates():
@@ -116,8 +114,7 @@ def test_hybrid_plan_is_valid_and_faster(mode):
 
 def test_rank_time_counts_the_wait_for_a_unit():
     samples, dens = heavy_batch(60, seed=5, long=(30000, 25000))
-    plan = plan_batch(samples, fake_context(), PlanConfig(6, micro_batches=2,
-                                                          strategy="sab-cp"), dens)  # fmt: skip
+    plan = plan_batch(samples, fake_context(), PlanConfig(6, micro_batches=2, strategy="sab-cp"), dens)
     for r, ts in enumerate(plan.microbatch_times):
         assert plan.rank_times[r] >= sum(ts) * (1 - 1e-12)
 
@@ -172,8 +169,7 @@ def test_documents_over_r_times_capacity_follow_overlong():
 
 def test_one_rank_and_bad_input():
     samples, dens = heavy_batch(10, seed=0, long=(20000,))
-    one = plan_batch(samples, fake_context(), PlanConfig(1, micro_batches=2, strategy="sab-cp"),
-                     dens)  # fmt: skip
+    one = plan_batch(samples, fake_context(), PlanConfig(1, micro_batches=2, strategy="sab-cp"), dens)
     assert one.metrics.num_split_documents == 0
     with pytest.raises(ValueError, match="sab-cp needs a ContextCost"):
         plan_batch(samples, FakeCost(), PlanConfig(4, micro_batches=2, strategy="sab-cp"), dens)

@@ -18,8 +18,7 @@ def _plan(lengths, k, world=8, **kw):
     cfg = PlanConfig(world, capacity=CAP, strategy="sab-cp", cp_degree=k, **kw)
     plan = plan_batch(samples, fake_context(per_node=8), cfg, dens)
     units, rank_units = plan.execution()
-    check_units(units, rank_units, {s.id: s.num_tokens for s in samples}, CAP,
-                plan.metrics.skipped_ids)  # fmt: skip
+    check_units(units, rank_units, {s.id: s.num_tokens for s in samples}, CAP, plan.metrics.skipped_ids)
     return plan, units
 
 

@@ -9,8 +9,15 @@ from sparsebalance.latency import LatencyModel, analytic_profile
 from sparsebalance.models import load_shapes
 from sparsebalance.workload import Sample
 
-LLAMA_7B = {"num_layers": 32, "hidden_size": 4096, "num_heads": 32, "num_kv_heads": 32,
-            "head_dim": 128, "intermediate_size": 11008, "vocab_size": 32000}  # fmt: skip
+LLAMA_7B = {
+    "num_layers": 32,
+    "hidden_size": 4096,
+    "num_heads": 32,
+    "num_kv_heads": 32,
+    "head_dim": 128,
+    "intermediate_size": 11008,
+    "vocab_size": 32000,
+}
 
 
 def test_llama_7b_coefficient_is_about_verls():
@@ -42,8 +49,9 @@ def test_flops_plans_differ_from_tokens_under_the_default_cost_model():
     # (c L + L^2: the long one costs more than its share of tokens) keep it alone
     samples = [Sample(i, n) for i, n in enumerate([3000, 2000, 1500, 1500])]
     dens = np.full(4, 0.3)
-    plans = {s: plan_batch(samples, model, PlanConfig(2, micro_batches=2, strategy=s), dens)
-             for s in ("tokens", "flops")}  # fmt: skip
+    plans = {
+        s: plan_batch(samples, model, PlanConfig(2, micro_batches=2, strategy=s), dens) for s in ("tokens", "flops")
+    }
     assert _key_order(plans["tokens"]) != _key_order(plans["flops"])
     flops_ranks = sorted(sorted(i for mb in r for i in mb.sample_ids) for r in plans["flops"].ranks)
     assert flops_ranks == [[0], [1, 2, 3]]
@@ -57,6 +65,5 @@ def test_equal_lengths_plan_alike():
     model = LatencyModel(analytic_profile(load_shapes("tiny")))
     samples = [Sample(i, 1024) for i in range(8)]
     dens = np.full(8, 0.5)
-    a, b = (plan_batch(samples, model, PlanConfig(4, micro_batches=2, strategy=s), dens)
-            for s in ("tokens", "flops"))  # fmt: skip
+    a, b = (plan_batch(samples, model, PlanConfig(4, micro_batches=2, strategy=s), dens) for s in ("tokens", "flops"))
     assert _key_order(a) == _key_order(b)

@@ -52,8 +52,7 @@ def test_sab_cp_takes_the_minimum_degree_from_the_memory_bound():
     # 9000 tokens fit on no 8 ranks under the bound (8 x 1000): split by --overlong into
     # chunks of the bound's longest document, each on >= its own minimum
     assert bounded.metrics.num_overlong == 1 and plain.metrics.num_overlong == 0
-    chunks = sorted((o, n) for u in units for i, o, n in
-                    zip(u.sample_ids, u.offsets, u.lengths, strict=True) if i == 1)  # fmt: skip
+    chunks = sorted((o, n) for u in units for i, o, n in zip(u.sample_ids, u.offsets, u.lengths, strict=True) if i == 1)
     assert chunks == [(0, 8000), (8000, 1000)]
     assert any(u.sample_ids == (1,) and u.lengths == (8000,) and u.degree == 8 for u in units)
 
@@ -77,8 +76,7 @@ def test_memory_bound_minimum_degree_is_the_smallest_that_fits():
     # at 512K the whole document's layout metadata and the ring buffer need more ranks than
     # ceil(L / C) (this is what the planner would get wrong from C alone)
     assert k[4] > -(-524_288 // cap)
-    assert bound.max_document(32) > 524_288 and not bound.fits(bound.max_document(32) + 128 * 32,
-                                                               32)  # fmt: skip
+    assert bound.max_document(32) > 524_288 and not bound.fits(bound.max_document(32) + 128 * 32, 32)
 
 
 def test_plan_capacity_auto_sets_c_and_cp_degrees(tmp_path, capsys):
@@ -88,10 +86,32 @@ def test_plan_capacity_auto_sets_c_and_cp_degrees(tmp_path, capsys):
     rng = np.random.default_rng(0)
     lengths.write_text("\n".join(map(str, [524_288, *rng.integers(4096, 16384, 64).tolist()])))
     save = tmp_path / "plans.json"
-    rc = main(["plan", "--lengths", str(lengths), "--world-size", "32", "--capacity", "auto",
-               "--strategy", "sab-cp", "--model", "qwen2.5-3b", "--accelerator", "a100",
-               "--memory-budget", "70GiB", "--activation-checkpointing", "full",
-               "--parallel", "fsdp2", "--save", str(save), "--json"])  # fmt: skip
+    rc = main(
+        [
+            "plan",
+            "--lengths",
+            str(lengths),
+            "--world-size",
+            "32",
+            "--capacity",
+            "auto",
+            "--strategy",
+            "sab-cp",
+            "--model",
+            "qwen2.5-3b",
+            "--accelerator",
+            "a100",
+            "--memory-budget",
+            "70GiB",
+            "--activation-checkpointing",
+            "full",
+            "--parallel",
+            "fsdp2",
+            "--save",
+            str(save),
+            "--json",
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     bound = bound_3b()
@@ -109,22 +129,19 @@ def test_plan_capacity_flag_errors(tmp_path, capsys):
     base = ["plan", "--lengths", str(lengths), "--world-size", "2"]
     assert main([*base, "--capacity", "lots"]) == 2
     assert "--capacity" in capsys.readouterr().err
-    assert main([*base, "--capacity", "auto", "--memory-budget", "1MB", "--model",
-                 "qwen2.5-3b"]) == 2  # fmt: skip
+    assert main([*base, "--capacity", "auto", "--memory-budget", "1MB", "--model", "qwen2.5-3b"]) == 2
     assert "--memory-budget" in capsys.readouterr().err
 
 
 def test_plan_overlong_note_names_the_strategies(tmp_path, capsys):
     lengths = tmp_path / "l.txt"
     lengths.write_text("100\n5000\n9000\n")
-    rc = main(["plan", "--lengths", str(lengths), "--world-size", "4", "--capacity", "2000",
-               "--strategy", "all"])  # fmt: skip
+    rc = main(["plan", "--lengths", str(lengths), "--world-size", "4", "--capacity", "2000", "--strategy", "all"])
     assert rc == 0
     text = capsys.readouterr().out
     # C = 2000: two documents are over-long for the whole-document strategies; R x C = 8000:
     # one for sab-cp. Each count is printed with the strategies it belongs to.
     assert "2 documents longer than C (sequential, sorted, lbb, tokens, flops, sab)" in text
     assert "1 documents longer than a unit of R = 4 ranks (sab-cp)" in text
-    rc = main(["plan", "--lengths", str(lengths), "--world-size", "4", "--capacity", "2000",
-               "--strategy", "sab"])  # fmt: skip
+    rc = main(["plan", "--lengths", str(lengths), "--world-size", "4", "--capacity", "2000", "--strategy", "sab"])
     assert "2 documents longer than C: --overlong split" in capsys.readouterr().out

@@ -34,8 +34,7 @@ def lengths_file(tmp_path):
 
 
 def test_table_all_strategies(capsys, lengths_file):
-    code, out, _ = run(capsys, "--lengths", str(lengths_file), "--world-size", "8",
-                       "--capacity", "16384")  # fmt: skip
+    code, out, _ = run(capsys, "--lengths", str(lengths_file), "--world-size", "8", "--capacity", "16384")
     assert code == 0
     assert "120 samples" in out and "cost model:" in out
     rows = [ln for ln in out.splitlines() if ln.startswith("| ") and "strategy" not in ln]
@@ -45,8 +44,18 @@ def test_table_all_strategies(capsys, lengths_file):
 @OUTSIDE_GRID
 def test_json_only_and_sab_beats_sequential(capsys, lengths_file, tmp_path):
     save = tmp_path / "plans.json"
-    code, out, _ = run(capsys, "--lengths", str(lengths_file), "--world-size", "8",
-                       "--micro-batches", "2", "--json", "--save", str(save))  # fmt: skip
+    code, out, _ = run(
+        capsys,
+        "--lengths",
+        str(lengths_file),
+        "--world-size",
+        "8",
+        "--micro-batches",
+        "2",
+        "--json",
+        "--save",
+        str(save),
+    )
     assert code == 0
     result = json.loads(out)  # nothing but JSON on stdout
     per = result["strategies"]
@@ -66,8 +75,9 @@ def test_json_only_and_sab_beats_sequential(capsys, lengths_file, tmp_path):
 def test_json_lengths_and_jsonl_text(capsys, tmp_path):
     js = tmp_path / "batch.json"
     js.write_text(json.dumps({"lengths": [300, 500, 700, 900], "densities": [1, 0.5, 0.2, 0.1]}))
-    code, out, _ = run(capsys, "--lengths", str(js), "--world-size", "2", "--capacity", "1000",
-                       "--strategy", "sab", "--json")  # fmt: skip
+    code, out, _ = run(
+        capsys, "--lengths", str(js), "--world-size", "2", "--capacity", "1000", "--strategy", "sab", "--json"
+    )
     assert code == 0
     result = json.loads(out)
     assert result["densities"] == "file" and list(result["strategies"]) == ["sab"]
@@ -76,8 +86,20 @@ def test_json_lengths_and_jsonl_text(capsys, tmp_path):
     jl = tmp_path / "data.jsonl"
     docs = ["a b c", "one two three four five", "x " * 40, "tokens here"]
     jl.write_text("\n".join(json.dumps({"body": d, "source": "web"}) for d in docs))
-    code, out, _ = run(capsys, "--lengths", str(jl), "--world-size", "2", "--micro-batches", "1",
-                       "--text-field", "body", "--json", "--seed", "3")  # fmt: skip
+    code, out, _ = run(
+        capsys,
+        "--lengths",
+        str(jl),
+        "--world-size",
+        "2",
+        "--micro-batches",
+        "1",
+        "--text-field",
+        "body",
+        "--json",
+        "--seed",
+        "3",
+    )
     assert code == 0
     assert json.loads(out)["num_tokens"] == 3 + 5 + 40 + 2
 
@@ -86,13 +108,12 @@ def test_json_lengths_and_jsonl_text(capsys, tmp_path):
 def test_overlong_is_reported(capsys, tmp_path):
     path = tmp_path / "l.txt"
     path.write_text("100\n5000\n200\n")
-    code, out, _ = run(capsys, "--lengths", str(path), "--world-size", "2", "--capacity", "1000",
-                       "--overlong", "truncate")  # fmt: skip
+    code, out, _ = run(
+        capsys, "--lengths", str(path), "--world-size", "2", "--capacity", "1000", "--overlong", "truncate"
+    )
     assert code == 0
     # each strategy's count against its own limit: C, or R x C for sab-cp
-    assert (
-        "1 documents longer than C (sequential, sorted, lbb, tokens, flops, sab): --overlong" in out
-    )
+    assert "1 documents longer than C (sequential, sorted, lbb, tokens, flops, sab): --overlong" in out
     assert "1 documents longer than a unit of R = 2 ranks (sab-cp): --overlong truncate" in out
 
 
@@ -102,10 +123,7 @@ def test_split_plans_a_batch_of_only_overlong_documents(capsys, tmp_path):
     path.write_text("300\n500\n")
     code, out, _ = run(capsys, "--lengths", str(path), "--world-size", "2", "--capacity", "140")
     assert code == 0
-    assert (
-        "2 documents longer than C (sequential, sorted, lbb, tokens, flops, sab): --overlong split"
-        in out
-    )
+    assert "2 documents longer than C (sequential, sorted, lbb, tokens, flops, sab): --overlong split" in out
     assert "2 documents longer than a unit of R = 2 ranks (sab-cp): --overlong split" in out
 
 
@@ -144,8 +162,7 @@ def test_bad_files(capsys, tmp_path, content, message):
     path.write_text(content)
     code, _, err = run(capsys, "--lengths", str(path), "--world-size", "2", "--capacity", "99")
     assert code == 2 and message in err
-    code, _, err = run(capsys, "--lengths", str(tmp_path / "missing"), "--world-size", "2",
-                       "--capacity", "99")  # fmt: skip
+    code, _, err = run(capsys, "--lengths", str(tmp_path / "missing"), "--world-size", "2", "--capacity", "99")
     assert code == 2 and "cannot read" in err
 
 
@@ -163,9 +180,7 @@ def test_planner_with_the_real_latency_model():
     assert plans["sab"].metrics.max_time <= plans["tokens"].metrics.max_time
     assert plans["sab"].metrics.max_time < plans["sequential"].metrics.max_time
     mb = plans["sab"].ranks[0][0]
-    assert plans["sab"].microbatch_times[0][0] == pytest.approx(
-        model.predict(mb.lengths, mb.densities)
-    )
+    assert plans["sab"].microbatch_times[0][0] == pytest.approx(model.predict(mb.lengths, mb.densities))
 
 
 @OUTSIDE_GRID
@@ -178,15 +193,28 @@ def test_ranks_per_node_places_units_inside_nodes(capsys, tmp_path):
     windows = {}
     for g in (None, 3):
         extra = [] if g is None else ["--ranks-per-node", str(g)]
-        code, out, _ = run(capsys, "--lengths", str(path), "--world-size", "6", "--capacity",
-                           "4096", "--strategy", "sab-cp", "--json", "--save", str(save),
-                           *extra)  # fmt: skip
+        code, out, _ = run(
+            capsys,
+            "--lengths",
+            str(path),
+            "--world-size",
+            "6",
+            "--capacity",
+            "4096",
+            "--strategy",
+            "sab-cp",
+            "--json",
+            "--save",
+            str(save),
+            *extra,
+        )
         assert code == 0
         units = json.loads(save.read_text())["strategies"]["sab-cp"]["units"]
         windows[g] = {tuple(u["ranks"]) for u in units if len(u["ranks"]) > 1}
     assert "3 ranks per node" in json.loads(out)["cost_model"]
     assert (2, 3) in windows[None]
     assert windows[3] and all(len({r // 3 for r in w}) == 1 for w in windows[3])
-    code, _, err = run(capsys, "--lengths", str(path), "--world-size", "4", "--capacity",
-                       "4096", "--ranks-per-node", "0")  # fmt: skip
+    code, _, err = run(
+        capsys, "--lengths", str(path), "--world-size", "4", "--capacity", "4096", "--ranks-per-node", "0"
+    )
     assert code != 0 and "--ranks-per-node must be >= 1" in err

@@ -90,9 +90,7 @@ def test_a_batch_of_only_overlong_documents_is_plannable(overlong):
     """Regression: C below every length used to raise "smaller than the smallest sample"."""
     lengths = [300, 500, 141]
     samples = [Sample(i, n) for i, n in enumerate(lengths)]
-    plan = plan_batch(
-        samples, FakeCost(), PlanConfig(2, capacity=140, overlong=overlong), [0.5] * 3
-    )
+    plan = plan_batch(samples, FakeCost(), PlanConfig(2, capacity=140, overlong=overlong), [0.5] * 3)
     assert plan.metrics.num_overlong == 3
     assert all(mb.num_tokens <= 140 for rank in plan.ranks for mb in rank)
     want = dict(enumerate(lengths)) if overlong == "split" else {0: 140, 1: 140, 2: 140}
@@ -189,8 +187,9 @@ def test_deterministic_across_calls_and_processes():
     outs = []
     for hash_seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-        run = subprocess.run([sys.executable, "-c", HASH_SCRIPT], cwd=root, env=env,
-                             capture_output=True, text=True, check=True)  # fmt: skip
+        run = subprocess.run(
+            [sys.executable, "-c", HASH_SCRIPT], cwd=root, env=env, capture_output=True, text=True, check=True
+        )
         outs.append(run.stdout.split())
     assert outs[0] == outs[1] and len(outs[0]) == 4
     rng = np.random.default_rng(7)
@@ -202,9 +201,7 @@ def test_deterministic_across_calls_and_processes():
     assert here.hash() == again.hash() == outs[0][0]
     assert here.ranks == again.ranks
     assert len(here.hash()) == 16 and int(here.hash(), 16) >= 0
-    other = plan_batch(
-        samples, FakeCost(), PlanConfig(16, micro_batches=3, strategy="sorted"), dens
-    )
+    other = plan_batch(samples, FakeCost(), PlanConfig(16, micro_batches=3, strategy="sorted"), dens)
     assert other.hash() != here.hash()
 
 

@@ -70,9 +70,9 @@ def test_default_is_the_links_node_size_and_bad_input_names_the_flag():
     with pytest.raises(ValueError, match="--ranks-per-node must be >= 1"):
         PlanConfig(4, capacity=CAPACITY, ranks_per_node=0)
     # strategies without CP units ignore the topology: the same plan
-    sab = [plan_batch(samples, fake_context(), PlanConfig(4, capacity=CAPACITY,
-                                                           ranks_per_node=g), dens)
-           for g in (1, 4)]  # fmt: skip
+    sab = [
+        plan_batch(samples, fake_context(), PlanConfig(4, capacity=CAPACITY, ranks_per_node=g), dens) for g in (1, 4)
+    ]
     assert sab[0].hash() == sab[1].hash()
 
 
@@ -85,5 +85,4 @@ def test_on_nodes_keeps_the_calibration_and_changes_only_the_node_size():
     assert two.links.inter_bytes_per_s == cost.links.inter_bytes_per_s
     assert cost.on_nodes(8) is cost
     lens, dens = np.array([20000]), np.array([0.3])
-    assert two.unit_seconds(lens, dens, np.array([4]))[0][0] > cost.unit_seconds(
-        lens, dens, np.array([4]))[0][0]  # fmt: skip
+    assert two.unit_seconds(lens, dens, np.array([4]))[0][0] > cost.unit_seconds(lens, dens, np.array([4]))[0][0]

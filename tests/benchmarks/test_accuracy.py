@@ -39,9 +39,7 @@ def test_sign_flip_matches_brute_force_on_random_data():
     rng = np.random.default_rng(0)
     for _ in range(20):
         d = rng.normal(size=6).round(2).tolist()
-        sums = [
-            sum(x if (m >> i) & 1 else -x for i, x in enumerate(np.abs(d))) for m in range(2**6)
-        ]
+        sums = [sum(x if (m >> i) & 1 else -x for i, x in enumerate(np.abs(d))) for m in range(2**6)]
         expected = np.mean([s <= sum(d) + 1e-9 for s in sums])
         assert stats.sign_flip_p(d, "less") == pytest.approx(expected)
 
@@ -143,8 +141,7 @@ def test_quick_run_writes_every_variant_and_comparison(tmp_path):
         dense = by["fixed-K", seed]["eval"]["dense"]
         assert all(v == pytest.approx(1.0) for v in dense["recall"].values())
     cmp = {(c["a"], c["b"], c["setting"]) for c in data["comparisons"]}
-    assert ("fixed-K/2", "fixed-K", "base") in cmp and ("dst-min-p0.1", "dst-mean-p0.1",
-                                                         "final") in cmp  # fmt: skip
+    assert ("fixed-K/2", "fixed-K", "base") in cmp and ("dst-min-p0.1", "dst-mean-p0.1", "final") in cmp
 
 
 def test_records_resume_only_with_the_same_arguments(tmp_path):
@@ -177,8 +174,7 @@ def test_records_of_other_pretrained_weights_are_refused(tmp_path):
     old = {"variant": "fixed-K/2", "seed": 0, "eval": {}}  # written before fingerprints
     lines = [json.dumps({"run_key": key, **r}) for r in (rec, old)]
     args.records.write_text("\n".join(lines) + "\n")
-    assert set(accuracy._load_records(args.records, key, first)) == {("fixed-K", 0),
-                                                                     ("fixed-K/2", 0)}  # fmt: skip
+    assert set(accuracy._load_records(args.records, key, first)) == {("fixed-K", 0), ("fixed-K/2", 0)}
     (ckpt / "model.safetensors").write_bytes(b"weights v2")  # retrained into the same folder
     second = accuracy._checkpoint_id(ckpt)
     assert second != first
@@ -206,15 +202,24 @@ def test_pretrain_init_from_continues_a_model_and_refuses_another_shape(tmp_path
 
     from accuracy_pretrain import PretrainConfig, pretrain
 
-    tiny = PretrainConfig(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=2,
-                          intermediate_size=32, vocab_size=768, stages=((128, 160, 2),),
-                          tokens_per_step=256, warmup_steps=1, eval_lengths=(160,),
-                          eval_examples=1, eval_every=0, test_examples=0)  # fmt: skip
+    tiny = PretrainConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_heads=2,
+        num_kv_heads=2,
+        intermediate_size=32,
+        vocab_size=768,
+        stages=((128, 160, 2),),
+        tokens_per_step=256,
+        warmup_steps=1,
+        eval_lengths=(160,),
+        eval_examples=1,
+        eval_every=0,
+        test_examples=0,
+    )
     curve = pretrain(tiny, tmp_path / "a", log=lambda *a, **k: None)
     assert curve["threads"] == torch.get_num_threads()  # the report names the threads it ran on
-    more = dataclasses.replace(
-        tiny, init_from=str(tmp_path / "a"), stages=((128, 160, 1),), seed=9, lr=0.0
-    )
+    more = dataclasses.replace(tiny, init_from=str(tmp_path / "a"), stages=((128, 160, 1),), seed=9, lr=0.0)
     pretrain(more, tmp_path / "b", log=lambda *a, **k: None)
     a, b = (
         load_file(tmp_path / "a" / "model.safetensors"),
@@ -231,25 +236,47 @@ def test_accuracy_keys_reports_both_splits(tmp_path, capsys):
     import accuracy_keys
     from accuracy_pretrain import PretrainConfig, pretrain
 
-    tiny = PretrainConfig(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=2,
-                          intermediate_size=32, vocab_size=768, tie_embeddings=False,
-                          stages=((128, 160, 1),), tokens_per_step=256, warmup_steps=1,
-                          eval_lengths=(160,), eval_examples=1, eval_every=0,
-                          test_examples=0)  # fmt: skip
+    tiny = PretrainConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_heads=2,
+        num_kv_heads=2,
+        intermediate_size=32,
+        vocab_size=768,
+        tie_embeddings=False,
+        stages=((128, 160, 1),),
+        tokens_per_step=256,
+        warmup_steps=1,
+        eval_lengths=(160,),
+        eval_examples=1,
+        eval_every=0,
+        test_examples=0,
+    )
     pretrain(tiny, tmp_path / "m", log=lambda *a, **k: None)
     assert accuracy_keys.main([str(tmp_path / "m"), "--lengths", "160", "--examples", "2"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(out) == {"model", "cosine_train_only", "cosine_eval_only", "mqar_train_keys_160",
-                        "mqar_eval_keys_160"}  # fmt: skip
+    assert set(out) == {"model", "cosine_train_only", "cosine_eval_only", "mqar_train_keys_160", "mqar_eval_keys_160"}
     assert -1 <= out["cosine_eval_only"] <= 1 and 0 <= out["mqar_eval_keys_160"] <= 1
 
 
 def _tiny(**over):
     from accuracy_pretrain import PretrainConfig
 
-    base = dict(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=2, intermediate_size=32,
-                vocab_size=768, stages=((128, 160, 1),), tokens_per_step=256, warmup_steps=1,
-                eval_lengths=(160,), eval_examples=1, eval_every=0, test_examples=0)  # fmt: skip
+    base = dict(
+        num_layers=1,
+        hidden_size=16,
+        num_heads=2,
+        num_kv_heads=2,
+        intermediate_size=32,
+        vocab_size=768,
+        stages=((128, 160, 1),),
+        tokens_per_step=256,
+        warmup_steps=1,
+        eval_lengths=(160,),
+        eval_examples=1,
+        eval_every=0,
+        test_examples=0,
+    )
     return PretrainConfig(**{**base, **over})
 
 
@@ -302,10 +329,10 @@ def test_pretrain_test_row_scores_the_benchmarks_examples(tmp_path, monkeypatch)
     curve = accuracy_pretrain.pretrain(cfg, tmp_path / "m", log=lambda *a, **k: None)
     assert curve["test_depths"] == list(accuracy_eval.DEPTHS)
     test_calls = {c for c in calls["pretrain"] if c[4] == cfg.test_seed}
-    model, vmap = load_trained_model(str(tmp_path / "m"),
-                                     vocab_map=str(tmp_path / "m" / "vocab_map.json"))  # fmt: skip
-    bench = accuracy_eval.scores(model, vmap, load_tokenizer(), accuracy_eval.DENSE, (160,), 10,
-                                 accuracy_eval.TEST_SEED)  # fmt: skip
+    model, vmap = load_trained_model(str(tmp_path / "m"), vocab_map=str(tmp_path / "m" / "vocab_map.json"))
+    bench = accuracy_eval.scores(
+        model, vmap, load_tokenizer(), accuracy_eval.DENSE, (160,), 10, accuracy_eval.TEST_SEED
+    )
     assert test_calls and test_calls == calls["benchmark"]
     assert cfg.test_seed == accuracy_eval.TEST_SEED
     for task in cfg.tasks:

@@ -70,7 +70,7 @@ def test_attention_timer_spans_forward_and_backward_on_device_events():
     q, k, v = (torch.randn(1, 2, 5, 4, requires_grad=True) for _ in range(3))
     out, _ = timed(module, q, k, v, None)
     (out * 2).sum().backward()  # the product's backward runs before attention's
-    (fwd, bwd), = timer.calls  # fmt: skip
+    ((fwd, bwd),) = timer.calls
     assert [m.event.tick for m in fwd] == [1, 2]
     assert [m.event.tick for m in bwd] == [3, 4, 5, 6]  # output's grad first, then q, k, v
     assert timer.take() == pytest.approx(1.0 + 3.0) and timer.calls == []
@@ -115,14 +115,15 @@ class FakeAccelerator:
 def _trainer(rows, rank0=True):
     losses = [{"loss": 3.0 - 0.1 * i, "step": i + 1} for i in range(4)]
     return SimpleNamespace(
-        args=SimpleNamespace(device=torch.device("meta")), accelerator=FakeAccelerator(rows),
-        is_world_process_zero=lambda: rank0, state=SimpleNamespace(log_history=losses),
-    )  # fmt: skip
+        args=SimpleNamespace(device=torch.device("meta")),
+        accelerator=FakeAccelerator(rows),
+        is_world_process_zero=lambda: rank0,
+        state=SimpleNamespace(log_history=losses),
+    )
 
 
 ARGS = SimpleNamespace(warmup=1, variant="baseline")
-CLOCK = SimpleNamespace(steps=[9.0, 1.0, 1.0, 2.0], attention=[5.0, 0.5, 0.5, 1.0],
-                        compute=[8.0, 0.8, 0.9, 1.5])  # fmt: skip
+CLOCK = SimpleNamespace(steps=[9.0, 1.0, 1.0, 2.0], attention=[5.0, 0.5, 0.5, 1.0], compute=[8.0, 0.8, 0.9, 1.5])
 
 
 def test_summary_gathers_on_the_trainers_device_and_balances_two_ranks():
@@ -140,8 +141,9 @@ def test_summary_gathers_on_the_trainers_device_and_balances_two_ranks():
     assert out["balance"] == pytest.approx(want) and out["loss_last"] == pytest.approx(2.7)
     # SparseBalance's balance is its own measured one; other ranks write nothing
     hist = [{"balance": 0.5}, {"balance": 0.9}, {"balance": 0.8}, {"balance": 1.0}]
-    sb = bench.summarize(SimpleNamespace(warmup=1, variant="sparsebalance"),
-                         _trainer([r[:4] for r in rows]), CLOCK, 1000, 4, hist)  # fmt: skip
+    sb = bench.summarize(
+        SimpleNamespace(warmup=1, variant="sparsebalance"), _trainer([r[:4] for r in rows]), CLOCK, 1000, 4, hist
+    )
     assert sb["balance"] == pytest.approx(0.9)
     assert bench.summarize(ARGS, _trainer(rows, rank0=False), CLOCK, 1000, 4, None) is None
 
@@ -162,9 +164,23 @@ def _free_port() -> int:
 
 def _run(tmp_path: Path, *flags: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "hf_trainer_gain.py"), "--steps", "3",
-           "--warmup", "1", "--documents", "48", "--accum", "2", "--port", str(_free_port()),
-           "--results", str(tmp_path), *flags]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "hf_trainer_gain.py"),
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--documents",
+        "48",
+        "--accum",
+        "2",
+        "--port",
+        str(_free_port()),
+        "--results",
+        str(tmp_path),
+        *flags,
+    ]
     subprocess.run(cmd, check=True, env=env, cwd=ROOT, timeout=600)
     return json.loads(next(tmp_path.glob("*-hf-trainer-gain-*-cpu.json")).read_text())
 

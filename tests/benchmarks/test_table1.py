@@ -29,8 +29,17 @@ def test_another_config_is_refused_unless_declared(tmp_path):
 
 def _run(mode: str, out: Path) -> tuple[str, dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "table1.py"), "--mode", mode, "--quick",
-           "--mixes", "chatqa2", "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "table1.py"),
+        "--mode",
+        mode,
+        "--quick",
+        "--mixes",
+        "chatqa2",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     md = next(out.glob(f"*-table1-{mode}-quick-cpu.md"))

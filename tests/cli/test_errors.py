@@ -25,10 +25,7 @@ def test_version(capsys):
         main(["--version"])
     assert stop.value.code == 0
     out = capsys.readouterr().out.strip()
-    assert (
-        out
-        == f"sparsebalance {metadata.version('sparsebalance')} (torch {metadata.version('torch')})"
-    )
+    assert out == f"sparsebalance {metadata.version('sparsebalance')} (torch {metadata.version('torch')})"
 
 
 def test_an_unknown_flag_names_the_closest_one_under_the_commands_usage(capsys):

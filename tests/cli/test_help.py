@@ -83,9 +83,7 @@ def test_profile_help_shows_its_examples_one_per_line(capsys):
     start = lines.index("examples:")
     examples = lines[start + 1 : start + 5]
     assert all(line.startswith("    sparsebalance profile --") for line in examples), examples
-    assert (
-        "    sparsebalance profile --analytic h100 --model qwen2.5-0.5b --out h100.json" in examples
-    )
+    assert "    sparsebalance profile --analytic h100 --model qwen2.5-0.5b --out h100.json" in examples
     assert lines[start + 5] == ""  # the prose follows as its own paragraph
     assert "``" not in text and ":mod:" not in text
 

@@ -73,9 +73,7 @@ def test_parquet_null_and_non_string(tmp_path, tokenizer):
 
     path = tmp_path / "p.parquet"
     pq.write_table(pa.table({"text": ["good one", None, "good two"]}), path)
-    with pytest.raises(
-        ValueError, match=r"p.parquet row 2: text is not a string \('text' is a NoneType"
-    ):
+    with pytest.raises(ValueError, match=r"p.parquet row 2: text is not a string \('text' is a NoneType"):
         _prepare(tmp_path, path, "error", tokenizer)
     m = _prepare(tmp_path, path, "skip", tokenizer)
     assert m["bad_records"] == {"text is not a string": {"count": 1, "first": [f"{path} row 2"]}}

@@ -17,15 +17,16 @@ def _store(path, num_docs, seed, tok=TOK):
         return str(path)
     rng = np.random.default_rng(seed)
     with StoreWriter(path, tok) as w:
-        w.add_many([rng.integers(0, 500, rng.integers(2, 60)) for _ in range(num_docs)],
-                   [f"src{seed}"] * num_docs)  # fmt: skip
+        w.add_many([rng.integers(0, 500, rng.integers(2, 60)) for _ in range(num_docs)], [f"src{seed}"] * num_docs)
         w.close()
     return str(path)
 
 
 def _corpus(tmp_path, weights=(0.7, 0.3), sizes=(40, 30), seeds=(1, 2), **kw):
-    srcs = [DataSource(f"c{i}", _store(tmp_path / f"s{i}-{s}-{n}", n, s), w)
-            for i, (w, n, s) in enumerate(zip(weights, sizes, seeds, strict=True))]  # fmt: skip
+    srcs = [
+        DataSource(f"c{i}", _store(tmp_path / f"s{i}-{s}-{n}", n, s), w)
+        for i, (w, n, s) in enumerate(zip(weights, sizes, seeds, strict=True))
+    ]
     return open_corpus(srcs, **kw)
 
 
@@ -81,7 +82,9 @@ def test_resume_refuses_other_data(tmp_path, change, message):
 def test_resume_refuses_another_tokenizer(tmp_path):
     state = BatchSource(_corpus(tmp_path), 0, 8).state_dict()
     tok2 = {**TOK, "identity": "fake@2"}
-    srcs = [DataSource("c0", _store(tmp_path / "t0", 40, 1, tok2), 0.7),
-            DataSource("c1", _store(tmp_path / "t1", 30, 2, tok2), 0.3)]  # fmt: skip
+    srcs = [
+        DataSource("c0", _store(tmp_path / "t0", 40, 1, tok2), 0.7),
+        DataSource("c1", _store(tmp_path / "t1", 30, 2, tok2), 0.3),
+    ]
     with pytest.raises(ValueError, match="tokenizer: checkpoint fake@1, now fake@2"):
         BatchSource(open_corpus(srcs), 0, 8).load_state_dict(state)

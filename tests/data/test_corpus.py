@@ -86,9 +86,7 @@ def test_compact_vocabulary_from_counts_matches_the_tokens(tmp_path, tokenizer):
     apply_vocabulary(corpus, vmap)
     for d, r in zip((corpus.docs[i] for i in range(len(corpus))), raw, strict=True):
         assert d.tolist() == [vmap.get(int(t), 0) for t in r]
-    assert corpus.meta["unknown_tokens"] == sum(
-        int((corpus.docs[i] == 0).sum()) for i in range(len(corpus))
-    )
+    assert corpus.meta["unknown_tokens"] == sum(int((corpus.docs[i] == 0).sum()) for i in range(len(corpus)))
 
 
 def test_builtin_data_is_a_cached_store(tmp_path, tokenizer):

@@ -16,8 +16,13 @@ def test_parse(tmp_path):
     odd = tmp_path / "a,b:1"
     odd.mkdir()
     assert parse_mixture(str(odd)) == [(str(odd), 1.0)]  # an existing path wins
-    bad_specs = [("a:0.5,b", "every entry"), ("a:0,b:1", "must be > 0"), ("a:1,,b:1", "empty"),
-                 ("a:1,a:2", "twice"), ("a:nan,b:1", "> 0")]  # fmt: skip
+    bad_specs = [
+        ("a:0.5,b", "every entry"),
+        ("a:0,b:1", "must be > 0"),
+        ("a:1,,b:1", "empty"),
+        ("a:1,a:2", "twice"),
+        ("a:nan,b:1", "> 0"),
+    ]
     for bad, msg in bad_specs:
         with pytest.raises(ValueError, match=msg):
             parse_mixture(bad)
@@ -77,8 +82,11 @@ def test_resume_draws_the_same_batches():
     resumed = MixtureSampler(pools, w, seed=7, global_batch=6)
     resumed.load_state_dict(state)
     assert [resumed.next_batch() for _ in range(7)] == batches[5:]
-    for kw, msg in [({"weights": [0.4, 0.3, 0.3]}, "mixture weights"), ({"seed": 8}, "seed"),
-                    ({"global_batch": 5}, "global_batch")]:  # fmt: skip
+    for kw, msg in [
+        ({"weights": [0.4, 0.3, 0.3]}, "mixture weights"),
+        ({"seed": 8}, "seed"),
+        ({"global_batch": 5}, "global_batch"),
+    ]:
         args = {"weights": w, "seed": 7, "global_batch": 6, **kw}
         other = MixtureSampler(pools, args["weights"], args["seed"], args["global_batch"])
         with pytest.raises(ValueError, match=msg):

@@ -31,8 +31,7 @@ def _run(tmp_path, inputs, tokenizer, **kw):
 
 @pytest.mark.parametrize("chunk_bytes,workers", [(1 << 20, 2), (10, 3)])
 def test_round_trip_equals_direct_tokenization(tmp_path, tokenizer, chunk_bytes, workers):
-    src = write_jsonl(tmp_path / "a.jsonl", [{"text": t, "source": f"s{i % 2}"} for i, t in
-                                             enumerate(TEXTS)])  # fmt: skip
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": t, "source": f"s{i % 2}"} for i, t in enumerate(TEXTS)])
     m, st = _run(tmp_path, [src], tokenizer, chunk_bytes=chunk_bytes, workers=workers)
     assert _docs(st) == _expected(tokenizer, TEXTS)  # order kept, "x" (1 token) skipped
     assert m["skipped_short"] == {"documents": 1, "tokens": 1}
@@ -62,18 +61,14 @@ def test_formats(tmp_path, tokenizer):
         pa.ipc.new_stream(f, table.schema) as w,
     ):
         w.write_table(table, max_chunksize=3)
-    (hf / "state.json").write_text(
-        json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]})
-    )
+    (hf / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
     (tmp_path / "t.txt").write_text(texts[2])
     want = _expected(tokenizer, texts)
     for i, name in enumerate(["g.jsonl.gz", "z.jsonl.zst", "j.json", "p.parquet", "hf"]):
         out = tmp_path / f"o{i}"
         prepare(PrepareConfig([str(tmp_path / name)], str(out), progress=False), tokenizer)
         assert _docs(TokenStore(out)) == want, name
-    prepare(
-        PrepareConfig([str(tmp_path / "t.txt")], str(tmp_path / "ot"), progress=False), tokenizer
-    )
+    prepare(PrepareConfig([str(tmp_path / "t.txt")], str(tmp_path / "ot"), progress=False), tokenizer)
     st = TokenStore(tmp_path / "ot")
     assert _docs(st) == [tokenizer.encode(texts[2])] and st.source(0) == "t"
 
@@ -90,11 +85,8 @@ def test_folder_of_inputs_sorted(tmp_path, tokenizer):
 
 
 def test_content_hash_not_path_or_mtime(tmp_path, tokenizer):
-    a = write_jsonl(tmp_path / "x" / "d.jsonl" if (tmp_path / "x").mkdir() is None else None,
-                    [{"text": "hello world"}])  # fmt: skip
-    b = write_jsonl(
-        (tmp_path / "y").mkdir() or tmp_path / "y" / "d.jsonl", [{"text": "hello world"}]
-    )
+    a = write_jsonl(tmp_path / "x" / "d.jsonl" if (tmp_path / "x").mkdir() is None else None, [{"text": "hello world"}])
+    b = write_jsonl((tmp_path / "y").mkdir() or tmp_path / "y" / "d.jsonl", [{"text": "hello world"}])
     key = lambda p: store_key(describe_inputs([p]), tokenizer.identity, "text", 2)  # noqa: E731
     assert key(a) == key(b)
     write_jsonl(b, [{"text": "hello world!"}])

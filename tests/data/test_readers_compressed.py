@@ -34,13 +34,15 @@ def _write(tmp_path, name: str, blob: bytes):
 
 # name -> how its bytes are made -> what the one line says
 DAMAGED = [
-    pytest.param("in.jsonl.gz", lambda: _gzip(DATA)[:-700], "truncated: the gzip stream ends",
-                 id="gzip-truncated"),
-    pytest.param("in.jsonl.gz", lambda: _gzip(DATA)[:-8] + b"\0" * 8,
-                 "not a readable gzip file (BadGzipFile: CRC check failed", id="gzip-crc"),
-    pytest.param("in.jsonl.zst", lambda: _zstd(DATA)[:-300], "truncated: the zstd stream ends",
-                 id="zstd-truncated"),
-]  # fmt: skip
+    pytest.param("in.jsonl.gz", lambda: _gzip(DATA)[:-700], "truncated: the gzip stream ends", id="gzip-truncated"),
+    pytest.param(
+        "in.jsonl.gz",
+        lambda: _gzip(DATA)[:-8] + b"\0" * 8,
+        "not a readable gzip file (BadGzipFile: CRC check failed",
+        id="gzip-crc",
+    ),
+    pytest.param("in.jsonl.zst", lambda: _zstd(DATA)[:-300], "truncated: the zstd stream ends", id="zstd-truncated"),
+]
 
 
 class _Counting:
@@ -58,13 +60,10 @@ class _Counting:
 
 @pytest.mark.parametrize("policy", ["error", "skip"])
 @pytest.mark.parametrize("name, make, says", DAMAGED)
-def test_a_damaged_compressed_input_is_one_line_before_tokenising(
-    tmp_path, tokenizer, name, make, says, policy
-):
+def test_a_damaged_compressed_input_is_one_line_before_tokenising(tmp_path, tokenizer, name, make, says, policy):
     path = _write(tmp_path, name, make())
     counting = _Counting(tokenizer)
-    cfg = PrepareConfig([str(path)], str(tmp_path / "store"), on_bad_record=policy,
-                        progress=False)  # fmt: skip
+    cfg = PrepareConfig([str(path)], str(tmp_path / "store"), on_bad_record=policy, progress=False)
     with pytest.raises(ValueError) as err:
         prepare(cfg, counting)
     line = str(err.value)

@@ -90,14 +90,11 @@ def test_a_giant_parquet_cell(tmp_path):
 
 def test_prepare_counts_them_and_the_flag_sets_the_bound(tmp_path, tokenizer, capsys):
     path = _jsonl(tmp_path / "in.jsonl", [GOOD[0], BIG, GOOD[1]])
-    cfg = PrepareConfig([str(path)], str(tmp_path / "s"), on_bad_record="skip", progress=False,
-                        max_record_bytes=LIMIT)  # fmt: skip
+    cfg = PrepareConfig([str(path)], str(tmp_path / "s"), on_bad_record="skip", progress=False, max_record_bytes=LIMIT)
     m = prepare(cfg, tokenizer)
     assert m["num_documents"] == 2 and m["bad_records"]["record too large"]["count"] == 1
     assert m["prepare"]["max_record_bytes"] == LIMIT
-    rc = main(["prepare", str(path), "--out", str(tmp_path / "t"), "--no-progress",
-               "--max-record-bytes", "64KiB"])  # fmt: skip
+    rc = main(["prepare", str(path), "--out", str(tmp_path / "t"), "--no-progress", "--max-record-bytes", "64KiB"])
     assert rc == 2 and "in.jsonl:2: record too large" in capsys.readouterr().err
-    assert main(["prepare", str(path), "--out", str(tmp_path / "u"),
-                 "--max-record-bytes", "lots"]) == 2  # fmt: skip
+    assert main(["prepare", str(path), "--out", str(tmp_path / "u"), "--max-record-bytes", "lots"]) == 2
     assert "--max-record-bytes must be a size" in capsys.readouterr().err

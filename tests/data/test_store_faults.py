@@ -148,8 +148,7 @@ TOKENS_BYTES = 10 * 3 * 2000 * 2  # what the writer below appends: 10 x 3 docume
         pytest.param(TOKENS_BYTES + 31 * 8 + 30 * 4 + 10, 10, id="at-close-token-counts"),
     ],
 )
-def test_a_full_disk_is_one_line_and_leaves_the_previous_store(tmp_path, monkeypatch, free,
-                                                               appended):  # fmt: skip
+def test_a_full_disk_is_one_line_and_leaves_the_previous_store(tmp_path, monkeypatch, free, appended):
     before = TokenStore(_write(tmp_path / "s", _docs(0))).content_hash
     FullDisk(free).install(monkeypatch)
     done = []
@@ -231,9 +230,7 @@ def test_offsets_and_sources_are_checked_against_their_checksums(tmp_path):
     with pytest.raises(StoreDamaged, match=r"offsets\.bin: differs from its checksum"):
         TokenStore(path)
     path = _write(tmp_path / "t", _docs(0))
-    (path / "token_counts.npy").write_bytes(
-        (path / "token_counts.npy").read_bytes()[:-8] + b"\x01" * 8
-    )
+    (path / "token_counts.npy").write_bytes((path / "token_counts.npy").read_bytes()[:-8] + b"\x01" * 8)
     with pytest.raises(StoreDamaged, match=r"token_counts\.npy: differs from its checksum"):
         TokenStore(path).token_counts()
 
@@ -250,8 +247,7 @@ def test_verify_names_every_problem(tmp_path, small_shards):
         "vocabulary of 1,000 the store was prepared with: the store is damaged"
     )
     assert problems[1:3] == [
-        f"{path / 'tokens.bin'}: bytes 0..64 (shard 0, document 0) differ from their checksum: "
-        "the store is damaged",
+        f"{path / 'tokens.bin'}: bytes 0..64 (shard 0, document 0) differ from their checksum: the store is damaged",
         f"{path / 'tokens.bin'}: bytes 384..448 (shard 6, documents 3..4) differ from their "
         "checksum: the store is damaged",
     ]
@@ -283,9 +279,7 @@ def test_cli_verify(tmp_path, capsys, small_shards):
     tokens.tofile(path / "tokens.bin")
     assert main(["prepare", "--verify", str(path)]) == 1
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 2 and all(
-        line.startswith("sparsebalance prepare: damaged: ") for line in err
-    )
+    assert len(err) == 2 and all(line.startswith("sparsebalance prepare: damaged: ") for line in err)
     assert "bytes 320..384 (shard 5, document 3)" in err[0] and "content hash" in err[1]
     assert main(["prepare", "--verify", str(path), "--out", str(tmp_path / "x")]) == 2
     assert "give no INPUT and no --out" in capsys.readouterr().err

@@ -114,14 +114,10 @@ _INLINE = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)
 def inline_code(text: str) -> list[tuple[int, str]]:
     """``(line, code)`` of every inline code span outside fenced blocks."""
     body = prose(text)
-    return [
-        (body.count("\n", 0, m.start()) + 1, " ".join(m[2].split())) for m in _INLINE.finditer(body)
-    ]
+    return [(body.count("\n", 0, m.start()) + 1, " ".join(m[2].split())) for m in _INLINE.finditer(body)]
 
 
-_LINK = re.compile(
-    r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?(?P<target>[^)\s>]+)>?(?:\s+\"[^\"]*\")?\)"
-)
+_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?(?P<target>[^)\s>]+)>?(?:\s+\"[^\"]*\")?\)")
 _REF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(?P<target>\S+?)>?(?:\s|$)", re.M)
 _IMG = re.compile(r"<img\s[^>]*src=\"(?P<target>[^\"]+)\"")
 

@@ -19,10 +19,7 @@ def test_the_committed_reference_is_up_to_date():
     committed = (ROOT / "docs" / "reference.md").read_text()
     fresh = gen_reference.render()
     diff = list(difflib.unified_diff(committed.split("\n"), fresh.split("\n"), lineterm="", n=0))
-    assert not diff, (
-        "docs/reference.md is out of date: run python scripts/gen_reference.py\n"
-        + "\n".join(diff[:40])
-    )
+    assert not diff, "docs/reference.md is out of date: run python scripts/gen_reference.py\n" + "\n".join(diff[:40])
 
 
 def test_the_reference_covers_every_command_and_flag():

@@ -81,8 +81,7 @@ def _unit(slot, ranks):
 
 def test_pass_schedule_aligns_each_unit_on_its_ranks():
     # unit 0 on ranks 0-2, unit 1 on ranks 2-3: rank 3 waits one round (a gap) for rank 2
-    units = [_unit(0, (0, 1, 2)), _unit(1, (2, 3)), _unit(2, (0,)), _unit(3, (1,)),
-             _unit(4, (1,)), _unit(5, (3,))]  # fmt: skip
+    units = [_unit(0, (0, 1, 2)), _unit(1, (2, 3)), _unit(2, (0,)), _unit(3, (1,)), _unit(4, (1,)), _unit(5, (3,))]
     rank_units = [(0, 2), (0, 3, 4), (0, 1), (1, 5)]
     rounds = pass_schedule(units, rank_units)
     assert rounds == ((0, 2, None), (0, 3, 4), (0, 1, None), (None, 1, 5))

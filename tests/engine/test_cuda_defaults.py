@@ -43,10 +43,18 @@ LENGTHS = (9300, 2500, 700, 1800, 600, 1200)
 pytestmark = pytest.mark.filterwarnings("ignore::sparsebalance.latency.OutsideGridWarning")
 
 
-MICRO = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-         "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 16384,
-         "tie_word_embeddings": True}  # fmt: skip
+MICRO = {
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+    "max_position_embeddings": 16384,
+    "tie_word_embeddings": True,
+}
 """A model small enough for 27K tokens in bf16 on a CPU (the tiny one takes minutes there)."""
 
 
@@ -60,8 +68,11 @@ def cuda_run(monkeypatch, tmp_path):
         return q + (k.sum() + v.sum()) * 0.0
 
     monkeypatch.setattr(block_sparse_flex, "_compiled_flex", lambda: stand_in)
-    monkeypatch.setattr(block_sparse_flex, "dense_attention",  # CUDA's is FlashAttention varlen
-                        lambda q, k, v, *a: q + (k.sum() + v.sum()) * 0.0)  # fmt: skip
+    monkeypatch.setattr(
+        block_sparse_flex,
+        "dense_attention",  # CUDA's is FlashAttention varlen
+        lambda q, k, v, *a: q + (k.sum() + v.sum()) * 0.0,
+    )
     monkeypatch.setattr(op_module, "flex_available", lambda device: True)  # the device, faked
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     kernel = resolve_kernel("cuda")  # what --device cuda resolves with every flag at its default
@@ -73,15 +84,23 @@ def cuda_run(monkeypatch, tmp_path):
     tuner = DSTTuner(dst, block_size=kernel.block_size)
     latency = LatencyModel(analytic_profile(load_shapes("tiny"), "h100", block_size=128))
     planning = PlanningConfig(num_ranks=2, micro_batches=None, capacity=16384)
-    engine = StepEngine(planning, latency, tuner, make_estimator("auto", tuner.knob),
-                        lambda i: Sample(i, len(docs[i]), ""), device=kernel.device)  # fmt: skip
+    engine = StepEngine(
+        planning,
+        latency,
+        tuner,
+        make_estimator("auto", tuner.knob),
+        lambda i: Sample(i, len(docs[i]), ""),
+        device=kernel.device,
+    )
     runtime = Runtime(0, 1, torch.device("cpu"))
     par = parallelize(build_model(str(tmp_path), seed=0), runtime, "ddp", "overlap")
-    execution = ExecutionConfig(kernel.block_size, kernel.backend,
-                                time_layers=layer_feedback(dst, False, kernel.device))  # fmt: skip
+    execution = ExecutionConfig(
+        kernel.block_size, kernel.backend, time_layers=layer_feedback(dst, False, kernel.device)
+    )
     assert not execution.time_layers
-    executor = RankExecutor(par, docs, engine, execution, torch.device("cpu"),
-                            precision=Precision(kernel.precision, "cpu"))  # fmt: skip
+    executor = RankExecutor(
+        par, docs, engine, execution, torch.device("cpu"), precision=Precision(kernel.precision, "cpu")
+    )
     samples = [Sample(i, n, "") for i, n in enumerate(LENGTHS)]
     return engine, executor, samples, calls
 

@@ -38,8 +38,7 @@ def test_chunked_equals_plain_float64(chunk, bias):
     params = [x for x in (hidden, weight, b) if x is not None]
     ref = linear_cross_entropy(hidden, weight, labels, weights, b, impl="plain")
     ref_grads = torch.autograd.grad(ref * 0.37, params)
-    out = linear_cross_entropy(hidden, weight, labels, weights, b, impl="chunked",
-                               chunk_tokens=chunk)  # fmt: skip
+    out = linear_cross_entropy(hidden, weight, labels, weights, b, impl="chunked", chunk_tokens=chunk)
     grads = torch.autograd.grad(out * 0.37, params)  # a non-unit upstream gradient
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=0)

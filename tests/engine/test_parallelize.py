@@ -10,8 +10,15 @@ from torch import nn
 from sparsebalance.engine.parallelize import Parallelized, decoder_layers, parallelize
 from sparsebalance.engine.runtime import Runtime
 
-SMALL = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
-             intermediate_size=64, vocab_size=128, max_position_embeddings=256)  # fmt: skip
+SMALL = dict(
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=64,
+    vocab_size=128,
+    max_position_embeddings=256,
+)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])

@@ -17,10 +17,23 @@ from sparsebalance.workload import Sample
 # metrics.jsonl per-rank fields, in order (the report reads them); before the top-k budgets the
 # budget fields were named gamma, gamma_min, gamma_mean, gamma_max (the report reads both).
 LEGACY_RANK_FIELDS = [
-    "rank", "compute_s", "tokens", "microbatch_s", "predicted_before_s", "predicted_s", "budget",
-    "dst_role", "target_s", "budget_min", "budget_mean", "budget_max", "density", "bubble_s",
-    "sync_s", "derived_bubble_s",
-]  # fmt: skip
+    "rank",
+    "compute_s",
+    "tokens",
+    "microbatch_s",
+    "predicted_before_s",
+    "predicted_s",
+    "budget",
+    "dst_role",
+    "target_s",
+    "budget_min",
+    "budget_mean",
+    "budget_max",
+    "density",
+    "bubble_s",
+    "sync_s",
+    "derived_bubble_s",
+]
 
 
 def _mb(ids, lengths, dens, gammas, seconds=0.5):
@@ -72,14 +85,22 @@ def test_rank_record_says_which_unit_a_rank_ran_and_its_ring_wait():
         ring_wait_s=0.25,
         start_s=0.125,
     )
-    dp = MicroBatchResult(0.5, (100, 200), (3, 4), ((1.0, 1.0),), (0.9,), 1.0, 1.0, slot=5,
-                          start_s=2.25)  # fmt: skip
+    dp = MicroBatchResult(0.5, (100, 200), (3, 4), ((1.0, 1.0),), (0.9,), 1.0, 1.0, slot=5, start_s=2.25)
     out = RankRecord.from_results(_decision(2), [cp, dp]).to_json()
     assert out["ring_wait_s"] == 0.25
     first, second = out["units"]
-    assert first == {"slot": 0, "ranks": [1, 2, 3], "degree": 3, "ring": "flat",
-                     "sample_ids": [17], "tokens": 12288, "start_s": 0.125, "seconds": 2.0,
-                     "ring_wait_s": 0.25, "density": 0.5}  # fmt: skip
+    assert first == {
+        "slot": 0,
+        "ranks": [1, 2, 3],
+        "degree": 3,
+        "ring": "flat",
+        "sample_ids": [17],
+        "tokens": 12288,
+        "start_s": 0.125,
+        "seconds": 2.0,
+        "ring_wait_s": 0.25,
+        "density": 0.5,
+    }
     assert (second["slot"], second["degree"], second["ranks"], second["ring"]) == (5, 1, [], "none")
     assert json.loads(json.dumps(out)) == out  # a metrics.jsonl line
 
@@ -120,8 +141,7 @@ def test_feedback_under_top_k_gives_realized_densities_and_final_budgets():
     a = _mb([4, 7], [10, 20], ((0.5, 0.25), (0.3, 0.75)), [6, 10])
     b = _mb([7], [20], ((0.5,), (0.5,)), [4, 4])  # a second chunk of document 7
     est, lat = _Recorder(), _Recorder()
-    apply_feedback(StepFeedback((a, b)), lat, est, knob, lambda i: Sample(i, 10),
-                   use_timings=False)  # fmt: skip
+    apply_feedback(StepFeedback((a, b)), lat, est, knob, lambda i: Sample(i, 10), use_timings=False)
     ((ids, dens, budgets),) = est.seen
     assert ids == [4, 7]
     np.testing.assert_allclose(dens, [0.4, (0.5 + 0.5) / 2])
@@ -133,9 +153,20 @@ def test_cp_units_recalibrate_the_ring_terms_not_the_base_model():
     from tests.batching.fake_cost import FakeCost, fake_context
 
     def shard(rank, start, seconds, wait, slot=0):
-        return MicroBatchResult(seconds, (8192,), (17,), ((0.5,), (0.7,)), (0.9, 0.9), 1.0, 1.0,
-                                slot=slot, unit_ranks=(1, 2, 3), ring="flat", ring_wait_s=wait,
-                                start_s=start)  # fmt: skip
+        return MicroBatchResult(
+            seconds,
+            (8192,),
+            (17,),
+            ((0.5,), (0.7,)),
+            (0.9, 0.9),
+            1.0,
+            1.0,
+            slot=slot,
+            unit_ranks=(1, 2, 3),
+            ring="flat",
+            ring_wait_s=wait,
+            start_s=start,
+        )
 
     # rank 3 arrives 0.5 s late; all end at 3.0: the unit took 2.5 s
     parts = (shard(1, 0.0, 3.0, 0.9), shard(2, 0.0, 3.0, 0.8), shard(3, 0.5, 2.5, 0.2))
@@ -153,13 +184,13 @@ def test_cp_units_recalibrate_the_ring_terms_not_the_base_model():
     ctx = fake_context(FakeCost(a=1e-5, b=1e-8), bandwidth=2e6)
     before = ctx.state_dict()
     knob = DSTConfig(budget="gamma").knob(64)
-    apply_feedback(StepFeedback((*parts, one)), base, _Recorder(), knob,
-                   lambda i: Sample(i, 10), context=ctx)  # fmt: skip
+    apply_feedback(StepFeedback((*parts, one)), base, _Recorder(), knob, lambda i: Sample(i, 10), context=ctx)
     assert base.seen == [("latency", [300], 0.125)]  # only the one-rank micro-batch
     after = ctx.state_dict()
     assert after["counts"]["comm"] == 1 and after != before
-    apply_feedback(StepFeedback(parts), base, _Recorder(), knob,
-                   lambda i: Sample(i, 10), use_timings=False, context=ctx)  # fmt: skip
+    apply_feedback(
+        StepFeedback(parts), base, _Recorder(), knob, lambda i: Sample(i, 10), use_timings=False, context=ctx
+    )
     assert ctx.state_dict() == after  # --deterministic: no timing is fed back
 
 

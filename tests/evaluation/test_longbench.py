@@ -67,8 +67,9 @@ def test_truncate_middle():
 
 def test_evaluate_loop_scores_generated_text_and_counts_truncation():
     records = read_jsonl(FIXTURES / "hotpotqa.jsonl")
-    preds = {json.loads(x)["_id"]: json.loads(x)["pred"] for x in
-             (FIXTURES / "hotpotqa.jsonl").read_text().splitlines()}  # fmt: skip
+    preds = {
+        json.loads(x)["_id"]: json.loads(x)["pred"] for x in (FIXTURES / "hotpotqa.jsonl").read_text().splitlines()
+    }
     encode = lambda s: [ord(c) for c in s]  # noqa: E731 (a character "tokenizer")
     decode = lambda ids: "".join(map(chr, ids))  # noqa: E731
     seen = []

@@ -58,10 +58,7 @@ def load(name):
 def test_fixture_scores_match_hand_computed(name):
     records, preds = load(name)
     per_example, total = EXPECTED[name]
-    got = [
-        score_example(r.dataset, p, r.answers, r.all_classes)
-        for r, p in zip(records, preds, strict=True)
-    ]
+    got = [score_example(r.dataset, p, r.answers, r.all_classes) for r, p in zip(records, preds, strict=True)]
     assert got == pytest.approx(per_example, abs=1e-6)
     answers = [r.answers for r in records]
     assert score_dataset(name, preds, answers, records[0].all_classes) == total
@@ -70,9 +67,16 @@ def test_fixture_scores_match_hand_computed(name):
 def test_every_metric_family_has_a_fixture():
     families = {dataset_metric(name) for name in EXPECTED}
     assert families == {
-        "qa_f1", "qa_f1_zh", "rouge", "rouge_zh", "classification",
-        "retrieval", "retrieval_zh", "count", "code_sim",
-    }  # fmt: skip
+        "qa_f1",
+        "qa_f1_zh",
+        "rouge",
+        "rouge_zh",
+        "classification",
+        "retrieval",
+        "retrieval_zh",
+        "count",
+        "code_sim",
+    }
 
 
 def test_qa_f1_normalization_and_edge_cases():
@@ -89,9 +93,7 @@ def test_rouge_on_empty_and_identical():
 
 
 def test_classification_requires_classes_and_splits_credit():
-    assert (
-        classification("Entity or Location", "Location", all_classes=["Entity", "Location"]) == 0.5
-    )
+    assert classification("Entity or Location", "Location", all_classes=["Entity", "Location"]) == 0.5
     assert classification("nothing", "Location", all_classes=["Entity", "Location"]) == 0.0
     with pytest.raises(ValueError, match="all_classes"):
         classification("Location", "Location", all_classes=None)
@@ -111,9 +113,7 @@ def test_first_line_cut_only_for_few_shot_datasets():
 
 def test_longbench_e_names_and_length_buckets():
     assert dataset_metric("hotpotqa_e") == "qa_f1"
-    buckets = score_by_length(
-        "hotpotqa_e", ["x", "y", "y"], [["x"], ["x"], ["y"]], [100, 5000, 9000]
-    )
+    buckets = score_by_length("hotpotqa_e", ["x", "y", "y"], [["x"], ["x"], ["y"]], [100, 5000, 9000])
     assert buckets == {"0-4k": 100.0, "4-8k": 0.0, "8k+": 100.0}
     with pytest.raises(ValueError, match="unknown LongBench dataset"):
         dataset_metric("squad")

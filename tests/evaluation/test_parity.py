@@ -27,8 +27,7 @@ CASES = json.loads((FIXTURES / "official_cases.json").read_text(encoding="utf-8"
 @pytest.mark.parametrize("case", CASES, ids=[f"{c['dataset']}-{i}" for i, c in enumerate(CASES)])
 def test_official_per_sample_scores(case, backend):
     expected = case["score"][backend] if isinstance(case["score"], dict) else case["score"]
-    got = score_example(case["dataset"], case["pred"], case["answers"], case["all_classes"],
-                        code_sim_backend=backend)  # fmt: skip
+    got = score_example(case["dataset"], case["pred"], case["answers"], case["all_classes"], code_sim_backend=backend)
     assert got == pytest.approx(expected, abs=1e-9), case["why"]
 
 
@@ -43,8 +42,7 @@ def test_default_code_sim_backend_is_the_official_requirements_one():
 def test_longbench_e_buckets_use_numpy_mean_and_nan_for_empty():
     # passage_count scores 0, .8, .25, .6, .5, .4, .8, .8: mean 0.51875. np.mean gives
     # 51.875000000000014 -> 51.88 (official); sum / len gives 51.87499999999999 -> 51.87.
-    preds = ["none", "4 4 4 4 5", "4 5 5 5", "4 4 4 5 5", "4 5", "4 4 5 5 5", "4 4 4 4 5",
-             "4 4 4 4 5"]  # fmt: skip
+    preds = ["none", "4 4 4 4 5", "4 5 5 5", "4 4 4 5 5", "4 5", "4 4 5 5 5", "4 4 4 4 5", "4 4 4 4 5"]
     got = score_by_length("passage_count_e", preds, [["4"]] * 8, [100] * 8)
     assert got["0-4k"] == 51.88
     assert math.isnan(got["4-8k"]) and math.isnan(got["8k+"])  # official: np.mean([]) = nan
@@ -54,10 +52,11 @@ def test_longbench_e_buckets_use_numpy_mean_and_nan_for_empty():
 def test_reader_splits_records_on_newline_only(tmp_path):
     text = "line\u2028separator\u2029paragraph\x85next\x0bvt\x1cfs"
     path = tmp_path / "hotpotqa.jsonl"
-    rows = [{"context": text, "input": "q\u2028", "answers": ["a\u2029"], "_id": "x"},
-            {"context": "second", "answers": ["b"], "_id": "y"}]  # fmt: skip
-    path.write_text("\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n",
-                    encoding="utf-8")  # fmt: skip
+    rows = [
+        {"context": text, "input": "q\u2028", "answers": ["a\u2029"], "_id": "x"},
+        {"context": "second", "answers": ["b"], "_id": "y"},
+    ]
+    path.write_text("\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n", encoding="utf-8")
     recs = read_jsonl(path)
     assert [r.id for r in recs] == ["x", "y"]
     assert recs[0].context == text and recs[0].input == "q\u2028"
@@ -87,8 +86,7 @@ def test_middle_truncation_text_is_official_tokens_is_slicing():
     tok = _MergingTokenizer()
     prompt = "xya" + "-" * 20 + "bzw"  # 26 tokens; keep 3 + 3
     ids_text, cut = truncate_prompt(prompt, 6, tok.encode, tok.decode)  # default: text
-    assert cut and ids_text == tok.encode("xyabzw") == [ord("x"), ord("y"), 1000, ord("z"),
-                                                        ord("w")]  # fmt: skip
+    assert cut and ids_text == tok.encode("xyabzw") == [ord("x"), ord("y"), 1000, ord("z"), ord("w")]
     ids_tok, cut = truncate_prompt(prompt, 6, tok.encode, tok.decode, mode="tokens")
     assert cut and ids_tok == [ord(c) for c in "xyabzw"]  # 6 ids, "a" and "b" apart
     assert truncate_prompt("short", 6, tok.encode, tok.decode) == (tok.encode("short"), False)
@@ -99,8 +97,10 @@ def test_middle_truncation_text_is_official_tokens_is_slicing():
 def test_evaluate_uses_text_truncation_and_counts_degenerate_records(tmp_path):
     tok = _MergingTokenizer()
     path = tmp_path / "hotpotqa.jsonl"
-    rows = [{"context": "a" + "-" * 50 + "b", "input": "", "answers": [], "_id": "1"},
-            {"context": "ctx", "input": "", "answers": ["yes"], "_id": "2"}]  # fmt: skip
+    rows = [
+        {"context": "a" + "-" * 50 + "b", "input": "", "answers": [], "_id": "1"},
+        {"context": "ctx", "input": "", "answers": ["yes"], "_id": "2"},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows))
     seen = []
 
@@ -108,8 +108,9 @@ def test_evaluate_uses_text_truncation_and_counts_degenerate_records(tmp_path):
         seen.append(ids)
         return tok.encode("yes")
 
-    res = evaluate_longbench(read_jsonl(path), generate, tok.encode, tok.decode, max_length=2,
-                             templates={"hotpotqa": "{context}"})  # fmt: skip
+    res = evaluate_longbench(
+        read_jsonl(path), generate, tok.encode, tok.decode, max_length=2, templates={"hotpotqa": "{context}"}
+    )
     assert seen[0] == [1000] and res.num_truncated == 2  # "a" + "b" joined, re-tokenized
     assert res.scores == {"hotpotqa": 50.0}  # the record without answers scores 0, officially
     assert res.num_without_answers == 1 and res.to_dict()["num_without_answers"] == 1
@@ -140,10 +141,28 @@ def test_eval_cli_passes_longbench_options(tmp_path, capsys):
 
     vmap = tmp_path / "vmap.json"  # the tiny model has 4,096 embeddings: a compact map
     vmap.write_text(json.dumps({**{str(i): i for i in range(1, 4000)}, "151643": 4000}))
-    argv = ["eval", "--model", "tiny", "--task", "longbench", "--data",
-            str(FIXTURES / "hotpotqa.jsonl"), "--lengths", "48", "--block-size", "16",
-            "--device", "cpu", "--vocab-map", str(vmap), "--truncation", "tokens",
-            "--code-sim-backend", "rapidfuzz", "--json"]  # fmt: skip
+    argv = [
+        "eval",
+        "--model",
+        "tiny",
+        "--task",
+        "longbench",
+        "--data",
+        str(FIXTURES / "hotpotqa.jsonl"),
+        "--lengths",
+        "48",
+        "--block-size",
+        "16",
+        "--device",
+        "cpu",
+        "--vocab-map",
+        str(vmap),
+        "--truncation",
+        "tokens",
+        "--code-sim-backend",
+        "rapidfuzz",
+        "--json",
+    ]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["truncation"] == "tokens" and result["code_sim_backend"] == "rapidfuzz"

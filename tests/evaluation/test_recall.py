@@ -35,10 +35,7 @@ def model():
 
 
 def test_dense_recall_is_one_and_sparse_recall_drops(model):
-    docs = [
-        torch.randint(1, 512, (300,), generator=torch.Generator().manual_seed(s)).tolist()
-        for s in range(2)
-    ]
+    docs = [torch.randint(1, 512, (300,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(2)]
     dense = layer_recall(model, docs, gamma=1.0, block_size=32)
     sparse = layer_recall(model, docs, gamma=0.3, block_size=32)
     assert sorted(dense) == sorted(sparse) == [0, 1]  # one entry per layer

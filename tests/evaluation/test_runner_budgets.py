@@ -18,10 +18,16 @@ def model():
 
     register()
     cfg = AutoConfig.for_model(
-        model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, intermediate_size=128, vocab_size=512,
+        model_type="qwen2",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+        vocab_size=512,
         tie_word_embeddings=True,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     net = AutoModelForCausalLM.from_config(cfg, attn_implementation=IMPLEMENTATION)
     with torch.no_grad():  # sharp attention, so a dropped block changes the output
@@ -79,8 +85,7 @@ def test_recall_under_top_k_and_per_length_budgets(model):
     docs = docs_of(400, 200)
     dense = layer_recall(model, docs, 1.0, block_size=32, budget=Budget(top_k=30))
     sparse = layer_recall(model, docs, 1.0, block_size=32, budget=Budget(top_k=1))
-    per_doc = layer_recall(model, docs, 1.0, block_size=32,
-                           budget=lambda n: Budget(top_k=1 if n == 400 else 30))  # fmt: skip
+    per_doc = layer_recall(model, docs, 1.0, block_size=32, budget=lambda n: Budget(top_k=1 if n == 400 else 30))
     assert all(v == pytest.approx(1.0, abs=1e-9) for v in dense.values())
     assert all(0.0 < v < 0.999 for v in sparse.values())
     # the short document exact, the long one as sparse as before: in between

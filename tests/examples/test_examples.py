@@ -31,8 +31,9 @@ def run_example(name: str, tmp_path: Path) -> tuple[list[float], str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_DISABLED": "true"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(EXAMPLES / name), str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), str(tmp_path)], capture_output=True, text=True, env=env, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("losses ")][-1]
     return ast.literal_eval(line.removeprefix("losses ")), proc.stderr

@@ -36,8 +36,7 @@ def _step(precision: str, checkpointing: str = "off", backend: str = "flex"):
 def test_autocast_step_with_flex_keeps_float32_master_weights(precision):
     loss, grads, model = _step(precision)
     ref_loss, ref_grads, _ = _step("fp32")
-    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
-               for p in model.parameters())  # fmt: skip
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
     assert bool(torch.isfinite(loss)) and bool(torch.isfinite(grads).all())
     assert float(loss) == pytest.approx(float(ref_loss), rel=2e-2)
     assert rel_rms(grads, ref_grads) < 5e-2

@@ -52,20 +52,27 @@ def test_flex_training_step_has_no_host_sync(tmp_path, monkeypatch, kind):
 
     profile = tmp_path / "profile.json"
     analytic_profile(load_shapes("tiny"), "h100", block_size=128).save(profile)
-    short = {"data": None, "num_builtin": 16, "min_len": 1024, "max_len": 4096,
-             "capacity": 4096, "global_batch": 4}  # fmt: skip
+    short = {"data": None, "num_builtin": 16, "min_len": 1024, "max_len": 4096, "capacity": 4096, "global_batch": 4}
     over = {
         "gamma": {},
         "top-k": {"dst": DSTConfig(budget="top-k", budget_tokens=256), **short},  # selection
         "dense": {"dst": DSTConfig(), **short},
     }[kind]
-    cfg = base_config(tmp_path, steps=2, device="cuda", block_size=128, backend="flex",
-                      precision="bf16", profile=str(profile), loss="chunked", **over)  # fmt: skip
+    cfg = base_config(
+        tmp_path,
+        steps=2,
+        device="cuda",
+        block_size=128,
+        backend="flex",
+        precision="bf16",
+        profile=str(profile),
+        loss="chunked",
+        **over,
+    )
     trainer = Trainer(cfg, Runtime(0, 1, torch.device("cuda")))
     trainer.run_step()  # compile first: Inductor's autotuning may sync, once
     if kind == "gamma":
-        monkeypatch.setattr(LayerController, "choose",
-                            _in_mode("default", LayerController.choose))  # fmt: skip
+        monkeypatch.setattr(LayerController, "choose", _in_mode("default", LayerController.choose))
     monkeypatch.setattr(RankExecutor, "_run", _in_mode("error", RankExecutor._run))
     result = trainer.run_step()  # raises at the first synchronizing call
     assert result.summary.mean_density > 0

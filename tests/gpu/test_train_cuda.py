@@ -28,9 +28,19 @@ GPU = Runtime(0, 1, torch.device("cuda"))
 def test_emulated_ranks_train_the_qwen2_5_0_5b_architecture_at_16k(tmp_path):
     profile = tmp_path / "profile.json"
     analytic_profile(load_shapes("qwen2.5-0.5b"), "h100", block_size=128).save(profile)
-    cfg = TrainConfig(model="qwen2.5-0.5b", device="cuda", emulate_ranks=4, capacity=16384,
-                      global_batch=8, steps=2, num_builtin=32, min_len=1024, max_len=16384,
-                      profile=str(profile), out=str(tmp_path / "run"))  # fmt: skip
+    cfg = TrainConfig(
+        model="qwen2.5-0.5b",
+        device="cuda",
+        emulate_ranks=4,
+        capacity=16384,
+        global_batch=8,
+        steps=2,
+        num_builtin=32,
+        min_len=1024,
+        max_len=16384,
+        profile=str(profile),
+        out=str(tmp_path / "run"),
+    )
     assert cfg.block_size == 128 and cfg.precision == "auto"
     trainer = Trainer(cfg, GPU)
     assert trainer.precision.name == "bf16"
@@ -45,14 +55,14 @@ def test_emulated_ranks_train_the_qwen2_5_0_5b_architecture_at_16k(tmp_path):
 def test_fp16_loss_scaling_trains_and_is_checkpointed(tmp_path):
     profile = tmp_path / "profile.json"
     analytic_profile(load_shapes("tiny"), "h100", block_size=128).save(profile)
-    cfg = base_config(tmp_path, steps=2, device="cuda", block_size=128, precision="fp16",
-                      profile=str(profile))  # fmt: skip
+    cfg = base_config(tmp_path, steps=2, device="cuda", block_size=128, precision="fp16", profile=str(profile))
     trainer = Trainer(cfg, GPU)
     out = trainer.run()
     assert all(math.isfinite(x) for x in out["losses"])
     assert trainer.scaler is not None and trainer.scaler.get_scale() > 0
-    state = torch.load(tmp_path / "run" / "checkpoints" / "step-000002" / "state.pt",
-                       map_location="cpu", weights_only=False)  # fmt: skip
+    state = torch.load(
+        tmp_path / "run" / "checkpoints" / "step-000002" / "state.pt", map_location="cpu", weights_only=False
+    )
     assert state["trainer"]["grad_scaler"]["scale"] == trainer.scaler.get_scale()
 
 

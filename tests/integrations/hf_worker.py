@@ -39,20 +39,35 @@ def write_data(tmp: Path) -> Path:
     rng = np.random.default_rng(7)
     words = np.clip(rng.lognormal(4.2, 0.9, 32).astype(int), 8, 420)
     path = tmp / "data.jsonl"
-    path.write_text("".join(json.dumps({"text": " ".join(f"w{(i * 7 + j) % 50}" for j in
-                                                         range(n))}) + "\n"
-                            for i, n in enumerate(words)))  # fmt: skip
+    path.write_text(
+        "".join(
+            json.dumps({"text": " ".join(f"w{(i * 7 + j) % 50}" for j in range(n))}) + "\n" for i, n in enumerate(words)
+        )
+    )
     return path
 
 
 def sb_config(tmp: Path, profile: Path) -> TrainConfig:
     return TrainConfig(
-        data=str(write_data(tmp)), profile=str(profile), out=str(tmp / "sb"), steps=STEPS,
-        global_batch=GLOBAL_BATCH, capacity=CAPACITY, block_size=BLOCK, lr=LR, weight_decay=WD,
-        warmup_steps=0, schedule="constant", grad_clip=1.0, deterministic=True, loss="plain",
-        dst=DST, overwrite=True, strategy="sab",  # the integrations plan whole documents
+        data=str(write_data(tmp)),
+        profile=str(profile),
+        out=str(tmp / "sb"),
+        steps=STEPS,
+        global_batch=GLOBAL_BATCH,
+        capacity=CAPACITY,
+        block_size=BLOCK,
+        lr=LR,
+        weight_decay=WD,
+        warmup_steps=0,
+        schedule="constant",
+        grad_clip=1.0,
+        deterministic=True,
+        loss="plain",
+        dst=DST,
+        overwrite=True,
+        strategy="sab",  # the integrations plan whole documents
         device="cpu",
-    )  # fmt: skip
+    )
 
 
 class LossProbe:
@@ -85,8 +100,7 @@ def word_tokenizer():
 
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>")  # fmt: skip
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 class LogRecorder:
@@ -110,13 +124,26 @@ def hf_args(tmp: Path, name: str, steps: int, **over):
     from transformers import TrainingArguments
 
     kw = dict(
-        output_dir=str(tmp / name), per_device_train_batch_size=1,
+        output_dir=str(tmp / name),
+        per_device_train_batch_size=1,
         gradient_accumulation_steps=ACCUM,
-        max_steps=steps, learning_rate=LR, weight_decay=WD, lr_scheduler_type="constant",
-        warmup_steps=0, max_grad_norm=1.0, optim="adamw_torch", logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=True, seed=0, ddp_backend="gloo",
-        average_tokens_across_devices=True, disable_tqdm=True, dataloader_num_workers=0,
-    )  # fmt: skip
+        max_steps=steps,
+        learning_rate=LR,
+        weight_decay=WD,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        ddp_backend="gloo",
+        average_tokens_across_devices=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     kw.update(over)
     if name.startswith("trl"):
         from trl import SFTConfig
@@ -154,8 +181,9 @@ def hf_run(tmp, name, dataset, profile, steps, resume=None, trl=False, **over) -
         from transformers import Trainer as HFTrainer
 
         trainer = HFTrainer(model=model, args=args, train_dataset=dataset, optimizers=(opt, None))
-    runtime = sparsebalance.hf.enable(trainer, capacity=CAPACITY, dst=DST, profile=profile,
-                                      block_size=BLOCK, deterministic=True)  # fmt: skip
+    runtime = sparsebalance.hf.enable(
+        trainer, capacity=CAPACITY, dst=DST, profile=profile, block_size=BLOCK, deterministic=True
+    )
     logs = LogRecorder()
     trainer.add_callback(logs.callback)  # after SparseBalance's (before it: test_hf_logs.py)
     trainer.train(resume_from_checkpoint=resume)
@@ -184,8 +212,7 @@ def loop_run(dataset, profile, steps: int) -> dict:
     runtime = sparsebalance.attach(model, block_size=BLOCK)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     model, opt = accelerator.prepare(model, opt)
-    config = PlannerConfig(GLOBAL_BATCH, ACCUM, CAPACITY, dst=DST, block_size=BLOCK,
-                           deterministic=True)  # fmt: skip
+    config = PlannerConfig(GLOBAL_BATCH, ACCUM, CAPACITY, dst=DST, block_size=BLOCK, deterministic=True)
     loop = balanced_loader(runtime, dataset, config, profile=profile)
     losses, hashes = [], []
     for step in loop.steps(epoch=0, max_steps=steps):
@@ -210,8 +237,7 @@ def default_sampler_balance(sb: Trainer, batches) -> list[float]:
     """Predicted balance of the HF Trainer's default split of the same global batches (equal
     document counts per rank, in order: ``sequential``) under the same latency model."""
     cfg = PlanConfig(2, None, CAPACITY, "sequential", "split")
-    return [plan_batch(b, sb.latency, cfg, estimator=sb.estimator).metrics.efficiency
-            for b in batches]  # fmt: skip
+    return [plan_batch(b, sb.latency, cfg, estimator=sb.estimator).metrics.efficiency for b in batches]
 
 
 def main(tmp: Path) -> None:
@@ -239,10 +265,10 @@ def main(tmp: Path) -> None:
     if "loop" in sys.argv[2:]:
         result["loop"] = loop_run(dataset, profile, STEPS)
     if len(sys.argv) == 2:  # 3 steps saving at step 2, then step 3 again from that checkpoint
-        result["hf"] = hf_run(tmp, "hf", dataset, profile, STEPS, save_strategy="steps",
-                              save_steps=2)  # fmt: skip
-        result["resumed"] = hf_run(tmp, "hf", dataset, profile, STEPS, save_strategy="no",
-                                   resume=str(tmp / "hf" / "checkpoint-2"))  # fmt: skip
+        result["hf"] = hf_run(tmp, "hf", dataset, profile, STEPS, save_strategy="steps", save_steps=2)
+        result["resumed"] = hf_run(
+            tmp, "hf", dataset, profile, STEPS, save_strategy="no", resume=str(tmp / "hf" / "checkpoint-2")
+        )
     (tmp / f"result-{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     # The trainers above sit in reference cycles that hold their DDP models and, through them,

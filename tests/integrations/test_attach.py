@@ -96,10 +96,18 @@ def test_attach_other_families_exact(kind):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     extra = {"sliding_window": None} if kind == "mistral" else {}
-    config = AutoConfig.for_model(kind, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, vocab_size=256, head_dim=16,
-                                  max_position_embeddings=1024, **extra)  # fmt: skip
+    config = AutoConfig.for_model(
+        kind,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        head_dim=16,
+        max_position_embeddings=1024,
+        **extra,
+    )
     torch.manual_seed(2)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double().eval()
     ids = torch.randint(0, 256, (1, sum(LENGTHS)))

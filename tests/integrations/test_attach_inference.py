@@ -42,8 +42,9 @@ def test_a_padded_batch_generates_and_evaluates_like_the_unattached_model():
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert torch.equal(attached.generate(ids, attention_mask=mask, **kw),
-                       plain.generate(ids, attention_mask=mask, **kw))  # fmt: skip
+    assert torch.equal(
+        attached.generate(ids, attention_mask=mask, **kw), plain.generate(ids, attention_mask=mask, **kw)
+    )
     assert runtime.dense_forwards >= 5
 
 

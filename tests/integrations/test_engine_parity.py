@@ -37,8 +37,15 @@ def _own(tmp_path, profile):
     for _ in range(STEPS):
         result = trainer.run_step()
         layers = [list(mb.budgets) for rec in result.records for mb in rec.microbatches]
-        steps.append((result.summary.plan_hash, result.summary.dst_budget_cut,
-                      result.summary.predicted_max_s, layers, result.summary.loss))  # fmt: skip
+        steps.append(
+            (
+                result.summary.plan_hash,
+                result.summary.dst_budget_cut,
+                result.summary.predicted_max_s,
+                layers,
+                result.summary.loss,
+            )
+        )
     return trainer, steps
 
 
@@ -52,8 +59,7 @@ def test_the_own_trainer_and_the_plain_loop_run_the_same_engine(tmp_path):
     model = build_model("tiny", seed=0)
     runtime = sparsebalance.attach(model, block_size=BLOCK)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    config = PlannerConfig(GLOBAL_BATCH, MICRO, CAPACITY, dst=DST, block_size=BLOCK,
-                           deterministic=True)  # fmt: skip
+    config = PlannerConfig(GLOBAL_BATCH, MICRO, CAPACITY, dst=DST, block_size=BLOCK, deterministic=True)
     loop = balanced_loader(runtime, dataset, config, profile=profile)
     theirs = []
     for step in loop.steps(epoch=0, max_steps=STEPS):

@@ -32,20 +32,24 @@ def test_hf_enable_says_it_measures_a_profile_before_it_waits(tmp_path, monkeypa
     def measure_profile(shapes, device, dtype, backend, block_size, max_len, budget_s, *a, **kw):
         before.append(capsys.readouterr().err)
         p = profile_from(TRUE, layers=shapes.num_layers, block=block_size, max_len=max_len)
-        p.fingerprint = fingerprint(shapes, device, dtype, backend, block_size, kw["threads"],
-                                    kw["layout"])  # fmt: skip
+        p.fingerprint = fingerprint(shapes, device, dtype, backend, block_size, kw["threads"], kw["layout"])
         return p
 
     monkeypatch.setattr(measure, "measure_profile", measure_profile)
     monkeypatch.setattr(latency, "CACHE_DIR", tmp_path / "profiles")
     model = build_model("tiny")
     rng = np.random.default_rng(0)
-    data = datasets.Dataset.from_dict({"input_ids": [rng.integers(0, 1000, n).tolist()
-                                            for n in rng.integers(16, 400, 32)]})  # fmt: skip
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=1,
-                             gradient_accumulation_steps=4, use_cpu=True, report_to=[])  # fmt: skip
-    sparsebalance.hf.enable(Trainer(model=model, args=args, train_dataset=data), capacity=1024,
-                            block_size=32)  # fmt: skip
+    data = datasets.Dataset.from_dict(
+        {"input_ids": [rng.integers(0, 1000, n).tolist() for n in rng.integers(16, 400, 32)]}
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=4,
+        use_cpu=True,
+        report_to=[],
+    )
+    sparsebalance.hf.enable(Trainer(model=model, args=args, train_dataset=data), capacity=1024, block_size=32)
     [err] = before  # measured once, and said before
     [line] = err.splitlines()
     assert line.startswith("sparsebalance: measuring a latency profile for qwen2 on cpu"), line
@@ -81,8 +85,9 @@ def test_tokenizing_a_large_input_is_said_first(tmp_path, monkeypatch, capsys):
     prepare(cfg, _Tokenizer())
     [line] = seen[0].splitlines()  # before the first text is tokenized
     size = src.stat().st_size / 1e6
-    assert line.startswith(f"sparsebalance: tokenizing {size:,.0f} MB of input (big.jsonl) "
-                           f"into {cfg.out} with 1 thread: roughly "), line  # fmt: skip
+    assert line.startswith(
+        f"sparsebalance: tokenizing {size:,.0f} MB of input (big.jsonl) into {cfg.out} with 1 thread: roughly "
+    ), line
     assert capsys.readouterr().err == ""  # once
 
 
@@ -109,8 +114,9 @@ def test_the_first_flex_compile_is_said_once_per_graph(monkeypatch, capsys):
         for _ in range(3):
             block_sparse_flex.flex_block_sparse_attention(q, k, v, layout, 0.25)
     [line] = calls[0].splitlines()
-    assert line.startswith("sparsebalance: compiling the block-sparse attention kernel "
-                           "(FlexAttention, float32, forward;"), line  # fmt: skip
+    assert line.startswith(
+        "sparsebalance: compiling the block-sparse attention kernel (FlexAttention, float32, forward;"
+    ), line
     assert calls[1:] == ["", ""]
     q.requires_grad_(True)  # training: the graph with a backward is another compile
     block_sparse_flex.flex_block_sparse_attention(q, k, v, layout, 0.25)

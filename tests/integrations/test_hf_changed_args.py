@@ -32,32 +32,49 @@ def _trainer(tmp_path, callbacks=(), global_batch=None, **over):
 
     profile = tmp_path / "profile.json"
     analytic_profile(load_shapes("tiny"), "h100", block_size=32).save(profile)
-    kw = dict(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=2,
-              per_device_train_batch_size=2, gradient_accumulation_steps=2, save_strategy="no",
-              disable_tqdm=True, seed=0, learning_rate=1e-3, logging_steps=1)  # fmt: skip
+    kw = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        max_steps=2,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        learning_rate=1e-3,
+        logging_steps=1,
+    )
     kw.update(over)
     data = [{"input_ids": list(range(3, 3 + n))} for n in LENGTHS]
-    trainer = Trainer(model=build_model("tiny"), args=TrainingArguments(**kw), train_dataset=data,
-                      callbacks=list(callbacks))  # fmt: skip
-    runtime = sparsebalance.hf.enable(trainer, capacity=512, profile=profile, block_size=32,
-                                      deterministic=True, global_batch=global_batch)  # fmt: skip
+    trainer = Trainer(
+        model=build_model("tiny"), args=TrainingArguments(**kw), train_dataset=data, callbacks=list(callbacks)
+    )
+    runtime = sparsebalance.hf.enable(
+        trainer, capacity=512, profile=profile, block_size=32, deterministic=True, global_batch=global_batch
+    )
     return trainer, runtime
 
 
 @pytest.mark.parametrize(
     ("name", "value", "culprits"),
     [
-        pytest.param("gradient_accumulation_steps", 4,
-                     ["trainer.args.gradient_accumulation_steps is 4 but was 2", "micro-batches"],
-                     id="gradient-accumulation"),
-        pytest.param("per_device_train_batch_size", 3,
-                     ["trainer.args.per_device_train_batch_size is 3 but was 2", "4 documents"],
-                     id="batch-size"),
+        pytest.param(
+            "gradient_accumulation_steps",
+            4,
+            ["trainer.args.gradient_accumulation_steps is 4 but was 2", "micro-batches"],
+            id="gradient-accumulation",
+        ),
+        pytest.param(
+            "per_device_train_batch_size",
+            3,
+            ["trainer.args.per_device_train_batch_size is 3 but was 2", "4 documents"],
+            id="batch-size",
+        ),
         pytest.param("seed", 7, ["trainer.args.seed is 7 but was 0", "document order"], id="seed"),
     ],
-)  # fmt: skip
-def test_an_argument_changed_after_enable_is_refused_before_a_step(tmp_path, name, value,
-                                                                   culprits):  # fmt: skip
+)
+def test_an_argument_changed_after_enable_is_refused_before_a_step(tmp_path, name, value, culprits):
     trainer, runtime = _trainer(tmp_path)
     setattr(trainer.args, name, value)
     with pytest.raises(ValueError) as err:
@@ -126,17 +143,21 @@ def test_an_out_of_vocabulary_id_is_refused_when_first_drawn(tmp_path):
 
     profile = tmp_path / "profile.json"
     analytic_profile(load_shapes("tiny"), "h100", block_size=32).save(profile)
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[],
-                             max_steps=1, per_device_train_batch_size=4,
-                             gradient_accumulation_steps=1, save_strategy="no",
-                             disable_tqdm=True)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     data = [{"input_ids": list(range(3, 3 + n))} for n in (40, 50, 60, 70)]
     data[2]["input_ids"][5] = 4096  # the tiny model's vocabulary is 4096 ids
     trainer = Trainer(model=build_model("tiny"), args=args, train_dataset=data)
-    runtime = sparsebalance.hf.enable(trainer, capacity=512, profile=profile, block_size=32,
-                                      lengths=[40, 50, 60, 70])  # fmt: skip
+    runtime = sparsebalance.hf.enable(trainer, capacity=512, profile=profile, block_size=32, lengths=[40, 50, 60, 70])
     with pytest.raises(ValueError) as err:
         trainer.train()
-    assert_one_line(err.value, "example 2 of the dataset holds token id 4096 at position 5",
-                    "vocabulary of 4096 ids")  # fmt: skip
+    assert_one_line(err.value, "example 2 of the dataset holds token id 4096 at position 5", "vocabulary of 4096 ids")
     assert runtime.forwards == 0

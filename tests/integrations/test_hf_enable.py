@@ -139,7 +139,10 @@ def test_a_block_size_attach_left_to_the_default_follows_the_training_device(tmp
     assert runtime.block_size == 64
     monkeypatch.setattr(TrainingArguments, "device", property(lambda self: torch.device("cuda")))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the device, faked whole
-    monkeypatch.setattr(setup, "load_latency_model", lambda shapes, kernel, *a, **k: LatencyModel(
-        analytic_profile(shapes, "h100", block_size=kernel.block_size)))  # fmt: skip
+    monkeypatch.setattr(
+        setup,
+        "load_latency_model",
+        lambda shapes, kernel, *a, **k: LatencyModel(analytic_profile(shapes, "h100", block_size=kernel.block_size)),
+    )
     assert sparsebalance.hf.enable(trainer, capacity=512) is runtime
     assert runtime.block_size == runtime.planner.config.block_size == 128

@@ -41,19 +41,29 @@ def _train(tmp_path, report_to: list[str], callbacks: list) -> tuple:
     profile = tmp_path / "profile.json"
     analytic_profile(load_shapes("tiny"), "h100", block_size=32).save(profile)
     args = TrainingArguments(
-        output_dir=str(tmp_path / "out"), use_cpu=True, report_to=report_to, max_steps=STEPS,
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=report_to,
+        max_steps=STEPS,
         logging_steps=1,
-        per_device_train_batch_size=2, gradient_accumulation_steps=2, save_strategy="no",
-        disable_tqdm=True, seed=0, learning_rate=1e-3,
-    )  # fmt: skip
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        learning_rate=1e-3,
+    )
     data = [{"input_ids": list(range(3, 3 + n))} for n in (40, 200, 90, 300, 60, 150, 70, 250)]
     before, after = _recorder(), _recorder()
-    trainer = Trainer(model=build_model("tiny"), args=args, train_dataset=data,
-                      callbacks=[before, *callbacks])  # fmt: skip
-    sparsebalance.hf.enable(trainer, capacity=512, profile=profile, block_size=32,
-                            deterministic=True,
-                            dst=DSTConfig(mode="bidirectional", budget="gamma", gamma0=0.9,
-                                          gamma_min=0.5, gamma_max=0.99))  # fmt: skip
+    trainer = Trainer(model=build_model("tiny"), args=args, train_dataset=data, callbacks=[before, *callbacks])
+    sparsebalance.hf.enable(
+        trainer,
+        capacity=512,
+        profile=profile,
+        block_size=32,
+        deterministic=True,
+        dst=DSTConfig(mode="bidirectional", budget="gamma", gamma0=0.9, gamma_min=0.5, gamma_max=0.99),
+    )
     trainer.add_callback(after)
     trainer.train()
     return trainer, before, after
@@ -62,9 +72,7 @@ def _train(tmp_path, report_to: list[str], callbacks: list) -> tuple:
 def _check(entry: dict) -> None:
     assert set(KEYS) <= set(entry), sorted(entry)
     assert 0 < entry["sparsebalance/balance"] <= 1
-    assert entry["sparsebalance/bubble_fraction"] == pytest.approx(
-        1 - entry["sparsebalance/balance"]
-    )
+    assert entry["sparsebalance/bubble_fraction"] == pytest.approx(1 - entry["sparsebalance/balance"])
     assert 0 < entry["sparsebalance/density"] <= 1
     assert 0.5 <= entry["sparsebalance/budget_min"] <= entry["sparsebalance/budget_max"] <= 0.99
 

@@ -24,13 +24,20 @@ DATA = [{"input_ids": RNG.integers(3, 900, n).tolist()} for n in LENGTHS]
 
 
 def planner(rank=0, world=1, **over) -> StepPlanner:
-    cfg = dict(global_batch=8, micro_batches=4, capacity=512, block_size=32,
-               dst=DSTConfig(budget="gamma", gamma0=0.9), deterministic=True)  # fmt: skip
+    cfg = dict(
+        global_batch=8,
+        micro_batches=4,
+        capacity=512,
+        block_size=32,
+        dst=DSTConfig(budget="gamma", gamma0=0.9),
+        deterministic=True,
+    )
     cfg.update(over)
     latency = LatencyModel(analytic_profile(load_shapes("tiny"), "h100", block_size=32))
     # every rank plans alone here: all_gather returns this rank's hash for every rank
-    return StepPlanner(LENGTHS, PlannerConfig(**cfg), latency, rank, world,
-                       all_gather=lambda obj: [obj] * world, device="cpu")  # fmt: skip
+    return StepPlanner(
+        LENGTHS, PlannerConfig(**cfg), latency, rank, world, all_gather=lambda obj: [obj] * world, device="cpu"
+    )
 
 
 def collect(sampler: BalancedBatchSampler, data=DATA):
@@ -54,8 +61,9 @@ def test_every_rank_gets_micro_batches_of_its_plan_and_fillers():
         # every document of the global batch once (chunks of split ones share the id)
         planned = sorted(set(seen))
         assert len(planned) == 8
-        total = sum(int((b["shift_labels"] != IGNORE).sum()) for rank in (0, 1)
-                    for b in batches[rank][4 * step : 4 * step + 4])  # fmt: skip
+        total = sum(
+            int((b["shift_labels"] != IGNORE).sum()) for rank in (0, 1) for b in batches[rank][4 * step : 4 * step + 4]
+        )
         assert int(batches[0][4 * step]["num_items_in_batch"]) == total
 
 
@@ -71,8 +79,14 @@ def test_labels_shift_inside_documents_only():
 
 
 def test_completion_mask_removes_prompt_targets():
-    data = [{**d, "completion_mask": [0] * (len(d["input_ids"]) // 2) +
-             [1] * (len(d["input_ids"]) - len(d["input_ids"]) // 2)} for d in DATA]  # fmt: skip
+    data = [
+        {
+            **d,
+            "completion_mask": [0] * (len(d["input_ids"]) // 2)
+            + [1] * (len(d["input_ids"]) - len(d["input_ids"]) // 2),
+        }
+        for d in DATA
+    ]
     plain = collect(BalancedBatchSampler(planner()))
     masked = collect(BalancedBatchSampler(planner()), data)
     n_plain = sum(int((b["shift_labels"] != IGNORE).sum()) for b in plain[:4])
@@ -94,9 +108,7 @@ def test_state_dict_resumes_at_the_next_step():
     resumed = BalancedBatchSampler(planner())
     resumed.load_state_dict(state)
     again = [b["sb_attention"].key for b in resumed.dataloader(DATA)]
-    assert [(s.step, s.sample_ids, s.lengths) for s in again] == [
-        (s.step, s.sample_ids, s.lengths) for s in rest
-    ]
+    assert [(s.step, s.sample_ids, s.lengths) for s in again] == [(s.step, s.sample_ids, s.lengths) for s in rest]
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # short chunks lie below the profiled lengths

@@ -49,8 +49,7 @@ def test_the_driver_times_every_density_and_the_dense_kernel():
         calls.append(fn)
         return next(seconds)
 
-    got = measure_dense_crossover(shapes, torch.device("cpu"), torch.float32, 64, 512, timer,
-                                  backend="torch")  # fmt: skip
+    got = measure_dense_crossover(shapes, torch.device("cpu"), torch.float32, 64, 512, timer, backend="torch")
     assert len(calls) == len(DENSITIES) + 1
     # sparse times 0.1, 0.2, 0.3, 0.4 at 0.05, 0.1, 0.15, 0.2: 0.35 is crossed halfway
     assert got == pytest.approx(0.175)

@@ -37,11 +37,16 @@ def stand_in(monkeypatch, tmp_path, capsys):
     calls: list[dict] = []
 
     def measure_profile(shapes, device, dtype, backend, block_size, max_len, budget_s, *a, **kw):
-        calls.append({"block_size": block_size, "max_len": max_len, "layout": kw["layout"],
-                      "stderr_before": capsys.readouterr().err})  # fmt: skip
+        calls.append(
+            {
+                "block_size": block_size,
+                "max_len": max_len,
+                "layout": kw["layout"],
+                "stderr_before": capsys.readouterr().err,
+            }
+        )
         p = profile_from(TRUE, layers=shapes.num_layers, block=block_size, max_len=max_len)
-        p.fingerprint = fingerprint(shapes, device, dtype, backend, block_size, kw["threads"],
-                                    kw["layout"])  # fmt: skip
+        p.fingerprint = fingerprint(shapes, device, dtype, backend, block_size, kw["threads"], kw["layout"])
         p.noise, p.fit = dict(NOISY), {"loo_mape": 0.27}
         return p
 
@@ -50,12 +55,12 @@ def stand_in(monkeypatch, tmp_path, capsys):
     return calls
 
 
-def start(budget: str = "top-k", block_size: int = 32, max_len: int = 1024, flag="profile",
-          profile=None) -> LatencyModel:  # fmt: skip
+def start(
+    budget: str = "top-k", block_size: int = 32, max_len: int = 1024, flag="profile", profile=None
+) -> LatencyModel:
     """The start-up ``sparsebalance.hf.enable`` runs on one process (CPU, fp32)."""
     kernel = resolve_kernel(CPU, block_size, "auto", "fp32")
-    return load_latency_model(TINY, kernel, budget, profile, max_len, True, lambda o: [o],
-                              flag=flag)  # fmt: skip
+    return load_latency_model(TINY, kernel, budget, profile, max_len, True, lambda o: [o], flag=flag)
 
 
 def test_measuring_a_profile_is_said_first_in_one_line(stand_in, capsys):
@@ -65,9 +70,16 @@ def test_measuring_a_profile_is_said_first_in_one_line(stand_in, capsys):
     assert len(lines) == 1, err  # said once, before the wait
     line = lines[0]
     assert line.startswith("sparsebalance: measuring a latency profile for tiny on cpu")
-    for part in ("block size 32", "top-k budgets", "up to 1,024 tokens", "about 70 s",
-                 "cached in", "profiles/tiny-", "pass profile=PATH to skip it",
-                 "another block size or budget kind measures its own"):  # fmt: skip
+    for part in (
+        "block size 32",
+        "top-k budgets",
+        "up to 1,024 tokens",
+        "about 70 s",
+        "cached in",
+        "profiles/tiny-",
+        "pass profile=PATH to skip it",
+        "another block size or budget kind measures its own",
+    ):
         assert part in line, (part, line)
     after = capsys.readouterr().err
     assert "a latency profile for" not in after and "timing noise" in after  # the noise line next
@@ -90,8 +102,7 @@ def test_one_profile_serves_every_budget_of_its_kind_and_shorter_capacities(stan
     start(max_len=1024, block_size=64)  # another block size: its own
     start(max_len=1024, budget="gamma")  # another budget kind (threshold layouts): its own
     measured = [(c["max_len"], c["block_size"], c["layout"]) for c in stand_in]
-    assert measured == [(2048, 32, "top-k"), (4096, 32, "top-k"), (1024, 64, "top-k"),
-                        (1024, 32, "threshold")]  # fmt: skip
+    assert measured == [(2048, 32, "top-k"), (4096, 32, "top-k"), (1024, 64, "top-k"), (1024, 32, "threshold")]
     start(max_len=1500)  # the shortest that serves: 2048, not 4096
     assert len(stand_in) == 4
 
@@ -107,8 +118,9 @@ def test_the_budget_value_does_not_measure_another_profile(stand_in):
     model = build_model("tiny")
     lengths = np.full(64, 300)
     for tokens, capacity in ((8192, 2048), (2048, 1024), (512, 2048)):
-        config = PlannerConfig(global_batch=8, micro_batches=4, capacity=capacity, block_size=32,
-                               dst=DSTConfig(budget_tokens=tokens))  # fmt: skip
+        config = PlannerConfig(
+            global_batch=8, micro_batches=4, capacity=capacity, block_size=32, dst=DSTConfig(budget_tokens=tokens)
+        )
         latency_model(model, config, None, lengths, None, CPU, "fp32")
     assert len(stand_in) == 1
 
@@ -157,8 +169,9 @@ def test_a_measured_profile_of_another_setup_warns_in_one_short_line(tmp_path):
     [w] = [w for w in caught if w.category is ProfileMismatchWarning]
     msg = str(w.message)
     assert "\n" not in msg and len(msg) < 250, msg
-    assert msg.startswith(f"profile {path} was measured on another setup: threads {theirs} vs "
-                          f"{theirs - 1} (profile vs this run)"), msg  # fmt: skip
+    assert msg.startswith(
+        f"profile {path} was measured on another setup: threads {theirs} vs {theirs - 1} (profile vs this run)"
+    ), msg
     assert "max_len" not in msg and "schema" not in msg  # bookkeeping, not the setup
     assert w.filename == __file__  # the user's line, not the library's
 

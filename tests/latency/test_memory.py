@@ -55,8 +55,7 @@ def test_saved_activations_match_the_real_layer():
     batch = pack([torch.randint(0, 4096, (tokens,)).numpy()], "cpu")
     ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=1.0), 64, "torch")
     with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
-        model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                    sb_attention=ctx, use_cache=False)  # fmt: skip
+        model.model(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx, use_cache=False)
     shapes = load_shapes("tiny")
     mem = MemoryModel(shapes, cpu_coefficients(0))
     outer, mlp = mem.layer_elems()
@@ -70,8 +69,11 @@ def test_saved_activations_match_the_real_layer():
 def test_features_only_lower_the_peak(model):
     mem = MemoryModel(load_shapes(model), H100)
     for t in (4096, 32768, 131072):
-        peak = {(c, lo): mem.peak_bytes(t, MemoryConfig(c, lo))
-                for c in ("off", "selective", "full") for lo in ("plain", "chunked")}  # fmt: skip
+        peak = {
+            (c, lo): mem.peak_bytes(t, MemoryConfig(c, lo))
+            for c in ("off", "selective", "full")
+            for lo in ("plain", "chunked")
+        }
         for lo in ("plain", "chunked"):
             assert peak[("full", lo)] <= peak[("selective", lo)] <= peak[("off", lo)]
         for c in ("off", "selective", "full"):
@@ -123,8 +125,7 @@ def test_bad_input():
 
 
 def test_memory_command(capsys):
-    assert main(["memory", "--model", "qwen2.5-3b", "--analytic", "a100", "--devices", "1,32",
-                 "--json"]) == 0  # fmt: skip
+    assert main(["memory", "--model", "qwen2.5-3b", "--analytic", "a100", "--devices", "1,32", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     rows = {(r["checkpointing"], r["loss"]): r for r in out["rows"]}
     assert len(rows) == 6 and out["predicted"] is True
@@ -133,8 +134,7 @@ def test_memory_command(capsys):
     assert best["document (CP) @32"] >= best["micro-batch/rank @32"]
     assert main(["memory", "--device", "cpu"]) == 2  # CPU needs --memory-budget
     assert "--memory-budget" in capsys.readouterr().err
-    assert main(["memory", "--model", "qwen2.5-3b", "--analytic", "a100", "--devices", "32",
-                 "--check", "524288"]) == 0  # fmt: skip
+    assert main(["memory", "--model", "qwen2.5-3b", "--analytic", "a100", "--devices", "32", "--check", "524288"]) == 0
     assert "524,288 tokens over 32 devices" in capsys.readouterr().out
 
 

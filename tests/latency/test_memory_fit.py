@@ -61,8 +61,7 @@ def test_fit_recovers_known_coefficients(act_bytes, overhead):
 
 
 def test_fit_with_noisy_probes_reports_its_error():
-    probes = synthetic_probes(5.0, 50e6, [(512, "off"), (1024, "off"), (2048, "off"),
-                                          (4096, "off")], noise=0.01)  # fmt: skip
+    probes = synthetic_probes(5.0, 50e6, [(512, "off"), (1024, "off"), (2048, "off"), (4096, "off")], noise=0.01)
     cal = fit_memory(SHAPES, cpu_coefficients(0.0), probes, FP, block_size=64)
     assert cal.act_bytes == pytest.approx(5.0, rel=0.15)
     assert 0 < cal.max_error < 0.05
@@ -126,8 +125,7 @@ def test_calibration_roundtrip_versioning_and_lookup(tmp_path):
 
 def test_profile_memory_tokens_validation(capsys):
     for bad in ("1024", "a,b", "1024,1024", "1,2048", "1024,999999"):
-        rc = main(["profile", "--model", "tiny", "--device", "cpu", "--memory-only",
-                   "--memory-tokens", bad])  # fmt: skip
+        rc = main(["profile", "--model", "tiny", "--device", "cpu", "--memory-only", "--memory-tokens", bad])
         assert rc == 2 and "--memory-tokens" in capsys.readouterr().err
 
 
@@ -136,8 +134,12 @@ def test_profile_memory_only_measures_and_caches(tmp_path, monkeypatch, capsys):
     """Two real fresh-process probes of the tiny model (CPU peak RSS): the fit reproduces them and
     the calibration lands in the cache under the running fingerprint."""
     monkeypatch.setattr(mf, "CACHE_DIR", tmp_path)
-    assert main(["profile", "--model", "tiny", "--device", "cpu", "--memory-only",
-                 "--memory-tokens", "256,1024", "--json"]) == 0  # fmt: skip
+    assert (
+        main(
+            ["profile", "--model", "tiny", "--device", "cpu", "--memory-only", "--memory-tokens", "256,1024", "--json"]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     mem = out["memory"]
     assert mem["tokens"] == [256, 1024] and mem["peak_bytes"][1] > mem["peak_bytes"][0]

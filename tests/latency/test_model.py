@@ -27,8 +27,7 @@ def true_attention(length, density):
 
 def synthetic_profile(layers=4, call=1e-4, noise=0.0, seed=0) -> Profile:
     rng = np.random.default_rng(seed)
-    att = [[true_attention(n, d) * (1 + noise * rng.standard_normal()) for d in DENSITIES]
-           for n in LENGTHS]  # fmt: skip
+    att = [[true_attention(n, d) * (1 + noise * rng.standard_normal()) for d in DENSITIES] for n in LENGTHS]
     return Profile(
         fingerprint={"device": "synthetic"},
         attention=AttentionTable(LENGTHS, DENSITIES, att),
@@ -107,9 +106,14 @@ def test_outside_grid_warns_once_and_stays_sane():
 
 @pytest.mark.parametrize(
     "lengths,dens,match",
-    [([0], [0.5], "lengths"), ([100], [0.0], "densities"), ([100], [1.5], "densities"),
-     ([100], [float("nan")], "densities"), ([], [], "at least one")],
-)  # fmt: skip
+    [
+        ([0], [0.5], "lengths"),
+        ([100], [0.0], "densities"),
+        ([100], [1.5], "densities"),
+        ([100], [float("nan")], "densities"),
+        ([], [], "at least one"),
+    ],
+)
 def test_bad_inputs(lengths, dens, match):
     with pytest.raises(ValueError, match=match):
         LatencyModel(synthetic_profile()).predict(lengths, dens)
@@ -153,15 +157,11 @@ def test_recalibration_converges_to_a_different_true_machine():
     truth = LatencyModel(synthetic_profile())
     truth.calibration.theta = np.array([1.5, 0.8])  # attention, everything token-proportional
     rng = np.random.default_rng(0)
-    batches = [
-        (rng.integers(128, 1300, rng.integers(1, 4)), rng.uniform(0.05, 1, 3)) for _ in range(200)
-    ]
+    batches = [(rng.integers(128, 1300, rng.integers(1, 4)), rng.uniform(0.05, 1, 3)) for _ in range(200)]
     batches = [(n, d[: len(n)]) for n, d in batches]
 
     def mape():
-        return np.mean(
-            [abs(model.predict(n, d) / truth.predict(n, d) - 1) for n, d in batches[:50]]
-        )
+        return np.mean([abs(model.predict(n, d) / truth.predict(n, d) - 1) for n, d in batches[:50]])
 
     assert mape() > 0.1
     steps = None

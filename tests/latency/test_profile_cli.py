@@ -26,10 +26,7 @@ def test_analytic_profiles_scale_with_model_size_and_density():
     # Attention is quadratic: at 32K, dense costs far more than 10 % density.
     assert small.predict([32768], [1.0]) > 2 * small.predict([32768], [0.1])
     h200 = analytic_profile(load_shapes("qwen2.5-0.5b"), "h200")
-    assert (
-        h200.optimizer_seconds
-        < analytic_profile(load_shapes("qwen2.5-0.5b"), "h100").optimizer_seconds
-    )
+    assert h200.optimizer_seconds < analytic_profile(load_shapes("qwen2.5-0.5b"), "h100").optimizer_seconds
     with pytest.raises(ValueError, match="analytic"):
         analytic_profile(load_shapes("tiny"), "tpu")
 
@@ -38,8 +35,7 @@ def test_cli_quick_profile_then_validate(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     out = tmp_path / "p.json"
-    argv = ["profile", "--model", "tiny", "--quick", "--max-len", "384", "--out", str(out),
-            "--json"]  # fmt: skip
+    argv = ["profile", "--model", "tiny", "--quick", "--max-len", "384", "--out", str(out), "--json"]
     assert main(argv) == 0
     captured = capsys.readouterr()
     summary = json.loads(captured.out)

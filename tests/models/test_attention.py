@@ -25,8 +25,9 @@ def _docs(*lengths, seed=0):
 
 def _forward(model, batch, ctx):
     with torch.no_grad():
-        return model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                     sb_attention=ctx, use_cache=False).logits[0]  # fmt: skip
+        return model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx, use_cache=False
+        ).logits[0]
 
 
 def test_registered_with_transformers_and_idempotent():
@@ -78,8 +79,14 @@ def test_per_layer_budget_callback_and_layer_end():
         calls.append(layer)
         return Budget(gamma=1.0 if layer == 0 else 0.3)
 
-    ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=0.9), block_size=16, backend="torch",
-                          choose_budget=choose, on_layer_end=ended.append)  # fmt: skip
+    ctx = PackedAttention(
+        batch.cu_seqlens,
+        Budget(gamma=0.9),
+        block_size=16,
+        backend="torch",
+        choose_budget=choose,
+        on_layer_end=ended.append,
+    )
     _forward(model, batch, ctx)
     layers = list(range(model.config.num_hidden_layers))
     assert calls == layers and ended == layers
@@ -126,22 +133,32 @@ def test_dst_does_not_select_where_its_lowest_budget_covers_every_document(monke
     from sparsebalance.models import attention as module
 
     calls = []
-    monkeypatch.setattr(module, "estimate_block_mass",
-                        lambda *a, **k: calls.append(1) or pytest.fail("estimated"))  # fmt: skip
-    monkeypatch.setattr(module.TopKGate, "score",
-                        lambda *a, **k: calls.append(1) or pytest.fail("estimated"))  # fmt: skip
+    monkeypatch.setattr(module, "estimate_block_mass", lambda *a, **k: calls.append(1) or pytest.fail("estimated"))
+    monkeypatch.setattr(module.TopKGate, "score", lambda *a, **k: calls.append(1) or pytest.fail("estimated"))
     model = build_model("tiny", seed=1)
     batch = pack(_docs(70, 33, 100))
     chosen = []
-    ctx = PackedAttention(batch.cu_seqlens, Budget(top_k=8), block_size=32, backend="torch",
-                          choose_budget=lambda layer, e: chosen.append(layer) or Budget(top_k=8),
-                          min_budget=Budget(top_k=4), lengths=batch.lengths)  # fmt: skip
+    ctx = PackedAttention(
+        batch.cu_seqlens,
+        Budget(top_k=8),
+        block_size=32,
+        backend="torch",
+        choose_budget=lambda layer, e: chosen.append(layer) or Budget(top_k=8),
+        min_budget=Budget(top_k=4),
+        lengths=batch.lengths,
+    )
     _forward(model, batch, ctx)
     assert not calls and not chosen
     assert all(s.density == 1.0 for s in ctx.stats)
     # a budget that does not cover the 100-token document (4 blocks of 32) is estimated
-    ctx = PackedAttention(batch.cu_seqlens, Budget(top_k=8), block_size=32, backend="torch",
-                          choose_budget=lambda layer, e: Budget(top_k=1),
-                          min_budget=Budget(top_k=1), lengths=batch.lengths)  # fmt: skip
+    ctx = PackedAttention(
+        batch.cu_seqlens,
+        Budget(top_k=8),
+        block_size=32,
+        backend="torch",
+        choose_budget=lambda layer, e: Budget(top_k=1),
+        min_budget=Budget(top_k=1),
+        lengths=batch.lengths,
+    )
     with pytest.raises(pytest.fail.Exception, match="estimated"):
         _forward(model, batch, ctx)

@@ -53,13 +53,11 @@ def _run(mode: str, monkeypatch):
     monkeypatch.setattr(attention, "estimate_block_mass", counting_estimate)
     batch = _batch()
     rec = Recorder()
-    ctx = PackedAttention(batch.cu_seqlens, block_size=32, backend="torch",
-                          choose_budget=rec.choose, on_layer_end=rec.observe)  # fmt: skip
-    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                   sb_attention=ctx, use_cache=False).logits  # fmt: skip
-    loss = torch.nn.functional.cross_entropy(
-        logits[0], batch.labels[0], ignore_index=-100, reduction="none"
+    ctx = PackedAttention(
+        batch.cu_seqlens, block_size=32, backend="torch", choose_budget=rec.choose, on_layer_end=rec.observe
     )
+    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx, use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(logits[0], batch.labels[0], ignore_index=-100, reduction="none")
     loss = (loss * batch.loss_weights[0].double()).sum()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -89,10 +87,10 @@ def test_recomputation_reuses_the_forward_layout(monkeypatch):
     apply_activation_checkpointing(model, "full")
     batch = _batch()
     gammas = iter([0.3, 0.9, 0.5, 0.7, 0.99, 0.2, 0.4, 0.6])  # a second choice would differ
-    ctx = PackedAttention(batch.cu_seqlens, block_size=32, backend="torch",
-                          choose_budget=lambda layer, est: Budget(gamma=next(gammas)))  # fmt: skip
-    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                sb_attention=ctx, use_cache=False).logits  # fmt: skip
+    ctx = PackedAttention(
+        batch.cu_seqlens, block_size=32, backend="torch", choose_budget=lambda layer, est: Budget(gamma=next(gammas))
+    )
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx, use_cache=False).logits
     out.sum().backward()
     assert next(gammas) == 0.99  # exactly four choices were made
     assert [s.budget for s in ctx.stats] == [0.3, 0.9, 0.5, 0.7]
@@ -104,8 +102,7 @@ def test_no_grad_forward_runs_without_checkpoint():
     batch = _batch()
     ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=0.8), block_size=32, backend="torch")
     with torch.no_grad():
-        model(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx,
-              use_cache=False)  # fmt: skip
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx, use_cache=False)
     assert len(ctx.stats) == 4 and ctx.layouts == {}
 
 
@@ -134,5 +131,4 @@ def test_recompute_without_forward_layout_is_an_error():
     batch = _batch()
     ctx = PackedAttention(batch.cu_seqlens, block_size=32, backend="torch")
     with attention.recompute_phase("recompute"), pytest.raises(RuntimeError, match="no layout"):
-        model(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx,
-              use_cache=False)  # fmt: skip
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx, use_cache=False)

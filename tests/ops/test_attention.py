@@ -123,9 +123,7 @@ def test_cost_follows_the_layout():
     cu = cu_from_lengths([2048])
     q, k, _ = make_qkv(2048, 2, 2, 32, dtype=torch.float32)
     dense = select_blocks(q, k, cu, Budget(gamma=1.0), block_size=64)
-    sparse = BlockLayout.from_block_mask(
-        torch.eye(32, dtype=torch.bool).expand(2, 32, 32).clone(), cu, 64, 2
-    )
+    sparse = BlockLayout.from_block_mask(torch.eye(32, dtype=torch.bool).expand(2, 32, 32).clone(), cu, 64, 2)
     blocks = torch.arange(32)
     for layout, want in ((dense, 2 * 32 * 33 // 2), (sparse, 64)):
         pairs = BlockPairs(layout, blocks, blocks, 2, q.device)

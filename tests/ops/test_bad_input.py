@@ -138,8 +138,7 @@ def test_bench_attn_quick_keeps_explicit_densities():
 
     parser = __import__("argparse").ArgumentParser()
     bench_attn.add_arguments(parser)
-    argv = ["--quick", "--densities", "0.5", "--seq-lens", "128", "--device", "cpu", "--json",
-            "--packs", "none"]  # fmt: skip
+    argv = ["--quick", "--densities", "0.5", "--seq-lens", "128", "--device", "cpu", "--json", "--packs", "none"]
     args = bench_attn.prepare_args(parser.parse_args([*argv, "--warmup", "0", "--repeats", "1"]))
     args.backends = ["torch"]
     result = bench_attn.run_benchmark(args)

@@ -19,8 +19,23 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_a_cpu_run_measures_every_part_of_every_case():
-    args = _args("--seq-lens", "640", "--densities", "1,0.1", "--warmup", "0", "--repeats", "1",
-                 "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--json")  # fmt: skip
+    args = _args(
+        "--seq-lens",
+        "640",
+        "--densities",
+        "1,0.1",
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--json",
+    )
     result = bench_attn.run_benchmark(args)
     rows = {r["case"]: r for r in result["rows"]}
     assert set(rows) == {"d=1", "d=0.1", "mixed", "short", "docs4", "docs64"}
@@ -46,9 +61,27 @@ def test_flex_on_the_cpu_times_the_forward_and_counts_the_cuda_path():
     """Issue 42: ``bench-attn --device cpu --backends flex`` runs: selection, mask and forward
     timed (flex has no backward on the CPU: not measured), and every row counts a training
     layer's launches around the kernel and its host reads, the budget fixed and DST cutting."""
-    args = _args("--seq-lens", "1000", "--densities", "1,0.1", "--warmup", "0", "--repeats",
-                 "1", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--backends", "flex",
-                 "--packs", "mixed,short", "--json")  # fmt: skip
+    args = _args(
+        "--seq-lens",
+        "1000",
+        "--densities",
+        "1,0.1",
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--backends",
+        "flex",
+        "--packs",
+        "mixed,short",
+        "--json",
+    )
     result = bench_attn.run_benchmark(args)
     for r in result["rows"]:
         assert r["fwd_s"] > 0 and r["fwd_bwd_s"] is None and r["ratio"] is None, r["case"]
@@ -62,9 +95,25 @@ def test_flex_on_the_cpu_times_the_forward_and_counts_the_cuda_path():
 def test_a_pack_of_64_documents_launches_what_one_of_4_does():
     """``--counts-only`` counts at sizes this machine could not time: 64 and 4 selected
     documents (block 32, each document more than 3 blocks long) launch the same operations."""
-    args = _args("--seq-lens", "8k", "--densities", "0.1", "--block-size", "32", "--heads", "4",
-                 "--kv-heads", "2", "--head-dim", "16", "--backends", "flex", "--packs",
-                 "docs4,docs64", "--counts-only")  # fmt: skip
+    args = _args(
+        "--seq-lens",
+        "8k",
+        "--densities",
+        "0.1",
+        "--block-size",
+        "32",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--backends",
+        "flex",
+        "--packs",
+        "docs4,docs64",
+        "--counts-only",
+    )
     result = bench_attn.run_benchmark(args)
     rows = {r["case"]: r for r in result["rows"]}
     assert rows["docs4"]["dense_docs"] == rows["docs64"]["dense_docs"] == 0
@@ -77,15 +126,18 @@ def test_a_pack_of_64_documents_launches_what_one_of_4_does():
 
 def test_targets_are_judged_on_flex_rows_only():
     rows = [
-        {"backend": "flex", "case": "d=0.05", "seq_len": 32768, "ratio": 0.2,
-         "overhead_share": 0.15},
-        {"backend": "torch", "case": "d=0.05", "seq_len": 131072, "ratio": 0.01,
-         "overhead_share": 0.0},
-        {"backend": "flex", "case": "short", "seq_len": 16384, "ratio": 1.0, "layer_ratio": 1.05,
-         "overhead_share": 0.0},
-        {"backend": "flex", "case": "short", "seq_len": 32768, "ratio": 1.0, "layer_ratio": 1.2,
-         "overhead_share": 0.0},
-    ]  # fmt: skip
+        {"backend": "flex", "case": "d=0.05", "seq_len": 32768, "ratio": 0.2, "overhead_share": 0.15},
+        {"backend": "torch", "case": "d=0.05", "seq_len": 131072, "ratio": 0.01, "overhead_share": 0.0},
+        {
+            "backend": "flex",
+            "case": "short",
+            "seq_len": 16384,
+            "ratio": 1.0,
+            "layer_ratio": 1.05,
+            "overhead_share": 0.0,
+        },
+        {"backend": "flex", "case": "short", "seq_len": 32768, "ratio": 1.0, "layer_ratio": 1.2, "overhead_share": 0.0},
+    ]
     verdict = {t["target"].split(":")[0]: t["met"] for t in check_targets(rows)}
     assert verdict["d=0.05 at 32K"] is True
     assert verdict["d=0.05 at 128K"] is None  # only a torch row: not measured

@@ -32,8 +32,7 @@ def test_dense_attention_equals_the_reference_forward_and_backward(lengths, hq, 
         ref = block_sparse_attention(q, k, v, full, cu, scale=0.3, backend="reference")
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     g = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), g),
-                    torch.autograd.grad(ref, (q, k, v), g), strict=True):  # fmt: skip
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
@@ -41,9 +40,13 @@ def _fake_api(monkeypatch, params: str):
     """A ``varlen_attn`` stand-in with the given keyword parameters; records its calls."""
     calls = []
     ns: dict = {}
-    exec(f"def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, {params}):\n"
-         "    calls.append((q, k, v, cu_q, max_q, dict(locals())))\n"
-         "    return q.clone()", {"calls": calls}, ns)  # fmt: skip
+    exec(
+        f"def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, {params}):\n"
+        "    calls.append((q, k, v, cu_q, max_q, dict(locals())))\n"
+        "    return q.clone()",
+        {"calls": calls},
+        ns,
+    )
     import torch.nn.attention.varlen as varlen
 
     monkeypatch.setattr(varlen, "varlen_attn", ns["fake"])
@@ -55,14 +58,19 @@ def _fake_api(monkeypatch, params: str):
 @pytest.mark.parametrize(
     "params, expect",
     [
-        pytest.param("scale=None, window_size=(-1, -1), enable_gqa=False",
-                     {"window_size": (-1, 0), "enable_gqa": True, "scale": 0.125},
-                     id="torch-2.12+"),
-        pytest.param("return_aux=None, scale=None, window_size=(-1, -1)",
-                     {"window_size": (-1, 0), "scale": 0.125}, id="torch-2.11"),
+        pytest.param(
+            "scale=None, window_size=(-1, -1), enable_gqa=False",
+            {"window_size": (-1, 0), "enable_gqa": True, "scale": 0.125},
+            id="torch-2.12+",
+        ),
+        pytest.param(
+            "return_aux=None, scale=None, window_size=(-1, -1)",
+            {"window_size": (-1, 0), "scale": 0.125},
+            id="torch-2.11",
+        ),
         pytest.param("is_causal=False, return_aux=None", {"is_causal": True}, id="torch-2.10"),
     ],
-)  # fmt: skip
+)
 def test_varlen_keywords_follow_the_installed_signature(monkeypatch, params, expect):
     calls = _fake_api(monkeypatch, params)
     try:

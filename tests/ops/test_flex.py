@@ -48,9 +48,7 @@ def test_flex_forward_backward_on_cuda(gamma):
     out = block_sparse_attention(q, k, v, layout, cu, backend="flex")
     assert rel_rms(out, ref) < 1e-3
     g = torch.randn_like(out)
-    for a, b in zip(
-        torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g), strict=True
-    ):
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g), strict=True):
         assert rel_rms(a, b) < 1e-3
 
 

@@ -17,9 +17,7 @@ from tests.conftest import cu_from_lengths
 LENGTHS = (1000, 2, 50, 128, 300, 517, 700, 1024, 1500, 2100)
 
 
-def _layout(
-    total: int, hq: int, hl: int, block: int, seed: int
-) -> tuple[torch.Tensor, BlockLayout]:
+def _layout(total: int, hq: int, hl: int, block: int, seed: int) -> tuple[torch.Tensor, BlockLayout]:
     cu = cu_from_lengths((total,) if total < 4 else (total // 3, total - total // 3))
     lay = random_layout(cu, hl, block, 0.5, seed=seed)
     return cu, BlockLayout(lay.block_mask, lay.pack, hq)

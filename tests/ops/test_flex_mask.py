@@ -44,15 +44,18 @@ def test_query_side_lists_equal_from_kv_blocks(lengths, heads, block, density):
     total = padded_length(layout, (heads, heads, 16))
     ours = build_block_mask(layout, heads, total)
     theirs = BlockMask.from_kv_blocks(
-        ours.kv_num_blocks, ours.kv_indices, ours.full_kv_num_blocks, ours.full_kv_indices,
-        BLOCK_SIZE=block, mask_mod=ours.mask_mod, seq_lengths=(total, total),
-    )  # fmt: skip
+        ours.kv_num_blocks,
+        ours.kv_indices,
+        ours.full_kv_num_blocks,
+        ours.full_kv_indices,
+        BLOCK_SIZE=block,
+        mask_mod=ours.mask_mod,
+        seq_lengths=(total, total),
+    )
     for side in ("q", "full_q"):
         num, idx = f"{side}_num_blocks", f"{side}_indices"
         assert torch.equal(getattr(ours, num), getattr(theirs, num))
-        assert _valid(getattr(ours, num), getattr(ours, idx)) == _valid(
-            getattr(theirs, num), getattr(theirs, idx)
-        )
+        assert _valid(getattr(ours, num), getattr(ours, idx)) == _valid(getattr(theirs, num), getattr(theirs, idx))
     # every list starts 16-byte aligned (Inductor copies a misaligned kernel input per call)
     for side in ("kv", "full_kv", "q", "full_q"):
         for part in ("num_blocks", "indices"):

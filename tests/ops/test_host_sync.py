@@ -56,8 +56,7 @@ def test_a_training_microbatch_reads_nothing_back(fake_flex, budget):
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 4096, (n,), generator=g).numpy() for n in (300, 40, 37, 500, 90)]
     batch = pack(docs)
-    ctx = PackedAttention(batch.cu_seqlens, budget, block_size=32, backend="flex",
-                          lengths=batch.lengths)  # fmt: skip
+    ctx = PackedAttention(batch.cu_seqlens, budget, block_size=32, backend="flex", lengths=batch.lengths)
     with Recorder() as rec:
         loss = packed_loss(model, batch, ctx, "chunked")
         loss.backward()
@@ -71,12 +70,10 @@ def test_transformers_mask_preparation_reads_nothing_back():
     (a ``.all()``) on every forward, because a mask function was registered."""
     model = build_model("tiny", seed=0)
     batch = pack([torch.arange(1, 70).numpy(), torch.arange(1, 50).numpy()])
-    ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=1.0), block_size=32, backend="torch",
-                          lengths=batch.lengths)  # fmt: skip
+    ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=1.0), block_size=32, backend="torch", lengths=batch.lengths)
     assert ctx.pack.num_docs == 2  # built with the context, before the forward
     with torch.no_grad(), Recorder() as mode:  # the torch backend's own work is the kernel
-        model(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx,
-              use_cache=False)  # fmt: skip
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx, use_cache=False)
     recorded = mode.reads
     assert not recorded, _read_free_text(recorded)
 
@@ -86,8 +83,7 @@ def _flex_case(lengths=(1500, 900), hq=4, hkv=2, d=16, block=64, top_k=3):
     q, k, v = make_qkv(sum(lengths), hq, hkv, d, dtype=torch.float32, seed=1)
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     pack_index = PackIndex.build(cu, block, lengths)
-    layout = select_blocks(q.detach(), k.detach(), cu, Budget(top_k=top_k), block,
-                           pack=pack_index)  # fmt: skip
+    layout = select_blocks(q.detach(), k.detach(), cu, Budget(top_k=top_k), block, pack=pack_index)
     return q, k, v, cu, layout
 
 
@@ -143,8 +139,7 @@ def test_a_pack_of_dense_documents_never_calls_flex(fake_flex):
     lengths = (100, 37, 250)
     cu = torch.tensor([0, 100, 137, 387], dtype=torch.int32)
     q, k, v = make_qkv(387, 4, 2, 16, dtype=torch.float64, seed=2)
-    layout = select_blocks(q.detach(), k.detach(), cu, Budget(top_k=8), 64,
-                           pack=PackIndex.build(cu, 64, lengths))  # fmt: skip
+    layout = select_blocks(q.detach(), k.detach(), cu, Budget(top_k=8), 64, pack=PackIndex.build(cu, 64, lengths))
     assert layout.dense_docs == (True, True, True)
     with Recorder() as rec:
         out = block_sparse_attention(q, k, v, layout, cu, backend="flex")
@@ -152,7 +147,6 @@ def test_a_pack_of_dense_documents_never_calls_flex(fake_flex):
     ref = block_sparse_attention(q, k, v, layout, cu, backend="reference")
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     g = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), g),
-                    torch.autograd.grad(ref, (q, k, v), g), strict=True):  # fmt: skip
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     assert math.isclose(layout.density(), 1.0)

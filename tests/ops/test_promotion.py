@@ -51,8 +51,7 @@ def test_documents_from_the_crossover_keep_every_causal_block():
 def test_a_pack_promoted_whole_selects_nothing(monkeypatch):
     from sparsebalance.ops import select as select_module
 
-    monkeypatch.setattr(select_module, "estimate_block_mass",
-                        lambda *a, **k: pytest.fail("estimated"))  # fmt: skip
+    monkeypatch.setattr(select_module, "estimate_block_mass", lambda *a, **k: pytest.fail("estimated"))
     cu = cu_from_lengths(LENGTHS)
     q, k, _ = make_qkv(sum(LENGTHS), 4, 2, 16, requires_grad=False)
     layout = select_blocks(q, k, cu, Budget(top_k=4), BLOCK, dense_from=0.01)
@@ -81,8 +80,7 @@ def test_a_training_run_promotes_from_its_profiles_crossover(tmp_path):
     path = tmp_path / "crossover.json"
     profile.save(path)
     dst = DSTConfig(mode="off", budget="top-k", budget_tokens=64)
-    trainer = Trainer(base_config(tmp_path, steps=1, profile=str(path), dst=dst),
-                      Runtime(0, 1, torch.device("cpu")))  # fmt: skip
+    trainer = Trainer(base_config(tmp_path, steps=1, profile=str(path), dst=dst), Runtime(0, 1, torch.device("cpu")))
     assert trainer.engine.dense_from == 0.2
     result = trainer.run_step()
     lines = [mb for rec in result.records for mb in rec.microbatches]

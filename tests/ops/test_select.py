@@ -36,9 +36,7 @@ def test_selection_finds_the_hot_block_and_anchors():
     bs, total = 16, 256
     q, k = peaked_qk(total, 2, 2, 32, hot_block=5, block_size=bs)
     cu = cu_from_lengths([total])
-    layout = select_blocks(
-        q, k, cu, Budget(gamma=0.5, sink_blocks=1, local_blocks=1), block_size=bs
-    )
+    layout = select_blocks(q, k, cu, Budget(gamma=0.5, sink_blocks=1, local_blocks=1), block_size=bs)
     bm = layout.to_block_mask()
     for qb in range(6, total // bs):
         kept = set(torch.nonzero(bm[0, qb]).flatten().tolist())
@@ -69,12 +67,7 @@ def test_recall_tracks_gamma_on_block_structured_attention():
     q = torch.randn(total, 2, 16, generator=g, dtype=torch.float64)
     kb = torch.randn(total // bs, 2, 16, generator=g, dtype=torch.float64) * 2
     k = kb.repeat_interleave(bs, 0)
-    q = (
-        q.view(total // bs, bs, 2, 16)
-        .mean(1, keepdim=True)
-        .expand(-1, bs, -1, -1)
-        .reshape(total, 2, 16)
-    )
+    q = q.view(total // bs, bs, 2, 16).mean(1, keepdim=True).expand(-1, bs, -1, -1).reshape(total, 2, 16)
     cu = cu_from_lengths([total])
     for gamma in (0.5, 0.8, 0.95):
         budget = Budget(gamma=gamma, sink_blocks=0, local_blocks=0, min_blocks=0)
@@ -87,15 +80,11 @@ def test_recall_tracks_gamma_on_block_structured_attention():
 def test_min_blocks_and_max_density():
     cu = cu_from_lengths([1024])
     q, k = peaked_qk(1024, 2, 2, 32, hot_block=3, block_size=32)
-    low = select_blocks(
-        q, k, cu, Budget(gamma=0.05, min_blocks=6, sink_blocks=0, local_blocks=0), block_size=32
-    )
+    low = select_blocks(q, k, cu, Budget(gamma=0.05, min_blocks=6, sink_blocks=0, local_blocks=0), block_size=32)
     counts = low.kv_num_blocks[0]
     qb = torch.arange(32)
     assert bool((counts >= torch.clamp(qb + 1, max=6)).all())
-    capped = select_blocks(
-        q, k, cu, Budget(gamma=1.0, max_density=0.25, sink_blocks=0, local_blocks=0), block_size=32
-    )
+    capped = select_blocks(q, k, cu, Budget(gamma=1.0, max_density=0.25, sink_blocks=0, local_blocks=0), block_size=32)
     assert bool((capped.kv_num_blocks[0] <= torch.ceil((qb + 1) * 0.25)).all())
     assert capped.density() < 0.4
 
@@ -169,9 +158,7 @@ def _select_dense_reference(q, k, cu, budget, block_size):
     keep_n = (before < budget.gamma).sum(-1, keepdim=True) if budget.gamma < 1 else n_allowed
     keep_n = torch.maximum(keep_n, torch.clamp(n_allowed, max=budget.min_blocks))
     first = sb[torch.searchsorted(sd, sd)]
-    anchors = (sb - first < budget.sink_blocks)[None, :] | (
-        sb[:, None] - sb[None, :] < budget.local_blocks
-    )
+    anchors = (sb - first < budget.sink_blocks)[None, :] | (sb[:, None] - sb[None, :] < budget.local_blocks)
     keep = ((rank < keep_n) & allowed) | (anchors & allowed)
     nb = -(-total // block_size)
     mask = torch.zeros(q.shape[1], nb, nb, dtype=torch.bool)

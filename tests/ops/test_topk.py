@@ -46,8 +46,7 @@ def brute_force_topk(q, k, lengths, block, top_k, share=False):
                 for j in cands:
                     vals = []
                     for g in group:
-                        logits = torch.stack([qb[i, g] @ kb[jj, g // (hq // hkv)]
-                                              for jj in range(first, i + 1)])  # fmt: skip
+                        logits = torch.stack([qb[i, g] @ kb[jj, g // (hq // hkv)] for jj in range(first, i + 1)])
                         logits = logits / q.shape[-1] ** 0.5
                         bias = torch.full_like(logits, np.log(block))
                         bias[-1] = np.log((block + 1) / 2)  # the diagonal counts half
@@ -105,8 +104,7 @@ def test_full_coverage_is_dense_attention(lengths):
     ref = []  # dense causal attention per document, from PyTorch's own SDPA
     for s, e in itertools.pairwise(cu.tolist()):
         kk, vv = (x[s:e].repeat_interleave(2, dim=1).transpose(0, 1) for x in (k, v))
-        o = torch.nn.functional.scaled_dot_product_attention(q[s:e].transpose(0, 1), kk, vv,
-                                                             is_causal=True)  # fmt: skip
+        o = torch.nn.functional.scaled_dot_product_attention(q[s:e].transpose(0, 1), kk, vv, is_causal=True)
         ref.append(o.transpose(0, 1))
     torch.testing.assert_close(out, torch.cat(ref), rtol=1e-10, atol=1e-10)
     est = estimate_block_mass(q, k, cu, block_size=16)
@@ -126,9 +124,7 @@ def test_coverage_is_monotone_and_bounds_the_gamma_rule():
     per_doc = est.document_coverage(Budget(top_k=3))
     assert per_doc.shape == (2,) and bool(((per_doc > 0) & (per_doc <= 1 + 1e-9)).all())
     tokens = torch.tensor([600.0, 424.0], dtype=torch.float64)
-    assert est.coverage(Budget(top_k=3)) == pytest.approx(
-        float((per_doc * tokens).sum() / tokens.sum())
-    )
+    assert est.coverage(Budget(top_k=3)) == pytest.approx(float((per_doc * tokens).sum() / tokens.sum()))
 
 
 @pytest.mark.parametrize("n_blocks", [1, 3, 10, 64])

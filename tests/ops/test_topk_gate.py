@@ -45,8 +45,7 @@ def test_layouts_and_coverages_equal_the_per_document_estimate(lengths, block, d
         assert torch.equal(ours.block_mask, theirs.block_mask), k
         assert ours.dense_docs == theirs.dense_docs
         ks = list(range(k, k + 4))
-        np.testing.assert_allclose(gate.coverage_curve(budget, ks),
-                                   spec.coverage_curve(budget, ks), rtol=0, atol=1e-6)  # fmt: skip
+        np.testing.assert_allclose(gate.coverage_curve(budget, ks), spec.coverage_curve(budget, ks), rtol=0, atol=1e-6)
 
 
 def test_select_blocks_takes_it_for_top_k_and_keeps_the_per_document_path_otherwise(monkeypatch):
@@ -54,8 +53,7 @@ def test_select_blocks_takes_it_for_top_k_and_keeps_the_per_document_path_otherw
     cu = cu_from_lengths((600, 300))
     scored = []
     real = TopKGate.score.__func__
-    monkeypatch.setattr(TopKGate, "score",
-                        classmethod(lambda cls, *a: scored.append(1) or real(cls, *a)))  # fmt: skip
+    monkeypatch.setattr(TopKGate, "score", classmethod(lambda cls, *a: scored.append(1) or real(cls, *a)))
     select_blocks(q, k, cu, Budget(top_k=2), block_size=32)
     assert scored == [1]
     select_blocks(q, k, cu, Budget(top_k=2, max_density=0.5), block_size=32)  # a cap
@@ -132,8 +130,12 @@ def test_a_budget_the_tables_were_not_built_for_is_refused():
     pack = PackIndex.build(cu_from_lengths(lengths), 32, lengths)
     gate = TopKGate.score(q, k, GateTables.of(pack, Budget(top_k=4)), 16**-0.5)
     gate.layout(Budget(top_k=6))  # above the lowest: served
-    for bad in (Budget(top_k=0), Budget(top_k=6, local_blocks=3), Budget(top_k=6, min_blocks=2),
-                Budget(top_k=6, max_density=0.5)):  # fmt: skip
+    for bad in (
+        Budget(top_k=0),
+        Budget(top_k=6, local_blocks=3),
+        Budget(top_k=6, min_blocks=2),
+        Budget(top_k=6, max_density=0.5),
+    ):
         with pytest.raises(ValueError, match="the gate's tables were built for budgets from"):
             gate.layout(bad)
     with pytest.raises(ValueError, match="k from 2"):

@@ -25,9 +25,7 @@ TIMEOUT_S = 2
 def _stalled_peer(rank: int, world: int, init_file: str, out: str) -> None:
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout
-    )
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout)
     watch.set_comm_timeout(TIMEOUT_S)  # what Runtime.init does with --comm-timeout
     done = Path(out) / "done"
     if rank == 1:  # stalled past --comm-timeout: back only once rank 0 has reported
@@ -62,32 +60,37 @@ def test_a_stalled_peer_is_one_line_naming_the_collective_peer_and_timeout(tmp_p
     t0 = time.monotonic()
     mp.spawn(_stalled_peer, args=(2, str(tmp_path / "rdzv"), str(tmp_path)), nprocs=2, join=True)
     barrier, gather = (tmp_path / "lines").read_text().split("\n")
-    stalled = (
-        f"no message from rank 1 within {TIMEOUT_S} s (--comm-timeout): it is stalled or has died"
-    )
+    stalled = f"no message from rank 1 within {TIMEOUT_S} s (--comm-timeout): it is stalled or has died"
     assert barrier == f"CommTimeout: rank 0 waiting in barrier: {stalled}"
-    assert gather == (
-        f"CommTimeout: rank 0 waiting in the plan agreement (all_gather_object), step 2: {stalled}"
-    )
+    assert gather == (f"CommTimeout: rank 0 waiting in the plan agreement (all_gather_object), step 2: {stalled}")
     assert time.monotonic() - t0 < 60
 
 
 @pytest.mark.parametrize(
     "text, timeout_s, peer, says",
     [
-        ("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
-         "waiting 5000ms for recv operation to complete", None, 1,
-         "no message from rank 1 within 5 s (--comm-timeout): it is stalled or has died"),
-        ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, "
-         "Timeout(ms)=600000) ran for 600042 milliseconds before timing out.", None,
-         "one of the other 3 ranks",
-         "no message from one of the other 3 ranks within 600 s (--comm-timeout): it is stalled "
-         "or has died"),
-        ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
-         "[127.0.0.1]:29500", 5.0, 2, "rank 2 closed its connection: it has stopped or died"),
-        ("[gloo/transport/tcp/pair.cc:99] Something else\nwith two lines", None, None,
-         "Something else with two lines"),
+        (
+            "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
+            "waiting 5000ms for recv operation to complete",
+            None,
+            1,
+            "no message from rank 1 within 5 s (--comm-timeout): it is stalled or has died",
+        ),
+        (
+            "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, "
+            "Timeout(ms)=600000) ran for 600042 milliseconds before timing out.",
+            None,
+            "one of the other 3 ranks",
+            "no message from one of the other 3 ranks within 600 s (--comm-timeout): it is stalled or has died",
+        ),
+        (
+            "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500",
+            5.0,
+            2,
+            "rank 2 closed its connection: it has stopped or died",
+        ),
+        ("[gloo/transport/tcp/pair.cc:99] Something else\nwith two lines", None, None, "Something else with two lines"),
     ],
-)  # fmt: skip
+)
 def test_what_a_backend_error_means_in_one_line(text, timeout_s, peer, says):
     assert watch.failure(RuntimeError(text), timeout_s, peer) == says

@@ -93,9 +93,7 @@ def test_work_sums_to_kept_pairs_and_matches_layout():
 def _vslash_numbers(lengths, density=0.1, world=8):
     total = sum(lengths)
     layout = vertical_slash_layout(cu_from_lengths(lengths), 4, 64, density, seed=0)
-    return {
-        k: imbalance(ring_work(layout, make_placement(k, total, 64, world))) for k in PLACEMENTS
-    }
+    return {k: imbalance(ring_work(layout, make_placement(k, total, 64, world))) for k in PLACEMENTS}
 
 
 def test_striped_balances_vertical_slash_work_better_than_zigzag():

@@ -33,8 +33,7 @@ def _layouts(q, k, cu, gamma, share_kv_groups=False):
     return select_blocks(q, k, cu, Budget(gamma=gamma), BLOCK, share_kv_groups=share_kv_groups)
 
 
-def check_case(rank, world, kind, dtype, gamma, inner_size=None, share_kv_groups=False, hq=4,
-               default_inner=False):  # fmt: skip
+def check_case(rank, world, kind, dtype, gamma, inner_size=None, share_kv_groups=False, hq=4, default_inner=False):
     """One configuration on this rank: layout, output and all three gradients."""
     cu = cu_from_lengths(LENGTHS)
     q, k, v = make_qkv(int(cu[-1]), hq, 2, 8, dtype=dtype, seed=1)
@@ -97,9 +96,7 @@ def _nan_checks(rank, world):
             out.backward(placement.shard(inputs["grad"], rank))
             mine = outside[placement.token_index(rank).clamp(max=int(cu[-1]) - 1)]
             mine &= placement.token_index(rank) < int(cu[-1])
-            for name, got, ref_t in zip(
-                ("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), want, strict=True
-            ):
+            for name, got, ref_t in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), want, strict=True):
                 got, exp = got.detach()[mine], placement.shard(ref_t, rank)[mine]
                 assert bool(torch.isfinite(got).all()), f"{name} {kind} {where}: NaN crossed"
                 assert float((got - exp).abs().max()) <= 1e-10, f"{name} {kind} {where}"

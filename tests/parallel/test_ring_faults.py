@@ -24,9 +24,13 @@ PG_TIMEOUT_S = 30
 
 def _member(rank: int, world: int, init_file: str, out_dir: str, dead: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+    )
     cu = cu_from_lengths((120,))
     q, k, v = make_qkv(120, 2, 2, 8, requires_grad=False, seed=1)
     placement = make_placement("striped", 120, BLOCK, world)
@@ -50,8 +54,9 @@ def _member(rank: int, world: int, init_file: str, out_dir: str, dead: int) -> N
 def test_a_rank_dying_inside_a_ring_makes_its_partners_fail_not_hang(tmp_path):
     world, dead = 3, 1
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_member, args=(r, world, str(tmp_path / "rdzv"), str(tmp_path),
-                                               dead)) for r in range(world)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_member, args=(r, world, str(tmp_path / "rdzv"), str(tmp_path), dead)) for r in range(world)
+    ]
     t0 = time.monotonic()
     for p in procs:
         p.start()

@@ -72,8 +72,9 @@ def test_ring_groups_give_the_same_results_and_are_created_once(tmp_path):
 
 
 def _stall(rank, world, init_file, flag):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
     groups = RingGroups.create(timeout_s=2.0)
     if rank == 1:  # stalled: never reaches the ring; leaves once rank 0 has reported
         deadline = time.monotonic() + 120

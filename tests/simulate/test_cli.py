@@ -22,8 +22,9 @@ def test_json_output_parses(capsys):
 
 
 def test_table_and_plots(tmp_path, capsys):
-    rc = main(["simulate", *FAST, "--capacity", "8192", "--strategy", "sab+dst",
-               "--plot", str(tmp_path), "--dist", "bimodal"])  # fmt: skip
+    rc = main(
+        ["simulate", *FAST, "--capacity", "8192", "--strategy", "sab+dst", "--plot", str(tmp_path), "--dist", "bimodal"]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "| sab+dst |" in out and "| baseline |" in out
@@ -35,8 +36,10 @@ def test_table_and_plots(tmp_path, capsys):
 def test_lengths_file_with_densities(tmp_path, capsys):
     f = tmp_path / "lens.json"
     f.write_text(json.dumps({"lengths": [512, 4096, 1000], "densities": [1.0, 0.2, 0.5]}))
-    assert main(["simulate", "--world-size", "2", "--steps", "2", "--micro-batches", "1",
-                 "--lengths", str(f), "--json"]) == 0  # fmt: skip
+    assert (
+        main(["simulate", "--world-size", "2", "--steps", "2", "--micro-batches", "1", "--lengths", str(f), "--json"])
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert "measured densities" in out["sparsity"]
 
@@ -65,8 +68,7 @@ def test_both_micro_batches_and_capacity_rejected(capsys):
 def test_empty_lengths_file(tmp_path, capsys):
     f = tmp_path / "empty.txt"
     f.write_text("\n# nothing\n")
-    assert main(["simulate", "--world-size", "2", "--micro-batches", "1",
-                 "--lengths", str(f)]) == 2  # fmt: skip
+    assert main(["simulate", "--world-size", "2", "--micro-batches", "1", "--lengths", str(f)]) == 2
     assert "empty" in capsys.readouterr().err
 
 
@@ -89,9 +91,24 @@ def test_distributions_and_sparsity_model():
 
 
 def test_hybrid_strategies_keep_the_json_shape(capsys):
-    args = ["simulate", "--world-size", "8", "--steps", "2", "--samples-per-rank", "6",
-            "--micro-batches", "2", "--dist", "longtail", "--max-len", "131072",
-            "--strategy", "sab,sab-cp,sab-cp+dst", "--json"]  # fmt: skip
+    args = [
+        "simulate",
+        "--world-size",
+        "8",
+        "--steps",
+        "2",
+        "--samples-per-rank",
+        "6",
+        "--micro-batches",
+        "2",
+        "--dist",
+        "longtail",
+        "--max-len",
+        "131072",
+        "--strategy",
+        "sab,sab-cp,sab-cp+dst",
+        "--json",
+    ]
     assert main(args) == 0
     table = json.loads(capsys.readouterr().out)["results"][0]["strategies"]
     assert set(table["sab-cp"]) == set(table["sab"]) == set(table["sab-cp+dst"])
@@ -108,9 +125,24 @@ def test_hybrid_strategies_keep_the_json_shape(capsys):
 def test_ranks_per_node_reaches_the_links_and_the_all_reduce(capsys):
     """2 ranks per node at R = 8: the gradient all-reduce crosses nodes (slower than inside one
     8-GPU node) and the cost model says which node size it priced."""
-    args = ["simulate", "--world-size", "8", "--steps", "2", "--samples-per-rank", "3",
-            "--micro-batches", "2", "--dist", "longtail", "--max-len", "65536",
-            "--strategy", "sab-cp", "--json"]  # fmt: skip
+    args = [
+        "simulate",
+        "--world-size",
+        "8",
+        "--steps",
+        "2",
+        "--samples-per-rank",
+        "3",
+        "--micro-batches",
+        "2",
+        "--dist",
+        "longtail",
+        "--max-len",
+        "65536",
+        "--strategy",
+        "sab-cp",
+        "--json",
+    ]
     runs = {}
     for g in (None, 2):
         assert main(args + ([] if g is None else ["--ranks-per-node", str(g)])) == 0

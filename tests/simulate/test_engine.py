@@ -52,8 +52,13 @@ def test_identical_samples_give_speedup_one():
 
 
 def test_strategies_see_the_same_samples_and_baseline_is_first():
-    out = simulate_steps([(np.arange(1, 17) * 300, np.full(16, 0.2))], 4, ORACLE,
-                         capacity=8192, strategies=["sab+dst", "tokens", "flops+dst"])  # fmt: skip
+    out = simulate_steps(
+        [(np.arange(1, 17) * 300, np.full(16, 0.2))],
+        4,
+        ORACLE,
+        capacity=8192,
+        strategies=["sab+dst", "tokens", "flops+dst"],
+    )
     assert list(out["strategies"]) == ["baseline", "sab+dst", "tokens", "flops+dst"]
     # DST off never moves budget; the same batch under every strategy: same attention at gamma0
     assert out["strategies"]["tokens"]["budget_given_seconds"] == 0.0
@@ -95,8 +100,12 @@ ROUNDING = 1e-12  # the same sums in another order (anchors, thresholds)
 
 
 @settings(max_examples=examples(15))
-@given(seed=st.integers(0, 2**31 - 1), ranks=st.integers(2, 12), per_rank=st.integers(1, 6),
-       kind=st.sampled_from(["top-k", "gamma"]))  # fmt: skip
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    ranks=st.integers(2, 12),
+    per_rank=st.integers(1, 6),
+    kind=st.sampled_from(["top-k", "gamma"]),
+)
 # bisection slack: sab+dst 0.4400612 s vs dst 0.4400611 s (failed a 1e-12 tolerance, gamma)
 @example(seed=920559, ranks=2, per_rank=2, kind="gamma")
 # found by the explore profile (seed 12, 2,000 examples; gamma, raises up to T'): SAB packs two
@@ -107,9 +116,16 @@ ROUNDING = 1e-12  # the same sums in another order (anchors, thresholds)
 @example(seed=1, ranks=2, per_rank=3, kind="top-k")  # whole-block cuts landed a block apart
 def test_sab_dst_against_sab_and_dst(seed, ranks, per_rank, kind):
     batch = _batch(seed, ranks * per_rank)
-    out = simulate_steps([batch], ranks, ORACLE, micro_batches=2, dst=_dst_config(kind),
-                         block_size=128, coverage=False,
-                         strategies=["sab", "dst", "sab+dst"])  # fmt: skip
+    out = simulate_steps(
+        [batch],
+        ranks,
+        ORACLE,
+        micro_batches=2,
+        dst=_dst_config(kind),
+        block_size=128,
+        coverage=False,
+        strategies=["sab", "dst", "sab+dst"],
+    )
     s = out["strategies"]
     sab_dst, sab_dst_target, _ = _dst_step(batch, ranks, "sab", kind)
     dst, dst_target, slack = _dst_step(batch, ranks, "sequential", kind)
@@ -139,9 +155,13 @@ def test_search_slack_bounds_the_first_counterexample():
 
 
 @settings(max_examples=examples(15))
-@given(seed=st.integers(0, 2**31 - 1), ranks=st.integers(2, 12), per_rank=st.integers(1, 6),
-       p=st.sampled_from([0.0, 0.05, 0.1, 0.3]),
-       anchor=st.sampled_from(["min", "mean", "median", "max"]))  # fmt: skip
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    ranks=st.integers(2, 12),
+    per_rank=st.integers(1, 6),
+    p=st.sampled_from([0.0, 0.05, 0.1, 0.3]),
+    anchor=st.sampled_from(["min", "mean", "median", "max"]),
+)
 def test_dst_with_the_coverage_bound(seed, ranks, per_rank, p, anchor):
     """With the coverage bound (the simulator's coverage model), whatever the anchor: DST never
     slows its own plan (so SAB + DST <= SAB), no cut loses more than p of the coverage, p = 0
@@ -192,9 +212,7 @@ def test_vectorised_decide_matches_per_rank_path():
                 warnings.simplefilter("ignore")
                 dec = tuner.decide(plan, cm)
                 for r, mbs in enumerate(plan):
-                    assert asdict(tuner.decide_rank(r, mbs, cm, dec.targets)) == asdict(
-                        dec.ranks[r]
-                    )
+                    assert asdict(tuner.decide_rank(r, mbs, cm, dec.targets)) == asdict(dec.ranks[r])
 
 
 def test_bad_input():

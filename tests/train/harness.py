@@ -46,28 +46,31 @@ def base_config(tmp: Path, device: str = "cpu", **over) -> TrainConfig:
     if device not in ("cpu", "cuda"):
         raise ValueError(f"base_config: device must be cpu or cuda (explicit), got {device!r}")
     fields = dict(
-        data=str(write_dataset(tmp)), profile=str(write_profile(tmp)), out=str(tmp / "run"),
-        steps=6, global_batch=8, capacity=512, device=device,
-        block_size=32 if device == "cpu" else CUDA_TILE, lr=3e-3, warmup_steps=0,
-        schedule="constant", deterministic=True,
-        dst=DSTConfig(mode="bidirectional", budget="gamma", gamma0=0.9, gamma_min=0.5,
-                      gamma_max=0.99),
-    )  # fmt: skip
+        data=str(write_dataset(tmp)),
+        profile=str(write_profile(tmp)),
+        out=str(tmp / "run"),
+        steps=6,
+        global_batch=8,
+        capacity=512,
+        device=device,
+        block_size=32 if device == "cpu" else CUDA_TILE,
+        lr=3e-3,
+        warmup_steps=0,
+        schedule="constant",
+        deterministic=True,
+        dst=DSTConfig(mode="bidirectional", budget="gamma", gamma0=0.9, gamma_min=0.5, gamma_max=0.99),
+    )
     return TrainConfig(**{**fields, **over})
 
 
 def _worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:
     out = Path(tmp) / f"result-{rank}.pkl"
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world
-        )
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
         torch.set_num_threads(1)
         trainer = Trainer(cfg, Runtime(rank, world, torch.device("cpu")))
         result = trainer.run()
-        full = [
-            p.full_tensor() if hasattr(p, "full_tensor") else p for p in trainer.model.parameters()
-        ]
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in trainer.model.parameters()]
         flat = torch.cat([p.detach().reshape(-1) for p in full])
         result["param_sum"] = float(flat.double().sum())
         result["param_first"] = flat[:64].tolist()

@@ -25,9 +25,16 @@ def test_ablation_configs_follow_the_simulator_table(tmp_path):
 
 
 def _summary(step, compute, loss=1.0):
-    return {"steps": 5, "mean_step_s": step, "mean_max_compute_s": compute, "efficiency": 0.9,
-            "bubble_fraction": 0.1, "mean_density": 0.5, "tokens_per_s": 1.0,
-            "final_loss": loss}  # fmt: skip
+    return {
+        "steps": 5,
+        "mean_step_s": step,
+        "mean_max_compute_s": compute,
+        "efficiency": 0.9,
+        "bubble_fraction": 0.1,
+        "mean_density": 0.5,
+        "tokens_per_s": 1.0,
+        "final_loss": loss,
+    }
 
 
 def test_comparison_table_measured_and_predicted():
@@ -35,8 +42,10 @@ def test_comparison_table_measured_and_predicted():
     table, out = comparison_table(runs)
     assert out["sab"]["speedup"] == 2.0 and out["sab"]["compute_speedup"] == 2.0
     assert out["baseline"]["speedup"] == 1.0 and "predicted speedup" not in table
-    predicted = {"baseline": {"step_seconds": 1.6, "speedup": 1.0},
-                 "sab": {"step_seconds": 1.0, "speedup": 1.6, "mean_density": 0.4}}  # fmt: skip
+    predicted = {
+        "baseline": {"step_seconds": 1.6, "speedup": 1.0},
+        "sab": {"step_seconds": 1.0, "speedup": 1.6, "mean_density": 0.4},
+    }
     table, out = comparison_table(runs, "baseline", predicted)
     assert out["sab"]["prediction_error"] == pytest.approx(1.0 / 0.8 - 1)
     assert out["sab"]["predicted_density"] == 0.4 and out["baseline"]["predicted_density"] is None
@@ -73,8 +82,7 @@ def test_hybrid_rows_are_priced_by_the_simulator_with_long_documents_whole():
     rng = np.random.default_rng(1)
     lengths = np.array([*rng.integers(100, 900, 11), 3000])  # one document ~3x the capacity
     batch = (lengths, rng.uniform(0.3, 1.0, lengths.size))
-    out = simulate_steps([batch], 4, fake_context(), capacity=1024, overlong="split",
-                         strategies=["sab", *HYBRID])  # fmt: skip
+    out = simulate_steps([batch], 4, fake_context(), capacity=1024, overlong="split", strategies=["sab", *HYBRID])
     rows = out["strategies"]
     assert rows["sab"]["split_documents"] == 0  # sab cut it into --overlong chunks instead
     assert all(rows[n]["split_documents"] == 1 for n in HYBRID)  # trained whole over a CP unit

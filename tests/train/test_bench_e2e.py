@@ -24,11 +24,32 @@ def test_batch_schedule_never_repeats_a_document_within_a_batch():
 
 @pytest.mark.slow
 def test_bench_e2e_on_emulated_ranks(tmp_path, capsys):
-    argv = ["bench-e2e", "--strategies", "baseline,sab+dst", "--emulate-ranks", "2",
-            "--steps", "2", "--global-batch", "6", "--capacity", "512", "--block-size", "32",
-            "--device", "cpu",
-            "--data", str(write_dataset(tmp_path)), "--profile", str(write_profile(tmp_path)),
-            "--out", str(tmp_path / "runs"), "--results-dir", str(tmp_path), "--json"]  # fmt: skip
+    argv = [
+        "bench-e2e",
+        "--strategies",
+        "baseline,sab+dst",
+        "--emulate-ranks",
+        "2",
+        "--steps",
+        "2",
+        "--global-batch",
+        "6",
+        "--capacity",
+        "512",
+        "--block-size",
+        "32",
+        "--device",
+        "cpu",
+        "--data",
+        str(write_dataset(tmp_path)),
+        "--profile",
+        str(write_profile(tmp_path)),
+        "--out",
+        str(tmp_path / "runs"),
+        "--results-dir",
+        str(tmp_path),
+        "--json",
+    ]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     rows = result["strategies"]
@@ -49,13 +70,27 @@ def test_bad_ablation_names_and_emulation_values(capsys):
 
 
 def test_global_batch_must_cover_ranks_and_dataset(tmp_path, capsys):
-    common = ["--data", str(write_dataset(tmp_path)), "--profile", str(write_profile(tmp_path)),
-              "--out", str(tmp_path / "r"), "--steps", "1", "--nproc", "1",
-              "--block-size", "32"]  # fmt: skip
+    common = [
+        "--data",
+        str(write_dataset(tmp_path)),
+        "--profile",
+        str(write_profile(tmp_path)),
+        "--out",
+        str(tmp_path / "r"),
+        "--steps",
+        "1",
+        "--nproc",
+        "1",
+        "--block-size",
+        "32",
+    ]
     # user errors are found before launching: one line, exit 2
     assert main(["train", "--emulate-ranks", "4", "--global-batch", "3", *common]) == 2
-    assert capsys.readouterr().err.strip().endswith("smaller than the 4 ranks: every rank needs "
-                                                    "at least one document per step")  # fmt: skip
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("smaller than the 4 ranks: every rank needs at least one document per step")
+    )
     assert main(["train", "--global-batch", "1000", *common]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "exceeds the dataset's 32 documents" in err

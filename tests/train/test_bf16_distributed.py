@@ -19,8 +19,15 @@ from tests.train.harness import base_config, run_ranks
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bf16_cp_units_checkpointing_and_resume_on_two_gloo_ranks(tmp_path):
-    cfg = base_config(tmp_path, strategy="sab-cp", capacity=40, steps=3, checkpoint_every=2,
-                      precision="bf16", activation_checkpointing="full")  # fmt: skip
+    cfg = base_config(
+        tmp_path,
+        strategy="sab-cp",
+        capacity=40,
+        steps=3,
+        checkpoint_every=2,
+        precision="bf16",
+        activation_checkpointing="full",
+    )
     res = run_ranks(cfg, 2, tmp_path)
     losses = res[0]["losses"]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)

@@ -34,8 +34,7 @@ def _model(seed: int):
 def _save(run: Path, step: int, is_main: bool = True):
     model, opt, sched = _model(step)
     rngs = [{"torch": torch.get_rng_state()}] * 2  # two ranks' states
-    return save_checkpoint(run, step, model, opt, sched, {"step": step, "config": {"model": "m"}},
-                           rngs, is_main)  # fmt: skip
+    return save_checkpoint(run, step, model, opt, sched, {"step": step, "config": {"model": "m"}}, rngs, is_main)
 
 
 class _FullDisk:
@@ -86,8 +85,7 @@ WHERE = [
 
 
 @pytest.mark.parametrize(("name", "room"), WHERE)
-def test_a_full_disk_is_one_line_and_the_previous_checkpoint_resumes(tmp_path, monkeypatch,
-                                                                     name, room):  # fmt: skip
+def test_a_full_disk_is_one_line_and_the_previous_checkpoint_resumes(tmp_path, monkeypatch, name, room):
     _save(tmp_path, 1)
     root = tmp_path / "checkpoints"
     fill_disk(monkeypatch, 2, name, room)
@@ -119,8 +117,7 @@ def _rank(rank: int, world: int, tmp: str) -> None:
     """Both ranks save step 2 after step 1; rank 0's disk fills in ``model.pt``."""
     out = Path(tmp) / f"rank-{rank}.pkl"
     try:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank,
-                                world_size=world)  # fmt: skip
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
         _save(Path(tmp) / "run", 1, rank == 0)
         if rank == 0:  # this process only, for the rest of its life
             fill_disk(pytest.MonkeyPatch(), 2, "model.pt", 100)

@@ -49,8 +49,9 @@ def _save(run, step, keep_last=3):
     model, opt, sched = _model(step)
     _train(model, opt, sched)
     np.random.seed(step)
-    save_checkpoint(run, step, model, opt, sched, {"step": step, "config": {"model": "m"}},
-                    [rng_state()], True, keep_last=keep_last)  # fmt: skip
+    save_checkpoint(
+        run, step, model, opt, sched, {"step": step, "config": {"model": "m"}}, [rng_state()], True, keep_last=keep_last
+    )
     return model, opt
 
 
@@ -114,12 +115,10 @@ def _format_1(run, step=3):
     ckpt = run / "checkpoints" / f"step-{step:06d}"
     ckpt.mkdir(parents=True)
     np.random.seed(5)
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(),
-           "torch": torch.get_rng_state(), "cuda": None}  # fmt: skip
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "cuda": None}
     torch.save(model.state_dict(), ckpt / "model.pt")
     trainer = {"step": step, "config": {"model": "m"}}
-    state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": [rng],
-             "trainer": trainer}  # fmt: skip
+    state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": [rng], "trainer": trainer}
     torch.save(state, ckpt / "state.pt")
     (ckpt / "meta.json").write_text(json.dumps({"step": step, "model": "m", "config": {}}))
     _resum(ckpt)
@@ -198,9 +197,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(tmp_path, monke
     assert find_checkpoint(tmp_path)[0] == root / "step-000001"
 
 
-def test_a_same_step_checkpoint_is_replaced_only_once_the_new_one_is_in_place(
-    tmp_path, monkeypatch
-):
+def test_a_same_step_checkpoint_is_replaced_only_once_the_new_one_is_in_place(tmp_path, monkeypatch):
     _save(tmp_path, 1)
     root = tmp_path / "checkpoints"
     (root / "step-000001" / "from-the-first-save").write_text("x")
@@ -262,6 +259,5 @@ def test_files_and_folders_are_fsynced(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", track_fsync)
     _save(tmp_path, 1)
     monkeypatch.undo()
-    for name in ("model.pt", "state.pt", "meta.json", CHECKSUMS, ".step-000001", "latest",
-                 "checkpoints"):  # fmt: skip
+    for name in ("model.pt", "state.pt", "meta.json", CHECKSUMS, ".step-000001", "latest", "checkpoints"):
         assert name in synced, (name, synced)

@@ -29,22 +29,51 @@ def test_defaults_come_from_the_dataclass_only():
 
 
 def test_nested_flags_and_their_aliases_agree():
-    dotted = _parse(["--dst.budget", "gamma", "--dst.gamma-min", "0.6", "--dst.anchor", "median",
-                     "--dst.p", "0.05", "--dst.tolerance", "0.02", "--dst.layer-probes", "4",
-                     "--dst.mode", "down"])  # fmt: skip
-    short = _parse(["--budget", "gamma", "--gamma-min", "0.6", "--anchor", "median",
-                    "--coverage-bound", "0.05", "--tolerance", "0.02", "--dst-probes", "4",
-                    "--dst-mode", "down"])  # fmt: skip
+    dotted = _parse(
+        [
+            "--dst.budget",
+            "gamma",
+            "--dst.gamma-min",
+            "0.6",
+            "--dst.anchor",
+            "median",
+            "--dst.p",
+            "0.05",
+            "--dst.tolerance",
+            "0.02",
+            "--dst.layer-probes",
+            "4",
+            "--dst.mode",
+            "down",
+        ]
+    )
+    short = _parse(
+        [
+            "--budget",
+            "gamma",
+            "--gamma-min",
+            "0.6",
+            "--anchor",
+            "median",
+            "--coverage-bound",
+            "0.05",
+            "--tolerance",
+            "0.02",
+            "--dst-probes",
+            "4",
+            "--dst-mode",
+            "down",
+        ]
+    )
     assert dotted == short
-    assert dotted.dst == DSTConfig(mode="down", anchor="median", p=0.05, tolerance=0.02,
-                                   budget="gamma", gamma_min=0.6, layer_probes=4)  # fmt: skip
+    assert dotted.dst == DSTConfig(
+        mode="down", anchor="median", p=0.05, tolerance=0.02, budget="gamma", gamma_min=0.6, layer_probes=4
+    )
 
 
 def test_toml_dst_table_then_flags_on_top(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text(
-        'steps = 7\nglobal_batch = 4\n[dst]\nanchor = "max"\nbudget = "gamma"\ngamma0 = 0.85\n'
-    )
+    path.write_text('steps = 7\nglobal_batch = 4\n[dst]\nanchor = "max"\nbudget = "gamma"\ngamma0 = 0.85\n')
     cfg = _parse(["--config", str(path), "--gamma0", "0.8", "--steps", "3"])
     assert (cfg.steps, cfg.global_batch) == (3, 4)  # flags win over the file
     assert (cfg.dst.anchor, cfg.dst.gamma0, cfg.dst.mode) == ("max", 0.8, "bidirectional")
@@ -61,9 +90,13 @@ def test_toml_dst_table_then_flags_on_top(tmp_path):
 
 
 def test_the_launcher_file_round_trips_the_whole_nested_config(tmp_path):
-    cfg = replace(TrainConfig(), micro_batches=3, capacity=None, measure_bubble="exact",
-                  dst=DSTConfig(mode="down", anchor="min", p=0.2, budget_tokens=1024,
-                                budget_tokens_min=128))  # fmt: skip
+    cfg = replace(
+        TrainConfig(),
+        micro_batches=3,
+        capacity=None,
+        measure_bubble="exact",
+        dst=DSTConfig(mode="down", anchor="min", p=0.2, budget_tokens=1024, budget_tokens_min=128),
+    )
     path = tmp_path / "launch-config.json"
     path.write_text(json.dumps(to_record(cfg)))  # what the launcher writes: with its version
     assert _parse(["--config", str(path)]) == cfg

@@ -22,9 +22,7 @@ def _parse(argv):
 
 def test_a_schema_1_config_is_converted_to_what_it_meant(tmp_path, capsys):
     path = tmp_path / "old.json"
-    path.write_text(
-        json.dumps({"schema_version": 1, "steps": 3, "dst": {"p": 0.05, "gamma0": 0.8}})
-    )
+    path.write_text(json.dumps({"schema_version": 1, "steps": 3, "dst": {"p": 0.05, "gamma0": 0.8}}))
     cfg = _parse(["--config", str(path)])
     d = cfg.dst
     assert (d.budget, d.tolerance, d.p, d.raise_to, d.gamma0) == ("gamma", 0.05, 1.0, "step", 0.8)

@@ -70,8 +70,7 @@ def _reference(units, docs, gamma, checkpointing):
     total = 0.0
     for unit in units:
         batch = pack([docs[i] for i in unit.sample_ids], "cpu")
-        ctx = PackedAttention(batch.cu_seqlens, _budget(gamma), BLOCK, "torch",
-                              choose_budget=_choose(gamma))  # fmt: skip
+        ctx = PackedAttention(batch.cu_seqlens, _budget(gamma), BLOCK, "torch", choose_budget=_choose(gamma))
         loss = packed_loss(model, batch, ctx, "chunked")
         (loss / weight).backward()
         total += float(loss)
@@ -96,8 +95,9 @@ def _case(rank, world, ring, gamma, checkpointing):
             batch, ring_ctx = unit_batch(unit, rank, docs, BLOCK, torch.device("cpu"))
         else:
             batch, ring_ctx = pack([docs[i] for i in unit.sample_ids], "cpu"), None
-        ctx = PackedAttention(batch.cu_seqlens, _budget(gamma), BLOCK, "torch",
-                              choose_budget=_choose(gamma), ring=ring_ctx)  # fmt: skip
+        ctx = PackedAttention(
+            batch.cu_seqlens, _budget(gamma), BLOCK, "torch", choose_budget=_choose(gamma), ring=ring_ctx
+        )
         loss = packed_loss(model, batch, ctx, "chunked")
         (loss / weight).backward()
         local += loss.detach()

@@ -30,8 +30,9 @@ def _long_doc_dataset(tmp):
 def test_a_document_3x_the_capacity_trains_whole_on_4_ranks(tmp_path):
     data, longest = _long_doc_dataset(tmp_path)
     capacity = -(-longest // 3)  # the long document is 3x the capacity: a unit of 3 ranks
-    cfg = base_config(tmp_path, data=str(data), strategy="sab-cp", capacity=capacity, steps=2,
-                      global_batch=12, deterministic=False)  # fmt: skip
+    cfg = base_config(
+        tmp_path, data=str(data), strategy="sab-cp", capacity=capacity, steps=2, global_batch=12, deterministic=False
+    )
     res = run_ranks(cfg, 4, tmp_path)
     assert all(math.isfinite(x) for x in res[0]["losses"]) and res[0]["losses"] == res[3]["losses"]
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -55,8 +56,7 @@ def test_a_document_3x_the_capacity_trains_whole_on_4_ranks(tmp_path):
             assert cp == [] and all(u["ranks"] == [] for u in rec["units"])
         assert rec["ring_wait_s"] == pytest.approx(sum(u["ring_wait_s"] for u in rec["units"]))
     # the measured CP units recalibrated the ring terms; the state travels with the checkpoint
-    state = torch.load(tmp_path / "run" / "checkpoints" / "step-000002" / "state.pt",
-                       weights_only=True)["trainer"]  # fmt: skip
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step-000002" / "state.pt", weights_only=True)["trainer"]
     assert state["context"]["counts"]["comm"] == 2  # one CP unit per step
     report, _ = write_report(tmp_path / "run")
     text = report.read_text()

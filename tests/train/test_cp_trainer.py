@@ -29,8 +29,7 @@ def _lines(run):
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_sab_cp_trains_long_documents_whole_and_resumes_bit_identically(tmp_path):
-    cfg = base_config(tmp_path, strategy="sab-cp", capacity=CAPACITY, steps=4,
-                      checkpoint_every=2)  # fmt: skip
+    cfg = base_config(tmp_path, strategy="sab-cp", capacity=CAPACITY, steps=4, checkpoint_every=2)
     res = run_ranks(cfg, 2, tmp_path)
     losses = res[0]["losses"]
     assert all(math.isfinite(x) for x in losses) and res[0]["losses"] == res[1]["losses"]
@@ -69,8 +68,9 @@ def test_fsdp2_runs_cp_units_that_leave_gaps_like_ddp(tmp_path):
     runs = {}
     for parallel in ("ddp", "fsdp2"):
         (tmp_path / parallel).mkdir()
-        cfg = base_config(tmp_path / parallel, strategy="sab-cp", capacity=CAPACITY, steps=2,
-                          global_batch=6, parallel=parallel)  # fmt: skip
+        cfg = base_config(
+            tmp_path / parallel, strategy="sab-cp", capacity=CAPACITY, steps=2, global_batch=6, parallel=parallel
+        )
         runs[parallel] = run_ranks(cfg, 3, tmp_path / parallel)
     ddp, fsdp = runs["ddp"], runs["fsdp2"]
     assert fsdp[0]["losses"] == pytest.approx(ddp[0]["losses"], rel=1e-4)

@@ -51,8 +51,7 @@ def test_mixture_resume_is_exact_and_other_data_is_refused(tmp_path, mixture):
             Trainer(replace(bad_cfg, steps=4, resume=True), Runtime(0, 1, torch.device("cpu")))
         assert message in str(err.value)
 
-    refused(replace(first, data=mixture.replace(":0.7", ":0.6").replace(":0.3", ":0.4")),
-            "mixture weight 0.7 -> 0.6")  # fmt: skip
+    refused(replace(first, data=mixture.replace(":0.7", ":0.6").replace(":0.3", ":0.4")), "mixture weight 0.7 -> 0.6")
     refused(replace(first, min_len=2), "--min-len: checkpoint None, now 2")
     a = tmp_path / "a.jsonl"
     a.write_text(a.read_text().replace("4821", "4822"))

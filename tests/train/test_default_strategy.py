@@ -27,9 +27,7 @@ def test_auto_is_sab_cp_on_real_ranks_and_sab_elsewhere(tmp_path):
     explicit = TrainConfig(out=str(tmp_path / "run"), strategy="sab", overlong="split")
     assert resolve_strategy(explicit, 4).strategy == "sab"
     assert resolve_strategy(TrainConfig(out=str(tmp_path / "run"), cp=2), 4).strategy == "sab-cp"
-    with pytest.raises(
-        ValueError, match=r"TrainConfig.strategy \(--strategy\) must be auto or one of"
-    ):
+    with pytest.raises(ValueError, match=r"TrainConfig.strategy \(--strategy\) must be auto or one of"):
         TrainConfig(out=str(tmp_path / "run"), strategy="whole")
 
 
@@ -43,8 +41,13 @@ def test_the_command_line_launches_the_resolved_strategy(tmp_path, monkeypatch):
     monkeypatch.setattr("sparsebalance.commands.train.launch", fake_launch)
     monkeypatch.setattr("sparsebalance.commands.train.write_report", lambda out: (None, {}))
     common = ["--json", "--out", str(tmp_path / "run")]
-    for extra in (["--nproc", "2"], ["--nproc", "4"], ["--nproc", "1"],
-                  ["--emulate-ranks", "4"], ["--nproc", "2", "--strategy", "sab"]):  # fmt: skip
+    for extra in (
+        ["--nproc", "2"],
+        ["--nproc", "4"],
+        ["--nproc", "1"],
+        ["--emulate-ranks", "4"],
+        ["--nproc", "2", "--strategy", "sab"],
+    ):
         assert main(["train", *extra, *common]) == 0
     assert launched == [("sab-cp", 2), ("sab-cp", 4), ("sab", 1), ("sab", 1), ("sab", 2)]
 
@@ -79,8 +82,7 @@ def test_preflight_prints_the_note_first(tmp_path, capsys):
     data = tmp_path / "long.jsonl"
     words = " ".join(f"w{i}" for i in range(600))
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in [words, "short one"] * 4))
-    cfg = resolve_strategy(TrainConfig(data=str(data), out=str(tmp_path / "run"), capacity=256,
-                                       global_batch=2), 1)  # fmt: skip
+    cfg = resolve_strategy(TrainConfig(data=str(data), out=str(tmp_path / "run"), capacity=256, global_batch=2), 1)
     preflight(cfg, 1)
     err = capsys.readouterr().err
     assert "4 of 8 documents are longer than --capacity 256: --overlong split" in err

@@ -87,8 +87,7 @@ def test_a_worker_joins_its_launchers_lock(tmp_path):
 def _metrics(path, steps, torn=False):
     lines = []
     for s in range(1, steps + 1):
-        lines += [json.dumps({"step": s, "rank": 0}), json.dumps({"step": s, "rank": "all",
-                                                                  "loss": float(s)})]  # fmt: skip
+        lines += [json.dumps({"step": s, "rank": 0}), json.dumps({"step": s, "rank": "all", "loss": float(s)})]
     path.write_text("\n".join(lines) + "\n" + ('{"step": 9, "ra' if torn else ""))
 
 
@@ -154,8 +153,7 @@ def test_latest_pointing_to_a_missing_step_falls_back(tmp_path):
     (tmp_path / "checkpoints" / "latest").write_text("step-000007\n")
     path, notes = find_checkpoint(tmp_path)
     assert path == latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-000001"
-    assert notes == ["checkpoints/latest names step-000007, which is missing; "
-                     "resuming from step-000001 instead"]  # fmt: skip
+    assert notes == ["checkpoints/latest names step-000007, which is missing; resuming from step-000001 instead"]
 
 
 # ------------------------------------------------------------------ early validation
@@ -199,8 +197,7 @@ BAD_DATA = [
 
 
 @pytest.mark.parametrize(("name", "content", "message"), BAD_DATA, ids=[b[0] for b in BAD_DATA])
-def test_bad_data_is_one_line_naming_the_file_from_the_launcher(tmp_path, capsys, name, content,
-                                                                 message):  # fmt: skip
+def test_bad_data_is_one_line_naming_the_file_from_the_launcher(tmp_path, capsys, name, content, message):
     path = tmp_path / name
     (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
     code, err, _ = _cli(capsys, "--data", str(path), "--nproc", "2", "--out", str(tmp_path / "r"))
@@ -223,10 +220,12 @@ def test_user_errors_are_one_line_exit_2_before_any_work(tmp_path, capsys):
         (["--resume", "--out", str(tmp_path / "missing")], "--resume: no checkpoint"),
         (["--nproc", "0", "--out", str(tmp_path / "r0")], "--nproc must be >= 1"),
         (["--out", str(tmp_path / "file")], "exists and is not a folder"),
-        (["--data", str(tmp_path / "bad.jsonl"), "--nproc", "2", "--out", str(tmp_path / "r1")],
-         "bad.jsonl:2: not a JSON object"),
+        (
+            ["--data", str(tmp_path / "bad.jsonl"), "--nproc", "2", "--out", str(tmp_path / "r1")],
+            "bad.jsonl:2: not a JSON object",
+        ),
         (["--model", str(tmp_path), "--out", str(tmp_path / "r2")], "--model"),
-    ]  # fmt: skip
+    ]
     for argv, message in cases:
         code, err, _ = _cli(capsys, *argv)
         assert code == 2, (argv, err)

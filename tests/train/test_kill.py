@@ -26,13 +26,48 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _argv(tmp: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "sparsebalance", "train", "--nproc", "2",
-            "--data", str(tmp / "data.jsonl"), "--profile", str(tmp / "profile.json"),
-            "--out", str(out), "--steps", "5", "--global-batch", "8", "--capacity", "512",
-            "--block-size", "32", "--device", "cpu", "--lr", "3e-3", "--warmup-steps", "0",
-            "--schedule", "constant", "--deterministic", "--checkpoint-every", "1", "--dst-mode",
-            "bidirectional", "--gamma0", "0.9", "--gamma-min", "0.5", "--gamma-max", "0.99",
-            *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "sparsebalance",
+        "train",
+        "--nproc",
+        "2",
+        "--data",
+        str(tmp / "data.jsonl"),
+        "--profile",
+        str(tmp / "profile.json"),
+        "--out",
+        str(out),
+        "--steps",
+        "5",
+        "--global-batch",
+        "8",
+        "--capacity",
+        "512",
+        "--block-size",
+        "32",
+        "--device",
+        "cpu",
+        "--lr",
+        "3e-3",
+        "--warmup-steps",
+        "0",
+        "--schedule",
+        "constant",
+        "--deterministic",
+        "--checkpoint-every",
+        "1",
+        "--dst-mode",
+        "bidirectional",
+        "--gamma0",
+        "0.9",
+        "--gamma-min",
+        "0.5",
+        "--gamma-max",
+        "0.99",
+        *extra,
+    ]
 
 
 def _env() -> dict:
@@ -104,14 +139,16 @@ def _faulty_env(tmp: Path, fault: str, **extra: str) -> dict:
     """:func:`_env` with ``fault`` planted in every process of the run."""
     (tmp / "faults").mkdir(exist_ok=True)
     (tmp / "faults" / "sitecustomize.py").write_text(FAULTS)
-    return {**_env(), "PYTHONPATH": f"{SRC}{os.pathsep}{tmp / 'faults'}",
-            "SPARSEBALANCE_TEST_FAULT": fault, **extra}  # fmt: skip
+    return {**_env(), "PYTHONPATH": f"{SRC}{os.pathsep}{tmp / 'faults'}", "SPARSEBALANCE_TEST_FAULT": fault, **extra}
 
 
 def _our_lines(err: str) -> list[str]:
     """The run's own lines on stderr, without the startup line saying what the budget keeps."""
-    return [x for x in err.replace("\r", "\n").splitlines() if x.startswith("sparsebalance")
-            and not x.startswith("sparsebalance train: budget:")]  # fmt: skip
+    return [
+        x
+        for x in err.replace("\r", "\n").splitlines()
+        if x.startswith("sparsebalance") and not x.startswith("sparsebalance train: budget:")
+    ]
 
 
 def _losses(out: Path) -> dict[int, float]:
@@ -192,12 +229,14 @@ def test_kill_9_of_the_launcher_kills_the_workers_and_resume_matches(data):
     out = data / "killed"
     log = (data / "killed.log").open("w")
     many = ("--steps", "1000")
-    proc = subprocess.Popen(_argv(data, out, *many), env=_env(), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=log)  # fmt: skip
+    proc = subprocess.Popen(
+        _argv(data, out, *many), env=_env(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=log
+    )
     try:
         _wait_for_step(out, 2, proc)
-        second = subprocess.run(_argv(data, out, *many, "--resume"), env=_env(),
-                                capture_output=True, text=True, timeout=300)  # fmt: skip
+        second = subprocess.run(
+            _argv(data, out, *many, "--resume"), env=_env(), capture_output=True, text=True, timeout=300
+        )
         assert second.returncode == 2 and "another run is live" in second.stderr
         tree = _descendants(proc.pid)  # torchrun, both ranks and anything they started
         assert len(tree) >= 3, tree
@@ -211,11 +250,11 @@ def test_kill_9_of_the_launcher_kills_the_workers_and_resume_matches(data):
     time.sleep(2)
     assert max(_losses(out)) == killed_at  # nobody writes after the kill
     steps = ("--steps", str(killed_at + 2))
-    ref = subprocess.run(_argv(data, data / "ref", *steps), env=_env(), capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    ref = subprocess.run(_argv(data, data / "ref", *steps), env=_env(), capture_output=True, text=True, timeout=600)
     assert ref.returncode == 0, ref.stderr[-2000:]
-    resumed = subprocess.run(_argv(data, out, *steps, "--resume"), env=_env(),
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
+    resumed = subprocess.run(
+        _argv(data, out, *steps, "--resume"), env=_env(), capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from step-" in resumed.stderr
     want, got = _losses(data / "ref"), _losses(out)
@@ -226,9 +265,13 @@ def test_kill_9_of_the_launcher_kills_the_workers_and_resume_matches(data):
 def test_sigterm_stops_with_one_line_and_a_checkpoint(data):
     out = data / "run"
     log = data / "run.log"
-    proc = subprocess.Popen(_argv(data, out, "--steps", "50"), env=_env(),
-                            start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=log.open("w"))  # fmt: skip
+    proc = subprocess.Popen(
+        _argv(data, out, "--steps", "50"),
+        env=_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+    )
     try:
         _wait_for_step(out, 1, proc)
         proc.send_signal(signal.SIGTERM)  # the CLI alone: it forwards to torchrun -> ranks
@@ -257,11 +300,20 @@ def test_sigterm_during_a_step_longer_than_torchruns_grace_still_saves(data):
     the launcher now signals the ranks itself and waits for them (--stop-grace)."""
     out = data / "run"
     log = data / "run.log"
-    env = _faulty_env(data, "long-step", SPARSEBALANCE_TEST_HOLD="8",
-                      SPARSEBALANCE_TEST_MARK=str(data),
-                      TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2")  # fmt: skip
-    proc = subprocess.Popen(_argv(data, out, "--steps", "50"), env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=log.open("w"))  # fmt: skip
+    env = _faulty_env(
+        data,
+        "long-step",
+        SPARSEBALANCE_TEST_HOLD="8",
+        SPARSEBALANCE_TEST_MARK=str(data),
+        TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2",
+    )
+    proc = subprocess.Popen(
+        _argv(data, out, "--steps", "50"),
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+    )
     try:
         inside = [data / f"in-step-2-rank-{r}" for r in range(2)]
         while not all(f.exists() for f in inside):  # both ranks in step 2 (bounded: timeout)
@@ -276,8 +328,9 @@ def test_sigterm_during_a_step_longer_than_torchruns_grace_still_saves(data):
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     ours = _our_lines(err)
     assert len(ours) == 2 and "waiting up to 900 s (--stop-grace)" in ours[0], err[-2000:]
-    assert ours[1] == ("sparsebalance train: stopped by SIGTERM after step 2: checkpoint "
-                       "step-000002 saved, continue with --resume"), err[-2000:]  # fmt: skip
+    assert ours[1] == (
+        "sparsebalance train: stopped by SIGTERM after step 2: checkpoint step-000002 saved, continue with --resume"
+    ), err[-2000:]
     assert "Traceback" not in err
     assert (out / "checkpoints" / "step-000002" / "checksums.json").is_file()
     assert max(_losses(out)) == 2
@@ -289,20 +342,21 @@ def test_a_full_disk_while_saving_is_one_line_and_resume_continues(data):
     """Issue 45: torch's ``unexpected pos`` RuntimeError, uncaught, a traceback from each rank,
     exit 1, no word of disk space. The disk fills while step 2's checkpoint is written."""
     out = data / "run"
-    full = subprocess.run(_argv(data, out), env=_faulty_env(data, "disk-full"),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    full = subprocess.run(
+        _argv(data, out), env=_faulty_env(data, "disk-full"), capture_output=True, text=True, timeout=600
+    )
     err = full.stderr
     assert full.returncode == 2, err[-2000:]
     ours = _our_lines(err)
     assert len(ours) == 1, err[-2000:]
-    assert ours[0].startswith("sparsebalance train: error: checkpoint step-000002: no space left "
-                              f"in {out / 'checkpoints'} (disk full"), ours  # fmt: skip
+    assert ours[0].startswith(
+        f"sparsebalance train: error: checkpoint step-000002: no space left in {out / 'checkpoints'} (disk full"
+    ), ours
     assert "step-000001 is intact" in ours[0] and "Traceback" not in err
     root = out / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001"]
     assert not _workers(out) and not (out / "run.lock").exists()
-    resumed = subprocess.run(_argv(data, out, "--resume"), env=_env(), capture_output=True,
-                             text=True, timeout=600)  # fmt: skip
+    resumed = subprocess.run(_argv(data, out, "--resume"), env=_env(), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from step-000001" in resumed.stderr
     assert sorted(_losses(out)) == [1, 2, 3, 4, 5]

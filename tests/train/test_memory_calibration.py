@@ -30,8 +30,7 @@ def calibration(cfg, act_bytes: float, overhead: float, **fp_over) -> MemoryCali
     shapes = ModelShapes.from_hf_config(model.config.to_dict(), name=Path(cfg.model).name)
     fp = fingerprint(shapes, torch.device("cpu"), "fp32", "torch", cfg.block_size)
     running = {**memory_fingerprint(fp, True), **fp_over}
-    probes = (MemoryProbe(512, "off", "chunked", 3e8, 4e8), MemoryProbe(1024, "off", "chunked",
-                                                                        3e8, 5e8))  # fmt: skip
+    probes = (MemoryProbe(512, "off", "chunked", 3e8, 4e8), MemoryProbe(1024, "off", "chunked", 3e8, 5e8))
     return MemoryCalibration(running, act_bytes, overhead, probes, (0.0, 0.0), (0.1, 0.1))
 
 
@@ -65,8 +64,7 @@ def test_sab_cp_plans_with_the_memory_bound(tmp_path, monkeypatch):
     (each document's minimum CP degree), built from the same model that set the capacity."""
     monkeypatch.setattr(mf, "CACHE_DIR", tmp_path / "cache")
     base = current_rss_bytes()
-    cfg = base_config(tmp_path, steps=1, capacity="auto", memory_budget=str(base + 2**30),
-                      strategy="sab-cp")  # fmt: skip
+    cfg = base_config(tmp_path, steps=1, capacity="auto", memory_budget=str(base + 2**30), strategy="sab-cp")
     trainer = Trainer(cfg, CPU1)
     bound = trainer.memory_bound
     assert trainer.engine.cost.memory is bound and bound.capacity() == trainer.cfg.capacity

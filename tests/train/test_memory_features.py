@@ -66,8 +66,9 @@ def test_capacity_auto(tmp_path):
     # On CPU the model's base is this process's resident size (in a full test session: ~1 GB of
     # loaded modules), so the budgets are set relative to it.
     base = current_rss_bytes()
-    cfg = base_config(tmp_path, steps=1, capacity="auto", memory_budget=str(base + 2 * 2**30),
-                      activation_checkpointing="full")  # fmt: skip
+    cfg = base_config(
+        tmp_path, steps=1, capacity="auto", memory_budget=str(base + 2 * 2**30), activation_checkpointing="full"
+    )
     trainer = Trainer(cfg, CPU1)
     assert isinstance(trainer.cfg.capacity, int) and trainer.cfg.capacity >= 512
     small_budget = str(current_rss_bytes() + int(0.3 * 2**30))

@@ -12,9 +12,15 @@ def test_single_node_keeps_standalone():
 
 def test_multinode_uses_c10d_rendezvous():
     args = Rendezvous(2, 1, "10.0.0.1:29500", "job7").torchrun_args(8)
-    assert args == ["--nnodes=2", "--node_rank=1", "--rdzv_backend=c10d",
-                    "--rdzv_endpoint=10.0.0.1:29500", "--rdzv_conf=is_host=0",
-                    "--rdzv_id=job7", "--nproc_per_node=8"]  # fmt: skip
+    assert args == [
+        "--nnodes=2",
+        "--node_rank=1",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=10.0.0.1:29500",
+        "--rdzv_conf=is_host=0",
+        "--rdzv_id=job7",
+        "--nproc_per_node=8",
+    ]
     # node 0 alone hosts the rendezvous store (never whichever launcher started first)
     assert "--rdzv_conf=is_host=1" in Rendezvous(2, 0, "10.0.0.1:29500", "j").torchrun_args(8)
 
@@ -39,16 +45,26 @@ def test_bad_rendezvous_names_the_flag(kwargs, flag):
 
 
 def test_cli_rejects_bad_node_rank_before_launching(tmp_path, capsys):
-    rc = cli_main(["train", "--nnodes", "2", "--node-rank", "3", "--rdzv-endpoint",
-                   "127.0.0.1:29500", "--out", str(tmp_path / "run")])  # fmt: skip
+    rc = cli_main(
+        [
+            "train",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "3",
+            "--rdzv-endpoint",
+            "127.0.0.1:29500",
+            "--out",
+            str(tmp_path / "run"),
+        ]
+    )
     assert rc != 0
     assert "--node-rank must be in [0, 2)" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 
 def test_cli_needs_a_run_id_across_nodes_and_says_trusted_network(tmp_path, capsys):
-    rc = cli_main(["train", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29500",
-                   "--out", str(tmp_path / "run")])  # fmt: skip
+    rc = cli_main(["train", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29500", "--out", str(tmp_path / "run")])
     assert rc == 2
     assert "--rdzv-id is required with --nnodes > 1" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
@@ -59,13 +75,25 @@ def test_cli_needs_a_run_id_across_nodes_and_says_trusted_network(tmp_path, caps
     assert "trusted network only" in " ".join(train.format_help().split())
 
 
-SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-         "SLURM_NTASKS_PER_NODE": "4(x2)", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}  # fmt: skip
+SLURM = {
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_NTASKS_PER_NODE": "4(x2)",
+    "MASTER_ADDR": "n0",
+    "MASTER_PORT": "29500",
+}
 
 
 def test_slurm_maps_to_torchrun_variables():
-    assert slurm_env(SLURM) == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
-                                "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "4"}  # fmt: skip
+    assert slurm_env(SLURM) == {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "GROUP_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+    }
 
 
 def test_torchrun_variables_win_over_slurm():
@@ -112,18 +140,49 @@ def test_two_nodes_on_localhost_match_one_node(tmp_path):
     import subprocess
     import sys
 
-    flags = ["--model", "tiny", "--nproc", "1", "--steps", "2", "--deterministic",
-             "--num-builtin", "16", "--max-len", "256", "--global-batch", "4"]  # fmt: skip
+    flags = [
+        "--model",
+        "tiny",
+        "--nproc",
+        "1",
+        "--steps",
+        "2",
+        "--deterministic",
+        "--num-builtin",
+        "16",
+        "--max-len",
+        "256",
+        "--global-batch",
+        "4",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cli = [sys.executable, "-m", "sparsebalance", "train"]
-    one = subprocess.run([*cli, *flags, "--nproc", "2", "--out", str(tmp_path / "one")],
-                         env=env, capture_output=True, text=True, timeout=280)  # fmt: skip
+    one = subprocess.run(
+        [*cli, *flags, "--nproc", "2", "--out", str(tmp_path / "one")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
-    multi = [*cli, *flags, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-             "--rdzv-id", "test", "--out", str(tmp_path / "two")]  # fmt: skip
-    procs = [subprocess.Popen([*multi, "--node-rank", str(i)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for i in (0, 1)]  # fmt: skip
+    multi = [
+        *cli,
+        *flags,
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{_free_port()}",
+        "--rdzv-id",
+        "test",
+        "--out",
+        str(tmp_path / "two"),
+    ]
+    procs = [
+        subprocess.Popen(
+            [*multi, "--node-rank", str(i)], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for i in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=280) for p in procs]
     finally:
@@ -151,8 +210,10 @@ def test_topology_from_the_launchers_environment():
 
 
 def _placements(nodes, per_node):
-    return [{"group_rank": r // per_node, "local_rank": r % per_node, "local_world_size": per_node}
-            for r in range(nodes * per_node)]  # fmt: skip
+    return [
+        {"group_rank": r // per_node, "local_rank": r % per_node, "local_world_size": per_node}
+        for r in range(nodes * per_node)
+    ]
 
 
 def test_topology_from_every_ranks_launcher_variables():
@@ -223,8 +284,7 @@ def test_node_local_caches_are_written_by_one_rank_per_node():
 
     for node1_sees_node0 in (True, False):
         calls.clear()
-        threads = [threading.Thread(target=run, args=(r, r < 2 or node1_sees_node0))
-                   for r in range(world)]  # fmt: skip
+        threads = [threading.Thread(target=run, args=(r, r < 2 or node1_sees_node0)) for r in range(world)]
         for t in threads:
             t.start()
         for t in threads:
@@ -233,8 +293,7 @@ def test_node_local_caches_are_written_by_one_rank_per_node():
             assert calls == [0] and set(results.values()) == {"cache-of-node-0"}
         else:
             assert sorted(calls) == [0, 2]
-            assert [results[r] for r in range(world)] == ["cache-of-node-0"] * 2 + [
-                "cache-of-node-1"] * 2  # fmt: skip
+            assert [results[r] for r in range(world)] == ["cache-of-node-0"] * 2 + ["cache-of-node-1"] * 2
     # without launcher variables every rank is its own machine's writer (today's behaviour)
     assert node_leaders([{}, {}]) == [0, 1]
 
@@ -249,19 +308,35 @@ def test_trainer_takes_ranks_per_node(tmp_path):
 
     cfg = base_config(tmp_path, steps=1, emulate_ranks=4, ranks_per_node=2)
     trainer = Trainer(cfg, Runtime(0, 1, torch.device("cpu")))
-    assert trainer.topology.describe() == {"world_size": 4, "nodes": 2, "ranks_per_node": 2,
-                                           "source": "--ranks-per-node"}  # fmt: skip
+    assert trainer.topology.describe() == {
+        "world_size": 4,
+        "nodes": 2,
+        "ranks_per_node": 2,
+        "source": "--ranks-per-node",
+    }
     assert trainer.engine.config.ranks_per_node == 2  # what the planner's PlanConfig gets
-    with pytest.raises(
-        ValueError, match=r"TrainConfig.ranks_per_node \(--ranks-per-node\) must be"
-    ):
+    with pytest.raises(ValueError, match=r"TrainConfig.ranks_per_node \(--ranks-per-node\) must be"):
         base_config(tmp_path, ranks_per_node=0)
 
 
 def test_launcher_refuses_ranks_per_node_that_does_not_divide_the_ranks(tmp_path, capsys):
-    rc = cli_main(["train", "--nproc", "4", "--ranks-per-node", "3", "--num-builtin", "8",
-                   "--max-len", "256", "--global-batch", "4",
-                   "--out", str(tmp_path / "bad")])  # fmt: skip
+    rc = cli_main(
+        [
+            "train",
+            "--nproc",
+            "4",
+            "--ranks-per-node",
+            "3",
+            "--num-builtin",
+            "8",
+            "--max-len",
+            "256",
+            "--global-batch",
+            "4",
+            "--out",
+            str(tmp_path / "bad"),
+        ]
+    )
     assert rc == 2
     assert "--ranks-per-node (3) must divide the world size (4)" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()

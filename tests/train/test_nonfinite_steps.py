@@ -36,9 +36,7 @@ def _poison_gradients_at(monkeypatch, bad_steps: set[int]):
     monkeypatch.setattr(RankExecutor, "run", run)
 
 
-def test_a_step_with_nan_gradients_is_skipped_counted_and_the_run_goes_on(
-    tmp_path, monkeypatch, capsys
-):
+def test_a_step_with_nan_gradients_is_skipped_counted_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     _poison_gradients_at(monkeypatch, {2})
     cfg = base_config(tmp_path, steps=3)
     trainer = Trainer(cfg, CPU1)

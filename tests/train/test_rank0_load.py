@@ -42,8 +42,7 @@ def _model(shard=None):
     """The model, sharded by ``shard(model)`` first (FSDP2 replaces the parameters: the
     optimizer is built on the sharded ones, as the trainer does), its optimizer and schedule."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False)
-                                  for _ in range(DEPTH)])  # fmt: skip
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(DEPTH)])
     if shard is not None:
         shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -72,8 +71,7 @@ def _worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:
                 opened.append(Path(args[0]).name)
 
         sys.addaudithook(audit)
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank,
-                                world_size=world)  # fmt: skip
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
         torch.set_num_threads(1)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -97,8 +95,15 @@ def _worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:
         moment = opt.state[model[0].weight]["exp_avg"].full_tensor()[0, :4].tolist()
         dist.barrier()
         dist.destroy_process_group()
-        result = {"opened": opened, "grown": grown, "path": str(path), "lines": lines,
-                  "step": state["trainer"]["step"], "first": first, "moment": moment}  # fmt: skip
+        result = {
+            "opened": opened,
+            "grown": grown,
+            "path": str(path),
+            "lines": lines,
+            "step": state["trainer"]["step"],
+            "first": first,
+            "moment": moment,
+        }
     except BaseException:
         result = {"error": traceback.format_exc()}
     out.write_bytes(pickle.dumps(result))
@@ -109,8 +114,7 @@ def test_rank0_alone_reads_the_checkpoint_and_memory_stays_bounded(tmp_path):
     model, opt, sched = _model()
     model(torch.randn(2, WIDTH)).sum().backward()
     opt.step()
-    save_checkpoint(cfg.out, 4, model, opt, sched, {"step": 4, "config": to_dict(cfg)}, [],
-                    True)  # fmt: skip
+    save_checkpoint(cfg.out, 4, model, opt, sched, {"step": 4, "config": to_dict(cfg)}, [], True)
     ckpt = Path(cfg.out) / "checkpoints" / "step-000004"
     want_first = model[0].weight[0, :4].tolist()
     want_moment = opt.state[model[0].weight]["exp_avg"][0, :4].tolist()

@@ -17,11 +17,14 @@ class _Trainer:
             raise ValueError("data/store: shard 7 of tokens.bin does not match its checksum")
 
 
-@pytest.mark.parametrize("rank, in_run, says", [
-    ("1", True, "sparsebalance train: rank 1: error: data/store: shard 7"),
-    ("0", True, "sparsebalance train: error: data/store: shard 7"),
-    ("1", False, None),  # set-up errors are every rank's: rank 0 says them, once
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "rank, in_run, says",
+    [
+        ("1", True, "sparsebalance train: rank 1: error: data/store: shard 7"),
+        ("0", True, "sparsebalance train: error: data/store: shard 7"),
+        ("1", False, None),  # set-up errors are every rank's: rank 0 says them, once
+    ],
+)
 def test_a_ranks_own_error_is_said_by_that_rank(tmp_path, monkeypatch, capsys, rank, in_run, says):
     monkeypatch.setenv("RANK", rank)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
@@ -46,8 +49,10 @@ def test_a_stalled_peer_is_one_line_from_the_rank_that_waited(tmp_path, monkeypa
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    line = ("rank 1 waiting in the gradient sync, step 3: no message from rank 0 within 5 s "
-            "(--comm-timeout): it is stalled or has died")  # fmt: skip
+    line = (
+        "rank 1 waiting in the gradient sync, step 3: no message from rank 0 within 5 s "
+        "(--comm-timeout): it is stalled or has died"
+    )
 
     class Stalled(_Trainer):
         def run(self):

@@ -26,8 +26,7 @@ def _save(run: Path, step: int, ranks: int = 2) -> Path:
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     rngs = [{"torch": torch.get_rng_state()} for _ in range(ranks)]
-    save_checkpoint(run, step, model, opt, sched, {"step": step, "config": to_dict(cfg)}, rngs,
-                    True, keep_last=0)  # fmt: skip
+    save_checkpoint(run, step, model, opt, sched, {"step": step, "config": to_dict(cfg)}, rngs, True, keep_last=0)
     return run / "checkpoints" / f"step-{step:06d}"
 
 
@@ -56,8 +55,11 @@ def test_another_world_size_is_refused_in_one_line(tmp_path):
         resume.check_world_size(path, 4, "--nproc 4")
     line = str(err.value)
     assert "\n" not in line
-    for part in ("checkpoints/step-000004 was saved by 2 ranks", "this run has 4 (--nproc 4)",
-                 "resume with 2 ranks (--nproc 2"):  # fmt: skip
+    for part in (
+        "checkpoints/step-000004 was saved by 2 ranks",
+        "this run has 4 (--nproc 4)",
+        "resume with 2 ranks (--nproc 2",
+    ):
         assert part in line, line
 
 

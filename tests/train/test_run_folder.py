@@ -26,8 +26,7 @@ def no_data_preparation(monkeypatch):
     monkeypatch.setattr("sparsebalance.data.load_corpus", refuse)
 
 
-def test_an_earlier_run_is_refused_before_anything_is_written(tmp_path, capsys,
-                                                              no_data_preparation):  # fmt: skip
+def test_an_earlier_run_is_refused_before_anything_is_written(tmp_path, capsys, no_data_preparation):
     run = tmp_path / "run"
     (run / "tensorboard").mkdir(parents=True)
     (run / "launch-config.json").write_text('{"schema_version": 1, "steps": 7}\n')
@@ -60,10 +59,8 @@ def test_overwrite_removes_the_whole_earlier_run(tmp_path):
     (run / "metrics.jsonl").write_text("{}\n")
     (run / "report.md").write_text("old report\n")
     (run / "notes.txt").write_text("mine\n")  # not a run's file: kept
-    trainer = Trainer(base_config(tmp_path, steps=1, overwrite=True),
-                      Runtime(0, 1, torch.device("cpu")))  # fmt: skip
-    assert {p.name for p in trainer._stale} == {"tensorboard", "checkpoints", "metrics.jsonl",
-                                                "report.md"}  # fmt: skip
+    trainer = Trainer(base_config(tmp_path, steps=1, overwrite=True), Runtime(0, 1, torch.device("cpu")))
+    assert {p.name for p in trainer._stale} == {"tensorboard", "checkpoints", "metrics.jsonl", "report.md"}
     with pytest.raises(ValueError, match="holds an earlier run"):
         Trainer(cfg, Runtime(0, 1, torch.device("cpu")))
 

@@ -22,11 +22,22 @@ def _config(tmp_path, **dst) -> TrainConfig:
     profile = tmp_path / "profile.json"
     analytic_profile(load_shapes("tiny"), "h100", block_size=32).save(profile)
     return TrainConfig(
-        num_builtin=48, min_len=200, max_len=1200, profile=str(profile), out=str(tmp_path / "r"),
-        steps=3, global_batch=8, capacity=2400, block_size=32, emulate_ranks=4, strategy="sab",
-        deterministic=True, warmup_steps=0, device="cpu",
+        num_builtin=48,
+        min_len=200,
+        max_len=1200,
+        profile=str(profile),
+        out=str(tmp_path / "r"),
+        steps=3,
+        global_batch=8,
+        capacity=2400,
+        block_size=32,
+        emulate_ranks=4,
+        strategy="sab",
+        deterministic=True,
+        warmup_steps=0,
+        device="cpu",
         dst=DSTConfig(budget_tokens=96, **dst),  # k = 3 blocks of 32
-    )  # fmt: skip
+    )
 
 
 def test_topk_training_is_sparse_and_dst_moves_whole_k_per_layer(tmp_path):
@@ -43,8 +54,7 @@ def test_topk_training_is_sparse_and_dst_moves_whole_k_per_layer(tmp_path):
     # DST gave the ranks different budgets (cut and raised) in some step
     roles = {r.dst_role for res in results for r in res.records}
     assert {"cut", "raised"} <= roles
-    spread = max(max(r.budget for r in res.records) - min(r.budget for r in res.records)
-                 for res in results)  # fmt: skip
+    spread = max(max(r.budget for r in res.records) - min(r.budget for r in res.records) for res in results)
     assert spread > 1.0
     # the estimator learned each length bin's final k
     assert trainer.estimator.num_observed > 0 and trainer.estimator.bins
@@ -70,8 +80,7 @@ def test_layer_times_feed_the_layer_choices_only_when_asked(tmp_path, monkeypatc
 
     calls = []
     real = LayerController.observe
-    monkeypatch.setattr(LayerController, "observe",
-                        lambda self, *a: (calls.append(a), real(self, *a))[1])  # fmt: skip
+    monkeypatch.setattr(LayerController, "observe", lambda self, *a: (calls.append(a), real(self, *a))[1])
     cfg = replace(_config(tmp_path, layer_feedback=feedback), deterministic=False)
     res = Trainer(cfg, Runtime(0, 1, torch.device("cpu"))).run_step()
     assert {"cut", "raised"} & {r.dst_role for r in res.records}

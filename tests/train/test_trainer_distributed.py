@@ -28,9 +28,7 @@ def test_two_ranks_learn_and_stay_identical(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     per_rank = [x for x in lines if x["rank"] != "all"]
     steps = [x for x in lines if x["rank"] == "all"]
-    assert {(x["step"], x["rank"]) for x in per_rank} == {
-        (s, r) for s in range(1, 7) for r in (0, 1)
-    }
+    assert {(x["step"], x["rank"]) for x in per_rank} == {(s, r) for s in range(1, 7) for r in (0, 1)}
     assert all(len(s["plan_hash"]) == 16 for s in steps)
     assert all(0 <= x["budget_min"] <= x["budget_max"] for x in per_rank)
     assert all(x["compute_s"] > 0 and x["bubble_s"] >= 0 for x in per_rank)
@@ -85,11 +83,21 @@ def test_fsdp2_wraps_a_llama_model(tmp_path):
     """FSDP2 finds a Llama model's decoder layers through ``_no_split_modules`` and trains it."""
     llama = tmp_path / "llama"
     llama.mkdir()
-    (llama / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-        "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 1024,
-    }))  # fmt: skip
+    (llama / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 32,
+                "intermediate_size": 128,
+                "vocab_size": 512,
+                "max_position_embeddings": 1024,
+            }
+        )
+    )
     profile = tmp_path / "llama-profile.json"  # the harness's is the tiny model's: refused
     analytic_profile(load_shapes(str(llama)), "h100", block_size=32).save(profile)
     cfg = base_config(tmp_path, steps=2, model=str(llama), parallel="fsdp2", profile=str(profile))

@@ -31,19 +31,55 @@ def _flags(tmp: Path) -> list[str]:
     profile = tmp / "profile.json"
     if not profile.exists():
         analytic_profile(load_shapes("tiny"), "h100", block_size=32).save(profile)
-    return ["--model", "tiny", "--steps", "3", "--deterministic", "--num-builtin", "16",
-            "--max-len", "256", "--global-batch", "8", "--block-size", "32",
-            "--device", "cpu", "--profile", str(profile), "--strategy", "sab", "--dst-mode",
-            "bidirectional", "--checkpoint-every", "1"]  # fmt: skip
+    return [
+        "--model",
+        "tiny",
+        "--steps",
+        "3",
+        "--deterministic",
+        "--num-builtin",
+        "16",
+        "--max-len",
+        "256",
+        "--global-batch",
+        "8",
+        "--block-size",
+        "32",
+        "--device",
+        "cpu",
+        "--profile",
+        str(profile),
+        "--strategy",
+        "sab",
+        "--dst-mode",
+        "bidirectional",
+        "--checkpoint-every",
+        "1",
+    ]
 
 
 def _two_nodes(flags: list[str], out: Path) -> None:
     """Node 0 and node 1, 2 processes each, meeting at one c10d endpoint on 127.0.0.1."""
-    cmd = [*CLI, *flags, "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint",
-           f"127.0.0.1:{_free_port()}", "--rdzv-id", out.name, "--out", str(out)]  # fmt: skip
-    procs = [subprocess.Popen([*cmd, "--node-rank", str(i)], env=ENV, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for i in (0, 1)]  # fmt: skip
+    cmd = [
+        *CLI,
+        *flags,
+        "--nproc",
+        "2",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{_free_port()}",
+        "--rdzv-id",
+        out.name,
+        "--out",
+        str(out),
+    ]
+    procs = [
+        subprocess.Popen(
+            [*cmd, "--node-rank", str(i)], env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for i in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=LAUNCH_TIMEOUT) for p in procs]
     finally:
@@ -52,8 +88,7 @@ def _two_nodes(flags: list[str], out: Path) -> None:
     codes = [p.returncode for p in procs]
     # both nodes' ends: the node that failed first is often not the one whose error is shown
     assert codes == [0, 0], "\n".join(
-        f"node {i} (exit {c}): ...{err[-2500:]}"
-        for i, (c, (_, err)) in enumerate(zip(codes, outs, strict=True))
+        f"node {i} (exit {c}): ...{err[-2500:]}" for i, (c, (_, err)) in enumerate(zip(codes, outs, strict=True))
     )
 
 
@@ -68,8 +103,13 @@ def two_by_two(tmp_path_factory) -> tuple[Path, list[str]]:
 @pytest.mark.timeout(1200)
 def test_two_nodes_of_two_match_one_node_of_four(two_by_two):
     tmp, flags = two_by_two
-    one = subprocess.run([*CLI, *flags, "--nproc", "4", "--out", str(tmp / "one")], env=ENV,
-                         capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)  # fmt: skip
+    one = subprocess.run(
+        [*CLI, *flags, "--nproc", "4", "--out", str(tmp / "one")],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     a, b = _losses(tmp / "one"), _losses(tmp / "two")
     assert len(a) == 3 and a == pytest.approx(b, rel=1e-6)
@@ -103,8 +143,7 @@ def test_a_cp_unit_over_both_nodes_runs_the_hierarchical_ring(tmp_path):
     """``sab-cp --cp 4`` on 2 nodes of 2 (capacity 64 tokens, documents of 128-256): every CP
     unit spans both launchers' nodes and runs the hierarchical ring, whose inner ring is a node
     (from the launchers' topology; on one node of 4 the same unit runs flat). 1 step."""
-    flags = [*_flags(tmp_path), "--strategy", "sab-cp", "--cp", "4", "--capacity", "64",
-             "--steps", "1"]  # fmt: skip
+    flags = [*_flags(tmp_path), "--strategy", "sab-cp", "--cp", "4", "--capacity", "64", "--steps", "1"]
     _two_nodes(flags, tmp_path / "cp")
     rows = [json.loads(x) for x in (tmp_path / "cp" / "metrics.jsonl").read_text().splitlines()]
     units = {(tuple(u["ranks"]), u["ring"]) for r in rows if r["rank"] != "all" for u in r["units"]}

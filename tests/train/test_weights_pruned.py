@@ -56,9 +56,7 @@ def _params(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.state_dict().values()])
 
 
-def test_a_checkpoint_pruned_between_the_look_and_the_read_is_replaced_by_the_newer(
-    tmp_path, monkeypatch
-):
+def test_a_checkpoint_pruned_between_the_look_and_the_read_is_replaced_by_the_newer(tmp_path, monkeypatch):
     from sparsebalance.models.hf import build_model
 
     run = tmp_path / "run"
@@ -77,9 +75,7 @@ def test_a_run_that_prunes_at_every_look_is_one_line_saying_retry(tmp_path, monk
     with pytest.raises(ValueError) as err:
         weights.load_trained_model(str(run))
     line = str(err.value)
-    assert line.startswith(f"--model {run}: its newest checkpoint was pruned while it was read"), (
-        line
-    )
+    assert line.startswith(f"--model {run}: its newest checkpoint was pruned while it was read"), line
     assert line.endswith(": retry") and "\n" not in line
 
 

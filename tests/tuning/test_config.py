@@ -50,17 +50,24 @@ def test_flags_round_trip():
     add_dst_arguments(parser)
     assert DSTConfig.from_args(parser.parse_args([])) == DSTConfig()
     flags = "--dst-mode down --anchor median --tolerance 0.05 --budget gamma --gamma0 0.8"
-    args = parser.parse_args([*flags.split(" "), "--gamma-min", "0.6", "--gamma-max", "0.95",
-                              "--dst-probes", "5", "--coverage-bound", "0.2"])  # fmt: skip
-    assert DSTConfig.from_args(args) == DSTConfig(
-        mode="down", anchor="median", p=0.2, tolerance=0.05, budget="gamma", gamma0=0.8,
-        gamma_min=0.6, gamma_max=0.95, layer_probes=5,
-    )  # fmt: skip
-    args = parser.parse_args(["--budget-tokens", "2048", "--budget-tokens-min", "256",
-                              "--raise-to", "step", "--dst.p", "0.3"])  # fmt: skip
-    assert DSTConfig.from_args(args) == DSTConfig(
-        budget_tokens=2048, budget_tokens_min=256, raise_to="step", p=0.3
+    args = parser.parse_args(
+        [*flags.split(" "), "--gamma-min", "0.6", "--gamma-max", "0.95", "--dst-probes", "5", "--coverage-bound", "0.2"]
     )
+    assert DSTConfig.from_args(args) == DSTConfig(
+        mode="down",
+        anchor="median",
+        p=0.2,
+        tolerance=0.05,
+        budget="gamma",
+        gamma0=0.8,
+        gamma_min=0.6,
+        gamma_max=0.95,
+        layer_probes=5,
+    )
+    args = parser.parse_args(
+        ["--budget-tokens", "2048", "--budget-tokens-min", "256", "--raise-to", "step", "--dst.p", "0.3"]
+    )
+    assert DSTConfig.from_args(args) == DSTConfig(budget_tokens=2048, budget_tokens_min=256, raise_to="step", p=0.3)
 
 
 def test_from_args_validates():

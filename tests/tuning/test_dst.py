@@ -123,9 +123,7 @@ def instances(draw):
     alphas = draw(st.tuples(st.floats(0.5, 2.0), st.floats(0.5, 2.0)))
     curve = DensityCurve(gamma0, *alphas)
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    plan = random_plan(
-        rng, draw(st.integers(1, 8)), mbs_per_rank=draw(st.integers(0, 3)), d0=(0.01, 1.0)
-    )
+    plan = random_plan(rng, draw(st.integers(1, 8)), mbs_per_rank=draw(st.integers(0, 3)), d0=(0.01, 1.0))
     return cfg, curve, plan
 
 

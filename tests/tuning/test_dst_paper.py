@@ -124,8 +124,7 @@ def test_modes_and_the_old_time_band():
 def test_per_rank_reference_matches_the_vectorised_rule_on_top_k():
     oracle = Oracle()
     rng = np.random.default_rng(3)
-    plan = [[MicroBatch((i,), (int(n),), (0.5,))] for i, n in
-            enumerate(rng.integers(1000, 16000, 6))]  # fmt: skip
+    plan = [[MicroBatch((i,), (int(n),), (0.5,))] for i, n in enumerate(rng.integers(1000, 16000, 6))]
     tuner = DSTTuner(DSTConfig(budget_tokens=1024), block_size=64)
     dec = tuner.decide(plan, oracle)
     assert {r.role for r in dec.ranks} >= {"cut", "raised"}
@@ -134,8 +133,7 @@ def test_per_rank_reference_matches_the_vectorised_rule_on_top_k():
 
 
 def _gate(seed=0, lengths=(2048, 1024)):
-    q, k, _ = make_qkv(sum(lengths), 2, 1, 16, dtype=torch.float32, seed=seed,
-                       requires_grad=False)  # fmt: skip
+    q, k, _ = make_qkv(sum(lengths), 2, 1, 16, dtype=torch.float32, seed=seed, requires_grad=False)
     return estimate_block_mass(q * 2.0, k, cu_from_lengths(lengths), block_size=64), lengths
 
 
@@ -157,9 +155,7 @@ def test_layer_controller_runs_whole_k_within_the_coverage_bound():
         assert est.coverage(budget.with_value(budget.top_k - 1)) < base_cov - 0.05
         assert rec.coverage_limited and rec.coverage == pytest.approx(est.coverage(budget))
     # with no bound (p = 1) the same layers cut to the floor
-    loose = LayerController(
-        [mb], oracle, DSTConfig(budget_tokens=1024, p=1.0), 1e-9, knob=knob, device="cpu"
-    )
+    loose = LayerController([mb], oracle, DSTConfig(budget_tokens=1024, p=1.0), 1e-9, knob=knob, device="cpu")
     assert loose.choose(0, 0, est).top_k == knob.lo
 
 
@@ -182,8 +178,7 @@ def _topk_gate(seed=0, lengths=(2048, 1024)):
     from sparsebalance.ops.pack_index import PackIndex
     from sparsebalance.ops.topk_gate import GateTables, TopKGate
 
-    q, k, _ = make_qkv(sum(lengths), 2, 1, 16, dtype=torch.float32, seed=seed,
-                       requires_grad=False)  # fmt: skip
+    q, k, _ = make_qkv(sum(lengths), 2, 1, 16, dtype=torch.float32, seed=seed, requires_grad=False)
     pack = PackIndex.build(cu_from_lengths(lengths), 64, lengths)
     tables = GateTables.of(pack, Budget(top_k=0))
     return TopKGate.score(q * 2.0, k, tables, 16**-0.5), lengths

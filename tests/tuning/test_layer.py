@@ -110,9 +110,7 @@ def test_down_never_raises_and_off_is_fixed():
         ("down", lambda g: g <= 0.9),
         ("off", lambda g: g == 0.9),
     ):
-        ctl = LayerController(
-            plan[0], ORACLE, G(mode=mode), dec.ranks[0].target_seconds * 2, device="cpu"
-        )
+        ctl = LayerController(plan[0], ORACLE, G(mode=mode), dec.ranks[0].target_seconds * 2, device="cpu")
         run_rank(ctl, plan[0], slow=lambda m, layer: 0.5)
         assert all(check(rec.budget) for rec in ctl.records), mode
 
@@ -121,9 +119,7 @@ def test_on_plan_stays_near_step_gamma():
     """When every layer behaves as predicted, the controller keeps the step's gamma."""
     plan = [[MicroBatch((0, 1), (4096, 3000), (0.3, 0.2))] * 2]
     dec = DSTTuner(G()).decide(plan, ORACLE)
-    ctl = LayerController.from_decision(
-        dec.ranks[0], plan[0], ORACLE, G(layer_probes=12), device="cpu"
-    )
+    ctl = LayerController.from_decision(dec.ranks[0], plan[0], ORACLE, G(layer_probes=12), device="cpu")
     for m, mb in enumerate(plan[0]):
         for layer in range(L):
             est = SyntheticEstimate(mb, 1.0)
@@ -181,12 +177,8 @@ def test_units_add_up_to_the_latency_models_prediction():
     cfg = G(mode="bidirectional", gamma0=0.9)
     mbs = [MicroBatch((0, 1), (3000, 900), (0.3, 0.6)), MicroBatch((2,), (2500,), (0.2,))]
     curve = DensityCurve(gamma0=0.9)
-    target = sum(
-        model.predict(mb.lengths, curve.density(np.array(mb.densities), 0.9)) for mb in mbs
-    )
-    ctl = LayerController(
-        mbs, model, cfg, target, value=0.9, knob=cfg.knob(64, curve), device="cpu"
-    )
+    target = sum(model.predict(mb.lengths, curve.density(np.array(mb.densities), 0.9)) for mb in mbs)
+    ctl = LayerController(mbs, model, cfg, target, value=0.9, knob=cfg.knob(64, curve), device="cpu")
     assert ctl.planned.sum() == pytest.approx(target, rel=1e-9)
 
 
@@ -196,12 +188,8 @@ def test_units_add_up_for_any_number_of_layers(num_layers):
     oracle = Oracle(num_layers=num_layers)
     mbs = [MicroBatch((0, 1), (3000, 900), (0.3, 0.6)), MicroBatch((2,), (2500,), (0.2,))]
     curve = DensityCurve(gamma0=0.9)
-    target = sum(
-        oracle.predict(mb.lengths, curve.density(np.array(mb.densities), 0.9)) for mb in mbs
-    )
+    target = sum(oracle.predict(mb.lengths, curve.density(np.array(mb.densities), 0.9)) for mb in mbs)
     cfg = G(mode="bidirectional", gamma0=0.9)
-    ctl = LayerController(
-        mbs, oracle, cfg, target, value=0.9, knob=cfg.knob(64, curve), device="cpu"
-    )
+    ctl = LayerController(mbs, oracle, cfg, target, value=0.9, knob=cfg.knob(64, curve), device="cpu")
     assert ctl.planned.shape == (2, num_layers)
     assert ctl.planned.sum() == pytest.approx(target, rel=1e-9)

@@ -25,8 +25,7 @@ def hybrid_assignment(kind, seed=0, r=8, long=(30000, 21000)):
     content = rng.uniform(0.1, 0.9, lens.size)
     knob = CONFIGS[kind].knob(block_size=128)
     dens = content if kind == "gamma" else knob.density(lens, content, float(knob.base))
-    a = assign_batch(lens, dens, fake_context(), PlanConfig(r, micro_batches=3,
-                                                            strategy="sab-cp"))  # fmt: skip
+    a = assign_batch(lens, dens, fake_context(), PlanConfig(r, micro_batches=3, strategy="sab-cp"))
     assert a.cp is not None and a.cp.units.item.size > 0
     return a, knob, content
 

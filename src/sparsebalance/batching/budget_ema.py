@@ -33,9 +33,7 @@ class BudgetEMAEstimator:
         decay: weight of the old average at each step's update (the paper's EMA), in [0, 1).
     """
 
-    def __init__(
-        self, base: int, block_size: int, anchor_blocks: int = 2, decay: float = 0.9
-    ) -> None:
+    def __init__(self, base: int, block_size: int, anchor_blocks: int = 2, decay: float = 0.9) -> None:
         if base < 0 or block_size <= 0:
             raise ValueError(f"need base k >= 0 and block size > 0, got {base}, {block_size}")
         if not 0.0 <= decay < 1.0:
@@ -51,9 +49,7 @@ class BudgetEMAEstimator:
     @staticmethod
     def bin_of(lengths: np.ndarray) -> np.ndarray:
         """int64 power-of-two bin of each length (>= 1)."""
-        return np.floor(np.log2(np.maximum(np.asarray(lengths, dtype=np.float64), 1.0))).astype(
-            np.int64
-        )
+        return np.floor(np.log2(np.maximum(np.asarray(lengths, dtype=np.float64), 1.0))).astype(np.int64)
 
     def budgets(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
         """float64 ``(N,)`` the averaged k of each length's bin (the base k where unseen)."""
@@ -62,8 +58,7 @@ class BudgetEMAEstimator:
 
     def estimate(self, samples: Sequence[Sample]) -> np.ndarray:
         """float64 ``(N,)`` predicted densities in (0, 1]."""
-        lengths = np.fromiter((s.num_tokens for s in samples), dtype=np.float64,
-                              count=len(samples))  # fmt: skip
+        lengths = np.fromiter((s.num_tokens for s in samples), dtype=np.float64, count=len(samples))
         return topk_density(lengths, self.budgets(lengths), self.block_size, self.anchor_blocks)
 
     def observe(

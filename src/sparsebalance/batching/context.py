@@ -125,11 +125,7 @@ def place_units(degree, seconds, num_ranks: int, per_node: int, aligned: bool = 
     for u in order.tolist():
         k = degs[u]
         if k not in windows:
-            s = (
-                np.arange(0, num_ranks - k + 1, k)
-                if aligned
-                else allowed_starts(k, num_ranks, per_node)
-            )
+            s = np.arange(0, num_ranks - k + 1, k) if aligned else allowed_starts(k, num_ranks, per_node)
             windows[k] = (s, s[:, None] + np.arange(k)[None, :])
         s, idx = windows[k]
         top = ready[idx].max(axis=1)
@@ -140,8 +136,16 @@ def place_units(degree, seconds, num_ranks: int, per_node: int, aligned: bool = 
     return order, start_rank[order], start[order], ready
 
 
-def plan_cp(items: Items, regime: Regime, cost, num_ranks: int, iters: int, neighbors: int,
-            sab_time: float, fixed: int | None = None) -> CPResult | None:  # fmt: skip
+def plan_cp(
+    items: Items,
+    regime: Regime,
+    cost,
+    num_ranks: int,
+    iters: int,
+    neighbors: int,
+    sab_time: float,
+    fixed: int | None = None,
+) -> CPResult | None:
     """The best CP plan found (see the module docstring), or None when no document gains from
     a split and none needs one (``sab`` is then the plan). ``sab_time``: the ``sab`` plan's
     predicted step time (the scan's upper end). ``fixed``: the only CP degree allowed (``--cp
@@ -172,8 +176,7 @@ def plan_cp(items: Items, regime: Regime, cost, num_ranks: int, iters: int, neig
     best_t = t_feas.min(axis=1)
     if kcap < r and fixed is None:
         top = np.argsort(-whole[cand], kind="stable")[:32]
-        t_all, _ = cost.table(items.tokens[cand[top]], items.density[cand[top]],
-                              np.arange(1, r + 1))  # fmt: skip
+        t_all, _ = cost.table(items.tokens[cand[top]], items.density[cand[top]], np.arange(1, r + 1))
         ok = np.arange(1, r + 1)[None, :] >= kmin[cand[top]][:, None]
         best_t[top] = np.minimum(best_t[top], np.where(ok, t_all, np.inf).min(axis=1))
     area = np.where(feasible, t * ks[None, :], np.inf)
@@ -193,8 +196,7 @@ def plan_cp(items: Items, regime: Regime, cost, num_ranks: int, iters: int, neig
     scored.sort(key=lambda x: (x[0], x[1]))
     builds = [scored[0][2]]
     if forced:  # the memory-minimum plan: the whole-document reference when C forces splits
-        builds.append(np.maximum(kmin[cand], 1) if fixed is None else
-                      np.where(kmin[cand] > 1, fixed, 1))  # fmt: skip
+        builds.append(np.maximum(kmin[cand], 1) if fixed is None else np.where(kmin[cand] > 1, fixed, 1))
     best: CPResult | None = None
     tried = set()
     for deg in builds:
@@ -202,8 +204,9 @@ def plan_cp(items: Items, regime: Regime, cost, num_ranks: int, iters: int, neig
         if key in tried:
             continue
         tried.add(key)
-        res = _build(deg, t_feas, comm, cand, items, regime, r, per_node, iters, neighbors, bound,
-                     cost, fixed is not None)  # fmt: skip
+        res = _build(
+            deg, t_feas, comm, cand, items, regime, r, per_node, iters, neighbors, bound, cost, fixed is not None
+        )
         if res is not None and (best is None or res.rank_times.max() < best.rank_times.max()):
             best = res
     return best
@@ -232,25 +235,25 @@ def _estimate(deg, t_feas, cand, items, regime, r):
     dp = np.ones(items.tokens.size, dtype=bool)
     dp[idx] = False
     n_dp = int(dp.sum())
-    if regime.capacity is not None:
-        mbs = -(-int(items.tokens[dp].sum()) // regime.capacity)
-    else:
-        mbs = min(n_dp, r)
+    mbs = -(-int(items.tokens[dp].sum()) // regime.capacity) if regime.capacity is not None else min(n_dp, r)
     biggest = float(items.cost[dp].max()) + regime.overhead if n_dp else 0.0
     area = float((k * secs).sum()) + float(items.cost[dp].sum()) + regime.overhead * mbs
     return max(float(secs.max()) if secs.size else 0.0, area / r, biggest)
 
 
-def _build(deg, t_feas, comm, cand, items: Items, regime, r, per_node, iters, neighbors, bound,
-           cost, aligned=False):  # fmt: skip
+def _build(deg, t_feas, comm, cand, items: Items, regime, r, per_node, iters, neighbors, bound, cost, aligned=False):
     rows, idx, k, secs = _split_sets(deg, t_feas, cand)
     if rows.size and k.max() > r:
         return None
     order, start_rank, start, ready = place_units(k, secs, r, per_node, aligned)
     units = CPUnits(
-        idx[order], k[order], start_rank, start, secs[order],
+        idx[order],
+        k[order],
+        start_rank,
+        start,
+        secs[order],
         comm[rows, k - 1][order],
-    )  # fmt: skip
+    )
     dp = np.ones(items.tokens.size, dtype=bool)
     dp[idx] = False
     dp_items = np.flatnonzero(dp)

@@ -31,22 +31,29 @@ def build_cp_plan(
     extra: dict,
 ) -> Plan:
     """The :class:`Plan` of a CP result (see the module docstring)."""
-    ids, toks, dens, first = (
-        a.tolist() for a in (items.sample_id, items.tokens, items.density, items.offset)
-    )
+    ids, toks, dens, first = (a.tolist() for a in (items.sample_id, items.tokens, items.density, items.offset))
     num_ranks = res.ready.size
     units: list[Unit] = []
     rank_units: list[list[int]] = [[] for _ in range(num_ranks)]
     rank_comm = np.zeros(num_ranks)
     cu = res.units
-    for slot, (i, k, r0, secs, comm) in enumerate(zip(
-        cu.item.tolist(), cu.degree.tolist(), cu.start_rank.tolist(), cu.seconds.tolist(),
-        cu.comm.tolist(), strict=True,
-    )):  # fmt: skip
+    for slot, (i, k, r0, secs, comm) in enumerate(
+        zip(
+            cu.item.tolist(),
+            cu.degree.tolist(),
+            cu.start_rank.tolist(),
+            cu.seconds.tolist(),
+            cu.comm.tolist(),
+            strict=True,
+        )
+    ):
         kind, inner = ring_kind(k, cost.links, cost.ring)
         ranks = tuple(range(r0, r0 + k))
-        units.append(Unit(slot, ranks, PLACEMENT_STRIPED, kind, inner, (ids[i],), (first[i],),
-                          (toks[i],), (dens[i],), secs, comm))  # fmt: skip
+        units.append(
+            Unit(
+                slot, ranks, PLACEMENT_STRIPED, kind, inner, (ids[i],), (first[i],), (toks[i],), (dens[i],), secs, comm
+            )
+        )
         for r in ranks:
             rank_units[r].append(slot)
         rank_comm[r0 : r0 + k] += comm
@@ -62,10 +69,13 @@ def build_cp_plan(
             if not mb:
                 continue
             rank_units[r].append(-1)
-            entries.append(MicroBatch(
-                tuple([ids[i] for i in mb]), tuple([toks[i] for i in mb]),
-                tuple([dens[i] for i in mb]),
-            ))  # fmt: skip
+            entries.append(
+                MicroBatch(
+                    tuple([ids[i] for i in mb]),
+                    tuple([toks[i] for i in mb]),
+                    tuple([dens[i] for i in mb]),
+                )
+            )
             offs.append(tuple([first[i] for i in mb]))
             ts.append(next(mb_times))
             rank_tokens.append(sum(entries[-1].lengths))
@@ -90,6 +100,12 @@ def build_cp_plan(
         comm_seconds=float(rank_comm.max()) if num_ranks else 0.0,
     )
     return Plan(
-        strategy, tuple(ranks_out), tuple(offsets), tuple(times), tuple(rank_times.tolist()),
-        metrics, tuple(units), tuple(tuple(o) for o in rank_units),
-    )  # fmt: skip
+        strategy,
+        tuple(ranks_out),
+        tuple(offsets),
+        tuple(times),
+        tuple(rank_times.tolist()),
+        metrics,
+        tuple(units),
+        tuple(tuple(o) for o in rank_units),
+    )

@@ -260,8 +260,7 @@ class ProbeEstimator:
         ids = self.tokens[sample.id] if isinstance(self.tokens, Mapping) else self.tokens(sample)
         if ids.numel() != sample.num_tokens:
             raise ValueError(
-                f"probe: sample {sample.id} has num_tokens={sample.num_tokens} "
-                f"but {ids.numel()} token ids"
+                f"probe: sample {sample.id} has num_tokens={sample.num_tokens} but {ids.numel()} token ids"
             )
         return ids
 

@@ -103,10 +103,12 @@ class Plan:
         a plan with CP units adds them (``{"ranks": ..., "units": [...]}``), so a plan whose
         units all have k = 1 hashes exactly as the data-parallel plan it equals."""
         ranks = [
-            [[[i, o, n] for i, o, n in zip(mb.sample_ids, offs, mb.lengths, strict=True)]
-             for mb, offs in zip(rank, rank_offs, strict=True)]
+            [
+                [[i, o, n] for i, o, n in zip(mb.sample_ids, offs, mb.lengths, strict=True)]
+                for mb, offs in zip(rank, rank_offs, strict=True)
+            ]
             for rank, rank_offs in zip(self.ranks, self.offsets, strict=True)
-        ]  # fmt: skip
+        ]
         cp = [u.canonical() for u in self.units]
         return {"ranks": ranks, "units": cp} if cp else ranks
 
@@ -116,16 +118,22 @@ class Plan:
         micro-batch becomes a unit with the next slot, rank by rank (see :mod:`.units`)."""
         units = list(self.units)
         rank_units = []
-        for r, (rank, offs, ts, idx) in enumerate(zip(
-            self.ranks, self.offsets, self.microbatch_times,
-            self.rank_units or [(-1,) * len(rank) for rank in self.ranks], strict=True,
-        )):  # fmt: skip
+        for r, (rank, offs, ts, idx) in enumerate(
+            zip(
+                self.ranks,
+                self.offsets,
+                self.microbatch_times,
+                self.rank_units or [(-1,) * len(rank) for rank in self.ranks],
+                strict=True,
+            )
+        ):
             order = []
             for mb, o, t, u in zip(rank, offs, ts, idx, strict=True):
                 if u < 0:
                     u = len(units)
-                    units.append(Unit(u, (r,), PLACEMENT_WHOLE, "none", 1, mb.sample_ids, o,
-                                      mb.lengths, mb.densities, t))  # fmt: skip
+                    units.append(
+                        Unit(u, (r,), PLACEMENT_WHOLE, "none", 1, mb.sample_ids, o, mb.lengths, mb.densities, t)
+                    )
                 order.append(u)
             rank_units.append(tuple(order))
         return tuple(units), tuple(rank_units)
@@ -188,9 +196,11 @@ def flatten_packs(packs: list[list[list[int]]]) -> FlatPacks:
     mb_rank = [r for r, rank in enumerate(packs) for mb in rank if mb]
     item = [i for rank in packs for mb in rank for i in mb]
     return FlatPacks(
-        len(packs), np.array(item, dtype=np.int64), np.array(sizes, dtype=np.int64),
+        len(packs),
+        np.array(item, dtype=np.int64),
+        np.array(sizes, dtype=np.int64),
         np.array(mb_rank, dtype=np.int64),
-    )  # fmt: skip
+    )
 
 
 def predict_packs(flat: FlatPacks, items: Items, cost_model: CostModel):
@@ -249,9 +259,7 @@ def build_plan(
     :func:`predict_packs` of ``packs``."""
     flat_times, rank_times = times
     # Python lists once: per-element numpy indexing would dominate for thousands of micro-batches.
-    ids, toks, dens, first = (
-        a.tolist() for a in (items.sample_id, items.tokens, items.density, items.offset)
-    )
+    ids, toks, dens, first = (a.tolist() for a in (items.sample_id, items.tokens, items.density, items.offset))
     mb_times = iter(flat_times.tolist())
     ranks, offsets, kept_times, balance = [], [], [], []
     for rank in packs:
@@ -260,10 +268,13 @@ def build_plan(
             if not mb:
                 continue
             t = next(mb_times)
-            mbs.append(MicroBatch(
-                tuple([ids[i] for i in mb]), tuple([toks[i] for i in mb]),
-                tuple([dens[i] for i in mb]),
-            ))  # fmt: skip
+            mbs.append(
+                MicroBatch(
+                    tuple([ids[i] for i in mb]),
+                    tuple([toks[i] for i in mb]),
+                    tuple([dens[i] for i in mb]),
+                )
+            )
             offs.append(tuple([first[i] for i in mb]))
             ts.append(t)
         if len(ts) >= 2:
@@ -273,10 +284,7 @@ def build_plan(
         kept_times.append(tuple(ts))
     num_mb = sum(len(r) for r in ranks)
     num_tokens = int(items.tokens.sum())
-    if capacity is not None:
-        cap = capacity
-    else:
-        cap = max((mb.num_tokens for r in ranks for mb in r), default=0)
+    cap = capacity if capacity is not None else max((mb.num_tokens for r in ranks for mb in r), default=0)
     metrics = PlanMetrics(
         **time_metrics(rank_times, lower_bound, balance),
         capacity_waste=1.0 - num_tokens / (num_mb * cap) if num_mb and cap else 0.0,
@@ -287,6 +295,10 @@ def build_plan(
         **extra,
     )
     return Plan(
-        strategy, tuple(ranks), tuple(offsets), tuple(kept_times), tuple(rank_times.tolist()),
+        strategy,
+        tuple(ranks),
+        tuple(offsets),
+        tuple(kept_times),
+        tuple(rank_times.tolist()),
         metrics,
-    )  # fmt: skip
+    )

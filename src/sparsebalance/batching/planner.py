@@ -107,13 +107,9 @@ class PlanConfig:
         if self.capacity is not None and self.capacity <= 0:
             raise ValueError(f"--capacity must be >= 1, got {self.capacity}")
         if self.strategy not in STRATEGIES:
-            raise ValueError(
-                f"--strategy must be one of {', '.join(STRATEGIES)} (or all), got {self.strategy!r}"
-            )
+            raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)} (or all), got {self.strategy!r}")
         if self.overlong not in OVERLONG:
-            raise ValueError(
-                f"--overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}"
-            )
+            raise ValueError(f"--overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}")
         if self.local_search_iters is not None and self.local_search_iters < 0:
             raise ValueError(f"--local-search-iters must be >= 0, got {self.local_search_iters}")
         if self.neighbors <= 0:
@@ -161,15 +157,11 @@ def plan_batch(
     bound = _lower_bound(a.items, a.regime, config)
     if a.cp is not None:
         extra = {**a.extra, "plan_seconds": time.perf_counter() - t0}
-        return build_cp_plan(
-            config.strategy, a.cp, a.items, cost_model, config.capacity, a.overlong, extra
-        )
+        return build_cp_plan(config.strategy, a.cp, a.items, cost_model, config.capacity, a.overlong, extra)
     if "cp_bound" in a.extra:
         bound = a.extra.pop("cp_bound")
     extra = {**a.extra, "plan_seconds": time.perf_counter() - t0}
-    return build_plan(
-        config.strategy, a.packs, a.items, a.times, bound, config.capacity, a.overlong, extra
-    )
+    return build_plan(config.strategy, a.packs, a.items, a.times, bound, config.capacity, a.overlong, extra)
 
 
 @dataclass(frozen=True)
@@ -192,9 +184,7 @@ class Assignment:
     whole-document part); None otherwise."""
 
 
-def assign_batch(
-    lengths: np.ndarray, densities: np.ndarray, cost_model: CostModel, config: PlanConfig
-) -> Assignment:
+def assign_batch(lengths: np.ndarray, densities: np.ndarray, cost_model: CostModel, config: PlanConfig) -> Assignment:
     """:func:`plan_batch`'s assignment for samples ``0..N-1`` of ``lengths`` (int ``(N,)``, each
     >= 1) and ``densities`` (``(N,)`` in (0, 1]), without building the :class:`Plan`: the same
     packs, items and times as ``plan_batch([Sample(i, n) ...], ..., densities=densities)``."""
@@ -382,8 +372,7 @@ def _sab_cp(items: Items, regime: Regime, cost_model, config: PlanConfig, overlo
     if not forced:
         sab = _sab(items, regime, cost_model, config)
     sab_time = float(sab[2][1].max()) if sab is not None else np.inf
-    cp = plan_cp(items, regime, cost_model, r, iters, config.neighbors, sab_time,
-                 config.cp_degree)  # fmt: skip
+    cp = plan_cp(items, regime, cost_model, r, iters, config.neighbors, sab_time, config.cp_degree)
     if cp is not None and (forced or cp.rank_times.max() < sab_time * (1 - 1e-12)):
         extra = {"local_search_moves": cp.local_search_moves, "candidate": "cp"}
         return Assignment(cp.packs, cp.flat, items, cp.dp_times, regime, overlong, extra, cp)

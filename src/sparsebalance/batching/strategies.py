@@ -169,8 +169,7 @@ def local_search(
         for _, l, _ in lights:
             if l == h or load[l] >= cur:
                 continue
-            best = _best_exchange(ranks[h], ranks[l], h, l, costs, toks_of, sums, toks, cur,
-                                  load[l], c0, nmb)  # fmt: skip
+            best = _best_exchange(ranks[h], ranks[l], h, l, costs, toks_of, sums, toks, cur, load[l], c0, nmb)
             if best is not None:
                 break
         if best is None:
@@ -195,8 +194,7 @@ def _best_exchange(items_h, items_l, h, l, costs, toks_of, sums, toks, cur, cur_
     best_val, best = cur * (1 - 1e-12), None
     for i in items_h:
         c, t = costs[i], toks_of[i]
-        val = max(sums[h] - c + c0 * nmb(n_h - 1, toks[h] - t),
-                  sums[l] + c + c0 * nmb(n_l + 1, toks[l] + t))  # fmt: skip
+        val = max(sums[h] - c + c0 * nmb(n_h - 1, toks[h] - t), sums[l] + c + c0 * nmb(n_l + 1, toks[l] + t))
         if val < best_val:
             best_val, best = val, (i, -1, l)
     if not n_l:
@@ -211,8 +209,7 @@ def _best_exchange(items_h, items_l, h, l, costs, toks_of, sums, toks, cur, cur_
             if 0 <= p < n_l:
                 j = srt[p]
                 d_c, d_t = c - costs[j], toks_of[j] - t
-                val = max(sums[h] - d_c + c0 * nmb(n_h, toks[h] + d_t),
-                          sums[l] + d_c + c0 * nmb(n_l, toks[l] - d_t))  # fmt: skip
+                val = max(sums[h] - d_c + c0 * nmb(n_h, toks[h] + d_t), sums[l] + d_c + c0 * nmb(n_l, toks[l] - d_t))
                 if val < best_val:
                     best_val, best = val, (i, j, l)
     return best
@@ -263,9 +260,7 @@ def length_buckets(tokens: np.ndarray, num_ranks: int, regime: Regime) -> RankPa
     return packs
 
 
-def pack_balanced_ranks(
-    ranks: RankItems, key: np.ndarray, tokens: np.ndarray, regime: Regime
-) -> RankPacks:
+def pack_balanced_ranks(ranks: RankItems, key: np.ndarray, tokens: np.ndarray, regime: Regime) -> RankPacks:
     """:func:`pack_balanced` of every rank. With a fixed ``M`` the per-rank LPTs run together,
     one numpy round per item position (the j-th largest item of every rank at once), with the
     same order, tie-breaks and float additions as the per-rank heaps. O(N log N) numpy."""
@@ -306,9 +301,7 @@ def pack_balanced_ranks(
     return packs
 
 
-def pack_balanced(
-    items: list[int], key: np.ndarray, tokens: np.ndarray, regime: Regime
-) -> list[list[int]]:
+def pack_balanced(items: list[int], key: np.ndarray, tokens: np.ndarray, regime: Regime) -> list[list[int]]:
     """Split one rank's items into micro-batches with even ``key`` loads.
 
     Fixed ``M``: LPT into ``min(n, M)`` micro-batches. Capacity ``C``: best-fit decreasing on

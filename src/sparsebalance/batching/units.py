@@ -68,19 +68,23 @@ class Unit:
 
     def canonical(self) -> list:
         """What :meth:`Plan.hash` covers: slot, ranks, placement, ring and documents."""
-        docs = [[i, o, n] for i, o, n in zip(self.sample_ids, self.offsets, self.lengths,
-                                               strict=True)]  # fmt: skip
+        docs = [[i, o, n] for i, o, n in zip(self.sample_ids, self.offsets, self.lengths, strict=True)]
         return [self.slot, list(self.ranks), self.placement, self.ring, self.inner_size, docs]
 
     def to_dict(self) -> dict:
         return {
-            "slot": self.slot, "ranks": list(self.ranks), "placement": self.placement,
-            "ring": self.ring, "inner_size": self.inner_size,
-            "documents": [{"id": i, "offset": o, "length": n, "density": d}
-                          for i, o, n, d in zip(self.sample_ids, self.offsets, self.lengths,
-                                                self.densities, strict=True)],
-            "seconds": self.seconds, "comm_seconds": self.comm_seconds,
-        }  # fmt: skip
+            "slot": self.slot,
+            "ranks": list(self.ranks),
+            "placement": self.placement,
+            "ring": self.ring,
+            "inner_size": self.inner_size,
+            "documents": [
+                {"id": i, "offset": o, "length": n, "density": d}
+                for i, o, n, d in zip(self.sample_ids, self.offsets, self.lengths, self.densities, strict=True)
+            ],
+            "seconds": self.seconds,
+            "comm_seconds": self.comm_seconds,
+        }
 
 
 def check_units(

@@ -67,16 +67,14 @@ def pack_lengths(total: int, case: str) -> list[int]:
     return out
 
 
-def check_sizes(seq_lens, heads: int, kv_heads: int, head_dim: int, block: int, device,
-                timed: bool = True) -> None:  # fmt: skip
+def check_sizes(seq_lens, heads: int, kv_heads: int, head_dim: int, block: int, device, timed: bool = True) -> None:
     """Refuse, before allocating, a length whose tensors or layouts cannot fit: the layouts are
     drawn on the host (priorities, ranks: ~32 bytes per head and block pair), q/k/v, their
     gradients, the expanded K/V and the outputs live on ``device`` (4-byte estimate); timed on
     the CPU, the dense baseline's attention holds a ``T x T`` score matrix per head."""
     t = max(seq_lens)
     nb = -(-t // block)
-    check_memory("--seq-lens", f"bench-attn at T={t} ({heads} heads, {nb} blocks)",
-                 32 * heads * nb * nb)  # fmt: skip
+    check_memory("--seq-lens", f"bench-attn at T={t} ({heads} heads, {nb} blocks)", 32 * heads * nb * nb)
     need = 4 * t * head_dim * (6 * heads + 4 * kv_heads) + 20 * heads * nb * nb
     if torch.device(device).type == "cuda":
         free, _ = torch.cuda.mem_get_info(torch.device(device))
@@ -88,16 +86,21 @@ def check_sizes(seq_lens, heads: int, kv_heads: int, head_dim: int, block: int, 
     else:
         if timed:  # SDPA on the CPU (grouped-query heads) materialises the scores
             need += 4 * heads * t * t
-        check_memory("--seq-lens", f"bench-attn at T={t}" + (
-            " (timed: dense attention's scores on the CPU; --counts-only counts without them)"
-            if timed else ""), need)  # fmt: skip
+        check_memory(
+            "--seq-lens",
+            f"bench-attn at T={t}"
+            + (" (timed: dense attention's scores on the CPU; --counts-only counts without them)" if timed else ""),
+            need,
+        )
 
 
 def _inputs(lengths, heads, kv_heads, head_dim, device, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     total = sum(lengths)
-    q, k, v = (torch.randn(total, h, head_dim, generator=g).to(device, dtype).requires_grad_()
-               for h in (heads, kv_heads, kv_heads))  # fmt: skip
+    q, k, v = (
+        torch.randn(total, h, head_dim, generator=g).to(device, dtype).requires_grad_()
+        for h in (heads, kv_heads, kv_heads)
+    )
     grad = torch.randn(total, heads, head_dim, generator=g).to(device, dtype)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     return q, k, v, grad, cu.to(device)
@@ -110,8 +113,9 @@ def _baseline(q, k, v, grad, cu, lengths, scale):
 
     def sdpa(qd, kd, vd):
         qt, kt, vt = (x.transpose(0, 1)[None] for x in (qd, kd, vd))
-        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
-                                              enable_gqa=True)[0].transpose(0, 1)  # fmt: skip
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(
+            0, 1
+        )
 
     if len(lengths) == 1:
 
@@ -144,22 +148,26 @@ def measure_case(total, case, args, backend, timer, device, dtype) -> dict:
         k_blocks = int(np.ceil(topk_for_density(total, density, block)[()]))
     else:
         k_blocks = 1 if case.startswith("docs") else PACK_BUDGET_TOKENS // block
-        layout = select_blocks(q.detach(), k.detach(), cu, Budget(top_k=k_blocks), block,
-                               pack=pack)  # fmt: skip
+        layout = select_blocks(q.detach(), k.detach(), cu, Budget(top_k=k_blocks), block, pack=pack)
     budget = Budget(top_k=k_blocks)
-    counts = count_layer(q, k, v, cu, lengths, budget, block, backend, device,
-                         run_kernels=not args.counts_only)  # fmt: skip
-    row = {"seq_len": total, "case": case, "backend": backend, "gqa": args.gqa,
-           "target_density": float(case[2:]) if case.startswith("d=") else None,
-           "num_docs": len(lengths), "density": round(layout.density(), 4),
-           "dense_docs": sum(layout.dense_docs or ()), **counts}  # fmt: skip
+    counts = count_layer(q, k, v, cu, lengths, budget, block, backend, device, run_kernels=not args.counts_only)
+    row = {
+        "seq_len": total,
+        "case": case,
+        "backend": backend,
+        "gqa": args.gqa,
+        "target_density": float(case[2:]) if case.startswith("d=") else None,
+        "num_docs": len(lengths),
+        "density": round(layout.density(), 4),
+        "dense_docs": sum(layout.dense_docs or ()),
+        **counts,
+    }
     if args.counts_only:
         return {**row, **dict.fromkeys(TIMED)}
     t_select = timer(lambda: select_blocks(q.detach(), k.detach(), cu, budget, block, pack=pack))
 
     def fresh_mask():  # what one layer pays once: the kernel's index form, block tables included
-        fresh = BlockLayout(layout.block_mask, PackIndex.build(cu, block, lengths).to(device),
-                            heads, layout.dense_docs)  # fmt: skip
+        fresh = BlockLayout(layout.block_mask, PackIndex.build(cu, block, lengths).to(device), heads, layout.dense_docs)
         if backend == "flex":
             _flex_mask(fresh, heads, kv_heads, d, args.gqa)
         else:
@@ -178,17 +186,32 @@ def measure_case(total, case, args, backend, timer, device, dtype) -> dict:
     with torch.no_grad():
         b_fwd = timer(base_fwd)
     b_fb = timer(base_fb)
-    row.update({
-        "select_s": t_select, "mask_s": t_mask, "fwd_s": t_fwd, "fwd_bwd_s": t_fb,
-        "bwd_s": None, "base_fwd_s": b_fwd, "base_fwd_bwd_s": b_fb,
-        "base_bwd_s": max(b_fb - b_fwd, 0.0), "fwd_ratio": t_fwd / b_fwd, "bwd_ratio": None,
-        "ratio": None, "layer_ratio": None, "overhead_share": None,
-    })  # fmt: skip
+    row.update(
+        {
+            "select_s": t_select,
+            "mask_s": t_mask,
+            "fwd_s": t_fwd,
+            "fwd_bwd_s": t_fb,
+            "bwd_s": None,
+            "base_fwd_s": b_fwd,
+            "base_fwd_bwd_s": b_fb,
+            "base_bwd_s": max(b_fb - b_fwd, 0.0),
+            "fwd_ratio": t_fwd / b_fwd,
+            "bwd_ratio": None,
+            "ratio": None,
+            "layer_ratio": None,
+            "overhead_share": None,
+        }
+    )
     if t_fb is not None:  # the backward's parts
         sparse = t_select + t_mask + t_fb
-        row.update(bwd_s=max(t_fb - t_fwd, 0.0), ratio=t_fb / b_fb, layer_ratio=sparse / b_fb,
-                   bwd_ratio=_ratio(t_fb - t_fwd, b_fb - b_fwd, b_fb),
-                   overhead_share=(t_select + t_mask) / sparse)  # fmt: skip
+        row.update(
+            bwd_s=max(t_fb - t_fwd, 0.0),
+            ratio=t_fb / b_fb,
+            layer_ratio=sparse / b_fb,
+            bwd_ratio=_ratio(t_fb - t_fwd, b_fb - b_fwd, b_fb),
+            overhead_share=(t_select + t_mask) / sparse,
+        )
     return row
 
 
@@ -210,8 +233,9 @@ TIMED = (
 """A row's timed fields (None under ``--counts-only``)."""
 
 
-def count_layer(q, k, v, cu, lengths, budget: Budget, block: int, backend: str, device,
-                run_kernels: bool = True) -> dict:  # fmt: skip
+def count_layer(
+    q, k, v, cu, lengths, budget: Budget, block: int, backend: str, device, run_kernels: bool = True
+) -> dict:
     """One training layer's launches around the kernel and host reads (see the module
     docstring): ``ops_per_layer`` with ``budget`` fixed, ``ops_per_layer_dst`` with DST's layer
     controller cutting it (the coverage bound decided as on a GPU for flex), the larger number of
@@ -283,20 +307,16 @@ def _flex_mask(layout, heads, kv_heads, head_dim, gqa) -> None:
 
 
 TARGETS = (
-    ("launches per layer around the kernel (budget fixed): <= 40", None, None, "ops_per_layer",
-     40),
-    ("launches per layer around the kernel (DST cutting): <= 40", None, None,
-     "ops_per_layer_dst", 40),
+    ("launches per layer around the kernel (budget fixed): <= 40", None, None, "ops_per_layer", 40),
+    ("launches per layer around the kernel (DST cutting): <= 40", None, None, "ops_per_layer_dst", 40),
     ("host reads per layer: 0", None, None, "host_reads_per_layer", 0),
     ("d=0.05 at 32K: fwd+bwd <= 0.25x SDPA", 32768, "d=0.05", "ratio", 0.25),
     ("d=0.05 at 128K: fwd+bwd <= 0.12x SDPA", 131072, "d=0.05", "ratio", 0.12),
     ("d=0.1 at 32K: fwd+bwd <= 0.30x SDPA", 32768, "d=0.1", "ratio", 0.30),
     ("d=1 (every block kept): <= 1.1x SDPA", None, "d=1", "ratio", 1.10),
-    ("packs of documents <= 4K, every part: <= 1.1x dense varlen", None, "short", "layer_ratio",
-     1.10),
-    ("selection + mask at 32K, d=0.05: <= 10 % of the sparse call", 32768, "d=0.05",
-     "overhead_share", 0.10),
-)  # fmt: skip
+    ("packs of documents <= 4K, every part: <= 1.1x dense varlen", None, "short", "layer_ratio", 1.10),
+    ("selection + mask at 32K, d=0.05: <= 10 % of the sparse call", 32768, "d=0.05", "overhead_share", 0.10),
+)
 """Issues 36 and 42's targets: (text, T or None for every T measured, case or None for every
 case, row field, bound)."""
 
@@ -307,11 +327,16 @@ def check_targets(rows: list[dict]) -> list[dict]:
     documents launches what a pack of 4 does."""
     out = []
     for text, t, case, field, bound in TARGETS:
-        hits = [r for r in rows if r["backend"] == "flex" and case in (None, r["case"])
-                and (t is None or r["seq_len"] == t) and r.get(field) is not None]  # fmt: skip
+        hits = [
+            r
+            for r in rows
+            if r["backend"] == "flex"
+            and case in (None, r["case"])
+            and (t is None or r["seq_len"] == t)
+            and r.get(field) is not None
+        ]
         values = [r[field] for r in hits]
-        out.append({"target": text, "measured": values,
-                    "met": None if not values else all(x <= bound for x in values)})  # fmt: skip
+        out.append({"target": text, "measured": values, "met": None if not values else all(x <= bound for x in values)})
     pairs = [
         (a, b)
         for a in rows
@@ -323,8 +348,11 @@ def check_targets(rows: list[dict]) -> list[dict]:
         and a["dense_docs"] == b["dense_docs"] == 0
     ]  # both packs wholly selected
     same = [a[f] == b[f] for a, b in pairs for f in ("ops_per_layer", "ops_per_layer_dst")]
-    out.append({"target": "launches per layer: a pack of 64 documents as one of 4",
-                "measured": [(a[f], b[f]) for a, b in pairs
-                             for f in ("ops_per_layer", "ops_per_layer_dst")],
-                "met": None if not pairs else all(same)})  # fmt: skip
+    out.append(
+        {
+            "target": "launches per layer: a pack of 64 documents as one of 4",
+            "measured": [(a[f], b[f]) for a, b in pairs for f in ("ops_per_layer", "ops_per_layer_dst")],
+            "met": None if not pairs else all(same),
+        }
+    )
     return out

@@ -50,17 +50,45 @@ def run_benchmark(args: argparse.Namespace) -> dict:
 
 
 def format_table(rows: list[dict], targets: list[dict] | None = None) -> str:
-    headers = ["T", "case", "backend", "density", "dense docs", "select", "mask", "fwd", "bwd",
-               "fwd+bwd", "layer (all parts)", "select+mask share", "SDPA fwd+bwd s",
-               "launches / layer", "DST launches / layer", "host reads / layer"]  # fmt: skip
+    headers = [
+        "T",
+        "case",
+        "backend",
+        "density",
+        "dense docs",
+        "select",
+        "mask",
+        "fwd",
+        "bwd",
+        "fwd+bwd",
+        "layer (all parts)",
+        "select+mask share",
+        "SDPA fwd+bwd s",
+        "launches / layer",
+        "DST launches / layer",
+        "host reads / layer",
+    ]
     body = [
-        [r["seq_len"], r["case"], r["backend"], r["density"], f"{r['dense_docs']}/{r['num_docs']}",
-         _part(r, "select_s"), _part(r, "mask_s"), _shown(r["fwd_ratio"]),
-         _shown(r["bwd_ratio"]), _shown(r["ratio"]), _shown(r["layer_ratio"]),
-         _shown(r["overhead_share"]), _shown(r["base_fwd_bwd_s"]), r["ops_per_layer"],
-         r["ops_per_layer_dst"], r["host_reads_per_layer"]]
+        [
+            r["seq_len"],
+            r["case"],
+            r["backend"],
+            r["density"],
+            f"{r['dense_docs']}/{r['num_docs']}",
+            _part(r, "select_s"),
+            _part(r, "mask_s"),
+            _shown(r["fwd_ratio"]),
+            _shown(r["bwd_ratio"]),
+            _shown(r["ratio"]),
+            _shown(r["layer_ratio"]),
+            _shown(r["overhead_share"]),
+            _shown(r["base_fwd_bwd_s"]),
+            r["ops_per_layer"],
+            r["ops_per_layer_dst"],
+            r["host_reads_per_layer"],
+        ]
         for r in rows
-    ]  # fmt: skip
+    ]
     table = markdown_table(headers, body)
     note = (
         "\n\nEach part is a ratio to the same run's dense baseline (select, mask: to its "
@@ -72,9 +100,15 @@ def format_table(rows: list[dict], targets: list[dict] | None = None) -> str:
     )
     if not targets:
         return table + note
-    lines = [f"- {t['target']}: " + ("not measured" if t["met"] is None else
-             ", ".join(_value(x) for x in t["measured"]) + (" — met" if t["met"] else " — missed"))
-             for t in targets]  # fmt: skip
+    lines = [
+        f"- {t['target']}: "
+        + (
+            "not measured"
+            if t["met"] is None
+            else ", ".join(_value(x) for x in t["measured"]) + (" — met" if t["met"] else " — missed")
+        )
+        for t in targets
+    ]
     return table + note + "\n\nTargets (issues 36 and 42, flex rows only):\n" + "\n".join(lines)
 
 
@@ -90,44 +124,66 @@ def _part(row: dict, field: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seq-lens", type=_int_list, default=None,
-                   help="comma-separated T, e.g. 16k,32k (default: 16k,32k,64k,128k on CUDA, "
-                        "2k,4k on CPU)")  # fmt: skip
-    p.add_argument("--densities", type=_float_list, default=None,
-                   help="one-document cases, each in (0, 1] (default: 1,0.25,0.1,0.05; with "
-                        "--quick 1,0.05)")  # fmt: skip
-    p.add_argument("--packs", type=_name_list, default=None,
-                   help="packed cases: mixed (one long document, many short), short (documents "
-                        "<= 4K), docs4 / docs64 (4 / 64 selected documents) or none (default: "
-                        "all four)")  # fmt: skip
+    p.add_argument(
+        "--seq-lens",
+        type=_int_list,
+        default=None,
+        help="comma-separated T, e.g. 16k,32k (default: 16k,32k,64k,128k on CUDA, 2k,4k on CPU)",
+    )
+    p.add_argument(
+        "--densities",
+        type=_float_list,
+        default=None,
+        help="one-document cases, each in (0, 1] (default: 1,0.25,0.1,0.05; with --quick 1,0.05)",
+    )
+    p.add_argument(
+        "--packs",
+        type=_name_list,
+        default=None,
+        help="packed cases: mixed (one long document, many short), short (documents "
+        "<= 4K), docs4 / docs64 (4 / 64 selected documents) or none (default: "
+        "all four)",
+    )
     p.add_argument("--heads", type=int, default=14, help="query heads Hq")
-    p.add_argument("--kv-heads", type=int, default=2,
-                   help="key/value heads Hkv, Hq %% Hkv == 0 "
-                        "(default: 2, as Qwen2.5-0.5B)")  # fmt: skip
+    p.add_argument(
+        "--kv-heads", type=int, default=2, help="key/value heads Hkv, Hq %% Hkv == 0 (default: 2, as Qwen2.5-0.5B)"
+    )
     p.add_argument("--head-dim", type=int, default=64, help="head dimension D")
-    p.add_argument("--block-size", type=int, default=None,
-                   help="sparse block in tokens (default: 128 on CUDA, 64 on CPU)")  # fmt: skip
-    p.add_argument("--backends", type=_name_list, default=None,
-                   help="comma-separated backends (default: every available one except "
-                        "reference)")  # fmt: skip
-    p.add_argument("--gqa", default="expand", choices=GQA_MODES,
-                   help="flex's grouped-query attention: expand K/V "
-                        "or native")  # fmt: skip
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu | cuda (default: cuda when available, else cpu)")  # fmt: skip
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="compute dtype (default: fp32 on CPU, bf16 on CUDA)")  # fmt: skip
+    p.add_argument(
+        "--block-size", type=int, default=None, help="sparse block in tokens (default: 128 on CUDA, 64 on CPU)"
+    )
+    p.add_argument(
+        "--backends",
+        type=_name_list,
+        default=None,
+        help="comma-separated backends (default: every available one except reference)",
+    )
+    p.add_argument(
+        "--gqa", default="expand", choices=GQA_MODES, help="flex's grouped-query attention: expand K/V or native"
+    )
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu | cuda (default: cuda when available, else cpu)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="compute dtype (default: fp32 on CPU, bf16 on CUDA)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="timed runs; the median is kept")  # fmt: skip
-    p.add_argument("--counts-only", action="store_true",
-                   help="count a training layer's launches and host reads only: no timing, "
-                        "the kernels not run (a GPU's sizes on any machine)")  # fmt: skip
-    p.add_argument("--quick", action="store_true",
-                   help="T=2048 (32K on CUDA), densities 1,0.05 unless given, "
-                        "no results file")  # fmt: skip
-    p.add_argument("--out", default="benchmarks/results",
-                   help="results folder ('' to write nothing)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is kept")
+    p.add_argument(
+        "--counts-only",
+        action="store_true",
+        help="count a training layer's launches and host reads only: no timing, "
+        "the kernels not run (a GPU's sizes on any machine)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="T=2048 (32K on CUDA), densities 1,0.05 unless given, no results file"
+    )
+    p.add_argument("--out", default="benchmarks/results", help="results folder ('' to write nothing)")
     p.add_argument("--json", action="store_true", help="print only JSON to stdout")
 
 
@@ -149,8 +205,9 @@ def prepare_args(args: argparse.Namespace) -> argparse.Namespace:
     if "flex" in backends:
         check_flex_block_size(args.block_size, args.device)
     if min(args.heads, args.kv_heads, args.head_dim) < 1 or args.heads % args.kv_heads:
-        raise ValueError(f"--heads ({args.heads}) must be a positive multiple of --kv-heads "
-                         f"({args.kv_heads}); --head-dim >= 1")  # fmt: skip
+        raise ValueError(
+            f"--heads ({args.heads}) must be a positive multiple of --kv-heads ({args.kv_heads}); --head-dim >= 1"
+        )
     if any(not 0.0 < d <= 1.0 for d in args.densities):  # also rejects nan
         raise ValueError(f"--densities must lie in (0, 1], got {args.densities}")
     if bad := [p for p in args.packs if p not in PACK_CASES]:
@@ -158,10 +215,16 @@ def prepare_args(args: argparse.Namespace) -> argparse.Namespace:
     if any(t <= 0 for t in args.seq_lens) or args.block_size <= 0:
         raise ValueError("--seq-lens and --block-size must be positive")
     if args.repeats < 1 or args.warmup < 0:
-        raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats}, "
-                         f"{args.warmup}")  # fmt: skip
-    check_sizes(args.seq_lens, args.heads, args.kv_heads, args.head_dim, args.block_size,
-                args.device, timed=not args.counts_only)  # fmt: skip
+        raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats}, {args.warmup}")
+    check_sizes(
+        args.seq_lens,
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+        args.block_size,
+        args.device,
+        timed=not args.counts_only,
+    )
     return args
 
 
@@ -183,9 +246,7 @@ def _value(x) -> str:
 
 
 def _int_list(s: str) -> list[int]:
-    return [
-        int(x.lower().replace("k", "")) * (1024 if "k" in x.lower() else 1) for x in s.split(",")
-    ]
+    return [int(x.lower().replace("k", "")) * (1024 if "k" in x.lower() else 1) for x in s.split(",")]
 
 
 def _float_list(s: str) -> list[float]:

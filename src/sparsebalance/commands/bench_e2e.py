@@ -34,15 +34,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "sab+cp, sab+cp+dst: hybrid data x context parallel, long documents trained whole)",
     )
     add_nproc_argument(p)
-    p.add_argument("--results-dir", default="benchmarks/results",
-                   help="folder of the dated results file ('' to write nothing)")  # fmt: skip
+    p.add_argument(
+        "--results-dir", default="benchmarks/results", help="folder of the dated results file ('' to write nothing)"
+    )
     p.add_argument(
         "--reuse-runs",
         action="store_true",
         help="report the runs already in --out instead of training again",
     )
     p.add_argument("--json", action="store_true", help="print only JSON to stdout")
-    add_train_arguments(p)  # fmt: skip
+    add_train_arguments(p)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -76,8 +77,12 @@ def main(args: argparse.Namespace) -> int:
         f" Load average (1, 5, 15 min) before the runs {_load(load_before)}, after "
         f"{_load(load_after)}."
     )
-    result = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "strategies": payload,
-              "load_before": load_before, "load_after": load_after}  # fmt: skip
+    result = {
+        "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "strategies": payload,
+        "load_before": load_before,
+        "load_after": load_after,
+    }
     if hybrid:
         # the same prediction with the ring terms as the profile gives them (not recalibrated):
         # what the measured CP units taught the model
@@ -94,12 +99,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
-        print(
-            table
-            + "\n\n"
-            + notes
-            + (f"\n\nwrote {result['results_file']}" if args.results_dir else "")
-        )
+        print(table + "\n\n" + notes + (f"\n\nwrote {result['results_file']}" if args.results_dir else ""))
     return 0
 
 
@@ -107,13 +107,15 @@ def _load(avg) -> str:
     return " / ".join(f"{x:.2f}" for x in avg)
 
 
-def _hybrid_notes(
-    cfg, rows: dict, hybrid: list[str], cost: dict, uncalibrated: dict[str, float]
-) -> tuple[str, dict]:
+def _hybrid_notes(cfg, rows: dict, hybrid: list[str], cost: dict, uncalibrated: dict[str, float]) -> tuple[str, dict]:
     """The hybrid rows against whole-document SAB: measured speed-up, predicted speed-up and the
     prediction's error, with and without the recalibrated ring terms (JSON-ready as well)."""
-    out = {"overlong": cfg.overlong, "capacity": cfg.capacity, "context_cost": cost,
-           "prediction_error_ring_terms_as_profiled": uncalibrated}  # fmt: skip
+    out = {
+        "overlong": cfg.overlong,
+        "capacity": cfg.capacity,
+        "context_cost": cost,
+        "prediction_error_ring_terms_as_profiled": uncalibrated,
+    }
     whole = ", ".join(n for n in rows if n not in hybrid)
     lines = [
         f"Hybrid rows: ``sab-cp`` trains documents longer than the capacity ({cfg.capacity} "
@@ -134,9 +136,12 @@ def _hybrid_notes(
             measured = base["mean_step_s"] / r["mean_step_s"]
             compute = base["mean_max_compute_s"] / r["mean_max_compute_s"]
             predicted = base["predicted_step_s"] / r["predicted_step_s"]
-            out[name] = {"speedup_over_sab": measured, "compute_speedup_over_sab": compute,
-                         "predicted_speedup_over_sab": predicted,
-                         "prediction_error": r["prediction_error"]}  # fmt: skip
+            out[name] = {
+                "speedup_over_sab": measured,
+                "compute_speedup_over_sab": compute,
+                "predicted_speedup_over_sab": predicted,
+                "prediction_error": r["prediction_error"],
+            }
             lines.append(
                 f"{name} over whole-document sab: measured speed-up {measured:.2f}x (step), "
                 f"{compute:.2f}x (slowest-rank compute); predicted {predicted:.2f}x; the "

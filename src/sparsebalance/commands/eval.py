@@ -73,47 +73,71 @@ def parse_depths(text: str) -> list[float]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="built-in name, HF dir, checkpoint or run dir")
-    p.add_argument("--task", required=True, choices=TASK_CHOICES,
-                   help="synthetic task, longbench (--data) or ppl (perplexity)")  # fmt: skip
-    p.add_argument("--lengths", type=parse_lengths, default=[1024, 2048, 4096],
-                   help="e.g. 1k,2k,4k (longbench: max prompt tokens)")  # fmt: skip
-    p.add_argument("--attn", choices=["dense", "sparse"], default="sparse",
-                   help="sparse: the block-sparse op at one budget; dense: gamma 1.0, "
-                   "exact attention")  # fmt: skip
+    p.add_argument(
+        "--task", required=True, choices=TASK_CHOICES, help="synthetic task, longbench (--data) or ppl (perplexity)"
+    )
+    p.add_argument(
+        "--lengths", type=parse_lengths, default=[1024, 2048, 4096], help="e.g. 1k,2k,4k (longbench: max prompt tokens)"
+    )
+    p.add_argument(
+        "--attn",
+        choices=["dense", "sparse"],
+        default="sparse",
+        help="sparse: the block-sparse op at one budget; dense: gamma 1.0, exact attention",
+    )
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--top-k", type=int, default=None,
-                        help="sparse budget: key blocks per query (MoBA top-k)")  # fmt: skip
-    budget.add_argument("--budget-tokens", type=int, default=None,
-                        help="sparse budget in tokens attended: top-k with k = tokens / block "
-                        f"size (default: {DEFAULT_BUDGET_TOKENS}, the trainer's)")  # fmt: skip
-    budget.add_argument("--gamma", type=float, default=None,
-                        help="sparse budget by the threshold rule: the fewest blocks whose "
-                        "estimated mass reaches gamma, in (0, 1]")  # fmt: skip
+    budget.add_argument("--top-k", type=int, default=None, help="sparse budget: key blocks per query (MoBA top-k)")
+    budget.add_argument(
+        "--budget-tokens",
+        type=int,
+        default=None,
+        help="sparse budget in tokens attended: top-k with k = tokens / block "
+        f"size (default: {DEFAULT_BUDGET_TOKENS}, the trainer's)",
+    )
+    budget.add_argument(
+        "--gamma",
+        type=float,
+        default=None,
+        help="sparse budget by the threshold rule: the fewest blocks whose estimated mass reaches gamma, in (0, 1]",
+    )
     p.add_argument("--num-examples", type=int, default=20, help="examples per length (and depth)")
-    p.add_argument("--depths", type=parse_depths, default=None,
-                   help="needle depths, e.g. 0,0.25,0.5,0.75,1 (default: 5 for niah/passkey, "
-                   "random for vt/kv)")  # fmt: skip
+    p.add_argument(
+        "--depths",
+        type=parse_depths,
+        default=None,
+        help="needle depths, e.g. 0,0.25,0.5,0.75,1 (default: 5 for niah/passkey, random for vt/kv)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the generated examples")
     p.add_argument("--data", default=None, help="longbench jsonl file/dir; ppl text/jsonl")
     p.add_argument("--prompts", default=None, help="longbench templates (dataset2prompt format)")
-    p.add_argument("--truncation", choices=TRUNCATIONS, default=TRUNCATIONS[0],
-                   help="longbench middle truncation: text = official (decode both halves, join, "
-                   "re-tokenize), tokens = keep the token ids")  # fmt: skip
-    p.add_argument("--code-sim-backend", choices=CODE_SIM_BACKENDS, default=CODE_SIM_BACKENDS[0],
-                   help="longbench lcc / repobench-p fuzz.ratio: difflib = official requirements' "
-                   "fuzzywuzzy, rapidfuzz = fuzzywuzzy with python-Levenshtein")  # fmt: skip
+    p.add_argument(
+        "--truncation",
+        choices=TRUNCATIONS,
+        default=TRUNCATIONS[0],
+        help="longbench middle truncation: text = official (decode both halves, join, "
+        "re-tokenize), tokens = keep the token ids",
+    )
+    p.add_argument(
+        "--code-sim-backend",
+        choices=CODE_SIM_BACKENDS,
+        default=CODE_SIM_BACKENDS[0],
+        help="longbench lcc / repobench-p fuzz.ratio: difflib = official requirements' "
+        "fuzzywuzzy, rapidfuzz = fuzzywuzzy with python-Levenshtein",
+    )
     p.add_argument("--max-windows", type=int, default=32, help="ppl windows per length")
     p.add_argument("--base", default=None, help="base model of a trainer checkpoint")
     p.add_argument("--vocab-map", default=None, help="JSON {tokenizer id: model id}")
     p.add_argument("--tokenizer", default=None, help="local HF tokenizer dir (default: Qwen2.5's)")
-    p.add_argument("--block-size", type=int, default=None,
-                   help="sparse block in tokens (default: 128 on CUDA, 64 on CPU)")  # fmt: skip
     p.add_argument(
-        "--backend", default="auto", help="attention backend: auto | torch | flex | reference"
+        "--block-size", type=int, default=None, help="sparse block in tokens (default: 128 on CUDA, 64 on CPU)"
     )
+    p.add_argument("--backend", default="auto", help="attention backend: auto | torch | flex | reference")
     p.add_argument("--pack-tokens", type=int, default=16384, help="tokens per forward")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu | cuda (default: cuda when available, else cpu)")  # fmt: skip
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu | cuda (default: cuda when available, else cpu)",
+    )
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="model dtype")
     p.add_argument("--out", default=None, help="folder for result JSON (+ heatmap PNG)")
     p.add_argument("--json", action="store_true", help="print only JSON to stdout")
@@ -138,8 +162,7 @@ def check_args(args: argparse.Namespace) -> Budget:
     if args.backend in ("auto", "flex"):
         check_flex_block_size(args.block_size, args.device)
     if args.attn == "dense":
-        for flag, value in (("--top-k", args.top_k), ("--budget-tokens", args.budget_tokens),
-                            ("--gamma", args.gamma)):  # fmt: skip
+        for flag, value in (("--top-k", args.top_k), ("--budget-tokens", args.budget_tokens), ("--gamma", args.gamma)):
             if value is not None and (flag, value) != ("--gamma", 1.0):
                 raise ValueError(f"{flag} is for --attn sparse; --attn dense is exact attention")
         return Budget(gamma=1.0)
@@ -180,8 +203,9 @@ def check_sizes(args: argparse.Namespace, model) -> None:
     tokens, size = max(longest, args.pack_tokens), DTYPES[args.dtype].itemsize
     need = memory.inference_peak_bytes(tokens, size, args.block_size)
     need -= memory.num_params() * size  # the weights are loaded already
-    check_device_memory("--lengths / --pack-tokens", f"a forward of {tokens:,} tokens", need,
-                        next(model.parameters()).device)  # fmt: skip
+    check_device_memory(
+        "--lengths / --pack-tokens", f"a forward of {tokens:,} tokens", need, next(model.parameters()).device
+    )
 
 
 def describe(budget: Budget) -> str:
@@ -198,17 +222,22 @@ def run(args: argparse.Namespace) -> dict:
     from ..evaluation import HFRunner
     from ..train.weights import load_trained_model
 
-    model, vocab_map = load_trained_model(
-        args.model, args.device, DTYPES[args.dtype], args.base, args.vocab_map
-    )
+    model, vocab_map = load_trained_model(args.model, args.device, DTYPES[args.dtype], args.base, args.vocab_map)
     check_sizes(args, model)
     vocab_size = model.get_input_embeddings().num_embeddings
     encode, decode, eos = make_codec(load_tokenizer(args.tokenizer), vocab_map, vocab_size)
     runner = HFRunner(model, block_size=args.block_size, backend=args.backend, budget=budget)
-    result = {"model": args.model, "task": args.task, "attn": args.attn,
-              "budget": describe(budget), "gamma": budget.gamma, "top_k": budget.top_k,
-              "block_size": args.block_size, "lengths": args.lengths,
-              "seed": args.seed}  # fmt: skip
+    result = {
+        "model": args.model,
+        "task": args.task,
+        "attn": args.attn,
+        "budget": describe(budget),
+        "gamma": budget.gamma,
+        "top_k": budget.top_k,
+        "block_size": args.block_size,
+        "lengths": args.lengths,
+        "seed": args.seed,
+    }
     show = not args.json and sys.stderr.isatty()
     if args.task in SYNTHETIC:
         result.update(_synthetic(args, runner, encode, show))
@@ -216,9 +245,7 @@ def run(args: argparse.Namespace) -> dict:
         result.update(_ppl(args, runner, encode, eos, show))
     else:
         result.update(_longbench(args, runner, encode, decode, eos, show))
-    result["mean_density"] = (
-        sum(runner.densities) / len(runner.densities) if runner.densities else None
-    )
+    result["mean_density"] = sum(runner.densities) / len(runner.densities) if runner.densities else None
     return result
 
 
@@ -230,8 +257,9 @@ def _synthetic(args, runner, encode, show) -> dict:
         depths = [0.0, 0.25, 0.5, 0.75, 1.0]
     total = len(args.lengths) * len(depths or [None]) * args.num_examples
     with tqdm(total=total, desc=f"eval {args.task}", file=sys.stderr, disable=not show) as bar:
-        scores = evaluate_task(runner, args.task, args.lengths, encode, args.num_examples,
-                               depths, args.seed, args.pack_tokens, bar.update)  # fmt: skip
+        scores = evaluate_task(
+            runner, args.task, args.lengths, encode, args.num_examples, depths, args.seed, args.pack_tokens, bar.update
+        )
     summary = summarize(scores, None if depths is not None else 5)[args.task]
     out = {"summary": summary}
     if args.out and depths is not None:
@@ -252,8 +280,7 @@ def _ppl(args, runner, encode, eos, show) -> dict:
         texts = [ex.text for ex in mix]
     total = len(args.lengths) * args.max_windows
     with tqdm(total=total, desc="eval ppl", file=sys.stderr, disable=not show) as bar:
-        res = perplexity(runner, texts, encode, args.lengths, eos, args.max_windows,
-                         args.pack_tokens, bar.update)  # fmt: skip
+        res = perplexity(runner, texts, encode, args.lengths, eos, args.max_windows, args.pack_tokens, bar.update)
     return {"perplexity": res}
 
 
@@ -271,12 +298,19 @@ def _longbench(args, runner, encode, decode, eos, show) -> dict:
         def bar(items, n=n):
             return tqdm(items, desc=f"longbench {n}", file=sys.stderr, disable=not show)
 
-        res = evaluate_longbench(records, gen, encode, decode, n, templates, progress=bar,
-                                 truncation=args.truncation,
-                                 code_sim_backend=args.code_sim_backend)  # fmt: skip
+        res = evaluate_longbench(
+            records,
+            gen,
+            encode,
+            decode,
+            n,
+            templates,
+            progress=bar,
+            truncation=args.truncation,
+            code_sim_backend=args.code_sim_backend,
+        )
         per_length[str(n)] = res.to_dict()
-    return {"longbench": per_length, "truncation": args.truncation,
-            "code_sim_backend": args.code_sim_backend}  # fmt: skip
+    return {"longbench": per_length, "truncation": args.truncation, "code_sim_backend": args.code_sim_backend}
 
 
 def format_table(result: dict) -> str:
@@ -284,8 +318,7 @@ def format_table(result: dict) -> str:
     head = f"{result['task']} | attn {result['attn']} ({result['budget']})"
     if "summary" in result:
         s = result["summary"]
-        rows = [[n, v["accuracy"], v["token_accuracy"], v["count"]]
-                for n, v in s["by_length"].items()]  # fmt: skip
+        rows = [[n, v["accuracy"], v["token_accuracy"], v["count"]] for n, v in s["by_length"].items()]
         text = markdown_table(["length", "exact match", "token acc", "n"], rows)
         if s["by_depth"]:
             rows = [[d, v["accuracy"], v["count"]] for d, v in s["by_depth"].items()]
@@ -296,8 +329,11 @@ def format_table(result: dict) -> str:
         rows = [[n, v["ppl"], v["nll"], v["tokens"]] for n, v in result["perplexity"].items()]
         text = markdown_table(["length", "ppl", "nll", "tokens"], rows)
     else:
-        rows = [[n, name, score] for n, r in result["longbench"].items()
-                for name, score in [*r["scores"].items(), ("average", r["average"])]]  # fmt: skip
+        rows = [
+            [n, name, score]
+            for n, r in result["longbench"].items()
+            for name, score in [*r["scores"].items(), ("average", r["average"])]
+        ]
         text = markdown_table(["max length", "dataset", "score"], rows)
     return f"{head}\n\n{text}"
 
@@ -305,7 +341,6 @@ def format_table(result: dict) -> str:
 def main(args: argparse.Namespace) -> int:
     result = run(args)
     if args.out:
-        write_text_atomic(Path(args.out) / f"eval-{args.task}-{args.attn}.json",
-                          json.dumps(result, indent=2))  # fmt: skip
+        write_text_atomic(Path(args.out) / f"eval-{args.task}-{args.attn}.json", json.dumps(result, indent=2))
     print(json.dumps(result) if args.json else format_table(result))
     return 0

@@ -85,10 +85,7 @@ def main(args: argparse.Namespace) -> int:
     if not devices or min(devices) < 1:
         raise ValueError(f"--devices must be positive integers, got {args.devices!r}")
     coeffs = _coefficients(args)
-    if args.memory_budget is not None:
-        budget = parse_bytes(args.memory_budget)
-    else:
-        budget = with_budget_fraction(coeffs)
+    budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else with_budget_fraction(coeffs)
     shapes = load_shapes(args.model)
     model = MemoryModel(shapes, coeffs)
     base = {"block_size": args.block_size, "density": args.density}

@@ -64,19 +64,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches per rank")
     group.add_argument(
-        "--capacity", metavar="C",
+        "--capacity",
+        metavar="C",
         help="tokens per micro-batch, or auto (the memory model's largest within --memory-budget)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--memory-budget", default=None,
+        "--memory-budget",
+        default=None,
         help="--capacity auto: bytes per device, e.g. 72GB (default: 90%% of --accelerator's)",
-    )  # fmt: skip
-    p.add_argument("--activation-checkpointing", choices=CHECKPOINTING, default="off",
-                   help="--capacity auto: the run's checkpointing")  # fmt: skip
-    p.add_argument("--loss", choices=["chunked", "plain"], default="chunked",
-                   help="--capacity auto: the run's loss")  # fmt: skip
-    p.add_argument("--parallel", choices=["ddp", "fsdp2"], default="ddp",
-                   help="--capacity auto: fsdp2 shards weights, optimizer over R")  # fmt: skip
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        choices=CHECKPOINTING,
+        default="off",
+        help="--capacity auto: the run's checkpointing",
+    )
+    p.add_argument("--loss", choices=["chunked", "plain"], default="chunked", help="--capacity auto: the run's loss")
+    p.add_argument(
+        "--parallel",
+        choices=["ddp", "fsdp2"],
+        default="ddp",
+        help="--capacity auto: fsdp2 shards weights, optimizer over R",
+    )
     p.add_argument("--profile", metavar="P", help="latency profile (default: analytic profile)")
     p.add_argument("--model", default="tiny", help="model for the analytic profile")
     p.add_argument(
@@ -86,9 +95,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="accelerator for the analytic profile",
     )
     p.add_argument("--strategy", default="all", help=f"one of {', '.join(STRATEGIES)}, or all")
-    p.add_argument("--ranks-per-node", type=int, default=None, metavar="G",
-                   help="ranks sharing a node: sab-cp keeps units of <= G ranks inside one node "
-                   "(default: the links' node size, 8 for an analytic accelerator)")  # fmt: skip
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        metavar="G",
+        help="ranks sharing a node: sab-cp keeps units of <= G ranks inside one node "
+        "(default: the links' node size, 8 for an analytic accelerator)",
+    )
     p.add_argument("--overlong", choices=OVERLONG, default="split", help="documents longer than C")
     p.add_argument(
         "--budget",
@@ -110,15 +124,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.strategy != "all" and args.strategy not in STRATEGIES:
-        raise ValueError(
-            f"--strategy must be one of {', '.join(STRATEGIES)} or all, got {args.strategy!r}"
-        )
+        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)} or all, got {args.strategy!r}")
     strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
     if args.save:  # before planning: the plans are never lost to an output error
         check_output_file(args.save, "--save")
     capacity, memory = _capacity(args)
-    shared = {"micro_batches": args.micro_batches, "capacity": capacity,
-              "overlong": args.overlong, "ranks_per_node": args.ranks_per_node}  # fmt: skip
+    shared = {
+        "micro_batches": args.micro_batches,
+        "capacity": capacity,
+        "overlong": args.overlong,
+        "ranks_per_node": args.ranks_per_node,
+    }
     configs = [
         PlanConfig(args.world_size, strategy=s, **shared) for s in strategies
     ]  # validates R, M, C before any file is read
@@ -167,8 +183,10 @@ def main(args: argparse.Namespace) -> int:
     bound = f"M = {args.micro_batches}" if capacity is None else f"C = {capacity}"
     if memory is not None:
         peak = memory.model.peak_bytes(capacity, memory.config)
-        bound += (f" (--capacity auto: predicted peak {peak / GIB:.2f} of "
-                  f"{memory.budget_bytes / GIB:.2f} GiB, {memory.model.c.name})")  # fmt: skip
+        bound += (
+            f" (--capacity auto: predicted peak {peak / GIB:.2f} of "
+            f"{memory.budget_bytes / GIB:.2f} GiB, {memory.model.c.name})"
+        )
     print(
         f"{len(samples)} samples, {result['num_tokens']} tokens, R = {args.world_size}, {bound}\n"
         f"cost model: {cost_name}; densities: {source}\n"
@@ -189,17 +207,14 @@ def _capacity(args) -> tuple[int | None, MemoryBound | None]:
         try:
             return int(args.capacity), None
         except ValueError:
-            raise ValueError(
-                f"--capacity must be a token count or auto, got {args.capacity!r}"
-            ) from None
+            raise ValueError(f"--capacity must be a token count or auto, got {args.capacity!r}") from None
     coeffs = ANALYTIC[args.accelerator]
     budget = parse_bytes(args.memory_budget) if args.memory_budget else with_budget_fraction(coeffs)
     shard = args.world_size if args.parallel == "fsdp2" else 1
     block = 128  # the analytic profile's; a measured --profile's own
     if args.profile:
         block = int(load_profile(args.profile).fingerprint.get("block_size", block))
-    cfg = MemoryConfig(args.activation_checkpointing, args.loss, shard=max(1, shard),
-                       block_size=block)  # fmt: skip
+    cfg = MemoryConfig(args.activation_checkpointing, args.loss, shard=max(1, shard), block_size=block)
     memory = MemoryBound(MemoryModel(load_shapes(args.model), coeffs), budget, cfg)
     return memory.capacity(), memory
 
@@ -223,17 +238,39 @@ def overlong_lines(plans: list, world_size: int, policy: str) -> list[str]:
 
 def format_table(plans: list) -> str:
     """One row per strategy; times in milliseconds."""
-    headers = ["strategy", "max ms", "mean ms", "lower bound ms", "efficiency", "gap to bound",
-               "micro-batches", "capacity waste", "split docs", "CP degrees", "comm ms",
-               "plan ms", "hash"]  # fmt: skip
+    headers = [
+        "strategy",
+        "max ms",
+        "mean ms",
+        "lower bound ms",
+        "efficiency",
+        "gap to bound",
+        "micro-batches",
+        "capacity waste",
+        "split docs",
+        "CP degrees",
+        "comm ms",
+        "plan ms",
+        "hash",
+    ]
     rows = [
-        [p.strategy, p.metrics.max_time * 1e3, p.metrics.mean_time * 1e3,
-         p.metrics.lower_bound * 1e3, p.metrics.efficiency, p.metrics.gap_to_bound,
-         p.metrics.num_microbatches, p.metrics.capacity_waste, p.metrics.num_split_documents,
-         _degrees(p.metrics.cp_degrees), p.metrics.comm_seconds * 1e3,
-         p.metrics.plan_seconds * 1e3, p.hash()]
+        [
+            p.strategy,
+            p.metrics.max_time * 1e3,
+            p.metrics.mean_time * 1e3,
+            p.metrics.lower_bound * 1e3,
+            p.metrics.efficiency,
+            p.metrics.gap_to_bound,
+            p.metrics.num_microbatches,
+            p.metrics.capacity_waste,
+            p.metrics.num_split_documents,
+            _degrees(p.metrics.cp_degrees),
+            p.metrics.comm_seconds * 1e3,
+            p.metrics.plan_seconds * 1e3,
+            p.hash(),
+        ]
         for p in plans
-    ]  # fmt: skip
+    ]
     return markdown_table(headers, rows)
 
 

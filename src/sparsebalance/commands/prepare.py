@@ -33,8 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--verify",
         metavar="STORE",
         default=None,
-        help="check every byte of an existing store instead (no INPUT, no --out); exit 1 when "
-        "it is damaged",
+        help="check every byte of an existing store instead (no INPUT, no --out); exit 1 when it is damaged",
     )
     p.add_argument(
         "--tokenizer",
@@ -78,9 +77,7 @@ def record_bytes(text: str) -> int:
     try:
         return int(parse_bytes(text))
     except ValueError:
-        raise ValueError(
-            f"--max-record-bytes must be a size > 0 such as 64MiB, got {text!r}"
-        ) from None
+        raise ValueError(f"--max-record-bytes must be a size > 0 such as 64MiB, got {text!r}") from None
 
 
 def verify(store: str) -> int:

@@ -56,38 +56,46 @@ from ..train.memory_probe import measure_memory, tied_embeddings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help=f"built-in {BUILTIN_MODELS} or a config.json path")
     p.add_argument(
-        "--model", default="tiny", help=f"built-in {BUILTIN_MODELS} or a config.json path"
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu | cuda (default: cuda when available, else cpu)",
     )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu | cuda (default: cuda when available, else cpu)")  # fmt: skip
     p.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
         default=None,
         help="compute dtype (default: fp32 on CPU, bf16 on CUDA)",
     )
+    p.add_argument("--backend", default="auto", help="attention backend training uses: auto | torch | flex")
     p.add_argument(
-        "--backend", default="auto", help="attention backend training uses: auto | torch | flex"
+        "--block-size",
+        type=int,
+        default=None,
+        help="sparse block in tokens (default: 128 on CUDA and for --analytic, 64 on CPU)",
     )
-    p.add_argument("--block-size", type=int, default=None,
-                   help="sparse block in tokens (default: 128 on CUDA and for --analytic, 64 on "
-                   "CPU)")  # fmt: skip
     p.add_argument(
-        "--budget-kind", choices=("top-k", "gamma"), default="top-k",
+        "--budget-kind",
+        choices=("top-k", "gamma"),
+        default="top-k",
         help="the budgets training will run, so the layouts timed have their shape: top-k (equal "
-             "rows, as train --budget top-k) or gamma (threshold rows)",
-    )  # fmt: skip
+        "rows, as train --budget top-k) or gamma (threshold rows)",
+    )
     p.add_argument("--out", default="profile.json", help="where to write the profile")
     p.add_argument(
-        "--max-len", type=int, default=None,
+        "--max-len",
+        type=int,
+        default=None,
         help="most tokens per micro-batch to profile (default: 4096, as train --capacity, "
-             "capped at the model's context)",
-    )  # fmt: skip
+        "capped at the model's context)",
+    )
     p.add_argument(
-        "--budget", type=float, default=50.0,
+        "--budget",
+        type=float,
+        default=50.0,
         help="seconds spent timing micro-batches (total profiling ~1.1x this)",
-    )  # fmt: skip
+    )
     p.add_argument("--quick", action="store_true", help="--budget 6 (a coarse profile, for tests)")
     p.add_argument(
         "--allreduce-world-size",
@@ -101,27 +109,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="validate PROFILE on held-out micro-batches instead of profiling",
     )
+    p.add_argument("--num-batches", type=int, default=30, help="held-out micro-batches (--validate)")
     p.add_argument(
-        "--num-batches", type=int, default=30, help="held-out micro-batches (--validate)"
-    )
-    p.add_argument(
-        "--max-tokens", type=int, default=None,
+        "--max-tokens",
+        type=int,
+        default=None,
         help="tokens per held-out micro-batch (default: the profile's max length)",
-    )  # fmt: skip
-    p.add_argument(
-        "--rounds", type=int, default=3,
-        help="timings per micro-batch (median): the least for a profile (more rounds, up to 8, "
-             "while --budget lasts), exactly this many for --validate's held-out set",
-    )  # fmt: skip
-    p.add_argument(
-        "--threads", type=int, default=None,
-        help="CPU threads to measure with (default: what each rank of `sparsebalance train` "
-             f"uses: $OMP_NUM_THREADS, else 1, as torchrun sets for train's {CPU_NPROC} CPU "
-             "processes; with --validate: the profile's own count)",
-    )  # fmt: skip
-    p.add_argument(
-        "--strict", action="store_true", help="error (not warn) on a fingerprint mismatch"
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="timings per micro-batch (median): the least for a profile (more rounds, up to 8, "
+        "while --budget lasts), exactly this many for --validate's held-out set",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads to measure with (default: what each rank of `sparsebalance train` "
+        f"uses: $OMP_NUM_THREADS, else 1, as torchrun sets for train's {CPU_NPROC} CPU "
+        "processes; with --validate: the profile's own count)",
+    )
+    p.add_argument("--strict", action="store_true", help="error (not warn) on a fingerprint mismatch")
     p.add_argument(
         "--analytic",
         choices=sorted(ACCELERATORS),
@@ -129,33 +139,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="write an analytic (FLOP-count) profile for this GPU instead of measuring",
     )
     p.add_argument("--efficiency", type=float, default=0.45, help="GEMM efficiency (--analytic)")
+    p.add_argument("--results-dir", default=None, help="--validate also writes a dated results file here")
     p.add_argument(
-        "--results-dir", default=None, help="--validate also writes a dated results file here"
-    )
-    p.add_argument(
-        "--measure-links", action="store_true",
+        "--measure-links",
+        action="store_true",
         help="also time gloo point-to-point transfers (2 processes) for context-parallel rings; "
         "stored in the profile's meta['links']",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--memory", action="store_true",
+        "--memory",
+        action="store_true",
         help="also measure the memory model's coefficients (one fresh process per "
         "--memory-tokens count); stored in the profile's meta['memory'] and the cache",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--memory-only", action="store_true",
+        "--memory-only",
+        action="store_true",
         help="only measure the memory coefficients (written to the cache; no latency profile)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--memory-checkpointing", choices=CHECKPOINTING, default="off",
+        "--memory-checkpointing",
+        choices=CHECKPOINTING,
+        default="off",
         help="activation checkpointing of the memory probes: the mode you train with (a "
         "calibration is used only by runs in its mode)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--memory-tokens", default=None,
+        "--memory-tokens",
+        default=None,
         help="token counts of the memory probes, >= 2 distinct (default: --max-len / 4, / 2, x 1)",
-    )  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print only JSON to stdout")  # fmt: skip
+    )
+    p.add_argument("--json", action="store_true", help="print only JSON to stdout")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -165,8 +179,7 @@ def main(args: argparse.Namespace) -> int:
         block = resolve_block_size(args.block_size, "cuda")
         profile = analytic_profile(shapes, args.analytic, args.efficiency, block_size=block)
         profile.save(args.out)
-        return _report({"wrote": args.out, "source": "analytic", "device": args.analytic,
-                        "block_size": block}, args)  # fmt: skip
+        return _report({"wrote": args.out, "source": "analytic", "device": args.analytic, "block_size": block}, args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but CUDA is not available")
@@ -183,9 +196,7 @@ def main(args: argparse.Namespace) -> int:
         check_output_file(args.out, "--out")
     max_len = args.max_len if args.max_len is not None else min(4096, shapes.max_context)
     if not args.block_size <= max_len <= shapes.max_context:
-        raise ValueError(
-            f"--max-len must be in [--block-size, {shapes.max_context}], got {max_len}"
-        )
+        raise ValueError(f"--max-len must be in [--block-size, {shapes.max_context}], got {max_len}")
     check_micro_batch_memory(shapes, max_len, device, args.block_size, "--max-len")
     budget = 6.0 if args.quick else args.budget
     if not budget > 0:  # nan included
@@ -196,9 +207,19 @@ def main(args: argparse.Namespace) -> int:
         cal, path = _memory(args, shapes, device, dtype, memory_tokens)
         return _report({"wrote": str(path), "memory": _memory_summary(cal)}, args)
     profile = measure_profile(
-        shapes, device, dtype, args.backend, args.block_size, max_len, budget, args.rounds,
-        args.allreduce_world_size, quiet=True, threads=threads, layout=_layout(args),
-    )  # fmt: skip
+        shapes,
+        device,
+        dtype,
+        args.backend,
+        args.block_size,
+        max_len,
+        budget,
+        args.rounds,
+        args.allreduce_world_size,
+        quiet=True,
+        threads=threads,
+        layout=_layout(args),
+    )
     if args.measure_links:
         from ..latency.links import measure_p2p
 
@@ -234,13 +255,9 @@ def _memory_tokens(text: str | None, max_len: int, context: int) -> list[int]:
     try:
         tokens = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(
-            f"--memory-tokens must be comma-separated integers, got {text!r}"
-        ) from None
+        raise ValueError(f"--memory-tokens must be comma-separated integers, got {text!r}") from None
     if len(set(tokens)) < 2 or min(tokens) < 2 or max(tokens) > context:
-        raise ValueError(
-            f"--memory-tokens needs >= 2 distinct counts in [2, {context}], got {text!r}"
-        )
+        raise ValueError(f"--memory-tokens needs >= 2 distinct counts in [2, {context}], got {text!r}")
     return sorted(set(tokens))
 
 
@@ -249,15 +266,17 @@ def _memory(args, shapes, device, dtype, tokens):
     backend = resolve_backend(args.backend, device)
     tied = tied_embeddings(args.model)
     fp = memory_fingerprint(fingerprint(shapes, device, dtype, backend, args.block_size), tied)
-    cal = measure_memory(args.model, device, fp, tokens, args.memory_checkpointing,
-                         block_size=args.block_size, backend=backend)  # fmt: skip
+    cal = measure_memory(
+        args.model, device, fp, tokens, args.memory_checkpointing, block_size=args.block_size, backend=backend
+    )
     path = save_calibration(cal)
-    errs = ", ".join(f"{p.tokens}: {100 * e:+.1f} %" for p, e in zip(cal.probes, cal.errors,
-                                                                     strict=True))  # fmt: skip
-    print(f"memory: act_bytes {cal.act_bytes:.2f} per saved element, overhead "
-          f"{cal.overhead_bytes / 2**20:+.0f} MiB; fit error by tokens {errs}"
-          + (" (act_bytes at the end of its range: check the probes)" if cal.at_range_end
-             else ""), file=sys.stderr)  # fmt: skip
+    errs = ", ".join(f"{p.tokens}: {100 * e:+.1f} %" for p, e in zip(cal.probes, cal.errors, strict=True))
+    print(
+        f"memory: act_bytes {cal.act_bytes:.2f} per saved element, overhead "
+        f"{cal.overhead_bytes / 2**20:+.0f} MiB; fit error by tokens {errs}"
+        + (" (act_bytes at the end of its range: check the probes)" if cal.at_range_end else ""),
+        file=sys.stderr,
+    )
     return cal, path
 
 
@@ -284,31 +303,37 @@ def _validate(args, shapes, device, dtype) -> int:
     if args.results_dir:  # before the held-out batches are timed
         check_output_folder(args.results_dir, "--results-dir")
     profile = load_profile(args.validate)
-    check_profile_fits(profile, shapes, args.block_size, device.type,
-                       f"--validate {args.validate}")  # fmt: skip
+    check_profile_fits(profile, shapes, args.block_size, device.type, f"--validate {args.validate}")
     tokens = args.max_tokens or int(profile.meta.get("max_len", 4096))
     check_micro_batch_memory(shapes, tokens, device, args.block_size, "--max-tokens")
     backend = profile.fingerprint.get("backend", "torch")
     threads = (args.threads or profile.fingerprint.get("threads")) if device.type == "cpu" else None
-    running = fingerprint(shapes, device, dtype, backend, args.block_size, threads,
-                          profile.fingerprint.get("layout", "threshold"))  # fmt: skip
+    running = fingerprint(
+        shapes, device, dtype, backend, args.block_size, threads, profile.fingerprint.get("layout", "threshold")
+    )
     profile.check_fingerprint(
-        {**running, **{k: profile.fingerprint[k] for k in ("max_len", "schema")
-                       if k in profile.fingerprint}},
+        {**running, **{k: profile.fingerprint[k] for k in ("max_len", "schema") if k in profile.fingerprint}},
         strict=args.strict,
-    )  # fmt: skip
+    )
     result = {"profile": args.validate}
     with torch_threads(threads):
-        result.update(validate_profile(
-            profile, shapes, device, dtype, backend, args.block_size, args.num_batches,
-            args.max_tokens, args.rounds,
-        ))  # fmt: skip
+        result.update(
+            validate_profile(
+                profile,
+                shapes,
+                device,
+                dtype,
+                backend,
+                args.block_size,
+                args.num_batches,
+                args.max_tokens,
+                args.rounds,
+            )
+        )
     result["threads"] = threads
     table = _tables(result)
     if args.results_dir:
-        md, _ = write_results(
-            args.results_dir, f"profile-validate-{shapes.name}", device, table, result
-        )
+        md, _ = write_results(args.results_dir, f"profile-validate-{shapes.name}", device, table, result)
         result["results_file"] = str(md)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -324,27 +349,43 @@ def _pct(x) -> str:
 def _tables(r: dict) -> str:
     lo, hi = r["mape_ci95"]
     main_t = markdown_table(
-        ["held-out micro-batches", "MAPE [95 % CI]", "max error", "bias", "level",
-         "shape MAPE (max)", "timing noise (CV)", "recalibration steps (1.5x profile)",
-         "predict 10,000"],
-        [[r["num_batches"], f"{100 * r['mape']:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}]",
-          f"{100 * r['max_error']:.1f} %", _pct(r["bias"]), _pct(r["level"]),
-          f"{100 * r['shape_mape']:.1f} % ({100 * r['shape_max_error']:.1f} %)",
-          f"{100 * r['validation_noise']['cv_median']:.1f} %",
-          str(r["recalibration_steps_from_1.5x"]),
-          f"{1e3 * r['predict_many_10k_seconds']:.1f} ms"]],
-    )  # fmt: skip
+        [
+            "held-out micro-batches",
+            "MAPE [95 % CI]",
+            "max error",
+            "bias",
+            "level",
+            "shape MAPE (max)",
+            "timing noise (CV)",
+            "recalibration steps (1.5x profile)",
+            "predict 10,000",
+        ],
+        [
+            [
+                r["num_batches"],
+                f"{100 * r['mape']:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}]",
+                f"{100 * r['max_error']:.1f} %",
+                _pct(r["bias"]),
+                _pct(r["level"]),
+                f"{100 * r['shape_mape']:.1f} % ({100 * r['shape_max_error']:.1f} %)",
+                f"{100 * r['validation_noise']['cv_median']:.1f} %",
+                str(r["recalibration_steps_from_1.5x"]),
+                f"{1e3 * r['predict_many_10k_seconds']:.1f} ms",
+            ]
+        ],
+    )
     b = r["breakdown"]
     comp = markdown_table(
         ["component", "share of prediction", "error on its own"],
-        [[c, f"{100 * b['mean_share'][c]:.0f} %", _pct(b["component_error"][c])]
-         for c in b["mean_share"]],
-    )  # fmt: skip
+        [[c, f"{100 * b['mean_share'][c]:.0f} %", _pct(b["component_error"][c])] for c in b["mean_share"]],
+    )
     groups = markdown_table(
         ["micro-batches", "n", "MAPE", "bias"],
-        [[g["group"], g["n"], "-" if g["mape"] is None else f"{100 * g['mape']:.1f} %",
-          _pct(g["bias"])] for g in b["groups"]],
-    )  # fmt: skip
+        [
+            [g["group"], g["n"], "-" if g["mape"] is None else f"{100 * g['mape']:.1f} %", _pct(g["bias"])]
+            for g in b["groups"]
+        ],
+    )
     return "\n\n".join([main_t, comp, groups])
 
 

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also write <date>-<name>-<device>.md/.json there (e.g. benchmarks/results)",
     )
     p.add_argument("--name", default="train-report", help="results file name (with --results-dir)")
-    p.add_argument("--json", action="store_true", help="print only JSON to stdout")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print only JSON to stdout")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -33,18 +33,13 @@ def main(args: argparse.Namespace) -> int:
     wrote = [f"wrote {path}"]
     if args.results_dir:
         root = Path(args.run_dir)
-        configs = {
-            p.parent.name: json.loads(p.read_text()) for p in sorted(root.glob("**/config.json"))
-        }
+        configs = {p.parent.name: json.loads(p.read_text()) for p in sorted(root.glob("**/config.json"))}
         table = path.read_text().split("\n\n")[1]
-        device = torch.device(
-            "cuda" if any(c.get("device") == "cuda" for c in configs.values()) else "cpu"
+        device = torch.device("cuda" if any(c.get("device") == "cuda" for c in configs.values()) else "cpu")
+        notes = f"Runs in `{root}` (their configurations are in the JSON file). " + table_note(comparison)
+        md, js = write_results(
+            args.results_dir, args.name, device, table, {"comparison": comparison, "configs": configs}, notes
         )
-        notes = f"Runs in `{root}` (their configurations are in the JSON file). " + table_note(
-            comparison
-        )
-        md, js = write_results(args.results_dir, args.name, device, table,
-                               {"comparison": comparison, "configs": configs}, notes)  # fmt: skip
         comparison = {**comparison, "results_file": str(md), "results_json": str(js)}
         wrote.append(f"wrote {md} and {js.name}{_kept(md, args.name, device)}")
     print(json.dumps(comparison, indent=2) if args.json else "\n".join(wrote))

@@ -28,8 +28,15 @@ def _floats(s: str) -> list[float]:
 
 
 def format_table(rows: list[dict]) -> str:
-    headers = ["density", "layout", "rank max/mean", "ring / ideal", "lockstep / ideal",
-               "lightest step", "heaviest step"]  # fmt: skip
+    headers = [
+        "density",
+        "layout",
+        "rank max/mean",
+        "ring / ideal",
+        "lockstep / ideal",
+        "lightest step",
+        "heaviest step",
+    ]
     body = [[r["density"], r["layout"], *(r[c] for c in COLUMNS)] for r in rows]
     return markdown_table(headers, body)
 
@@ -38,9 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=_size, default=32768, help="T in tokens (e.g. 32k)")
     p.add_argument("--world", type=int, default=8, help="context-parallel ranks P")
     p.add_argument("--density", type=_floats, default=[1.0, 0.3, 0.1], help="e.g. 1,0.3,0.1")
-    p.add_argument(
-        "--layout", default="all", help=f"all, or a comma list of {', '.join(PLACEMENTS)}"
-    )
+    p.add_argument("--layout", default="all", help=f"all, or a comma list of {', '.join(PLACEMENTS)}")
     p.add_argument("--pattern", default="vslash", help=f"one of {', '.join(PATTERNS)}")
     p.add_argument("--docs", type=int, default=1, help="documents in the pack (halving lengths)")
     p.add_argument("--block-size", type=int, default=64, help="sparse block in tokens")
@@ -59,19 +64,28 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--world must be >= 1, got {args.world}")
     if args.inner_size is not None and (args.inner_size <= 0 or args.world % args.inner_size):
         raise ValueError(f"--inner-size must divide --world ({args.world}), got {args.inner_size}")
-    for flag, value in (("--seq-len", args.seq_len), ("--block-size", args.block_size),
-                        ("--heads", args.heads)):  # fmt: skip
+    for flag, value in (("--seq-len", args.seq_len), ("--block-size", args.block_size), ("--heads", args.heads)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     check_document_length("--seq-len", args.seq_len)
     blocks = -(-args.seq_len // args.block_size)
-    check_memory("--seq-len / --block-size / --heads",
-                 f"{args.heads} synthetic layouts of {blocks:,} x {blocks:,} blocks",
-                 LAYOUT_BYTES_PER_PAIR * args.heads * blocks * blocks)  # fmt: skip
+    check_memory(
+        "--seq-len / --block-size / --heads",
+        f"{args.heads} synthetic layouts of {blocks:,} x {blocks:,} blocks",
+        LAYOUT_BYTES_PER_PAIR * args.heads * blocks * blocks,
+    )
     rows = analyse(
-        args.seq_len, args.world, args.density, layouts, args.pattern, args.docs,
-        args.block_size, args.heads, args.inner_size, args.seed,
-    )  # fmt: skip
+        args.seq_len,
+        args.world,
+        args.density,
+        layouts,
+        args.pattern,
+        args.docs,
+        args.block_size,
+        args.heads,
+        args.inner_size,
+        args.seed,
+    )
     if args.json:
         print(json.dumps({"rows": rows}, indent=2))
         return 0

@@ -34,17 +34,22 @@ _SKIP = ("lengths.lengths", "lengths.densities", "sparsity.block_size")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """:class:`SimConfig`'s flags (generated from its fields), ``--lengths FILE``, output flags."""
     p.add_argument(
-        "--config", default=None,
+        "--config",
+        default=None,
         help="TOML (or JSON) file: keys = SimConfig fields, sections [lengths] [sparsity] [dst]",
-    )  # fmt: skip
+    )
     groups = flags.add_arguments(
-        p, SimConfig, skip=_SKIP,
+        p,
+        SimConfig,
+        skip=_SKIP,
         exclusive=[("micro_batches", "capacity"), ("lengths.name",), ("profile", "analytic")],
-    )  # fmt: skip
+    )
     groups["lengths.name"].add_argument(
-        "--lengths", dest="lengths_file", metavar="FILE",
+        "--lengths",
+        dest="lengths_file",
+        metavar="FILE",
         help="lengths file (one per line, or JSON with lengths [+ densities]), resampled",
-    )  # fmt: skip
+    )
     p.add_argument("--json", action="store_true", help="print only JSON to stdout")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots to DIR")
 
@@ -68,16 +73,37 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 
 def format_table(result: dict) -> str:
     """One row per strategy of one world size; times in milliseconds."""
-    headers = ["strategy", "step ms", "speedup", "balance eff", "bubble frac", "mean density",
-               "budget cut %", "budget given %", "ranks cut", "ranks raised", "split docs",
-               "comm ms"]  # fmt: skip
+    headers = [
+        "strategy",
+        "step ms",
+        "speedup",
+        "balance eff",
+        "bubble frac",
+        "mean density",
+        "budget cut %",
+        "budget given %",
+        "ranks cut",
+        "ranks raised",
+        "split docs",
+        "comm ms",
+    ]
     rows = [
-        [name, s["step_seconds"] * 1e3, s["speedup"], s["balance_efficiency"],
-         s["bubble_fraction"], s["mean_density"], 100 * s["budget_cut_fraction"],
-         100 * s["budget_given_fraction"], s["ranks_cut"], s["ranks_raised"],
-         s["split_documents"], s["comm_seconds"] * 1e3]
+        [
+            name,
+            s["step_seconds"] * 1e3,
+            s["speedup"],
+            s["balance_efficiency"],
+            s["bubble_fraction"],
+            s["mean_density"],
+            100 * s["budget_cut_fraction"],
+            100 * s["budget_given_fraction"],
+            s["ranks_cut"],
+            s["ranks_raised"],
+            s["split_documents"],
+            s["comm_seconds"] * 1e3,
+        ]
         for name, s in result["strategies"].items()
-    ]  # fmt: skip
+    ]
     return markdown_table(headers, rows)
 
 

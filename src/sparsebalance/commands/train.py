@@ -44,9 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="HOST:PORT of the c10d rendezvous (node 0), required with --nnodes > 1; trusted "
         "network only: the store has no authentication and ranks unpickle each other's data",
     )
-    p.add_argument("--rdzv-id", default=None,
-                   help="id of this run, unique and the same on every machine; required with "
-                   "--nnodes > 1 (e.g. $SLURM_JOB_ID)")  # fmt: skip
+    p.add_argument(
+        "--rdzv-id",
+        default=None,
+        help="id of this run, unique and the same on every machine; required with --nnodes > 1 (e.g. $SLURM_JOB_ID)",
+    )
     p.add_argument(
         "--demo",
         action="store_true",
@@ -55,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", action="store_true", help="print only JSON (the comparison) to stdout")
     add_stop_grace_argument(p)
-    add_train_arguments(p)  # fmt: skip
+    add_train_arguments(p)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -103,7 +105,9 @@ def _say(name: str, ranks: int) -> Callable[[TrainConfig], None]:
     """What prints ``== NAME: ...``, the line a run starts with."""
 
     def say(cfg: TrainConfig) -> None:
-        print(f"== {name}: strategy={cfg.strategy}, dst={cfg.dst.mode}, ranks={ranks}, "
-              f"steps={cfg.steps} -> {cfg.out}", flush=True)  # fmt: skip
+        print(
+            f"== {name}: strategy={cfg.strategy}, dst={cfg.dst.mode}, ranks={ranks}, steps={cfg.steps} -> {cfg.out}",
+            flush=True,
+        )
 
     return say

@@ -24,9 +24,7 @@ class BatchSource:
     def __init__(self, corpus: TokenizedCorpus, seed: int, global_batch: int) -> None:
         self.corpus = corpus
         self.lengths = corpus.lengths()
-        self.sampler = MixtureSampler(
-            corpus.pools(), corpus.weights, seed, global_batch, names=corpus.names
-        )
+        self.sampler = MixtureSampler(corpus.pools(), corpus.weights, seed, global_batch, names=corpus.names)
         self.last_counts: dict[str, int] = {}
 
     def sample(self, index: int) -> Sample:
@@ -58,12 +56,18 @@ class BatchSource:
         return {
             "identity": c.identity(),
             "components": [
-                {"name": src.name, "store": src.store, "weight": src.weight,
-                 "documents": len(st), "tokens": st.num_tokens, "usable": len(pool),
-                 "filtered": c.filtered[src.name]}
+                {
+                    "name": src.name,
+                    "store": src.store,
+                    "weight": src.weight,
+                    "documents": len(st),
+                    "tokens": st.num_tokens,
+                    "usable": len(pool),
+                    "filtered": c.filtered[src.name],
+                }
                 for src, st, pool in zip(c.data_sources, c.stores, c.pools(), strict=True)
             ],
-        }  # fmt: skip
+        }
 
     def state_dict(self) -> dict:
         return {
@@ -86,27 +90,18 @@ def check_same_data(saved: dict, current: dict) -> None:
     """Refuse (``ValueError``) when the checkpoint's data identity differs from this run's."""
     problems = []
     if saved.get("tokenizer") != current.get("tokenizer"):
-        problems.append(
-            f"tokenizer: checkpoint {saved.get('tokenizer')}, now {current.get('tokenizer')} "
-            "(--tokenizer)"
-        )
+        problems.append(f"tokenizer: checkpoint {saved.get('tokenizer')}, now {current.get('tokenizer')} (--tokenizer)")
     old, new = saved.get("components", []), current.get("components", [])
     if [c["name"] for c in old] != [c["name"] for c in new]:
-        problems.append(
-            f"--data components: checkpoint {[c['name'] for c in old]}, now "
-            f"{[c['name'] for c in new]}"
-        )
+        problems.append(f"--data components: checkpoint {[c['name'] for c in old]}, now {[c['name'] for c in new]}")
     else:
         for a, b in zip(old, new, strict=True):
             if a["content_hash"] != b["content_hash"]:
                 problems.append(
-                    f"--data {a['name']}: content changed (store hash {a['content_hash']} -> "
-                    f"{b['content_hash']})"
+                    f"--data {a['name']}: content changed (store hash {a['content_hash']} -> {b['content_hash']})"
                 )
             if abs(a["weight"] - b["weight"]) > 1e-9:
-                problems.append(
-                    f"--data {a['name']}: mixture weight {a['weight']} -> {b['weight']}"
-                )
+                problems.append(f"--data {a['name']}: mixture weight {a['weight']} -> {b['weight']}")
     for key, flag in (("min_len", "--min-len"), ("max_len", "--max-len")):
         if saved.get(key) != current.get(key):
             problems.append(f"{flag}: checkpoint {saved.get(key)}, now {current.get(key)}")
@@ -116,6 +111,4 @@ def check_same_data(saved: dict, current: dict) -> None:
             f"{current.get('vocab_map_size')} (another model vocabulary?)"
         )
     if problems:
-        raise ValueError(
-            "--resume: the checkpoint was trained on other data: " + "; ".join(problems)
-        )
+        raise ValueError("--resume: the checkpoint was trained on other data: " + "; ".join(problems))

@@ -324,8 +324,9 @@ def load_corpus(
 ) -> TokenizedCorpus:
     """:func:`resolve_data` then :func:`open_corpus` in one process (the launcher's check before
     it starts any rank: every token id is read, so a damaged store is refused before launch)."""
-    sources = resolve_data(data, tokenizer, text_field, num_builtin, seed, min_len, max_len,
-                           cache_dir, on_bad_record, progress)  # fmt: skip
+    sources = resolve_data(
+        data, tokenizer, text_field, num_builtin, seed, min_len, max_len, cache_dir, on_bad_record, progress
+    )
     return open_corpus(sources, min_len, max_len, scan_ids=True)
 
 

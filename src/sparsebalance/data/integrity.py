@@ -35,8 +35,7 @@ def read_manifest(path: str | Path) -> dict:
     mpath = path / MANIFEST
     if not mpath.is_file():
         raise ValueError(
-            f"{path} is not a token store (no {MANIFEST}; an interrupted "
-            "`sparsebalance prepare` leaves none)"
+            f"{path} is not a token store (no {MANIFEST}; an interrupted `sparsebalance prepare` leaves none)"
         )
     try:
         m = json.loads(mpath.read_text())
@@ -58,9 +57,7 @@ def _layout(path: Path, m: dict) -> tuple[int, int, np.dtype, list[str], int]:
         names = [s["name"] for s in m["sources"]]
         vocab = int(m["tokenizer"]["vocab_size"])
     except (KeyError, TypeError, ValueError) as err:
-        raise StoreDamaged(
-            f"{path / MANIFEST}: damaged manifest ({err}): the store is damaged"
-        ) from None
+        raise StoreDamaged(f"{path / MANIFEST}: damaged manifest ({err}): the store is damaged") from None
     return n, t, dtype, names, vocab
 
 
@@ -109,8 +106,7 @@ def check_offsets(path: Path, offsets: np.ndarray, num_tokens: int) -> None:
 def _sources_problem(path: Path, index: np.ndarray, num_sources: int) -> str | None:
     if len(index) and not 0 <= int(index.min()) <= int(index.max()) < num_sources:
         return (
-            f"{path / 'sources.bin'}: source indices outside the manifest's {num_sources} "
-            "sources: the store is damaged"
+            f"{path / 'sources.bin'}: source indices outside the manifest's {num_sources} sources: the store is damaged"
         )
     return None
 
@@ -207,9 +203,7 @@ def verify_store(path: str | Path) -> tuple[list[str], dict]:
         offsets = arr if name == "offsets.bin" else offsets
         found = [check(arr), _crc_problem(path, name, arr, m)]
         if found[1] is None and sums.get(name, {}).get("blake2b") not in (None, digests[name]):
-            found[1] = (
-                f"{path / name}: differs from its digest in the manifest: the store is damaged"
-            )
+            found[1] = f"{path / name}: differs from its digest in the manifest: the store is damaged"
         problems += [p for p in found if p is not None]
     if (path / "tokens.bin").is_file():
         digests["tokens.bin"], token_lines = _verify_tokens(path, m, dtype, vocab, offsets)
@@ -217,9 +211,7 @@ def verify_store(path: str | Path) -> tuple[list[str], dict]:
     counts = path / "token_counts.npy"
     want = sums.get("token_counts.npy", {}).get("crc32")
     if counts.is_file() and want is not None and zlib.crc32(counts.read_bytes()) != want:
-        problems.append(
-            f"{counts}: differs from its checksum in the manifest: the store is damaged"
-        )
+        problems.append(f"{counts}: differs from its checksum in the manifest: the store is damaged")
     if len(digests) == 3:
         content = hashlib.blake2b(digest_size=16)
         for name in ("tokens.bin", "offsets.bin", "sources.bin"):
@@ -272,15 +264,14 @@ def _verify_tokens(
         lo, hi = k * size, min((k + 1) * size, pos * dtype.itemsize)
         docs = ""
         if offsets is not None:
-            d0, d1 = (int(np.searchsorted(offsets, x // dtype.itemsize, side="right")) - 1
-                      for x in (lo, max(lo, hi - 1)))  # fmt: skip
+            d0, d1 = (
+                int(np.searchsorted(offsets, x // dtype.itemsize, side="right")) - 1 for x in (lo, max(lo, hi - 1))
+            )
             docs = f", documents {d0}..{d1}" if d1 > d0 else f", document {d0}"
         lines.append(
             f"{path / 'tokens.bin'}: bytes {lo:,}..{hi:,} (shard {k}{docs}) differ from their "
             "checksum: the store is damaged"
         )
     if len(damaged) > MAX_SHARD_LINES:
-        lines.append(
-            f"{path / 'tokens.bin'}: and {len(damaged) - MAX_SHARD_LINES} more damaged shards"
-        )
+        lines.append(f"{path / 'tokens.bin'}: and {len(damaged) - MAX_SHARD_LINES} more damaged shards")
     return h.hexdigest(), lines

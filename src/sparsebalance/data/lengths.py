@@ -29,10 +29,7 @@ def read_lengths(path: str, text_field: str = "text") -> tuple[list[Sample], np.
         store = TokenStore(path)
         names = store.source_names
         src = np.asarray(store.source_index)
-        return [
-            Sample(i, int(n), names[s])
-            for i, (n, s) in enumerate(zip(store.lengths(), src, strict=True))
-        ], None
+        return [Sample(i, int(n), names[s]) for i, (n, s) in enumerate(zip(store.lengths(), src, strict=True))], None
     try:
         text = Path(path).read_text()
     except OSError as err:
@@ -54,8 +51,7 @@ def read_lengths(path: str, text_field: str = "text") -> tuple[list[Sample], np.
         lengths = [int(ln) for ln in lines]
     except ValueError:
         raise ValueError(
-            f"--lengths {path}: expected one integer length per line, JSON with a 'lengths' "
-            "list, or a jsonl dataset"
+            f"--lengths {path}: expected one integer length per line, JSON with a 'lengths' list, or a jsonl dataset"
         ) from None
     return _from_lists(path, {"lengths": lengths})
 

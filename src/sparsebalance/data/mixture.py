@@ -157,8 +157,7 @@ class MixtureSampler:
                 )
         if not np.allclose(state["weights"], mine["weights"]):
             raise ValueError(
-                f"--resume: the checkpoint's mixture weights {state['weights']} differ from "
-                f"--data's {mine['weights']}"
+                f"--resume: the checkpoint's mixture weights {state['weights']} differ from --data's {mine['weights']}"
             )
         self.batches = int(state["batches"])
         self.epochs = [int(e) for e in state["epochs"]]

@@ -26,9 +26,7 @@ class PackedBatch:
         return int((self.labels != IGNORE).sum())
 
 
-def pack(
-    docs: list[np.ndarray], device: torch.device | str = "cpu", per_doc_weighting: bool = False
-) -> PackedBatch:
+def pack(docs: list[np.ndarray], device: torch.device | str = "cpu", per_doc_weighting: bool = False) -> PackedBatch:
     """Pack token arrays (each ``(L_i,)``, ``L_i >= 1``) into one micro-batch.
 
     ``per_doc_weighting`` (LongAlign): every document's tokens share the same total weight, so a
@@ -54,5 +52,4 @@ def pack(
     ids_t, labels_t, pos_t, cu_t, weights_t = upload_many(
         [ids, labels, pos.astype(np.int64), cu, weights], torch.device(device)
     )
-    return PackedBatch(ids_t[None], labels_t[None], pos_t[None], cu_t, weights_t[None],
-                       tuple(lengths))  # fmt: skip
+    return PackedBatch(ids_t[None], labels_t[None], pos_t[None], cu_t, weights_t[None], tuple(lengths))

@@ -137,10 +137,14 @@ def prepare(cfg: PrepareConfig, tokenizer, inputs: list[dict] | None = None) -> 
         if expected > SAY_AFTER_S:  # once, before the wait (the bar, if any, follows)
             names = ", ".join(Path(i["path"]).name for i in inputs[:3])
             names += f" and {len(inputs) - 3} more" if len(inputs) > 3 else ""
-            print(f"sparsebalance: tokenizing {total_bytes / 1e6:,.0f} MB of input ({names}) "
-                  f"into {cfg.out} with {threads} thread{'s' if threads > 1 else ''}: roughly "
-                  f"{_minutes(expected)} (at ~{TOKENIZE_BYTES_PER_S / 1e6:.0f} MB/s per "
-                  "thread)", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"sparsebalance: tokenizing {total_bytes / 1e6:,.0f} MB of input ({names}) "
+                f"into {cfg.out} with {threads} thread{'s' if threads > 1 else ''}: roughly "
+                f"{_minutes(expected)} (at ~{TOKENIZE_BYTES_PER_S / 1e6:.0f} MB/s per "
+                "thread)",
+                file=sys.stderr,
+                flush=True,
+            )
         t0 = time.perf_counter()
         bar = _Progress(total_bytes, cfg.progress)
 
@@ -159,9 +163,7 @@ def prepare(cfg: PrepareConfig, tokenizer, inputs: list[dict] | None = None) -> 
             try:
                 texts, sources, size = [], [], 0
                 for item in inputs:
-                    for text, source in read_records(
-                        Path(item["path"]), cfg.text_field, bad, bar.bytes
-                    ):
+                    for text, source in read_records(Path(item["path"]), cfg.text_field, bad, bar.bytes):
                         texts.append(text)
                         sources.append(source)
                         size += len(text)

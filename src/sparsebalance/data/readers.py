@@ -53,9 +53,7 @@ Progress = Callable[[int], None]  # called with the number of input bytes just c
 class BadRecords:
     """Per-reason counts and the first ``keep`` locations of records that could not be read."""
 
-    def __init__(
-        self, on_bad_record: str = "error", keep: int = 5, max_record_bytes: int = MAX_RECORD_BYTES
-    ) -> None:
+    def __init__(self, on_bad_record: str = "error", keep: int = 5, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
         if on_bad_record not in ON_BAD_RECORD:
             raise ValueError(f"--on-bad-record must be error or skip, got {on_bad_record!r}")
         if isinstance(max_record_bytes, bool) or not isinstance(max_record_bytes, int):
@@ -88,9 +86,7 @@ class BadRecords:
         return {r: {"count": n, "first": self.first[r]} for r, n in self.counts.items()}
 
     def describe(self) -> str:
-        return "; ".join(
-            f"{n} {r} (first: {', '.join(self.first[r])})" for r, n in self.counts.items()
-        )
+        return "; ".join(f"{n} {r} (first: {', '.join(self.first[r])})" for r, n in self.counts.items())
 
 
 def suffix(path: Path) -> str:
@@ -107,9 +103,7 @@ def source_stem(path: Path) -> str:
 
 
 def is_hf_dataset(path: Path) -> bool:
-    return path.is_dir() and any(
-        (path / f).is_file() for f in ("state.json", "dataset_info.json", "dataset_dict.json")
-    )
+    return path.is_dir() and any((path / f).is_file() for f in ("state.json", "dataset_info.json", "dataset_dict.json"))
 
 
 def input_files(paths: list[str | Path], flag: str = "INPUT") -> list[Path]:
@@ -184,8 +178,7 @@ def _zstandard(path: Path):
         import zstandard
     except ImportError:
         raise ValueError(
-            f"{path}: .zst input needs the zstandard package "
-            "(`pip install zstandard`, or the `data` extra)"
+            f"{path}: .zst input needs the zstandard package (`pip install zstandard`, or the `data` extra)"
         ) from None
     return zstandard
 
@@ -204,8 +197,10 @@ def _damaged(path: Path, err: BaseException) -> ValueError:
     """A compressed input that cannot be decompressed to its end, in one line naming it."""
     kind = "zstd" if suffix(path) == ".jsonl.zst" else "gzip"
     if isinstance(err, EOFError):
-        return ValueError(f"{path}: truncated: the {kind} stream ends before its end marker "
-                          "(the file is incomplete: copy or download it again)")  # fmt: skip
+        return ValueError(
+            f"{path}: truncated: the {kind} stream ends before its end marker "
+            "(the file is incomplete: copy or download it again)"
+        )
     detail = " ".join(str(err).split())[:200]
     return ValueError(f"{path}: not a readable {kind} file ({type(err).__name__}: {detail})")
 
@@ -391,8 +386,7 @@ def _pyarrow(path: Path):
         import pyarrow.parquet
     except ImportError:
         raise ValueError(
-            f"{path}: parquet / Arrow input needs pyarrow (`pip install pyarrow`, or the "
-            "`data` extra)"
+            f"{path}: parquet / Arrow input needs pyarrow (`pip install pyarrow`, or the `data` extra)"
         ) from None
     return pyarrow
 

@@ -119,9 +119,7 @@ class StoreWriter:
     writer ran). A full disk raises :class:`DiskFull` with nothing of this writer left behind.
     """
 
-    def __init__(
-        self, path: str | Path, tokenizer: dict, *, overwrite: bool = False, count_tokens=True
-    ) -> None:
+    def __init__(self, path: str | Path, tokenizer: dict, *, overwrite: bool = False, count_tokens=True) -> None:
         """``tokenizer``: at least ``identity`` and ``vocab_size`` (recorded in the manifest)."""
         self.path = Path(path)
         self.overwrite = overwrite
@@ -186,9 +184,7 @@ class StoreWriter:
 
     def _write(self, name: str, arr: np.ndarray) -> None:
         data = memoryview(np.ascontiguousarray(arr)).cast("B")
-        {"tokens": self._tokens, "offsets": self._offsets, "sources": self._sources}[name].write(
-            data
-        )
+        {"tokens": self._tokens, "offsets": self._offsets, "sources": self._sources}[name].write(data)
         self._hash[name].update(data)
         if name != "tokens":
             self._crc[name] = zlib.crc32(data, self._crc[name])
@@ -303,8 +299,7 @@ class StoreWriter:
         a store that appeared meanwhile (a folder is never renamed onto a non-empty one)."""
         old = None
         finished = StoreExists(
-            f"--out {self.path}: another writer finished this store first; it is kept (pass "
-            "--overwrite to replace it)"
+            f"--out {self.path}: another writer finished this store first; it is kept (pass --overwrite to replace it)"
         )
         try:
             if self.path.exists() and not self.overwrite:
@@ -454,9 +449,7 @@ class TokenStore:
             data = f.read_bytes()
             want = self.manifest.get("checksums", {}).get("token_counts.npy", {}).get("crc32")
             if want is not None and zlib.crc32(data) != want:
-                raise StoreDamaged(
-                    f"{f}: differs from its checksum in the manifest: the store is damaged"
-                )
+                raise StoreDamaged(f"{f}: differs from its checksum in the manifest: the store is damaged")
             return np.load(io.BytesIO(data))
         vocab = int(self.manifest["tokenizer"]["vocab_size"])
         counts = np.zeros(vocab, np.int64)

@@ -47,10 +47,7 @@ class QwenTokenizer:
         """Token ids of each text (uint32 arrays), the same ids as :meth:`encode`. tiktoken's
         encoder releases the GIL, so calls from several threads run in parallel."""
         enc = self._tok._tokenizer
-        return [
-            enc.encode_to_numpy(unicodedata.normalize("NFC", t), allowed_special="all")
-            for t in texts
-        ]
+        return [enc.encode_to_numpy(unicodedata.normalize("NFC", t), allowed_special="all") for t in texts]
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; ``skip_special_tokens`` drops special tokens (``<|im_end|>`` ...)."""
@@ -60,8 +57,14 @@ class QwenTokenizer:
         return {"input_ids": self.encode(text)}
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                   "vocab.txt", "spiece.model")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
 """A Hugging Face tokenizer folder holds at least one of these (``save_pretrained`` writes
 ``tokenizer.json`` and ``tokenizer_config.json``)."""
 
@@ -106,10 +109,7 @@ class HFTokenizer:
         backend = getattr(self._tok, "_tokenizer", None)
         if backend is None:
             return [np.asarray(self.encode(t), np.int64) for t in texts]
-        return [
-            np.asarray(e.ids, np.int64)
-            for e in backend.encode_batch(texts, add_special_tokens=False)
-        ]
+        return [np.asarray(e.ids, np.int64) for e in backend.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; ``skip_special_tokens`` drops special tokens (``<|im_end|>`` ...)."""

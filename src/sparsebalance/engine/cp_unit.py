@@ -31,9 +31,7 @@ from ..parallel import Placement, RankList, make_placement
 from ..parallel.groups import RingGroups
 
 
-def pass_schedule(
-    units: Sequence[Unit], rank_units: Sequence[Sequence[int]]
-) -> tuple[tuple[int | None, ...], ...]:
+def pass_schedule(units: Sequence[Unit], rank_units: Sequence[Sequence[int]]) -> tuple[tuple[int | None, ...], ...]:
     """Per rank, the unit index run at each round (``None``: a gap), all of one length.
 
     Args:
@@ -74,9 +72,7 @@ def shard_batch(batch: PackedBatch, placement: Placement, position: int) -> Pack
         ``cu_seqlens`` is still the *global* pack's (what selection and the ring read).
     """
     if batch.input_ids.shape[1] != placement.seq_len:
-        raise ValueError(
-            f"the pack has {batch.input_ids.shape[1]} tokens, the placement {placement.seq_len}"
-        )
+        raise ValueError(f"the pack has {batch.input_ids.shape[1]} tokens, the placement {placement.seq_len}")
     dev = batch.input_ids.device
     idx = placement.token_index(position).to(dev)
     real = idx < placement.seq_len
@@ -114,8 +110,7 @@ def unit_batch(
     """
     if rank not in unit.ranks:
         raise ValueError(f"rank {rank} is not in the unit's ranks {list(unit.ranks)}")
-    tokens = [docs[i][o : o + n] for i, o, n in zip(unit.sample_ids, unit.offsets, unit.lengths,
-                                                     strict=True)]  # fmt: skip
+    tokens = [docs[i][o : o + n] for i, o, n in zip(unit.sample_ids, unit.offsets, unit.lengths, strict=True)]
     whole = pack(tokens, device, per_doc_weighting)
     placement = unit_placement(unit, block_size)
     ring = RingContext(RankList(unit.ranks, ring_groups), placement, unit.ring, unit.inner_size)

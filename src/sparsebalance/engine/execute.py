@@ -76,10 +76,16 @@ class _Timed:
     def resolve(self, clock: Clock, origin: Mark) -> MicroBatchResult:
         """After the synchronize: seconds relative to ``origin``, Python floats."""
         return MicroBatchResult.from_stats(
-            clock.seconds(self.start, self.ready), self.lengths, self.sample_ids, self.stats,
-            self.loss_sum, self.weight_sum, start_s=clock.seconds(origin, self.start),
-            ring_wait_s=RING_WAITS.seconds(*self.waits) if self.waits[1] else 0.0, **self.extra,
-        )  # fmt: skip
+            clock.seconds(self.start, self.ready),
+            self.lengths,
+            self.sample_ids,
+            self.stats,
+            self.loss_sum,
+            self.weight_sum,
+            start_s=clock.seconds(origin, self.start),
+            ring_wait_s=RING_WAITS.seconds(*self.waits) if self.waits[1] else 0.0,
+            **self.extra,
+        )
 
 
 @dataclass
@@ -150,39 +156,43 @@ class RankExecutor:
                 else:
                     unit = units[u]
                     mb = MicroBatch(unit.sample_ids, unit.lengths, unit.densities)
-                    res, ready = self.microbatch(m_solo, mb, unit.offsets, controller,
-                                                 mine.budget, step.loss_scale)  # fmt: skip
+                    res, ready = self.microbatch(m_solo, mb, unit.offsets, controller, mine.budget, step.loss_scale)
                     res.extra["slot"] = unit.slot
                     results.append(res)
                     m_solo += 1
         return results, ready, self.clock.mark()
 
-    def cp_unit(
-        self, unit: Unit, rank: int, value: float, loss_scale: float
-    ) -> tuple[_Timed, Mark]:
+    def cp_unit(self, unit: Unit, rank: int, value: float, loss_scale: float) -> tuple[_Timed, Mark]:
         """Forward + backward of this rank's shard of CP unit ``unit`` (see the module
         docstring); the result (this rank's loss share, the unit's layer densities)."""
         cfg, engine = self.config, self.engine
-        batch, ring = unit_batch(unit, rank, self.docs, cfg.block_size, self.device,
-                                 cfg.per_doc_weighting, self.ring_groups)  # fmt: skip
+        batch, ring = unit_batch(
+            unit, rank, self.docs, cfg.block_size, self.device, cfg.per_doc_weighting, self.ring_groups
+        )
         choose = None
         if engine.tuner.config.mode != "off":
             mb = MicroBatch(unit.sample_ids, unit.lengths, unit.densities)
             # Target: the unit's own prediction at its budget; fed no measured times, the
             # controller's choices depend on the shared estimates only (same on every rank).
-            ctl = LayerController([mb], engine.latency, engine.tuner.config, 0.0, value=value,
-                                  knob=engine.knob, device=engine.device)  # fmt: skip
+            ctl = LayerController(
+                [mb], engine.latency, engine.tuner.config, 0.0, value=value, knob=engine.knob, device=engine.device
+            )
             ctl.target_seconds = float(ctl.planned.sum())
             self._controllers.append(ctl)
             choose = lambda layer, e: ctl.choose(0, layer, e)  # noqa: E731
-        ctx = PackedAttention(batch.cu_seqlens, self.budget(value), cfg.block_size, cfg.backend,
-                              choose_budget=choose, ring=ring, lengths=unit.lengths)  # fmt: skip
+        ctx = PackedAttention(
+            batch.cu_seqlens,
+            self.budget(value),
+            cfg.block_size,
+            cfg.backend,
+            choose_budget=choose,
+            ring=ring,
+            lengths=unit.lengths,
+        )
         t0, wait0 = self.clock.mark(), len(RING_WAITS)
-        result, ready = self._forward_backward(batch, ctx, loss_scale, t0, unit.lengths,
-                                               unit.sample_ids)  # fmt: skip
+        result, ready = self._forward_backward(batch, ctx, loss_scale, t0, unit.lengths, unit.sample_ids)
         local = _real_tokens(ring.placement, unit.ranks.index(rank))
-        result.extra.update(slot=unit.slot, unit_ranks=tuple(unit.ranks), ring=unit.ring,
-                            local_tokens=local)  # fmt: skip
+        result.extra.update(slot=unit.slot, unit_ranks=tuple(unit.ranks), ring=unit.ring, local_tokens=local)
         result.waits = (wait0, len(RING_WAITS))
         return result, ready
 
@@ -197,32 +207,51 @@ class RankExecutor:
     ) -> tuple[_Timed, Mark]:
         """Forward + backward of micro-batch ``m``; the result and when its gradients were ready
         (for an overlapped sync: when the last bucket was handed over, before the wait)."""
-        docs = [self.docs[i][o : o + n] for i, o, n in zip(mb.sample_ids, offsets, mb.lengths,
-                                                            strict=True)]  # fmt: skip
+        docs = [self.docs[i][o : o + n] for i, o, n in zip(mb.sample_ids, offsets, mb.lengths, strict=True)]
         cfg = self.config
         batch = pack(docs, self.device, cfg.per_doc_weighting)
         timer = LayerTimer(controller, m, cfg.time_layers)
-        ctx = microbatch_attention(batch.cu_seqlens, batch.lengths, self.budget(value),
-                                   cfg.block_size, cfg.backend, controller, m, timer,
-                                   self.engine.dense_from)  # fmt: skip
+        ctx = microbatch_attention(
+            batch.cu_seqlens,
+            batch.lengths,
+            self.budget(value),
+            cfg.block_size,
+            cfg.backend,
+            controller,
+            m,
+            timer,
+            self.engine.dense_from,
+        )
         t0 = self.clock.mark()
         timer.start(t0.host)
         return self._forward_backward(batch, ctx, loss_scale, t0, mb.lengths, mb.sample_ids)
 
-    def _forward_backward(self, batch, ctx: PackedAttention, loss_scale: float, t0: Mark,
-                          lengths: Sequence[int], sample_ids: Sequence[int],
-                          ) -> tuple[_Timed, Mark]:  # fmt: skip
+    def _forward_backward(
+        self,
+        batch,
+        ctx: PackedAttention,
+        loss_scale: float,
+        t0: Mark,
+        lengths: Sequence[int],
+        sample_ids: Sequence[int],
+    ) -> tuple[_Timed, Mark]:
         """The packed loss, its backward (scaled by ``loss_scale``, and by fp16's loss scale)
         and the micro-batch's record; ``ready``: when its gradients were handed to the sync
         (``t0``: its start). Nothing here waits for the device."""
-        loss_sum = packed_loss(self.par.model, batch, ctx, self.config.loss,
-                               precision=self.precision,
-                               uniform_weights=not self.config.per_doc_weighting)  # fmt: skip
+        loss_sum = packed_loss(
+            self.par.model,
+            batch,
+            ctx,
+            self.config.loss,
+            precision=self.precision,
+            uniform_weights=not self.config.per_doc_weighting,
+        )
         scaled = loss_sum * loss_scale
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         ready = self.par.ready_time() or self.clock.mark()
-        timed = _Timed(t0, ready, tuple(lengths), tuple(sample_ids), list(ctx.stats),
-                       loss_sum.detach(), batch.loss_weights.sum())  # fmt: skip
+        timed = _Timed(
+            t0, ready, tuple(lengths), tuple(sample_ids), list(ctx.stats), loss_sum.detach(), batch.loss_weights.sum()
+        )
         return timed, ready
 
     def budget(self, value: float) -> Budget:
@@ -234,11 +263,13 @@ class RankExecutor:
         run's autocast like every micro-batch (one dtype per run: no graph of its own); returns
         when its gradients were ready."""
         batch = pack([np.zeros(2, dtype=np.int64)], self.device)
-        ctx = microbatch_attention(batch.cu_seqlens, batch.lengths, Budget(gamma=1.0),
-                                   self.config.block_size, self.config.backend)  # fmt: skip
+        ctx = microbatch_attention(
+            batch.cu_seqlens, batch.lengths, Budget(gamma=1.0), self.config.block_size, self.config.backend
+        )
         with self.precision.autocast():
-            out = self.par.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                                 sb_attention=ctx, use_cache=False).logits  # fmt: skip
+            out = self.par.model(
+                input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx, use_cache=False
+            ).logits
         (out.float().sum() * 0.0).backward()
         return self.par.ready_time() or self.clock.mark()
 

@@ -79,8 +79,7 @@ def apply_feedback(
     if by_sample:
         ids = sorted(by_sample)
         pairs = [np.mean(by_sample[i], axis=0) for i in ids]
-        estimator.observe([sample(i) for i in ids], [float(p[0]) for p in pairs],
-                          budgets=[float(p[1]) for p in pairs])  # fmt: skip
+        estimator.observe([sample(i) for i in ids], [float(p[0]) for p in pairs], budgets=[float(p[1]) for p in pairs])
 
 
 def unit_timings(microbatches: tuple[MicroBatchResult, ...]) -> list[UnitTiming]:
@@ -112,6 +111,7 @@ def unit_timings(microbatches: tuple[MicroBatchResult, ...]) -> list[UnitTiming]
         measured = any(w > 0 for w in waits) and min(compute) > 0
         density = float(np.clip(np.mean(np.asarray(first.layer_densities)), _DENSITY_FLOOR, 1.0))
         if seconds > 0:
-            out.append(UnitTiming(int(first.lengths[0]), density, len(ranks), float(seconds),
-                                  compute if measured else ()))  # fmt: skip
+            out.append(
+                UnitTiming(int(first.lengths[0]), density, len(ranks), float(seconds), compute if measured else ())
+            )
     return out

@@ -58,9 +58,7 @@ def resolve_loss(impl: str, device: torch.device, uniform_weights: bool) -> str:
         if device.type != "cuda" or not liger_available():
             raise ValueError("--loss liger needs CUDA and the liger-kernel package")
         if not uniform_weights:
-            raise ValueError(
-                "--loss liger has no per-token weights: use chunked with --per-doc-loss-weighting"
-            )
+            raise ValueError("--loss liger has no per-token weights: use chunked with --per-doc-loss-weighting")
     if impl == "auto":
         use_liger = device.type == "cuda" and uniform_weights and liger_available()
         return "liger" if use_liger else "chunked"
@@ -72,8 +70,17 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     backward from the saved ``(T,)`` log-sum-exp)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, token_weights, chunk: int, ignore_index: int,
-                compute: torch.dtype | None = None):  # type: ignore[override]  # fmt: skip
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        labels,
+        token_weights,
+        chunk: int,
+        ignore_index: int,
+        compute: torch.dtype | None = None,
+    ):  # type: ignore[override]
         compute = compute or torch.promote_types(hidden.dtype, weight.dtype)
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         num_tokens = hidden.shape[0]
@@ -108,8 +115,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 e = min(s + ctx.chunk, hidden.shape[0])
                 h = hidden[s:e].to(compute)
                 g = _logits(h, w, b).to(acc).sub_(lse[s:e, None]).exp_()  # softmax (C, V)
-                g.scatter_add_(1, safe[s:e, None], torch.full((e - s, 1), -1.0, dtype=acc,
-                                                              device=g.device))  # fmt: skip
+                g.scatter_add_(1, safe[s:e, None], torch.full((e - s, 1), -1.0, dtype=acc, device=g.device))
                 g.mul_(scale[s:e, None])  # d total / d logits
                 g_low = g.to(compute) if compute != acc else g
                 grad_hidden[s:e] = (g_low @ w).to(hidden.dtype)
@@ -167,37 +173,26 @@ def linear_cross_entropy(
         float64).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden must be (T, H) and weight (V, H); got {tuple(hidden.shape)}, "
-            f"{tuple(weight.shape)}"
-        )
+        raise ValueError(f"hidden must be (T, H) and weight (V, H); got {tuple(hidden.shape)}, {tuple(weight.shape)}")
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels must be ({hidden.shape[0]},), got {tuple(labels.shape)}")
     if token_weights is not None and token_weights.shape != labels.shape:
-        raise ValueError(f"token_weights must be ({labels.shape[0]},), got "
-                         f"{tuple(token_weights.shape)}")  # fmt: skip
+        raise ValueError(f"token_weights must be ({labels.shape[0]},), got {tuple(token_weights.shape)}")
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     # Liger has no per-token weights: usable when every counted token weighs 1. Checking that
     # reads the weights on the host (a sync): only when Liger is a candidate and the caller
     # did not say (the trainer knows from --per-doc-loss-weighting).
     if uniform_weights is None:
-        liger = impl == "liger" or (impl == "auto" and hidden.device.type == "cuda"
-                                    and liger_available())  # fmt: skip
-        uniform_weights = (
-            not liger
-            or token_weights is None
-            or bool((token_weights[labels != ignore_index] == 1).all())
-        )
+        liger = impl == "liger" or (impl == "auto" and hidden.device.type == "cuda" and liger_available())
+        uniform_weights = not liger or token_weights is None or bool((token_weights[labels != ignore_index] == 1).all())
     impl = resolve_loss(impl, hidden.device, uniform_weights)
     if token_weights is None:
         token_weights = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
     if impl == "plain":
         logits = _logits(hidden, weight, bias)
         logits = logits if logits.dtype == torch.float64 else logits.float()
-        ce = torch.nn.functional.cross_entropy(
-            logits, labels, ignore_index=ignore_index, reduction="none"
-        )
+        ce = torch.nn.functional.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none")
         return (ce * token_weights.to(ce.dtype)).sum()
     if impl == "liger":
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -206,9 +201,15 @@ def linear_cross_entropy(
         return fn(weight, hidden, labels, bias).float()
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
     return ChunkedLinearCrossEntropy.apply(
-        hidden, weight, bias, labels, token_weights, chunk, ignore_index,
+        hidden,
+        weight,
+        bias,
+        labels,
+        token_weights,
+        chunk,
+        ignore_index,
         _compute_dtype(hidden, weight),
-    )  # fmt: skip
+    )
 
 
 def packed_loss(
@@ -230,8 +231,7 @@ def packed_loss(
     """
     device = batch.input_ids.device
     precision = precision or resolve_precision("auto", device)
-    kw = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=attention,
-              use_cache=False)  # fmt: skip
+    kw = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=attention, use_cache=False)
     labels, weights = batch.labels[0], batch.loss_weights[0]
     with precision.autocast():
         if impl == "plain":
@@ -239,10 +239,9 @@ def packed_loss(
         else:
             hidden = forward_hidden(model, **kw)[0]
             weight, bias = output_head(model)
-            return linear_cross_entropy(hidden, weight, labels, weights, bias, impl, chunk_tokens,
-                                        uniform_weights=uniform_weights)  # fmt: skip
+            return linear_cross_entropy(
+                hidden, weight, labels, weights, bias, impl, chunk_tokens, uniform_weights=uniform_weights
+            )
     logits = logits if logits.dtype == torch.float64 else logits.float()
-    ce = torch.nn.functional.cross_entropy(
-        logits, labels, ignore_index=IGNORE_INDEX, reduction="none"
-    )
+    ce = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
     return (ce * weights.to(ce.dtype)).sum()

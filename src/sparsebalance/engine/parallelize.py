@@ -52,14 +52,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         )
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
-        if type(module).__name__ in names and not any(
-            name.startswith(prefix + ".") for prefix, _ in found
-        ):
+        if type(module).__name__ in names and not any(name.startswith(prefix + ".") for prefix, _ in found):
             found.append((name, module))
     if not found:
         raise ValueError(
-            f"--parallel fsdp2: no module of {sorted(names)} (the model's _no_split_modules) "
-            f"in {type(model).__name__}"
+            f"--parallel fsdp2: no module of {sorted(names)} (the model's _no_split_modules) in {type(model).__name__}"
         )
     return [m for _, m in found]
 
@@ -161,9 +158,7 @@ def parallelize(model: nn.Module, runtime: Runtime, parallel: str, measure_bubbl
     if parallel not in PARALLEL:
         raise ValueError(f"--parallel must be one of {PARALLEL}, got {parallel!r}")
     if measure_bubble not in MEASURE_BUBBLE:
-        raise ValueError(
-            f"--measure-bubble must be one of {MEASURE_BUBBLE}, got {measure_bubble!r}"
-        )
+        raise ValueError(f"--measure-bubble must be one of {MEASURE_BUBBLE}, got {measure_bubble!r}")
     world = runtime.world_size
     clock = Clock(runtime.device)
     if parallel == "fsdp2":
@@ -190,9 +185,7 @@ def parallelize(model: nn.Module, runtime: Runtime, parallel: str, measure_bubbl
     return Parallelized(ddp, model, "ddp", measure_bubble, world, clock, ready)
 
 
-def allreduce_gradients(
-    params: list[torch.nn.Parameter], world_size: int, bucket_elems: int = 1 << 24
-) -> None:
+def allreduce_gradients(params: list[torch.nn.Parameter], world_size: int, bucket_elems: int = 1 << 24) -> None:
     """Average gradients over ranks with a few flat buckets (DDP's reducer without its overlap
     with the backward: ``--measure-bubble exact`` times wait and sync apart). A rank that had no
     document this step joins with zero gradients."""

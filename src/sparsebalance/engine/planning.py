@@ -50,9 +50,15 @@ class PlanningConfig:
     """No measured time enters any decision."""
 
     def plan_config(self) -> PlanConfig:
-        return PlanConfig(self.num_ranks, self.micro_batches, self.capacity, self.strategy,
-                          self.overlong, cp_degree=self.cp_degree,
-                          ranks_per_node=self.ranks_per_node)  # fmt: skip
+        return PlanConfig(
+            self.num_ranks,
+            self.micro_batches,
+            self.capacity,
+            self.strategy,
+            self.overlong,
+            cp_degree=self.cp_degree,
+            ranks_per_node=self.ranks_per_node,
+        )
 
 
 class StepEngine:
@@ -72,10 +78,18 @@ class StepEngine:
             LayerController`).
     """
 
-    def __init__(self, config: PlanningConfig, latency: LatencyModel, tuner: DSTTuner,
-                 estimator: DensityEstimator, sample: Callable[[int], Sample],
-                 all_gather: Callable[[object], list] | None = None,
-                 cost: CostModel | None = None, *, device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: PlanningConfig,
+        latency: LatencyModel,
+        tuner: DSTTuner,
+        estimator: DensityEstimator,
+        sample: Callable[[int], Sample],
+        all_gather: Callable[[object], list] | None = None,
+        cost: CostModel | None = None,
+        *,
+        device: torch.device,
+    ) -> None:
         self.config = config
         self.device = torch.device(device)
         self.latency = latency
@@ -98,8 +112,14 @@ class StepEngine:
     def plan(self, samples: list[Sample]) -> StepPlan:
         """SAB: samples -> ranks -> micro-batches; every rank derived the same (checked)."""
         cfg = self.config
-        return plan_step(samples, self.cost or self.latency, cfg.plan_config(), self.estimator,
-                         self.all_gather, cfg.per_doc_weighting)  # fmt: skip
+        return plan_step(
+            samples,
+            self.cost or self.latency,
+            cfg.plan_config(),
+            self.estimator,
+            self.all_gather,
+            cfg.per_doc_weighting,
+        )
 
     def tune(self, planned: StepPlan, world_size: int) -> TunedStep:
         """DST: a budget per rank, and the loss scale ``world_size / global weight`` (the
@@ -108,11 +128,11 @@ class StepEngine:
 
     def controller(self, tuned: TunedStep, rank: int) -> LayerController | None:
         """DST's layer controller for ``rank``'s one-rank micro-batches (None: budgets fixed)."""
-        return rank_controller(tuned, rank, self.latency, self.tuner.config, self.tuner.knob,
-                               self.device)  # fmt: skip
+        return rank_controller(tuned, rank, self.latency, self.tuner.config, self.tuner.knob, self.device)
 
-    def records(self, tuned: TunedStep, rank: int, results: Sequence[MicroBatchResult],
-                gather: bool = True) -> list[RankRecord]:  # fmt: skip
+    def records(
+        self, tuned: TunedStep, rank: int, results: Sequence[MicroBatchResult], gather: bool = True
+    ) -> list[RankRecord]:
         """Every rank's :class:`RankRecord` from this rank's micro-batch ``results`` (one
         all-gather when ``gather``), each with its derived bubble."""
         mine = RankRecord.from_results(tuned.decision.ranks[rank], list(results))
@@ -124,16 +144,25 @@ class StepEngine:
         """Fold the step's micro-batches (every rank's, rank order) into the latency model and
         the density estimator; their times only when ``measured`` and not deterministic."""
         feedback = StepFeedback.from_records(records)
-        apply_feedback(feedback, self.latency, self.estimator, self.tuner.knob, self.sample,
-                       use_timings=measured and not self.config.deterministic,
-                       context=self.cost)  # fmt: skip
+        apply_feedback(
+            feedback,
+            self.latency,
+            self.estimator,
+            self.tuner.knob,
+            self.sample,
+            use_timings=measured and not self.config.deterministic,
+            context=self.cost,
+        )
         return feedback
 
     def state_dict(self) -> dict:
         """JSON-ready: the latency model's calibration, the estimator's state and the ring
         terms of ``sab-cp``'s cost model (None without one)."""
-        return {"latency": self.latency.state_dict(), "estimator": self.estimator.state_dict(),
-                "context": None if self.cost is None else self.cost.state_dict()}  # fmt: skip
+        return {
+            "latency": self.latency.state_dict(),
+            "estimator": self.estimator.state_dict(),
+            "context": None if self.cost is None else self.cost.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.latency.load_state_dict(state["latency"])

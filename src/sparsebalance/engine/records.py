@@ -96,8 +96,7 @@ class MicroBatchResult:
     unit's whole documents); 0 = ``sum(lengths)``."""
 
     @classmethod
-    def from_stats(cls, seconds: float, lengths, sample_ids, stats, loss_sum,
-                   weight_sum, **extra) -> MicroBatchResult:  # fmt: skip
+    def from_stats(cls, seconds: float, lengths, sample_ids, stats, loss_sum, weight_sum, **extra) -> MicroBatchResult:
         """The result of a micro-batch whose attention layers left ``stats``
         (:class:`~sparsebalance.models.attention.LayerStats`, read in one host read: callers do
         it at the step's end, with ``loss_sum`` and ``weight_sum`` where they are device
@@ -105,11 +104,17 @@ class MicroBatchResult:
         sums = [x for x in (loss_sum, weight_sum) if isinstance(x, torch.Tensor)]
         budgets, densities, _, read = read_stats(list(stats), *sums)  # one read
         read = iter(read)
-        loss_sum, weight_sum = (next(read) if isinstance(x, torch.Tensor) else float(x)
-                                for x in (loss_sum, weight_sum))  # fmt: skip
-        return cls(seconds=float(seconds), lengths=tuple(lengths), sample_ids=tuple(sample_ids),
-                   layer_densities=tuple(tuple(d) for d in densities), budgets=tuple(budgets),
-                   loss_sum=loss_sum, weight_sum=weight_sum, **extra)  # fmt: skip
+        loss_sum, weight_sum = (next(read) if isinstance(x, torch.Tensor) else float(x) for x in (loss_sum, weight_sum))
+        return cls(
+            seconds=float(seconds),
+            lengths=tuple(lengths),
+            sample_ids=tuple(sample_ids),
+            layer_densities=tuple(tuple(d) for d in densities),
+            budgets=tuple(budgets),
+            loss_sum=loss_sum,
+            weight_sum=weight_sum,
+            **extra,
+        )
 
     @property
     def density(self) -> float | None:
@@ -135,11 +140,17 @@ class MicroBatchResult:
     def unit_json(self) -> dict:
         """What ``metrics.jsonl`` says about the unit (one entry of a rank's ``units``)."""
         return {
-            "slot": self.slot, "ranks": list(self.unit_ranks), "degree": self.degree,
-            "ring": self.ring, "sample_ids": list(self.sample_ids), "tokens": self.tokens,
-            "start_s": self.start_s, "seconds": self.seconds, "ring_wait_s": self.ring_wait_s,
+            "slot": self.slot,
+            "ranks": list(self.unit_ranks),
+            "degree": self.degree,
+            "ring": self.ring,
+            "sample_ids": list(self.sample_ids),
+            "tokens": self.tokens,
+            "start_s": self.start_s,
+            "seconds": self.seconds,
+            "ring_wait_s": self.ring_wait_s,
             "density": self.density,
-        }  # fmt: skip
+        }
 
 
 @dataclass
@@ -192,8 +203,11 @@ class RankRecord:
     def from_results(cls, decision: RankDecision, results: list[MicroBatchResult]) -> RankRecord:
         """Aggregate one rank's micro-batch results under its DST decision."""
         layer_budgets = [g for r in results for g in r.budgets]
-        parts = [(r.density, float(np.sum(np.asarray(r.lengths, dtype=np.float64) ** 2)))
-                 for r in results if r.density is not None]  # fmt: skip
+        parts = [
+            (r.density, float(np.sum(np.asarray(r.lengths, dtype=np.float64) ** 2)))
+            for r in results
+            if r.density is not None
+        ]
         weight = sum(w for _, w in parts)
         density = sum(d * w for d, w in parts) / weight if weight > 0 else 0.0
         return cls(
@@ -218,9 +232,7 @@ class RankRecord:
         )
 
     def to_json(self) -> dict:
-        return {
-            f.name: getattr(self, f.name) for f in fields(self) if f.name not in self._NOT_LOGGED
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self._NOT_LOGGED}
 
     def relative_to(self, t0: float | None) -> None:
         """Micro-batch starts as seconds after ``t0`` (the step's plan agreement, a

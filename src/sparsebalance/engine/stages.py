@@ -40,8 +40,7 @@ def check_plan_agreement(hashes: list[str], plan) -> None:
         return
     common = max(set(hashes), key=lambda h: (hashes.count(h), h))
     odd = [r for r, h in enumerate(hashes) if h != common]
-    units = [f"unit {u.slot} (ranks {list(u.ranks)})" for u in plan.units
-             if set(u.ranks) & set(odd)]  # fmt: skip
+    units = [f"unit {u.slot} (ranks {list(u.ranks)})" for u in plan.units if set(u.ranks) & set(odd)]
     where = f"; CP units they take part in: {', '.join(units)}" if units else ""
     raise RuntimeError(
         f"ranks {odd} derived a different plan from the other ranks (hashes {hashes}): their "
@@ -65,10 +64,8 @@ def plan_step(
     check_plan_agreement(hashes, plan)
     units, rank_units = plan.execution()
     # Every unit once (a CP unit appears in each of its ranks' lists).
-    weight = sum(label_weight(MicroBatch(u.sample_ids, u.lengths, u.densities),
-                              per_doc_weighting) for u in units)  # fmt: skip
-    return StepPlan(plan, hashes[0], weight, units, rank_units,
-                    pass_schedule(units, rank_units))  # fmt: skip
+    weight = sum(label_weight(MicroBatch(u.sample_ids, u.lengths, u.densities), per_doc_weighting) for u in units)
+    return StepPlan(plan, hashes[0], weight, units, rank_units, pass_schedule(units, rank_units))
 
 
 def tune_step(
@@ -82,29 +79,28 @@ def tune_step(
     ``latency``) and the loss scale ``world_size / global weight``."""
     plan = planned.plan
     t0 = time.perf_counter()
-    if plan.units:  # workers = ranks joined by CP units, one budget each
-        decision = decide_units(tuner, plan, cost or latency)
-    else:
-        decision = tuner.decide(plan.ranks, latency)
-    return TunedStep(planned, decision, world_size / max(planned.global_weight, 1e-9),
-                     time.perf_counter() - t0)  # fmt: skip
+    # with CP units the workers are ranks joined by units, one budget each
+    decision = decide_units(tuner, plan, cost or latency) if plan.units else tuner.decide(plan.ranks, latency)
+    return TunedStep(planned, decision, world_size / max(planned.global_weight, 1e-9), time.perf_counter() - t0)
 
 
 def rank_controller(
-    step: TunedStep, rank: int, latency: LatencyModel, dst: DSTConfig, knob: Knob,
+    step: TunedStep,
+    rank: int,
+    latency: LatencyModel,
+    dst: DSTConfig,
+    knob: Knob,
     device: torch.device,
-) -> LayerController | None:  # fmt: skip
+) -> LayerController | None:
     """DST's closed-loop layer controller for rank ``rank``'s one-rank micro-batches of ``step``
     (None with ``mode="off"`` or when the rank has none), deciding for ``device`` (the run's).
     Micro-batch ``m`` of the controller is the rank's m-th one-rank micro-batch in plan order."""
     planned = step.planned
     plan, units = planned.plan, planned.units
-    solo = [plan.ranks[rank][j] for j, u in enumerate(planned.rank_units[rank])
-            if units[u].degree == 1]  # fmt: skip
+    solo = [plan.ranks[rank][j] for j, u in enumerate(planned.rank_units[rank]) if units[u].degree == 1]
     if dst.mode == "off" or not solo:
         return None
-    controller = LayerController.from_decision(step.decision.ranks[rank], solo, latency, dst,
-                                               knob=knob, device=device)  # fmt: skip
+    controller = LayerController.from_decision(step.decision.ranks[rank], solo, latency, dst, knob=knob, device=device)
     if len(solo) < len(plan.ranks[rank]):  # its CP units are not the controller's
         controller.target_seconds = float(controller.planned.sum())
     return controller
@@ -158,6 +154,14 @@ def microbatch_attention(
     if controller is not None:
         choose = lambda layer, e: controller.choose(m, layer, e)  # noqa: E731
         low = controller.lowest_budget()
-    return PackedAttention(cu_seqlens, budget, block_size, backend, choose_budget=choose,
-                           on_layer_end=timer, lengths=tuple(int(n) for n in lengths),
-                           min_budget=low, dense_from=dense_from)  # fmt: skip
+    return PackedAttention(
+        cu_seqlens,
+        budget,
+        block_size,
+        backend,
+        choose_budget=choose,
+        on_layer_end=timer,
+        lengths=tuple(int(n) for n in lengths),
+        min_budget=low,
+        dense_from=dense_from,
+    )

@@ -61,18 +61,25 @@ def load_latency_model(
         try:
             if profile is not None:
                 loaded = load_profile(profile)
-                check_profile_fits(loaded, shapes, kernel.block_size, kernel.device.type,
-                                   f"{flag} {profile}")  # fmt: skip
-                loaded.check_fingerprint(fingerprint(shapes, kernel.device, kernel.precision,
-                                                     kernel.backend, kernel.block_size,
-                                                     layout=layout),
-                                         where=f"{flag} {profile}")  # fmt: skip
+                check_profile_fits(loaded, shapes, kernel.block_size, kernel.device.type, f"{flag} {profile}")
+                loaded.check_fingerprint(
+                    fingerprint(
+                        shapes, kernel.device, kernel.precision, kernel.backend, kernel.block_size, layout=layout
+                    ),
+                    where=f"{flag} {profile}",
+                )
             else:
                 given = f"{flag} PATH" if flag.startswith("-") else f"{flag}=PATH"
-                loaded = default_latency_model(shapes, kernel.device, kernel.precision,
-                                               kernel.backend, kernel.block_size,
-                                               max_len=max_len, layout=layout,
-                                               given=given).profile  # fmt: skip
+                loaded = default_latency_model(
+                    shapes,
+                    kernel.device,
+                    kernel.precision,
+                    kernel.backend,
+                    kernel.block_size,
+                    max_len=max_len,
+                    layout=layout,
+                    given=given,
+                ).profile
             data = loaded.to_json()
         except ValueError as err:  # every rank raises it (rank 0 says it), none waits on
             data = {"error": str(err)}

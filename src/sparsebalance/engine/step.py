@@ -89,9 +89,12 @@ class Updater:
             scaler.step(self.optimizer)
             scaler.update()
             if scaler.get_scale() < before and self.is_main:
-                print(f"sparsebalance train: step {step}: fp16 gradients overflowed at loss scale "
-                      f"{before:g}: optimizer step skipped, scale now {scaler.get_scale():g}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"sparsebalance train: step {step}: fp16 gradients overflowed at loss scale "
+                    f"{before:g}: optimizer step skipped, scale now {scaler.get_scale():g}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - t0, False
@@ -119,9 +122,12 @@ class Updater:
                 f"row (--max-nonfinite-steps {limit}); none of them was applied"
             )
         if self.is_main:
-            print(f"sparsebalance train: step {step}: {what}: step skipped, nothing applied "
-                  f"({self.nonfinite_in_a_row} in a row, --max-nonfinite-steps {limit})",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"sparsebalance train: step {step}: {what}: step skipped, nothing applied "
+                f"({self.nonfinite_in_a_row} in a row, --max-nonfinite-steps {limit})",
+                file=sys.stderr,
+                flush=True,
+            )
         self.scheduler.step()
         return time.perf_counter() - t0
 
@@ -216,9 +222,7 @@ class StepRunner:
         """Mean token loss over all ranks."""
         return sum(r.loss_sum for r in records) / max(sum(r.weight for r in records), 1e-9)
 
-    def summarize(
-        self, tuned: TunedStep, records: list[RankRecord], optim: float, elapsed: float
-    ) -> StepSummary:
+    def summarize(self, tuned: TunedStep, records: list[RankRecord], optim: float, elapsed: float) -> StepSummary:
         """The step over all ranks (``elapsed``: wall seconds of the whole step)."""
         decision, plan = tuned.decision, tuned.planned.plan
         balance = Balance.of(records)
@@ -226,10 +230,10 @@ class StepRunner:
             elapsed = balance.max_compute_s + records[0].sync_s + optim
         layer_s = max(r.dst_layer_s for r in records)
         cp_documents = tuple(
-            {"id": i, "offset": o, "tokens": n, "degree": u.degree, "ranks": list(u.ranks),
-             "ring": u.ring}
-            for u in plan.units for i, o, n in zip(u.sample_ids, u.offsets, u.lengths, strict=True)
-        )  # fmt: skip
+            {"id": i, "offset": o, "tokens": n, "degree": u.degree, "ranks": list(u.ranks), "ring": u.ring}
+            for u in plan.units
+            for i, o, n in zip(u.sample_ids, u.offsets, u.lengths, strict=True)
+        )
         return StepSummary(
             loss=self.global_loss(records),
             step_seconds=elapsed,

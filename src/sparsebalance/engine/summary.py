@@ -37,9 +37,15 @@ class Balance:
         computes = np.array([r.compute_s for r in records], dtype=np.float64)
         peak = max(float(computes.max()), 1e-12)
         mean = float(computes.mean())
-        return cls(float(computes.max()), mean, mean / peak, peak / max(mean, 1e-12),
-                   1.0 - mean / peak, float(np.mean([r.density for r in records])),
-                   int(sum(r.tokens for r in records)))  # fmt: skip
+        return cls(
+            float(computes.max()),
+            mean,
+            mean / peak,
+            peak / max(mean, 1e-12),
+            1.0 - mean / peak,
+            float(np.mean([r.density for r in records])),
+            int(sum(r.tokens for r in records)),
+        )
 
 
 def derive_bubbles(records: list[RankRecord]) -> None:

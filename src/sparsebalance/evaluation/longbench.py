@@ -231,8 +231,7 @@ def evaluate_longbench(
     rows = []
     iterator = progress(records) if progress is not None else records
     for rec in iterator:
-        ids, cut = truncate_prompt(build_prompt(rec, templates), max_length, encode, decode,
-                                   truncation)  # fmt: skip
+        ids, cut = truncate_prompt(build_prompt(rec, templates), max_length, encode, decode, truncation)
         truncated += cut
         new = generate(ids, MAX_NEW_TOKENS.get(rec.base_dataset, 64))
         pred = decode(new)

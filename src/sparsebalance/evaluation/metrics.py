@@ -146,9 +146,7 @@ def fuzz_ratio(a: str, b: str, backend: str = "difflib") -> int:
     """fuzzywuzzy's ``fuzz.ratio``: an int in 0..100 (``backend``: one of
     :data:`CODE_SIM_BACKENDS`)."""
     if backend not in CODE_SIM_BACKENDS:
-        raise ValueError(
-            f"--code-sim-backend must be one of {', '.join(CODE_SIM_BACKENDS)}, got {backend!r}"
-        )
+        raise ValueError(f"--code-sim-backend must be one of {', '.join(CODE_SIM_BACKENDS)}, got {backend!r}")
     if a == b:
         return 100
     if not a or not b:
@@ -160,18 +158,15 @@ def fuzz_ratio(a: str, b: str, backend: str = "difflib") -> int:
     try:
         from rapidfuzz import fuzz
     except ImportError:
-        raise ValueError(
-            "--code-sim-backend rapidfuzz needs `pip install rapidfuzz` (the eval extra)"
-        ) from None
+        raise ValueError("--code-sim-backend rapidfuzz needs `pip install rapidfuzz` (the eval extra)") from None
     return round(fuzz.ratio(a, b))
 
 
 def code_sim(prediction: str, ground_truth: str, backend: str = "difflib", **_) -> float:
     line = next(
-        (ln for ln in prediction.lstrip("\n").split("\n") if not any(m in ln for m in "`#")
-         and "//" not in ln),
+        (ln for ln in prediction.lstrip("\n").split("\n") if not any(m in ln for m in "`#") and "//" not in ln),
         "",
-    )  # fmt: skip
+    )
     return fuzz_ratio(line, ground_truth, backend) / 100
 
 
@@ -241,9 +236,7 @@ def score_example(
     metric_name = dataset_metric(dataset)
     metric = METRICS[metric_name]
     extra = {"backend": code_sim_backend} if metric_name == "code_sim" else {}
-    return max(
-        [0.0, *(metric(prediction, gold, all_classes=all_classes, **extra) for gold in answers)]
-    )
+    return max([0.0, *(metric(prediction, gold, all_classes=all_classes, **extra) for gold in answers)])
 
 
 def score_dataset(
@@ -255,12 +248,9 @@ def score_dataset(
 ) -> float:
     """Official LongBench score: mean of :func:`score_example` x 100, rounded to 2 decimals."""
     if len(predictions) != len(answers) or not predictions:
-        raise ValueError(
-            f"{dataset}: {len(predictions)} predictions for {len(answers)} answer lists"
-        )
+        raise ValueError(f"{dataset}: {len(predictions)} predictions for {len(answers)} answer lists")
     total = sum(
-        score_example(dataset, p, a, all_classes, code_sim_backend)
-        for p, a in zip(predictions, answers, strict=True)
+        score_example(dataset, p, a, all_classes, code_sim_backend) for p, a in zip(predictions, answers, strict=True)
     )
     return round(100 * total / len(predictions), 2)
 

@@ -29,9 +29,7 @@ import torch.nn.functional as F
 class ModelRunner(Protocol):
     """What an evaluator needs from a model under one attention setting."""
 
-    def logits(
-        self, docs: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
-    ) -> list[torch.Tensor]:
+    def logits(self, docs: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """For each document ``docs[i]`` (token ids), float ``(len(positions[i]), V)`` logits:
         row ``j`` predicts token ``positions[i][j] + 1`` from ``docs[i][: positions[i][j] + 1]``.
         Documents are independent (no attention across them)."""
@@ -124,9 +122,7 @@ class HFRunner:
         with torch.no_grad():
             return self.model.get_output_embeddings()(hidden).float()
 
-    def logits(
-        self, docs: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
-    ) -> list[torch.Tensor]:
+    def logits(self, docs: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         hidden = self._forward_hidden(docs)
         out, start = [], 0
         for doc, pos in zip(docs, positions, strict=True):

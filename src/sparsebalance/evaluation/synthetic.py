@@ -61,10 +61,7 @@ def score_examples(
         docs = [encoded[i][0] + encoded[i][1] for i in batch]
         # logits at position t predict token t + 1: the answer's tokens are predicted from
         # positions len(prompt) - 1 ... len(prompt) + len(answer) - 2
-        positions = [
-            range(len(encoded[i][0]) - 1, len(encoded[i][0]) + len(encoded[i][1]) - 1)
-            for i in batch
-        ]
+        positions = [range(len(encoded[i][0]) - 1, len(encoded[i][0]) + len(encoded[i][1]) - 1) for i in batch]
         logits = runner.logits(docs, positions)
         for i, lg in zip(batch, logits, strict=True):
             answer = encoded[i][1]
@@ -148,11 +145,7 @@ def summarize(scores: Sequence[ExampleScore], num_depth_bins: int | None = 5) ->
         for s in items:
             by_len[str(s.length)].append(s)
             if s.depth is not None:
-                d = str(
-                    round(s.depth, 4)
-                    if num_depth_bins is None
-                    else depth_bin(s.depth, num_depth_bins)
-                )
+                d = str(round(s.depth, 4) if num_depth_bins is None else depth_bin(s.depth, num_depth_bins))
                 by_depth[d].append(s)
                 grid[str(s.length)][d].append(s)
         out[task] = {

@@ -64,8 +64,7 @@ def _check_trainer(trainer) -> None:
         )
     if not isinstance(trainer, Trainer):
         raise TypeError(
-            f"sparsebalance.hf.enable takes a transformers Trainer (or a TRL trainer), got "
-            f"{type(trainer).__name__}"
+            f"sparsebalance.hf.enable takes a transformers Trainer (or a TRL trainer), got {type(trainer).__name__}"
         )
     if trainer.model_init is not None:
         raise ValueError(
@@ -86,8 +85,7 @@ def _check_args(args, caller: str = "sparsebalance.hf.enable") -> None:
     # TRL's SFTConfig has packing; transformers' TrainingArguments has not (nothing packs then)
     if getattr(args, "packing", False):
         raise ValueError(
-            f"{caller}: set SFTConfig(packing=False): SparseBalance's collator packs "
-            "the planned documents itself"
+            f"{caller}: set SFTConfig(packing=False): SparseBalance's collator packs the planned documents itself"
         )
     if args.world_size > 1 and not args.average_tokens_across_devices:
         raise ValueError(
@@ -102,8 +100,7 @@ def _check_args(args, caller: str = "sparsebalance.hf.enable") -> None:
         )
     # transformers renamed gradient_checkpointing to activation_checkpointing: a version has one
     # or both, and a field it lacks is a feature it cannot have switched on
-    if getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing",
-                                                                   None):  # fmt: skip
+    if getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None):
         raise ValueError(
             f"{caller}: activation_checkpointing (gradient_checkpointing) reruns "
             "attention in the backward and would select its blocks again: set "
@@ -201,17 +198,24 @@ def enable(
     check_block_size(block_size, "sparsebalance.hf.enable")
     existing = attached_runtime(trainer.model)
     if existing is not None:  # attached before: this call's settings must agree (one line if not)
-        reconcile(existing, "sparsebalance.hf.enable", block_size=block_size, backend=backend,
-                  device=args.device)  # fmt: skip
+        reconcile(existing, "sparsebalance.hf.enable", block_size=block_size, backend=backend, device=args.device)
     runtime = attach(trainer.model, block_size=block_size, backend=backend, device=args.device)
     config = PlannerConfig(
-        global_batch=global_batch, micro_batches=accum, capacity=capacity, strategy=strategy,
-        overlong=overlong, dst=dst or DSTConfig(), block_size=runtime.block_size,
-        backend=runtime.backend, seed=args.seed, deterministic=deterministic,
-    )  # fmt: skip
+        global_batch=global_batch,
+        micro_batches=accum,
+        capacity=capacity,
+        strategy=strategy,
+        overlong=overlong,
+        dst=dst or DSTConfig(),
+        block_size=runtime.block_size,
+        backend=runtime.backend,
+        seed=args.seed,
+        deterministic=deterministic,
+    )
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"  # the Trainer's autocast
-    sampler = build_sampler(runtime, trainer.train_dataset, config, profile, lengths,
-                            device=args.device, precision=precision)  # fmt: skip
+    sampler = build_sampler(
+        runtime, trainer.train_dataset, config, profile, lengths, device=args.device, precision=precision
+    )
     dataset, pad = trainer.train_dataset, _pad_token_id(trainer)
     fixed = _planned_args(args, global_batch, given)
     callback = SparseBalanceCallback(sampler.planner, trainer, fixed)

@@ -39,9 +39,7 @@ from ..engine.parallelize import ReadyClock
 class SparseBalanceCallback(TrainerCallback, ExportableState):
     """See the module docstring; built by :func:`sparsebalance.hf.enable`."""
 
-    def __init__(
-        self, planner=None, trainer=None, fixed: dict[str, tuple[object, str]] | None = None
-    ) -> None:
+    def __init__(self, planner=None, trainer=None, fixed: dict[str, tuple[object, str]] | None = None) -> None:
         self.planner = planner
         self.trainer = trainer
         self.fixed = dict(fixed or {})
@@ -68,9 +66,12 @@ class SparseBalanceCallback(TrainerCallback, ExportableState):
         if state.global_step > 0 and learned:
             self.planner.load_state_dict(learned)
         elif state.global_step > 0 and state.is_world_process_zero:
-            print(f"sparsebalance: the checkpoint at step {state.global_step} holds no "
-                  "SparseBalance state: the latency calibration and the density estimator start "
-                  "afresh", file=sys.stderr)  # fmt: skip
+            print(
+                f"sparsebalance: the checkpoint at step {state.global_step} holds no "
+                "SparseBalance state: the latency calibration and the density estimator start "
+                "afresh",
+                file=sys.stderr,
+            )
         # a checkpoint written without SparseBalance has no entry, which saving would need
         state.stateful_callbacks.setdefault(name, self.state())
         self._logged = len(self.planner.history)
@@ -105,9 +106,7 @@ class SparseBalanceCallback(TrainerCallback, ExportableState):
         # the HF Trainer's model_wrapped (its DDP wrapper once it made one); a callback built
         # without a trainer (None) has nothing to hook
         wrapped = getattr(self.trainer, "model_wrapped", None)
-        if self._clock is not None or not isinstance(
-            wrapped, torch.nn.parallel.DistributedDataParallel
-        ):
+        if self._clock is not None or not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
             return
         from ..clock import Clock
 

@@ -47,8 +47,9 @@ class MicroBatchTicket:
 
     __slots__ = ("attention", "filler", "index", "key", "result", "step")
 
-    def __init__(self, attention: PackedAttention, step: int, index: int, key: Any = None,
-                 filler: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, attention: PackedAttention, step: int, index: int, key: Any = None, filler: bool = False
+    ) -> None:
         self.attention = attention
         self.step = step
         """Global step number (0-based) the micro-batch belongs to."""
@@ -108,8 +109,7 @@ class AttachedRuntime:
             return ctx
         if sb_attention is not None:
             raise TypeError(
-                f"sb_attention must be a MicroBatchTicket or PackedAttention, got "
-                f"{type(sb_attention).__name__}"
+                f"sb_attention must be a MicroBatchTicket or PackedAttention, got {type(sb_attention).__name__}"
             )
         return self.context(query, kwargs, first)
 
@@ -143,9 +143,7 @@ class AttachedRuntime:
 # model -> its runtime, weakly both ways: the model keeps its runtime alive (the forward hooks
 # inference.install registers hold it), and a strong value would keep the model alive through
 # runtime.model (the attached model must be freed when dropped).
-_RUNTIMES: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[AttachedRuntime]] = (
-    weakref.WeakKeyDictionary()
-)
+_RUNTIMES: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[AttachedRuntime]] = weakref.WeakKeyDictionary()
 
 
 def cu_from_positions(position_ids: torch.Tensor | None, total: int, device) -> torch.Tensor:
@@ -205,17 +203,25 @@ def check_device(device) -> None:
         )
 
 
-def reconcile(runtime: AttachedRuntime, caller: str, *, block_size: int | None = None,
-              backend: str | None = None, budget: Budget | None = None,
-              device: torch.device | str | None = None) -> None:  # fmt: skip
+def reconcile(
+    runtime: AttachedRuntime,
+    caller: str,
+    *,
+    block_size: int | None = None,
+    backend: str | None = None,
+    budget: Budget | None = None,
+    device: torch.device | str | None = None,
+) -> None:
     """Settings a later call asks of an attached model: the same (or left out) keep the runtime;
     one its attach left to the default is taken while no planner is built (a defaulted block
     size also follows the training ``device``); any other difference is refused in one line
     naming both values (the attention would silently keep the first)."""
     name = type(runtime.model).__name__
-    for key, current, asked in (("block_size", runtime.block_size, block_size),
-                                ("backend", runtime.backend, backend),
-                                ("budget", runtime.budget, budget)):  # fmt: skip
+    for key, current, asked in (
+        ("block_size", runtime.block_size, block_size),
+        ("backend", runtime.backend, backend),
+        ("budget", runtime.budget, budget),
+    ):
         if asked is None:
             continue
         if asked != current:
@@ -274,15 +280,21 @@ def attach(
         raise TypeError(f"sparsebalance.attach: budget must be a Budget, got {budget!r}")
     existing = attached_runtime(model)
     if existing is not None:
-        reconcile(existing, "sparsebalance.attach", block_size=block_size, backend=backend,
-                  budget=budget, device=device)  # fmt: skip
+        reconcile(
+            existing, "sparsebalance.attach", block_size=block_size, backend=backend, budget=budget, device=device
+        )
         return existing
     check_model(model)
     register()
     resolved = resolve_block_size(block_size, device or next(model.parameters()).device)
     asked = {"block_size": block_size, "backend": backend, "budget": budget}
-    runtime = AttachedRuntime(model, resolved, backend or "auto", budget or Budget(gamma=1.0),
-                              chosen={k for k, v in asked.items() if v is not None})  # fmt: skip
+    runtime = AttachedRuntime(
+        model,
+        resolved,
+        backend or "auto",
+        budget or Budget(gamma=1.0),
+        chosen={k for k, v in asked.items() if v is not None},
+    )
     found = 0
     for module in model.modules():
         # transformers' attention modules (Qwen2Attention, LlamaAttention, ...): no common base

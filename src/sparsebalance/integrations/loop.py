@@ -109,8 +109,9 @@ class BalancedLoop:
         return log_values(self.planner.history, since)
 
 
-def balanced_loader(runtime: AttachedRuntime, dataset, config: PlannerConfig, *,
-                    profile=None, pad_token_id: int = 0, lengths=None) -> BalancedLoop:  # fmt: skip
+def balanced_loader(
+    runtime: AttachedRuntime, dataset, config: PlannerConfig, *, profile=None, pad_token_id: int = 0, lengths=None
+) -> BalancedLoop:
     """A :class:`BalancedLoop` for ``runtime``'s model (from :func:`~.attach.attach`) over the
     map-style ``dataset`` (examples with ``input_ids``). ``profile``: a latency profile JSON
     (default: the cached / measured one of this machine)."""

@@ -142,11 +142,18 @@ class StepPlanner:
             fed back only on the CPU, :func:`~sparsebalance.engine.stages.layer_feedback`).
     """
 
-    def __init__(self, lengths: Sequence[int] | np.ndarray, config: PlannerConfig,
-                 latency: LatencyModel, rank: int = 0, world_size: int = 1,
-                 all_gather: Callable[[object], list] | None = None,
-                 sources: Sequence[str] | None = None, *,
-                 device: torch.device | str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        config: PlannerConfig,
+        latency: LatencyModel,
+        rank: int = 0,
+        world_size: int = 1,
+        all_gather: Callable[[object], list] | None = None,
+        sources: Sequence[str] | None = None,
+        *,
+        device: torch.device | str,
+    ) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
         if self.lengths.size == 0 or int(self.lengths.min()) < 1:
             raise ValueError("every document needs at least one token (an empty one was given)")
@@ -158,12 +165,24 @@ class StepPlanner:
         self.all_gather = all_gather or (lambda obj: [obj])
         self.sources = list(sources) if sources is not None else None
         tuner = DSTTuner(config.dst, block_size=config.block_size)
-        planning = PlanningConfig(world_size, None if config.capacity else config.micro_batches,
-                                  config.capacity, config.strategy, config.overlong,
-                                  deterministic=config.deterministic)  # fmt: skip
+        planning = PlanningConfig(
+            world_size,
+            None if config.capacity else config.micro_batches,
+            config.capacity,
+            config.strategy,
+            config.overlong,
+            deterministic=config.deterministic,
+        )
         self.device = torch.device(device)
-        self.engine = StepEngine(planning, latency, tuner, make_estimator("auto", tuner.knob),
-                                 self.sample, self.all_gather, device=self.device)  # fmt: skip
+        self.engine = StepEngine(
+            planning,
+            latency,
+            tuner,
+            make_estimator("auto", tuner.knob),
+            self.sample,
+            self.all_gather,
+            device=self.device,
+        )
         self.target_count: Callable[[int, int, int], int] | None = None
         """Optional ``(sample id, offset, length) -> targets`` (masked prompts); default n - 1."""
         self.history: list[dict] = []
@@ -222,14 +241,12 @@ class StepPlanner:
             )
         specs = [
             MicroBatchSpec(step, m, mb.sample_ids, offs, mb.lengths)
-            for m, (mb, offs) in enumerate(zip(plan.ranks[self.rank], plan.offsets[self.rank],
-                                               strict=True))
-        ]  # fmt: skip
+            for m, (mb, offs) in enumerate(zip(plan.ranks[self.rank], plan.offsets[self.rank], strict=True))
+        ]
         fillers = range(len(specs), cfg.micro_batches)
         specs += [MicroBatchSpec(step, m, filler=True) for m in fillers]
         controller = self.engine.controller(tuned, self.rank)
-        self._work = StepWork(step, epoch, tuned, specs, controller, self._targets(plan),
-                              t_planned=time.perf_counter())  # fmt: skip
+        self._work = StepWork(step, epoch, tuned, specs, controller, self._targets(plan), t_planned=time.perf_counter())
         return self._work
 
     def _targets(self, plan) -> int:
@@ -260,14 +277,20 @@ class StepPlanner:
                 continue
             spec = ticket.key
             secs = float(seconds[m]) if seconds is not None else float(predicted[spec.index])
-            results.append(MicroBatchResult.from_stats(
-                secs, spec.lengths, spec.sample_ids, ticket.attention.stats, 0.0,
-                float(sum(n - 1 for n in spec.lengths)), slot=m,
-            ))  # fmt: skip
+            results.append(
+                MicroBatchResult.from_stats(
+                    secs,
+                    spec.lengths,
+                    spec.sample_ids,
+                    ticket.attention.stats,
+                    0.0,
+                    float(sum(n - 1 for n in spec.lengths)),
+                    slot=m,
+                )
+            )
         records = self.engine.records(work.tuned, self.rank, results)
         self.engine.feedback(records, measured=seconds is not None)
-        telemetry = step_telemetry(work, records, seconds is not None and
-                                   not self.config.deterministic)  # fmt: skip
+        telemetry = step_telemetry(work, records, seconds is not None and not self.config.deterministic)
         self.history.append(telemetry)
         return telemetry
 

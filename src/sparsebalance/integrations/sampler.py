@@ -57,9 +57,7 @@ def example_tokens(example) -> tuple[np.ndarray, np.ndarray | None]:
     mask = None
     if isinstance(example, dict):
         if "input_ids" not in example:
-            raise ValueError(
-                f"a dataset example needs 'input_ids' (tokenized text); got keys {sorted(example)}"
-            )
+            raise ValueError(f"a dataset example needs 'input_ids' (tokenized text); got keys {sorted(example)}")
         for key in MASK_KEYS:
             if example.get(key) is not None:
                 mask = np.asarray(example[key], dtype=np.int64).reshape(-1)
@@ -191,8 +189,7 @@ class BalancedBatchSampler(Sampler):
     def dataloader(self, dataset, pad_token_id: int = 0) -> PlannedDataLoader:
         """A ``DataLoader`` over ``dataset`` with this sampler and a :class:`PackedCollator`."""
         collate = PackedCollator(self.planner, pad_token_id, self.vocab_size)
-        return PlannedDataLoader(PlannedDataset(dataset, self.planner), batch_sampler=self,
-                                 collate_fn=collate)  # fmt: skip
+        return PlannedDataLoader(PlannedDataset(dataset, self.planner), batch_sampler=self, collate_fn=collate)
 
 
 class PlannedDataLoader(DataLoader):
@@ -230,8 +227,7 @@ class PackedCollator:
     two-token filler micro-batches; with ``vocab_size`` a document holding an id outside the
     vocabulary is refused in one line naming it (:func:`check_ids`)."""
 
-    def __init__(self, planner: StepPlanner, pad_token_id: int = 0,
-                 vocab_size: int | None = None) -> None:  # fmt: skip
+    def __init__(self, planner: StepPlanner, pad_token_id: int = 0, vocab_size: int | None = None) -> None:
         self.planner, self.pad_token_id = planner, int(pad_token_id)
         self.vocab_size = vocab_size
 
@@ -247,8 +243,7 @@ class PackedCollator:
             docs, masks, lengths = [ids], [np.zeros(2, np.int64)], [2]
         else:
             docs, masks = [], []
-            for ex, i, o, n in zip(examples, spec.sample_ids, spec.offsets, spec.lengths,
-                                   strict=True):  # fmt: skip
+            for ex, i, o, n in zip(examples, spec.sample_ids, spec.offsets, spec.lengths, strict=True):
                 ids, mask = example_tokens(ex)
                 check_ids(ids, self.vocab_size, i)
                 docs.append(ids[o : o + n])
@@ -266,11 +261,17 @@ class PackedCollator:
         work.tickets.append(ticket)
         as_row = lambda a: torch.as_tensor(a, dtype=torch.long)[None]  # noqa: E731
         return {
-            "input_ids": as_row(ids), "position_ids": as_row(pos), "labels": as_row(labels),
-            "shift_labels": as_row(shift), "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
-            "max_length_q": max(lengths), "max_length_k": max(lengths),
-            "num_items_in_batch": torch.tensor(work.target_tokens), "sb_attention": ticket,
-        }  # fmt: skip
+            "input_ids": as_row(ids),
+            "position_ids": as_row(pos),
+            "labels": as_row(labels),
+            "shift_labels": as_row(shift),
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": max(lengths),
+            "max_length_k": max(lengths),
+            "num_items_in_batch": torch.tensor(work.target_tokens),
+            "sb_attention": ticket,
+        }
 
     def _ticket(self, work, spec, cu: torch.Tensor, lengths: tuple[int, ...]) -> MicroBatchTicket:
         """The micro-batch's attention: the rank's step budget, DST's per-layer choices (the
@@ -284,9 +285,17 @@ class PackedCollator:
         budget = self.planner.tuner.knob.budget(Budget(top_k=0), value)
         feedback = layer_feedback(cfg.dst, cfg.deterministic, self.planner.device)
         timer = LayerTimer(work.controller, spec.index, feedback)
-        ctx = microbatch_attention(cu, lengths, budget, cfg.block_size, cfg.backend,
-                                   work.controller, spec.index, timer,
-                                   self.planner.engine.dense_from)  # fmt: skip
+        ctx = microbatch_attention(
+            cu,
+            lengths,
+            budget,
+            cfg.block_size,
+            cfg.backend,
+            work.controller,
+            spec.index,
+            timer,
+            self.planner.engine.dense_from,
+        )
         return MicroBatchTicket(ctx, spec.step, spec.index, spec)
 
 

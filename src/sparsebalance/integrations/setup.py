@@ -41,9 +41,15 @@ def process_rank() -> tuple[int, int]:
     return 0, 1
 
 
-def latency_model(model: torch.nn.Module, config: PlannerConfig, profile: str | Path | None,
-                  lengths: np.ndarray, all_gather, device=None,
-                  precision: str = "auto") -> LatencyModel:  # fmt: skip
+def latency_model(
+    model: torch.nn.Module,
+    config: PlannerConfig,
+    profile: str | Path | None,
+    lengths: np.ndarray,
+    all_gather,
+    device=None,
+    precision: str = "auto",
+) -> LatencyModel:
     """The engine's latency start-up (:func:`~sparsebalance.engine.load_latency_model`) for
     ``model`` on ``device`` (default: where its parameters are) computing in ``precision``
     (``auto``: the device's, bf16 on CUDA): the profile ``sparsebalance train`` would use for the
@@ -52,14 +58,28 @@ def latency_model(model: torch.nn.Module, config: PlannerConfig, profile: str | 
     kernel = resolve_kernel(device, config.block_size, config.backend, precision)
     shapes = ModelShapes.from_hf_config(model.config.to_dict(), name=model.config.model_type)
     top = config.capacity or int(np.sort(lengths)[-config.global_batch :].sum())
-    return load_latency_model(shapes, kernel, config.dst.budget, profile, max(top, 256),
-                              all_gather is None or process_rank()[0] == 0,
-                              all_gather or (lambda o: [o]), flag="profile")  # fmt: skip
+    return load_latency_model(
+        shapes,
+        kernel,
+        config.dst.budget,
+        profile,
+        max(top, 256),
+        all_gather is None or process_rank()[0] == 0,
+        all_gather or (lambda o: [o]),
+        flag="profile",
+    )
 
 
-def build_sampler(runtime: AttachedRuntime, dataset, config: PlannerConfig,
-                  profile: str | Path | None = None, lengths=None, sources=None,
-                  device=None, precision: str = "auto") -> BalancedBatchSampler:  # fmt: skip
+def build_sampler(
+    runtime: AttachedRuntime,
+    dataset,
+    config: PlannerConfig,
+    profile: str | Path | None = None,
+    lengths=None,
+    sources=None,
+    device=None,
+    precision: str = "auto",
+) -> BalancedBatchSampler:
     """The planner for ``runtime``'s model over ``dataset`` and its :class:`BalancedBatchSampler`
     (``runtime.planner`` is set to the planner). ``config.block_size`` None: the attached
     attention's; ``device``: where training runs (default: where the model is); ``precision``:
@@ -71,8 +91,7 @@ def build_sampler(runtime: AttachedRuntime, dataset, config: PlannerConfig,
         config = replace(config, block_size=runtime.block_size)
     if config.block_size != runtime.block_size:
         raise ValueError(
-            f"the planner's block_size {config.block_size} differs from the attached attention's "
-            f"{runtime.block_size}"
+            f"the planner's block_size {config.block_size} differs from the attached attention's {runtime.block_size}"
         )
     if runtime.planner is not None:
         raise ValueError(

@@ -74,11 +74,18 @@ def default_latency_model(
     kept = _cache_writable(cache.parent, given, default=not (cache_dir or CACHE_DIR))
     print(measuring_line(shapes.name, running, cache, budget_s, given), file=sys.stderr, flush=True)
     profile = measure_profile(
-        shapes, device, dtype, backend, block_size, running["max_len"], budget_s, quiet=True,
-        threads=running["threads"], layout=layout,
-    )  # fmt: skip
-    redo = (f"to measure again, delete {_home(cache)} and run when the machine is quieter "
-            f"(or pass {given})")  # fmt: skip
+        shapes,
+        device,
+        dtype,
+        backend,
+        block_size,
+        running["max_len"],
+        budget_s,
+        quiet=True,
+        threads=running["threads"],
+        layout=layout,
+    )
+    redo = f"to measure again, delete {_home(cache)} and run when the machine is quieter (or pass {given})"
     print(noise_line(profile, redo=redo), file=sys.stderr, flush=True)
     profile.fingerprint["max_len"] = running["max_len"]
     profile.fingerprint["schema"] = SCHEMA
@@ -143,8 +150,11 @@ def measuring_line(model: str, running: dict, cache: Path, budget_s: float, give
     reuses it, how to skip it."""
     cpu = running["device_type"] == "cpu"
     threads = running["threads"]
-    where = f"cpu ({threads} thread{'s' if threads != 1 else ''})" if cpu \
-        else f"{running['device_type']} ({running['device']})"  # fmt: skip
+    where = (
+        f"cpu ({threads} thread{'s' if threads != 1 else ''})"
+        if cpu
+        else f"{running['device_type']} ({running['device']})"
+    )
     kind = "top-k" if running.get("layout") == "top-k" else "gamma"
     # the timing budget, the pilot and the model's set-up; on CUDA the kernels compile first
     seconds = 1.4 * budget_s + (0 if cpu else 30)
@@ -166,9 +176,7 @@ def _home(path: Path) -> str:
         return str(path)
 
 
-def load_cost_model(
-    profile: str | None, model: str = "tiny", accelerator: str = "h100"
-) -> tuple[LatencyModel, str]:
+def load_cost_model(profile: str | None, model: str = "tiny", accelerator: str = "h100") -> tuple[LatencyModel, str]:
     """``(LatencyModel, one-line description)``: from the measured ``profile`` file (``--profile``)
     if given, else from the analytic (FLOP-count) profile of ``model`` (``--model``) on
     ``accelerator`` (``--accelerator``)."""

@@ -54,18 +54,12 @@ ACCELERATORS = {
 }
 
 
-def allreduce_seconds(
-    num_bytes: float, world_size: int, acc: Accelerator, latency_s: float = 10e-6
-) -> float:
+def allreduce_seconds(num_bytes: float, world_size: int, acc: Accelerator, latency_s: float = 10e-6) -> float:
     """Ring all-reduce: ``2 (R-1)/R * bytes / bandwidth + 2 (R-1) * latency``; the bandwidth is
     NVLink inside one node and the inter-node link once the ring spans nodes."""
     if world_size <= 1:
         return 0.0
-    bw = (
-        acc.intra_node_bytes_per_s
-        if world_size <= acc.gpus_per_node
-        else acc.inter_node_bytes_per_s
-    )
+    bw = acc.intra_node_bytes_per_s if world_size <= acc.gpus_per_node else acc.inter_node_bytes_per_s
     hops = 2 * (world_size - 1)
     return hops / world_size * num_bytes / bw + hops * latency_s
 
@@ -96,9 +90,7 @@ def analytic_profile(
     attn_flops = 3.5 * 4 * shapes.num_heads * shapes.head_dim * pairs
     # Selection: pooled scores over (L/B)^2 segment pairs, ~3 passes, plus launches.
     select_flops = 3 * 2 * shapes.num_heads * shapes.head_dim * (length / block_size) ** 2
-    attn = (attn_flops + select_flops) / (
-        acc.peak_flops * attention_efficiency
-    ) + 4 * launch_overhead_s
+    attn = (attn_flops + select_flops) / (acc.peak_flops * attention_efficiency) + 4 * launch_overhead_s
     tokens = np.asarray(lengths, float)
     gemm = acc.peak_flops * efficiency
     other = 6 * shapes.layer_params() * tokens / gemm + 8 * launch_overhead_s
@@ -106,9 +98,15 @@ def analytic_profile(
     num_params = shapes.layer_params() * shapes.num_layers + shapes.vocab_size * shapes.hidden_size
     shape_dict = {k: v for k, v in shapes.to_dict().items() if k != "name"}
     return Profile(
-        fingerprint={"device": acc.name, "analytic": True, "efficiency": efficiency,
-                     "attention_efficiency": attention_efficiency, "block_size": block_size,
-                     "dtype": "bf16", "shapes": shape_dict},
+        fingerprint={
+            "device": acc.name,
+            "analytic": True,
+            "efficiency": efficiency,
+            "attention_efficiency": attention_efficiency,
+            "block_size": block_size,
+            "dtype": "bf16",
+            "shapes": shape_dict,
+        },
         attention=AttentionTable(lengths, dens.tolist(), attn.tolist()),
         layer_other=Table1D(lengths, other.tolist()),
         head=Table1D(lengths, head.tolist()),
@@ -116,4 +114,4 @@ def analytic_profile(
         optimizer_seconds=16 * num_params / acc.hbm_bytes_per_s,
         allreduce_seconds=allreduce_seconds(2 * num_params, world_size, acc),
         meta={"model": shapes.name, "source": "analytic", "world_size": world_size},
-    )  # fmt: skip
+    )

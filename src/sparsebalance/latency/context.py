@@ -86,8 +86,7 @@ def analytic_links(device: str) -> Links:
     if device not in ACCELERATORS:
         raise ValueError(f"--analytic must be one of {sorted(ACCELERATORS)}, got {device!r}")
     acc = ACCELERATORS[device]
-    return Links(acc.p2p_intra_bytes_per_s, acc.inter_node_bytes_per_s, acc.gpus_per_node,
-                 source=f"analytic {device}")  # fmt: skip
+    return Links(acc.p2p_intra_bytes_per_s, acc.inter_node_bytes_per_s, acc.gpus_per_node, source=f"analytic {device}")
 
 
 def links_from_profile(profile) -> Links | None:
@@ -207,9 +206,14 @@ class ContextCost:
         return out
 
     def describe(self) -> dict:
-        return {"links": self.links.to_dict(), "kv_bytes_per_token": self.kv_bytes_per_token,
-                "ring": self.ring, "imbalance": self.imbalance,
-                "compute_scale": self.compute_scale, "comm_scale": self.comm_scale}  # fmt: skip
+        return {
+            "links": self.links.to_dict(),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "ring": self.ring,
+            "imbalance": self.imbalance,
+            "compute_scale": self.compute_scale,
+            "comm_scale": self.comm_scale,
+        }
 
     def ring_of(self, degree: int) -> tuple[str, int]:
         """``(kind, inner size)`` of this cost's ring for a unit of ``degree`` ranks."""
@@ -250,14 +254,10 @@ class ContextCost:
         split = k > 1
         if split.any():
             attn = self.base.layer_attention_seconds(lengths[split], dens[split])
-            out[split], comm[split] = self._split(
-                lengths[split], np.asarray(attn, np.float64), k[split], full[split]
-            )
+            out[split], comm[split] = self._split(lengths[split], np.asarray(attn, np.float64), k[split], full[split])
         return out, comm
 
-    def table(
-        self, lengths: np.ndarray, densities: np.ndarray, degrees: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def table(self, lengths: np.ndarray, densities: np.ndarray, degrees: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``unit_seconds`` of every document (``(N,)``) at every degree (``(K,)``): two
         ``(N, K)`` arrays; the base model is queried once per document."""
         lengths = np.asarray(lengths, dtype=np.float64).reshape(-1)
@@ -326,8 +326,9 @@ class ContextCost:
         rest = max(full - c0 - layers * attn, 0.0)
         return c0 + rest / degree, layers * attn / degree
 
-    def probe(self, length: int, density: float, degree: int, comm_scales: np.ndarray,
-              imbalance: float | None = None) -> np.ndarray:  # fmt: skip
+    def probe(
+        self, length: int, density: float, degree: int, comm_scales: np.ndarray, imbalance: float | None = None
+    ) -> np.ndarray:
         """``(S,)`` per-rank seconds of one document on ``degree`` >= 2 ranks at each of
         ``comm_scales`` (``(S,)``), the other terms as calibrated (``imbalance`` replaces the
         ring kind's factor when given)."""

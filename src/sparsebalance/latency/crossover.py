@@ -66,9 +66,10 @@ def measure_dense_crossover(
     by ``timer`` (``fn -> seconds``: warm-up and median)."""
     total = max(8 * block_size, min(max_len, REFERENCE_TOKENS) // block_size * block_size)
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(total, h, shapes.head_dim, generator=g).to(device, dtype)
-               .requires_grad_() for h in (shapes.num_heads, shapes.num_kv_heads,
-                                           shapes.num_kv_heads))  # fmt: skip
+    q, k, v = (
+        torch.randn(total, h, shapes.head_dim, generator=g).to(device, dtype).requires_grad_()
+        for h in (shapes.num_heads, shapes.num_kv_heads, shapes.num_kv_heads)
+    )
     grad = torch.randn(total, shapes.num_heads, shapes.head_dim, generator=g).to(device, dtype)
     cu = torch.tensor([0, total], dtype=torch.int32)
     scale = shapes.head_dim**-0.5
@@ -82,8 +83,7 @@ def measure_dense_crossover(
         layout = BlockLayout(drawn.block_mask, drawn.pack, shapes.num_heads).to(device)  # sparse
 
         def run(layout=layout) -> None:
-            block_sparse_attention(q, k, v, layout, layout.cu_seqlens, scale=scale,
-                                   backend=backend).backward(grad)  # fmt: skip
+            block_sparse_attention(q, k, v, layout, layout.cu_seqlens, scale=scale, backend=backend).backward(grad)
 
         sparse.append(timer(run))
     return crossover_from_times(DENSITIES, sparse, timer(dense))

@@ -28,9 +28,7 @@ FEATURES = ("attention_pairs", "tokens", "selection_pairs", "documents", "consta
 
 def kept_pairs(lengths: np.ndarray, densities: np.ndarray, block_size: int) -> np.ndarray:
     """Kept (query block, key block) pairs per head, elementwise: float ``lengths.shape``."""
-    lengths, densities = np.broadcast_arrays(
-        np.asarray(lengths, float), np.asarray(densities, float)
-    )
+    lengths, densities = np.broadcast_arrays(np.asarray(lengths, float), np.asarray(densities, float))
     nb = lengths / block_size
     lo = np.floor(nb).astype(np.int64)
     top = int(lo.max(initial=0)) + 1
@@ -54,25 +52,28 @@ def effective_density(densities, dense_from: float | None) -> np.ndarray:
 
 
 def features(
-    batches: Sequence[tuple[Sequence[int], Sequence[float]]], num_layers: int, block_size: int,
+    batches: Sequence[tuple[Sequence[int], Sequence[float]]],
+    num_layers: int,
+    block_size: int,
     dense_from: float | None = None,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """``(M, 5)`` design matrix (columns :data:`FEATURES`) of M micro-batches ``(lengths,
     densities)``; multiply by the coefficients for seconds. ``dense_from``: the profile's
     crossover (:func:`effective_density`)."""
     rows = []
     for lengths, dens in batches:
         lengths = np.asarray(lengths, float)
-        dens = effective_density(np.broadcast_to(np.asarray(dens, float), lengths.shape),
-                                 dense_from)  # fmt: skip
+        dens = effective_density(np.broadcast_to(np.asarray(dens, float), lengths.shape), dense_from)
         tokens = float(lengths.sum())
-        rows.append([
-            num_layers * float(kept_pairs(lengths, dens, block_size).sum()),
-            tokens,
-            num_layers * (tokens / block_size) ** 2,
-            num_layers * float(lengths.size),
-            1.0,
-        ])  # fmt: skip
+        rows.append(
+            [
+                num_layers * float(kept_pairs(lengths, dens, block_size).sum()),
+                tokens,
+                num_layers * (tokens / block_size) ** 2,
+                num_layers * float(lengths.size),
+                1.0,
+            ]
+        )
     return np.asarray(rows, float)
 
 
@@ -117,9 +118,7 @@ class FormFit:
         return np.asarray(x, float) @ np.asarray(self.coefficients)
 
 
-def fit_form(
-    x: np.ndarray, seconds: np.ndarray, ridge: float = 1e-3, floor: Sequence[float] | None = None
-) -> FormFit:
+def fit_form(x: np.ndarray, seconds: np.ndarray, ridge: float = 1e-3, floor: Sequence[float] | None = None) -> FormFit:
     """Relative-error NNLS of ``seconds (M,)`` on features ``x (M, 5)``, with leave-one-out errors.
 
     Columns are scaled to unit size first; a small ridge toward the floor keeps coefficients that
@@ -178,9 +177,7 @@ def fit_form_robust(
     return fit_form(x[keep], y[keep], floor=floor), dropped
 
 
-def attention_floor(
-    per_token_seconds: float, token_flops: float, heads: int, head_dim: int, block_size: int
-) -> float:
+def attention_floor(per_token_seconds: float, token_flops: float, heads: int, head_dim: int, block_size: int) -> float:
     """The least the attention coefficient ``a`` (seconds per kept block pair and layer) can be:
     a kept pair is ``14 B^2 d H`` FLOPs forward + backward (two matmuls forward, five backward),
     and attention is taken to run at no more than 4x the FLOP rate the rest of the model reaches

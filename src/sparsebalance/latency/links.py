@@ -28,8 +28,9 @@ DEFAULT_SIZES = (1 << 14, 1 << 18, 1 << 21, 1 << 23)  # bytes: 16 KiB .. 8 MiB
 
 def _worker(rank: int, init_file: str, sizes: tuple[int, ...], repeats: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
     try:
         times = []
         for size in sizes:
@@ -68,12 +69,10 @@ def measure_p2p(sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5) -> Lin
         raise ValueError(f"measure_p2p: repeats must be >= 1, got {repeats}")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.npy")
-        mp.spawn(_worker, args=(os.path.join(tmp, "rdv"), tuple(sizes), repeats, out), nprocs=2,
-                 join=True)  # fmt: skip
+        mp.spawn(_worker, args=(os.path.join(tmp, "rdv"), tuple(sizes), repeats, out), nprocs=2, join=True)
         times = np.load(out)
     x = np.asarray([4 * max(1, s // 4) for s in sizes], dtype=np.float64)
     slope, intercept = np.polyfit(x, times, 1)
     bandwidth = 1.0 / slope if slope > 0 else float(x.max() / times.max())
     bandwidth = float(bandwidth)
-    return Links(bandwidth, bandwidth, 1 << 20, latency_s=max(float(intercept), 0.0),
-                 source="measured gloo")  # fmt: skip
+    return Links(bandwidth, bandwidth, 1 << 20, latency_s=max(float(intercept), 0.0), source="measured gloo")

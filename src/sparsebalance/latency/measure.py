@@ -93,14 +93,36 @@ def measure_profile(
     if budget_s <= 0 or rounds < 2:
         raise ValueError(f"need budget_s > 0 and rounds >= 2, got {budget_s}, {rounds}")
     with torch_threads(threads if device.type == "cpu" else None):
-        return _measure_profile(shapes, device, dtype, backend, block_size, max_len, budget_s,
-                                rounds, allreduce_world_size, quiet, seed, layout)  # fmt: skip
+        return _measure_profile(
+            shapes,
+            device,
+            dtype,
+            backend,
+            block_size,
+            max_len,
+            budget_s,
+            rounds,
+            allreduce_world_size,
+            quiet,
+            seed,
+            layout,
+        )
 
 
 def _measure_profile(
-    shapes, device, dtype, backend, block_size, max_len, budget_s, rounds, allreduce_world_size,
-    quiet, seed, layout,
-) -> Profile:  # fmt: skip
+    shapes,
+    device,
+    dtype,
+    backend,
+    block_size,
+    max_len,
+    budget_s,
+    rounds,
+    allreduce_world_size,
+    quiet,
+    seed,
+    layout,
+) -> Profile:
     t_start = time.perf_counter()
     top = int(max_len or shapes.max_context)
     backend = resolve_backend(backend, device)
@@ -111,19 +133,22 @@ def _measure_profile(
     nl = shapes.num_layers
     crossover = None  # the dense kernel's crossover: CUDA's flex with top-k budgets only
     if device.type == "cuda" and backend == "flex" and layout == "top-k":
-        crossover = measure_dense_crossover(shapes, device, DTYPES[dtype], block_size, top,
-                                            lambda fn: median_time(fn, device, 2, 5))  # fmt: skip
+        crossover = measure_dense_crossover(
+            shapes, device, DTYPES[dtype], block_size, top, lambda fn: median_time(fn, device, 2, 5)
+        )
 
     def shaped(batch: Batch) -> Batch:
         return topk_batch(batch, block_size) if layout == "top-k" else batch
 
     def prep(batch: Batch, i: int):
-        return prepare_microbatch(model, batch[0], batch[1], device, backend, block_size, seed + i,
-                                  layout, crossover)  # fmt: skip
+        return prepare_microbatch(model, batch[0], batch[1], device, backend, block_size, seed + i, layout, crossover)
 
     # Pilot: a rough (per pair, per token, per call) cost prices the candidates.
-    pilot = [([min(top, 8 * block_size + 5)], [1.0]), ([min(top, 4 * block_size + 3)], [0.1]),
-             ([min(top, block_size + 9)], [0.5])]  # fmt: skip
+    pilot = [
+        ([min(top, 8 * block_size + 5)], [1.0]),
+        ([min(top, 4 * block_size + 3)], [0.1]),
+        ([min(top, block_size + 9)], [0.5]),
+    ]
     pilot = [shaped(b) for b in pilot]
     pt = np.array([median_time(prep(b, i), device, 1, 1) for i, b in enumerate(pilot)])
     px = features(pilot, nl, block_size, crossover)[:, [0, 1, 4]]
@@ -136,13 +161,17 @@ def _measure_profile(
         return float(featurize([batch])[0, [0, 1, 4]] @ rough)
 
     # rounds + 1: time_interleaved runs each micro-batch once untimed first (warm-up).
-    design = choose_design(top, block_size, cost, budget_s * DESIGN_SHARE, rounds + 1,
-                           featurize, seed=seed)  # fmt: skip
+    design = choose_design(top, block_size, cost, budget_s * DESIGN_SHARE, rounds + 1, featurize, seed=seed)
     design = [shaped(b) for b in design]
     t_pilot = time.perf_counter() - t_start
-    timings = time_interleaved([prep(b, i) for i, b in enumerate(design)], device,
-                               max(MAX_ROUNDS, rounds), min_rounds=rounds,
-                               budget_s=budget_s * ROUNDS_SHARE, seed=seed)  # fmt: skip
+    timings = time_interleaved(
+        [prep(b, i) for i, b in enumerate(design)],
+        device,
+        max(MAX_ROUNDS, rounds),
+        min_rounds=rounds,
+        budget_s=budget_s * ROUNDS_SHARE,
+        seed=seed,
+    )
     x, y = featurize(design), timings.median
     fit, dropped = fit_form_robust(x, y, noise=float(np.median(timings.cv)))
     # Refinement: what is left of the budget goes to micro-batches like the worst LOO point.
@@ -153,28 +182,25 @@ def _measure_profile(
     extra = [shaped(b) for b in _refine(design, loo.tolist(), top, block_size, seed)]
     extra = [b for b in extra if (left := left - timings.seconds.shape[0] * cost(b)) > 0][:4]
     if extra:
-        more = time_interleaved([prep(b, 100 + i) for i, b in enumerate(extra)], device,
-                                timings.seconds.shape[0], seed=seed + 1)  # fmt: skip
+        more = time_interleaved(
+            [prep(b, 100 + i) for i, b in enumerate(extra)], device, timings.seconds.shape[0], seed=seed + 1
+        )
         design += extra
         x = np.vstack([x, featurize(extra)])
         y = np.concatenate([y, more.median])
         timings.seconds = np.hstack([timings.seconds, more.seconds])
     fit, rejected = fit_form_robust(x, y, noise=float(np.median(timings.cv)))
     token_flops = 6.0 * (nl * shapes.layer_params() + _head_params(shapes))
-    a_min = attention_floor(fit.coefficients[1], token_flops, shapes.num_heads, shapes.head_dim,
-                            block_size)  # fmt: skip
+    a_min = attention_floor(fit.coefficients[1], token_flops, shapes.num_heads, shapes.head_dim, block_size)
     if fit.coefficients[0] < a_min:  # noise hid the attention term: keep it priced
         floor = [a_min, 0.0, 0.0, 0.0, 0.0]
         fit, rejected = fit_form_robust(x, y, noise=float(np.median(timings.cv)), floor=floor)
     t_design = time.perf_counter() - t_start - t_pilot
     opt_s, num_params = _optimizer_seconds(model, device)
-    allreduce = (
-        measure_allreduce(num_params, allreduce_world_size) if allreduce_world_size > 1 else None
-    )
+    allreduce = measure_allreduce(num_params, allreduce_world_size) if allreduce_world_size > 1 else None
     share = nl * shapes.layer_params() / (nl * shapes.layer_params() + _head_params(shapes))
     t = form_tables(fit.coefficients, nl, block_size, top, share, crossover)
-    noise = {**timings.noise(), "load_1min": _load(), "design_points": len(design),
-             "design_outliers": len(rejected)}  # fmt: skip
+    noise = {**timings.noise(), "load_1min": _load(), "design_points": len(design), "design_outliers": len(rejected)}
     profile = Profile(
         fingerprint=fingerprint(shapes, device, dtype, backend, block_size, layout=layout),
         attention=AttentionTable(t["lengths"], t["densities"], t["attention"]),
@@ -183,20 +209,39 @@ def _measure_profile(
         num_layers=nl,
         optimizer_seconds=opt_s,
         allreduce_seconds=allreduce,
-        meta={"model": shapes.name, "source": "measured", "num_params": num_params,
-              "allreduce_world_size": allreduce_world_size or None, "max_len": top,
-              "profiling_seconds": time.perf_counter() - t_start,
-              "pilot_seconds": t_pilot, "design_seconds": t_design,
-              "rounds_seconds": timings.wall_seconds},
-        fit={"features": list(FEATURES), "coefficients": fit.coefficients,
-             "loo_mape": fit.loo_mape, "loo_max_error": float(np.max(np.abs(fit.loo_errors))),
-             "layer_token_share": share, "block_size": block_size,
-             "design": [{"lengths": b[0], "densities": b[1], "seconds": float(s), "cv": float(c),
-                         "rejected": i in rejected, "rounds": timings.seconds[:, i].tolist()}
-                        for i, (b, s, c) in enumerate(zip(design, y, timings.cv, strict=True))]},
+        meta={
+            "model": shapes.name,
+            "source": "measured",
+            "num_params": num_params,
+            "allreduce_world_size": allreduce_world_size or None,
+            "max_len": top,
+            "profiling_seconds": time.perf_counter() - t_start,
+            "pilot_seconds": t_pilot,
+            "design_seconds": t_design,
+            "rounds_seconds": timings.wall_seconds,
+        },
+        fit={
+            "features": list(FEATURES),
+            "coefficients": fit.coefficients,
+            "loo_mape": fit.loo_mape,
+            "loo_max_error": float(np.max(np.abs(fit.loo_errors))),
+            "layer_token_share": share,
+            "block_size": block_size,
+            "design": [
+                {
+                    "lengths": b[0],
+                    "densities": b[1],
+                    "seconds": float(s),
+                    "cv": float(c),
+                    "rejected": i in rejected,
+                    "rounds": timings.seconds[:, i].tolist(),
+                }
+                for i, (b, s, c) in enumerate(zip(design, y, timings.cv, strict=True))
+            ],
+        },
         noise=noise,
         dense_from=crossover,
-    )  # fmt: skip
+    )
     if not quiet:
         print(noise_line(profile), file=sys.stderr)
     return profile
@@ -214,10 +259,12 @@ def noise_line(
     if not n or not f:
         return "profile: no noise measurement (analytic or schema-1 profile)"
     cv, loo = n["cv_median"], f["loo_mape"]
-    head = (f"profile: timing noise {100 * cv:.1f} % (CV of one timing, median of "
-            f"{n['design_points']} micro-batches x {n['rounds']} rounds; "
-            f"load {n['load_1min']:.1f}),"
-            f" fit leave-one-out error {100 * loo:.1f} %")  # fmt: skip
+    head = (
+        f"profile: timing noise {100 * cv:.1f} % (CV of one timing, median of "
+        f"{n['design_points']} micro-batches x {n['rounds']} rounds; "
+        f"load {n['load_1min']:.1f}),"
+        f" fit leave-one-out error {100 * loo:.1f} %"
+    )
     if n.get("design_outliers"):
         head += f", {n['design_outliers']} design micro-batch(es) dropped as outliers"
     # A median of 3 timings has about 0.6x the spread of one; |N(0, s)| averages 0.8 s.
@@ -302,16 +349,20 @@ def heldout_batches(profile: Profile, count: int, max_tokens: int, seed: int = 1
 
 
 def measure_heldout(
-    shapes: ModelShapes, batches: list[Batch], device: torch.device, dtype: str, backend: str,
-    block_size: int, rounds: int = 3, layout: str = "threshold",
-) -> Timings:  # fmt: skip
+    shapes: ModelShapes,
+    batches: list[Batch],
+    device: torch.device,
+    dtype: str,
+    backend: str,
+    block_size: int,
+    rounds: int = 3,
+    layout: str = "threshold",
+) -> Timings:
     """Median of ``rounds`` interleaved timings of each held-out micro-batch, and their noise."""
     torch.manual_seed(1)
     proxy = ProxyModel(shapes, precision=dtype).to(device)
     fns = [
-        prepare_microbatch(
-            proxy, b[0], b[1], device, backend, block_size, seed=1000 + i, layout=layout
-        )
+        prepare_microbatch(proxy, b[0], b[1], device, backend, block_size, seed=1000 + i, layout=layout)
         for i, b in enumerate(batches)
     ]
     fns[0]()  # warm-up
@@ -319,9 +370,17 @@ def measure_heldout(
 
 
 def measure_microbatch(
-    shapes: ModelShapes, lengths: list[int], densities: list[float], device: torch.device,
-    dtype: str, backend: str, block_size: int, warmup: int = 1, repeats: int = 3, model=None,
-) -> float:  # fmt: skip
+    shapes: ModelShapes,
+    lengths: list[int],
+    densities: list[float],
+    device: torch.device,
+    dtype: str,
+    backend: str,
+    block_size: int,
+    warmup: int = 1,
+    repeats: int = 3,
+    model=None,
+) -> float:
     """End-to-end fwd+bwd seconds (median of ``repeats``) of one packed micro-batch."""
     model = model or ProxyModel(shapes, precision=dtype).to(device)
     fn = prepare_microbatch(model, lengths, densities, device, backend, block_size)

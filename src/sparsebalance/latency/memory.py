@@ -129,10 +129,7 @@ class MemoryConfig:
 
     def __post_init__(self) -> None:
         if self.checkpointing not in CHECKPOINTING:
-            raise ValueError(
-                f"--activation-checkpointing must be one of {CHECKPOINTING}, "
-                f"got {self.checkpointing!r}"
-            )
+            raise ValueError(f"--activation-checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.shard < 1 or self.cp < 1 or self.block_size < 1:
@@ -146,9 +143,7 @@ class MemoryConfig:
 class MemoryModel:
     """Predicted peak bytes per rank (see the module docstring for what is counted)."""
 
-    def __init__(
-        self, shapes: ModelShapes, coefficients: MemoryCoefficients, tied_embeddings: bool = True
-    ):
+    def __init__(self, shapes: ModelShapes, coefficients: MemoryCoefficients, tied_embeddings: bool = True):
         self.shapes = shapes
         self.c = coefficients
         self.tied = tied_embeddings
@@ -227,8 +222,7 @@ class MemoryModel:
         per_token = 3 * s.hidden_size + 2 * (q + 2 * kv) + q + 3 * s.intermediate_size
         layout = self._layout_bytes(tokens, MemoryConfig(block_size=block_size))
         logits = 3 * min(tokens, 2048) * s.vocab_size * 4
-        return (self.num_params() * dtype_bytes + per_token * tokens * dtype_bytes
-                + c.workspace_bytes + layout + logits)  # fmt: skip
+        return self.num_params() * dtype_bytes + per_token * tokens * dtype_bytes + c.workspace_bytes + layout + logits
 
     def _layout_bytes(self, tokens: int, cfg: MemoryConfig) -> float:
         """One layer's layout/index metadata on this rank (a whole micro-batch as one document:
@@ -266,8 +260,7 @@ def device_coefficients(device, base_bytes: float = 0.0) -> MemoryCoefficients:
         import torch
 
         props = torch.cuda.get_device_properties(device)
-        return replace(ANALYTIC["h100"], name=f"{props.name} bf16 (analytic)",
-                       device_bytes=float(props.total_memory))  # fmt: skip
+        return replace(ANALYTIC["h100"], name=f"{props.name} bf16 (analytic)", device_bytes=float(props.total_memory))
     return cpu_coefficients(base_bytes)
 
 
@@ -392,8 +385,7 @@ def parse_bytes(text: str) -> float:
         value = float(num) * units[unit]
     except (ValueError, KeyError):
         raise ValueError(
-            f"--memory-budget {text!r}: expected a number with an optional unit "
-            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+            f"--memory-budget {text!r}: expected a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
         ) from None
     if not (math.isfinite(value) and value > 0):  # nan, inf
         raise ValueError(f"--memory-budget must be a finite number of bytes > 0, got {text!r}")

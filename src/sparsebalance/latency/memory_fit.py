@@ -92,9 +92,12 @@ class MemoryCalibration:
         """``analytic`` with the measured ``act_bytes``, and the overhead added to its base
         (``analytic.base_bytes`` is the running process's base on CPU, 0 on CUDA)."""
         name = analytic.name.replace(" (analytic)", "")
-        return replace(analytic, name=f"{name} (measured: profile --memory)",
-                       act_bytes=self.act_bytes,
-                       base_bytes=analytic.base_bytes + self.overhead_bytes)  # fmt: skip
+        return replace(
+            analytic,
+            name=f"{name} (measured: profile --memory)",
+            act_bytes=self.act_bytes,
+            base_bytes=analytic.base_bytes + self.overhead_bytes,
+        )
 
     @property
     def max_error(self) -> float:
@@ -199,8 +202,7 @@ def cache_path(fingerprint: dict, cache_dir: Path | None = None) -> Path:
 def save_calibration(cal: MemoryCalibration, cache_dir: Path | None = None) -> Path:
     """Write ``cal`` to the cache (atomic); returns the path."""
     # concurrent writers (ranks, runs sharing the cache) each write a temporary of their own
-    return write_text_atomic(cache_path(cal.fingerprint, cache_dir),
-                             json.dumps(cal.to_json(), indent=1) + "\n")  # fmt: skip
+    return write_text_atomic(cache_path(cal.fingerprint, cache_dir), json.dumps(cal.to_json(), indent=1) + "\n")
 
 
 def find_calibration(

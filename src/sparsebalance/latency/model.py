@@ -122,9 +122,7 @@ class LatencyModel:
 
     def _attention_call(self, lengths: np.ndarray, densities: np.ndarray) -> np.ndarray:
         """One layer's attention call on a single document (the profiled quantity)."""
-        lengths, densities = np.broadcast_arrays(
-            np.asarray(lengths, float), np.asarray(densities, float)
-        )
+        lengths, densities = np.broadcast_arrays(np.asarray(lengths, float), np.asarray(densities, float))
         if np.any(lengths <= 0):
             raise ValueError("document lengths must be > 0")
         _check_densities(densities)
@@ -151,9 +149,7 @@ class LatencyModel:
 
     def _density_weights(self, densities: np.ndarray):
         """Grid column ``dj`` of each density and its linear weight ``wd``."""
-        dj = np.clip(
-            np.searchsorted(self._dens, densities, side="right") - 1, 0, len(self._dens) - 2
-        )
+        dj = np.clip(np.searchsorted(self._dens, densities, side="right") - 1, 0, len(self._dens) - 2)
         wd = (densities - self._dens[dj]) / (self._dens[dj + 1] - self._dens[dj])
         return dj, wd
 
@@ -189,9 +185,7 @@ class LatencyModel:
         att, rest = self.calibration.theta
         return self._base * np.array([att, rest, rest])
 
-    def predict(
-        self, lengths: Sequence[int], densities: float | Sequence[float] | np.ndarray
-    ) -> float:
+    def predict(self, lengths: Sequence[int], densities: float | Sequence[float] | np.ndarray) -> float:
         """Seconds of one micro-batch; densities scalar, ``(N,)`` or ``(num_layers, N)``."""
         return float(self.scales @ self._components(lengths, densities))
 
@@ -278,9 +272,7 @@ class PreparedLengths:
         inside_l, li, wl = model._length_weights(docs)
         # exp(log_att[li, c] (1 - wl) + log_att[li + 1, c] wl) for every density column c: the
         # value _attention_call's at(c) computes, element for element.
-        self._table = np.exp(
-            model._log_att[li] * (1 - wl)[:, None] + model._log_att[li + 1] * wl[:, None]
-        )
+        self._table = np.exp(model._log_att[li] * (1 - wl)[:, None] + model._log_att[li + 1] * wl[:, None])
         self._lengths, self._inside = docs, inside_l
         self._outside_l = docs != inside_l
         tokens = lengths.sum(-1)
@@ -321,8 +313,4 @@ class PreparedLengths:
         attn = np.zeros(self.shape)
         attn[self._valid] = np.maximum(call - m._call, _FLOOR)
         s = m.scales
-        return (
-            s[0] * m.num_layers * (attn.sum(-1) + m._call)
-            + s[1] * m.num_layers * self._other
-            + s[2] * self._head
-        )
+        return s[0] * m.num_layers * (attn.sum(-1) + m._call) + s[1] * m.num_layers * self._other + s[2] * self._head

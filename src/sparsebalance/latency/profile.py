@@ -35,9 +35,7 @@ from ..versions import PROFILE
 
 SCHEMA_PREFIX = "sparsebalance.profile/"
 SCHEMA = f"{SCHEMA_PREFIX}{PROFILE.version}"
-READABLE_SCHEMAS = tuple(
-    f"{SCHEMA_PREFIX}{v}" for v in sorted({*PROFILE.readable, PROFILE.version})
-)
+READABLE_SCHEMAS = tuple(f"{SCHEMA_PREFIX}{v}" for v in sorted({*PROFILE.readable, PROFILE.version}))
 
 
 class ProfileMismatchWarning(UserWarning):
@@ -171,14 +169,12 @@ class Profile:
         found = data.get("schema") if isinstance(data, dict) else None
         if not (isinstance(found, str) and found.startswith(SCHEMA_PREFIX)):
             found = found if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"{where}: not a SparseBalance profile (schema {found!r}, "
-                             f"expected {SCHEMA!r})")  # fmt: skip
+            raise ValueError(f"{where}: not a SparseBalance profile (schema {found!r}, expected {SCHEMA!r})")
         version = found[len(SCHEMA_PREFIX) :]
         PROFILE.check(int(version) if version.isdigit() else version, where)
         try:
             if not _is_number(data["num_layers"]) or int(data["num_layers"]) != data["num_layers"]:
-                raise ValueError(f"profile: num_layers must be an integer, got "
-                                 f"{data['num_layers']!r}")  # fmt: skip
+                raise ValueError(f"profile: num_layers must be an integer, got {data['num_layers']!r}")
             return cls(
                 fingerprint=data["fingerprint"],
                 attention=AttentionTable(**data["attention"]),
@@ -204,9 +200,7 @@ class Profile:
         # concurrent writers (ranks, runs sharing the cache) each write a temporary of their own
         write_text_atomic(path, json.dumps(self.to_json(), indent=1) + "\n")
 
-    def check_fingerprint(
-        self, running: dict, strict: bool = False, where: str = "latency profile"
-    ) -> list[str]:
+    def check_fingerprint(self, running: dict, strict: bool = False, where: str = "latency profile") -> list[str]:
         """Compare with the running setup: warn (or raise with ``strict``) in one line naming
         the fields that differ; returns them (``"threads 2 vs 1"``).
 
@@ -216,16 +210,22 @@ class Profile:
         and the block size, :func:`check_profile_fits` refuses; the rest is returned but not
         warned about (``strict`` still raises). ``where``: how the line names the profile."""
         keys = sorted((set(self.fingerprint) | set(running)) - set(BOOKKEEPING))
-        diffs = [_difference(key, self.fingerprint.get(key), running.get(key))
-                 for key in keys if self.fingerprint.get(key) != running.get(key)]  # fmt: skip
+        diffs = [
+            _difference(key, self.fingerprint.get(key), running.get(key))
+            for key in keys
+            if self.fingerprint.get(key) != running.get(key)
+        ]
         if not diffs:
             return diffs
         msg = f"{where} was measured on another setup: {', '.join(diffs)} (profile vs this run)"
         if strict:
             raise ValueError(msg + "; re-run `sparsebalance profile` or drop --strict")
         if self.fingerprint.get("analytic") is not True:
-            warnings.warn(msg + "; predictions start from it and online recalibration adapts them",
-                          ProfileMismatchWarning, stacklevel=user_stacklevel())  # fmt: skip
+            warnings.warn(
+                msg + "; predictions start from it and online recalibration adapts them",
+                ProfileMismatchWarning,
+                stacklevel=user_stacklevel(),
+            )
         return diffs
 
 
@@ -238,8 +238,9 @@ the file's schema (checked when it is read)."""
 def _difference(key: str, theirs, mine) -> str:
     """``threads 2 vs 1``; the field's name alone where a value would not fit a short line (a
     CPU's name, the model shapes)."""
-    if all(v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 16)
-           for v in (theirs, mine)):  # fmt: skip
+    if all(
+        v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 16) for v in (theirs, mine)
+    ):
         return f"{key} {_short(theirs)} vs {_short(mine)}"
     return key
 
@@ -266,15 +267,21 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-COST_SHAPES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-               "intermediate_size", "vocab_size", "qkv_bias")  # fmt: skip
+COST_SHAPES = (
+    "num_layers",
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "qkv_bias",
+)
 """The model shapes a profile's tables depend on (the context length does not: a profile covers
 the lengths it was measured at, priced beyond by its fitted form)."""
 
 
-def check_profile_fits(
-    profile: Profile, shapes: ModelShapes, block_size: int, device_type: str, where: str
-) -> None:
+def check_profile_fits(profile: Profile, shapes: ModelShapes, block_size: int, device_type: str, where: str) -> None:
     """Refuse, in one ``ValueError`` naming ``where`` (``--profile p.json``), a profile that
     prices another run: other model shapes (its per-layer tables would be read for layers this
     model has not, or miss some), another block size (its densities count other blocks) or a
@@ -303,8 +310,7 @@ def shape_differences(profile: Profile, shapes: ModelShapes) -> list[str]:
     theirs = profile.fingerprint.get("shapes")
     theirs = theirs if isinstance(theirs, dict) else {}
     mine = shapes.to_dict()
-    diffs = [f"{k} {theirs[k]!r} vs {mine[k]!r}" for k in COST_SHAPES
-             if k in theirs and theirs[k] != mine[k]]  # fmt: skip
+    diffs = [f"{k} {theirs[k]!r} vs {mine[k]!r}" for k in COST_SHAPES if k in theirs and theirs[k] != mine[k]]
     if "num_layers" not in theirs and profile.num_layers != shapes.num_layers:
         diffs.append(f"num_layers {profile.num_layers} vs {shapes.num_layers}")
     return diffs
@@ -314,9 +320,7 @@ def load_profile(path: str | Path) -> Profile:
     """Read and validate a profile JSON file (clear ``ValueError`` when missing or corrupt)."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(
-            f"profile {str(path)!r} does not exist (make one with `sparsebalance profile`)"
-        )
+        raise ValueError(f"profile {str(path)!r} does not exist (make one with `sparsebalance profile`)")
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

@@ -126,8 +126,7 @@ class ProxyModel(nn.Module):
         return loss.detach()
 
 
-def _attention(layout: BlockLayout, cu_seqlens: torch.Tensor, block_size: int, backend: str,
-               budget: Budget):  # fmt: skip
+def _attention(layout: BlockLayout, cu_seqlens: torch.Tensor, block_size: int, backend: str, budget: Budget):
     """The layer's attention as the trainer runs it: one dtype for q/k/v, selection (of
     ``budget``'s kind) and op outside autocast."""
 

@@ -65,10 +65,7 @@ class UnitTiming:
         if self.degree < 2:
             raise ValueError(f"UnitTiming: degree must be >= 2, got {self.degree}")
         if self.length < 1 or not 0.0 < self.density <= 1.0:
-            raise ValueError(
-                f"UnitTiming: need length >= 1 and density in (0, 1], got {self.length}, "
-                f"{self.density}"
-            )
+            raise ValueError(f"UnitTiming: need length >= 1 and density in (0, 1], got {self.length}, {self.density}")
         if not (np.isfinite(self.seconds) and self.seconds > 0):
             raise ValueError(f"UnitTiming: seconds must be finite and > 0, got {self.seconds}")
         if self.rank_compute and len(self.rank_compute) != self.degree:
@@ -107,8 +104,7 @@ class RingCalibration:
                 base = cost.compute_scale * fixed
                 if mean - base > 0:
                     imb = max((peak - base) / (mean - base), 1.0)
-                    cost.imbalance[kind] = self._move(kind, cost.imbalance[kind], imb,
-                                                      IMBALANCE_RANGE)  # fmt: skip
+                    cost.imbalance[kind] = self._move(kind, cost.imbalance[kind], imb, IMBALANCE_RANGE)
                     targets["imbalance"] = imb
         times = cost.probe(t.length, t.density, t.degree, _GRID)  # non-decreasing in s_x
         sx = _comm_target(times, t.seconds, cost.comm_scale)

@@ -223,8 +223,7 @@ def choose_design(
     # max_tokens tokens. Tiny ones would be cheaper still, but per-token cost is not constant
     # down there (small matmuls are less efficient), and the corners already pin the overhead.
     min_len = min(128, max_tokens)
-    pool = core + mixes + random_batches(4 * max_points, max_tokens, min_len, seed, (),
-                                         (0.02, 1.0))  # fmt: skip
+    pool = core + mixes + random_batches(4 * max_points, max_tokens, min_len, seed, (), (0.02, 1.0))
     t = np.array([cost(b) for b in pool])
     spend = rounds * t + prep_s
     chosen = list(range(len(core)))

@@ -92,17 +92,13 @@ def breakdown(model: LatencyModel, batches: Sequence[Batch], err: np.ndarray) ->
         _group("per-token / overhead-dominated", sh[:, 0] <= 0.5, err),
     ]
     return {
-        "component_error": {
-            c: (None if np.isnan(d) else float(d)) for c, d in zip(COMPONENTS, delta, strict=True)
-        },
+        "component_error": {c: (None if np.isnan(d) else float(d)) for c, d in zip(COMPONENTS, delta, strict=True)},
         "mean_share": {c: float(s) for c, s in zip(COMPONENTS, sh.mean(0), strict=True)},
         "groups": groups,
     }
 
 
-def validation_summary(
-    model: LatencyModel, batches: Sequence[Batch], measured: Sequence[float]
-) -> dict:
+def validation_summary(model: LatencyModel, batches: Sequence[Batch], measured: Sequence[float]) -> dict:
     """MAPE with a 95 % bootstrap interval, max error, bias, level and shape errors (module
     docstring) and the breakdown."""
     meas = np.asarray(measured, float)

@@ -171,27 +171,20 @@ class RingContext:
             raise ValueError(f"ring kind must be flat or hierarchical, got {self.kind!r}")
         if self.placement.world_size != len(self.group.ranks):
             raise ValueError(
-                f"the placement is for {self.placement.world_size} ranks, the unit has "
-                f"{len(self.group.ranks)}"
+                f"the placement is for {self.placement.world_size} ranks, the unit has {len(self.group.ranks)}"
             )
 
     def estimate(self, q, k, cu_seqlens, block_size: int, scale, pack=None):
         """The global ``BlockMassEstimate`` from the local ``q (Tl, Hq, D)``, ``k (Tl, Hkv, D)``
         (``pack``: the global pack's index, built once per unit)."""
         if block_size != self.placement.block_size:
-            raise ValueError(
-                f"block size {block_size} differs from the placement's {self.placement.block_size}"
-            )
-        return estimate_block_mass_distributed(
-            self.group, q, k, self.placement, cu_seqlens, scale=scale, pack=pack
-        )
+            raise ValueError(f"block size {block_size} differs from the placement's {self.placement.block_size}")
+        return estimate_block_mass_distributed(self.group, q, k, self.placement, cu_seqlens, scale=scale, pack=pack)
 
     def attend(self, q, k, v, layout: BlockLayout, scale) -> torch.Tensor:
         """This rank's ``(Tl, Hq, D)`` rows of the block-sparse attention of the global pack."""
         if self.kind == "hierarchical":
-            return hierarchical_ring_attention(
-                self.group, q, k, v, layout, self.placement, self.inner_size, scale
-            )
+            return hierarchical_ring_attention(self.group, q, k, v, layout, self.placement, self.inner_size, scale)
         return ring_attention(self.group, q, k, v, layout, self.placement, scale)
 
 
@@ -235,9 +228,7 @@ class PackedAttention:
         if self.ring is None:  # a CP unit's shards index the global pack in the ring's estimate
             self._pack = PackIndex.build(self.cu_seqlens, self.block_size, self.lengths)
             low = self.min_budget if self.choose_budget is not None else self.budget
-            self._all_covered = low is not None and all(
-                low.dense_documents(self._pack, self.dense_from)
-            )
+            self._all_covered = low is not None and all(low.dense_documents(self._pack, self.dense_from))
 
     @property
     def pack(self) -> PackIndex:
@@ -256,8 +247,7 @@ class PackedAttention:
             tables = GateTables.of(self.pack, low, self.dense_from)
             if tables is not None:
                 return TopKGate.score(q, k, tables, scale)
-        return estimate_block_mass(q, k, self.cu_seqlens, self.block_size, scale=scale,
-                                   pack=self.pack)  # fmt: skip
+        return estimate_block_mass(q, k, self.cu_seqlens, self.block_size, scale=scale, pack=self.pack)
 
     def mean_density(self) -> float:
         return sum(read_stats(self.stats)[2]) / max(1, len(self.stats))
@@ -273,12 +263,20 @@ def bind_context(module: torch.nn.Module, resolve) -> None:
     ``resolve(module, query, sb_attention, kwargs)`` returns it (``sb_attention``: whatever the
     forward passed, e.g. an integration's ticket, or None). A bound method is held weakly: the
     entry must not keep its owner, hence the model and the module, alive."""
-    _CONTEXTS[module] = weakref.WeakMethod(resolve) if inspect.ismethod(resolve) else (
-        lambda: resolve)  # fmt: skip
+    _CONTEXTS[module] = weakref.WeakMethod(resolve) if inspect.ismethod(resolve) else (lambda: resolve)
 
 
-def sparsebalance_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            sb_attention: PackedAttention | None = None, **kwargs):  # fmt: skip
+def sparsebalance_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    sb_attention: PackedAttention | None = None,
+    **kwargs,
+):
     """transformers attention function: ``query (1, Hq, T, D)`` -> ``((1, T, Hq, D), None)``.
     The one registration behind ``sparsebalance train``'s models and ``sparsebalance.attach``."""
     if not isinstance(sb_attention, PackedAttention):
@@ -336,8 +334,9 @@ def _layer(ctx: PackedAttention, module, q, k, v, scaling) -> torch.Tensor:
         layout = estimate.layout(budget, ctx.dense_from)
     else:
         budget = ctx.budget
-        layout = select_blocks(q, k, ctx.cu_seqlens, budget, ctx.block_size, scale=scaling,
-                               pack=ctx.pack, dense_from=ctx.dense_from)  # fmt: skip
+        layout = select_blocks(
+            q, k, ctx.cu_seqlens, budget, ctx.block_size, scale=scaling, pack=ctx.pack, dense_from=ctx.dense_from
+        )
     if phase == "forward":
         ctx.layouts[layer] = (budget, layout)
     out = _attend(ctx, q, k, v, layout, scaling)
@@ -351,9 +350,7 @@ def _attend(ctx: PackedAttention, q, k, v, layout: BlockLayout, scaling) -> torc
     """The op on the whole pack, or this rank's rows through the unit's ring."""
     if ctx.ring is not None:
         return ctx.ring.attend(q, k, v, layout, scaling)
-    return block_sparse_attention(
-        q, k, v, layout, ctx.cu_seqlens, scale=scaling, backend=ctx.backend
-    )
+    return block_sparse_attention(q, k, v, layout, ctx.cu_seqlens, scale=scaling, backend=ctx.backend)
 
 
 def register() -> None:

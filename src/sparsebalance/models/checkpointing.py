@@ -41,14 +41,11 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     # transformers' PreTrainedModel attribute, absent on plain torch modules (refused below)
     names = set(getattr(model, "_no_split_modules", None) or ())
     if not names:
-        raise ValueError(
-            f"{type(model).__name__} declares no _no_split_modules: cannot find its decoder layers"
-        )
+        raise ValueError(f"{type(model).__name__} declares no _no_split_modules: cannot find its decoder layers")
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
         raise ValueError(
-            f"{type(model).__name__}: no module of the classes {sorted(names)} "
-            "(_no_split_modules) was found"
+            f"{type(model).__name__}: no module of the classes {sorted(names)} (_no_split_modules) was found"
         )
     return layers
 

@@ -34,8 +34,7 @@ def build_model(
 
     register()
     if model in BUILTIN_MODELS:
-        cfg = {k: v for k, v in json.loads((CONFIG_DIR / f"{model}.json").read_text()).items()
-               if not k.startswith("_")}  # fmt: skip
+        cfg = {k: v for k, v in json.loads((CONFIG_DIR / f"{model}.json").read_text()).items() if not k.startswith("_")}
         config = AutoConfig.for_model(**cfg)
         config._attn_implementation = attn_implementation
         torch.manual_seed(seed)
@@ -51,9 +50,11 @@ def build_model(
         if has_weights:
             try:
                 net = AutoModelForCausalLM.from_pretrained(
-                    path, local_files_only=True, attn_implementation=attn_implementation,
+                    path,
+                    local_files_only=True,
+                    attn_implementation=attn_implementation,
                     dtype=dtype,
-                )  # fmt: skip
+                )
             except pickle.UnpicklingError as err:  # torch's safe loader refused a .bin file
                 raise ValueError(_refused_pickle(model, path, err)) from None
         else:

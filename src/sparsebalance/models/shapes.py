@@ -40,8 +40,16 @@ class ModelShapes:
     qkv_bias: bool = True
 
     def __post_init__(self) -> None:
-        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                      "intermediate_size", "vocab_size", "max_context"):  # fmt: skip
+        for field in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "max_context",
+        ):
             if getattr(self, field) <= 0:
                 raise ValueError(f"model config: {field} must be > 0, got {getattr(self, field)}")
         if self.num_heads % self.num_kv_heads:
@@ -97,9 +105,7 @@ def model_config(model: str, who: str | None = None) -> dict:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            raise ValueError(
-                f"{who}: not a built-in model {BUILTIN_MODELS} and no config.json there"
-            )
+            raise ValueError(f"{who}: not a built-in model {BUILTIN_MODELS} and no config.json there")
     try:
         cfg = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -115,8 +121,7 @@ def check_model_type(config, who: str) -> None:
     transformers config) declares a ``model_type`` outside :data:`SUPPORTED_MODEL_TYPES`; a
     hand-written config without one is judged by its keys (:meth:`ModelShapes.from_hf_config`)."""
     # a transformers config may lack model_type (a hand-made PretrainedConfig): judged by its keys
-    kind = config.get("model_type") if isinstance(config, dict) else getattr(
-        config, "model_type", None)  # fmt: skip
+    kind = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
     if kind is not None and kind not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{who}: model type {kind!r} is not supported (supported: {SUPPORTED}): SparseBalance "
@@ -138,13 +143,10 @@ def unsupported_attention(config) -> str | None:
     def get(key, default=None):
         # a transformers config defines only its own family's fields (Qwen2's use_sliding_window,
         # Gemma's softcapping): a field it lacks is a feature the model does not use
-        return config.get(key, default) if isinstance(config, dict) else getattr(
-            config, key, default)  # fmt: skip
+        return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
 
     window = get("sliding_window")
-    if (window is not None and get("use_sliding_window", True)) or "sliding_attention" in (
-        get("layer_types") or ()
-    ):
+    if (window is not None and get("use_sliding_window", True)) or "sliding_attention" in (get("layer_types") or ()):
         return f"it uses sliding-window attention (sliding_window {window})"
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if get(name):

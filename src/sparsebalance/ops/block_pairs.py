@@ -102,20 +102,14 @@ class BlockPairs:
         keep = (slot < cnt[..., None]) & (loc >= 0)
         full = keep & (idx < q_blocks[None, :, None]) & (idx * b >= start_last[None, :, None])
         # Per row: full slots first, then partial ones, then unkept ones.
-        order = torch.argsort(
-            (~keep).to(torch.int8) * 2 + (~full).to(torch.int8), dim=-1, stable=True
-        )
+        order = torch.argsort((~keep).to(torch.int8) * 2 + (~full).to(torch.int8), dim=-1, stable=True)
         loc, idx = loc.gather(-1, order).flatten(0, 1), idx.gather(-1, order).flatten(0, 1)
         counts = keep.sum(-1).flatten()
         num_full = full.sum(-1).flatten()
-        kv_head = (torch.arange(hl, device=device) // (hl // num_kv_heads)).repeat_interleave(
-            self.n
-        )
+        kv_head = (torch.arange(hl, device=device) // (hl // num_kv_heads)).repeat_interleave(self.n)
         self.num_pairs = int(counts.sum())
         """Kept block pairs computed (summed over layout heads): the call's work."""
-        self.chunks, self.empty_rows = self._chunks(
-            counts, num_full, loc, idx, kv_head, k_blocks.numel()
-        )
+        self.chunks, self.empty_rows = self._chunks(counts, num_full, loc, idx, kv_head, k_blocks.numel())
 
     def _chunks(self, counts, num_full, loc, idx, kv_head, nk):
         """Rows of similar width share a chunk; returns the chunks and the rows without a key."""
@@ -142,9 +136,7 @@ class BlockPairs:
     def token_mask(self, c: PairChunk) -> torch.Tensor:
         """Bool ``(c, g*B, M*B)``: the doc-causal (query, key) token pairs of the trailing slots."""
         n, m = c.kpos0.shape
-        kpos = (c.kpos0[:, :, None] + torch.arange(self.B, device=c.kpos0.device)).reshape(
-            n, 1, m * self.B
-        )
+        kpos = (c.kpos0[:, :, None] + torch.arange(self.B, device=c.kpos0.device)).reshape(n, 1, m * self.B)
         kpos = torch.where(c.valid.repeat_interleave(self.B, 1)[:, None, :], kpos, -1)
         qb = c.row % self.n
         return (kpos <= self.qpos[qb][:, :, None]) & (kpos >= self.qstart[qb][:, :, None])

@@ -67,9 +67,13 @@ def _announce_compile(dtype: torch.dtype, grad: bool) -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
     what = "forward and backward" if grad else "forward"
-    print(f"sparsebalance: compiling the block-sparse attention kernel (FlexAttention, "
-          f"{str(dtype).removeprefix('torch.')}, {what}; once per process, ~20 s on a 16-core "
-          "host)", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"sparsebalance: compiling the block-sparse attention kernel (FlexAttention, "
+        f"{str(dtype).removeprefix('torch.')}, {what}; once per process, ~20 s on a 16-core "
+        "host)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def padded_length(layout: BlockLayout, static_sizes: tuple[int, ...] = ()) -> int:
@@ -106,8 +110,7 @@ def flex_block_sparse_attention(
         return kernel(dense_attention, q, k, v, pack.cu_seqlens, pack.lengths, scale, like=q)
     expand = gqa == "expand" and hq != hkv
     total = padded_length(layout, (hq, hq if expand else hkv, d))
-    block_mask = layout.memo(("flex", hq, total, runs),
-                             lambda: build_block_mask(layout, hq, total, runs))  # fmt: skip
+    block_mask = layout.memo(("flex", hq, total, runs), lambda: build_block_mask(layout, hq, total, runs))
     pad = total - t
 
     def heads_first(x: torch.Tensor) -> torch.Tensor:  # (T, H, D) -> (1, H, T', D)
@@ -140,6 +143,5 @@ def flex_block_sparse_attention(
     # call, one scatter, however many runs (a constant number of T x H x D passes).
     idx, cu, lengths = pack.dense_tokens(runs)
     qd = q.index_select(0, idx)
-    dense = kernel(dense_attention, qd, k.index_select(0, idx), v.index_select(0, idx), cu,
-                   lengths, scale, like=qd)  # fmt: skip
+    dense = kernel(dense_attention, qd, k.index_select(0, idx), v.index_select(0, idx), cu, lengths, scale, like=qd)
     return out.index_copy(0, idx, dense)

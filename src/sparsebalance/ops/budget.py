@@ -156,9 +156,7 @@ class Budget:
         return replace(self, gamma=gamma)
 
 
-def topk_density(
-    lengths: ArrayLike, top_k: ArrayLike, block_size: int, anchor_blocks: int = 2
-) -> np.ndarray:
+def topk_density(lengths: ArrayLike, top_k: ArrayLike, block_size: int, anchor_blocks: int = 2) -> np.ndarray:
     """Density of a ``top_k`` budget on documents of ``lengths`` tokens, elementwise float64.
 
     A document of ``n = ceil(L / B)`` blocks starting on a block boundary: query block ``i``
@@ -177,9 +175,7 @@ def topk_density(
     return kept / causal
 
 
-def topk_for_density(
-    lengths: ArrayLike, density: ArrayLike, block_size: int, anchor_blocks: int = 2
-) -> np.ndarray:
+def topk_for_density(lengths: ArrayLike, density: ArrayLike, block_size: int, anchor_blocks: int = 2) -> np.ndarray:
     """The (real-valued) ``top_k`` whose :func:`topk_density` on ``lengths`` is ``density``: the
     inverse in ``k`` (>= 0; a density of 1 maps to the document's block count)."""
     n = np.maximum(np.ceil(np.asarray(lengths, dtype=np.float64) / block_size), 1.0)

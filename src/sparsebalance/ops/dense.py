@@ -39,8 +39,7 @@ def varlen_api() -> dict | None:
     causal = next((p for p in ("window_size", "is_causal") if p in params), None)
     if causal is None:
         return None
-    return {"fn": varlen_attn, "causal": causal, "gqa": "enable_gqa" in params,
-            "scale": "scale" in params}  # fmt: skip
+    return {"fn": varlen_attn, "causal": causal, "gqa": "enable_gqa" in params, "scale": "scale" in params}
 
 
 def uses_varlen(q: torch.Tensor, scale: float) -> bool:
@@ -49,8 +48,14 @@ def uses_varlen(q: torch.Tensor, scale: float) -> bool:
     api = varlen_api()
     d = q.shape[-1]
     default_scale = abs(scale - d**-0.5) <= 1e-12 * d**-0.5
-    return (api is not None and q.is_cuda and q.dtype in FLASH_DTYPES and d % 8 == 0
-            and d <= 256 and (api["scale"] or default_scale))  # fmt: skip
+    return (
+        api is not None
+        and q.is_cuda
+        and q.dtype in FLASH_DTYPES
+        and d % 8 == 0
+        and d <= 256
+        and (api["scale"] or default_scale)
+    )
 
 
 def dense_attention(
@@ -78,9 +83,9 @@ def dense_attention(
     # split: views whose backward is one concatenation (slicing each document would allocate a
     # zero tensor of the whole run per document in the backward)
     for qd, kd, vd in zip(q.split(sizes), k.split(sizes), v.split(sizes), strict=True):
-        out = F.scaled_dot_product_attention(qd.transpose(0, 1), kd.transpose(0, 1),
-                                             vd.transpose(0, 1), is_causal=True, scale=scale,
-                                             enable_gqa=gqa)  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            qd.transpose(0, 1), kd.transpose(0, 1), vd.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=gqa
+        )
         outs.append(out.transpose(0, 1))  # (H, L, D) -> (L, H, D)
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 

@@ -68,8 +68,9 @@ def whole_block_runs(pack: PackIndex, dense_docs: tuple[bool, ...]):
         start = -(-run[2] // bs) * bs  # the first block starting inside the run
         return start < run[3] and min(start + bs, t) <= run[3]
 
-    return pack.memo(("whole_block_runs", dense_docs), lambda: tuple(
-        r for r in pack.dense_runs(dense_docs) if has_whole_block(r)))  # fmt: skip
+    return pack.memo(
+        ("whole_block_runs", dense_docs), lambda: tuple(r for r in pack.dense_runs(dense_docs) if has_whole_block(r))
+    )
 
 
 def build_block_mask(layout: BlockLayout, num_heads: int, total: int, runs=()):
@@ -105,9 +106,14 @@ def build_block_mask(layout: BlockLayout, num_heads: int, total: int, runs=()):
     num, idx = counts[:, :num_heads], order[:, :num_heads]  # each list a contiguous slice
     return BlockMask(
         seq_lengths=(total, total),
-        kv_num_blocks=num[0][None], kv_indices=idx[0][None],
-        full_kv_num_blocks=num[1][None], full_kv_indices=idx[1][None],
-        q_num_blocks=num[2][None], q_indices=idx[2][None],
-        full_q_num_blocks=num[3][None], full_q_indices=idx[3][None],
-        BLOCK_SIZE=(bs, bs), mask_mod=doc_causal,
-    )  # fmt: skip
+        kv_num_blocks=num[0][None],
+        kv_indices=idx[0][None],
+        full_kv_num_blocks=num[1][None],
+        full_kv_indices=idx[1][None],
+        q_num_blocks=num[2][None],
+        q_indices=idx[2][None],
+        full_q_num_blocks=num[3][None],
+        full_q_indices=idx[3][None],
+        BLOCK_SIZE=(bs, bs),
+        mask_mod=doc_causal,
+    )

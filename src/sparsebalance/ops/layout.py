@@ -46,8 +46,7 @@ def dense_to_ordered(block_mask: torch.Tensor, width: int | None = None):
     slot = block_mask.to(torch.int32).cumsum(-1, dtype=torch.int32) - 1
     slot = torch.where(block_mask & (slot < width), slot, width).long()  # spare column: dropped
     kb = torch.arange(block_mask.shape[-1], dtype=torch.int32, device=block_mask.device)
-    out = torch.zeros(*block_mask.shape[:-1], width + 1, dtype=torch.int32,
-                      device=block_mask.device)  # fmt: skip
+    out = torch.zeros(*block_mask.shape[:-1], width + 1, dtype=torch.int32, device=block_mask.device)
     out.scatter_(-1, slot, kb.expand(block_mask.shape))
     return counts, out[..., :width].contiguous()
 
@@ -103,13 +102,9 @@ class BlockLayout:
                 f"block_size={self.block_size}; got {tuple(bm.shape)}"
             )
         if self.num_q_heads % bm.shape[0] != 0:
-            raise ValueError(
-                f"layout heads ({bm.shape[0]}) must divide num_q_heads ({self.num_q_heads})"
-            )
+            raise ValueError(f"layout heads ({bm.shape[0]}) must divide num_q_heads ({self.num_q_heads})")
         if self.dense_docs is not None and len(self.dense_docs) != self.pack.num_docs:
-            raise ValueError(
-                f"dense_docs has {len(self.dense_docs)} entries for {self.pack.num_docs} documents"
-            )
+            raise ValueError(f"dense_docs has {len(self.dense_docs)} entries for {self.pack.num_docs} documents")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -165,8 +160,7 @@ class BlockLayout:
         device = torch.device(device)
         if device == self.device:
             return self
-        return BlockLayout(self.block_mask.to(device), self.pack.to(device), self.num_q_heads,
-                           self.dense_docs)  # fmt: skip
+        return BlockLayout(self.block_mask.to(device), self.pack.to(device), self.num_q_heads, self.dense_docs)
 
     def memo(self, key, build):
         """``build()`` once per key for this layout: a kernel's index form of the mask, built
@@ -196,9 +190,7 @@ class BlockLayout:
         if q.shape[0] != self.seq_len:
             raise ValueError(f"layout was built for T={self.seq_len}, q has T={q.shape[0]}")
         if q.shape[1] != self.num_q_heads:
-            raise ValueError(
-                f"layout was built for Hq={self.num_q_heads}, q has {q.shape[1]} heads"
-            )
+            raise ValueError(f"layout was built for Hq={self.num_q_heads}, q has {q.shape[1]} heads")
         if self.num_heads % k.shape[1] != 0:
             raise ValueError(
                 f"layout has {self.num_heads} heads, not a multiple of Hkv={k.shape[1]}: "

@@ -167,9 +167,7 @@ class PackIndex:
             return self
         return self.memo(
             ("to", device),
-            lambda: PackIndex(
-                self.lengths, self.cu_seqlens.to(device, non_blocking=True), self.block_size
-            ),
+            lambda: PackIndex(self.lengths, self.cu_seqlens.to(device, non_blocking=True), self.block_size),
         )
 
     def upload(self, array: np.ndarray, dtype=torch.int64) -> torch.Tensor:
@@ -227,9 +225,15 @@ class PackIndex:
             hi = pos * bs + off + length[~whole] - 1
             tok = np.minimum(split[:, None] * bs + np.arange(bs)[None, :], total - 1)
             up = self.upload
-            return {"nfull": total // bs, "whole_idx": up(np.flatnonzero(whole)),
-                    "whole_block": up(block[whole]), "split_idx": up(np.flatnonzero(~whole)),
-                    "lo": up(lo), "hi": up(hi), "tok": up(tok)}  # fmt: skip
+            return {
+                "nfull": total // bs,
+                "whole_idx": up(np.flatnonzero(whole)),
+                "whole_block": up(block[whole]),
+                "split_idx": up(np.flatnonzero(~whole)),
+                "lo": up(lo),
+                "hi": up(hi),
+                "tok": up(tok),
+            }
 
         return self.memo("pool", build)
 
@@ -261,9 +265,17 @@ class PackIndex:
                 seg = np.where(real, first[docs, None] + slot, first[docs, None])
                 sb = block[seg]
                 pair = sb[:, :, None] * nb + sb[:, None, :]
-                out.append(ScoreBatch(self.upload(docs), self.upload(seg),
-                                      self.upload(real, torch.bool), self.upload(sb),
-                                      self.upload(pair), int(docs.size), s))  # fmt: skip
+                out.append(
+                    ScoreBatch(
+                        self.upload(docs),
+                        self.upload(seg),
+                        self.upload(real, torch.bool),
+                        self.upload(sb),
+                        self.upload(pair),
+                        int(docs.size),
+                        s,
+                    )
+                )
             return tuple(out)
 
         return self.memo("score_batches", build)
@@ -286,15 +298,12 @@ class PackIndex:
         def build():
             nb, n = self.num_blocks, self.num_docs
             first, last = self.doc_blocks
-            owner = np.searchsorted(self.offsets[1:], np.arange(nb) * self.block_size,
-                                    side="right")  # fmt: skip
+            owner = np.searchsorted(self.offsets[1:], np.arange(nb) * self.block_size, side="right")
             blocks = (last - first + 1).astype(np.float64)
             shared = np.flatnonzero(self.offsets[:-1] % self.block_size != 0)
             lo = self.offsets[owner] // self.block_size
             pairs = np.append(blocks * (blocks + 1) / 2, float(np.sum(np.arange(nb) - lo + 1)))
-            owner_d, shared_d, first_d, pairs_d = upload_many(
-                [owner, shared, first[shared], pairs], self.device
-            )
+            owner_d, shared_d, first_d, pairs_d = upload_many([owner, shared, first[shared], pairs], self.device)
             return DensityIndex(n, owner_d, first_d, shared_d, pairs_d)
 
         return self.memo("density_index", build)

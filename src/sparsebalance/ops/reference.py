@@ -46,8 +46,5 @@ def reference_attention(
     kk = k.repeat_interleave(group, dim=1)
     vv = v.repeat_interleave(group, dim=1)
     bounds = cu_seqlens.tolist()
-    outs = [
-        _attend(q[s:e], kk[s:e], vv[s:e], mask[:, s:e, s:e], scale)
-        for s, e in itertools.pairwise(bounds)
-    ]
+    outs = [_attend(q[s:e], kk[s:e], vv[s:e], mask[:, s:e, s:e], scale) for s, e in itertools.pairwise(bounds)]
     return torch.cat(outs)

@@ -64,9 +64,7 @@ def segments(cu_seqlens: torch.Tensor, total: int, block_size: int):
     return start, length, start // block_size, doc_ids(cu_seqlens, total)[start]
 
 
-def pool_segments(
-    x: torch.Tensor, seg_of_token: torch.Tensor, seg_len: torch.Tensor
-) -> torch.Tensor:
+def pool_segments(x: torch.Tensor, seg_of_token: torch.Tensor, seg_len: torch.Tensor) -> torch.Tensor:
     """Mean of ``x (T, H, D)`` per segment -> ``(S, H, D)`` in float32 (float64 kept).
 
     ``seg_of_token`` int64 ``(T,)`` is each token's segment, ``seg_len`` ``(S,)`` the lengths;
@@ -121,9 +119,7 @@ class BlockMassEstimate:
     def block_mask(self, budget: Budget) -> torch.Tensor:
         """Bool ``(H_layout, nb, nb)``: the block pairs this budget keeps."""
         if not isinstance(budget, Budget):
-            raise TypeError(
-                f"budget must be a sparsebalance.ops.Budget, got {type(budget).__name__}"
-            )
+            raise TypeError(f"budget must be a sparsebalance.ops.Budget, got {type(budget).__name__}")
         nb, h = self.pack.num_blocks, self.num_layout_heads
         hits = torch.zeros(h, nb * nb, dtype=torch.int32, device=self.pack.cu_seqlens.device)
         for i, batch in enumerate(self.batches):
@@ -228,9 +224,7 @@ def _pack_for(q: torch.Tensor, cu_seqlens, block_size: int, pack: PackIndex | No
     elif pack.block_size != block_size:
         raise ValueError(f"pack was indexed for block_size={pack.block_size}, got {block_size}")
     if pack.seq_len != q.shape[0]:
-        raise ValueError(
-            f"cu_seqlens must end at T={q.shape[0]} (the packed length), got {pack.seq_len}"
-        )
+        raise ValueError(f"cu_seqlens must end at T={q.shape[0]} (the packed length), got {pack.seq_len}")
     return pack.to(q.device)
 
 
@@ -257,8 +251,7 @@ def estimate_from_pooled(
     n_layout = kp.shape[1] if share_kv_groups else hq
     with torch.no_grad():
         length = pack.segments()[1]
-        batches = tuple(_score_documents(qp, kp, length, b, scale, n_layout)
-                        for b in pack.score_batches())  # fmt: skip
+        batches = tuple(_score_documents(qp, kp, length, b, scale, n_layout) for b in pack.score_batches())
     return BlockMassEstimate(batches, pack, hq, n_layout)
 
 
@@ -283,16 +276,13 @@ def _score_documents(qp, kp, length, batch: ScoreBatch, scale, n_layout) -> Docu
         heads = torch.arange(h0 * per_layout, h1 * per_layout, device=qp.device)
         qh = qd[heads].reshape(-1, s, qd.shape[-1])  # (heads*n, s, D)
         kh = kd[heads // (hq // hkv)].reshape(-1, s, kd.shape[-1])
-        logits = torch.baddbmm(
-            bias.repeat(heads.numel(), 1, 1), qh, kh.transpose(1, 2), alpha=scale
-        )
+        logits = torch.baddbmm(bias.repeat(heads.numel(), 1, 1), qh, kh.transpose(1, 2), alpha=scale)
         logits = logits.view(heads.numel(), n, s, s).masked_fill_(~allowed, -math.inf)
         p = torch.softmax(logits, dim=-1).masked_fill_(~allowed.any(-1, keepdim=True), 0.0)
         prob[h0:h1] = p.view(h1 - h0, per_layout, n, s, s).mean(1)
     non_finite = ~torch.isfinite(prob).all(-1, keepdim=True)
     seg_tokens = torch.where(real, seg_len, torch.zeros_like(seg_len))
-    return DocumentBatch(prob, allowed, batch.seg_block, non_finite, seg_tokens, batch.docs,
-                         batch.pair_index)  # fmt: skip
+    return DocumentBatch(prob, allowed, batch.seg_block, non_finite, seg_tokens, batch.docs, batch.pair_index)
 
 
 def select_blocks(

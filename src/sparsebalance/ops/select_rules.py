@@ -113,9 +113,7 @@ class DocumentBatch:
             keep = _keep_by_mass(self.prob, self.allowed, anchors, budget, cache.get("rows"))
         return torch.where(self.non_finite, self.allowed, keep)
 
-    def topk_covered(
-        self, budget: Budget, cache: dict, ks: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def topk_covered(self, budget: Budget, cache: dict, ks: torch.Tensor | None = None) -> torch.Tensor:
         """float64 ``(n,)``: :meth:`covered` of the top-k rule without a cap, read off one sorted
         cumulative sum per row (cached per anchor setting): what any k keeps of a row is its
         anchors' mass plus its ``k`` largest other masses. With ``ks`` (int64 ``(K,)``): the

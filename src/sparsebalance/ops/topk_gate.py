@@ -97,9 +97,7 @@ class GateTables:
     _memo: dict = field(default_factory=dict, compare=False, repr=False, init=False)
 
     @classmethod
-    def of(
-        cls, pack: PackIndex, lowest: Budget, dense_from: float | None = None
-    ) -> GateTables | None:
+    def of(cls, pack: PackIndex, lowest: Budget, dense_from: float | None = None) -> GateTables | None:
         """The tables for ``pack`` when no budget below ``lowest`` is used (its anchors and
         ``min_blocks`` are every budget's), memoised on the pack; None when no document is
         scored or their segments exceed ``2 nb + 8`` (many short scored documents: the
@@ -110,8 +108,7 @@ class GateTables:
             num = int(pack.doc_segments[np.asarray(scored)].sum())
             if num == 0 or num > 2 * pack.num_blocks + 8:
                 return None
-            return pack.memo(("topk-gate", lowest, scored),
-                             lambda: cls._build(pack, lowest, scored))  # fmt: skip
+            return pack.memo(("topk-gate", lowest, scored), lambda: cls._build(pack, lowest, scored))
 
         return pack.memo(("topk-gate-for", lowest, dense_from), decide)
 
@@ -124,15 +121,20 @@ class GateTables:
         first = np.searchsorted(doc, doc)  # each row's document's first scored segment
         offset = start - block * bs
         ends = start + length - 1
-        host = [np.concatenate([ends, np.where(offset > 0, start - 1, ends)]),
-                np.where(offset > 0, -1.0, 0.0).astype(np.float32), length.astype(np.float32),
-                doc, block, first, np.arange(n)]  # fmt: skip
+        host = [
+            np.concatenate([ends, np.where(offset > 0, start - 1, ends)]),
+            np.where(offset > 0, -1.0, 0.0).astype(np.float32),
+            length.astype(np.float32),
+            doc,
+            block,
+            first,
+            np.arange(n),
+        ]
         pool_index, sign, seg_len, doc_d, block_d, first_d, idx = upload_many(host, pack.device)
         i, j = idx[:, None], idx[None, :]
         allowed = (doc_d[:, None] == doc_d[None, :]) & (j <= i)
         sink = (block_d - block_d[first_d]) < rule.sink_blocks
-        anchors = allowed & (sink[None, :] | ((block_d[:, None] - block_d[None, :])
-                                              < rule.local_blocks))  # fmt: skip
+        anchors = allowed & (sink[None, :] | ((block_d[:, None] - block_d[None, :]) < rule.local_blocks))
         candidate = allowed & ~anchors
         n_cand = candidate.sum(-1)
         # a row's unscored pairs sort after its candidates, in column order (stable sort)
@@ -145,15 +147,25 @@ class GateTables:
         identity = n == nb and np.array_equal(block, np.arange(nb))
         pair = None if identity else (block_d[:, None] * nb + block_d[None, :]).reshape(-1)
         return cls(
-            pack=pack, rule=rule, num_scored=n, full_blocks=pack.seq_len // bs,
-            pool_index=pool_index, start_sign=sign[:, None, None],
+            pack=pack,
+            rule=rule,
+            num_scored=n,
+            full_blocks=pack.seq_len // bs,
+            pool_index=pool_index,
+            start_sign=sign[:, None, None],
             inv_lengths=1.0 / (seg_len[:, None] * seg_len[None, :]),
             bias_rank=torch.where(candidate, bias, -math.inf),
-            bias_mass=torch.where(allowed, bias, -math.inf), unscored=~candidate,
-            anchors=anchors, anchor_ranks=anchor_ranks[:, :n], slots=idx,
-            extra_min=torch.clamp(floor_n - anchors.sum(-1), min=0), num_candidates=n_cand,
-            seg_tokens=length, pair_index=pair, scored=scored,
-        )  # fmt: skip
+            bias_mass=torch.where(allowed, bias, -math.inf),
+            unscored=~candidate,
+            anchors=anchors,
+            anchor_ranks=anchor_ranks[:, :n],
+            slots=idx,
+            extra_min=torch.clamp(floor_n - anchors.sum(-1), min=0),
+            num_candidates=n_cand,
+            seg_tokens=length,
+            pair_index=pair,
+            scored=scored,
+        )
 
     def check(self, budget: Budget, least_k: int | None = None) -> None:
         """Raise ``ValueError`` unless the tables serve ``budget`` (top-k without a cap, the
@@ -161,8 +173,11 @@ class GateTables:
         rule = self.rule
         anchors = (budget.sink_blocks, budget.local_blocks, budget.min_blocks)
         k = budget.top_k if least_k is None else least_k
-        if (not gate_applies(budget) or k < rule.top_k
-                or anchors != (rule.sink_blocks, rule.local_blocks, rule.min_blocks)):  # fmt: skip
+        if (
+            not gate_applies(budget)
+            or k < rule.top_k
+            or anchors != (rule.sink_blocks, rule.local_blocks, rule.min_blocks)
+        ):
             raise ValueError(
                 f"the gate's tables were built for budgets from {rule}; {budget} (k from {k}) "
                 "is not one of them: build them for the lowest budget a layer may run"
@@ -185,8 +200,7 @@ class GateTables:
 
     def candidate_ranks(self) -> torch.Tensor:
         """Bool ``(S, S)``: sorted positions that hold a candidate."""
-        return self.memo("candidates",
-                         lambda: self.slots[None, :] < self.num_candidates[:, None])  # fmt: skip
+        return self.memo("candidates", lambda: self.slots[None, :] < self.num_candidates[:, None])
 
     def coverage_terms(self, ks: tuple[int, ...], heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For the coverage of every ``k`` of ``ks``: int64 ``(S, K)`` positions of a row's
@@ -269,8 +283,7 @@ class TopKGate:
                 lambda: pack.documents_block_mask(dense).to(torch.uint8),
             )
             hits = base.expand(h, nb, nb).contiguous().view(h, nb * nb)  # one copy
-            hits.scatter_reduce_(1, t.pair_index.expand(h, -1), keep.view(h, -1).view(torch.uint8),
-                                 "amax")  # fmt: skip
+            hits.scatter_reduce_(1, t.pair_index.expand(h, -1), keep.view(h, -1).view(torch.uint8), "amax")
             mask = hits.view(h, nb, nb).view(torch.bool)
         return BlockLayout(mask, pack, self.num_q_heads, dense)
 
@@ -336,8 +349,7 @@ def _pooled_sums(x: torch.Tensor, t: GateTables) -> torch.Tensor:
     prefix = torch.empty(total, heads, dim, dtype=dtype, device=x.device)
     main = full * bs
     if full:
-        torch.cumsum(x[:main].view(full, bs, heads, dim), 1, dtype=dtype,
-                     out=prefix[:main].view(full, bs, heads, dim))  # fmt: skip
+        torch.cumsum(x[:main].view(full, bs, heads, dim), 1, dtype=dtype, out=prefix[:main].view(full, bs, heads, dim))
     if main < total:
         torch.cumsum(x[main:], 0, dtype=dtype, out=prefix[main:])
     rows = prefix.index_select(0, t.pool_index)  # (2 S, H, D)

@@ -21,9 +21,7 @@ def debug_checks() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
-def check_cu_seqlens(
-    cu_seqlens: torch.Tensor, total: int | None = None, values: bool | None = None
-) -> None:
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None, values: bool | None = None) -> None:
     """Raise ``ValueError``/``TypeError`` unless ``cu_seqlens`` is a valid varlen offset vector.
 
     Type and shape always; the values (0 first, increasing, ``total`` last) if ``values``, by
@@ -35,9 +33,7 @@ def check_cu_seqlens(
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"cu_seqlens must be int32 (or int64), got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(
-            f"cu_seqlens must be 1-D with N + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}"
-        )
+        raise ValueError(f"cu_seqlens must be 1-D with N + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
     if values is None:
         values = cu_seqlens.device.type == "cpu" or debug_checks()
     if not values:
@@ -48,9 +44,7 @@ def check_cu_seqlens(
     if not bool((cpu[1:] > cpu[:-1]).all()):
         raise ValueError("cu_seqlens must be strictly increasing (no empty documents)")
     if total is not None and int(cpu[-1]) != total:
-        raise ValueError(
-            f"cu_seqlens must end at T={total} (the packed length), got {int(cpu[-1])}"
-        )
+        raise ValueError(f"cu_seqlens must end at T={total} (the packed length), got {int(cpu[-1])}")
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
@@ -96,26 +90,20 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
     return value
 
 
-def doc_ids(
-    cu_seqlens: torch.Tensor, total: int, device: torch.device | None = None
-) -> torch.Tensor:
+def doc_ids(cu_seqlens: torch.Tensor, total: int, device: torch.device | None = None) -> torch.Tensor:
     """Document index of every token: int64 ``(T,)``."""
     cu = cu_seqlens.to(device or cu_seqlens.device, torch.int64)
     pos = torch.arange(total, device=cu.device)
     return torch.searchsorted(cu[1:], pos, right=True)
 
 
-def doc_starts(
-    cu_seqlens: torch.Tensor, total: int, device: torch.device | None = None
-) -> torch.Tensor:
+def doc_starts(cu_seqlens: torch.Tensor, total: int, device: torch.device | None = None) -> torch.Tensor:
     """First token of each token's document: int64 ``(T,)``. Token i sees keys [start_i, i]."""
     cu = cu_seqlens.to(device or cu_seqlens.device, torch.int64)
     return cu[doc_ids(cu, total)]
 
 
-def token_mask(
-    cu_seqlens: torch.Tensor, total: int, device: torch.device | None = None
-) -> torch.Tensor:
+def token_mask(cu_seqlens: torch.Tensor, total: int, device: torch.device | None = None) -> torch.Tensor:
     """The document-causal token mask, bool ``(T, T)``: ``[i, j]`` is True iff i may attend to j."""
     start = doc_starts(cu_seqlens, total, device)
     pos = torch.arange(total, device=start.device)

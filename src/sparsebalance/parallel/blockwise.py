@@ -39,9 +39,7 @@ def to_kv(k: torch.Tensor, v: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.stack([token_blocks(k, block_size), token_blocks(v, block_size)])
 
 
-def forward_step(
-    qr: torch.Tensor, kv: torch.Tensor, pairs: BlockPairs, out: torch.Tensor, lse: torch.Tensor
-) -> None:
+def forward_step(qr: torch.Tensor, kv: torch.Tensor, pairs: BlockPairs, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Merge this shard ``kv (2, Hkv*n, B*D)`` into the running ``out (R, g*B, D)`` and
     ``lse (R, g*B)`` (accumulation dtype), in place."""
     block_pairs_forward(qr, kv[0], kv[1], pairs, out, lse, merge=True)
@@ -61,9 +59,7 @@ def check_shard_inputs(q, k, v, layout: BlockLayout, placement, world_size: int)
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     if placement.world_size != world_size:
-        raise ValueError(
-            f"placement is for {placement.world_size} ranks, the process group has {world_size}"
-        )
+        raise ValueError(f"placement is for {placement.world_size} ranks, the process group has {world_size}")
     if (layout.seq_len, layout.block_size) != (placement.seq_len, placement.block_size):
         raise ValueError(
             f"layout (T={layout.seq_len}, B={layout.block_size}) and placement "
@@ -93,10 +89,7 @@ class ShardState:
         self.qr = query_rows(q * scale, hl, b)
         self.kv = to_kv(k, v, b)
         blocks = placement.blocks
-        self.plans = [
-            BlockPairs(layout, blocks[rank], blocks[int(src)], k.shape[1], q.device)
-            for src in sources
-        ]
+        self.plans = [BlockPairs(layout, blocks[rank], blocks[int(src)], k.shape[1], q.device) for src in sources]
 
     def new_accumulators(self) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.zeros(self.qr.shape, dtype=self.acc, device=self.qr.device)
@@ -156,8 +149,6 @@ def partial_attention(
     acc = accumulation_dtype(q.dtype)
     out = torch.zeros(qr.shape, dtype=acc, device=q.device)
     lse = torch.full(qr.shape[:2], -math.inf, dtype=acc, device=q.device)
-    block_pairs_forward(
-        qr, token_blocks(k.detach(), b), token_blocks(v.detach(), b), pairs, out, lse
-    )
+    block_pairs_forward(qr, token_blocks(k.detach(), b), token_blocks(v.detach(), b), pairs, out, lse)
     lse_t = rows_to_tokens(lse[..., None], hl, b)[..., 0]
     return rows_to_tokens(out, hl, b), lse_t

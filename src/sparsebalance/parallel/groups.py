@@ -42,9 +42,7 @@ class RingGroups:
     (``--comm-timeout``); None: no limit beyond the process group's."""
 
     @classmethod
-    def create(
-        cls, timeout_s: float | None = None, device: torch.device | str = "cpu"
-    ) -> RingGroups:
+    def create(cls, timeout_s: float | None = None, device: torch.device | str = "cpu") -> RingGroups:
         """Create the groups (a collective: every rank calls it, once per topology)."""
         if not dist.is_initialized():
             raise ValueError("ring groups need an initialised process group (torchrun / --nproc)")

@@ -134,6 +134,4 @@ def hierarchical_ring_attention(
         raise ValueError(f"inner_size ({inner_size}) must divide the group size ({world})")
     check_shard_inputs(q, k, v, layout, placement, world)
     scale = resolve_scale(scale, q.shape[-1])
-    return HierarchicalRingAttention.apply(
-        q, k, v, group, layout.to(q.device), placement, inner_size, scale
-    )
+    return HierarchicalRingAttention.apply(q, k, v, group, layout.to(q.device), placement, inner_size, scale)

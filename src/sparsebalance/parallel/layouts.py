@@ -65,9 +65,7 @@ class Placement:
     def owner(self) -> torch.Tensor:
         """int64 ``(P * n,)``: the rank holding each (padded) global block."""
         own = torch.empty(self.blocks.numel(), dtype=torch.long)
-        own[self.blocks.reshape(-1)] = torch.arange(self.world_size).repeat_interleave(
-            self.blocks_per_rank
-        )
+        own[self.blocks.reshape(-1)] = torch.arange(self.world_size).repeat_interleave(self.blocks_per_rank)
         return own
 
     def token_index(self, rank: int) -> torch.Tensor:
@@ -87,9 +85,7 @@ class Placement:
     def shard(self, x: torch.Tensor, rank: int) -> torch.Tensor:
         """Global ``(T, ...)`` -> this rank's ``(local_len, ...)``; padded tokens are zeros."""
         if x.shape[0] != self.seq_len:
-            raise ValueError(
-                f"x has {x.shape[0]} tokens, the placement was built for T={self.seq_len}"
-            )
+            raise ValueError(f"x has {x.shape[0]} tokens, the placement was built for T={self.seq_len}")
         idx = self.token_index(rank).to(x.device)
         pad = torch.zeros(self.world_size * self.local_len - self.seq_len, *x.shape[1:])
         return torch.cat([x, pad.to(x)])[idx]
@@ -149,9 +145,7 @@ def ring_sources(world_size: int, inner_size: int | None = None) -> torch.Tensor
     return ((o - j) % groups) * inner_size + (i - t) % inner_size
 
 
-def ring_work(
-    layout: BlockLayout, placement: Placement, inner_size: int | None = None
-) -> torch.Tensor:
+def ring_work(layout: BlockLayout, placement: Placement, inner_size: int | None = None) -> torch.Tensor:
     """float64 ``(P, P)``: kept doc-causal block pairs (summed over heads) of rank r at step s.
 
     The op's work is proportional to the kept block pairs, so this is the compute each rank does

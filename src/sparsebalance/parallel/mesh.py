@@ -44,6 +44,4 @@ class MeshRanks:
 
 
 def mesh_ranks(mesh: DeviceMesh) -> MeshRanks:
-    return MeshRanks(
-        mesh.get_local_rank(DP), mesh.get_local_rank(CP), mesh.get_group(DP), mesh.get_group(CP)
-    )
+    return MeshRanks(mesh.get_local_rank(DP), mesh.get_local_rank(CP), mesh.get_group(DP), mesh.get_group(CP))

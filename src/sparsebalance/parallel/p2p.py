@@ -57,9 +57,12 @@ RING_WAITS = WaitLog()
 
 class _Pending:
     def __init__(
-        self, buf: torch.Tensor, reqs: list | None, timeout_s: float | None = None,
+        self,
+        buf: torch.Tensor,
+        reqs: list | None,
+        timeout_s: float | None = None,
         peer: int | None = None,
-    ):  # fmt: skip
+    ):
         self.buf, self.reqs, self.timeout_s, self.peer = buf, reqs, timeout_s, peer
 
     def wait(self) -> torch.Tensor:

@@ -62,12 +62,8 @@ def vertical_slash_layout(
     vertical = torch.zeros(num_heads, nb, dtype=torch.float64)
     for h in range(num_heads):
         picks = torch.randint(0, nb, (num_slash + num_vertical,), generator=gen)
-        weights = 0.5 + 0.5 * torch.rand(
-            num_slash + num_vertical, generator=gen, dtype=torch.float64
-        )
-        slash[h, picks[:num_slash]] = torch.maximum(
-            slash[h, picks[:num_slash]], weights[:num_slash]
-        )
+        weights = 0.5 + 0.5 * torch.rand(num_slash + num_vertical, generator=gen, dtype=torch.float64)
+        slash[h, picks[:num_slash]] = torch.maximum(slash[h, picks[:num_slash]], weights[:num_slash])
         vertical[h, picks[num_slash:]] = weights[num_slash:]
     prio = torch.maximum(slash[:, offset], vertical[:, None, :])  # (H, nb, nb)
     prio += 1e-3 * torch.rand(prio.shape, generator=gen, dtype=torch.float64)

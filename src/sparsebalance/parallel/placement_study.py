@@ -54,10 +54,16 @@ def analyse(
             layout = random_layout(cu, heads, block_size, density, seed=seed)
         for kind in layouts:
             work = ring_work(layout, make_placement(kind, seq_len, block_size, world), inner_size)
-            rows.append({
-                "pattern": pattern, "docs": num_docs, "target_density": density,
-                "density": round(layout.density(), 4), "layout": kind,
-                **imbalance(work, inner_size),
-                "rank_work": work.sum(1).tolist(), "step_max_work": work.max(0).values.tolist(),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "pattern": pattern,
+                    "docs": num_docs,
+                    "target_density": density,
+                    "density": round(layout.density(), 4),
+                    "layout": kind,
+                    **imbalance(work, inner_size),
+                    "rank_work": work.sum(1).tolist(),
+                    "step_max_work": work.max(0).values.tolist(),
+                }
+            )
     return rows

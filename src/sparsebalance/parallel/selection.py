@@ -78,9 +78,7 @@ def estimate_block_mass_distributed(
     for r, seg_ids in enumerate(per_rank):
         full[seg_ids.to(q.device)] = parts[r][: len(seg_ids)]
     cu = cu_seqlens.to(q.device)
-    return estimate_from_pooled(
-        full[:, :hq], full[:, hq:], cu, placement.block_size, share_kv_groups, scale, pack
-    )
+    return estimate_from_pooled(full[:, :hq], full[:, hq:], cu, placement.block_size, share_kv_groups, scale, pack)
 
 
 def select_blocks_distributed(
@@ -101,7 +99,5 @@ def select_blocks_distributed(
     """
     if not isinstance(budget, Budget):
         raise TypeError(f"budget must be a sparsebalance.ops.Budget, got {type(budget).__name__}")
-    est = estimate_block_mass_distributed(
-        group, q, k, placement, cu_seqlens, share_kv_groups, scale
-    )
+    est = estimate_block_mass_distributed(group, q, k, placement, cu_seqlens, share_kv_groups, scale)
     return est.layout(budget)

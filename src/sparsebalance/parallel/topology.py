@@ -29,10 +29,7 @@ def launcher_placement(environ: Mapping[str, str] | None = None) -> dict[str, in
     """This process's place as its launcher reports it: ``group_rank`` (node), ``local_rank``
     and ``local_world_size`` (ranks on this node); ``None`` for a variable that is not set."""
     env = os.environ if environ is None else environ
-    return {
-        name.lower(): int(env[name]) if env.get(name, "").isdigit() else None
-        for name in LAUNCHER_VARS
-    }
+    return {name.lower(): int(env[name]) if env.get(name, "").isdigit() else None for name in LAUNCHER_VARS}
 
 
 @dataclass(frozen=True)
@@ -51,8 +48,7 @@ class Topology:
         if self.world_size < 1:
             raise ValueError(f"world size must be >= 1, got {self.world_size}")
         if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
-            raise ValueError(f"--ranks-per-node ({self.ranks_per_node}) must divide the world "
-                             f"size ({self.world_size})")  # fmt: skip
+            raise ValueError(f"--ranks-per-node ({self.ranks_per_node}) must divide the world size ({self.world_size})")
 
     @property
     def nodes(self) -> int:
@@ -113,8 +109,9 @@ class Topology:
         launcher = None
         if reported and None not in sizes:
             if len(sizes) != 1:
-                raise ValueError(f"machines run different numbers of ranks ({sorted(sizes)}): "
-                                 "give every machine the same --nproc")  # fmt: skip
+                raise ValueError(
+                    f"machines run different numbers of ranks ({sorted(sizes)}): give every machine the same --nproc"
+                )
             launcher = sizes.pop()
             for rank, p in enumerate(reported):
                 node, local = p.get("group_rank"), p.get("local_rank")
@@ -126,13 +123,16 @@ class Topology:
         if ranks_per_node is not None:
             note = None
             if launcher is not None and launcher != ranks_per_node:
-                note = (f"--ranks-per-node {ranks_per_node} overrides the launcher's "
-                        f"{launcher} ranks per machine")  # fmt: skip
+                note = f"--ranks-per-node {ranks_per_node} overrides the launcher's {launcher} ranks per machine"
             return cls(world_size, ranks_per_node, "--ranks-per-node"), note
         if launcher is not None:
             return cls(world_size, launcher, "launcher"), None
         return cls(world_size, world_size), None
 
     def describe(self) -> dict:
-        return {"world_size": self.world_size, "nodes": self.nodes,
-                "ranks_per_node": self.ranks_per_node, "source": self.source}  # fmt: skip
+        return {
+            "world_size": self.world_size,
+            "nodes": self.nodes,
+            "ranks_per_node": self.ranks_per_node,
+            "source": self.source,
+        }

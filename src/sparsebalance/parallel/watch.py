@@ -90,9 +90,7 @@ def set_comm_timeout(seconds: float | None) -> None:
     _TIMEOUT_S[0] = seconds
 
 
-def failure(
-    err: BaseException, timeout_s: float | None = None, peer: int | str | None = None
-) -> str:
+def failure(err: BaseException, timeout_s: float | None = None, peer: int | str | None = None) -> str:
     """What a communication error means, in a few words, without the backend's source paths:
     ``no message from rank 1 within 5 s (--comm-timeout): it is stalled or has died`` for a
     timeout, ``rank 1 closed its connection: it has stopped or died`` for a peer gone;
@@ -152,8 +150,7 @@ def waiting_line(rank: int, pos: Position | None = None) -> str:
     """``rank N waiting in unit U, ring step S, step T`` (parts that are unknown are left out)."""
     pos = pos or position()
     if pos.unit is not None:
-        where = f"unit {pos.unit}" + ("" if pos.ring_step is None else
-                                      f", ring step {pos.ring_step}")  # fmt: skip
+        where = f"unit {pos.unit}" + ("" if pos.ring_step is None else f", ring step {pos.ring_step}")
     elif pos.where is not None:
         where = pos.where + ("" if pos.collective is None else f" ({pos.collective})")
     else:
@@ -189,8 +186,10 @@ class DeviceWaits:
                 self.pending.pop(0)
             if self.pending and now - self.pending[0][2] > self.timeout_s:
                 pos = self.pending[0][0]
-                return (f"{waiting_line(self.rank, pos)}: the ring transfer has not completed "
-                        f"within {self.timeout_s:g} s (--comm-timeout)")  # fmt: skip
+                return (
+                    f"{waiting_line(self.rank, pos)}: the ring transfer has not completed "
+                    f"within {self.timeout_s:g} s (--comm-timeout)"
+                )
         return None
 
     def start(self, every_s: float | None = None) -> None:

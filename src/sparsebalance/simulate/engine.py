@@ -150,8 +150,7 @@ def simulate_steps(
     # validates --micro-batches / --capacity / --overlong now
     PlanConfig(world_size, micro_batches, capacity, overlong=overlong)
     cover = CoverageModel(knob.density, dst.gamma0) if coverage else None
-    job = _Job(world_size, cost_model, micro_batches, capacity, tuple(strats), dst, knob,
-               overlong, cover)  # fmt: skip
+    job = _Job(world_size, cost_model, micro_batches, capacity, tuple(strats), dst, knob, overlong, cover)
     if workers == 1 or len(steps) == 1:
         records = [job.run(b) for b in steps]
     else:
@@ -186,8 +185,7 @@ class _Job:
         dens = self.planner_densities(batch)
         for s in self.strategies:
             if s.planner not in works:  # one plan per planner (baseline and dst share one)
-                cfg = PlanConfig(self.world_size, self.micro_batches, self.capacity, s.planner,
-                                 self.overlong)  # fmt: skip
+                cfg = PlanConfig(self.world_size, self.micro_batches, self.capacity, s.planner, self.overlong)
                 t0 = time.perf_counter()
                 a = assign_batch(batch.lengths, dens, self.cost_model, cfg)
                 plan_s = time.perf_counter() - t0
@@ -212,13 +210,11 @@ def _workload(a: Assignment, cost_model: CostModel, knob: Knob, content: np.ndar
     batch's density at gamma0 (``content``, by sample), what the knob and coverage model read."""
     f = a.flat
     d0 = content[a.items.sample_id]
-    args = (f.mb_rank, f.mb_sizes, a.items.tokens[f.item], d0[f.item], cost_model, knob,
-            coverage)  # fmt: skip
+    args = (f.mb_rank, f.mb_sizes, a.items.tokens[f.item], d0[f.item], cost_model, knob, coverage)
     if a.cp is None:
         return PlanWorkload.from_flat(f.num_ranks, *args)
     u = a.cp.units
-    return UnitWorkload(f.num_ranks, a.items.tokens[u.item], d0[u.item], u.degree,
-                        u.start_rank, *args)  # fmt: skip
+    return UnitWorkload(f.num_ranks, a.items.tokens[u.item], d0[u.item], u.degree, u.start_rank, *args)
 
 
 def _cp_stats(a: Assignment) -> dict:

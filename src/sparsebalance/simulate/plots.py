@@ -62,10 +62,11 @@ def plot_rank_times(result: dict, path: str | Path, title: str = "") -> Path:
     ax.set_xlabel("rank (sorted by predicted time)")
     ax.set_ylabel("predicted compute seconds")
     ax.set_title(
-        _wrap(title or f"{result['world_size']} ranks, step {result['show_step']} (dashed: step "
-              "time, the slowest rank)"),
+        _wrap(
+            title or f"{result['world_size']} ranks, step {result['show_step']} (dashed: step time, the slowest rank)"
+        ),
         fontsize=9,
-    )  # fmt: skip
+    )
     ax.grid(alpha=0.3)
     _legend_beside(ax)
     return _save(fig, path)

@@ -116,14 +116,11 @@ class SimConfig:
                 raise ValueError(f"{flag} must be >= 1, got {v}")
         if self.analytic not in ACCELERATORS:
             raise ValueError(f"--analytic must be one of {', '.join(ACCELERATORS)}")
-        for flag, v in (("--efficiency", self.efficiency),
-                        ("--attention-efficiency", self.attention_efficiency)):  # fmt: skip
+        for flag, v in (("--efficiency", self.efficiency), ("--attention-efficiency", self.attention_efficiency)):
             if not (math.isfinite(v) and 0.0 < v <= 1.0):
                 raise ValueError(f"{flag} must be in (0, 1], got {v}")
         if not 0 <= self.show_step < self.steps:
-            raise ValueError(
-                f"--show-step must be in [0, --steps={self.steps}), got {self.show_step}"
-            )
+            raise ValueError(f"--show-step must be in [0, --steps={self.steps}), got {self.show_step}")
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
@@ -188,9 +185,12 @@ def build_cost_model(config: SimConfig) -> tuple[LatencyModel, ModelShapes | Non
     per_rank = config.lengths.longest * config.samples_per_rank
     grid_shapes = replace(shapes, max_context=max(shapes.max_context, per_rank // 2 + 1))
     profile = analytic_profile(
-        grid_shapes, config.analytic, config.efficiency, config.attention_efficiency,
+        grid_shapes,
+        config.analytic,
+        config.efficiency,
+        config.attention_efficiency,
         config.block_size,
-    )  # fmt: skip
+    )
     desc = (
         f"analytic {shapes.name} on {config.analytic} (GEMM efficiency {config.efficiency:g}, "
         f"attention {config.attention_efficiency:g}, block {config.block_size})"
@@ -222,8 +222,7 @@ def run_simulation(config: SimConfig) -> dict:
     model, shapes, desc = build_cost_model(config)
     # Every planner sees the latency model through a ContextCost (sab-cp also prices split
     # documents with its links; the others read only the base model's numbers).
-    cost = context_cost(model, config.analytic, shapes, ring=config.ring,
-                        block_size=config.block_size)  # fmt: skip
+    cost = context_cost(model, config.analytic, shapes, ring=config.ring, block_size=config.block_size)
     if config.ranks_per_node is not None:
         cost = cost.on_nodes(config.ranks_per_node)
     g = cost.links.ranks_per_node
@@ -245,12 +244,19 @@ def run_simulation(config: SimConfig) -> dict:
 
 def _simulate_one(config: SimConfig, model: LatencyModel, cost, shapes, r: int) -> dict:
     return simulate_steps(
-        draw_batches(config, r), r, cost,
-        micro_batches=config.micro_batches, capacity=config.capacity,
-        strategies=config.strategies, dst=config.dst, curve=config.curve,
-        block_size=config.block_size, step_overhead=step_overhead(model, shapes, config, r),
-        show_step=config.show_step, workers=config.workers,
-    )  # fmt: skip
+        draw_batches(config, r),
+        r,
+        cost,
+        micro_batches=config.micro_batches,
+        capacity=config.capacity,
+        strategies=config.strategies,
+        dst=config.dst,
+        curve=config.curve,
+        block_size=config.block_size,
+        step_overhead=step_overhead(model, shapes, config, r),
+        show_step=config.show_step,
+        workers=config.workers,
+    )
 
 
 def _describe(config: SimConfig, desc: str, results: list[dict]) -> dict:

@@ -112,9 +112,7 @@ class CoverageModel:
         d0 = np.clip(np.asarray(d0, dtype=np.float64), _MIN_DENSITY, 1.0 - 1e-9)
         return np.clip(np.log(self.gamma0) / np.log(d0), 0.05, 1.0)
 
-    def document_coverage(
-        self, lengths: np.ndarray, d0: np.ndarray, values: np.ndarray
-    ) -> np.ndarray:
+    def document_coverage(self, lengths: np.ndarray, d0: np.ndarray, values: np.ndarray) -> np.ndarray:
         """Elementwise coverage in (0, 1] of documents ``(lengths, d0)`` at budget ``values``."""
         dens = self.density(lengths, d0, values)
         return np.clip(dens, _MIN_DENSITY, 1.0) ** self.exponent(d0)

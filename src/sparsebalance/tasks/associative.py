@@ -34,9 +34,7 @@ def _draw_word(rng: np.random.Generator, split: str) -> str:
             return word
 
 
-def make_mqar(
-    rng: np.random.Generator, length: int, encode: Encode, split: str, depth: float
-) -> TaskExample:
+def make_mqar(rng: np.random.Generator, length: int, encode: Encode, split: str, depth: float) -> TaskExample:
     """An MQAR example whose prompt is ``length`` tokens (see module docstring)."""
     keys = draw_distinct(lambda: _draw_word(rng, split), MQAR_NUM_PAIRS, set())
     values = [draw_number(rng, 3, split) for _ in keys]

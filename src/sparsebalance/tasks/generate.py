@@ -82,9 +82,7 @@ def generate(
     if not lengths_seq or any(
         isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0 for n in lengths_seq
     ):
-        raise ValueError(
-            f"lengths must be a positive integer or a non-empty list of them, got {lengths!r}"
-        )
+        raise ValueError(f"lengths must be a positive integer or a non-empty list of them, got {lengths!r}")
     out = []
     for i in range(num_examples):
         rng = _rng(seed, _TASK_IDS[task], split, i)
@@ -93,9 +91,7 @@ def generate(
     return out
 
 
-def sample_lengths(
-    num_examples: int, rng: np.random.Generator, min_len: int = 128, max_len: int = 8192
-) -> np.ndarray:
+def sample_lengths(num_examples: int, rng: np.random.Generator, min_len: int = 128, max_len: int = 8192) -> np.ndarray:
     """Heavy-tailed prompt lengths, int64 ``(num_examples,)``: clipped log-normal (module doc)."""
     if not 0 < min_len <= max_len:
         raise ValueError(f"need 0 < min_len <= max_len, got min_len={min_len}, max_len={max_len}")

@@ -29,15 +29,10 @@ PASSKEY_PREFIX = (
     "I will quiz you about the important information there.\n\n"
 )
 NIAH_PREFIX = "Some special magic numbers are hidden in the text below. Memorize them.\n\n"
-KV_PREFIX = (
-    "Extract the value corresponding to the specified key in the JSON object below.\n\n"
-    "JSON data:\n{"
-)
+KV_PREFIX = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n{"
 
 
-def make_passkey(
-    rng: np.random.Generator, length: int, encode: Encode, split: str, depth: float
-) -> TaskExample:
+def make_passkey(rng: np.random.Generator, length: int, encode: Encode, split: str, depth: float) -> TaskExample:
     """A passkey example whose prompt is ``length`` tokens (see module docstring)."""
     key = draw_number(rng, 5, split)
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
@@ -63,15 +58,9 @@ def make_niah(
     keys = draw_distinct(lambda: draw_key(rng, 2, split), num_needles, set())
     values = draw_distinct(lambda: draw_number(rng, 7, split), num_needles, set())
     depths = [depth, *(float(d) for d in rng.uniform(0.0, 1.0, num_needles - 1))]
-    needles = [
-        (d, f"The special magic number for {k} is: {v}.")
-        for d, k, v in zip(depths, keys, values, strict=True)
-    ]
+    needles = [(d, f"The special magic number for {k} is: {v}.") for d, k, v in zip(depths, keys, values, strict=True)]
     needles.sort(key=lambda item: item[0])
-    question = (
-        f"\n\nWhat is the special magic number for {keys[0]}? "
-        f"The special magic number for {keys[0]} is:"
-    )
+    question = f"\n\nWhat is the special magic number for {keys[0]}? The special magic number for {keys[0]} is:"
 
     def render(n: int) -> str:
         return NIAH_PREFIX + haystack(n, needles) + question
@@ -79,16 +68,12 @@ def make_niah(
     return finish_example(task, render, length, encode, f" {values[0]}", depth, split)
 
 
-def make_niah_single(
-    rng: np.random.Generator, length: int, encode: Encode, split: str, depth: float
-) -> TaskExample:
+def make_niah_single(rng: np.random.Generator, length: int, encode: Encode, split: str, depth: float) -> TaskExample:
     """A single-needle example (``niah1``): one needle at ``depth``, no distractors."""
     return make_niah(rng, length, encode, split, depth, num_needles=1, task="niah1")
 
 
-def make_kv(
-    rng: np.random.Generator, length: int, encode: Encode, split: str, depth: float
-) -> TaskExample:
+def make_kv(rng: np.random.Generator, length: int, encode: Encode, split: str, depth: float) -> TaskExample:
     """A key-value retrieval example: ``n`` other pairs, the queried pair at ``depth``."""
     taken: set[str] = set()
     key = draw_distinct(lambda: draw_key(rng, 3, split), 1, taken)[0]

@@ -22,9 +22,7 @@ VT_NUM_CHAINS = 2
 VT_PREFIX = "Memorize and track the chain of variable assignments hidden in the following text.\n\n"
 
 
-def make_vt(
-    rng: np.random.Generator, length: int, encode: Encode, split: str, depth: float
-) -> TaskExample:
+def make_vt(rng: np.random.Generator, length: int, encode: Encode, split: str, depth: float) -> TaskExample:
     """A variable-tracking example (see module docstring); needs about 180 Qwen2 tokens."""
     size = VT_NUM_HOPS + 1
     names = draw_distinct(lambda: "X" + draw_number(rng, 4, split), size * VT_NUM_CHAINS, set())

@@ -78,8 +78,7 @@ def _main(argv: list[str] | None) -> int:
     except CommTimeout as err:  # the rank that waited says where, whichever it is; no traceback
         if stops.signum is not None:  # a peer stopping broke a collective: not a new error
             return 128 + stops.signum
-        print(f"sparsebalance train: {err}; the last checkpoint is intact", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(f"sparsebalance train: {err}; the last checkpoint is intact", file=sys.stderr, flush=True)
         return 1
     except Stopped as err:
         say(str(err))

@@ -36,8 +36,9 @@ def ablation_configs(cfg: TrainConfig, names: list[str]) -> dict[str, TrainConfi
     for name in ["baseline", *[n for n in names if n != "baseline"]]:
         s = ABLATIONS[name]
         dst = replace(cfg.dst, mode=s.dst_mode, anchor=s.anchor or cfg.dst.anchor)
-        out[name] = replace(cfg, strategy=s.planner, dst=dst, overwrite=True,
-                            out=str(Path(cfg.out) / name.replace("+", "_")))  # fmt: skip
+        out[name] = replace(
+            cfg, strategy=s.planner, dst=dst, overwrite=True, out=str(Path(cfg.out) / name.replace("+", "_"))
+        )
     return out
 
 
@@ -75,8 +76,16 @@ def predict(
     model); its multi-rank terms (shard compute, ring imbalance, transfer scale) are those the
     measured hybrid run ``hybrid_dir`` recalibrated up to its final step, where given."""
     tokenizer = load_tokenizer(cfg.tokenizer)
-    corpus = load_corpus(cfg.data, tokenizer, cfg.text_field, cfg.num_builtin, cfg.seed,
-                         cfg.min_len, cfg.max_len, on_bad_record=cfg.on_bad_record)  # fmt: skip
+    corpus = load_corpus(
+        cfg.data,
+        tokenizer,
+        cfg.text_field,
+        cfg.num_builtin,
+        cfg.seed,
+        cfg.min_len,
+        cfg.max_len,
+        on_bad_record=cfg.on_bad_record,
+    )
     latency = LatencyModel(load_profile(baseline_dir / "latency_profile.json"))
     state = _trainer_state(baseline_dir)
     if state is not None:
@@ -91,10 +100,18 @@ def predict(
     for _ in range(cfg.steps):
         samples = source.next_batch()
         batches.append((np.array([s.num_tokens for s in samples]), estimator.estimate(samples)))
-    out = simulate_steps(batches[1:] or batches, world_size, cost,
-                         micro_batches=cfg.micro_batches, capacity=cfg.capacity,
-                         strategies=names, dst=cfg.dst, overlong=cfg.overlong,
-                         block_size=cfg.block_size, coverage=False)  # fmt: skip
+    out = simulate_steps(
+        batches[1:] or batches,
+        world_size,
+        cost,
+        micro_batches=cfg.micro_batches,
+        capacity=cfg.capacity,
+        strategies=names,
+        dst=cfg.dst,
+        overlong=cfg.overlong,
+        block_size=cfg.block_size,
+        coverage=False,
+    )
     out["context_cost"] = cost.describe()
     return out
 

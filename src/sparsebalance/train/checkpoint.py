@@ -249,11 +249,15 @@ def write_folder(tmp: Path, step: int, model_sd: dict, state: dict, config_versi
     _write(tmp / "state.pt", lambda p: _save(state, p))
     trainer_state = state["trainer"]
     config = trainer_state.get("config", {})  # what defines the run: read by --resume
-    meta = {"schema_version": CHECKPOINT.version,
-            "config_schema_version": config_version or CONFIG.version,
-            "step": step, "model": config.get("model"), "config": config,
-            "data": trainer_state.get("data"),
-            "world_size": len(state.get("rng") or []) or None}  # fmt: skip
+    meta = {
+        "schema_version": CHECKPOINT.version,
+        "config_schema_version": config_version or CONFIG.version,
+        "step": step,
+        "model": config.get("model"),
+        "config": config,
+        "data": trainer_state.get("data"),
+        "world_size": len(state.get("rng") or []) or None,
+    }
     _write(tmp / "meta.json", lambda p: p.write_text(json.dumps(meta, default=str) + "\n"))
     if trainer_state.get("vocab_map") is not None:  # tokenizer id -> model id (compact vocab)
         vocab = json.dumps(trainer_state["vocab_map"]) + "\n"
@@ -267,8 +271,9 @@ def prune_checkpoints(root: Path, step: int, keep_last: int) -> list[Path]:
     Checkpoints after ``step`` (a run rolled back by hand) are left alone. Returns the deleted."""
     if keep_last <= 0:
         return []
-    mine = sorted((int(m.group(1)), p) for p in root.iterdir()
-                  if (m := _STEP.fullmatch(p.name)) and int(m.group(1)) <= step)  # fmt: skip
+    mine = sorted(
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.fullmatch(p.name)) and int(m.group(1)) <= step
+    )
     gone = [p for _, p in mine[:-keep_last]]
     for path in gone:
         shutil.rmtree(path, ignore_errors=True)
@@ -306,9 +311,7 @@ def checkpoint_version(path: Path) -> object:
         raise ValueError(f"checkpoint {meta}: unreadable") from None
 
 
-def verify_checkpoint(
-    path: Path, needs: tuple[str, ...] = RESUME_FILES, hashed: bool = True
-) -> None:
+def verify_checkpoint(path: Path, needs: tuple[str, ...] = RESUME_FILES, hashed: bool = True) -> None:
     """Raise ``ValueError`` naming the first missing or corrupt file of checkpoint ``path``
     (``needs``: the files it must hold), or :class:`CheckpointFormatError` when its trainer
     state is of another format version. A checkpoint read for ``state.pt`` must hold

@@ -178,13 +178,10 @@ class TrainConfig:
             raise ValueError(f"give exactly one of {n('micro_batches')} and {n('capacity')}")
         self._check_memory_options()
         if self.strategy not in ("auto", *STRATEGIES):
-            raise ValueError(
-                f"{n('strategy')} must be auto or one of {STRATEGIES}, got {self.strategy!r}"
-            )
+            raise ValueError(f"{n('strategy')} must be auto or one of {STRATEGIES}, got {self.strategy!r}")
         if self.cp is not None and (self.cp < 2 or self.strategy not in ("sab-cp", "auto")):
             raise ValueError(
-                f"{n('cp')} must be >= 2 and needs {given('strategy', 'sab-cp')}, "
-                f"got {self.cp} with {self.strategy!r}"
+                f"{n('cp')} must be >= 2 and needs {given('strategy', 'sab-cp')}, got {self.cp} with {self.strategy!r}"
             )
         if self.strategy == "sab-cp" and self.emulate_ranks:
             raise ValueError(
@@ -193,15 +190,17 @@ class TrainConfig:
                 f"{given('strategy', 'sab')}, or launch real ranks with --nproc"
             )
         if self.estimator == "ema" and self.dst.budget != "top-k":
-            raise ValueError(
-                f"{given('estimator', 'ema')} averages top-k budgets: it needs --budget top-k"
-            )
+            raise ValueError(f"{given('estimator', 'ema')} averages top-k budgets: it needs --budget top-k")
         self._check_choices(
-            estimator=ESTIMATORS, overlong=OVERLONG, parallel=PARALLEL,
-            measure_bubble=MEASURE_BUBBLE, precision=PRECISIONS,
+            estimator=ESTIMATORS,
+            overlong=OVERLONG,
+            parallel=PARALLEL,
+            measure_bubble=MEASURE_BUBBLE,
+            precision=PRECISIONS,
             schedule=("cosine", "linear", "constant"),
-            device=("auto", "cpu", "cuda"), on_bad_record=("error", "skip"),
-        )  # fmt: skip
+            device=("auto", "cpu", "cuda"),
+            on_bad_record=("error", "skip"),
+        )
         for key, low in (("lr", "> 0"), ("grad_clip", ">= 0"), ("weight_decay", ">= 0")):
             value = getattr(self, key)
             if not (value > 0 if low == "> 0" else value >= 0):  # finite: checked by type
@@ -210,22 +209,28 @@ class TrainConfig:
             raise ValueError(f"{n('warmup_steps')} must be >= 0, got {self.warmup_steps}")
         self._resolve_block_size()
         if self.precision == "fp16" and self.parallel == "fsdp2":
-            raise ValueError(f"{given('precision', 'fp16')} (loss scaling) is not supported "
-                             f"with {given('parallel', 'fsdp2')}: use bf16")  # fmt: skip
+            raise ValueError(
+                f"{given('precision', 'fp16')} (loss scaling) is not supported "
+                f"with {given('parallel', 'fsdp2')}: use bf16"
+            )
         if not self.comm_timeout > 0:
             raise ValueError(f"{n('comm_timeout')} must be > 0 seconds, got {self.comm_timeout}")
         if (self.min_len is not None and self.min_len < 1) or (
             self.max_len is not None and self.max_len < (self.min_len or 1)
         ):
-            raise ValueError(
-                f"need 1 <= {n('min_len')} <= {n('max_len')}, got {self.min_len}, {self.max_len}"
-            )
+            raise ValueError(f"need 1 <= {n('min_len')} <= {n('max_len')}, got {self.min_len}, {self.max_len}")
         if self.data is not None:
             for path, _ in parse_mixture(self.data):
                 if not Path(path).exists():
                     raise ValueError(f"{given('data', path)}: no such file or directory")
-        for key in ("num_builtin", "checkpoint_every", "keep_checkpoints", "micro_batches",
-                    "capacity", "max_nonfinite_steps"):  # fmt: skip
+        for key in (
+            "num_builtin",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "micro_batches",
+            "capacity",
+            "max_nonfinite_steps",
+        ):
             value, low = getattr(self, key), 0 if key in ZERO_OK else 1
             if value is not None and value != "auto" and value < low:  # capacity may be "auto"
                 raise ValueError(f"{n(key)} must be >= {low}, got {value}")
@@ -282,9 +287,7 @@ class TrainConfig:
             try:
                 self.capacity = int(self.capacity)
             except ValueError:
-                raise ValueError(
-                    f"{n('capacity')} must be a token count or 'auto', got {self.capacity!r}"
-                ) from None
+                raise ValueError(f"{n('capacity')} must be a token count or 'auto', got {self.capacity!r}") from None
         if isinstance(self.capacity, int) and self.capacity < 1:
             raise ValueError(f"{n('capacity')} must be >= 1, got {self.capacity}")
         if self.memory_budget is not None:
@@ -293,19 +296,14 @@ class TrainConfig:
             except ValueError as err:
                 raise self._renamed(err, "memory_budget") from None
         elif self.capacity == "auto" and self.device == "cpu":
-            raise ValueError(
-                f"{flags.given(self, 'capacity', 'auto')} on CPU needs {n('memory_budget')} "
-                "(e.g. 8GiB)"
-            )
+            raise ValueError(f"{flags.given(self, 'capacity', 'auto')} on CPU needs {n('memory_budget')} (e.g. 8GiB)")
         self._check_choices(activation_checkpointing=CHECKPOINT_MODES, loss=LOSS_IMPLS)
 
     def _check_choices(self, **allowed: tuple) -> None:
         """Each field named is one of its allowed values."""
         for key, values in allowed.items():
             if getattr(self, key) not in values:
-                raise ValueError(
-                    f"{self._name(key)} must be one of {values}, got {getattr(self, key)!r}"
-                )
+                raise ValueError(f"{self._name(key)} must be one of {values}, got {getattr(self, key)!r}")
 
 
 def resolve_strategy(cfg: TrainConfig, num_ranks: int) -> TrainConfig:
@@ -320,9 +318,7 @@ def resolve_strategy(cfg: TrainConfig, num_ranks: int) -> TrainConfig:
 def check_batch(cfg: TrainConfig, num_docs: int, num_ranks: int) -> None:
     """The global batch must fit the dataset and give every rank a document."""
     if cfg.global_batch > num_docs:
-        raise ValueError(
-            f"--global-batch {cfg.global_batch} exceeds the dataset's {num_docs} documents"
-        )
+        raise ValueError(f"--global-batch {cfg.global_batch} exceeds the dataset's {num_docs} documents")
     if cfg.global_batch < num_ranks:
         raise ValueError(
             f"--global-batch {cfg.global_batch} is smaller than the {num_ranks} ranks: "
@@ -336,15 +332,13 @@ def check_out_folder(out: Path, resume: bool, overwrite: bool, config=None) -> N
     ``config`` (a :class:`TrainConfig`) was given (:func:`sparsebalance.flags.name`)."""
     n = partial(flags.name, config) if config is not None else lambda f: f"--{f}"
     if resume and overwrite:
-        raise ValueError(f"{n('resume')} continues the run in {n('out')}, {n('overwrite')} "
-                         "replaces it: pick one")  # fmt: skip
+        raise ValueError(f"{n('resume')} continues the run in {n('out')}, {n('overwrite')} replaces it: pick one")
     try:
         check_output_folder(out, "--out")
     except ValueError as err:
         if config is None:
             raise
-        raise ValueError(str(err).replace(f"--out {out}", flags.given(config, "out", str(out)),
-                                          1)) from None  # fmt: skip
+        raise ValueError(str(err).replace(f"--out {out}", flags.given(config, "out", str(out)), 1)) from None
     if resume and not any((out / "checkpoints").glob("step-*")):
         raise ValueError(f"{n('resume')}: no checkpoint in {out / 'checkpoints'}")
 
@@ -353,9 +347,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """One flag per field (``--global-batch``, ``--dst.gamma-min`` with its alias
     ``--gamma-min``), generated by :mod:`sparsebalance.flags`; plus ``--config FILE``."""
     p.add_argument(
-        "--config", default=None,
+        "--config",
+        default=None,
         help="TOML (or JSON) file: top-level keys = field names, DST options in a [dst] table",
-    )  # fmt: skip
+    )
     flags.add_arguments(p, TrainConfig)
 
 

@@ -50,8 +50,12 @@ def _numpy_state(state) -> dict:
     if isinstance(state, dict):
         return plain(state)
     name, key, pos, has_gauss, gauss = state
-    return {"bit_generator": str(name), "state": {"key": np.asarray(key).tolist(), "pos": int(pos)},
-            "has_gauss": int(has_gauss), "gauss": float(gauss)}  # fmt: skip
+    return {
+        "bit_generator": str(name),
+        "state": {"key": np.asarray(key).tolist(), "pos": int(pos)},
+        "has_gauss": int(has_gauss),
+        "gauss": float(gauss),
+    }
 
 
 def _named_optimizer(optim: dict, model_sd: dict, where: Path) -> dict:
@@ -108,10 +112,10 @@ def convert_checkpoint(path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sparsebalance.train.convert",
-                                     description=__doc__.split("\n\n")[0])  # fmt: skip
-    parser.add_argument("paths", nargs="+", metavar="PATH",
-                        help="run folder, its checkpoints folder, or one checkpoint")  # fmt: skip
+    parser = argparse.ArgumentParser(prog="python -m sparsebalance.train.convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "paths", nargs="+", metavar="PATH", help="run folder, its checkpoints folder, or one checkpoint"
+    )
     args = parser.parse_args(argv)
     try:
         for path in [c for p in args.paths for c in checkpoints_in(Path(p))]:

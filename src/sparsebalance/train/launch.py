@@ -40,10 +40,15 @@ def uses_cuda(cfg: TrainConfig) -> bool:
 
 def add_stop_grace_argument(p) -> None:
     """``--stop-grace``: how long a stopped run may take to finish its step and save."""
-    p.add_argument("--stop-grace", type=float, default=STOP_GRACE, metavar="SECONDS",
-                   help="after a first SIGINT/SIGTERM/SIGHUP, how long the ranks may take to "
-                   "finish their step and save a checkpoint before they are killed (torchrun "
-                   "alone would kill them after 30 s)")  # fmt: skip
+    p.add_argument(
+        "--stop-grace",
+        type=float,
+        default=STOP_GRACE,
+        metavar="SECONDS",
+        help="after a first SIGINT/SIGTERM/SIGHUP, how long the ranks may take to "
+        "finish their step and save a checkpoint before they are killed (torchrun "
+        "alone would kill them after 30 s)",
+    )
 
 
 def check_stop_grace(seconds: float) -> None:
@@ -92,9 +97,12 @@ def _started(cfg: TrainConfig) -> None:
 def add_nproc_argument(p) -> None:
     """``--nproc``, one definition for every command that launches ranks (its default:
     :func:`default_nproc`)."""
-    p.add_argument("--nproc", type=int, default=None,
-                   help="processes on this machine (default: the number of GPUs on CUDA, 2 on "
-                   "CPU, 1 with --emulate-ranks)")  # fmt: skip
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes on this machine (default: the number of GPUs on CUDA, 2 on CPU, 1 with --emulate-ranks)",
+    )
 
 
 def default_nproc(cfg: TrainConfig, requested: int | None, cpu: int = CPU_NPROC) -> int:
@@ -172,20 +180,30 @@ def preflight(cfg: TrainConfig, nproc: int, multinode: bool = False) -> str | No
         check_same_run(path, cfg, None)  # the data's content: once it is read, below
         check_steps(path, cfg)  # --steps 6 from step 10: refused, not a run that trains nothing
         if not multinode and is_complete(path, cfg):
-            return (f"--resume: the run in {cfg.out} is complete ({path.name} of --steps "
-                    f"{cfg.steps}): nothing to train; pass --steps > {cfg.steps} to train it "
-                    "further")  # fmt: skip
+            return (
+                f"--resume: the run in {cfg.out} is complete ({path.name} of --steps "
+                f"{cfg.steps}): nothing to train; pass --steps > {cfg.steps} to train it "
+                "further"
+            )
         # every rank restores its own RNG state: another --nproc died at the first index
         check_world_size(path, nproc, "--nproc x --nnodes" if multinode else f"--nproc {nproc}")
     shapes = check_trainable(cfg.model)  # a sliding window: refused before it is profiled
     if cfg.profile:  # readable, and for this run (also on --resume, where it may change)
         profile = load_profile(cfg.profile)
-        check_profile_fits(profile, shapes, cfg.block_size, "cuda" if uses_cuda(cfg) else "cpu",
-                           f"--profile {cfg.profile}")  # fmt: skip
-    corpus = load_corpus(cfg.data, load_tokenizer(cfg.tokenizer), cfg.text_field, cfg.num_builtin,
-                         cfg.seed, cfg.min_len, cfg.max_len,
-                         on_bad_record=cfg.on_bad_record,
-                         progress=sys.stderr.isatty())  # fmt: skip
+        check_profile_fits(
+            profile, shapes, cfg.block_size, "cuda" if uses_cuda(cfg) else "cpu", f"--profile {cfg.profile}"
+        )
+    corpus = load_corpus(
+        cfg.data,
+        load_tokenizer(cfg.tokenizer),
+        cfg.text_field,
+        cfg.num_builtin,
+        cfg.seed,
+        cfg.min_len,
+        cfg.max_len,
+        on_bad_record=cfg.on_bad_record,
+        progress=sys.stderr.isatty(),
+    )
     if path is not None:  # changed data: refused here, not by rank 0 after the launch
         check_same_run(path, cfg, launch_identity(path, corpus))
     check_batch(cfg, len(corpus), cfg.emulate_ranks or nproc)
@@ -215,8 +233,7 @@ def check_run_folder(cfg: TrainConfig) -> None:
     config = out / "config.json"
     if config.is_file() and not _is_run_config(config):
         raise ValueError(
-            f"--out {out}: its config.json is not a SparseBalance run's (a model folder?); "
-            "choose another --out"
+            f"--out {out}: its config.json is not a SparseBalance run's (a model folder?); choose another --out"
         )
     # what only training writes: a start that failed early left at most configs (rewritten)
     earlier = [n for n in RUN_STATE if (out / n).exists()]
@@ -232,9 +249,7 @@ def _is_run_config(path: Path) -> bool:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and (
-        "schema_version" in data or {"global_batch", "dst"} <= set(data)
-    )
+    return isinstance(data, dict) and ("schema_version" in data or {"global_batch", "dst"} <= set(data))
 
 
 def overlong_note(cfg: TrainConfig, lengths, num_ranks: int) -> str | None:
@@ -251,9 +266,11 @@ def overlong_note(cfg: TrainConfig, lengths, num_ranks: int) -> str | None:
     over = int((lengths > limit).sum())
     if over == 0:
         return None
-    fate = {"split": f"cut into {limit}-token chunks trained as separate documents",
-            "truncate": f"truncated to their first {limit} tokens",
-            "skip": "not trained"}[cfg.overlong]  # fmt: skip
+    fate = {
+        "split": f"cut into {limit}-token chunks trained as separate documents",
+        "truncate": f"truncated to their first {limit} tokens",
+        "skip": "not trained",
+    }[cfg.overlong]
     if cfg.strategy == "sab-cp":
         why = "no unit of ranks holds them"
     elif cfg.emulate_ranks:
@@ -262,8 +279,7 @@ def overlong_note(cfg: TrainConfig, lengths, num_ranks: int) -> str | None:
         why = "CP units need >= 2 ranks"
     else:
         why = "--strategy sab-cp would train them whole over several ranks"
-    return (f"{over} of {lengths.size} documents are longer than {what}: "
-            f"--overlong {cfg.overlong}: {fate} ({why})")  # fmt: skip
+    return f"{over} of {lengths.size} documents are longer than {what}: --overlong {cfg.overlong}: {fate} ({why})"
 
 
 def launch(
@@ -331,9 +347,7 @@ def check_exit(rc: int) -> None:
         raise RunFailed(rc, f"training exited with code {rc}", reported)
 
 
-def launch_follower(
-    cfg: TrainConfig, nproc: int, rdzv: Rendezvous, stop_grace: float = STOP_GRACE
-) -> bool:
+def launch_follower(cfg: TrainConfig, nproc: int, rdzv: Rendezvous, stop_grace: float = STOP_GRACE) -> bool:
     """A node other than 0: torchrun joins the rendezvous with this machine's ``nproc`` ranks;
     no lock of its own, nothing written here (its config goes to a private temporary file). The
     rendezvous may make one of these ranks global rank 0: it then joins node 0's lock in the
@@ -352,9 +366,7 @@ def launch_follower(
     return True
 
 
-def supervise(
-    cmd: list[str], env: dict[str, str], stop_grace: float = STOP_GRACE, torchrun: bool = True
-) -> int:
+def supervise(cmd: list[str], env: dict[str, str], stop_grace: float = STOP_GRACE, torchrun: bool = True) -> int:
     """Run ``cmd`` (torchrun, or with ``torchrun=False`` the only rank) in a new session and
     wait. Returns its exit code (``128 + signal`` if it was stopped or killed).
 
@@ -392,9 +404,11 @@ def supervise(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
         # at the start of a line: rank 0's progress bar may be half drawn on this terminal
-        _say(f"{signal.Signals(signum).name}: the ranks finish their step and save a checkpoint; "
-             f"waiting up to {stop_grace:g} s (--stop-grace), a second signal kills them now",
-             start="\r\033[K" if sys.stderr.isatty() else "\r")  # fmt: skip
+        _say(
+            f"{signal.Signals(signum).name}: the ranks finish their step and save a checkpoint; "
+            f"waiting up to {stop_grace:g} s (--stop-grace), a second signal kills them now",
+            start="\r\033[K" if sys.stderr.isatty() else "\r",
+        )
         timer.start()
 
     previous = {sig: signal.signal(sig, forward) for sig in HANDLED}
@@ -409,11 +423,15 @@ def supervise(
         return rc
     name = signal.Signals(received[0]).name
     if expired.is_set():
-        _say(f"the ranks did not stop within --stop-grace {stop_grace:g} s of {name}: killed; "
-             "--resume continues from the last checkpoint saved")  # fmt: skip
+        _say(
+            f"the ranks did not stop within --stop-grace {stop_grace:g} s of {name}: killed; "
+            "--resume continues from the last checkpoint saved"
+        )
     elif len(received) > 1 and rc == 128 + signal.SIGKILL:
-        _say(f"a second {signal.Signals(received[1]).name}: the ranks were killed; --resume "
-             "continues from the last checkpoint saved")  # fmt: skip
+        _say(
+            f"a second {signal.Signals(received[1]).name}: the ranks were killed; --resume "
+            "continues from the last checkpoint saved"
+        )
     else:
         return rc  # the ranks stopped, saved and said so (or failed and said why)
     return 128 + received[0]
@@ -464,8 +482,7 @@ def torchrun_main() -> None:
         rank, failure = err.get_first_failure()
         code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
         if code not in REPORTED_CODES:
-            print(f"sparsebalance train: rank {rank} failed with exit code {code}",
-                  file=sys.stderr)  # fmt: skip
+            print(f"sparsebalance train: rank {rank} failed with exit code {code}", file=sys.stderr)
         sys.exit(code)
 
 
@@ -501,7 +518,12 @@ def demo_configs(cfg: TrainConfig) -> dict[str, TrainConfig]:
 
     runs = {"baseline": ABLATIONS["baseline"], "sparsebalance": ABLATIONS["sab+cp+dst"]}
     return {
-        name: replace(cfg, strategy=s.planner, dst=replace(cfg.dst, mode=s.dst_mode),
-                      out=str(Path(cfg.out) / name), overwrite=True)
+        name: replace(
+            cfg,
+            strategy=s.planner,
+            dst=replace(cfg.dst, mode=s.dst_mode),
+            out=str(Path(cfg.out) / name),
+            overwrite=True,
+        )
         for name, s in runs.items()
-    }  # fmt: skip
+    }

@@ -55,9 +55,7 @@ def _step(model, tokens: int, device, loss: str, block_size: int, backend: str) 
     """Forward + loss + backward of one document of ``tokens`` random ids; seconds."""
     ids = np.random.default_rng(tokens).integers(0, model.config.vocab_size, tokens)
     batch = pack([ids], device)
-    ctx = PackedAttention(
-        batch.cu_seqlens, Budget(gamma=0.9), block_size, backend, lengths=batch.lengths
-    )
+    ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=0.9), block_size, backend, lengths=batch.lengths)
     t0 = time.perf_counter()
     loss_sum = packed_loss(model, batch, ctx, loss)
     (loss_sum / max(1, tokens - 1)).backward()
@@ -66,8 +64,9 @@ def _step(model, tokens: int, device, loss: str, block_size: int, backend: str) 
     return time.perf_counter() - t0
 
 
-def probe(model_name: str, device: torch.device, tokens: int, checkpointing: str, loss: str,
-          block_size: int, backend: str) -> dict:  # fmt: skip
+def probe(
+    model_name: str, device: torch.device, tokens: int, checkpointing: str, loss: str, block_size: int, backend: str
+) -> dict:
     """Measure one micro-batch in this process (see the module docstring); returns the record."""
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401  (imported before the base)
 
@@ -111,20 +110,42 @@ def tied_embeddings(model: str) -> bool:
     return bool(json.loads(path.read_text()).get("tie_word_embeddings", True))
 
 
-def run_probes(model: str, device: torch.device, tokens: Sequence[int], checkpointing: str = "off",
-               loss: str = "chunked", block_size: int = 64, backend: str = "torch",
-               timeout_s: float = 600.0) -> list[MemoryProbe]:  # fmt: skip
+def run_probes(
+    model: str,
+    device: torch.device,
+    tokens: Sequence[int],
+    checkpointing: str = "off",
+    loss: str = "chunked",
+    block_size: int = 64,
+    backend: str = "torch",
+    timeout_s: float = 600.0,
+) -> list[MemoryProbe]:
     """One fresh process per token count (sequentially: concurrent probes would share the
     machine's memory and time); raises ``RuntimeError`` with the child's last error lines when
     one fails."""
     src = str(Path(__file__).resolve().parents[2])  # this package's root, first on the path
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        x for x in (src, os.environ.get("PYTHONPATH")) if x)}  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (src, os.environ.get("PYTHONPATH")) if x)}
     out = []
     for t in tokens:
-        cmd = [sys.executable, "-m", "sparsebalance.train.memory_probe", "--model", str(model),
-               "--device", str(device), "--tokens", str(int(t)), "--checkpointing", checkpointing,
-               "--loss", loss, "--block-size", str(block_size), "--backend", backend]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "sparsebalance.train.memory_probe",
+            "--model",
+            str(model),
+            "--device",
+            str(device),
+            "--tokens",
+            str(int(t)),
+            "--checkpointing",
+            checkpointing,
+            "--loss",
+            loss,
+            "--block-size",
+            str(block_size),
+            "--backend",
+            backend,
+        ]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         except subprocess.TimeoutExpired:
@@ -136,17 +157,23 @@ def run_probes(model: str, device: torch.device, tokens: Sequence[int], checkpoi
     return out
 
 
-def measure_memory(model: str, device: torch.device, fingerprint: dict, tokens: Sequence[int],
-                   checkpointing: str = "off", loss: str = "chunked", block_size: int = 64,
-                   backend: str = "torch",
-                   timeout_s: float = 600.0) -> MemoryCalibration:  # fmt: skip
+def measure_memory(
+    model: str,
+    device: torch.device,
+    fingerprint: dict,
+    tokens: Sequence[int],
+    checkpointing: str = "off",
+    loss: str = "chunked",
+    block_size: int = 64,
+    backend: str = "torch",
+    timeout_s: float = 600.0,
+) -> MemoryCalibration:
     """``sparsebalance profile --memory``: run the probes and fit the memory model to them
     (:func:`sparsebalance.latency.memory_fit.fit_memory`); ``fingerprint`` from
     :func:`~sparsebalance.latency.memory_fit.memory_fingerprint`."""
     probes = run_probes(model, device, tokens, checkpointing, loss, block_size, backend, timeout_s)
     analytic = device_coefficients(device) if device.type == "cuda" else cpu_coefficients(0.0)
-    return fit_memory(load_shapes(model), analytic, probes, fingerprint, block_size,
-                      tied_embeddings(model))  # fmt: skip
+    return fit_memory(load_shapes(model), analytic, probes, fingerprint, block_size, tied_embeddings(model))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,8 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     a.block_size = resolve_block_size(a.block_size, a.device)
     if a.tokens < 2:
         raise SystemExit(f"--tokens must be >= 2, got {a.tokens}")
-    result = probe(a.model, torch.device(a.device), a.tokens, a.checkpointing, a.loss,
-                   a.block_size, a.backend)  # fmt: skip
+    result = probe(a.model, torch.device(a.device), a.tokens, a.checkpointing, a.loss, a.block_size, a.backend)
     print(json.dumps(result))
 
 

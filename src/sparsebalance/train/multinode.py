@@ -16,8 +16,15 @@ from typing import TypeVar
 
 from ..parallel.topology import Topology, launcher_placement
 
-__all__ = ["Rendezvous", "Topology", "adopt_slurm_env", "launcher_placement", "node_leaders",
-           "resolve_on_nodes", "slurm_env"]  # fmt: skip
+__all__ = [
+    "Rendezvous",
+    "Topology",
+    "adopt_slurm_env",
+    "launcher_placement",
+    "node_leaders",
+    "resolve_on_nodes",
+    "slurm_env",
+]
 
 T = TypeVar("T")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -49,8 +56,7 @@ class Rendezvous:
         if self.endpoint is not None:
             host, sep, port = self.endpoint.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"--rdzv-endpoint must be HOST:PORT (port 1-65535), got "
-                                 f"{self.endpoint!r}")  # fmt: skip
+                raise ValueError(f"--rdzv-endpoint must be HOST:PORT (port 1-65535), got {self.endpoint!r}")
         if self.nnodes > 1 and self.rdzv_id is None:
             raise ValueError(
                 "--rdzv-id is required with --nnodes > 1: an id unique to this run, the same on "
@@ -72,10 +78,15 @@ class Rendezvous:
         # "nodes" share a machine), the first wins, and whichever node that is may end (its
         # workers failed, or a slow exit) while the others still poll the store
         host = "1" if self.node_rank == 0 else "0"
-        return [f"--nnodes={self.nnodes}", f"--node_rank={self.node_rank}",
-                "--rdzv_backend=c10d", f"--rdzv_endpoint={self.endpoint}",
-                f"--rdzv_conf=is_host={host}", f"--rdzv_id={self.rdzv_id}",
-                f"--nproc_per_node={nproc}"]  # fmt: skip
+        return [
+            f"--nnodes={self.nnodes}",
+            f"--node_rank={self.node_rank}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={self.endpoint}",
+            f"--rdzv_conf=is_host={host}",
+            f"--rdzv_id={self.rdzv_id}",
+            f"--nproc_per_node={nproc}",
+        ]
 
 
 def slurm_env(environ: dict[str, str]) -> dict[str, str]:
@@ -89,11 +100,13 @@ def slurm_env(environ: dict[str, str]) -> dict[str, str]:
         return {}
     for need in ("SLURM_NTASKS", "MASTER_ADDR", "MASTER_PORT"):
         if need not in environ:
-            raise ValueError(f"under srun, {need} must be set (export MASTER_ADDR/MASTER_PORT "
-                             f"in the batch script)")  # fmt: skip
-    out = {"RANK": environ["SLURM_PROCID"], "WORLD_SIZE": environ["SLURM_NTASKS"],
-           "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
-           "GROUP_RANK": environ.get("SLURM_NODEID", "0")}  # fmt: skip
+            raise ValueError(f"under srun, {need} must be set (export MASTER_ADDR/MASTER_PORT in the batch script)")
+    out = {
+        "RANK": environ["SLURM_PROCID"],
+        "WORLD_SIZE": environ["SLURM_NTASKS"],
+        "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
+        "GROUP_RANK": environ.get("SLURM_NODEID", "0"),
+    }
     per_node = environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]  # "4(x2)" -> "4"
     if per_node.isdigit():
         out["LOCAL_WORLD_SIZE"] = per_node
@@ -109,8 +122,11 @@ def node_leaders(placements: Sequence[Mapping[str, int | None]]) -> list[int]:
     """For every rank (index = global rank), the rank that writes its machine's node-local
     caches: the machine's ``LOCAL_RANK`` 0 (``GROUP_RANK`` names the machine); the rank itself
     when its launcher says neither."""
-    first = {p["group_rank"]: r for r, p in enumerate(placements)
-             if p.get("local_rank") == 0 and p.get("group_rank") is not None}  # fmt: skip
+    first = {
+        p["group_rank"]: r
+        for r, p in enumerate(placements)
+        if p.get("local_rank") == 0 and p.get("group_rank") is not None
+    }
     return [first.get(p.get("group_rank"), r) for r, p in enumerate(placements)]
 
 

@@ -18,8 +18,7 @@ from .checkpoint import checkpoint_version, find_checkpoint, verify_checkpoint
 from .config import TrainConfig, to_dict, upgrade
 
 SAFE_ON_RESUME = {
-    "steps": "a longer or shorter run; the LR schedule follows the new total from the first "
-    "resumed step",
+    "steps": "a longer or shorter run; the LR schedule follows the new total from the first resumed step",
     "checkpoint_every": "how often checkpoints are written",
     "out": "the run folder may have been moved",
     "resume": "how the run is started",
@@ -145,8 +144,7 @@ def saved_world_size(checkpoint: Path) -> int | None:
     import torch
 
     try:
-        state = torch.load(Path(checkpoint) / "state.pt", map_location="cpu", weights_only=True,
-                           mmap=True)  # fmt: skip
+        state = torch.load(Path(checkpoint) / "state.pt", map_location="cpu", weights_only=True, mmap=True)
         return len(state["rng"]) or None
     except Exception:  # a damaged file, whatever torch raises: rank 0 names it
         return None
@@ -184,9 +182,7 @@ def is_complete(checkpoint: Path, cfg: TrainConfig) -> bool:
     return True
 
 
-def choose_checkpoint(
-    run_dir: Path, cfg: TrainConfig, data: dict | None, runtime
-) -> tuple[Path, list[str]]:
+def choose_checkpoint(run_dir: Path, cfg: TrainConfig, data: dict | None, runtime) -> tuple[Path, list[str]]:
     """The checkpoint ``--resume`` continues from, chosen by rank 0 alone (a collective): rank 0
     finds the newest intact one (hashing its files, :func:`find_checkpoint`) and checks that it
     belongs to this run; every rank receives that choice, or rank 0's refusal as the same

@@ -94,8 +94,7 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        record = {"token": self.token, "since": time.time(),
-                  "owners": [asdict(Owner.this_process())]}  # fmt: skip
+        record = {"token": self.token, "since": time.time(), "owners": [asdict(Owner.this_process())]}
         for _ in range(5):
             if _create(self.path, record):
                 self._held = True
@@ -108,8 +107,7 @@ class RunLock:
             if live:
                 o = live[0]
                 since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.get("since", 0)))
-                hint = ("" if o.host == socket.gethostname()
-                        else f"; if no run is live on {o.host}, delete {self.path}")  # fmt: skip
+                hint = "" if o.host == socket.gethostname() else f"; if no run is live on {o.host}, delete {self.path}"
                 raise RunLockError(
                     f"--out {self.path.parent}: another run is live in this folder (pid {o.pid} "
                     f"on {o.host}, since {since}){hint}"

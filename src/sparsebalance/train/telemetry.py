@@ -29,9 +29,12 @@ class Telemetry:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         dropped, torn = truncate_metrics(self.path, start_step)
         if dropped or torn:
-            print(f"sparsebalance train: metrics.jsonl cut back to step {start_step} "
-                  f"({dropped} records after it dropped{', and a torn last line' if torn else ''})",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"sparsebalance train: metrics.jsonl cut back to step {start_step} "
+                f"({dropped} records after it dropped{', and a torn last line' if torn else ''})",
+                file=sys.stderr,
+                flush=True,
+            )
         self._bar = tqdm(
             total=total_steps,
             initial=start_step,

@@ -155,14 +155,18 @@ class Trainer:
         if cfg.capacity == "auto":
             self.cfg = cfg = replace(cfg, capacity=self._auto_capacity(shapes, base_rss))
         self.latency = load_latency_model(
-            shapes, self.kernel, cfg.dst.budget, cfg.profile,
-            profile_length(cfg, self.corpus.lengths()), rt.is_main, rt.all_gather_object,
-        )  # fmt: skip
+            shapes,
+            self.kernel,
+            cfg.dst.budget,
+            cfg.profile,
+            profile_length(cfg, self.corpus.lengths()),
+            rt.is_main,
+            rt.all_gather_object,
+        )
         tuner = DSTTuner(cfg.dst, block_size=cfg.block_size)
         self.estimator = make_estimator(cfg.estimator, tuner.knob)
         if rt.is_main:
-            print(f"sparsebalance train: {tuner.knob.note(corpus.lengths())}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(f"sparsebalance train: {tuner.knob.note(corpus.lengths())}", file=sys.stderr, flush=True)
         self.par = parallelize(self.model, rt, cfg.parallel, cfg.measure_bubble)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -190,37 +194,63 @@ class Trainer:
         prices split documents with a ``ContextCost`` (measured links, else analytic H100)."""
         cfg, cost = self.cfg, None
         if cfg.strategy == "sab-cp":
-            cost = context_cost(self.latency, "h100", shapes, block_size=cfg.block_size,
-                                memory=self.memory_bound)  # fmt: skip
+            cost = context_cost(self.latency, "h100", shapes, block_size=cfg.block_size, memory=self.memory_bound)
             cost = cost.on_nodes(self.topology.ranks_per_node)  # the planner's and DST's nodes
             self._price_long_documents(self.corpus.lengths())
         planning = PlanningConfig(
-            num_ranks=self.num_ranks, micro_batches=cfg.micro_batches, capacity=cfg.capacity,
-            strategy=cfg.strategy, overlong=cfg.overlong, cp_degree=cfg.cp,
+            num_ranks=self.num_ranks,
+            micro_batches=cfg.micro_batches,
+            capacity=cfg.capacity,
+            strategy=cfg.strategy,
+            overlong=cfg.overlong,
+            cp_degree=cfg.cp,
             ranks_per_node=self.topology.ranks_per_node,
-            per_doc_weighting=cfg.per_doc_loss_weighting, deterministic=cfg.deterministic,
-        )  # fmt: skip
-        return StepEngine(planning, self.latency, tuner, self.estimator, self.sample,
-                          all_gather=self.rt.all_gather_object, cost=cost,
-                          device=self.rt.device)  # fmt: skip
+            per_doc_weighting=cfg.per_doc_loss_weighting,
+            deterministic=cfg.deterministic,
+        )
+        return StepEngine(
+            planning,
+            self.latency,
+            tuner,
+            self.estimator,
+            self.sample,
+            all_gather=self.rt.all_gather_object,
+            cost=cost,
+            device=self.rt.device,
+        )
 
     def _runner(self) -> StepRunner:
         """The own loop's step: the engine, this rank's executor and the optimizer update."""
         cfg, rt = self.cfg, self.rt
         time_layers = layer_feedback(cfg.dst, cfg.deterministic, rt.device)
         execution = ExecutionConfig(
-            block_size=self.kernel.block_size, backend=self.kernel.backend,
-            per_doc_weighting=cfg.per_doc_loss_weighting, time_layers=time_layers, loss=cfg.loss,
-        )  # fmt: skip
-        executor = RankExecutor(self.par, self.corpus.docs, self.engine, execution, rt.device,
-                                precision=self.precision, scaler=self.scaler,
-                                ring_groups=self._ring_groups())  # fmt: skip
+            block_size=self.kernel.block_size,
+            backend=self.kernel.backend,
+            per_doc_weighting=cfg.per_doc_loss_weighting,
+            time_layers=time_layers,
+            loss=cfg.loss,
+        )
+        executor = RankExecutor(
+            self.par,
+            self.corpus.docs,
+            self.engine,
+            execution,
+            rt.device,
+            precision=self.precision,
+            scaler=self.scaler,
+            ring_groups=self._ring_groups(),
+        )
         update = UpdateConfig(grad_clip=cfg.grad_clip, max_nonfinite_steps=cfg.max_nonfinite_steps)
-        updater = Updater(self.params, self.optimizer, self.scheduler, update, scaler=self.scaler,
-                          is_main=rt.is_main)  # fmt: skip
-        return StepRunner(self.engine, executor, updater, self.par, rt,
-                          emulated=bool(cfg.emulate_ranks),
-                          labels=(cfg.strategy, cfg.dst.mode))  # fmt: skip
+        updater = Updater(self.params, self.optimizer, self.scheduler, update, scaler=self.scaler, is_main=rt.is_main)
+        return StepRunner(
+            self.engine,
+            executor,
+            updater,
+            self.par,
+            rt,
+            emulated=bool(cfg.emulate_ranks),
+            labels=(cfg.strategy, cfg.dst.mode),
+        )
 
     def _ring_groups(self) -> RingGroups | None:
         """``sab-cp`` on several processes: the ring groups, created once (every rank, same
@@ -251,9 +281,17 @@ class Trainer:
         cfg = self.cfg
 
         def resolve():
-            return resolve_data(cfg.data, tokenizer, cfg.text_field, cfg.num_builtin, cfg.seed,
-                                cfg.min_len, cfg.max_len, on_bad_record=cfg.on_bad_record,
-                                progress=self.rt.is_main)  # fmt: skip
+            return resolve_data(
+                cfg.data,
+                tokenizer,
+                cfg.text_field,
+                cfg.num_builtin,
+                cfg.seed,
+                cfg.min_len,
+                cfg.max_len,
+                on_bad_record=cfg.on_bad_record,
+                progress=self.rt.is_main,
+            )
 
         def usable(sources) -> bool:
             return all(is_store(s.store) for s in sources)
@@ -271,18 +309,17 @@ class Trainer:
         analytic = device_coefficients(dev, base_rss)
         tied = bool(getattr(self.model.config, "tie_word_embeddings", True))
         kernel = self.kernel
-        running = memory_fingerprint(fingerprint(shapes, dev, kernel.precision, kernel.backend,
-                                                 cfg.block_size), tied)  # fmt: skip
+        running = memory_fingerprint(fingerprint(shapes, dev, kernel.precision, kernel.backend, cfg.block_size), tied)
         meta = load_profile(cfg.profile).meta if cfg.profile else None
         cal, source = find_calibration(running, meta, checkpointing=cfg.activation_checkpointing)
         coeffs = cal.coefficients(analytic) if cal is not None else analytic
-        budget = (
-            parse_bytes(cfg.memory_budget) if cfg.memory_budget else with_budget_fraction(coeffs)
-        )
+        budget = parse_bytes(cfg.memory_budget) if cfg.memory_budget else with_budget_fraction(coeffs)
         mem_cfg = MemoryConfig(
-            cfg.activation_checkpointing, "plain" if cfg.loss == "plain" else "chunked",
-            shard=self.rt.world_size if cfg.parallel == "fsdp2" else 1, block_size=cfg.block_size,
-        )  # fmt: skip
+            cfg.activation_checkpointing,
+            "plain" if cfg.loss == "plain" else "chunked",
+            shard=self.rt.world_size if cfg.parallel == "fsdp2" else 1,
+            block_size=cfg.block_size,
+        )
         mine = MemoryModel(shapes, coeffs, tied)
         # Every rank plans with the most constrained rank's model (same plan, same hash).
         gathered = self.rt.all_gather_object((auto_capacity(mine, budget, mem_cfg), coeffs, budget))
@@ -291,10 +328,12 @@ class Trainer:
         self.memory_bound = MemoryBound(memory, budget, mem_cfg)
         self.memory_source = source  # measured or analytic coefficients (tests read it)
         if self.rt.is_main:
-            print(f"sparsebalance train: --capacity auto = {cap} tokens per micro-batch (predicted "
-                  f"peak {memory.peak_bytes(cap, mem_cfg) / GIB:.2f} GiB of a "
-                  f"{budget / GIB:.2f} GiB budget, {coeffs.name}; {source})",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"sparsebalance train: --capacity auto = {cap} tokens per micro-batch (predicted "
+                f"peak {memory.peak_bytes(cap, mem_cfg) / GIB:.2f} GiB of a "
+                f"{budget / GIB:.2f} GiB budget, {coeffs.name}; {source})",
+                file=sys.stderr,
+            )
         return cap
 
     def _price_long_documents(self, lengths: np.ndarray) -> None:
@@ -377,8 +416,7 @@ class Trainer:
         """The checkpoint to resume from: rank 0 chooses and verifies it, checks it belongs to
         this run and tells every rank (:func:`choose_checkpoint`); one line per skipped
         checkpoint and per allowed change."""
-        path, lines = choose_checkpoint(self.run_dir, self.cfg,
-                                        self.data.state_dict()["identity"], self.rt)  # fmt: skip
+        path, lines = choose_checkpoint(self.run_dir, self.cfg, self.data.state_dict()["identity"], self.rt)
         for line in lines:
             self._say(line)
         return path
@@ -389,8 +427,7 @@ class Trainer:
 
     def _resume(self) -> None:
         path = self._checkpoint
-        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler,
-                                runtime=self.rt)  # fmt: skip
+        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, runtime=self.rt)
         # The LR of the next step follows this run's schedule (its --steps may have changed),
         # not the one the checkpoint's scheduler last computed.
         factor = self._lr_factor(self.scheduler.last_epoch)
@@ -423,8 +460,7 @@ class Trainer:
         name = signal.Signals(signum).name
         raise Stopped(
             signum,
-            f"stopped by {name} after step {self.step}: checkpoint step-{self.step:06d} saved, "
-            "continue with --resume",
+            f"stopped by {name} after step {self.step}: checkpoint step-{self.step:06d} saved, continue with --resume",
         )
 
     def run(self) -> dict:
@@ -435,9 +471,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             for path in clean_temporaries(self.run_dir):  # an interrupted save's leftovers
                 self._say(f"removed {path.name}, left by an interrupted checkpoint save")
-            (self.run_dir / "config.json").write_text(
-                json.dumps(to_record(cfg), indent=1, default=str)
-            )
+            (self.run_dir / "config.json").write_text(json.dumps(to_record(cfg), indent=1, default=str))
             self.latency.profile.save(self.run_dir / "latency_profile.json")  # what planned it
             topology = self.topology.describe()
             (self.run_dir / "topology.json").write_text(json.dumps(topology) + "\n")
@@ -446,8 +480,10 @@ class Trainer:
             for comp in data["components"]:
                 if comp["usable"] < comp["documents"]:
                     dropped = comp["documents"] - comp["usable"]
-                    print(f"data {comp['name']}: {dropped} of {comp['documents']} documents "
-                          f"filtered out ({comp['filtered']})")  # fmt: skip
+                    print(
+                        f"data {comp['name']}: {dropped} of {comp['documents']} documents "
+                        f"filtered out ({comp['filtered']})"
+                    )
         label = f"{cfg.strategy}+dst-{cfg.dst.mode}"
         tel = Telemetry(self.run_dir, cfg.steps, self.step, self.rt.is_main, label)
         summaries = []

@@ -97,8 +97,7 @@ def _from_checkpoint(
         net.load_state_dict(state)
     except RuntimeError as err:  # other shapes or names: the --base is not its model
         first = str(err).strip().splitlines()[0]
-        raise ValueError(f"--model {ckpt}: its weights do not fit the base model {base!r} "
-                         f"({first})") from None  # fmt: skip
+        raise ValueError(f"--model {ckpt}: its weights do not fit the base model {base!r} ({first})") from None
     return net, vmap
 
 

@@ -72,12 +72,10 @@ class DSTConfig:
     def __post_init__(self) -> None:
         flags.check_fields(self)  # types first (the Python API): one line naming the field
         name = lambda field: flags.name(self, field)  # noqa: E731  (--flag, or DSTConfig.field)
-        for field, allowed in (("mode", MODES), ("anchor", ANCHORS), ("raise_to", RAISE_TO),
-                               ("budget", BUDGETS)):  # fmt: skip
+        for field, allowed in (("mode", MODES), ("anchor", ANCHORS), ("raise_to", RAISE_TO), ("budget", BUDGETS)):
             value = getattr(self, field)
             if value not in allowed:
-                raise ValueError(f"{name(field)} must be one of {', '.join(allowed)}, "
-                                 f"got {value!r}")  # fmt: skip
+                raise ValueError(f"{name(field)} must be one of {', '.join(allowed)}, got {value!r}")
         for field in ("p", "tolerance", "gamma0", "gamma_min", "gamma_max"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -121,19 +119,16 @@ class DSTConfig:
                 raise ValueError(f"{name(field)} must be an integer >= 0 (tokens), got {value!r}")
         lo, hi, base = self.budget_tokens_min, self.budget_tokens_max, self.budget_tokens
         if lo is not None and lo > base:
-            raise ValueError(f"{name('budget_tokens_min')} ({lo}) must be <= "
-                             f"{name('budget_tokens')} ({base})")  # fmt: skip
+            raise ValueError(f"{name('budget_tokens_min')} ({lo}) must be <= {name('budget_tokens')} ({base})")
         if hi is not None and hi < base:
-            raise ValueError(f"{name('budget_tokens_max')} ({hi}) must be >= "
-                             f"{name('budget_tokens')} ({base})")  # fmt: skip
+            raise ValueError(f"{name('budget_tokens_max')} ({hi}) must be >= {name('budget_tokens')} ({base})")
 
     def _check_gammas(self) -> None:
         name = lambda field: flags.name(self, field)  # noqa: E731
         g0 = self.gamma0
         if self.mode == "off":  # a fixed budget: gamma0 = 1 is dense attention; bounds unused
             if not 0.0 < g0 <= 1.0:
-                raise ValueError(f"{name('gamma0')} must be in (0, 1] with "
-                                 f"{name('mode')} off, got {g0}")  # fmt: skip
+                raise ValueError(f"{name('gamma0')} must be in (0, 1] with {name('mode')} off, got {g0}")
             return
         if not 0.0 < g0 < 1.0:
             raise ValueError(
@@ -141,26 +136,20 @@ class DSTConfig:
                 f"(gamma0 1 = dense attention needs {name('mode')} off)"
             )
         if not 0.0 < self.gamma_min <= g0:
-            raise ValueError(f"{name('gamma_min')} must be in (0, gamma0={g0}], "
-                             f"got {self.gamma_min}")  # fmt: skip
+            raise ValueError(f"{name('gamma_min')} must be in (0, gamma0={g0}], got {self.gamma_min}")
         if not g0 <= self.gamma_max <= 1.0:
-            raise ValueError(f"{name('gamma_max')} must be in [gamma0={g0}, 1], "
-                             f"got {self.gamma_max}")  # fmt: skip
+            raise ValueError(f"{name('gamma_max')} must be in [gamma0={g0}, 1], got {self.gamma_max}")
 
-    def knob(
-        self, block_size: int, curve: DensityCurve | None = None, anchor_blocks: int = 2
-    ) -> Knob:
+    def knob(self, block_size: int, curve: DensityCurve | None = None, anchor_blocks: int = 2) -> Knob:
         """The knob these settings describe, for a model run at ``block_size`` (top-k budgets are
         stated in tokens) with the density ``curve`` (gamma; default the prior)."""
         if self.budget == "top-k":
-            return knob_from_tokens(self.budget_tokens, block_size, self.budget_tokens_min,
-                                    self.budget_tokens_max, anchor_blocks)  # fmt: skip
+            return knob_from_tokens(
+                self.budget_tokens, block_size, self.budget_tokens_min, self.budget_tokens_max, anchor_blocks
+            )
         curve = curve or DensityCurve(gamma0=self.gamma0)
         if curve.gamma0 != self.gamma0:
-            raise ValueError(
-                f"the density curve was built for gamma0={curve.gamma0}, but --gamma0 is "
-                f"{self.gamma0}"
-            )
+            raise ValueError(f"the density curve was built for gamma0={curve.gamma0}, but --gamma0 is {self.gamma0}")
         if self.mode == "off":
             return GammaKnob(curve, self.gamma0, self.gamma0)
         return GammaKnob(curve, self.gamma_min, self.gamma_max)

@@ -46,9 +46,7 @@ class DensityCurve:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.gamma0) and 0.0 < self.gamma0 <= 1.0):
-            raise ValueError(
-                f"DensityCurve: gamma0 (--gamma0) must be in (0, 1], got {self.gamma0}"
-            )
+            raise ValueError(f"DensityCurve: gamma0 (--gamma0) must be in (0, 1], got {self.gamma0}")
         for name in ("alpha_low", "alpha_high"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0.0):
@@ -103,9 +101,7 @@ class DensityCurve:
         return np.clip(density ** (1.0 / self.exponent(g)), _TINY, 1.0)
 
     @classmethod
-    def fit(
-        cls, gamma0: float, d0: ArrayLike, gamma: ArrayLike, density: ArrayLike
-    ) -> DensityCurve:
+    def fit(cls, gamma0: float, d0: ArrayLike, gamma: ArrayLike, density: ArrayLike) -> DensityCurve:
         """Fit ``alpha_low`` / ``alpha_high`` to measured points.
 
         Args:
@@ -121,8 +117,7 @@ class DensityCurve:
         d0, g, d = (np.asarray(a, dtype=np.float64).ravel() for a in (d0, gamma, density))
         if not (d0.shape == g.shape == d.shape):
             raise ValueError(
-                f"DensityCurve.fit: d0, gamma, density must have one shape, got "
-                f"{d0.shape}, {g.shape}, {d.shape}"
+                f"DensityCurve.fit: d0, gamma, density must have one shape, got {d0.shape}, {g.shape}, {d.shape}"
             )
         _check_density(d0, "d0")
         _check_density(d, "density")
@@ -149,7 +144,5 @@ def _check_gamma(gamma: ArrayLike) -> np.ndarray:
 def _check_density(d: ArrayLike, name: str) -> np.ndarray:
     d = np.asarray(d, dtype=np.float64)
     if not np.all((d > 0.0) & (d <= 1.0)):
-        raise ValueError(
-            f"{name} must be densities in (0, 1], got values in [{d.min()}, {d.max()}]"
-        )
+        raise ValueError(f"{name} must be densities in (0, 1], got values in [{d.min()}, {d.max()}]")
     return d

@@ -58,9 +58,7 @@ class RankWorkload:
     slots); ``seconds(v)`` is ``sum(cost_model.predict_many(lengths, knob.density(...)))``.
     """
 
-    def __init__(
-        self, microbatches: Sequence[MicroBatch], cost_model: CostModel, knob: Knob
-    ) -> None:
+    def __init__(self, microbatches: Sequence[MicroBatch], cost_model: CostModel, knob: Knob) -> None:
         m = len(microbatches)
         k = max((len(mb.lengths) for mb in microbatches), default=0)
         self.lengths = np.zeros((m, k), dtype=np.int64)
@@ -92,9 +90,7 @@ class RankWorkload:
             return 0.0
         valid = self.lengths > 0  # padded slots are not documents (a cost model may reject 0)
         per_layer = np.zeros(self.lengths.shape)
-        per_layer[valid] = self.cost_model.layer_attention_seconds(
-            self.lengths[valid], self.densities(value)[valid]
-        )
+        per_layer[valid] = self.cost_model.layer_attention_seconds(self.lengths[valid], self.densities(value)[valid])
         return float(self.cost_model.num_layers * np.sum(per_layer))
 
     def mean_density(self, value: float) -> float:
@@ -135,9 +131,7 @@ class DSTTuner:
         self.config = config or DSTConfig()
         self.knob = knob if knob is not None else self.config.knob(block_size, curve)
         if self.knob.kind != self.config.budget:
-            raise ValueError(
-                f"the knob is {self.knob.kind}, the config's --budget is {self.config.budget}"
-            )
+            raise ValueError(f"the knob is {self.knob.kind}, the config's --budget is {self.config.budget}")
 
     @property
     def curve(self) -> DensityCurve | None:
@@ -151,9 +145,7 @@ class DSTTuner:
     def workload(self, microbatches: Sequence[MicroBatch], cost_model: CostModel) -> RankWorkload:
         return RankWorkload(microbatches, cost_model, self.knob)
 
-    def rank_times(
-        self, microbatches: Sequence[MicroBatch], cost_model: CostModel
-    ) -> tuple[float, float]:
+    def rank_times(self, microbatches: Sequence[MicroBatch], cost_model: CostModel) -> tuple[float, float]:
         """This rank's predicted time at the base budget and at the floor (what ranks exchange)."""
         w = self.workload(microbatches, cost_model)
         return w.seconds(self.knob.base), w.seconds(self._floor())
@@ -162,9 +154,7 @@ class DSTTuner:
         """The deepest cut without a coverage model: the knob's floor, or the base with p = 0."""
         return float(self.knob.base if self.config.p == 0 else self.knob.lo)
 
-    def step_targets(
-        self, times_before: Sequence[float], times_floor: Sequence[float]
-    ) -> StepTargets:
+    def step_targets(self, times_before: Sequence[float], times_floor: Sequence[float]) -> StepTargets:
         """Anchor, cut threshold, ``T'``, the raise target and roles from ``(W,)`` times at the
         base budget and at the deepest allowed cut. Pure and deterministic: every rank computes
         the same from the same times."""
@@ -173,8 +163,7 @@ class DSTTuner:
         tf = np.asarray(times_floor, dtype=np.float64)
         if t0.ndim != 1 or t0.shape != tf.shape or t0.size == 0:
             raise ValueError(
-                f"times_before and times_floor must be two (R,) arrays with R >= 1, "
-                f"got {t0.shape} and {tf.shape}"
+                f"times_before and times_floor must be two (R,) arrays with R >= 1, got {t0.shape} and {tf.shape}"
             )
         anchor = float(_ANCHOR_FNS[cfg.anchor](t0))
         threshold = (1.0 + cfg.tolerance) * anchor
@@ -211,12 +200,10 @@ class DSTTuner:
             if targets.times_floor[rank] > targets.cut_threshold:
                 value = floor
             else:
-                value = search_one(knob, lambda v: w.seconds(v) - targets.cut_threshold,
-                                   floor, knob.base)  # fmt: skip
+                value = search_one(knob, lambda v: w.seconds(v) - targets.cut_threshold, floor, knob.base)
         elif role == RAISED:
             hi = float(knob.upper(np.array([w.max_length]))[0])
-            value = search_one(knob, lambda v: w.seconds(v) - targets.raise_seconds,
-                               knob.base, hi)  # fmt: skip
+            value = search_one(knob, lambda v: w.seconds(v) - targets.raise_seconds, knob.base, hi)
         after = w.seconds(value)
         return RankDecision(
             rank=rank,
@@ -253,12 +240,20 @@ class DSTTuner:
         a = self.decide_arrays(workload)
         ranks = tuple(
             RankDecision(r, role, v, t, b, t, db, da, ab, aa)
-            for r, (role, v, t, b, db, da, ab, aa) in enumerate(zip(
-                a.targets.roles, a.budgets.tolist(), a.times_after.tolist(),
-                a.targets.times_before, a.density_before.tolist(), a.density_after.tolist(),
-                a.attention_before.tolist(), a.attention_after.tolist(), strict=True,
-            ))
-        )  # fmt: skip
+            for r, (role, v, t, b, db, da, ab, aa) in enumerate(
+                zip(
+                    a.targets.roles,
+                    a.budgets.tolist(),
+                    a.times_after.tolist(),
+                    a.targets.times_before,
+                    a.density_before.tolist(),
+                    a.density_after.tolist(),
+                    a.attention_before.tolist(),
+                    a.attention_after.tolist(),
+                    strict=True,
+                )
+            )
+        )
         return self.assemble(a.targets, ranks)
 
     def coverage_floor(self, work: StepWorkload) -> np.ndarray:
@@ -298,13 +293,11 @@ class DSTTuner:
         cut = (roles == CUT) & ~empty
         value = np.where((roles == CUT) & empty, floor, base)
         limit = targets.cut_threshold
-        value = np.where(cut, search_many(knob, lambda v, s: work.seconds(v, s) - limit,
-                                          floor, base, cut), value)  # fmt: skip
+        value = np.where(cut, search_many(knob, lambda v, s: work.seconds(v, s) - limit, floor, base, cut), value)
         raised = roles == RAISED
         hi = np.maximum(knob.upper(work.max_lengths), base)
         lim_up = targets.raise_seconds
-        value = np.where(raised, search_many(knob, lambda v, s: work.seconds(v, s) - lim_up,
-                                             base, hi, raised), value)  # fmt: skip
+        value = np.where(raised, search_many(knob, lambda v, s: work.seconds(v, s) - lim_up, base, hi, raised), value)
         return StepArrays(
             targets=targets,
             budgets=value,
@@ -318,5 +311,4 @@ class DSTTuner:
     def assemble(self, targets: StepTargets, ranks: Sequence[RankDecision]) -> StepDecision:
         """A :class:`StepDecision` from shared targets and every rank's decision."""
         cfg = self.config
-        return StepDecision(cfg.mode, cfg.anchor, cfg.p, targets, tuple(ranks), self.knob.kind,
-                            float(self.knob.base))  # fmt: skip
+        return StepDecision(cfg.mode, cfg.anchor, cfg.p, targets, tuple(ranks), self.knob.kind, float(self.knob.base))

@@ -121,13 +121,14 @@ class TopKKnob:
         longest = int(np.max(lengths)) if len(lengths) else 0
         median = int(np.median(lengths)) if len(lengths) else 0
         dens = self.density(np.asarray([longest, median]), 1.0, float(self.base))
-        line = (f"budget: top-k {self.base * self.block_size:,} tokens = k {self.base} blocks of "
-                f"{self.block_size} (+{self.anchor_blocks} anchors; DST cuts to k {self.lo}); "
-                f"density at the base budget {dens[0]:.2f} for the longest document "
-                f"({longest:,} tokens), {dens[1]:.2f} for the median one")  # fmt: skip
+        line = (
+            f"budget: top-k {self.base * self.block_size:,} tokens = k {self.base} blocks of "
+            f"{self.block_size} (+{self.anchor_blocks} anchors; DST cuts to k {self.lo}); "
+            f"density at the base budget {dens[0]:.2f} for the longest document "
+            f"({longest:,} tokens), {dens[1]:.2f} for the median one"
+        )
         if dens[0] >= 1.0:
-            line += (": the budget covers every document, attention is exact (lower "
-                     "--budget-tokens to make it sparse)")  # fmt: skip
+            line += ": the budget covers every document, attention is exact (lower --budget-tokens to make it sparse)"
         return line
 
 
@@ -137,8 +138,12 @@ Knob = GammaKnob | TopKKnob
 def _with_value(template: Budget, kind: str, value: float) -> Budget:
     if template.kind == kind:
         return template.with_value(value)
-    extra = dict(sink_blocks=template.sink_blocks, local_blocks=template.local_blocks,
-                 max_density=template.max_density, min_blocks=template.min_blocks)  # fmt: skip
+    extra = dict(
+        sink_blocks=template.sink_blocks,
+        local_blocks=template.local_blocks,
+        max_density=template.max_density,
+        min_blocks=template.min_blocks,
+    )
     if kind == "gamma":
         return Budget(gamma=float(value), **extra)
     return Budget(top_k=round(value), **extra)
@@ -227,13 +232,10 @@ def search_many(
     return result
 
 
-def search_one(
-    knob: Knob, g: Callable[[float], float], lo: float, hi: float, largest: bool = True
-) -> float:
+def search_one(knob: Knob, g: Callable[[float], float], lo: float, hi: float, largest: bool = True) -> float:
     """:func:`search_many` for one scalar (the per-rank reference)."""
     one = np.array([True])
-    found = search_many(knob, lambda v, sel: np.array([g(float(v[0]))]), np.array([lo]),
-                        np.array([hi]), one, largest)  # fmt: skip
+    found = search_many(knob, lambda v, sel: np.array([g(float(v[0]))]), np.array([lo]), np.array([hi]), one, largest)
     return float(found[0])
 
 

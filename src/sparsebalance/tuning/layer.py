@@ -117,8 +117,7 @@ class LayerController:
         if not self.lo <= self.value <= self.hi and config.mode != "off":
             raise ValueError(f"budget {self.value} outside [{self.lo}, {self.hi}]")
         self.budget = knob.budget(budget or Budget(top_k=0), self.value)
-        self._bound = (tuple(range(int(self.lo), int(self.base) + 1)),
-                       knob.budget(self.budget, self.base))  # fmt: skip
+        self._bound = (tuple(range(int(self.lo), int(self.base) + 1)), knob.budget(self.budget, self.base))
         """Top-k's coverage bound: every whole k of ``[lo, base]``, and the base budget."""
 
         self.lengths = [np.asarray(mb.lengths, dtype=np.int64) for mb in microbatches]
@@ -169,8 +168,16 @@ class LayerController:
         device: torch.device | str,
     ) -> LayerController:
         """The controller for a rank's step-level :class:`RankDecision`."""
-        return cls(microbatches, cost_model, config, decision.target_seconds,
-                   value=decision.budget, knob=knob, budget=budget, device=device)  # fmt: skip
+        return cls(
+            microbatches,
+            cost_model,
+            config,
+            decision.target_seconds,
+            value=decision.budget,
+            knob=knob,
+            budget=budget,
+            device=device,
+        )
 
     def was_chosen(self, microbatch: int, layer: int) -> bool:
         """Whether unit (``microbatch``, ``layer``) was decided (a layer whose every budget keeps
@@ -187,9 +194,7 @@ class LayerController:
         running sum, kept by :meth:`choose` and :meth:`observe`)."""
         return self._spent
 
-    def choose(
-        self, microbatch: int, layer: int, estimate: LayerGate, spent_seconds: float | None = None
-    ) -> Budget:
+    def choose(self, microbatch: int, layer: int, estimate: LayerGate, spent_seconds: float | None = None) -> Budget:
         """The budget for one attention layer of one micro-batch.
 
         Args:
@@ -250,9 +255,16 @@ class LayerController:
         self._spent += predicted
         self._planned_left -= float(self.planned[microbatch, layer])
         self._records[(microbatch, layer)] = LayerRecord(
-            microbatch, layer, value, density, predicted, allotted, coverage=coverage,
-            limited_on_host=limited, floor=floor,
-        )  # fmt: skip
+            microbatch,
+            layer,
+            value,
+            density,
+            predicted,
+            allotted,
+            coverage=coverage,
+            limited_on_host=limited,
+            floor=floor,
+        )
         if value not in self._budgets:
             self._budgets[value] = self.knob.budget(self.budget, value)
         budget = self._budgets[value]
@@ -274,8 +286,9 @@ class LayerController:
             return float(estimate.coverage(self.knob.budget(self.budget, v)))
 
         floor_c = cov(self.base) - self.config.p
-        v_cov = _bisect(self.knob, lambda v: cov(v) >= floor_c, self.lo, self.base,
-                        self.config.layer_probes, largest=False)  # fmt: skip
+        v_cov = _bisect(
+            self.knob, lambda v: cov(v) >= floor_c, self.lo, self.base, self.config.layer_probes, largest=False
+        )
         return v_cov, cov(max(value, v_cov))
 
     def observe(self, microbatch: int, layer: int, seconds: float) -> None:
@@ -298,16 +311,16 @@ class LayerController:
         keys = [k for k, r in self._records.items() if r.floor is not None]
         floors = torch.stack([self._records[k].floor for k in keys]).tolist() if keys else []
         read = dict(zip(keys, floors, strict=True))
-        return {k: max(r.budget, read[k]) if k in read else r.budget
-                for k, r in self._records.items()}  # fmt: skip
+        return {k: max(r.budget, read[k]) if k in read else r.budget for k, r in self._records.items()}
 
     @property
     def num_coverage_limited(self) -> int:
         """Decisions where the coverage bound stopped a cut the time target asked for (device
         floors are read here, at the step's end, in one read)."""
         chosen = self._chosen_values()
-        return sum(int(chosen[k] > r.budget if r.floor is not None else r.limited_on_host)
-                   for k, r in self._records.items())  # fmt: skip
+        return sum(
+            int(chosen[k] > r.budget if r.floor is not None else r.limited_on_host) for k, r in self._records.items()
+        )
 
     @property
     def records(self) -> list[LayerRecord]:
@@ -357,16 +370,18 @@ def _document_densities(estimate: LayerGate, budget: Budget, num_docs: int) -> n
     dd = np.asarray(estimate.document_density(budget).detach().cpu(), dtype=np.float64)
     dd = dd.reshape(-1)
     if dd.size != num_docs:
-        raise ValueError(
-            f"the layer's layout has {dd.size} documents, the micro-batch has {num_docs}"
-        )
+        raise ValueError(f"the layer's layout has {dd.size} documents, the micro-batch has {num_docs}")
     return dd
 
 
 def _bisect(
-    knob: Knob, ok: Callable[[float], bool], lo: float, hi: float, probes: int,
+    knob: Knob,
+    ok: Callable[[float], bool],
+    lo: float,
+    hi: float,
+    probes: int,
     largest: bool = True,
-) -> float:  # fmt: skip
+) -> float:
     """The largest (smallest) value in ``[lo, hi]`` with ``ok``, for a monotone ``ok``, in at
     most ``probes`` evaluations (2 at the ends, the rest bisecting; whole k for top-k); ``lo``
     (``hi``) when even that end fails. Only an evaluated-feasible value is returned, or the

@@ -73,9 +73,7 @@ class _Group:
     the same set at ~23 budgets).
     """
 
-    def __init__(
-        self, ranks: list[int], lengths: np.ndarray, d0: np.ndarray, cost_model: CostModel
-    ) -> None:
+    def __init__(self, ranks: list[int], lengths: np.ndarray, d0: np.ndarray, cost_model: CostModel) -> None:
         self.ranks = np.asarray(ranks, dtype=np.int64)
         self.lengths = lengths
         self.d0 = d0
@@ -130,10 +128,15 @@ class PlanWorkload:
         lengths = [n for mbs in plan for mb in mbs for n in mb.lengths]
         d0 = [d for mbs in plan for mb in mbs for d in mb.densities]
         self._build(
-            len(plan), np.array(mb_rank, dtype=np.int64), np.array(sizes, dtype=np.int64),
-            np.array(lengths, dtype=np.int64), np.array(d0, dtype=np.float64), cost_model, knob,
+            len(plan),
+            np.array(mb_rank, dtype=np.int64),
+            np.array(sizes, dtype=np.int64),
+            np.array(lengths, dtype=np.int64),
+            np.array(d0, dtype=np.float64),
+            cost_model,
+            knob,
             coverage,
-        )  # fmt: skip
+        )
 
     @classmethod
     def from_flat(
@@ -178,9 +181,7 @@ class PlanWorkload:
         doc_rank = mb_rank[doc_mb]
         # Ranks grouped by padded shape (M, K), shapes in increasing order, ranks increasing.
         busy = np.flatnonzero(num_mb > 0)
-        shapes, group_of = np.unique(
-            np.stack([num_mb[busy], width[busy]], axis=1), axis=0, return_inverse=True
-        )
+        shapes, group_of = np.unique(np.stack([num_mb[busy], width[busy]], axis=1), axis=0, return_inverse=True)
         rank_group = np.full(num_ranks, -1, dtype=np.int64)
         rank_group[busy] = group_of.reshape(-1)
         slot = np.zeros(num_ranks, dtype=np.int64)  # a rank's index inside its group
@@ -235,9 +236,7 @@ class PlanWorkload:
             if ranks.size == 0:
                 continue
             lengths = g.lengths[sel]
-            cov = self.coverage_model.document_coverage(
-                lengths, g.d0[sel], values[ranks][:, None, None]
-            )
+            cov = self.coverage_model.document_coverage(lengths, g.d0[sel], values[ranks][:, None, None])
             num = _row_sums(np.where(lengths > 0, cov, 0.0) * lengths)
             tokens = self.tokens[ranks]
             out[ranks] = np.where(tokens > 0, num / np.where(tokens > 0, tokens, 1.0), 1.0)

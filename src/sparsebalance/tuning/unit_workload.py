@@ -44,15 +44,25 @@ class UnitWorkload:
     """
 
     def __init__(
-        self, num_ranks: int, unit_lengths, unit_d0, unit_degree, unit_start,
-        mb_rank, mb_sizes, lengths, d0, cost_model, knob: Knob, coverage=None,
-    ) -> None:  # fmt: skip
+        self,
+        num_ranks: int,
+        unit_lengths,
+        unit_d0,
+        unit_degree,
+        unit_start,
+        mb_rank,
+        mb_sizes,
+        lengths,
+        d0,
+        cost_model,
+        knob: Knob,
+        coverage=None,
+    ) -> None:
         self.cost_model = cost_model
         self.knob = knob
         self.coverage_model = coverage
         self.num_rank_slots = num_ranks
-        self.dp = PlanWorkload.from_flat(num_ranks, mb_rank, mb_sizes, lengths, d0, cost_model,
-                                         knob, coverage)  # fmt: skip
+        self.dp = PlanWorkload.from_flat(num_ranks, mb_rank, mb_sizes, lengths, d0, cost_model, knob, coverage)
         self.u_len = np.asarray(unit_lengths, dtype=np.int64)
         self.u_d0 = np.asarray(unit_d0, dtype=np.float64)
         self.u_k = np.asarray(unit_degree, dtype=np.int64)
@@ -86,8 +96,7 @@ class UnitWorkload:
         if self.u_len.size:
             dens = self._unit_density(values)
             secs, _ = self.cost_model.unit_seconds(self.u_len, dens, self.u_k)
-            for s, k, t in zip(self.u_start.tolist(), self.u_k.tolist(), secs.tolist(),
-                               strict=True):  # fmt: skip
+            for s, k, t in zip(self.u_start.tolist(), self.u_k.tolist(), secs.tolist(), strict=True):
                 ready[s : s + k] = ready[s : s + k].max() + t
         return ready + self.dp.seconds(g_rank)
 
@@ -114,12 +123,9 @@ class UnitWorkload:
         values = np.asarray(values, dtype=np.float64)
         g_rank = values[self.worker_of]
         tokens = np.bincount(self.worker_of, self.dp.tokens, self.num_ranks)
-        num = np.bincount(self.worker_of, self.dp.coverage(g_rank) * self.dp.tokens,
-                          self.num_ranks)  # fmt: skip
+        num = np.bincount(self.worker_of, self.dp.coverage(g_rank) * self.dp.tokens, self.num_ranks)
         if self.u_len.size:
-            cov = self.coverage_model.document_coverage(
-                self.u_len, self.u_d0, values[self.unit_worker]
-            )
+            cov = self.coverage_model.document_coverage(self.u_len, self.u_d0, values[self.unit_worker])
             num += np.bincount(self.unit_worker, cov * self.u_len, self.num_ranks)
             tokens += np.bincount(self.unit_worker, self.u_len.astype(float), self.num_ranks)
         out = np.where(tokens > 0, num / np.where(tokens > 0, tokens, 1.0), 1.0)
@@ -142,12 +148,10 @@ class UnitWorkload:
         """``(W,)`` length²-weighted mean density (1.0 for an empty worker)."""
         values = np.asarray(values, dtype=np.float64)
         g_rank = values[self.worker_of]
-        num = np.bincount(self.worker_of, self.dp.weights * self.dp.mean_density(g_rank),
-                          self.num_ranks)  # fmt: skip
+        num = np.bincount(self.worker_of, self.dp.weights * self.dp.mean_density(g_rank), self.num_ranks)
         if self.u_len.size:
             dens = self._unit_density(values)
-            num += np.bincount(self.unit_worker, self.u_len.astype(np.float64) ** 2 * dens,
-                               self.num_ranks)  # fmt: skip
+            num += np.bincount(self.unit_worker, self.u_len.astype(np.float64) ** 2 * dens, self.num_ranks)
         w = self._weight
         return np.where(w > 0, num / np.where(w > 0, w, 1.0), 1.0)
 
@@ -173,12 +177,19 @@ class UnitWorkload:
                     lengths.extend(mb.lengths)
                     d0.extend(mb.densities)
         return cls(
-            plan.num_ranks, [u.lengths[0] for u in units], [u.densities[0] for u in units],
-            [u.degree for u in units], [u.ranks[0] for u in units],
-            np.array(mb_rank, dtype=np.int64), np.array(sizes, dtype=np.int64),
-            np.array(lengths, dtype=np.int64), np.array(d0, dtype=np.float64), cost_model, knob,
+            plan.num_ranks,
+            [u.lengths[0] for u in units],
+            [u.densities[0] for u in units],
+            [u.degree for u in units],
+            [u.ranks[0] for u in units],
+            np.array(mb_rank, dtype=np.int64),
+            np.array(sizes, dtype=np.int64),
+            np.array(lengths, dtype=np.int64),
+            np.array(d0, dtype=np.float64),
+            cost_model,
+            knob,
             coverage,
-        )  # fmt: skip
+        )
 
 
 def decide_units(tuner, plan, cost_model) -> StepDecision:
@@ -193,9 +204,18 @@ def decide_units(tuner, plan, cost_model) -> StepDecision:
     size = np.bincount(work.worker_of, minlength=work.num_ranks).astype(np.float64)
     ranks = []
     for r, w in enumerate(work.worker_of.tolist()):
-        ranks.append(RankDecision(
-            r, a.targets.roles[w], float(a.budgets[w]), float(after[r]), float(before[r]),
-            float(after[r]), float(a.density_before[w]), float(a.density_after[w]),
-            float(a.attention_before[w] / size[w]), float(a.attention_after[w] / size[w]),
-        ))  # fmt: skip
+        ranks.append(
+            RankDecision(
+                r,
+                a.targets.roles[w],
+                float(a.budgets[w]),
+                float(after[r]),
+                float(before[r]),
+                float(after[r]),
+                float(a.density_before[w]),
+                float(a.density_after[w]),
+                float(a.attention_before[w] / size[w]),
+                float(a.attention_after[w] / size[w]),
+            )
+        )
     return tuner.assemble(a.targets, ranks)
