@@ -159,7 +159,7 @@ def summarize(args, trainer, clock, seen: int, peak: int, history: list | None) 
     if rows.shape[0] == 1:
         balance = None  # one rank: nothing to balance
     elif history is not None:
-        balance = float(np.mean([h["balance"] for h in history[w:]]))
+        balance = float(np.mean([h["efficiency"] for h in history[w:]]))
     else:  # mean / max rank compute per step
         per_step = rows[:, 4:]
         balance = float(np.mean(per_step.mean(0) / per_step.max(0))) if per_step.size else None

@@ -107,7 +107,7 @@ def run_rows(cfg: dict, mix: str, seed: int, store: Path, out: Path, emulate: in
     for r in range(cfg["rounds"]):
         order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
         for name in order:
-            s = trainers[name].run_step().summary
+            s = trainers[name].run_step().report
             rounds[name].append(
                 {
                     "step_s": s.step_seconds,

@@ -55,7 +55,7 @@ def main(out: str, steps: int = 2) -> list[float]:
     for h in runtime.planner.history:
         print(
             f"step {h['step']}: plan {h['plan_hash']} predicted balance "
-            f"{h['predicted_balance']:.3f} density {h['density']:.3f}"
+            f"{h['plan_efficiency']:.3f} density {h['mean_density']:.3f}"
         )
     return [e["loss"] for e in trainer.state.log_history if "loss" in e]
 

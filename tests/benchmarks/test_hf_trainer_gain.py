@@ -140,7 +140,7 @@ def test_summary_gathers_on_the_trainers_device_and_balances_two_ranks():
     want = float(np.mean(per_step.mean(0) / per_step.max(0)))
     assert out["balance"] == pytest.approx(want) and out["loss_last"] == pytest.approx(2.7)
     # SparseBalance's balance is its own measured one; other ranks write nothing
-    hist = [{"balance": 0.5}, {"balance": 0.9}, {"balance": 0.8}, {"balance": 1.0}]
+    hist = [{"efficiency": 0.5}, {"efficiency": 0.9}, {"efficiency": 0.8}, {"efficiency": 1.0}]
     sb = bench.summarize(
         SimpleNamespace(warmup=1, variant="sparsebalance"), _trainer([r[:4] for r in rows]), CLOCK, 1000, 4, hist
     )
@@ -148,7 +148,7 @@ def test_summary_gathers_on_the_trainers_device_and_balances_two_ranks():
     assert bench.summarize(ARGS, _trainer(rows, rank0=False), CLOCK, 1000, 4, None) is None
 
 
-@pytest.mark.parametrize("history", [None, [{"balance": 1.0}] * 4], ids=["baseline", "sb"])
+@pytest.mark.parametrize("history", [None, [{"efficiency": 1.0}] * 4], ids=["baseline", "sb"])
 def test_one_rank_reports_no_balance(history):
     """One process: the baseline has no DDP (no compute stamps) and nothing is balanced."""
     clock = SimpleNamespace(steps=CLOCK.steps, attention=CLOCK.attention, compute=[])

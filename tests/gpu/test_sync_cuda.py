@@ -75,4 +75,4 @@ def test_flex_training_step_has_no_host_sync(tmp_path, monkeypatch, kind):
         monkeypatch.setattr(LayerController, "choose", _in_mode("default", LayerController.choose))
     monkeypatch.setattr(RankExecutor, "_run", _in_mode("error", RankExecutor._run))
     result = trainer.run_step()  # raises at the first synchronizing call
-    assert result.summary.mean_density > 0
+    assert result.report.mean_density > 0

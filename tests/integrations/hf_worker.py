@@ -192,7 +192,7 @@ def hf_run(tmp, name, dataset, profile, steps, resume=None, trl=False, **over) -
         "losses": probe.global_losses(),
         "hashes": [h["plan_hash"] for h in hist],
         "steps": [h["step"] for h in hist],
-        "predicted_balance": [h["predicted_balance"] for h in hist],
+        "predicted_balance": [h["plan_efficiency"] for h in hist],
         "logged": logs.logs,
     }
 

@@ -39,11 +39,11 @@ def _own(tmp_path, profile):
         layers = [list(mb.budgets) for rec in result.records for mb in rec.microbatches]
         steps.append(
             (
-                result.summary.plan_hash,
-                result.summary.dst_budget_cut,
-                result.summary.predicted_max_s,
+                result.report.plan_hash,
+                result.report.dst_budget_cut,
+                result.report.predicted_max_s,
                 layers,
-                result.summary.loss,
+                result.report.loss,
             )
         )
     return trainer, steps
@@ -74,7 +74,7 @@ def test_the_own_trainer_and_the_plain_loop_run_the_same_engine(tmp_path):
         tickets = [t for t in step.work.tickets if not t.filler]
         layers = [[s.budget for s in t.attention.stats] for t in tickets]
         t = step.finish()
-        theirs.append((t["plan_hash"], t["dst_budget_cut"], t["predicted_step_s"], layers, total))
+        theirs.append((t["plan_hash"], t["dst_budget_cut"], t["predicted_max_s"], layers, total))
 
     assert len({h for h, *_ in own}) == STEPS
     for mine, other in zip(own, theirs, strict=True):

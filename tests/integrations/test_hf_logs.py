@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-NAMES = ("balance", "bubble_fraction", "budget_mean", "budget_min", "budget_max", "density")
+NAMES = ("efficiency", "bubble_fraction", "budget_mean", "budget_min", "budget_max", "mean_density")
 KEYS = tuple(f"sparsebalance/{name}" for name in NAMES)
 STEPS = 2
 pytestmark = pytest.mark.filterwarnings("ignore::sparsebalance.latency.ProfileMismatchWarning")
@@ -71,9 +71,9 @@ def _train(tmp_path, report_to: list[str], callbacks: list) -> tuple:
 
 def _check(entry: dict) -> None:
     assert set(KEYS) <= set(entry), sorted(entry)
-    assert 0 < entry["sparsebalance/balance"] <= 1
-    assert entry["sparsebalance/bubble_fraction"] == pytest.approx(1 - entry["sparsebalance/balance"])
-    assert 0 < entry["sparsebalance/density"] <= 1
+    assert 0 < entry["sparsebalance/efficiency"] <= 1
+    assert entry["sparsebalance/bubble_fraction"] == pytest.approx(1 - entry["sparsebalance/efficiency"])
+    assert 0 < entry["sparsebalance/mean_density"] <= 1
     assert 0.5 <= entry["sparsebalance/budget_min"] <= entry["sparsebalance/budget_max"] <= 0.99
 
 
@@ -109,3 +109,49 @@ def test_telemetry_reaches_tensorboard_event_files(tmp_path, monkeypatch):
     for key in KEYS:  # the TensorBoard callback prefixes training scalars with "train/"
         steps = sorted(e.step for e in tags.get(f"train/{key}", []))
         assert steps == list(range(1, STEPS + 1)), (key, sorted(tags))
+
+
+# What only one front end knows: the own loop's loss, step time, throughput, optimizer time,
+# learning rate, emulation, data mixture and skipped-step flag; the integrations' target tokens.
+OWN_LOOP_ONLY = {
+    "loss",
+    "step_seconds",
+    "tokens_per_s",
+    "optimizer_s",
+    "lr",
+    "emulated",
+    "data_documents",
+    "skipped_nonfinite",
+}
+INTEGRATIONS_ONLY = {"target_tokens"}
+
+
+def test_one_step_report_feeds_metrics_jsonl_and_log_history(tmp_path):
+    """``sparsebalance train``'s ``"rank": "all"`` line and the HF callback's step log are the same
+    ``StepReport.to_log()``: the same keys but for the ones a front end alone has, listed above;
+    every number of it reaches ``log_history`` under ``sparsebalance/``."""
+    import json
+
+    import torch
+
+    from sparsebalance.engine import Runtime, StepReport
+    from sparsebalance.engine.summary import OWN_LOOP_ONLY as DECLARED
+    from sparsebalance.hf.callback import SparseBalanceCallback
+    from sparsebalance.train import Trainer
+    from tests.train.harness import base_config
+
+    assert set(DECLARED) == OWN_LOOP_ONLY
+    (tmp_path / "own").mkdir()
+    Trainer(base_config(tmp_path / "own", steps=1), Runtime(0, 1, torch.device("cpu"))).run()
+    lines = [json.loads(x) for x in (tmp_path / "own" / "run" / "metrics.jsonl").read_text().splitlines()]
+    (own,) = [x for x in lines if x["rank"] == "all"]
+    own_keys = set(own) - {"rank"}
+
+    trainer, _, _ = _train(tmp_path, [], [])
+    (callback,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, SparseBalanceCallback)]
+    step = callback.planner.history[-1]
+    assert own_keys - OWN_LOOP_ONLY == set(step) - INTEGRATIONS_ONLY
+    assert set(StepReport.__dataclass_fields__) == own_keys | INTEGRATIONS_ONLY
+    numbers = {k for k, v in step.items() if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)}
+    logged = [e for e in trainer.state.log_history if "loss" in e][-1]
+    assert {k for k in logged if k.startswith("sparsebalance/")} == {f"sparsebalance/{k}" for k in numbers}

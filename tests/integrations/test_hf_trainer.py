@@ -89,8 +89,8 @@ def test_hf_trainer_matches_sparsebalance_train_and_resumes(tmp_path):
     logged = r0["hf"]["logged"]
     assert len(logged) == 3
     for entry in logged:
-        assert 0 < entry["sparsebalance/predicted_balance"] <= 1
-        assert 0 < entry["sparsebalance/density"] <= 1
+        assert 0 < entry["sparsebalance/plan_efficiency"] <= 1
+        assert 0 < entry["sparsebalance/mean_density"] <= 1
         assert 0.5 <= entry["sparsebalance/budget_mean"] <= 0.99
         assert entry["sparsebalance/target_tokens"] > 0
 

@@ -45,7 +45,7 @@ def test_topk_training_is_sparse_and_dst_moves_whole_k_per_layer(tmp_path):
     assert isinstance(trainer.estimator, BudgetEMAEstimator)
     results = [trainer.run_step() for _ in range(2)]
     for res in results:
-        s = res.summary
+        s = res.report
         assert s.budget_kind == "top-k" and 0 < s.mean_density < 0.9
         assert s.plan_s > 0 and s.dst_s > 0 and s.overhead_s >= s.plan_s + s.dst_s
         for rec in res.records:

@@ -3,7 +3,7 @@
 sampler of :mod:`sparsebalance.integrations`, the HF Trainer callback of :mod:`sparsebalance.hf`).
 
     list[Sample] --plan--> StepPlan --tune--> TunedStep --execute--> LocalWork
-      --synchronize--> list[RankRecord] --update--> StepSummary + StepFeedback --feedback-->
+      --synchronize--> list[RankRecord] --update--> StepReport + StepFeedback --feedback-->
       latency model, density estimator
 
 - :class:`StepEngine` (:mod:`.planning`): plan (SAB), tune (DST), the layer controllers, the
@@ -14,7 +14,8 @@ sampler of :mod:`sparsebalance.integrations`, the HF Trainer callback of :mod:`s
   the own loop's execution, gradient sync and optimizer update;
 - :func:`load_latency_model` (:mod:`.startup`), :func:`resolve_kernel` (:mod:`.defaults`):
   latency start-up and per-device defaults, once for every front end;
-- :class:`Balance`, :func:`step_telemetry` (:mod:`.summary`): what a step's records say.
+- :class:`StepReport`, :class:`Balance` (:mod:`.summary`): what a step's records say, for every
+  front end (``StepReport.to_log()``: metrics.jsonl, log_history, TensorBoard, report).
 
 The stage types are in :mod:`.records`; ``docs/engine.md`` draws the data flow.
 """
@@ -29,14 +30,13 @@ from .records import (
     StepFeedback,
     StepPlan,
     StepResult,
-    StepSummary,
     TunedStep,
 )
 from .runtime import Runtime
 from .stages import LayerTimer, microbatch_attention
 from .startup import load_latency_model
 from .step import NonFiniteLoss, StepRunner, UpdateConfig, Updater
-from .summary import Balance, log_values, step_telemetry
+from .summary import Balance, StepReport, log_values
 
 __all__ = [
     "Balance",
@@ -53,9 +53,9 @@ __all__ = [
     "StepEngine",
     "StepFeedback",
     "StepPlan",
+    "StepReport",
     "StepResult",
     "StepRunner",
-    "StepSummary",
     "TunedStep",
     "UpdateConfig",
     "Updater",
@@ -63,5 +63,4 @@ __all__ = [
     "log_values",
     "microbatch_attention",
     "resolve_kernel",
-    "step_telemetry",
 ]

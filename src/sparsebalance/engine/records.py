@@ -1,7 +1,7 @@
 """What flows through one training step, stage by stage (the engine's stage types)::
 
     list[Sample] --plan--> StepPlan --tune--> TunedStep --execute--> LocalWork
-      --synchronize--> list[RankRecord] --update--> StepResult (StepSummary + StepFeedback)
+      --synchronize--> list[RankRecord] --update--> StepResult (StepReport + StepFeedback)
 
 - :class:`StepPlan`: the SAB plan of one global batch, agreed by every rank (hash checked).
 - :class:`TunedStep`: the plan plus DST's :class:`~sparsebalance.tuning.StepDecision` and the
@@ -10,7 +10,8 @@
 - :class:`LocalWork`: what this process ran (its own rank, or every emulated rank) before the
   gradient sync, with the timestamps the bubble is derived from.
 - :class:`RankRecord`: one rank's share of the step, as logged (one ``metrics.jsonl`` line).
-- :class:`StepSummary`: the step over all ranks (the ``"rank": "all"`` line).
+- :class:`~.summary.StepReport` (in :mod:`.summary`): the step over all ranks (the ``"rank": "all"``
+  line, and every other front end's step log).
 - :class:`StepFeedback`: every measured micro-batch in rank order, what recalibrates the latency
   model and the density estimator.
 
@@ -19,7 +20,8 @@ The JSON field names are those ``sparsebalance report`` and earlier runs use.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +29,9 @@ import torch
 from ..batching import Plan, Unit
 from ..models.attention import read_stats
 from ..tuning import RankDecision, StepDecision
+
+if TYPE_CHECKING:  # summary.py imports this module's types
+    from .summary import StepReport
 
 
 @dataclass(frozen=True)
@@ -265,63 +270,6 @@ class LocalWork:
 
 
 @dataclass(frozen=True)
-class StepSummary:
-    """The step over all ranks: the ``"rank": "all"`` line of ``metrics.jsonl``."""
-
-    loss: float
-    """Global mean token loss."""
-    step_seconds: float
-    max_compute_s: float
-    mean_compute_s: float
-    efficiency: float
-    """mean / max rank compute (1.0 = balanced)."""
-    imbalance: float
-    bubble_fraction: float
-    tokens: int
-    tokens_per_s: float
-    optimizer_s: float
-    mean_density: float
-    dst_anchor_seconds: float
-    dst_post_cut_seconds: float
-    dst_budget_cut: float
-    dst_budget_given: float
-    predicted_max_before_s: float
-    predicted_max_s: float
-    plan_hash: str
-    strategy: str
-    dst_mode: str
-    plan_efficiency: float
-    num_overlong: int
-    lr: float
-    emulated: bool
-    data_documents: dict[str, int] = field(default_factory=dict)
-    """Documents drawn from each --data component this step (set by the Trainer)."""
-    num_split_chunks: int = 0
-    """Chunks ``--overlong split`` cut over-long documents into this step (0: none was cut)."""
-    cp_documents: tuple[dict, ...] = ()
-    """Documents trained whole on a context-parallel unit of k > 1 ranks this step: ``id``,
-    ``offset`` and ``tokens`` (a later ``--overlong`` chunk has offset > 0), ``degree`` k,
-    ``ranks`` and ``ring`` (from the plan's units)."""
-    plan_s: float = 0.0
-    """Seconds SAB's planning took (the planner, on every rank)."""
-    dst_s: float = 0.0
-    """Seconds DST's step-level decision took."""
-    dst_layer_s: float = 0.0
-    """Seconds the slowest-deciding rank's layer controllers took (inside its compute)."""
-    overhead_s: float = 0.0
-    """``plan_s + dst_s + dst_layer_s``: the balancing pipeline's own time this step."""
-    budget_kind: str = ""
-    """``top-k`` or ``gamma``."""
-    coverage_limited: int = 0
-    """Layer decisions (all ranks) where the coverage bound stopped a cut."""
-    skipped_nonfinite: bool = False
-    """The loss or the gradients were NaN/inf: the step was skipped (nothing applied)."""
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
 class StepFeedback:
     """Every rank's measured micro-batches, in rank order (identical on every rank)."""
 
@@ -334,8 +282,9 @@ class StepFeedback:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What :meth:`Trainer.step <sparsebalance.train.Trainer.step>` returns and telemetry logs."""
+    """What :meth:`StepRunner.run <sparsebalance.engine.step.StepRunner.run>` and
+    :meth:`Trainer.run_step <sparsebalance.train.Trainer.run_step>` return and telemetry logs."""
 
     records: list[RankRecord]
-    summary: StepSummary
+    report: StepReport
     feedback: StepFeedback

@@ -2,7 +2,7 @@
 gradient sync and the optimizer update::
 
     list[Sample] -plan-> StepPlan -tune-> TunedStep -execute-> LocalWork -synchronize->
-    list[RankRecord] -update-> StepSummary, StepFeedback -> feedback
+    list[RankRecord] -update-> StepReport, StepFeedback -> feedback
 
 plan and tune (SAB, DST: :class:`~.planning.StepEngine`), execute (forward/backward per
 micro-batch, :mod:`.execute`), synchronize (gradient sync and the bubble, :mod:`.parallelize`),
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,9 +25,9 @@ from ..workload import Sample
 from .execute import RankExecutor
 from .parallelize import Parallelized
 from .planning import StepEngine
-from .records import LocalWork, RankRecord, StepResult, StepSummary, TunedStep
+from .records import LocalWork, RankRecord, StepResult, TunedStep
 from .runtime import Runtime
-from .summary import Balance, derive_bubbles
+from .summary import StepReport, derive_bubbles
 
 
 class NonFiniteLoss(RuntimeError):
@@ -169,8 +169,8 @@ class StepRunner:
                 records = self.synchronize(local)
         optim, skipped = self.updater.update(self.global_loss(records), step)
         feedback = self.engine.feedback(records)
-        summary = self.summarize(tuned, records, optim, time.perf_counter() - t_step)
-        return StepResult(records, replace(summary, skipped_nonfinite=skipped), feedback)
+        report = self.summarize(tuned, records, optim, time.perf_counter() - t_step, step, skipped)
+        return StepResult(records, report, feedback)
 
     def execute(self, tuned: TunedStep) -> LocalWork:
         """Forward + backward of this process's rank (or of every emulated rank), times in
@@ -222,49 +222,24 @@ class StepRunner:
         """Mean token loss over all ranks."""
         return sum(r.loss_sum for r in records) / max(sum(r.weight for r in records), 1e-9)
 
-    def summarize(self, tuned: TunedStep, records: list[RankRecord], optim: float, elapsed: float) -> StepSummary:
-        """The step over all ranks (``elapsed``: wall seconds of the whole step)."""
-        decision, plan = tuned.decision, tuned.planned.plan
-        balance = Balance.of(records)
+    def summarize(
+        self, tuned: TunedStep, records: list[RankRecord], optim: float, elapsed: float, step: int, skipped: bool
+    ) -> StepReport:
+        """The step's report over all ranks (``elapsed``: wall seconds of the whole step)."""
         if self.emulated:  # the emulated cluster's step: slowest rank, then sync and optimizer
-            elapsed = balance.max_compute_s + records[0].sync_s + optim
-        layer_s = max(r.dst_layer_s for r in records)
-        cp_documents = tuple(
-            {"id": i, "offset": o, "tokens": n, "degree": u.degree, "ranks": list(u.ranks), "ring": u.ring}
-            for u in plan.units
-            for i, o, n in zip(u.sample_ids, u.offsets, u.lengths, strict=True)
-        )
-        return StepSummary(
-            loss=self.global_loss(records),
-            step_seconds=elapsed,
-            max_compute_s=balance.max_compute_s,
-            mean_compute_s=balance.mean_compute_s,
-            efficiency=balance.efficiency,
-            imbalance=balance.imbalance,
-            bubble_fraction=balance.bubble_fraction,
-            tokens=balance.tokens,
-            tokens_per_s=balance.tokens / elapsed,
-            optimizer_s=optim,
-            mean_density=balance.density,
-            dst_anchor_seconds=decision.targets.anchor_seconds,
-            dst_post_cut_seconds=decision.targets.post_cut_seconds,
-            dst_budget_cut=decision.budget_cut,
-            dst_budget_given=decision.budget_given,
-            predicted_max_before_s=decision.step_seconds_before,
-            predicted_max_s=decision.step_seconds_after,
-            plan_hash=tuned.planned.plan_hash,
+            elapsed = max(r.compute_s for r in records) + records[0].sync_s + optim
+        return StepReport.of(
+            tuned,
+            records,
+            step=step,
             strategy=self.labels[0],
             dst_mode=self.labels[1],
-            plan_efficiency=plan.metrics.efficiency,
-            num_overlong=plan.metrics.num_overlong,
-            num_split_chunks=plan.metrics.num_split_chunks,
-            plan_s=plan.metrics.plan_seconds,
-            dst_s=tuned.dst_seconds,
-            dst_layer_s=layer_s,
-            overhead_s=plan.metrics.plan_seconds + tuned.dst_seconds + layer_s,
             budget_kind=self.tuner.knob.kind,
-            coverage_limited=sum(r.coverage_limited for r in records),
-            cp_documents=cp_documents,
+            loss=self.global_loss(records),
+            step_seconds=elapsed,
+            tokens_per_s=sum(r.tokens for r in records) / elapsed,
+            optimizer_s=optim,
             lr=self.updater.scheduler.get_last_lr()[0],
             emulated=self.emulated,
+            skipped_nonfinite=skipped,
         )

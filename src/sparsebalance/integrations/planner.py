@@ -26,7 +26,7 @@ import torch
 from .. import flags
 from ..batching import OVERLONG, make_estimator
 from ..data.mixture import epoch_permutation
-from ..engine import MicroBatchResult, PlanningConfig, StepEngine, TunedStep, step_telemetry
+from ..engine import MicroBatchResult, PlanningConfig, StepEngine, StepReport, TunedStep
 from ..latency import LatencyModel
 from ..tuning import DSTConfig, DSTTuner, LayerController
 from ..workload import Sample
@@ -263,7 +263,7 @@ class StepPlanner:
     def finish(self, work: StepWork, seconds: Sequence[float] | None = None) -> dict:
         """After the step's optimizer update (every rank, in step order): fold every rank's
         measured micro-batches into the latency model and the density estimator, and return
-        the step's telemetry (also appended to :attr:`history`).
+        the step's :meth:`StepReport.to_log` (also appended to :attr:`history`).
 
         Args:
             work: the step (its tickets hold the layer statistics of each micro-batch).
@@ -290,9 +290,18 @@ class StepPlanner:
             )
         records = self.engine.records(work.tuned, self.rank, results)
         self.engine.feedback(records, measured=seconds is not None)
-        telemetry = step_telemetry(work, records, seconds is not None and not self.config.deterministic)
-        self.history.append(telemetry)
-        return telemetry
+        report = StepReport.of(
+            work.tuned,
+            records,
+            step=work.step,
+            strategy=self.config.strategy,
+            dst_mode=self.tuner.config.mode,
+            budget_kind=self.tuner.knob.kind,
+            measured=seconds is not None and not self.config.deterministic,
+            target_tokens=int(work.target_tokens),
+        ).to_log()
+        self.history.append(report)
+        return report
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -54,7 +54,7 @@ class Telemetry:
         """Append every rank's record; update the bar with the step summary (rank 0 only)."""
         if not self.is_main:
             return
-        summary = result.summary.to_json()
+        summary = result.report.to_log()
         lines = [json.dumps({"step": step, **rec.to_json()}) for rec in result.records]
         lines.append(json.dumps({"step": step, "rank": "all", **summary}))
         with self.path.open("a") as f:  # one write per step: a kill tears at most the last line

@@ -383,7 +383,7 @@ class Trainer:
         result = self.runner.run(self.next_batch(), self.step + 1)
         self.step += 1
         counts = self.data.metrics()["documents"]  # documents per --data component
-        return replace(result, summary=replace(result.summary, data_documents=counts))
+        return replace(result, report=replace(result.report, data_documents=counts))
 
     # ------------------------------------------------------------------ checkpoints
     def _state(self) -> dict:
@@ -493,7 +493,7 @@ class Trainer:
                 while self.step < cfg.steps:
                     result = self.run_step()
                     tel.log(self.step, result)
-                    summaries.append(result.summary.to_json())
+                    summaries.append(result.report.to_log())
                     periodic = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
                     if periodic and self.step < cfg.steps:
                         self.save()
