@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from sparsebalance.cli import main
-from sparsebalance.train.trainer import batch_schedule
+from sparsebalance.data.mixture import MixtureSampler
 from tests.train.harness import write_dataset, write_profile
 
 pytestmark = pytest.mark.filterwarnings("ignore::sparsebalance.latency.ProfileMismatchWarning")
+
+
+def batch_schedule(seed: int, num_docs: int, global_batch: int, steps: int) -> list[list[int]]:
+    """Document indices of each step's global batch for one source, as the trainer draws them."""
+    sampler = MixtureSampler([np.arange(num_docs)], [1.0], seed, global_batch)
+    return [[i for _, i in sampler.next_batch()] for _ in range(steps)]
 
 
 def test_batch_schedule_never_repeats_a_document_within_a_batch():

@@ -8,7 +8,7 @@ generation with a KV cache and padded batches at inference switch back to the mo
 attention for that forward (:mod:`.inference`). Per forward the function finds its
 packed micro-batch in one of two ways:
 
-- a :class:`MicroBatchTicket` under ``sb_attention`` (what :class:`~.collator.PackedCollator`
+- a :class:`MicroBatchTicket` under ``sb_attention`` (what :class:`~.sampler.PackedCollator`
   emits for a planned micro-batch): the plan's budgets (DST's layer controller), statistics;
 - otherwise the packed-sequence arguments HF collators produce: ``cu_seq_lens_q`` (= ``_k``;
   ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) or ``position_ids`` restarting

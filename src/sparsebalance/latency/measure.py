@@ -2,21 +2,21 @@
 
 1. A *pilot*: three small micro-batches timed once give a rough cost per attention pair, per
    token and per call, enough to price candidate micro-batches.
-2. A *design* (:func:`sweep.choose_design`): four corners of the feature space (the capacity at
+2. A *design* (:func:`.sweep.choose_design`): four corners of the feature space (the capacity at
    low density, a long dense document, a tiny micro-batch, many short documents), then the
    candidate that most lowers the relative prediction variance over run-like micro-batches per
    second it costs (I-optimal), one per octave of tokens first, as many as fit the time budget.
    The relative fit weighs every micro-batch the same, so cheap ones of the right mix carry as
-   much information as expensive ones: at 1 CPU thread the old fixed 9-point core alone
-   overran the budget.
-3. Interleaved rounds (:func:`sweep.time_interleaved`): the median over rounds per micro-batch,
+   much information as expensive ones (at 1 CPU thread a fixed grid of points alone would
+   overrun the budget).
+3. Interleaved rounds (:func:`.sweep.time_interleaved`): the median over rounds per micro-batch,
    the spread across rounds is the timing noise. The design is sized for 3 rounds in half the
    budget; rounds go on (up to 8) while the budget lasts, so the median spans ~40 s of the
    machine's life, not one slow phase of it.
-4. The physical form (:mod:`form`) fitted by relative-error non-negative least squares on those
+4. The physical form (:mod:`.form`) fitted by relative-error non-negative least squares on those
    whole-micro-batch times (what validation and training measure), with leave-one-out errors;
    a micro-batch whose residual is far beyond the noise (a burst of load that hit all its
-   rounds) is dropped and counted (:func:`form.fit_form_robust`).
+   rounds) is dropped and counted (:func:`.form.fit_form_robust`).
 5. *Refinement*: budget left over buys more micro-batches like the worst-predicted one, then
    a refit.
 
