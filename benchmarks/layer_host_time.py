@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from sparsebalance import launches
-from sparsebalance.engine.stages import LayerTimer, microbatch_attention
+from sparsebalance.engine.layers import LayerTimer, packed_attention
 from sparsebalance.latency import LatencyModel, analytic_profile
 from sparsebalance.models import load_shapes
 from sparsebalance.models.attention import sparsebalance_attention
@@ -78,7 +78,7 @@ def measure(lengths: tuple[int, ...], mode: str, layers: int, micro_batches: int
     cfg = DSTConfig(budget_tokens=BUDGET_TOKENS)
     knob = cfg.knob(BLOCK)
     base = knob.budget(Budget(top_k=0), knob.base)
-    latency = LatencyModel(analytic_profile(load_shapes("qwen2.5-0.5b"), "h100"))
+    latency = LatencyModel(analytic_profile(load_shapes("qwen2.5-0.5b"), "h100", block_size=128))
     mbs = [MicroBatch(tuple(range(len(lengths))), lengths, (0.3,) * len(lengths))] * micro_batches
     times, ops, reads = [], [], []
     ctl = None
@@ -87,7 +87,8 @@ def measure(lengths: tuple[int, ...], mode: str, layers: int, micro_batches: int
         ctl.target_seconds = float(ctl.planned.sum()) * (3.0 if mode == "DST raise" else 0.3)
     modules = [_Module(i) for i in range(layers)]
     for m in range(micro_batches):
-        ctx = microbatch_attention(cu, lengths, base, BLOCK, "flex", ctl, m, LayerTimer(ctl, m, False))
+        timer = LayerTimer(ctl, m, False)
+        ctx = packed_attention(cu, lengths, base, block_size=BLOCK, backend="flex", controller=ctl, m=m, timer=timer)
         for layer in range(layers):
             if m == 1 and layer == 1:  # a layer's launches and reads, counted apart
                 with launches.LaunchCounter() as count:

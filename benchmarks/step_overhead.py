@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 
-from sparsebalance.batching import make_estimator
-from sparsebalance.engine import PlanningConfig, StepEngine
+from sparsebalance.batching import PlanConfig
+from sparsebalance.engine import StepEngine
 from sparsebalance.latency import LatencyModel, analytic_profile
 from sparsebalance.models import load_shapes
 from sparsebalance.results import markdown_table, write_results
-from sparsebalance.tuning import DSTConfig, DSTTuner
+from sparsebalance.tuning import DSTConfig
 from sparsebalance.workload import Sample
 
 
@@ -34,24 +33,22 @@ def measure(global_batch: int, steps: int, ranks: int, seed: int = 0) -> dict:
     latency = LatencyModel(analytic_profile(shapes, "h100", block_size=128))
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(8.5, 1.2, 4 * global_batch).astype(int), 128, 32768)
-    tuner = DSTTuner(DSTConfig(), block_size=128)
     engine = StepEngine(
-        PlanningConfig(ranks, None, 32768),
+        PlanConfig(ranks, None, 32768),
         latency,
-        tuner,
-        make_estimator("auto", tuner.knob),
+        DSTConfig(),
         lambda i: Sample(i, int(lengths[i])),
+        block_size=128,
+        backend="flex",
         device="cuda",
+        world_size=1,
     )
     plan_s, dst_s = [], []
     for _ in range(steps + 1):
         ids = rng.choice(lengths.size, global_batch, replace=False)
-        t0 = time.perf_counter()
-        planned = engine.plan([Sample(int(i), int(lengths[i])) for i in ids])
-        t1 = time.perf_counter()
-        engine.tune(planned, 1)
-        plan_s.append(t1 - t0)
-        dst_s.append(time.perf_counter() - t1)
+        tuned = engine.begin([Sample(int(i), int(lengths[i])) for i in ids])
+        plan_s.append(tuned.planned.plan.metrics.plan_seconds)
+        dst_s.append(tuned.dst_seconds)
     plan, dst = statistics.median(plan_s[1:]), statistics.median(dst_s[1:])
     return {
         "global_batch": global_batch,

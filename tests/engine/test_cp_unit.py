@@ -10,7 +10,7 @@ import torch
 from sparsebalance.batching import Unit
 from sparsebalance.data.packing import IGNORE, pack
 from sparsebalance.engine.cp_unit import pass_schedule, shard_batch, unit_batch
-from sparsebalance.engine.stages import check_plan_agreement
+from sparsebalance.engine.engine import check_plan_agreement
 from sparsebalance.parallel import make_placement
 
 BLOCK = 16

@@ -21,12 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from sparsebalance.batching import make_estimator
-from sparsebalance.engine import ExecutionConfig, PlanningConfig, RankExecutor, StepEngine
-from sparsebalance.engine.defaults import resolve_kernel
+from sparsebalance.batching import PlanConfig
+from sparsebalance.engine import ExecutionConfig, RankExecutor, StepEngine
+from sparsebalance.engine.kernel import resolve_kernel
 from sparsebalance.engine.parallelize import parallelize
 from sparsebalance.engine.runtime import Runtime
-from sparsebalance.engine.stages import layer_feedback
 from sparsebalance.latency import LatencyModel, analytic_profile
 from sparsebalance.launches import LaunchCounter
 from sparsebalance.models import load_shapes
@@ -34,7 +33,7 @@ from sparsebalance.models.hf import build_model
 from sparsebalance.ops import attention as op_module
 from sparsebalance.ops import block_sparse_flex
 from sparsebalance.precision import Precision
-from sparsebalance.tuning import DSTConfig, DSTTuner
+from sparsebalance.tuning import DSTConfig
 from sparsebalance.workload import Sample
 
 LENGTHS = (9300, 2500, 700, 1800, 600, 1200)
@@ -81,23 +80,21 @@ def cuda_run(monkeypatch, tmp_path):
     g = np.random.default_rng(0)
     docs = [g.integers(1, MICRO["vocab_size"], n) for n in LENGTHS]
     (tmp_path / "config.json").write_text(json.dumps(MICRO))
-    tuner = DSTTuner(dst, block_size=kernel.block_size)
     latency = LatencyModel(analytic_profile(load_shapes("tiny"), "h100", block_size=128))
-    planning = PlanningConfig(num_ranks=2, micro_batches=None, capacity=16384)
     engine = StepEngine(
-        planning,
+        PlanConfig(world_size=2, capacity=16384),
         latency,
-        tuner,
-        make_estimator("auto", tuner.knob),
+        dst,
         lambda i: Sample(i, len(docs[i]), ""),
+        block_size=kernel.block_size,
+        backend=kernel.backend,
         device=kernel.device,
+        world_size=1,
     )
+    assert not engine.layer_times  # the device is CUDA: no host layer times
     runtime = Runtime(0, 1, torch.device("cpu"))
     par = parallelize(build_model(str(tmp_path), seed=0), runtime, "ddp", "overlap")
-    execution = ExecutionConfig(
-        kernel.block_size, kernel.backend, time_layers=layer_feedback(dst, False, kernel.device)
-    )
-    assert not execution.time_layers
+    execution = ExecutionConfig(kernel.block_size)
     executor = RankExecutor(
         par, docs, engine, execution, torch.device("cpu"), precision=Precision(kernel.precision, "cpu")
     )
@@ -107,7 +104,7 @@ def cuda_run(monkeypatch, tmp_path):
 
 def test_a_cuda_default_step_reads_nothing_back_before_its_end(cuda_run):
     engine, executor, samples, calls = cuda_run
-    step = engine.tune(engine.plan(samples), world_size=1)
+    step = engine.begin(samples)
     assert {r.role for r in step.decision.ranks} >= {"cut"}  # DST cuts a rank: the coverage bound
     clock = executor.clock
     at_sync, decided = [], []
@@ -121,6 +118,6 @@ def test_a_cuda_default_step_reads_nothing_back_before_its_end(cuda_run):
                 clock.synchronize = sync
         assert at_sync[-1] == 0, f"rank {rank}: host reads inside the step: {count.reads}"
         assert work.records[0].microbatches
-        decided += [r for c in executor._controllers for r in c.records]
+        decided += [r for c in engine._step_layers(step).of(rank) for r in c.records]
     assert calls, "the sparse kernel never ran"
     assert any(r.floor is not None for r in decided), "no layer decided the bound on the device"

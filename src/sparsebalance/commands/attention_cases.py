@@ -241,7 +241,7 @@ def count_layer(
     controller cutting it (the coverage bound decided as on a GPU for flex), the larger number of
     ``host_reads_per_layer``, ``ops_per_microbatch`` (the pack's tables, once); ``run_kernels``
     False: the kernels are not run (their outputs are left uninitialised)."""
-    from ..engine.stages import microbatch_attention
+    from ..engine.layers import packed_attention
     from ..latency import LatencyModel, analytic_profile
     from ..models import ModelShapes
     from ..tuning import DSTConfig, LayerController
@@ -261,7 +261,7 @@ def count_layer(
         if cut:
             ctl = LayerController([mb], latency, cfg, 0.0, knob=cfg.knob(block), device=decide_on)
             ctl.target_seconds = 0.3 * float(ctl.planned.sum())  # a bottleneck rank: cut
-        ctx = microbatch_attention(cu, lengths, budget, block, backend, ctl, 0)
+        ctx = packed_attention(cu, lengths, budget, block_size=block, backend=backend, controller=ctl)
         counts = []
         with torch.no_grad():
             for layer in range(2):  # the first builds the pack's tables

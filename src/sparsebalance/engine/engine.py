@@ -1,160 +1,318 @@
-"""``StepEngine``: what every front end plans, tunes and learns with, the same on every rank.
+"""``StepEngine``: the one seam every front end touches, the same on every rank.
 
 It holds the latency model, the density estimator, DST's tuner and (for context-parallel plans)
-the cost model that prices split documents, and runs the step's stages on them:
+the cost model that prices split documents, and answers three verbs per step::
 
-    samples --plan--> StepPlan --tune--> TunedStep --(the front end executes)--> RankRecords
-      --records / feedback--> recalibrated latency model and estimator
+    samples --begin--> TunedStep                 (SAB's plan, agreed by every rank; DST's budgets)
+    (tuned, rank, micro-batch, pack) --attention--> PackedAttention
+                                                 (budget, DST's layer controller and timer, dense
+                                                  promotion, fillers, CP units: decided here)
+    (tuned, rank, results) --finish--> list[RankRecord]
+                                                 (every rank's records, bubbles, feedback)
 
-``sparsebalance train``'s :class:`~.step.StepRunner` executes a tuned step with its own executor
-and optimizer; the integrations hand this rank's micro-batches to another trainer's loop and
-report their times back through :meth:`StepEngine.records` and :meth:`StepEngine.feedback`.
+``sparsebalance train``'s :class:`~.step.StepRunner` runs a tuned step with its own executor,
+syncs gradients itself and then calls :meth:`StepEngine.feedback`; the integrations hand this
+rank's micro-batches to another trainer's loop and report their times back through
+:meth:`StepEngine.finish`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..batching import DensityEstimator, PlanConfig
+from ..batching import DensityEstimator, PlanConfig, make_estimator, plan_batch
 from ..latency import LatencyModel
-from ..tuning import DSTTuner, LayerController
-from ..workload import CostModel, Sample
+from ..models.attention import PackedAttention
+from ..ops import Budget
+from ..tuning import DSTConfig, DSTTuner, LayerController, decide_units
+from ..workload import CostModel, MicroBatch, Sample
+from .cp_unit import pass_schedule
 from .feedback import apply_feedback
+from .layers import LayerTimer, layer_feedback, packed_attention
 from .records import MicroBatchResult, RankRecord, StepFeedback, StepPlan, TunedStep
-from .stages import plan_step, rank_controller, tune_step
 from .summary import derive_bubbles
 
+FILLER_BUDGET = Budget(gamma=1.0)
+"""A filler micro-batch's (two tokens, no target): every causal block."""
 
-@dataclass(frozen=True)
-class PlanningConfig:
-    """How a step is planned (the same on every rank)."""
 
-    num_ranks: int
-    """Data-parallel ranks the plan is for (real or emulated)."""
-    micro_batches: int | None
-    """Micro-batches per rank (None with a ``capacity``: as many as the capacity needs)."""
-    capacity: int | None
-    """Tokens per micro-batch, the memory bound (None: no bound)."""
-    strategy: str = "sab"
-    overlong: str = "split"
-    cp_degree: int | None = None
-    """A fixed context-parallel degree for ``sab-cp`` (None: chosen per document)."""
-    ranks_per_node: int | None = None
-    """The topology CP units are placed in (None: the cost model's links decide)."""
-    per_doc_weighting: bool = False
-    """Every document's tokens share one total loss weight (LongAlign)."""
-    deterministic: bool = False
-    """No measured time enters any decision."""
+def label_weight(mb: MicroBatch, per_doc_weighting: bool) -> float:
+    """Total loss weight of a micro-batch (what its loss sum is normalised by)."""
+    if per_doc_weighting:
+        return float(sum(1 for n in mb.lengths if n > 1))
+    return float(sum(n - 1 for n in mb.lengths))
 
-    def plan_config(self) -> PlanConfig:
-        return PlanConfig(
-            self.num_ranks,
-            self.micro_batches,
-            self.capacity,
-            self.strategy,
-            self.overlong,
-            cp_degree=self.cp_degree,
-            ranks_per_node=self.ranks_per_node,
-        )
+
+def check_plan_agreement(hashes: list[str], plan) -> None:
+    """Raise ``RuntimeError`` unless every rank's plan hash (``hashes[r]``) is the same, naming
+    the ranks that differ from the majority and the CP units (of this rank's plan) they are in."""
+    if len(set(hashes)) == 1:
+        return
+    common = max(set(hashes), key=lambda h: (hashes.count(h), h))
+    odd = [r for r, h in enumerate(hashes) if h != common]
+    units = [f"unit {u.slot} (ranks {list(u.ranks)})" for u in plan.units if set(u.ranks) & set(odd)]
+    where = f"; CP units they take part in: {', '.join(units)}" if units else ""
+    raise RuntimeError(
+        f"ranks {odd} derived a different plan from the other ranks (hashes {hashes}): their "
+        f"inputs diverged, the step is stopped{where}"
+    )
+
+
+@dataclass
+class _StepLayers:
+    """DST's layer controllers of one tuned step, built on a rank's first :meth:`attention`."""
+
+    tuned: TunedStep
+    solo: dict[int, LayerController | None] = field(default_factory=dict)
+    """Rank -> the controller of its one-rank micro-batches (None: budgets fixed)."""
+    units: dict[tuple[int, int], LayerController] = field(default_factory=dict)
+    """(rank, unit) -> the controller of a CP unit this rank takes part in."""
+
+    def of(self, rank: int) -> list[LayerController]:
+        mine = [self.solo[rank]] if self.solo.get(rank) is not None else []
+        return mine + [c for (r, _), c in self.units.items() if r == rank]
 
 
 class StepEngine:
-    """The step's stages over the run's models (see the module docstring).
+    """The step's verbs over the run's models (see the module docstring).
 
     Args:
-        config: the :class:`PlanningConfig`.
+        plan: how a global batch is planned (:class:`~sparsebalance.batching.PlanConfig`).
         latency: the latency model (the same on every rank; :func:`~.startup.load_latency_model`).
-        tuner: DST's step-level tuner (its knob turns budget values into budgets).
-        estimator: the density estimator SAB plans with.
+        dst: DST's settings (the tuner and its knob are built from them and ``block_size``).
         sample: sample id -> :class:`Sample` (length and source, for the estimator's feedback).
+        block_size, backend: the attention kernel's (the knob states top-k budgets in tokens).
+        device: where the micro-batches train: off the CPU nothing inside a step may wait for
+            it (DST's layer controllers decide on it), and only on the CPU do layer host times
+            feed DST's closed loop.
+        world_size: the processes whose gradient sync averages (the loss scale's numerator).
+        estimator: the density estimator SAB plans with, or its ``--estimator`` name.
         all_gather: ``obj -> [obj of every rank]`` (one rank: ``[obj]``).
         cost: what plans and DST price with, when not ``latency`` itself (``sab-cp``'s
             ``ContextCost``, which prices documents split over several ranks).
-        device: where the micro-batches train: off the CPU nothing inside a step may wait for
-            it (DST's layer controllers decide on it, :class:`~sparsebalance.tuning.
-            LayerController`).
+        per_doc_weighting: every document's tokens share one total loss weight (LongAlign).
+        deterministic: no measured time enters any decision.
     """
 
     def __init__(
         self,
-        config: PlanningConfig,
+        plan: PlanConfig,
         latency: LatencyModel,
-        tuner: DSTTuner,
-        estimator: DensityEstimator,
+        dst: DSTConfig,
         sample: Callable[[int], Sample],
+        *,
+        block_size: int,
+        backend: str,
+        device: torch.device | str,
+        world_size: int,
+        estimator: DensityEstimator | str = "auto",
         all_gather: Callable[[object], list] | None = None,
         cost: CostModel | None = None,
-        *,
-        device: torch.device,
+        per_doc_weighting: bool = False,
+        deterministic: bool = False,
     ) -> None:
-        self.config = config
-        self.device = torch.device(device)
+        self.config = plan
         self.latency = latency
-        self.tuner = tuner
-        self.estimator = estimator
+        self.tuner = DSTTuner(dst, block_size=block_size)
+        self.estimator = make_estimator(estimator, self.tuner.knob) if isinstance(estimator, str) else estimator
         self.sample = sample
+        self.block_size, self.backend = block_size, backend
+        self.device = torch.device(device)
+        self.world_size = world_size
         self.all_gather = all_gather or (lambda obj: [obj])
         self.cost = cost
+        self.per_doc_weighting, self.deterministic = per_doc_weighting, deterministic
+        self.layer_times = layer_feedback(dst, deterministic, self.device)
+        """DST's closed loop gets measured layer host times (CPU, not deterministic)."""
+        self._layers: list[_StepLayers] = []  # the last two steps' (a loader may run ahead)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.config.world_size
 
     @property
     def knob(self):
         return self.tuner.knob
 
-    @property
-    def dense_from(self) -> float | None:
-        """The latency profile's crossover density (documents from it run on the dense kernel);
-        None where the profile has none (CPU, analytic, gamma budgets)."""
-        return self.latency.profile.dense_from
+    # ------------------------------------------------------------------ begin
+    def begin(self, samples: list[Sample]) -> TunedStep:
+        """Plan (SAB) and tune (DST) the global batch ``samples``: every rank derives the same
+        plan (one all-gather checks it), a budget per rank (per worker with CP units) and the
+        loss scale ``world_size / global weight``."""
+        return self._tune(self.plan(samples))
 
     def plan(self, samples: list[Sample]) -> StepPlan:
-        """SAB: samples -> ranks -> micro-batches; every rank derived the same (checked)."""
-        cfg = self.config
-        return plan_step(
-            samples,
-            self.cost or self.latency,
-            cfg.plan_config(),
-            self.estimator,
-            self.all_gather,
-            cfg.per_doc_weighting,
+        """SAB alone: samples -> ranks -> micro-batches; every rank derived the same (checked)."""
+        plan = plan_batch(samples, self.cost or self.latency, self.config, estimator=self.estimator)
+        hashes = self.all_gather(plan.hash())
+        check_plan_agreement(hashes, plan)
+        units, rank_units = plan.execution()
+        # Every unit once (a CP unit appears in each of its ranks' lists).
+        weight = sum(
+            label_weight(MicroBatch(u.sample_ids, u.lengths, u.densities), self.per_doc_weighting) for u in units
+        )
+        return StepPlan(plan, hashes[0], weight, units, rank_units, pass_schedule(units, rank_units))
+
+    def _tune(self, planned: StepPlan) -> TunedStep:
+        plan = planned.plan
+        t0 = time.perf_counter()
+        # with CP units the workers are ranks joined by units, one budget each
+        if plan.units:
+            decision = decide_units(self.tuner, plan, self.cost or self.latency)
+        else:
+            decision = self.tuner.decide(plan.ranks, self.latency)
+        scale = self.world_size / max(planned.global_weight, 1e-9)
+        tuned = TunedStep(planned, decision, scale, time.perf_counter() - t0)
+        self._layers = [*self._layers[-1:], _StepLayers(tuned)]
+        return tuned
+
+    # ------------------------------------------------------------------ attention
+    def attention(
+        self,
+        tuned: TunedStep,
+        rank: int,
+        microbatch: int | None,
+        cu_seqlens: torch.Tensor,
+        lengths: Sequence[int],
+        *,
+        ring=None,
+        start: float | None = None,
+    ) -> PackedAttention:
+        """The attention context of ``rank``'s micro-batch ``microbatch`` of ``tuned`` (its
+        index in the rank's plan order; None: a filler, two tokens at exact attention).
+
+        Args:
+            cu_seqlens: int32 ``(N + 1,)`` of the packed micro-batch (this rank's shard's, for a
+                CP unit); ``lengths``: its documents' tokens on the host.
+            ring: a CP unit's ring (:func:`~.cp_unit.unit_batch`); required for a CP unit.
+            start: host time the micro-batch's forward starts (``perf_counter``), when known:
+                DST's closed loop then times its first layer too.
+        """
+        if microbatch is None:
+            return packed_attention(
+                cu_seqlens, lengths, FILLER_BUDGET, block_size=self.block_size, backend=self.backend
+            )
+        planned = tuned.planned
+        value = tuned.decision.ranks[rank].budget
+        budget = self.knob.budget(Budget(top_k=0), value)
+        u = planned.rank_units[rank][microbatch]
+        unit = planned.units[u]
+        if unit.degree > 1:
+            if ring is None:
+                raise ValueError(f"micro-batch {microbatch} of rank {rank} is a CP unit: pass its ring")
+            controller = self._unit_controller(tuned, rank, u, value)
+            choose = None if controller is None else lambda layer, e: controller.choose(0, layer, e)
+            return PackedAttention(
+                cu_seqlens,
+                budget,
+                self.block_size,
+                self.backend,
+                choose_budget=choose,
+                ring=ring,
+                lengths=tuple(int(n) for n in lengths),
+            )
+        # the controller's micro-batch m: the rank's m-th one-rank micro-batch in plan order
+        m = sum(1 for v in planned.rank_units[rank][:microbatch] if planned.units[v].degree == 1)
+        controller = self._controller(tuned, rank)
+        timer = LayerTimer(controller, m, self.layer_times)
+        if start is not None:
+            timer.start(start)
+        return packed_attention(
+            cu_seqlens,
+            lengths,
+            budget,
+            block_size=self.block_size,
+            backend=self.backend,
+            controller=controller,
+            m=m,
+            timer=timer,
+            dense_from=self.latency.profile.dense_from,
         )
 
-    def tune(self, planned: StepPlan, world_size: int) -> TunedStep:
-        """DST: a budget per rank, and the loss scale ``world_size / global weight`` (the
-        processes' gradient sync averages over ``world_size``)."""
-        return tune_step(planned, self.tuner, self.latency, self.cost, world_size)
+    def _step_layers(self, tuned: TunedStep) -> _StepLayers:
+        for layers in self._layers:
+            if layers.tuned is tuned:
+                return layers
+        raise ValueError("attention() of a step this engine did not begin (or two steps ago)")
 
-    def controller(self, tuned: TunedStep, rank: int) -> LayerController | None:
-        """DST's layer controller for ``rank``'s one-rank micro-batches (None: budgets fixed)."""
-        return rank_controller(tuned, rank, self.latency, self.tuner.config, self.tuner.knob, self.device)
+    def _controller(self, tuned: TunedStep, rank: int) -> LayerController | None:
+        """DST's closed-loop layer controller of ``rank``'s one-rank micro-batches (None with
+        ``mode="off"`` or when the rank has none), built once per step and rank."""
+        layers = self._step_layers(tuned)
+        if rank in layers.solo:
+            return layers.solo[rank]
+        planned, dst = tuned.planned, self.tuner.config
+        plan, units = planned.plan, planned.units
+        solo = [plan.ranks[rank][j] for j, u in enumerate(planned.rank_units[rank]) if units[u].degree == 1]
+        controller = None
+        if dst.mode != "off" and solo:
+            controller = LayerController.from_decision(
+                tuned.decision.ranks[rank], solo, self.latency, dst, knob=self.knob, device=self.device
+            )
+            if len(solo) < len(plan.ranks[rank]):  # its CP units are not the controller's
+                controller.target_seconds = float(controller.planned.sum())
+        layers.solo[rank] = controller
+        return controller
 
-    def records(
-        self, tuned: TunedStep, rank: int, results: Sequence[MicroBatchResult], gather: bool = True
+    def _unit_controller(self, tuned: TunedStep, rank: int, u: int, value: float) -> LayerController | None:
+        """A CP unit's controller: built from the step decision alone (the unit's ranks share one
+        budget) and fed no measured times, so every rank of the unit chooses the same budget from
+        the same estimate without a message."""
+        if self.tuner.config.mode == "off":
+            return None
+        layers = self._step_layers(tuned)
+        if (rank, u) not in layers.units:
+            unit = tuned.planned.units[u]
+            mb = MicroBatch(unit.sample_ids, unit.lengths, unit.densities)
+            ctl = LayerController(
+                [mb], self.latency, self.tuner.config, 0.0, value=value, knob=self.knob, device=self.device
+            )
+            ctl.target_seconds = float(ctl.planned.sum())  # the unit's own prediction at its budget
+            layers.units[rank, u] = ctl
+        return layers.units[rank, u]
+
+    # ------------------------------------------------------------------ finish
+    def record(self, tuned: TunedStep, rank: int, results: Sequence[MicroBatchResult]) -> RankRecord:
+        """This rank's :class:`RankRecord` of ``tuned`` from its micro-batch ``results``, with
+        its layer controllers' decision time and coverage-bound stops (no collective)."""
+        record = RankRecord.from_results(tuned.decision.ranks[rank], list(results))
+        controllers = self._step_layers(tuned).of(rank)
+        record.dst_layer_s = sum(c.decide_seconds for c in controllers)
+        record.coverage_limited = sum(c.num_coverage_limited for c in controllers)
+        return record
+
+    def finish(
+        self, tuned: TunedStep, rank: int, results: Sequence[MicroBatchResult], measured: bool = True
     ) -> list[RankRecord]:
-        """Every rank's :class:`RankRecord` from this rank's micro-batch ``results`` (one
-        all-gather when ``gather``), each with its derived bubble."""
-        mine = RankRecord.from_results(tuned.decision.ranks[rank], list(results))
-        records = self.all_gather(mine) if gather else [mine]
+        """After the step (another trainer synced and stepped): every rank's record from this
+        rank's micro-batch ``results`` (one all-gather), each with its derived bubble, folded
+        into the latency model and the estimator (their times only when ``measured``)."""
+        records = self.all_gather(self.record(tuned, rank, results))
         derive_bubbles(records)
+        self.feedback(records, measured)
         return records
 
     def feedback(self, records: list[RankRecord], measured: bool = True) -> StepFeedback:
         """Fold the step's micro-batches (every rank's, rank order) into the latency model and
-        the density estimator; their times only when ``measured`` and not deterministic."""
+        the density estimator; their times only when ``measured`` and not deterministic (what
+        :meth:`finish` does after its gather; the own loop syncs its records itself)."""
         feedback = StepFeedback.from_records(records)
         apply_feedback(
             feedback,
             self.latency,
             self.estimator,
-            self.tuner.knob,
+            self.knob,
             self.sample,
-            use_timings=measured and not self.config.deterministic,
+            use_timings=measured and not self.deterministic,
             context=self.cost,
         )
         return feedback
 
+    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """JSON-ready: the latency model's calibration, the estimator's state and the ring
         terms of ``sab-cp``'s cost model (None without one)."""

@@ -12,7 +12,7 @@ gradients are ready (the DDP comm hook's last bucket, else the end of its backwa
 with the layer statistics and the losses after *one* synchronize at the end of the rank's run.
 Nothing inside a micro-batch waits for the device (on CPU, where the host does the work, the
 marks are ``perf_counter`` stamps as before). DST's per-layer closed loop reads host times per
-layer and runs on CPU only (``time_layers``); on CUDA the layer controller decides from predicted
+layer and runs on CPU only (:attr:`.StepEngine.layer_times`); on CUDA the layer controller decides from predicted
 times inside the step."""
 
 from __future__ import annotations
@@ -23,23 +23,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..batching import Unit
 from ..clock import Clock, Mark, use_clock
 from ..data import pack
 from ..models.attention import LayerStats, PackedAttention
-from ..ops import Budget
 from ..parallel import watch
 from ..parallel.groups import RingGroups
 from ..parallel.p2p import RING_WAITS
 from ..precision import Precision, resolve_precision
-from ..tuning import LayerController
-from ..workload import MicroBatch
 from .cp_unit import unit_batch
+from .engine import StepEngine
 from .loss import packed_loss
 from .parallelize import Parallelized
-from .planning import StepEngine
-from .records import LocalWork, MicroBatchResult, RankRecord, TunedStep
-from .stages import LayerTimer, microbatch_attention
+from .records import LocalWork, MicroBatchResult, TunedStep
 
 
 @dataclass(frozen=True)
@@ -47,12 +42,9 @@ class ExecutionConfig:
     """How a rank's micro-batches run (the own trainer's executor)."""
 
     block_size: int
-    backend: str
-    """Resolved attention backend (flex | torch | reference)."""
+    """Tokens per sparsity block (a CP unit's shards are striped in blocks)."""
     per_doc_weighting: bool = False
     """Every document's tokens share one total loss weight (LongAlign)."""
-    time_layers: bool = False
-    """Feed per-layer host times to DST's closed loop (CPU, not ``--deterministic``)."""
     loss: str = "auto"
     """LM loss implementation (:mod:`.loss`): auto | chunked | plain | liger."""
 
@@ -96,7 +88,7 @@ class RankExecutor:
     docs: Sequence[np.ndarray]
     """Token ids of every document of the corpus (indexed by sample id)."""
     engine: StepEngine
-    """The latency model, DST's config and knob the layer controllers use."""
+    """Every micro-batch's attention context and the rank's record come from it."""
     config: ExecutionConfig
     device: torch.device
     precision: Precision | None = None
@@ -106,8 +98,6 @@ class RankExecutor:
     """fp16's loss scaling (scales every backward); None otherwise."""
     ring_groups: RingGroups | None = None
     """The ring groups CP units talk on (created once by the trainer); None: default group."""
-    _controllers: list[LayerController] = field(default_factory=list, init=False, repr=False)
-    """This run's layer controllers (their decision time and coverage-bound stops)."""
 
     def __post_init__(self) -> None:
         if self.precision is None:
@@ -129,66 +119,41 @@ class RankExecutor:
             ready_s = clock.seconds(origin, ready or done)
             done_s = clock.seconds(origin, done)
             RING_WAITS.fold()
-        record = RankRecord.from_results(step.decision.ranks[rank], results)
-        record.dst_layer_s = sum(c.decide_seconds for c in self._controllers)
-        record.coverage_limited = sum(c.num_coverage_limited for c in self._controllers)
-        return LocalWork([record], ready_s, done_s)
+        return LocalWork([self.engine.record(step, rank, results)], ready_s, done_s)
 
     def _run(self, step: TunedStep, rank: int) -> tuple[list[_Timed], Mark | None, Mark]:
         planned = step.planned
-        mine, units = step.decision.ranks[rank], planned.units
-        controller = self.engine.controller(step, rank)
-        self._controllers = [] if controller is None else [controller]
+        units, position = planned.units, {u: j for j, u in enumerate(planned.rank_units[rank])}
         row = planned.rounds[rank]
         mine_units = [u for u in row if u is not None]
         passes = self.par.passes(len(mine_units), len(row))
         order = list(row) if self.par.kind == "fsdp2" else mine_units
         order += [None] * (passes - len(order))
-        results, ready, m_solo = [], None, 0
+        results, ready = [], None
         for m, u in enumerate(order):
             with self.par.microbatch(m, passes):
                 if u is None:  # a zero-weight filler keeps this rank's collectives in step
-                    ready = self.filler()
+                    ready = self.filler(step, rank)
                 elif units[u].degree > 1:
                     with watch.at(unit=units[u].slot, ring_step=None):
-                        res, ready = self.cp_unit(units[u], rank, mine.budget, step.loss_scale)
+                        res, ready = self.cp_unit(step, rank, position[u], step.loss_scale)
                     results.append(res)
                 else:
-                    unit = units[u]
-                    mb = MicroBatch(unit.sample_ids, unit.lengths, unit.densities)
-                    res, ready = self.microbatch(m_solo, mb, unit.offsets, controller, mine.budget, step.loss_scale)
-                    res.extra["slot"] = unit.slot
+                    res, ready = self.microbatch(step, rank, position[u], step.loss_scale)
+                    res.extra["slot"] = units[u].slot
                     results.append(res)
-                    m_solo += 1
         return results, ready, self.clock.mark()
 
-    def cp_unit(self, unit: Unit, rank: int, value: float, loss_scale: float) -> tuple[_Timed, Mark]:
-        """Forward + backward of this rank's shard of CP unit ``unit`` (see the module
-        docstring); the result (this rank's loss share, the unit's layer densities)."""
-        cfg, engine = self.config, self.engine
+    def cp_unit(self, step: TunedStep, rank: int, j: int, loss_scale: float) -> tuple[_Timed, Mark]:
+        """Forward + backward of this rank's shard of CP unit ``j`` (in the rank's plan order;
+        see the module docstring); the result (this rank's loss share, the unit's layer
+        densities)."""
+        cfg = self.config
+        unit = step.planned.units[step.planned.rank_units[rank][j]]
         batch, ring = unit_batch(
             unit, rank, self.docs, cfg.block_size, self.device, cfg.per_doc_weighting, self.ring_groups
         )
-        choose = None
-        if engine.tuner.config.mode != "off":
-            mb = MicroBatch(unit.sample_ids, unit.lengths, unit.densities)
-            # Target: the unit's own prediction at its budget; fed no measured times, the
-            # controller's choices depend on the shared estimates only (same on every rank).
-            ctl = LayerController(
-                [mb], engine.latency, engine.tuner.config, 0.0, value=value, knob=engine.knob, device=engine.device
-            )
-            ctl.target_seconds = float(ctl.planned.sum())
-            self._controllers.append(ctl)
-            choose = lambda layer, e: ctl.choose(0, layer, e)  # noqa: E731
-        ctx = PackedAttention(
-            batch.cu_seqlens,
-            self.budget(value),
-            cfg.block_size,
-            cfg.backend,
-            choose_budget=choose,
-            ring=ring,
-            lengths=unit.lengths,
-        )
+        ctx = self.engine.attention(step, rank, j, batch.cu_seqlens, unit.lengths, ring=ring)
         t0, wait0 = self.clock.mark(), len(RING_WAITS)
         result, ready = self._forward_backward(batch, ctx, loss_scale, t0, unit.lengths, unit.sample_ids)
         local = _real_tokens(ring.placement, unit.ranks.index(rank))
@@ -196,35 +161,16 @@ class RankExecutor:
         result.waits = (wait0, len(RING_WAITS))
         return result, ready
 
-    def microbatch(
-        self,
-        m: int,
-        mb: MicroBatch,
-        offsets: Sequence[int],
-        controller: LayerController | None,
-        value: float,
-        loss_scale: float,
-    ) -> tuple[_Timed, Mark]:
-        """Forward + backward of micro-batch ``m``; the result and when its gradients were ready
-        (for an overlapped sync: when the last bucket was handed over, before the wait)."""
-        docs = [self.docs[i][o : o + n] for i, o, n in zip(mb.sample_ids, offsets, mb.lengths, strict=True)]
-        cfg = self.config
-        batch = pack(docs, self.device, cfg.per_doc_weighting)
-        timer = LayerTimer(controller, m, cfg.time_layers)
-        ctx = microbatch_attention(
-            batch.cu_seqlens,
-            batch.lengths,
-            self.budget(value),
-            cfg.block_size,
-            cfg.backend,
-            controller,
-            m,
-            timer,
-            self.engine.dense_from,
-        )
-        t0 = self.clock.mark()
-        timer.start(t0.host)
-        return self._forward_backward(batch, ctx, loss_scale, t0, mb.lengths, mb.sample_ids)
+    def microbatch(self, step: TunedStep, rank: int, j: int, loss_scale: float) -> tuple[_Timed, Mark]:
+        """Forward + backward of the rank's micro-batch ``j`` (plan order); the result and when
+        its gradients were ready (for an overlapped sync: when the last bucket was handed over,
+        before the wait)."""
+        unit = step.planned.units[step.planned.rank_units[rank][j]]
+        docs = [self.docs[i][o : o + n] for i, o, n in zip(unit.sample_ids, unit.offsets, unit.lengths, strict=True)]
+        batch = pack(docs, self.device, self.config.per_doc_weighting)
+        t0 = self.clock.mark()  # before the context: DST's closed loop times the first layer too
+        ctx = self.engine.attention(step, rank, j, batch.cu_seqlens, batch.lengths, start=t0.host)
+        return self._forward_backward(batch, ctx, loss_scale, t0, unit.lengths, unit.sample_ids)
 
     def _forward_backward(
         self,
@@ -254,18 +200,12 @@ class RankExecutor:
         )
         return timed, ready
 
-    def budget(self, value: float) -> Budget:
-        """The budget at knob ``value`` (the op's default anchors)."""
-        return self.engine.knob.budget(Budget(top_k=0), value)
-
-    def filler(self) -> Mark:
+    def filler(self, step: TunedStep, rank: int) -> Mark:
         """A two-token forward/backward that adds nothing to the gradients (loss x 0), under the
         run's autocast like every micro-batch (one dtype per run: no graph of its own); returns
         when its gradients were ready."""
         batch = pack([np.zeros(2, dtype=np.int64)], self.device)
-        ctx = microbatch_attention(
-            batch.cu_seqlens, batch.lengths, Budget(gamma=1.0), self.config.block_size, self.config.backend
-        )
+        ctx = self.engine.attention(step, rank, None, batch.cu_seqlens, batch.lengths)
         with self.precision.autocast():
             out = self.par.model(
                 input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx, use_cache=False

@@ -12,8 +12,10 @@ before this was shared).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import numpy as np
 
 from ..latency import (
     LatencyModel,
@@ -24,7 +26,37 @@ from ..latency import (
     load_profile,
 )
 from ..models import ModelShapes
-from .defaults import Kernel
+from .kernel import Kernel
+
+
+def check_global_batch(global_batch: int, num_docs: int, world_size: int, flag: str = "--global-batch") -> None:
+    """Refuse a global batch that exceeds the dataset's ``num_docs`` documents or leaves one of
+    the ``world_size`` ranks without a document (checked before anything is profiled); ``flag``:
+    how the caller names it (``--global-batch``, or ``global_batch`` for a keyword)."""
+    if global_batch > num_docs:
+        raise ValueError(f"{flag} {global_batch} exceeds the dataset's {num_docs} documents")
+    if global_batch < world_size:
+        raise ValueError(
+            f"{flag} {global_batch} is smaller than the {world_size} ranks: every rank needs at "
+            "least one document per step"
+        )
+
+
+def profile_length(
+    capacity: int | None, lengths: Sequence[int] | np.ndarray, global_batch: int, max_len: int | None = None
+) -> int:
+    """Longest micro-batch a measured latency profile must cover (tokens), what every front end
+    asks :func:`load_latency_model` for: the ``capacity``, but never more than the
+    ``global_batch`` longest documents together (a capacity of 10^6 with short documents must not
+    profile 10^6 tokens); without a capacity the longest document (or ``max_len``, the crop,
+    when longer); at least 256 tokens (the quick profile needs two lengths; a capacity of 64 is
+    valid)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if capacity is not None:
+        top = min(int(capacity), int(np.sort(lengths)[-global_batch:].sum()))
+    else:
+        top = max(max_len or 0, int(lengths.max()))
+    return max(top, 256)
 
 
 def layout_kind(budget_kind: str) -> str:
@@ -75,7 +107,7 @@ def load_latency_model(
                     kernel.device,
                     kernel.precision,
                     kernel.backend,
-                    kernel.block_size,
+                    block_size=kernel.block_size,
                     max_len=max_len,
                     layout=layout,
                     given=given,

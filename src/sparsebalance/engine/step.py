@@ -4,7 +4,7 @@ gradient sync and the optimizer update::
     list[Sample] -plan-> StepPlan -tune-> TunedStep -execute-> LocalWork -synchronize->
     list[RankRecord] -update-> StepReport, StepFeedback -> feedback
 
-plan and tune (SAB, DST: :class:`~.planning.StepEngine`), execute (forward/backward per
+plan and tune (SAB, DST: :class:`~.engine.StepEngine`), execute (forward/backward per
 micro-batch, :mod:`.execute`), synchronize (gradient sync and the bubble, :mod:`.parallelize`),
 update (optimizer, :class:`Updater`), feedback (latency model and density estimator). Every rank
 computes identical plans, decisions, summaries and feedback. The trainer integrations run the same
@@ -22,9 +22,9 @@ import torch
 
 from ..parallel import watch
 from ..workload import Sample
+from .engine import StepEngine
 from .execute import RankExecutor
 from .parallelize import Parallelized
-from .planning import StepEngine
 from .records import LocalWork, RankRecord, StepResult, TunedStep
 from .runtime import Runtime
 from .summary import StepReport, derive_bubbles
@@ -148,7 +148,7 @@ class StepRunner:
 
     @property
     def num_ranks(self) -> int:
-        return self.engine.config.num_ranks
+        return self.engine.num_ranks
 
     @property
     def tuner(self):
@@ -163,7 +163,7 @@ class StepRunner:
         """
         t_step = time.perf_counter()
         with watch.at(step=step, unit=None, ring_step=None, where="the plan agreement"):
-            tuned = self.engine.tune(self.engine.plan(samples), self.rt.world_size)
+            tuned = self.engine.begin(samples)
             local = self.execute(tuned)
             with watch.at(where="the gradient sync", unit=None):
                 records = self.synchronize(local)

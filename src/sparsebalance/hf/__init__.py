@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer
 
+from ..engine import DSTConfig
 from ..integrations.attach import (
     AttachedRuntime,
     attach,
@@ -48,7 +49,6 @@ from ..integrations.attach import (
 )
 from ..integrations.planner import PlannerConfig
 from ..integrations.setup import build_sampler
-from ..tuning import DSTConfig
 from .callback import SparseBalanceCallback
 
 __all__ = ["SparseBalanceCallback", "enable"]

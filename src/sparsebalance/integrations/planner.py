@@ -24,11 +24,18 @@ import numpy as np
 import torch
 
 from .. import flags
-from ..batching import OVERLONG, make_estimator
 from ..data.mixture import epoch_permutation
-from ..engine import MicroBatchResult, PlanningConfig, StepEngine, StepReport, TunedStep
-from ..latency import LatencyModel
-from ..tuning import DSTConfig, DSTTuner, LayerController
+from ..engine import (
+    OVERLONG,
+    DSTConfig,
+    LatencyModel,
+    MicroBatchResult,
+    PlanConfig,
+    StepEngine,
+    StepReport,
+    TunedStep,
+    check_global_batch,
+)
 from ..workload import Sample
 
 STRATEGIES = ("sequential", "sorted", "tokens", "flops", "sab")
@@ -83,18 +90,6 @@ class PlannerConfig:
             raise ValueError(f"capacity must be >= 1 or None, got {self.capacity}")
 
 
-def check_global_batch(global_batch: int, num_docs: int, world_size: int) -> None:
-    """The global batch must fit the dataset and give every rank a document (checked before
-    anything is profiled)."""
-    if global_batch > num_docs:
-        raise ValueError(f"global_batch {global_batch} exceeds the dataset's {num_docs} documents")
-    if global_batch < world_size:
-        raise ValueError(
-            f"global_batch {global_batch} is smaller than the {world_size} ranks: every rank "
-            "needs at least one document per step"
-        )
-
-
 @dataclass
 class MicroBatchSpec:
     """One of this rank's micro-batches of a step: documents (chunks) in pack order."""
@@ -116,7 +111,6 @@ class StepWork:
     tuned: TunedStep
     """The plan, its hash, DST's decision and the loss scale."""
     specs: list[MicroBatchSpec]
-    controller: LayerController | None
     target_tokens: int = 0
     """Target tokens of the whole global batch (every rank): the loss normaliser."""
     tickets: list = field(default_factory=list)
@@ -139,7 +133,7 @@ class StepPlanner:
         all_gather: ``obj -> [obj of every rank]`` (``torch.distributed.all_gather_object``).
         sources: optional ``(N,)`` source names (the density estimator learns per source).
         device: where the micro-batches train (DST decides on it off the CPU; layer times are
-            fed back only on the CPU, :func:`~sparsebalance.engine.stages.layer_feedback`).
+            fed back only on the CPU, :attr:`~sparsebalance.engine.StepEngine.layer_times`).
     """
 
     def __init__(
@@ -160,28 +154,29 @@ class StepPlanner:
         if config.block_size is None:
             raise ValueError("PlannerConfig.block_size: resolve it first (build_sampler does)")
         self.config = config
-        check_global_batch(config.global_batch, self.lengths.size, world_size)
+        check_global_batch(config.global_batch, self.lengths.size, world_size, flag="global_batch")
         self.rank, self.world_size = rank, world_size
         self.all_gather = all_gather or (lambda obj: [obj])
         self.sources = list(sources) if sources is not None else None
-        tuner = DSTTuner(config.dst, block_size=config.block_size)
-        planning = PlanningConfig(
+        plan = PlanConfig(
             world_size,
             None if config.capacity else config.micro_batches,
             config.capacity,
             config.strategy,
             config.overlong,
-            deterministic=config.deterministic,
         )
         self.device = torch.device(device)
         self.engine = StepEngine(
-            planning,
+            plan,
             latency,
-            tuner,
-            make_estimator("auto", tuner.knob),
+            config.dst,
             self.sample,
-            self.all_gather,
+            block_size=config.block_size,
+            backend=config.backend,
             device=self.device,
+            world_size=world_size,
+            all_gather=self.all_gather,
+            deterministic=config.deterministic,
         )
         self.target_count: Callable[[int, int, int], int] | None = None
         """Optional ``(sample id, offset, length) -> targets`` (masked prompts); default n - 1."""
@@ -194,7 +189,7 @@ class StepPlanner:
         return self.engine.latency
 
     @property
-    def tuner(self) -> DSTTuner:
+    def tuner(self):
         return self.engine.tuner
 
     @property
@@ -229,7 +224,7 @@ class StepPlanner:
             return self._work
         cfg = self.config
         samples = [self.sample(i) for i in self.batch_ids(epoch, step_in_epoch)]
-        tuned = self.engine.tune(self.engine.plan(samples), self.world_size)
+        tuned = self.engine.begin(samples)
         plan = tuned.planned.plan
         counts = [len(r) for r in plan.ranks]
         if max(counts) > cfg.micro_batches:
@@ -245,8 +240,7 @@ class StepPlanner:
         ]
         fillers = range(len(specs), cfg.micro_batches)
         specs += [MicroBatchSpec(step, m, filler=True) for m in fillers]
-        controller = self.engine.controller(tuned, self.rank)
-        self._work = StepWork(step, epoch, tuned, specs, controller, self._targets(plan), t_planned=time.perf_counter())
+        self._work = StepWork(step, epoch, tuned, specs, self._targets(plan), t_planned=time.perf_counter())
         return self._work
 
     def _targets(self, plan) -> int:
@@ -288,8 +282,7 @@ class StepPlanner:
                     slot=m,
                 )
             )
-        records = self.engine.records(work.tuned, self.rank, results)
-        self.engine.feedback(records, measured=seconds is not None)
+        records = self.engine.finish(work.tuned, self.rank, results, measured=seconds is not None)
         report = StepReport.of(
             work.tuned,
             records,

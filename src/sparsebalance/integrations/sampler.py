@@ -31,9 +31,6 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from ..engine import LayerTimer, microbatch_attention
-from ..engine.stages import layer_feedback
-from ..ops import Budget
 from .attach import MicroBatchTicket
 from .planner import StepPlanner
 
@@ -205,6 +202,8 @@ class PlannedDataset:
 
     def __init__(self, dataset, planner: StepPlanner) -> None:
         self.dataset, self.planner = dataset, planner
+        # the dataset arrives after the planner (BalancedBatchSampler.dataloader): its masked
+        # prompts change the global batch's target count, HF's loss normaliser
         planner.target_count = self._target_count
 
     def __len__(self) -> int:
@@ -274,29 +273,13 @@ class PackedCollator:
         }
 
     def _ticket(self, work, spec, cu: torch.Tensor, lengths: tuple[int, ...]) -> MicroBatchTicket:
-        """The micro-batch's attention: the rank's step budget, DST's per-layer choices (the
-        controller's micro-batch ``spec.index``) and, when timings are fed back, the layer
-        times of its closed loop (as ``sparsebalance train``'s)."""
-        cfg = self.planner.config
-        if spec.filler:
-            ctx = microbatch_attention(cu, lengths, Budget(gamma=1.0), cfg.block_size, cfg.backend)
-            return MicroBatchTicket(ctx, spec.step, spec.index, spec, filler=True)
-        value = work.tuned.decision.ranks[self.planner.rank].budget
-        budget = self.planner.tuner.knob.budget(Budget(top_k=0), value)
-        feedback = layer_feedback(cfg.dst, cfg.deterministic, self.planner.device)
-        timer = LayerTimer(work.controller, spec.index, feedback)
-        ctx = microbatch_attention(
-            cu,
-            lengths,
-            budget,
-            cfg.block_size,
-            cfg.backend,
-            work.controller,
-            spec.index,
-            timer,
-            self.planner.engine.dense_from,
-        )
-        return MicroBatchTicket(ctx, spec.step, spec.index, spec)
+        """The micro-batch's attention from the engine: the rank's step budget, DST's per-layer
+        choices and, when timings are fed back, the layer times of its closed loop (as
+        ``sparsebalance train``'s); a filler's exact attention."""
+        planner = self.planner
+        index = None if spec.filler else spec.index
+        ctx = planner.engine.attention(work.tuned, planner.rank, index, cu, lengths)
+        return MicroBatchTicket(ctx, spec.step, spec.index, spec, filler=spec.filler)
 
 
 def predicted_balance(planner: StepPlanner, steps: Sequence[int], epoch: int = 0) -> list[float]:

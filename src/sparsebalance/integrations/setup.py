@@ -9,11 +9,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..engine import load_latency_model, resolve_kernel
-from ..latency import LatencyModel
+from ..engine import LatencyModel, check_global_batch, load_latency_model, profile_length, resolve_kernel
 from ..models import ModelShapes
 from .attach import AttachedRuntime
-from .planner import PlannerConfig, StepPlanner, check_global_batch
+from .planner import PlannerConfig, StepPlanner
 from .sampler import BalancedBatchSampler, dataset_lengths
 
 
@@ -57,13 +56,12 @@ def latency_model(
     device = torch.device(device) if device is not None else next(model.parameters()).device
     kernel = resolve_kernel(device, config.block_size, config.backend, precision)
     shapes = ModelShapes.from_hf_config(model.config.to_dict(), name=model.config.model_type)
-    top = config.capacity or int(np.sort(lengths)[-config.global_batch :].sum())
     return load_latency_model(
         shapes,
         kernel,
         config.dst.budget,
         profile,
-        max(top, 256),
+        profile_length(config.capacity, lengths, config.global_batch),
         all_gather is None or process_rank()[0] == 0,
         all_gather or (lambda o: [o]),
         flag="profile",
@@ -104,7 +102,7 @@ def build_sampler(
     vocab = int(runtime.model.get_input_embeddings().weight.shape[0])
     lengths = dataset_lengths(dataset, vocab) if lengths is None else np.asarray(lengths, np.int64)
     rank, world = process_rank()
-    check_global_batch(config.global_batch, lengths.size, world)  # before any profiling
+    check_global_batch(config.global_batch, lengths.size, world, flag="global_batch")  # before any profiling
     gather = all_gather_fn()
     latency = latency_model(runtime.model, config, profile, lengths, gather, device, precision)
     planner = StepPlanner(lengths, config, latency, rank, world, gather, sources, device=device)
