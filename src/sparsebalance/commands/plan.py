@@ -56,6 +56,7 @@ from ..latency.memory import (
 from ..models import load_shapes
 from ..results import markdown_table
 from ..tuning import DSTConfig
+from ..tuning.config import DEFAULT_BUDGET_TOKENS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,8 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--budget-tokens",
         type=int,
-        default=8192,
-        help="top-k: the base budget in tokens attended (default: 8192, the paper's)",
+        default=DEFAULT_BUDGET_TOKENS,
+        help=f"top-k: the base budget in tokens attended (default: {DEFAULT_BUDGET_TOKENS}, the paper's)",
     )
     p.add_argument("--text-field", default="text", help="jsonl field to tokenize")
     p.add_argument("--seed", type=int, default=None, help="shuffle the file order with this seed")

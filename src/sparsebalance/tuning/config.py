@@ -20,6 +20,11 @@ _GAMMA_FIELDS = ("gamma0", "gamma_min", "gamma_max")
 _TOPK_FIELDS = ("budget_tokens", "budget_tokens_min", "budget_tokens_max")
 
 
+DEFAULT_BUDGET_TOKENS = 8192
+"""Top-k's default base budget in tokens attended (the paper's 32 blocks x 256 = 8,192): what
+every front end and command runs at when no budget is given."""
+
+
 @dataclass(frozen=True)
 class DSTConfig:
     """Dynamic sparsity tuning settings (validated on construction). Flags ``--dst.FIELD``
@@ -44,7 +49,7 @@ class DSTConfig:
     budget: str = "top-k"
     """[--budget] the budget kind DST tunes: ``top-k`` (MoBA: k key blocks per query, the paper's)
     or ``gamma`` (the fewest blocks whose estimated attention mass reaches gamma)."""
-    budget_tokens: int = 8192
+    budget_tokens: int = DEFAULT_BUDGET_TOKENS
     """[--budget-tokens] top-k: the base budget in tokens attended, k x block size (the paper's
     32 x 256 = 8,192), so a block-size change keeps the budget."""
     budget_tokens_min: int | None = None
