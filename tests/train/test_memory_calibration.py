@@ -34,17 +34,17 @@ def calibration(cfg, act_bytes: float, overhead: float, **fp_over) -> MemoryCali
     return MemoryCalibration(running, act_bytes, overhead, probes, (0.0, 0.0), (0.1, 0.1))
 
 
-def test_capacity_auto_uses_the_profiles_measured_coefficients(tmp_path, monkeypatch):
+def test_capacity_auto_uses_the_profiles_measured_coefficients(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(mf, "CACHE_DIR", tmp_path / "cache")  # no stray cached calibration
     base = current_rss_bytes()
     cfg = base_config(tmp_path, steps=1, capacity="auto", memory_budget=str(base + 2**30))
     analytic = Trainer(cfg, CPU1)
-    assert "analytic coefficients" in analytic.memory_source
+    assert "analytic coefficients" in capsys.readouterr().err  # the --capacity auto line says which
     profile = load_profile(cfg.profile)
     profile.meta["memory"] = calibration(cfg, 4 * cpu_coefficients(0).act_bytes, 0.0).to_json()
     profile.save(cfg.profile)
     measured = Trainer(replace(cfg, out=str(tmp_path / "m")), CPU1)
-    assert "measured coefficients from the --profile" in measured.memory_source
+    assert "measured coefficients from the --profile" in capsys.readouterr().err  # the --capacity auto line says which
     # four times the bytes per saved element: a clearly smaller micro-batch fits
     assert measured.cfg.capacity < 0.6 * analytic.cfg.capacity
     assert measured.memory_bound.capacity() == measured.cfg.capacity
@@ -53,7 +53,7 @@ def test_capacity_auto_uses_the_profiles_measured_coefficients(tmp_path, monkeyp
     profile.meta["memory"] = other
     profile.save(cfg.profile)
     again = Trainer(replace(cfg, out=str(tmp_path / "o")), CPU1)
-    assert "measured on another setup" in again.memory_source
+    assert "measured on another setup" in capsys.readouterr().err  # the --capacity auto line says which
     # (analytic again: the base is this process's resident size, which grew with each trainer)
     assert again.cfg.capacity > 2 * measured.cfg.capacity
     assert json.loads(json.dumps(other))["schema"] == mf.SCHEMA

@@ -1,0 +1,198 @@
+"""The parts of a ``sparsebalance train`` run, each built by one function for
+:class:`~.trainer.Trainer`: the world's checks, the data (resolved once per node), the model,
+``--capacity auto``'s memory bound, the run folder's checks and its files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from .. import flags
+from ..data import load_tokenizer
+from ..data.dataset import TokenizedCorpus, apply_vocabulary, compact_vocabulary, open_corpus, resolve_data
+from ..data.store import is_store
+from ..engine.runtime import Runtime
+from ..latency import LatencyModel, fingerprint, load_profile
+from ..latency.memory import (
+    GIB,
+    MemoryBound,
+    MemoryConfig,
+    MemoryModel,
+    auto_capacity,
+    device_coefficients,
+    parse_bytes,
+    with_budget_fraction,
+)
+from ..latency.memory_fit import find_calibration, memory_fingerprint
+from ..models import ModelShapes, check_attention, check_trainable
+from ..models.checkpointing import apply_activation_checkpointing
+from ..models.hf import build_model
+from .checkpoint import clean_temporaries
+from .config import RUN_FILES, RUN_STATE, TrainConfig, resolve_strategy, to_record
+from .multinode import Topology, node_leaders, resolve_on_nodes
+
+
+def say(rt: Runtime, line: str) -> None:
+    """One ``sparsebalance train:`` line on stderr, from rank 0."""
+    if rt.is_main:
+        print(f"sparsebalance train: {line}", file=sys.stderr, flush=True)
+
+
+def check_world(cfg: TrainConfig, rt: Runtime) -> tuple[TrainConfig, int]:
+    """The config with ``--strategy auto`` resolved for this world, and its number of ranks
+    (``--emulate-ranks``, else the processes); refuses a world the settings cannot split."""
+    if cfg.emulate_ranks and rt.distributed:
+        raise ValueError("--emulate-ranks runs in one process: launch it with --nproc 1")
+    num_ranks = cfg.emulate_ranks or rt.world_size
+    cfg = resolve_strategy(cfg, num_ranks)  # --strategy auto
+    if cfg.cp is not None and num_ranks % cfg.cp:
+        raise ValueError(
+            f"--cp {cfg.cp} must divide the world size ({num_ranks}): the ranks form world / K context-parallel groups"
+        )
+    return cfg, num_ranks
+
+
+def topology(cfg: TrainConfig, rt: Runtime, num_ranks: int, placements: list) -> Topology:
+    """Which ranks share a node: ``--ranks-per-node``, else the launcher's (checked to agree
+    on every rank), else one node. Emulated ranks have no launcher."""
+    reported = [] if cfg.emulate_ranks else placements
+    found, note = Topology.from_launcher(num_ranks, reported, cfg.ranks_per_node)
+    if note:
+        say(rt, f"note: {note}")
+    return found
+
+
+def open_data(cfg: TrainConfig, rt: Runtime, placements: list) -> TokenizedCorpus:
+    """``--data`` as one corpus. Rank 0 resolves it (preparing raw inputs into the cache once)
+    while the others wait; every rank then maps rank 0's stores. A node that cannot see them
+    (its own cache) uses the stores its first rank (``LOCAL_RANK`` 0) resolves alone
+    (:func:`resolve_on_nodes`): one writer per node-local cache."""
+    tokenizer = load_tokenizer(cfg.tokenizer)
+
+    def resolve():
+        return resolve_data(
+            cfg.data,
+            tokenizer,
+            cfg.text_field,
+            cfg.num_builtin,
+            cfg.seed,
+            cfg.min_len,
+            cfg.max_len,
+            on_bad_record=cfg.on_bad_record,
+            progress=rt.is_main,
+        )
+
+    def usable(sources) -> bool:
+        return all(is_store(s.store) for s in sources)
+
+    sources = resolve_on_nodes(resolve, usable, rt.rank, node_leaders(placements), rt.all_gather_object)
+    return open_corpus(sources, cfg.min_len, cfg.max_len)
+
+
+def check_model(cfg: TrainConfig) -> str:
+    """Refuse, in one line and before the data is prepared, a ``--model`` whose type or attention
+    cannot train here; returns how the setting was given (``--model M`` or ``model='M'``)."""
+    named = flags.given(cfg, "model", cfg.model)
+    check_trainable(cfg.model, named)
+    return named
+
+
+def checked_model(cfg: TrainConfig, device: torch.device, named: str) -> torch.nn.Module:
+    """``--model`` built in fp32 master weights on ``device`` (its attention checked as built:
+    defaults the file left out), with ``--activation-checkpointing`` applied; ``named``: what
+    :func:`check_model` returned."""
+    model = build_model(cfg.model, device, torch.float32, seed=cfg.seed)
+    check_attention(model.config, named)  # as built: defaults the file left out
+    apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    return model
+
+
+def fit_vocabulary(corpus: TokenizedCorpus, model: torch.nn.Module) -> TokenizedCorpus:
+    """The corpus in the model's vocabulary: token ids past it mapped to a compact one."""
+    vocab = int(model.config.vocab_size)
+    if corpus.max_token_id() >= vocab:
+        corpus = apply_vocabulary(corpus, compact_vocabulary(corpus, vocab))
+    return corpus
+
+
+def fit_capacity(
+    cfg: TrainConfig, rt: Runtime, model: torch.nn.Module, shapes: ModelShapes, kernel, base_rss: int
+) -> tuple[int, MemoryBound]:
+    """``--capacity auto``: the largest micro-batch whose predicted peak fits the budget (the
+    smallest over ranks, so every rank plans with the same bound), and the bound (``sab-cp``
+    takes each document's minimum CP degree from it). The memory model uses the coefficients
+    ``sparsebalance profile --memory`` measured for this setup (from ``--profile``'s
+    ``meta["memory"]`` or the cache) when there are some, else the analytic ones; the line
+    printed says which. ``kernel``: the run's resolved attention kernel (precision, backend)."""
+    dev = rt.device
+    analytic = device_coefficients(dev, base_rss)
+    # a transformers config may lack the field: tied is its default
+    tied = bool(getattr(model.config, "tie_word_embeddings", True))
+    running = memory_fingerprint(fingerprint(shapes, dev, kernel.precision, kernel.backend, cfg.block_size), tied)
+    meta = load_profile(cfg.profile).meta if cfg.profile else None
+    cal, source = find_calibration(running, meta, checkpointing=cfg.activation_checkpointing)
+    coeffs = cal.coefficients(analytic) if cal is not None else analytic
+    budget = parse_bytes(cfg.memory_budget) if cfg.memory_budget else with_budget_fraction(coeffs)
+    mem_cfg = MemoryConfig(
+        cfg.activation_checkpointing,
+        "plain" if cfg.loss == "plain" else "chunked",
+        shard=rt.world_size if cfg.parallel == "fsdp2" else 1,
+        block_size=cfg.block_size,
+    )
+    mine = MemoryModel(shapes, coeffs, tied)
+    # Every rank plans with the most constrained rank's model (same plan, same hash).
+    gathered = rt.all_gather_object((auto_capacity(mine, budget, mem_cfg), coeffs, budget))
+    cap, coeffs, budget = min(gathered, key=lambda g: g[0])
+    memory = MemoryModel(shapes, coeffs, tied)
+    if rt.is_main:
+        print(
+            f"sparsebalance train: --capacity auto = {cap} tokens per micro-batch (predicted "
+            f"peak {memory.peak_bytes(cap, mem_cfg) / GIB:.2f} GiB of a "
+            f"{budget / GIB:.2f} GiB budget, {coeffs.name}; {source})",
+            file=sys.stderr,
+        )
+    return cap, MemoryBound(memory, budget, mem_cfg)
+
+
+def check_run_folder(cfg: TrainConfig) -> list[Path]:
+    """Refuse an ``--out`` holding an earlier run unless ``--resume`` or ``--overwrite``; return
+    what ``--overwrite`` removes when the run starts (``launch-config.json`` is this launch's)."""
+    run_dir = Path(cfg.out)
+    earlier = [run_dir / n for n in RUN_STATE if (run_dir / n).exists()]
+    if earlier and not cfg.resume and not cfg.overwrite:
+        raise ValueError(
+            f"--out {run_dir} holds an earlier run "
+            f"({', '.join(p.name for p in earlier)}): pass --resume to continue it or "
+            "--overwrite to replace it"
+        )
+    stale = [p for n in RUN_FILES if (p := run_dir / n).exists()]
+    return [p for p in stale if p.name != "launch-config.json"] if cfg.overwrite else []
+
+
+def write_run_folder(
+    rt: Runtime, cfg: TrainConfig, stale: list[Path], latency: LatencyModel, topology: Topology, data
+) -> None:
+    """Rank 0, as the run starts: the earlier run's files gone (``--overwrite``), an interrupted
+    save's leftovers removed, then ``config.json``, ``latency_profile.json`` (what planned the
+    run), ``topology.json`` and ``data.json``; one line per data component that lost documents."""
+    if not rt.is_main:
+        return
+    run_dir = Path(cfg.out)
+    for path in stale:  # --overwrite: the earlier run's files go
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for path in clean_temporaries(run_dir):  # an interrupted save's leftovers
+        say(rt, f"removed {path.name}, left by an interrupted checkpoint save")
+    (run_dir / "config.json").write_text(json.dumps(to_record(cfg), indent=1, default=str))
+    latency.profile.save(run_dir / "latency_profile.json")
+    (run_dir / "topology.json").write_text(json.dumps(topology.describe()) + "\n")
+    described = data.describe()
+    (run_dir / "data.json").write_text(json.dumps(described, indent=1) + "\n")
+    for comp in described["components"]:
+        if comp["usable"] < comp["documents"]:
+            dropped = comp["documents"] - comp["usable"]
+            print(f"data {comp['name']}: {dropped} of {comp['documents']} documents filtered out ({comp['filtered']})")
