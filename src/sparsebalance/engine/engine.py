@@ -7,7 +7,7 @@ the cost model that prices split documents, and answers three verbs per step::
     (tuned, rank, micro-batch, pack) --attention--> PackedAttention
                                                  (budget, DST's layer controller and timer, dense
                                                   promotion, fillers, CP units: decided here)
-    (tuned, rank, results) --finish--> list[RankRecord]
+    (tuned, rank, results) --finish--> StepReport
                                                  (every rank's records, bubbles, feedback)
 
 ``sparsebalance train``'s :class:`~.step.StepRunner` runs a tuned step with its own executor,
@@ -34,7 +34,7 @@ from .cp_unit import pass_schedule
 from .feedback import apply_feedback
 from .layers import LayerTimer, layer_feedback, packed_attention
 from .records import MicroBatchResult, RankRecord, StepFeedback, StepPlan, TunedStep
-from .summary import derive_bubbles
+from .summary import StepReport, derive_bubbles
 
 FILLER_BUDGET = Budget(gamma=1.0)
 """A filler micro-batch's (two tokens, no target): every causal block."""
@@ -286,15 +286,40 @@ class StepEngine:
         return record
 
     def finish(
-        self, tuned: TunedStep, rank: int, results: Sequence[MicroBatchResult], measured: bool = True
-    ) -> list[RankRecord]:
-        """After the step (another trainer synced and stepped): every rank's record from this
-        rank's micro-batch ``results`` (one all-gather), each with its derived bubble, folded
-        into the latency model and the estimator (their times only when ``measured``)."""
+        self,
+        tuned: TunedStep,
+        rank: int,
+        results: Sequence[MicroBatchResult],
+        measured: bool = True,
+        *,
+        step: int,
+        **front_end,
+    ) -> StepReport:
+        """After step ``step`` (another trainer synced and stepped): every rank's record from
+        this rank's micro-batch ``results`` (one all-gather), each with its derived bubble,
+        folded into the latency model and the estimator (their times only when ``measured``),
+        and the step's :class:`StepReport` (``front_end``: the fields only the caller knows)."""
         records = self.all_gather(self.record(tuned, rank, results))
         derive_bubbles(records)
         self.feedback(records, measured)
-        return records
+        return self.report(tuned, records, step=step, measured=measured, **front_end)
+
+    def report(
+        self, tuned: TunedStep, records: list[RankRecord], *, step: int, measured: bool = True, **front_end
+    ) -> StepReport:
+        """The :class:`StepReport` of step ``step`` from every rank's ``records`` (the plan's
+        strategy, DST's mode and budget kind filled in; times measured only when ``measured``
+        and not deterministic)."""
+        return StepReport.of(
+            tuned,
+            records,
+            step=step,
+            strategy=self.config.strategy,
+            dst_mode=self.tuner.config.mode,
+            budget_kind=self.knob.kind,
+            measured=measured and not self.deterministic,
+            **front_end,
+        )
 
     def feedback(self, records: list[RankRecord], measured: bool = True) -> StepFeedback:
         """Fold the step's micro-batches (every rank's, rank order) into the latency model and

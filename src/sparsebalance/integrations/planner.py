@@ -32,7 +32,6 @@ from ..engine import (
     MicroBatchResult,
     PlanConfig,
     StepEngine,
-    StepReport,
     TunedStep,
     check_global_batch,
 )
@@ -282,17 +281,11 @@ class StepPlanner:
                     slot=m,
                 )
             )
-        records = self.engine.finish(work.tuned, self.rank, results, measured=seconds is not None)
-        report = StepReport.of(
-            work.tuned,
-            records,
-            step=work.step,
-            strategy=self.config.strategy,
-            dst_mode=self.tuner.config.mode,
-            budget_kind=self.tuner.knob.kind,
-            measured=seconds is not None and not self.config.deterministic,
-            target_tokens=int(work.target_tokens),
-        ).to_log()
+        measured = seconds is not None
+        step = self.engine.finish(
+            work.tuned, self.rank, results, measured, step=work.step, target_tokens=int(work.target_tokens)
+        )
+        report = step.to_log()
         self.history.append(report)
         return report
 
