@@ -195,7 +195,7 @@ def main() -> int:
     if args.quick:
         args.samples, args.ranks, args.seeds, args.repeats = 512, 64, 1, 1
         args.probe_lengths = [1024]
-    model = LatencyModel(analytic_profile(load_shapes("qwen2.5-0.5b"), "h100"))
+    model = LatencyModel(analytic_profile(load_shapes("qwen2.5-0.5b"), "h100", block_size=128))
     plan_rows = bench_planning(args, model)
     hist_rows = bench_history(model)
     probe_rows = bench_probe(args)

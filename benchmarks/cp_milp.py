@@ -119,15 +119,15 @@ def main() -> None:
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     shapes = load_shapes("qwen2.5-0.5b")
-    model = LatencyModel(analytic_profile(replace(shapes, max_context=40000), "h100"))
-    cost = ContextCost.for_shapes(model, shapes, analytic_links("h100"))
+    model = LatencyModel(analytic_profile(replace(shapes, max_context=40000), "h100", block_size=128))
+    cost = ContextCost.for_shapes(model, shapes, analytic_links("h100"), block_size=128)
     load = os.getloadavg()
     rows, payload = [], []
     for r, n in SIZES:
         for seed in range(args.seeds):
             rng = np.random.default_rng([14, r, n, seed])
             lens, _ = LengthDistribution("heavy", 128, 32768).sample(rng, n)
-            dens = SparsityModel().sample(rng, lens)
+            dens = SparsityModel().sample(rng, lens, 128)
             samples = [Sample(i, int(x)) for i, x in enumerate(lens)]
             plan = plan_batch(samples, cost, PlanConfig(r, micro_batches=1, strategy="sab-cp"), densities=dens)
             sab = plan_batch(samples, cost, PlanConfig(r, micro_batches=1, strategy="sab"), densities=dens)

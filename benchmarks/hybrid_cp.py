@@ -77,11 +77,11 @@ def scenarios(args) -> tuple[list, list, dict]:
 
 def planning_time(repeats: int) -> dict:
     shapes = load_shapes("qwen2.5-0.5b")
-    model = LatencyModel(analytic_profile(replace(shapes, max_context=70000), "h100"))
-    cost = ContextCost.for_shapes(model, shapes, analytic_links("h100"))
+    model = LatencyModel(analytic_profile(replace(shapes, max_context=70000), "h100", block_size=128))
+    cost = ContextCost.for_shapes(model, shapes, analytic_links("h100"), block_size=128)
     rng = np.random.default_rng(0)
     lens, _ = LengthDistribution("heavy", 128, 131072).sample(rng, 8192)
-    dens = SparsityModel().sample(rng, lens)
+    dens = SparsityModel().sample(rng, lens, 128)
     samples = [Sample(i, int(n)) for i, n in enumerate(lens)]
     out = {}
     for strategy in ("sab", "sab-cp"):

@@ -60,7 +60,7 @@ def main() -> None:
     tied = tied_embeddings(a.model)
     held_err, held_an = [], []
     for t, ckpt, loss in HELD_OUT:
-        (pr,) = run_probes(a.model, dev, [t], ckpt, loss, a.block_size)
+        (pr,) = run_probes(a.model, dev, [t], ckpt, loss, block_size=a.block_size)
         cfg = pr.config(a.block_size)
         calib = MemoryModel(shapes, cal.coefficients(cpu_coefficients(pr.base_bytes)), tied)
         plain = MemoryModel(shapes, cpu_coefficients(pr.base_bytes), tied)

@@ -49,14 +49,16 @@ def main() -> None:
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     shapes = load_shapes("qwen2.5-3b")
-    model = LatencyModel(analytic_profile(replace(shapes, max_context=LENGTH), "a100"))
+    model = LatencyModel(analytic_profile(replace(shapes, max_context=LENGTH), "a100", block_size=128))
     links = analytic_links("a100")
     est_block = LENGTH // args.blocks
     imb = {
-        "zigzag dense": estimate_ring_imbalance(LENGTH, 1.0, RANKS, "zigzag", est_block),
-        "zigzag": estimate_ring_imbalance(LENGTH, DENSITY, RANKS, "zigzag", est_block),
-        "striped": estimate_ring_imbalance(LENGTH, DENSITY, RANKS, "striped", est_block),
-        "striped hier": estimate_ring_imbalance(LENGTH, DENSITY, RANKS, "striped", est_block, inner_size=PER_NODE),
+        "zigzag dense": estimate_ring_imbalance(LENGTH, 1.0, RANKS, "zigzag", block_size=est_block),
+        "zigzag": estimate_ring_imbalance(LENGTH, DENSITY, RANKS, "zigzag", block_size=est_block),
+        "striped": estimate_ring_imbalance(LENGTH, DENSITY, RANKS, "striped", block_size=est_block),
+        "striped hier": estimate_ring_imbalance(
+            LENGTH, DENSITY, RANKS, "striped", block_size=est_block, inner_size=PER_NODE
+        ),
     }
     variants = [
         ("dense zigzag", 1.0, "flat", imb["zigzag dense"]),
@@ -66,7 +68,9 @@ def main() -> None:
     ]
     rows, payload, base = [], {}, None
     for name, d, ring, factor in variants:
-        cost = ContextCost.for_shapes(model, shapes, links, ring=ring, imbalance_flat=factor, imbalance_hier=factor)
+        cost = ContextCost.for_shapes(
+            model, shapes, links, block_size=128, ring=ring, imbalance_flat=factor, imbalance_hier=factor
+        )
         t, comm = cost.unit_seconds(np.array([LENGTH]), np.array([d]), np.array([RANKS]))
         one, _ = cost.unit_seconds(np.array([LENGTH]), np.array([d]), np.array([1]))
         base = base or float(t[0])
@@ -92,7 +96,7 @@ def main() -> None:
         ],
         rows,
     )
-    crossover = ContextCost.for_shapes(model, shapes, links).crossover(LENGTH, DENSITY, 256)
+    crossover = ContextCost.for_shapes(model, shapes, links, block_size=128).crossover(LENGTH, DENSITY, 256)
     load = os.getloadavg()
     text = (
         f"## MTraining's setting: Qwen2.5-3B, one {LENGTH:,}-token document, {RANKS} A100 "

@@ -141,7 +141,16 @@ def run(args: argparse.Namespace, threads: int) -> None:
     probe = random_batches(PROBES, args.max_len // 2, 128, seed=11)
     for i in range(args.runs):
         t0 = time.perf_counter()
-        prof = measure_profile(shapes, device, "fp32", "auto", args.block_size, args.max_len, args.budget, quiet=True)
+        prof = measure_profile(
+            shapes,
+            device,
+            "fp32",
+            "auto",
+            block_size=args.block_size,
+            max_len=args.max_len,
+            budget_s=args.budget,
+            quiet=True,
+        )
         seconds.append(time.perf_counter() - t0)
         profiles.append(prof)
         if args.save_profiles:

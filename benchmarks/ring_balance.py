@@ -33,7 +33,14 @@ def main() -> None:
             for docs in (1, 4):
                 for inner in (None, 4) if docs == 4 else (None,):
                     for r in analyse(
-                        total, world, DENSITIES, ["contiguous", "zigzag", "striped"], pattern, docs, inner_size=inner
+                        total,
+                        world,
+                        DENSITIES,
+                        ["contiguous", "zigzag", "striped"],
+                        pattern,
+                        docs,
+                        block_size=64,
+                        inner_size=inner,
                     ):
                         rows.append({"seq_len": total, "world": world, "inner_size": inner, **r})
     headers = [

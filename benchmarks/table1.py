@@ -209,7 +209,7 @@ def simulated(cfg: dict, args) -> dict:
                 rng = np.random.default_rng([27, r, step])
                 n = r * s["samples_per_rank"]
                 lengths = draw_lengths(s["mixes"][mix], n, rng)
-                content = SparsityModel(block_size=s["block_size"]).sample(rng, lengths)
+                content = SparsityModel().sample(rng, lengths, s["block_size"])
                 batches.append((lengths, content))
             res = simulate_steps(
                 batches,

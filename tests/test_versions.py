@@ -54,7 +54,7 @@ def test_run_configs_carry_their_version(tmp_path):
 
 def test_a_profile_of_another_version_is_refused(tmp_path):
     path = tmp_path / "p.json"
-    analytic_profile(load_shapes("tiny")).save(path)
+    analytic_profile(load_shapes("tiny"), block_size=128).save(path)
     data = json.loads(path.read_text())
     assert data["schema"] == SCHEMA == f"sparsebalance.profile/{PROFILE.version}"
     path.write_text(json.dumps({**data, "schema": "sparsebalance.profile/9"}))
@@ -69,7 +69,7 @@ def test_profile_and_calibration_writers_use_names_of_their_own(tmp_path):
     # what a concurrent writer's temporary would be under the old fixed names: now never used
     path = tmp_path / "p.json"
     (tmp_path / "p.json.tmp").mkdir()
-    analytic_profile(load_shapes("tiny")).save(path)
+    analytic_profile(load_shapes("tiny"), block_size=128).save(path)
     assert load_profile(path).num_layers == 4
     assert sorted(os.listdir(tmp_path)) == ["p.json", "p.json.tmp"]  # no temporary left
 

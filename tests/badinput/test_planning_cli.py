@@ -79,7 +79,7 @@ CASES = [
     pytest.param(
         lambda tmp: ["ring-balance", "--block-size", "0"],
         "ring-balance",
-        ["--block-size must be >= 1"],
+        ["--block-size must be a positive integer, got 0"],
         id="ring-balance-block-size-zero",
     ),
     pytest.param(

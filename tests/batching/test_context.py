@@ -37,8 +37,8 @@ def real_cost():
     shapes = load_shapes("qwen2.5-0.5b")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = LatencyModel(analytic_profile(shapes, "h100"))
-    return ContextCost.for_shapes(model, shapes, analytic_links("h100"))
+        model = LatencyModel(analytic_profile(shapes, "h100", block_size=128))
+    return ContextCost.for_shapes(model, shapes, analytic_links("h100"), block_size=128)
 
 
 def test_unit_on_one_rank_is_todays_microbatch(real_cost):
@@ -71,8 +71,8 @@ def test_split_cost_falls_then_communication_dominates():
 def test_hierarchical_ring_hides_inter_node_transfers():
     links = Links(100e9, 1e9, 4, latency_s=0.0)
     base = FakeCost(a=1e-6, b=1e-11)
-    flat = ContextCost(base, links, 4096.0, 64.0, ring="flat", imbalance_hier=1.04)
-    hier = ContextCost(base, links, 4096.0, 64.0, ring="hierarchical", imbalance_hier=1.04)
+    flat = ContextCost(base, links, 4096.0, 64.0, 128, ring="flat", imbalance_hier=1.04)
+    hier = ContextCost(base, links, 4096.0, 64.0, 128, ring="hierarchical", imbalance_hier=1.04)
     assert ring_kind(8, links, "auto") == ("hierarchical", 4)
     assert ring_kind(6, links, "auto") == ("flat", 6) and ring_kind(3, links) == ("flat", 3)
     assert ring_kind(1, links) == ("none", 1)

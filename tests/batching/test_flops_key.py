@@ -40,7 +40,7 @@ def _key_order(plan) -> list[list[tuple[int, ...]]]:
 
 
 def test_flops_plans_differ_from_tokens_under_the_default_cost_model():
-    model = LatencyModel(analytic_profile(load_shapes("tiny")))
+    model = LatencyModel(analytic_profile(load_shapes("tiny"), block_size=128))
     # the old key: fitted to this cost model, it degenerates to plain L
     assert fit_linear_coef(lambda n: model.doc_seconds(n, np.ones_like(n))) == np.inf
     c = flops_linear_coef(load_shapes("tiny").to_dict())
@@ -62,7 +62,7 @@ def test_flops_plans_differ_from_tokens_under_the_default_cost_model():
 
 def test_equal_lengths_plan_alike():
     # where lengths are equal the key cannot tell documents apart: same plan as tokens
-    model = LatencyModel(analytic_profile(load_shapes("tiny")))
+    model = LatencyModel(analytic_profile(load_shapes("tiny"), block_size=128))
     samples = [Sample(i, 1024) for i in range(8)]
     dens = np.full(8, 0.5)
     a, b = (plan_batch(samples, model, PlanConfig(4, micro_batches=2, strategy=s), dens) for s in ("tokens", "flops"))

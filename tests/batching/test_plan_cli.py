@@ -168,7 +168,7 @@ def test_bad_files(capsys, tmp_path, content, message):
 
 def test_planner_with_the_real_latency_model():
     # The CLI's default cost model: only the CostModel protocol is used by the planner.
-    model = LatencyModel(analytic_profile(load_shapes("tiny"), "h100"))
+    model = LatencyModel(analytic_profile(load_shapes("tiny"), "h100", block_size=128))
     rng = np.random.default_rng(4)
     lens = np.exp(rng.uniform(np.log(256), np.log(8192), 200)).astype(int)
     samples = [Sample(i, int(n)) for i, n in enumerate(lens)]

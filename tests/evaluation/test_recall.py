@@ -46,6 +46,6 @@ def test_dense_recall_is_one_and_sparse_recall_drops(model):
 
 def test_bad_gamma_and_empty_docs_raise(model):
     with pytest.raises(ValueError, match="gamma"):
-        layer_recall(model, [[1, 2, 3]], gamma=0.0)
+        layer_recall(model, [[1, 2, 3]], gamma=0.0, block_size=64)
     with pytest.raises(ValueError, match="docs"):
-        layer_recall(model, [], gamma=0.5)
+        layer_recall(model, [], gamma=0.5, block_size=64)

@@ -76,9 +76,9 @@ def test_per_document_budgets_equal_separate_forwards(model):
 
 def test_bad_budget_is_refused(model):
     with pytest.raises(TypeError, match="budget"):
-        HFRunner(model, budget=0.5)
+        HFRunner(model, budget=0.5, block_size=64)
     with pytest.raises(TypeError, match="budget"):
-        layer_recall(model, [[1, 2, 3]], 1.0, budget="top-k")
+        layer_recall(model, [[1, 2, 3]], 1.0, budget="top-k", block_size=64)
 
 
 def test_recall_under_top_k_and_per_length_budgets(model):

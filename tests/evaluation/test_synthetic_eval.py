@@ -96,7 +96,7 @@ def tiny():
 
 
 def test_teacher_forcing_equals_greedy_generation(tiny):
-    runner = HFRunner(tiny, gamma=1.0)
+    runner = HFRunner(tiny, gamma=1.0, block_size=64)
     prompt = [5 + (7 * i) % 300 for i in range(64)]
     greedy = runner.generate(prompt, 3)
     as_text = lambda ids: " ".join(map(str, ids))  # noqa: E731
@@ -108,7 +108,7 @@ def test_teacher_forcing_equals_greedy_generation(tiny):
 
 
 def test_packed_documents_do_not_interact_and_sparse_runs(tiny):
-    runner = HFRunner(tiny, gamma=1.0)
+    runner = HFRunner(tiny, gamma=1.0, block_size=64)
     a, b = list(range(1, 150)), list(range(200, 330))
     together = runner.logits([a, b], [[148], [129]])
     alone = runner.logits([b], [[129]])
@@ -118,7 +118,7 @@ def test_packed_documents_do_not_interact_and_sparse_runs(tiny):
     assert nll.shape == (148,) and torch.isfinite(nll).all()
     assert sparse.densities[-1] < 1.0  # it really ran sparse
     with pytest.raises(ValueError, match="--gamma"):
-        HFRunner(tiny, gamma=0.0)
+        HFRunner(tiny, gamma=0.0, block_size=64)
 
 
 @pytest.mark.slow  # ~20 s CPU: two training steps, a checkpoint, the CLI
@@ -189,12 +189,15 @@ def test_trained_tiny_model_evaluates_end_to_end(tiny, tmp_path, capsys):
 
 def _nll_with_grad(model, docs):
     from sparsebalance.models.attention import PackedAttention
+    from sparsebalance.ops import Budget
 
     lengths = [len(d) for d in docs]
     ids = torch.tensor([t for d in docs for t in d])[None]
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    logits = model(input_ids=ids, position_ids=pos, sb_attention=PackedAttention(cu), use_cache=False).logits[0]
+    logits = model(
+        input_ids=ids, position_ids=pos, sb_attention=PackedAttention(cu, Budget(gamma=1.0), 64), use_cache=False
+    ).logits[0]
     start = 0
     for d in docs:
         yield torch.nn.functional.cross_entropy(

@@ -70,7 +70,7 @@ def test_features_only_lower_the_peak(model):
     mem = MemoryModel(load_shapes(model), H100)
     for t in (4096, 32768, 131072):
         peak = {
-            (c, lo): mem.peak_bytes(t, MemoryConfig(c, lo))
+            (c, lo): mem.peak_bytes(t, MemoryConfig(c, lo, block_size=64))
             for c in ("off", "selective", "full")
             for lo in ("plain", "chunked")
         }
@@ -79,7 +79,7 @@ def test_features_only_lower_the_peak(model):
         for c in ("off", "selective", "full"):
             assert peak[(c, "chunked")] <= peak[(c, "plain")]
     # linear-or-faster growth in tokens; sharding and CP only lower it
-    cfg = MemoryConfig("full", "chunked")
+    cfg = MemoryConfig("full", "chunked", block_size=64)
     assert mem.peak_bytes(65536, cfg) > mem.peak_bytes(32768, cfg)
     assert mem.peak_bytes(65536, replace(cfg, shard=8)) < mem.peak_bytes(65536, cfg)
     assert mem.peak_bytes(65536, replace(cfg, cp=8)) < mem.peak_bytes(65536, cfg)
@@ -87,7 +87,7 @@ def test_features_only_lower_the_peak(model):
 
 def test_breakdown_adds_up_and_plain_logits_dominate():
     mem = MemoryModel(load_shapes("qwen2.5-0.5b"), H100)
-    parts = mem.breakdown(32768, MemoryConfig("off", "plain"))
+    parts = mem.breakdown(32768, MemoryConfig("off", "plain", block_size=64))
     total = sum(v for k, v in parts.items() if k not in ("peak", "moment"))
     assert parts["peak"] == pytest.approx(total)
     assert parts["moment"] == "loss"
@@ -112,9 +112,9 @@ def test_chunk_constant_matches_the_loss():
 
 def test_bad_input():
     with pytest.raises(ValueError, match="--activation-checkpointing"):
-        MemoryConfig("sometimes")
+        MemoryConfig("sometimes", block_size=64)
     with pytest.raises(ValueError, match="density"):
-        MemoryConfig(density=0)
+        MemoryConfig(density=0, block_size=64)
     with pytest.raises(ValueError, match="required on CPU"):
         with_budget_fraction(cpu_coefficients(0))
     assert parse_bytes("72GB") == 72e9 and parse_bytes("1.5GiB") == 1.5 * 2**30

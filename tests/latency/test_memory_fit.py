@@ -70,7 +70,7 @@ def test_fit_with_noisy_probes_reports_its_error():
 def test_fit_needs_two_token_counts():
     probes = synthetic_probes(4.0, 0.0, [(1024, "off"), (1024, "full")])
     with pytest.raises(ValueError, match="2 different token counts"):
-        fit_memory(SHAPES, cpu_coefficients(0.0), probes, FP)
+        fit_memory(SHAPES, cpu_coefficients(0.0), probes, FP, block_size=64)
 
 
 def test_calibrated_coefficients_set_the_capacity():

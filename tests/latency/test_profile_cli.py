@@ -20,15 +20,17 @@ from sparsebalance.models import load_shapes
 
 
 def test_analytic_profiles_scale_with_model_size_and_density():
-    small = LatencyModel(analytic_profile(load_shapes("qwen2.5-0.5b"), "h100"))
-    large = LatencyModel(analytic_profile(load_shapes("qwen2.5-3b"), "h100"))
+    small = LatencyModel(analytic_profile(load_shapes("qwen2.5-0.5b"), "h100", block_size=128))
+    large = LatencyModel(analytic_profile(load_shapes("qwen2.5-3b"), "h100", block_size=128))
     assert large.predict([8192], [0.3]) > 3 * small.predict([8192], [0.3])
     # Attention is quadratic: at 32K, dense costs far more than 10 % density.
     assert small.predict([32768], [1.0]) > 2 * small.predict([32768], [0.1])
-    h200 = analytic_profile(load_shapes("qwen2.5-0.5b"), "h200")
-    assert h200.optimizer_seconds < analytic_profile(load_shapes("qwen2.5-0.5b"), "h100").optimizer_seconds
+    h200 = analytic_profile(load_shapes("qwen2.5-0.5b"), "h200", block_size=128)
+    assert (
+        h200.optimizer_seconds < analytic_profile(load_shapes("qwen2.5-0.5b"), "h100", block_size=128).optimizer_seconds
+    )
     with pytest.raises(ValueError, match="analytic"):
-        analytic_profile(load_shapes("tiny"), "tpu")
+        analytic_profile(load_shapes("tiny"), "tpu", block_size=128)
 
 
 def test_cli_quick_profile_then_validate(tmp_path, capsys, monkeypatch):
@@ -86,11 +88,11 @@ def test_cli_errors_are_clear(tmp_path, capsys):
 def test_default_model_is_measured_once_then_cached(tmp_path):
     shapes = load_shapes("tiny")
     cpu = torch.device("cpu")
-    first = default_latency_model(shapes, cpu, cache_dir=tmp_path, max_len=384, budget_s=3)
+    first = default_latency_model(shapes, cpu, cache_dir=tmp_path, max_len=384, budget_s=3, block_size=64)
     cached = list(tmp_path.glob("*.json"))
     assert len(cached) == 1
     mtime = cached[0].stat().st_mtime_ns
-    second = default_latency_model(shapes, cpu, cache_dir=tmp_path, max_len=384, budget_s=3)
+    second = default_latency_model(shapes, cpu, cache_dir=tmp_path, max_len=384, budget_s=3, block_size=64)
     assert cached[0].stat().st_mtime_ns == mtime  # reused, not re-measured
     assert second.predict([300], [0.3]) == first.predict([300], [0.3])
     # The cache key carries the schema: profiles of the old interpolated-grid schema (1) are

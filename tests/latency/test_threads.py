@@ -53,7 +53,7 @@ def test_measure_profile_runs_with_the_requested_threads(monkeypatch):
     monkeypatch.setattr(measure, "_measure_profile", _fake_measure(seen))
     shapes = load_shapes("tiny")
     before = torch.get_num_threads()
-    prof = measure.measure_profile(shapes, CPU, max_len=512, threads=1)
+    prof = measure.measure_profile(shapes, CPU, max_len=512, threads=1, block_size=64)
     assert seen == [1] and prof.fingerprint["threads"] == 1
     assert torch.get_num_threads() == before
 
@@ -62,12 +62,12 @@ def test_cache_key_holds_the_thread_count(tmp_path, monkeypatch):
     seen: list[int] = []
     monkeypatch.setattr(measure, "_measure_profile", _fake_measure(seen))
     shapes = load_shapes("tiny")
-    one = default_latency_model(shapes, CPU, cache_dir=tmp_path, max_len=512, threads=1)
-    two = default_latency_model(shapes, CPU, cache_dir=tmp_path, max_len=512, threads=2)
+    one = default_latency_model(shapes, CPU, cache_dir=tmp_path, max_len=512, threads=1, block_size=64)
+    two = default_latency_model(shapes, CPU, cache_dir=tmp_path, max_len=512, threads=2, block_size=64)
     assert seen == [1, 2]  # the 1-thread profile is not reused for 2 threads
     assert len(list(tmp_path.glob("*.json"))) == 2
     assert one.profile.fingerprint["threads"] == 1 and two.profile.fingerprint["threads"] == 2
-    default_latency_model(shapes, CPU, cache_dir=tmp_path, max_len=512, threads=1)
+    default_latency_model(shapes, CPU, cache_dir=tmp_path, max_len=512, threads=1, block_size=64)
     assert seen == [1, 2]  # same threads: cached
 
 

@@ -111,7 +111,7 @@ class _Layer(torch.nn.Module):
 )
 def test_unsupported_arguments_raise(kwargs, match):
     q = torch.randn(1, 2, 8, 4)
-    ctx = PackedAttention(torch.tensor([0, 8], dtype=torch.int32), block_size=4)
+    ctx = PackedAttention(torch.tensor([0, 8], dtype=torch.int32), Budget(gamma=1.0), block_size=4)
     call = {"sb_attention": ctx, **kwargs}
     with pytest.raises(ValueError, match=match):
         sparsebalance_attention(_Layer(), q, q, q, None, **call)
@@ -119,7 +119,7 @@ def test_unsupported_arguments_raise(kwargs, match):
 
 def test_batch_of_two_refused_and_output_shape():
     q = torch.randn(2, 2, 8, 4)
-    ctx = PackedAttention(torch.tensor([0, 8], dtype=torch.int32), block_size=4, backend="torch")
+    ctx = PackedAttention(torch.tensor([0, 8], dtype=torch.int32), Budget(gamma=1.0), block_size=4, backend="torch")
     with pytest.raises(ValueError, match="batch size 1"):
         sparsebalance_attention(_Layer(), q, q, q, None, sb_attention=ctx)
     out, weights = sparsebalance_attention(_Layer(), q[:1], q[:1], q[:1], None, sb_attention=ctx)

@@ -54,7 +54,12 @@ def _run(mode: str, monkeypatch):
     batch = _batch()
     rec = Recorder()
     ctx = PackedAttention(
-        batch.cu_seqlens, block_size=32, backend="torch", choose_budget=rec.choose, on_layer_end=rec.observe
+        batch.cu_seqlens,
+        Budget(gamma=1.0),
+        block_size=32,
+        backend="torch",
+        choose_budget=rec.choose,
+        on_layer_end=rec.observe,
     )
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx, use_cache=False).logits
     loss = torch.nn.functional.cross_entropy(logits[0], batch.labels[0], ignore_index=-100, reduction="none")
@@ -88,7 +93,11 @@ def test_recomputation_reuses_the_forward_layout(monkeypatch):
     batch = _batch()
     gammas = iter([0.3, 0.9, 0.5, 0.7, 0.99, 0.2, 0.4, 0.6])  # a second choice would differ
     ctx = PackedAttention(
-        batch.cu_seqlens, block_size=32, backend="torch", choose_budget=lambda layer, est: Budget(gamma=next(gammas))
+        batch.cu_seqlens,
+        Budget(gamma=1.0),
+        block_size=32,
+        backend="torch",
+        choose_budget=lambda layer, est: Budget(gamma=next(gammas)),
     )
     out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx, use_cache=False).logits
     out.sum().backward()
@@ -129,6 +138,6 @@ def test_bad_mode_and_double_wrap():
 def test_recompute_without_forward_layout_is_an_error():
     model = build_model("tiny", "cpu", torch.float32, seed=0)
     batch = _batch()
-    ctx = PackedAttention(batch.cu_seqlens, block_size=32, backend="torch")
+    ctx = PackedAttention(batch.cu_seqlens, Budget(gamma=1.0), block_size=32, backend="torch")
     with attention.recompute_phase("recompute"), pytest.raises(RuntimeError, match="no layout"):
         model(input_ids=batch.input_ids, position_ids=batch.position_ids, sb_attention=ctx, use_cache=False)

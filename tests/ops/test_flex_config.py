@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparsebalance.engine.kernel import resolve_block_size
 from sparsebalance.ops.flex_config import (
     CUDA_TILE,
     check_flex_block_size,
     default_block_size,
     flex_settings,
-    resolve_block_size,
 )
 from sparsebalance.train import TrainConfig
 
@@ -20,9 +20,10 @@ from sparsebalance.train import TrainConfig
 def test_default_block_size_per_device():
     assert default_block_size("cuda") == CUDA_TILE == 128
     assert default_block_size("cpu") == 64
-    assert resolve_block_size(None, "cuda") == 128 and resolve_block_size(32, "cuda") == 32
+    assert resolve_block_size("cuda") == 128 and resolve_block_size("cpu") == 64
+    assert resolve_block_size("cuda", 256) == 256 and resolve_block_size("cuda", 32, backend=None) == 32
     with pytest.raises(ValueError, match="--block-size must be a positive integer"):
-        resolve_block_size(0, "cpu")
+        resolve_block_size("cpu", 0)
 
 
 @pytest.mark.parametrize("block", [64, 96, 192])
@@ -53,4 +54,4 @@ def test_profile_refuses_before_the_proxy_compiles():
     from sparsebalance.models import load_shapes
 
     with pytest.raises(ValueError, match="--block-size 64 cannot compile"):
-        measure_profile(load_shapes("tiny"), torch.device("cuda"), "bf16", "flex", 64)
+        measure_profile(load_shapes("tiny"), torch.device("cuda"), "bf16", "flex", block_size=64)

@@ -81,9 +81,9 @@ def test_distributions_and_sparsity_model():
     top = np.sort(heavy)[-2000:]
     assert top.sum() / heavy.sum() > 0.4  # a heavy tail: the longest 10 % hold most tokens
     sm = SparsityModel()
-    d = sm.sample(rng, heavy)
+    d = sm.sample(rng, heavy, 128)
     assert np.all((d > 0) & (d <= 1))
-    assert sm.median(np.array([256]))[0] > sm.median(np.array([32768]))[0]  # longer: sparser
+    assert sm.median(np.array([256]), 128)[0] > sm.median(np.array([32768]), 128)[0]  # longer: sparser
     with pytest.raises(ValueError, match="--dist"):
         LengthDistribution("zipf")
     with pytest.raises(ValueError, match="--density-at-4k"):

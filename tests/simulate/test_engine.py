@@ -44,7 +44,7 @@ def test_deterministic_under_seed_and_workers():
 def test_identical_samples_give_speedup_one():
     # every rank holds the same documents: nothing to balance, nothing to tune
     batch = (np.full(16, 2048), np.full(16, 0.3))
-    out = simulate_steps([batch, batch], 8, ORACLE, micro_batches=2, step_overhead=1e-3)
+    out = simulate_steps([batch, batch], 8, ORACLE, micro_batches=2, step_overhead=1e-3, block_size=128)
     for name, s in out["strategies"].items():
         assert s["speedup"] == pytest.approx(1.0, abs=1e-12), name
         assert s["balance_efficiency"] == pytest.approx(1.0)
@@ -58,6 +58,7 @@ def test_strategies_see_the_same_samples_and_baseline_is_first():
         ORACLE,
         capacity=8192,
         strategies=["sab+dst", "tokens", "flops+dst"],
+        block_size=128,
     )
     assert list(out["strategies"]) == ["baseline", "sab+dst", "tokens", "flops+dst"]
     # DST off never moves budget; the same batch under every strategy: same attention at gamma0
@@ -201,13 +202,13 @@ def test_dst_with_the_coverage_bound(seed, ranks, per_rank, p, anchor):
 
 
 def test_vectorised_decide_matches_per_rank_path():
-    model = LatencyModel(analytic_profile(load_shapes("qwen2.5-0.5b")))
+    model = LatencyModel(analytic_profile(load_shapes("qwen2.5-0.5b"), block_size=128))
     rng = np.random.default_rng(5)
     plan = random_plan(rng, 9, mbs_per_rank=3, docs=(1, 5), lengths=(256, 16384), d0=(0.05, 0.9))
     plan[2] = plan[2][:1]  # ranks of different shapes
     for cm in (ORACLE, model):
         for anchor in ("min", "mean", "max"):
-            tuner = DSTTuner(DSTConfig(anchor=anchor, p=0.05))
+            tuner = DSTTuner(DSTConfig(anchor=anchor, p=0.05), block_size=64)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 dec = tuner.decide(plan, cm)
@@ -217,14 +218,14 @@ def test_vectorised_decide_matches_per_rank_path():
 
 def test_bad_input():
     with pytest.raises(ValueError, match="--world-size"):
-        simulate_steps([([100], [0.5])], 0, ORACLE, micro_batches=1)
+        simulate_steps([([100], [0.5])], 0, ORACLE, micro_batches=1, block_size=128)
     with pytest.raises(ValueError, match="--strategy"):
-        simulate_steps([([100], [0.5])], 2, ORACLE, micro_batches=1, strategies=["nope"])
+        simulate_steps([([100], [0.5])], 2, ORACLE, micro_batches=1, strategies=["nope"], block_size=128)
     with pytest.raises(ValueError, match="exactly one of --micro-batches"):
-        simulate_steps([([100], [0.5])], 2, ORACLE)
+        simulate_steps([([100], [0.5])], 2, ORACLE, block_size=128)
     with pytest.raises(ValueError, match="exactly one of --micro-batches"):
-        simulate_steps([([100], [0.5])], 2, ORACLE, micro_batches=1, capacity=100)
+        simulate_steps([([100], [0.5])], 2, ORACLE, micro_batches=1, capacity=100, block_size=128)
     with pytest.raises(ValueError, match="--steps"):
-        simulate_steps([], 2, ORACLE, micro_batches=1)
+        simulate_steps([], 2, ORACLE, micro_batches=1, block_size=128)
     with pytest.raises(ValueError, match="--world-size"):
         _config(world_sizes=(8, -1))

@@ -82,13 +82,15 @@ def test_hybrid_rows_are_priced_by_the_simulator_with_long_documents_whole():
     rng = np.random.default_rng(1)
     lengths = np.array([*rng.integers(100, 900, 11), 3000])  # one document ~3x the capacity
     batch = (lengths, rng.uniform(0.3, 1.0, lengths.size))
-    out = simulate_steps([batch], 4, fake_context(), capacity=1024, overlong="split", strategies=["sab", *HYBRID])
+    out = simulate_steps(
+        [batch], 4, fake_context(), capacity=1024, overlong="split", strategies=["sab", *HYBRID], block_size=128
+    )
     rows = out["strategies"]
     assert rows["sab"]["split_documents"] == 0  # sab cut it into --overlong chunks instead
     assert all(rows[n]["split_documents"] == 1 for n in HYBRID)  # trained whole over a CP unit
     assert all(rows[n]["step_seconds"] > 0 for n in ("sab", *HYBRID))
     with pytest.raises(ValueError, match="--overlong"):
-        simulate_steps([batch], 4, fake_context(), capacity=1024, overlong="cut")
+        simulate_steps([batch], 4, fake_context(), capacity=1024, overlong="cut", block_size=128)
 
 
 def test_demo_defaults_make_the_longest_builtin_document_longer_than_the_capacity(tmp_path):

@@ -46,4 +46,4 @@ def test_a_cost_model_without_prepare_is_tuned():
 
 
 def test_the_latency_model_prepares():
-    assert isinstance(LatencyModel(analytic_profile(load_shapes("tiny"), "h100")), PreparableCost)
+    assert isinstance(LatencyModel(analytic_profile(load_shapes("tiny"), "h100", block_size=128)), PreparableCost)

@@ -30,20 +30,20 @@ def test_identical_work_changes_nothing():
     for mode in ("off", "down", "bidirectional"):
         for anchor in ("min", "mean", "median", "max"):
             cfg = G(mode=mode, anchor=anchor, p=0.0)
-            dec = DSTTuner(cfg).decide(plan, ORACLE)
+            dec = DSTTuner(cfg, block_size=64).decide(plan, ORACLE)
             assert np.all(dec.budgets == cfg.gamma0), (mode, anchor)
             np.testing.assert_array_equal(dec.times_after, dec.times_before)
             assert {r.role for r in dec.ranks} == {"kept"}
 
 
 def test_off_keeps_gamma0():
-    dec = DSTTuner(G(mode="off")).decide(_skewed_plan(), ORACLE)
+    dec = DSTTuner(G(mode="off"), block_size=64).decide(_skewed_plan(), ORACLE)
     assert np.all(dec.budgets == 0.9)
     assert dec.budget_cut == dec.budget_given == 0.0
 
 
 def test_bidirectional_cuts_straggler_and_fills_bubbles():
-    dec = DSTTuner(G()).decide(_skewed_plan(), ORACLE)
+    dec = DSTTuner(G(), block_size=64).decide(_skewed_plan(), ORACLE)
     assert dec.ranks[0].role == "cut" and dec.ranks[0].budget < 0.9
     assert dec.ranks[0].predicted_after <= dec.targets.cut_threshold
     raised = [r for r in dec.ranks if r.role == "raised"]
@@ -61,7 +61,7 @@ def test_bidirectional_cuts_straggler_and_fills_bubbles():
 
 def test_empty_microbatch_and_empty_rank():
     plan = [[MicroBatch((), (), ())], [], [MicroBatch((0,), (4000,), (0.3,))]]
-    dec = DSTTuner(G()).decide(plan, ORACLE)
+    dec = DSTTuner(G(), block_size=64).decide(plan, ORACLE)
     assert dec.ranks[0].predicted_before == pytest.approx(ORACLE.microbatch_overhead())
     assert dec.ranks[1].predicted_before == 0.0
     assert dec.ranks[2].role == "cut"
@@ -69,7 +69,7 @@ def test_empty_microbatch_and_empty_rank():
 
 def test_anchor_mean_p0_lands_stragglers_at_the_mean():
     cfg = G(anchor="mean", p=0.0, gamma_min=0.05)
-    dec = DSTTuner(cfg).decide(_skewed_plan(seed=3), ORACLE)
+    dec = DSTTuner(cfg, block_size=64).decide(_skewed_plan(seed=3), ORACLE)
     mean = float(np.mean(dec.times_before))
     cut = [r for r in dec.ranks if r.role == "cut"]
     assert cut and all(r.budget > cfg.gamma_min for r in cut)
@@ -82,7 +82,7 @@ def test_anchor_mean_p0_with_model_error():
     """The decision uses a model 3% off on attention; the true time lands within that error."""
     cfg = G(anchor="mean", p=0.0, gamma_min=0.05)
     model = Oracle(b=ORACLE.b * 1.03)
-    tuner = DSTTuner(cfg)
+    tuner = DSTTuner(cfg, block_size=64)
     plan = _skewed_plan(seed=4)
     dec = tuner.decide(plan, model)
     for r in dec.ranks:
@@ -94,19 +94,19 @@ def test_anchor_mean_p0_with_model_error():
 def test_floor_reached_when_cut_is_not_enough():
     plan = _skewed_plan()
     plan[0] = [MicroBatch((0,), (30000,), (0.9,))]
-    dec = DSTTuner(G(gamma_min=0.85)).decide(plan, ORACLE)
+    dec = DSTTuner(G(gamma_min=0.85), block_size=64).decide(plan, ORACLE)
     assert dec.ranks[0].budget == 0.85
     assert dec.targets.post_cut_seconds == pytest.approx(dec.ranks[0].predicted_after)
 
 
 def test_curve_mismatch_raises():
     with pytest.raises(ValueError, match="--gamma0"):
-        DSTTuner(G(gamma0=0.8), DensityCurve(gamma0=0.9))
+        DSTTuner(G(gamma0=0.8), DensityCurve(gamma0=0.9), block_size=64)
 
 
 def test_empty_plan_raises():
     with pytest.raises(ValueError, match="at least one rank"):
-        DSTTuner(G()).decide([], ORACLE)
+        DSTTuner(G(), block_size=64).decide([], ORACLE)
 
 
 @st.composite
@@ -131,7 +131,7 @@ def instances(draw):
 @given(inst=instances())
 def test_properties(inst):
     cfg, curve, plan = inst
-    dec = DSTTuner(cfg, curve).decide(plan, ORACLE)
+    dec = DSTTuner(cfg, curve, block_size=64).decide(plan, ORACLE)
     g = dec.budgets
     assert np.all((g >= cfg.gamma_min) & (g <= cfg.gamma_max))
     if cfg.mode == "off":

@@ -65,7 +65,7 @@ def run_rank(ctl, mbs, slow=lambda m, layer: 1.0, seed=0):
 
 def _rank(seed=0):
     plan = random_plan(np.random.default_rng(seed), 4, mbs_per_rank=3, lengths=(2048, 8192))
-    dec = DSTTuner(G()).decide(plan, ORACLE)
+    dec = DSTTuner(G(), block_size=64).decide(plan, ORACLE)
     return dec, plan
 
 
@@ -77,7 +77,7 @@ def early_slow(m, layer):
 def test_closed_loop_compensates_slow_early_layers(rank):
     dec, plan = _rank()
     cfg = G()
-    ctl = LayerController.from_decision(dec.ranks[rank], plan[rank], ORACLE, cfg, device="cpu")
+    ctl = LayerController.from_decision(dec.ranks[rank], plan[rank], ORACLE, cfg, knob=cfg.knob(64), device="cpu")
     summary = run_rank(ctl, plan[rank], slow=early_slow)
     assert abs(summary.relative_error) < 0.05, summary
     # later layers paid for it: they run at a lower budget than the early ones
@@ -87,9 +87,8 @@ def test_closed_loop_compensates_slow_early_layers(rank):
     assert all(cfg.gamma_min <= r.budget <= cfg.gamma_max for r in ctl.records)
 
     # the same rank without feedback (fixed step gamma) misses by more than 5%
-    open_loop = LayerController.from_decision(
-        dec.ranks[rank], plan[rank], ORACLE, G(mode="off", gamma0=0.9), device="cpu"
-    )
+    off = G(mode="off", gamma0=0.9)
+    open_loop = LayerController.from_decision(dec.ranks[rank], plan[rank], ORACLE, off, knob=off.knob(64), device="cpu")
     open_loop.value = open_loop.lo = open_loop.hi = dec.ranks[rank].budget
     assert run_rank(open_loop, plan[rank], slow=early_slow).relative_error > 0.05
 
@@ -98,7 +97,7 @@ def test_closed_loop_gives_budget_back_when_early_layers_are_cheap():
     dec, plan = _rank(seed=1)
     r = min(dec.ranks, key=lambda r: r.budget)  # a cut rank: room to go up to gamma_max
     assert r.role == "cut"
-    ctl = LayerController.from_decision(r, plan[r.rank], ORACLE, G(), device="cpu")
+    ctl = LayerController.from_decision(r, plan[r.rank], ORACLE, G(), knob=G().knob(64), device="cpu")
     summary = run_rank(ctl, plan[r.rank], slow=lambda m, layer: 0.7 if layer < L // 3 else 1.0)
     assert abs(summary.relative_error) < 0.05
     assert summary.budget_max > r.budget
@@ -110,7 +109,8 @@ def test_down_never_raises_and_off_is_fixed():
         ("down", lambda g: g <= 0.9),
         ("off", lambda g: g == 0.9),
     ):
-        ctl = LayerController(plan[0], ORACLE, G(mode=mode), dec.ranks[0].target_seconds * 2, device="cpu")
+        cfg = G(mode=mode)
+        ctl = LayerController(plan[0], ORACLE, cfg, dec.ranks[0].target_seconds * 2, knob=cfg.knob(64), device="cpu")
         run_rank(ctl, plan[0], slow=lambda m, layer: 0.5)
         assert all(check(rec.budget) for rec in ctl.records), mode
 
@@ -118,8 +118,9 @@ def test_down_never_raises_and_off_is_fixed():
 def test_on_plan_stays_near_step_gamma():
     """When every layer behaves as predicted, the controller keeps the step's gamma."""
     plan = [[MicroBatch((0, 1), (4096, 3000), (0.3, 0.2))] * 2]
-    dec = DSTTuner(G()).decide(plan, ORACLE)
-    ctl = LayerController.from_decision(dec.ranks[0], plan[0], ORACLE, G(layer_probes=12), device="cpu")
+    dec = DSTTuner(G(), block_size=64).decide(plan, ORACLE)
+    cfg = G(layer_probes=12)
+    ctl = LayerController.from_decision(dec.ranks[0], plan[0], ORACLE, cfg, knob=cfg.knob(64), device="cpu")
     for m, mb in enumerate(plan[0]):
         for layer in range(L):
             est = SyntheticEstimate(mb, 1.0)
@@ -140,7 +141,8 @@ def test_real_block_mass_estimate():
     mb = MicroBatch((0, 1, 2), lengths, tuple(float(x) for x in d0))
     model = Oracle(num_layers=2, a=0.0, b=1e-6, c=0.0, overhead=0.0)
     full = float(model.predict(lengths, 1.0))
-    ctl = LayerController([mb], model, G(gamma_min=0.3), target_seconds=0.6 * full, device="cpu")
+    cfg = G(gamma_min=0.3)
+    ctl = LayerController([mb], model, cfg, target_seconds=0.6 * full, knob=cfg.knob(64), device="cpu")
     budget = ctl.choose(0, 0, est, spent_seconds=0.0)
     rec = ctl.records[0]
     layout = est.layout(budget)
@@ -152,7 +154,7 @@ def test_real_block_mass_estimate():
 
 def test_bad_calls_raise():
     dec, plan = _rank()
-    ctl = LayerController.from_decision(dec.ranks[0], plan[0], ORACLE, G(), device="cpu")
+    ctl = LayerController.from_decision(dec.ranks[0], plan[0], ORACLE, G(), knob=G().knob(64), device="cpu")
     est = SyntheticEstimate(plan[0][0], 1.0)
     with pytest.raises(ValueError, match="never chosen"):
         ctl.observe(0, 0, 1.0)
@@ -162,7 +164,7 @@ def test_bad_calls_raise():
     with pytest.raises(ValueError, match="outside"):
         ctl.choose(0, L, est)
     with pytest.raises(ValueError, match="target_seconds"):
-        LayerController(plan[0], ORACLE, G(), float("nan"), device="cpu")
+        LayerController(plan[0], ORACLE, G(), float("nan"), knob=G().knob(64), device="cpu")
 
 
 def test_units_add_up_to_the_latency_models_prediction():

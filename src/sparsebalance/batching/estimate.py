@@ -209,7 +209,7 @@ class ProbeModel(nn.Module):
         k_proj: nn.Linear,
         num_heads: int,
         num_kv_heads: int,
-        block_size: int = 64,
+        block_size: int,
     ) -> None:
         super().__init__()
         if q_proj.out_features % num_heads or k_proj.out_features % num_kv_heads:
@@ -245,7 +245,8 @@ class ProbeEstimator:
         qk_fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
         tokens: Mapping[int, torch.Tensor] | Callable[[Sample], torch.Tensor],
         budget: Budget | None = None,
-        block_size: int = 64,
+        *,
+        block_size: int,
     ) -> None:
         self.qk_fn, self.tokens = qk_fn, tokens
         self.budget = Budget(gamma=0.9) if budget is None else budget

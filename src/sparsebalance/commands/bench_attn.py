@@ -20,8 +20,9 @@ import sys
 import torch
 from tqdm import tqdm
 
+from ..engine.kernel import add_block_size_argument, resolve_block_size
 from ..ops import available_backends
-from ..ops.flex_config import GQA_MODES, check_flex_block_size, resolve_block_size
+from ..ops.flex_config import GQA_MODES
 from ..results import markdown_table, write_results
 from ..timing import median_time
 from .attention_cases import check_sizes, check_targets, measure_case
@@ -149,9 +150,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-heads", type=int, default=2, help="key/value heads Hkv, Hq %% Hkv == 0 (default: 2, as Qwen2.5-0.5B)"
     )
     p.add_argument("--head-dim", type=int, default=64, help="head dimension D")
-    p.add_argument(
-        "--block-size", type=int, default=None, help="sparse block in tokens (default: 128 on CUDA, 64 on CPU)"
-    )
+    add_block_size_argument(p)
     p.add_argument(
         "--backends",
         type=_name_list,
@@ -200,10 +199,9 @@ def prepare_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.seq_lens is None:
         args.seq_lens = [16384, 32768, 65536, 131072] if cuda else [2048, 4096]
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
-    args.block_size = resolve_block_size(args.block_size, args.device)
     backends = args.backends or [b for b in available_backends(args.device) if b != "reference"]
-    if "flex" in backends:
-        check_flex_block_size(args.block_size, args.device)
+    # several backends run: the block is checked for flex when flex is among them
+    args.block_size = resolve_block_size(args.device, args.block_size, "flex" if "flex" in backends else None)
     if min(args.heads, args.kv_heads, args.head_dim) < 1 or args.heads % args.kv_heads:
         raise ValueError(
             f"--heads ({args.heads}) must be a positive multiple of --kv-heads ({args.kv_heads}); --head-dim >= 1"

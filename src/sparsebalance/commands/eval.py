@@ -29,21 +29,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..engine.kernel import add_block_size_argument, resolve_block_size, resolve_kernel
 from ..evaluation.longbench import TRUNCATIONS
 from ..evaluation.metrics import CODE_SIM_BACKENDS
 from ..files import check_output_folder, write_text_atomic
 from ..ops import Budget, resolve_backend
-from ..ops.flex_config import check_flex_block_size, resolve_block_size
 from ..results import markdown_table
 from ..tasks import TASKS
+from ..tuning.config import DEFAULT_BUDGET_TOKENS
 from ..tuning.knob import knob_from_tokens
 
 SYNTHETIC = tuple(TASKS)  # passkey, niah, vt, kv, niah1 (single needle), mqar
 TASK_CHOICES = (*SYNTHETIC, "longbench", "ppl")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DEFAULT_BUDGET_TOKENS = 8192
-"""The trainer's default base budget (``DSTConfig.budget_tokens``): what ``--attn sparse`` runs
-at when no budget flag is given."""
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -128,9 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", default=None, help="base model of a trainer checkpoint")
     p.add_argument("--vocab-map", default=None, help="JSON {tokenizer id: model id}")
     p.add_argument("--tokenizer", default=None, help="local HF tokenizer dir (default: Qwen2.5's)")
-    p.add_argument(
-        "--block-size", type=int, default=None, help="sparse block in tokens (default: 128 on CUDA, 64 on CPU)"
-    )
+    add_block_size_argument(p)
     p.add_argument("--backend", default="auto", help="attention backend: auto | torch | flex | reference")
     p.add_argument("--pack-tokens", type=int, default=16384, help="tokens per forward")
     p.add_argument(
@@ -153,14 +149,13 @@ def check_args(args: argparse.Namespace) -> Budget:
         check_output_folder(args.out, "--out")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible on this machine")
-    args.block_size = resolve_block_size(args.block_size, args.device)
+    resolve_block_size(args.device, args.block_size, backend=None)  # a bad --block-size is named first
     if args.backend != "auto":
         try:
             resolve_backend(args.backend, torch.device(args.device))
         except ValueError as err:
             raise ValueError(f"--backend {args.backend}: {err}") from None
-    if args.backend in ("auto", "flex"):
-        check_flex_block_size(args.block_size, args.device)
+    args.block_size = resolve_kernel(args.device, args.block_size, args.backend).block_size
     if args.attn == "dense":
         for flag, value in (("--top-k", args.top_k), ("--budget-tokens", args.budget_tokens), ("--gamma", args.gamma)):
             if value is not None and (flag, value) != ("--gamma", 1.0):

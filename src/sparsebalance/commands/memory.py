@@ -18,6 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..engine.kernel import add_block_size_argument, resolve_block_size
 from ..latency.memory import (
     ANALYTIC,
     CHECKPOINTING,
@@ -55,7 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="bytes per device, e.g. 72GB or 16GiB (default: 90%% of the GPU)",
     )
     p.add_argument("--devices", default="1,8,32", help="comma-separated device counts")
-    p.add_argument("--block-size", type=int, default=128, help="sparse block in tokens")
+    add_block_size_argument(
+        p, "sparse block in tokens (default: the device's, 128 for --analytic, 64 for --device cpu)"
+    )
     p.add_argument(
         "--density",
         type=float,
@@ -84,6 +87,8 @@ def main(args: argparse.Namespace) -> int:
     devices = [int(x) for x in str(args.devices).split(",") if x.strip()]
     if not devices or min(devices) < 1:
         raise ValueError(f"--devices must be positive integers, got {args.devices!r}")
+    # an estimate: no kernel compiles, so any positive block is accepted
+    args.block_size = resolve_block_size("cuda" if args.analytic else "cpu", args.block_size, backend=None)
     coeffs = _coefficients(args)
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else with_budget_fraction(coeffs)
     shapes = load_shapes(args.model)

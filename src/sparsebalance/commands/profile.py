@@ -32,6 +32,7 @@ import sys
 
 import torch
 
+from ..engine.kernel import add_block_size_argument, resolve_block_size
 from ..files import check_output_file, check_output_folder
 from ..latency import (
     ACCELERATORS,
@@ -46,7 +47,6 @@ from ..latency.memory_fit import memory_fingerprint, save_calibration
 from ..latency.validate import validate_profile
 from ..models import BUILTIN_MODELS, check_trainable, load_shapes
 from ..ops import resolve_backend
-from ..ops.flex_config import resolve_block_size
 from ..precision import DTYPES, default_precision
 from ..results import markdown_table, write_results
 from ..sizes import check_device_memory
@@ -69,11 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="compute dtype (default: fp32 on CPU, bf16 on CUDA)",
     )
     p.add_argument("--backend", default="auto", help="attention backend training uses: auto | torch | flex")
-    p.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help="sparse block in tokens (default: 128 on CUDA and for --analytic, 64 on CPU)",
+    add_block_size_argument(
+        p, "sparse block in tokens (default: the device's, 128 on CUDA and for --analytic, 64 on CPU)"
     )
     p.add_argument(
         "--budget-kind",
@@ -176,7 +173,7 @@ def main(args: argparse.Namespace) -> int:
     shapes = load_shapes(args.model)
     if args.analytic:  # a GPU's profile: its block size is CUDA's unless given
         check_output_file(args.out, "--out")
-        block = resolve_block_size(args.block_size, "cuda")
+        block = resolve_block_size("cuda", args.block_size, backend=None)  # priced, not compiled
         profile = analytic_profile(shapes, args.analytic, args.efficiency, block_size=block)
         profile.save(args.out)
         return _report({"wrote": args.out, "source": "analytic", "device": args.analytic, "block_size": block}, args)
@@ -184,7 +181,7 @@ def main(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but CUDA is not available")
     dtype = args.dtype or default_precision(device)
-    args.block_size = resolve_block_size(args.block_size, device)
+    args.block_size = resolve_block_size(device, args.block_size, args.backend)
     if args.rounds < 2:
         raise ValueError(f"--rounds must be >= 2 (the noise needs repeats), got {args.rounds}")
     if args.threads is not None and args.threads < 1:
@@ -211,11 +208,11 @@ def main(args: argparse.Namespace) -> int:
         device,
         dtype,
         args.backend,
-        args.block_size,
-        max_len,
-        budget,
-        args.rounds,
-        args.allreduce_world_size,
+        block_size=args.block_size,
+        max_len=max_len,
+        budget_s=budget,
+        rounds=args.rounds,
+        allreduce_world_size=args.allreduce_world_size,
         quiet=True,
         threads=threads,
         layout=_layout(args),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..engine.kernel import add_block_size_argument, local_device, resolve_block_size
 from ..parallel import PLACEMENTS
 from ..parallel.placement_study import COLUMNS, PATTERNS, analyse
 from ..results import markdown_table
@@ -48,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", default="all", help=f"all, or a comma list of {', '.join(PLACEMENTS)}")
     p.add_argument("--pattern", default="vslash", help=f"one of {', '.join(PATTERNS)}")
     p.add_argument("--docs", type=int, default=1, help="documents in the pack (halving lengths)")
-    p.add_argument("--block-size", type=int, default=64, help="sparse block in tokens")
+    add_block_size_argument(p, "sparse block in tokens (default: this machine's device's, 128 on CUDA, 64 on CPU)")
     p.add_argument("--heads", type=int, default=4, help="layout heads")
     p.add_argument("--inner-size", type=int, default=None, help="G of a hierarchical ring")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic layout")
@@ -64,7 +65,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--world must be >= 1, got {args.world}")
     if args.inner_size is not None and (args.inner_size <= 0 or args.world % args.inner_size):
         raise ValueError(f"--inner-size must divide --world ({args.world}), got {args.inner_size}")
-    for flag, value in (("--seq-len", args.seq_len), ("--block-size", args.block_size), ("--heads", args.heads)):
+    # a layout analysis: no kernel compiles, so any positive block is accepted
+    args.block_size = resolve_block_size(local_device(), args.block_size, backend=None)
+    for flag, value in (("--seq-len", args.seq_len), ("--heads", args.heads)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     check_document_length("--seq-len", args.seq_len)
@@ -81,10 +84,10 @@ def main(args: argparse.Namespace) -> int:
         layouts,
         args.pattern,
         args.docs,
-        args.block_size,
-        args.heads,
-        args.inner_size,
-        args.seed,
+        block_size=args.block_size,
+        heads=args.heads,
+        inner_size=args.inner_size,
+        seed=args.seed,
     )
     if args.json:
         print(json.dumps({"rows": rows}, indent=2))

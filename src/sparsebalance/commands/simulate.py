@@ -26,9 +26,8 @@ from ..results import markdown_table
 from ..simulate import LengthDistribution, SimConfig
 from ..simulate.scenario import cost_inputs, run_simulation
 
-# Filled by the command itself: the lengths file (``--lengths FILE``) and the sparsity model's
-# block size (= ``--block-size``).
-_SKIP = ("lengths.lengths", "lengths.densities", "sparsity.block_size")
+# Filled by the command itself: the lengths file (``--lengths FILE``).
+_SKIP = ("lengths.lengths", "lengths.densities")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,7 +67,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     config = flags.build(SimConfig, values, where)
     if args.lengths_file is not None:
         config = replace(config, lengths=LengthDistribution.from_file(args.lengths_file))
-    return replace(config, sparsity=replace(config.sparsity, block_size=config.block_size))
+    return config
 
 
 def format_table(result: dict) -> str:

@@ -72,7 +72,7 @@ def layer_recall(
     model,
     docs: Sequence[Sequence[int]],
     gamma: float,
-    block_size: int = 64,
+    block_size: int,
     backend: str = "torch",
     budget: Budget | Callable[[int], Budget] | None = None,
 ) -> dict[int, float]:

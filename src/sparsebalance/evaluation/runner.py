@@ -56,7 +56,8 @@ class HFRunner:
         self,
         model,
         gamma: float = 1.0,
-        block_size: int = 64,
+        *,
+        block_size: int,
         backend: str = "auto",
         budget: Budget | Callable[[int], Budget] | None = None,
     ):

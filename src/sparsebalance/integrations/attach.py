@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
+from ..engine.kernel import resolve_block_size
 from ..models import SUPPORTED_MODEL_TYPES, check_attention
 from ..models.attention import IMPLEMENTATION, LayerStats, PackedAttention, bind_context, register
 from ..models.shapes import SUPPORTED
 from ..ops import Budget, resolve_backend
-from ..ops.flex_config import resolve_block_size
 from . import inference
 
 
@@ -76,7 +76,7 @@ class AttachedRuntime:
     """
 
     model: torch.nn.Module
-    block_size: int = 64
+    block_size: int
     """Tokens per sparsity block (``attach`` resolves the device's default)."""
     backend: str = "auto"
     budget: Budget = field(default_factory=lambda: Budget(gamma=1.0))
@@ -236,7 +236,7 @@ def reconcile(
     if device is not None and "block_size" not in runtime.chosen and runtime.planner is None:
         # attach(model) on a model loaded on the CPU, then a Trainer on CUDA: the block the
         # attention and the planner use is the training device's default (128 on CUDA)
-        runtime.block_size = resolve_block_size(None, device)
+        runtime.block_size = resolve_block_size(device, backend=None)
 
 
 def attach(
@@ -286,7 +286,9 @@ def attach(
         return existing
     check_model(model)
     register()
-    resolved = resolve_block_size(block_size, device or next(model.parameters()).device)
+    # the backend is checked with the block where the trainer resolves its kernel (the model may
+    # still move to another device); here the block only follows the device
+    resolved = resolve_block_size(device or next(model.parameters()).device, block_size, backend=None)
     asked = {"block_size": block_size, "backend": backend, "budget": budget}
     runtime = AttachedRuntime(
         model,

@@ -1,7 +1,7 @@
 """Latency model: profile the hardware, predict micro-batch times, recalibrate online.
 
 ```python
-model = LatencyModel(load_profile("profile.json"))       # or default_latency_model(shapes, device)
+model = LatencyModel(load_profile("profile.json"))       # or default_latency_model(shapes, device, block_size=64)
 model.predict([4096, 1000], [0.2, 0.6])                  # seconds, fwd+bwd of one micro-batch
 model.update([4096, 1000], [0.2, 0.6], measured_seconds)  # online recalibration
 ```
@@ -18,6 +18,7 @@ import torch
 
 from ..files import CACHE_ENV, cache_folder, unwritable
 from ..models import ModelShapes, load_shapes
+from ..ops.flex_config import resolve_block_size
 from .analytic import ACCELERATORS, allreduce_seconds, analytic_profile
 from .context import ContextCost, Links, analytic_links, context_cost, links_from_profile
 from .model import LatencyModel, OutsideGridWarning
@@ -41,7 +42,8 @@ def default_latency_model(
     device: torch.device,
     dtype: str = "fp32",
     backend: str = "torch",
-    block_size: int = 64,
+    *,
+    block_size: int,
     cache_dir: Path | None = None,
     max_len: int | None = None,
     budget_s: float = 50.0,
@@ -78,9 +80,9 @@ def default_latency_model(
         device,
         dtype,
         backend,
-        block_size,
-        running["max_len"],
-        budget_s,
+        block_size=block_size,
+        max_len=running["max_len"],
+        budget_s=budget_s,
         quiet=True,
         threads=running["threads"],
         layout=layout,
@@ -183,7 +185,8 @@ def load_cost_model(profile: str | None, model: str = "tiny", accelerator: str =
     if profile is not None:
         return LatencyModel(load_profile(profile)), f"LatencyModel(profile {profile})"
     desc = f"LatencyModel(analytic profile: {model} on {accelerator})"
-    return LatencyModel(analytic_profile(load_shapes(model), accelerator)), desc
+    block = resolve_block_size("cuda", backend=None)  # an analytic profile prices a GPU: CUDA's block
+    return LatencyModel(analytic_profile(load_shapes(model), accelerator, block_size=block)), desc
 
 
 __all__ = [

@@ -69,7 +69,8 @@ def analytic_profile(
     device: str = "h100",
     efficiency: float = 0.45,
     attention_efficiency: float = 0.35,
-    block_size: int = 128,
+    *,
+    block_size: int,
     world_size: int = 8,
     launch_overhead_s: float = 30e-6,
 ) -> Profile:

@@ -145,7 +145,7 @@ class ContextCost:
         links: Links,
         kv_bytes_per_token: float,
         query_bytes_per_block: float,
-        block_size: int = 128,
+        block_size: int,
         imbalance_flat: float = 1.04,
         imbalance_hier: float = 1.11,
         ring: str = "auto",
@@ -188,11 +188,11 @@ class ContextCost:
         return k
 
     @classmethod
-    def for_shapes(cls, base: CostModel, shapes, links: Links, elem_bytes: int = 2, **kw):
+    def for_shapes(cls, base: CostModel, shapes, links: Links, elem_bytes: int = 2, *, block_size: int, **kw):
         """From :class:`~sparsebalance.models.ModelShapes` (bf16 by default)."""
         kv = 2 * shapes.num_kv_heads * shapes.head_dim * elem_bytes
         q = shapes.num_heads * shapes.head_dim * elem_bytes
-        return cls(base, links, kv, q, **kw)
+        return cls(base, links, kv, q, block_size, **kw)
 
     def on_nodes(self, ranks_per_node: int) -> ContextCost:
         """This cost on nodes of ``ranks_per_node`` ranks (the run's topology, ``G``): the same

@@ -39,7 +39,7 @@ per saved element on average); :func:`cpu_coefficients` the fp32 CPU ones, whose
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -124,8 +124,8 @@ class MemoryConfig:
     """Context-parallel degree: a micro-batch's tokens are split evenly over ``cp`` ranks."""
     density: float = 1.0
     """Attention density (kept / causal block pairs): sizes the torch backend's metadata."""
-    block_size: int = 64
-    """Sparse attention block size (tokens)."""
+    block_size: int = field(kw_only=True)
+    """Sparse attention block size (tokens); a keyword, required."""
 
     def __post_init__(self) -> None:
         if self.checkpointing not in CHECKPOINTING:
@@ -212,7 +212,7 @@ class MemoryModel:
         parts["moment"] = moment[0]  # type: ignore[assignment]
         return parts
 
-    def inference_peak_bytes(self, tokens: int, dtype_bytes: int, block_size: int = 64) -> float:
+    def inference_peak_bytes(self, tokens: int, dtype_bytes: int, block_size: int) -> float:
         """Predicted peak of one no-grad forward over ``tokens`` packed tokens (``sparsebalance
         eval``): the weights in ``dtype_bytes``, the residual stream, one layer's temporaries
         (norm, q/k/v and their rotary copies, attention output, the MLP's gate/up/product), the

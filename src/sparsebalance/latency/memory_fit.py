@@ -145,7 +145,7 @@ def fit_memory(
     analytic: MemoryCoefficients,
     probes: Sequence[MemoryProbe],
     fingerprint: dict,
-    block_size: int = 64,
+    block_size: int,
     tied: bool = True,
 ) -> MemoryCalibration:
     """Fit ``act_bytes`` and ``overhead_bytes`` to ``probes`` (at least 2 distinct token counts;

@@ -194,9 +194,10 @@ class PackedAttention:
 
     cu_seqlens: torch.Tensor
     """int32 ``(N + 1,)`` document offsets of the pack."""
-    budget: Budget = field(default_factory=lambda: Budget(gamma=1.0))
-    """Budget for every layer unless ``choose_budget`` is given (DST's layer controller)."""
-    block_size: int = 64
+    budget: Budget
+    """Budget for every layer unless ``choose_budget`` is given (DST's layer controller);
+    ``Budget(gamma=1.0)``: every causal block, exact attention."""
+    block_size: int
     backend: str = "auto"
     choose_budget: Any = None
     """Optional ``(layer_idx, BlockMassEstimate) -> Budget``: per-layer budgets at run time."""

@@ -37,12 +37,21 @@ def default_block_size(device: torch.device | str) -> int:
     return DEFAULT_BLOCK_SIZE.get(torch.device(device).type, 64)
 
 
-def resolve_block_size(block_size: int | None, device: torch.device | str) -> int:
-    """``block_size``, or the device's default when None (``--block-size`` not given)."""
+def resolve_block_size(device: torch.device | str, block_size: int | None = None, backend: str | None = "auto") -> int:
+    """The one block-size resolution: ``block_size``, or ``device``'s default when None
+    (``--block-size`` not given), checked for the ``backend`` that runs it (flex on CUDA: a
+    multiple of 128; ``"auto"`` on a CUDA device is checked as flex, its CUDA choice, even on a
+    machine without CUDA, so a config for a GPU is refused where it is written). ``backend=None``:
+    no kernel runs (an estimate or a layout analysis), any positive block is accepted. Front ends
+    reach it through :mod:`sparsebalance.engine.kernel`; library functions below take the block it
+    returns (``block_size`` without a default)."""
+    device = torch.device(device)
     if block_size is None:
-        return default_block_size(device)
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        block_size = default_block_size(device)
+    elif isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"--block-size must be a positive integer, got {block_size!r}")
+    if backend == "flex" or (backend == "auto" and device.type == "cuda"):
+        check_flex_block_size(block_size, device)
     return block_size
 
 

@@ -5,7 +5,7 @@ tuner (DST) and latency model, and compare the ablations.
 from sparsebalance.simulate import SimConfig, run_simulation, simulate_steps
 
 summary = run_simulation(SimConfig(world_sizes=(8, 64), micro_batches=4, steps=20))
-table = simulate_steps([(lengths, densities)], 8, cost_model, micro_batches=4)  # explicit batches
+table = simulate_steps([(lengths, densities)], 8, cost_model, micro_batches=4, block_size=128)  # explicit
 table["strategies"]["sab+dst"]["speedup"]
 ```
 

@@ -103,7 +103,7 @@ def simulate_steps(
     strategies: Sequence[str] = DEFAULT_STRATEGIES,
     dst: DSTConfig | None = None,
     curve: DensityCurve | None = None,
-    block_size: int = 128,
+    block_size: int,
     coverage: bool = True,
     step_overhead: float = 0.0,
     show_step: int = 0,

@@ -33,6 +33,7 @@ from ..latency import (
 from ..latency.context import RING_KINDS
 from ..latency.profile import Profile, shape_differences
 from ..models import ModelShapes, load_shapes
+from ..ops.flex_config import resolve_block_size
 from ..sizes import SIM_BYTES_PER_DOCUMENT, check_memory, plan_bytes
 from ..tuning import DensityCurve, DSTConfig
 from .distributions import LengthDistribution
@@ -63,7 +64,7 @@ class SimConfig:
     (``--lengths FILE``, read by the command)."""
     sparsity: SparsityModel = field(default_factory=SparsityModel)
     """Densities at gamma0 (``--density-at-4k``, ``--density-slope``, ``--density-noise``); its
-    block size is ``block_size``."""
+    floor counts blocks of ``block_size``."""
     dst: DSTConfig = field(default_factory=DSTConfig)
     """DST flags (``--dst.FIELD`` / ``--budget-tokens`` ...): mode and anchor are set per
     strategy; the budget, p and the bounds apply to all."""
@@ -82,8 +83,9 @@ class SimConfig:
     """[--efficiency] fraction of peak FLOP/s reached by dense GEMMs (analytic profile)."""
     attention_efficiency: float = 0.35
     """[--attention-efficiency] fraction of peak reached by block-sparse attention."""
-    block_size: int = 128
-    """[--block-size] sparse-attention block size (analytic profile and density floor)."""
+    block_size: int | None = None
+    """[--block-size] sparse-attention block size (analytic profile and density floor); default:
+    the simulated GPU's, 128 on CUDA (resolved on construction)."""
     ring: str = "auto"
     """[--ring] ring of split documents (``sab-cp``): ``auto`` (hierarchical once a unit spans
     nodes and k is a multiple of the node size), ``flat`` or ``hierarchical``."""
@@ -99,6 +101,8 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         flags.check_fields(self)  # types first (the Python API): one line naming the field
+        # every simulated accelerator is a CUDA GPU: its block, priced and never compiled here
+        object.__setattr__(self, "block_size", resolve_block_size("cuda", self.block_size, backend=None))
         if self.ring not in RING_KINDS:
             raise ValueError(f"--ring must be one of {', '.join(RING_KINDS)}, got {self.ring!r}")
         if not self.world_sizes:
@@ -141,7 +145,7 @@ def draw_batches(config: SimConfig, world_size: int) -> list[StepBatch]:
         rng = np.random.default_rng([config.seed, world_size, step])
         lengths, dens = config.lengths.sample(rng, n)
         if dens is None:
-            dens = config.sparsity.sample(rng, lengths)
+            dens = config.sparsity.sample(rng, lengths, config.block_size)
         out.append(StepBatch(lengths, dens))
     return out
 
@@ -189,7 +193,7 @@ def build_cost_model(config: SimConfig) -> tuple[LatencyModel, ModelShapes | Non
         config.analytic,
         config.efficiency,
         config.attention_efficiency,
-        config.block_size,
+        block_size=config.block_size,
     )
     desc = (
         f"analytic {shapes.name} on {config.analytic} (GEMM efficiency {config.efficiency:g}, "
@@ -266,7 +270,7 @@ def _describe(config: SimConfig, desc: str, results: list[dict]) -> dict:
         "sparsity": (
             "measured densities from the lengths file"
             if config.lengths.densities is not None
-            else config.sparsity.describe()
+            else config.sparsity.describe(config.block_size)
         ),
         "curve": {
             "gamma0": config.dst.gamma0,

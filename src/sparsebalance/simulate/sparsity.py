@@ -57,8 +57,6 @@ class SparsityModel:
     """[--density-slope] beta: ``d0`` scales as ``L ** -beta`` (>= 0)."""
     noise: float = 0.5
     """[--density-noise] sigma of the per-document log-normal factor (>= 0)."""
-    block_size: int = 128
-    """Block size of the sparse attention (for the anchor-block floor), >= 1."""
 
     def __post_init__(self) -> None:
         flags.check_fields(self)  # types first (the Python API): one line naming the field
@@ -68,31 +66,32 @@ class SparsityModel:
             raise ValueError(f"--density-slope must be >= 0, got {self.slope}")
         if not (math.isfinite(self.noise) and self.noise >= 0.0):
             raise ValueError(f"--density-noise must be >= 0, got {self.noise}")
-        if self.block_size < 1:
-            raise ValueError(f"block size must be >= 1, got {self.block_size}")
 
-    def floor(self, lengths: np.ndarray) -> np.ndarray:
-        """``(N,)`` the anchor-block density floor ``min(1, 4 / (n + 1))``, n = blocks."""
-        n = np.ceil(np.asarray(lengths, dtype=np.float64) / self.block_size)
+    def floor(self, lengths: np.ndarray, block_size: int) -> np.ndarray:
+        """``(N,)`` the anchor-block density floor ``min(1, 4 / (n + 1))``, n = blocks of
+        ``block_size`` tokens (the simulated kernel's, :attr:`SimConfig.block_size`)."""
+        if block_size < 1:
+            raise ValueError(f"block size must be >= 1, got {block_size}")
+        n = np.ceil(np.asarray(lengths, dtype=np.float64) / block_size)
         return np.minimum(1.0, 4.0 / (n + 1.0))
 
-    def median(self, lengths: np.ndarray) -> np.ndarray:
+    def median(self, lengths: np.ndarray, block_size: int) -> np.ndarray:
         """``(N,)`` the density without noise (the median at each length)."""
         lengths = np.asarray(lengths, dtype=np.float64)
         body = self.density_at_4k * (lengths / 4096.0) ** -self.slope
-        return np.clip(np.maximum(body, self.floor(lengths)), _MIN_DENSITY, 1.0)
+        return np.clip(np.maximum(body, self.floor(lengths, block_size)), _MIN_DENSITY, 1.0)
 
-    def sample(self, rng: np.random.Generator, lengths: np.ndarray) -> np.ndarray:
+    def sample(self, rng: np.random.Generator, lengths: np.ndarray, block_size: int) -> np.ndarray:
         """``(N,)`` float64 densities in (0, 1] for documents of these lengths."""
         lengths = np.asarray(lengths, dtype=np.float64)
         body = self.density_at_4k * (lengths / 4096.0) ** -self.slope
         body = body * np.exp(self.noise * rng.standard_normal(lengths.shape))
-        return np.clip(np.maximum(body, self.floor(lengths)), _MIN_DENSITY, 1.0)
+        return np.clip(np.maximum(body, self.floor(lengths, block_size)), _MIN_DENSITY, 1.0)
 
-    def describe(self) -> str:
+    def describe(self, block_size: int) -> str:
         return (
             f"d0 = {self.density_at_4k:g} (L/4096)^-{self.slope:g} x lognormal({self.noise:g}), "
-            f"floor 4/(blocks+1), block {self.block_size}"
+            f"floor 4/(blocks+1), block {block_size}"
         )
 
 

@@ -19,13 +19,13 @@ import torch
 from .. import flags
 from ..batching import ESTIMATORS, OVERLONG, STRATEGIES
 from ..data.mixture import parse_mixture
+from ..engine.kernel import resolve_block_size
 from ..engine.loss import LOSS_IMPLS
 from ..engine.parallelize import MEASURE_BUBBLE, PARALLEL
 from ..files import check_output_folder
 from ..latency.memory import parse_bytes
 from ..models.checkpointing import MODES as CHECKPOINT_MODES
 from ..ops import resolve_backend
-from ..ops.flex_config import check_flex_block_size, resolve_block_size
 from ..precision import PRECISIONS
 from ..tuning import DSTConfig
 from ..versions import CONFIG
@@ -253,7 +253,7 @@ class TrainConfig:
         combination flex cannot compile refused here, before anything runs."""
         device = "cuda" if self.on_cuda() else "cpu"
         try:
-            self.block_size = resolve_block_size(self.block_size, device)
+            block = resolve_block_size(device, self.block_size, backend=None)
         except ValueError as err:
             raise self._renamed(err, "block_size") from None
         if self.backend != "auto":  # a name the op does not know fails here, not at a forward
@@ -262,8 +262,7 @@ class TrainConfig:
             except ValueError as err:
                 raise ValueError(f"{flags.given(self, 'backend', self.backend)}: {err}") from None
         try:
-            if self.backend in ("auto", "flex"):
-                check_flex_block_size(self.block_size, device)
+            self.block_size = resolve_block_size(device, block, self.backend)
         except ValueError as err:
             # a config for a GPU machine may be validated anywhere, but where there is no CUDA
             # the first thing to say is that: the block size is only the check that failed

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ..data import pack
+from ..engine.kernel import add_block_size_argument, resolve_block_size
 from ..engine.loss import packed_loss
 from ..latency.memory import (
     cpu_coefficients,
@@ -48,7 +49,6 @@ from ..models.checkpointing import MODES, apply_activation_checkpointing
 from ..models.hf import build_model
 from ..models.shapes import CONFIG_DIR
 from ..ops import Budget
-from ..ops.flex_config import resolve_block_size
 
 
 def _step(model, tokens: int, device, loss: str, block_size: int, backend: str) -> float:
@@ -116,7 +116,8 @@ def run_probes(
     tokens: Sequence[int],
     checkpointing: str = "off",
     loss: str = "chunked",
-    block_size: int = 64,
+    *,
+    block_size: int,
     backend: str = "torch",
     timeout_s: float = 600.0,
 ) -> list[MemoryProbe]:
@@ -164,14 +165,17 @@ def measure_memory(
     tokens: Sequence[int],
     checkpointing: str = "off",
     loss: str = "chunked",
-    block_size: int = 64,
+    *,
+    block_size: int,
     backend: str = "torch",
     timeout_s: float = 600.0,
 ) -> MemoryCalibration:
     """``sparsebalance profile --memory``: run the probes and fit the memory model to them
     (:func:`sparsebalance.latency.memory_fit.fit_memory`); ``fingerprint`` from
     :func:`~sparsebalance.latency.memory_fit.memory_fingerprint`."""
-    probes = run_probes(model, device, tokens, checkpointing, loss, block_size, backend, timeout_s)
+    probes = run_probes(
+        model, device, tokens, checkpointing, loss, block_size=block_size, backend=backend, timeout_s=timeout_s
+    )
     analytic = device_coefficients(device) if device.type == "cuda" else cpu_coefficients(0.0)
     return fit_memory(load_shapes(model), analytic, probes, fingerprint, block_size, tied_embeddings(model))
 
@@ -183,10 +187,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--checkpointing", choices=MODES, default="off")
     p.add_argument("--loss", choices=["chunked", "plain"], default="chunked")
-    p.add_argument("--block-size", type=int, default=None, help="default 128 on CUDA, 64 on CPU")
+    add_block_size_argument(p)
     p.add_argument("--backend", default="torch")
     a = p.parse_args(argv)
-    a.block_size = resolve_block_size(a.block_size, a.device)
+    a.block_size = resolve_block_size(a.device, a.block_size, a.backend)
     if a.tokens < 2:
         raise SystemExit(f"--tokens must be >= 2, got {a.tokens}")
     result = probe(a.model, torch.device(a.device), a.tokens, a.checkpointing, a.loss, a.block_size, a.backend)

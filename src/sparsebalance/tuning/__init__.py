@@ -2,7 +2,7 @@
 
 ```python
 tuner = DSTTuner(DSTConfig(budget="top-k", budget_tokens=512, anchor="mean", p=0.1),
-                 block_size=64)
+                 block_size=kernel.block_size)   # the resolved kernel's (engine.resolve_kernel)
 decision = tuner.decide(plan, cost_model)        # plan: rank -> micro-batches; StepDecision
 ctl = LayerController.from_decision(decision.ranks[rank], plan[rank], cost_model, tuner.config,
                                     knob=tuner.knob, device=device)

@@ -117,18 +117,23 @@ class DSTTuner:
     """Step-level DST (see the module docstring). Stateless between calls.
 
     Args:
-        config: the settings; ``block_size``: the model's (top-k budgets are stated in tokens);
-        curve: gamma's density response (default the prior); ``knob``: overrides all three.
+        config: the settings; curve: gamma's density response (default the prior);
+        ``block_size``: the resolved kernel's (:func:`~sparsebalance.engine.resolve_kernel`; top-k
+        budgets are stated in tokens), or ``knob``: built already (it carries its block size).
+        Exactly one of the two.
     """
 
     def __init__(
         self,
         config: DSTConfig | None = None,
         curve: DensityCurve | None = None,
-        block_size: int = 64,
+        *,
+        block_size: int | None = None,
         knob: Knob | None = None,
     ) -> None:
         self.config = config or DSTConfig()
+        if (block_size is None) == (knob is None):
+            raise TypeError("DSTTuner: pass exactly one of block_size (the kernel's) or knob")
         self.knob = knob if knob is not None else self.config.knob(block_size, curve)
         if self.knob.kind != self.config.budget:
             raise ValueError(f"the knob is {self.knob.kind}, the config's --budget is {self.config.budget}")

@@ -75,8 +75,8 @@ class LayerController:
         config: the DST config (mode, coverage bound p, probes).
         target_seconds: the rank's target forward + backward seconds for the step.
         value: the rank's step-level budget (default the knob's base).
-        knob: the budget knob (default ``config.knob(64)``: pass the tuner's, whose block size
-            is the model's).
+        knob: the budget knob: the tuner's, built from ``config`` at the resolved kernel's block
+            size (required: a top-k knob states its budget in blocks of that size).
         budget: template for the returned budgets (anchors, caps); its knob value is replaced.
         device: the run's training device. Off the CPU nothing inside the step may wait for
             the device, so the top-k coverage bound is decided there (:meth:`LayerGate.
@@ -91,16 +91,16 @@ class LayerController:
         config: DSTConfig,
         target_seconds: float,
         value: float | None = None,
-        knob: Knob | None = None,
         budget: Budget | None = None,
         *,
+        knob: Knob,
         device: torch.device | str,
     ) -> None:
         if not np.isfinite(target_seconds) or target_seconds < 0:
             raise ValueError(f"target_seconds must be finite and >= 0, got {target_seconds}")
         self.config = config
         self.cost_model = cost_model
-        self.knob = knob = knob if knob is not None else config.knob(64)
+        self.knob = knob
         self.target_seconds = float(target_seconds)
         self.base = float(knob.base)
         self.value = self.base if value is None else float(value)
@@ -162,9 +162,9 @@ class LayerController:
         microbatches: Sequence[MicroBatch],
         cost_model: CostModel,
         config: DSTConfig,
-        knob: Knob | None = None,
         budget: Budget | None = None,
         *,
+        knob: Knob,
         device: torch.device | str,
     ) -> LayerController:
         """The controller for a rank's step-level :class:`RankDecision`."""
