@@ -22,6 +22,7 @@ from ..data.mixture import parse_mixture
 from ..engine.kernel import resolve_block_size
 from ..engine.loss import LOSS_IMPLS
 from ..engine.parallelize import MEASURE_BUBBLE, PARALLEL
+from ..engine.startup import check_global_batch
 from ..files import check_output_folder
 from ..latency.memory import parse_bytes
 from ..models.checkpointing import MODES as CHECKPOINT_MODES
@@ -315,14 +316,9 @@ def resolve_strategy(cfg: TrainConfig, num_ranks: int) -> TrainConfig:
 
 
 def check_batch(cfg: TrainConfig, num_docs: int, num_ranks: int) -> None:
-    """The global batch must fit the dataset and give every rank a document."""
-    if cfg.global_batch > num_docs:
-        raise ValueError(f"--global-batch {cfg.global_batch} exceeds the dataset's {num_docs} documents")
-    if cfg.global_batch < num_ranks:
-        raise ValueError(
-            f"--global-batch {cfg.global_batch} is smaller than the {num_ranks} ranks: "
-            "every rank needs at least one document per step"
-        )
+    """The global batch must fit the dataset and give every rank a document (the engine's
+    :func:`~sparsebalance.engine.check_global_batch`, before the workers start)."""
+    check_global_batch(cfg.global_batch, num_docs, num_ranks)
 
 
 def check_out_folder(out: Path, resume: bool, overwrite: bool, config=None) -> None:
