@@ -81,7 +81,7 @@ def test_a_training_run_promotes_from_its_profiles_crossover(tmp_path):
     profile.save(path)
     dst = DSTConfig(mode="off", budget="top-k", budget_tokens=64)
     trainer = Trainer(base_config(tmp_path, steps=1, profile=str(path), dst=dst), Runtime(0, 1, torch.device("cpu")))
-    assert trainer.engine.dense_from == 0.2
+    assert trainer.engine.latency.profile.dense_from == 0.2
     result = trainer.run_step()
     lines = [mb for rec in result.records for mb in rec.microbatches]
     densities = np.asarray([x for mb in lines for layer in mb.layer_densities for x in layer])

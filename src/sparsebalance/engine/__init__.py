@@ -37,13 +37,12 @@ from .records import (
     RankRecord,
     StepFeedback,
     StepPlan,
-    StepResult,
     TunedStep,
 )
 from .runtime import Runtime
 from .startup import check_global_batch, load_latency_model, profile_length
 from .step import NonFiniteLoss, StepRunner, UpdateConfig, Updater
-from .summary import Balance, StepReport, log_values
+from .summary import Balance, StepReport, StepResult, log_values
 
 __all__ = [
     "OVERLONG",

@@ -21,7 +21,6 @@ The JSON field names are those ``sparsebalance report`` and earlier runs use.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,9 +28,6 @@ import torch
 from ..batching import Plan, Unit
 from ..models.attention import read_stats
 from ..tuning import RankDecision, StepDecision
-
-if TYPE_CHECKING:  # summary.py imports this module's types
-    from .summary import StepReport
 
 
 @dataclass(frozen=True)
@@ -278,13 +274,3 @@ class StepFeedback:
     @classmethod
     def from_records(cls, records: list[RankRecord]) -> StepFeedback:
         return cls(tuple(mb for rec in records for mb in rec.microbatches))
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What :meth:`StepRunner.run <sparsebalance.engine.step.StepRunner.run>` and
-    :meth:`Trainer.run_step <sparsebalance.train.Trainer.run_step>` return and telemetry logs."""
-
-    records: list[RankRecord]
-    report: StepReport
-    feedback: StepFeedback

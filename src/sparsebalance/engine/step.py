@@ -25,9 +25,9 @@ from ..workload import Sample
 from .engine import StepEngine
 from .execute import RankExecutor
 from .parallelize import Parallelized
-from .records import LocalWork, RankRecord, StepResult, TunedStep
+from .records import LocalWork, RankRecord, TunedStep
 from .runtime import Runtime
-from .summary import StepReport, derive_bubbles
+from .summary import StepReport, StepResult, derive_bubbles
 
 
 class NonFiniteLoss(RuntimeError):

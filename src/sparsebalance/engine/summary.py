@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from .records import RankRecord, TunedStep
+from .records import RankRecord, StepFeedback, TunedStep
 
 PREFIX = "sparsebalance/"
 
@@ -219,3 +219,13 @@ def log_values(history: list[dict], since: int) -> dict:
             continue
         out[PREFIX + key] = float(np.mean([h[key] for h in new]))
     return out
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What :meth:`StepRunner.run <sparsebalance.engine.step.StepRunner.run>` and
+    :meth:`Trainer.run_step <sparsebalance.train.Trainer.run_step>` return and telemetry logs."""
+
+    records: list[RankRecord]
+    report: StepReport
+    feedback: StepFeedback

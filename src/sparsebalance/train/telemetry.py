@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..engine.records import StepResult
+from ..engine.summary import StepResult
 
 
 class Telemetry:

@@ -31,8 +31,8 @@ from ..engine import (
     resolve_kernel,
 )
 from ..engine.parallelize import parallelize
-from ..engine.records import StepResult
 from ..engine.runtime import Runtime, rng_state, seed_everything, set_rng_state
+from ..engine.summary import StepResult
 from ..latency import LatencyModel, OutsideGridWarning, context_cost
 from ..latency.memory import MemoryBound, current_rss_bytes
 from ..models import ModelShapes
