@@ -32,19 +32,14 @@ def documents(n=64, seed=0):
 def main(out: str, steps: int = 2) -> list[float]:
     model = build_model("tiny")  # random weights from the shipped config; no download
     sparsebalance.attach(model, block_size=32)  # AttentionInterface registration
+    # an example reads better with its arguments together:
+    # fmt: off
     args = TrainingArguments(
-        output_dir=out,
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=4,
-        max_steps=steps,
-        learning_rate=3e-3,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
+        output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=4, max_steps=steps,
+        learning_rate=3e-3, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
         ddp_find_unused_parameters=False,
     )
+    # fmt: on
     trainer = Trainer(model=model, args=args, train_dataset=documents())
     # A profile from FLOP counts keeps the example quick: drop profile= to use this machine's
     # own latency profile (measured on first use, about a minute, said in one line, then cached).

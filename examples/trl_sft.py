@@ -33,22 +33,15 @@ def main(out: str, steps: int = 2) -> list[float]:
     model = build_model("tiny")
     model.config.eos_token_id = model.generation_config.eos_token_id = 1  # the tokenizer's <eos>
     sparsebalance.attach(model, block_size=32)
+    # an example reads better with its arguments together:
+    # fmt: off
     args = SFTConfig(
-        output_dir=out,
-        packing=False,
-        activation_checkpointing=False,
-        bf16=False,
+        output_dir=out, packing=False, activation_checkpointing=False, bf16=False,
         dataset_kwargs={"skip_prepare_dataset": True},  # already tokenized
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=4,
-        max_steps=steps,
-        learning_rate=3e-3,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
+        per_device_train_batch_size=1, gradient_accumulation_steps=4, max_steps=steps, learning_rate=3e-3,
+        logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
     )
+    # fmt: on
     trainer = SFTTrainer(model=model, args=args, train_dataset=documents(), processing_class=tokenizer())
     profile = f"{out}/profile-{os.environ.get('RANK', '0')}.json"
     analytic_profile(load_shapes("tiny"), "h100", block_size=32).save(profile)
