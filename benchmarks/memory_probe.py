@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from sparsebalance.data import pack
-from sparsebalance.engine.loss import linear_cross_entropy
+from sparsebalance.ops.loss import linear_cross_entropy
 from sparsebalance.models.attention import PackedAttention
 from sparsebalance.models.checkpointing import apply_activation_checkpointing
 from sparsebalance.models.head import forward_hidden, output_head

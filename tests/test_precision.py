@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from sparsebalance.data import pack
-from sparsebalance.engine.loss import linear_cross_entropy, packed_loss
+from sparsebalance.engine.loss import packed_loss
 from sparsebalance.models.attention import PackedAttention
 from sparsebalance.models.hf import build_model
 from sparsebalance.ops import Budget
+from sparsebalance.ops.loss import linear_cross_entropy
 from sparsebalance.precision import compute_dtype, default_precision, resolve_precision
 from tests.conftest import rel_rms
 

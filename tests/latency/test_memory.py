@@ -12,7 +12,6 @@ import torch
 
 from sparsebalance.cli import main
 from sparsebalance.data import pack
-from sparsebalance.engine.loss import CHUNK_ELEMS
 from sparsebalance.latency.memory import (
     ANALYTIC,
     LOSS_CHUNK_ELEMS,
@@ -29,6 +28,7 @@ from sparsebalance.models import load_shapes
 from sparsebalance.models.attention import PackedAttention
 from sparsebalance.models.hf import build_model
 from sparsebalance.ops import Budget
+from sparsebalance.ops.loss import CHUNK_ELEMS
 
 H100 = ANALYTIC["h100"]
 

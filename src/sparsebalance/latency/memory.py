@@ -50,7 +50,7 @@ from ..models.checkpointing import MODES as CHECKPOINT_MODES
 CHECKPOINTING = CHECKPOINT_MODES  # one list of modes: what models.checkpointing applies
 LOSSES = ("plain", "chunked")
 GIB = 1024**3
-# Mirrors ``engine.loss.CHUNK_ELEMS`` (logit elements per chunk; a test keeps them equal).
+# Mirrors ``ops.loss.CHUNK_ELEMS`` (logit elements per chunk; a test keeps them equal).
 LOSS_CHUNK_ELEMS = 1 << 26
 
 
@@ -117,7 +117,7 @@ class MemoryConfig:
     loss: str = "chunked"
     """plain (full ``T x V`` logits) | chunked (one chunk at a time; Liger's is counted alike)."""
     loss_chunk_tokens: int | None = None
-    """Tokens per loss chunk; default ``2**26 // vocab`` as in ``engine.loss``."""
+    """Tokens per loss chunk; default ``2**26 // vocab`` as in ``ops.loss``."""
     shard: int = 1
     """FSDP2 degree: weights, gradients and optimizer state are divided by it."""
     cp: int = 1

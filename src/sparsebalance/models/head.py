@@ -1,6 +1,6 @@
 """The final hidden states of a Hugging Face causal LM, without its ``(T, V)`` logits.
 
-The loss (``engine/loss.py``) applies the lm-head chunk by chunk, so the model must stop before it.
+The loss (``ops/loss.py``) applies the lm-head chunk by chunk, so the model must stop before it.
 The model still runs through its own ``__call__`` (FSDP2's and DDP's hooks on the root stay in
 place): ``logits_to_keep`` selects no token, so the lm-head runs on zero rows, and a forward hook
 on the decoder (``get_decoder()``) hands back its output.

@@ -20,13 +20,13 @@ from .. import flags
 from ..batching import ESTIMATORS, OVERLONG, STRATEGIES
 from ..data.mixture import parse_mixture
 from ..engine.kernel import resolve_block_size
-from ..engine.loss import LOSS_IMPLS
 from ..engine.parallelize import MEASURE_BUBBLE, PARALLEL
 from ..engine.startup import check_global_batch
 from ..files import check_output_folder
 from ..latency.memory import parse_bytes
 from ..models.checkpointing import MODES as CHECKPOINT_MODES
 from ..ops import resolve_backend
+from ..ops.loss import LOSS_IMPLS
 from ..precision import PRECISIONS
 from ..tuning import DSTConfig
 from ..versions import CONFIG

@@ -8,16 +8,11 @@ import pytest
 import torch
 
 from sparsebalance.data import pack
-from sparsebalance.engine.loss import (
-    ChunkedLinearCrossEntropy,
-    default_chunk_tokens,
-    linear_cross_entropy,
-    packed_loss,
-    resolve_loss,
-)
+from sparsebalance.engine.loss import packed_loss
 from sparsebalance.models.attention import PackedAttention
 from sparsebalance.models.hf import build_model
 from sparsebalance.ops import Budget
+from sparsebalance.ops.loss import ChunkedLinearCrossEntropy, default_chunk_tokens, linear_cross_entropy, resolve_loss
 
 
 def _inputs(t=203, h=24, v=97, bias=True, seed=0):
