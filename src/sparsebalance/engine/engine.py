@@ -204,17 +204,7 @@ class StepEngine:
         if unit.degree > 1:
             if ring is None:
                 raise ValueError(f"micro-batch {microbatch} of rank {rank} is a CP unit: pass its ring")
-            controller = self._unit_controller(tuned, rank, u, value)
-            choose = None if controller is None else lambda layer, e: controller.choose(0, layer, e)
-            return PackedAttention(
-                cu_seqlens,
-                budget,
-                self.block_size,
-                self.backend,
-                choose_budget=choose,
-                ring=ring,
-                lengths=tuple(int(n) for n in lengths),
-            )
+            return self._unit_attention(tuned, rank, u, value, budget, cu_seqlens, lengths, ring)
         # the controller's micro-batch m: the rank's m-th one-rank micro-batch in plan order
         m = sum(1 for v in planned.rank_units[rank][:microbatch] if planned.units[v].degree == 1)
         controller = self._controller(tuned, rank)
@@ -231,6 +221,30 @@ class StepEngine:
             m=m,
             timer=timer,
             dense_from=self.latency.profile.dense_from,
+        )
+
+    def _unit_attention(
+        self,
+        tuned: TunedStep,
+        rank: int,
+        u: int,
+        value: float,
+        budget: Budget,
+        cu_seqlens: torch.Tensor,
+        lengths: Sequence[int],
+        ring,
+    ) -> PackedAttention:
+        """The attention context of CP unit ``u`` on ``rank``: its ring, its unit's layer budgets."""
+        controller = self._unit_controller(tuned, rank, u, value)
+        choose = None if controller is None else lambda layer, e: controller.choose(0, layer, e)
+        return PackedAttention(
+            cu_seqlens,
+            budget,
+            self.block_size,
+            self.backend,
+            choose_budget=choose,
+            ring=ring,
+            lengths=tuple(int(n) for n in lengths),
         )
 
     def _step_layers(self, tuned: TunedStep) -> _StepLayers:

@@ -203,11 +203,7 @@ def search_many(
         search &= ~converged(knob, np.minimum(a, b), np.maximum(a, b))
         if not search.any():
             break
-        denom = hb - ha
-        t = np.where(denom > 0, -ha / np.where(denom > 0, denom, 1.0), 0.5)
-        c = a + np.clip(t, 0.0, 1.0) * (b - a)
-        bisect = ~((c - np.minimum(a, b) > 0) & (np.maximum(a, b) - c > 0))
-        c = np.where(bisect, 0.5 * (a + b), c)
+        c = _false_position(a, b, ha, hb)
         hc = np.where(search, sign * g(c, search), 0.0)
         feasible = hc <= 0
         move_a, move_b = search & feasible, search & ~feasible
@@ -220,16 +216,32 @@ def search_many(
         new_width = np.abs(b - a)
         slow = search & (new_width > 0.5 * width)
         if slow.any():  # a bisection step on the entries that did not halve
-            m = 0.5 * (a + b)
-            hm = np.where(slow, sign * g(m, slow), 0.0)
-            ok = slow & (hm <= 0)
-            a, ha = np.where(ok, m, a), np.where(ok, hm, ha)
-            b, hb = np.where(slow & ~ok, m, b), np.where(slow & ~ok, hm, hb)
-            last = np.where(slow, 0, last).astype(np.int8)
+            a, b, ha, hb, last = _bisect(g, sign, slow, a, b, ha, hb, last)
         width = np.abs(b - a)
     bracketed = active & ~done
     result[bracketed] = a[bracketed]
     return result
+
+
+def _false_position(a: np.ndarray, b: np.ndarray, ha: np.ndarray, hb: np.ndarray) -> np.ndarray:
+    """The secant's root between ``a`` and ``b`` (``h`` values ``ha``, ``hb``); the midpoint
+    where it does not fall strictly inside the bracket."""
+    denom = hb - ha
+    t = np.where(denom > 0, -ha / np.where(denom > 0, denom, 1.0), 0.5)
+    c = a + np.clip(t, 0.0, 1.0) * (b - a)
+    bisect = ~((c - np.minimum(a, b) > 0) & (np.maximum(a, b) - c > 0))
+    return np.where(bisect, 0.5 * (a + b), c)
+
+
+def _bisect(g, sign: float, slow: np.ndarray, a, b, ha, hb, last):
+    """One bisection step of :func:`search_many`'s brackets on the ``slow`` entries: the midpoint
+    replaces the end on its side (feasible: ``a``); neither end counts as kept (Illinois)."""
+    m = 0.5 * (a + b)
+    hm = np.where(slow, sign * g(m, slow), 0.0)
+    ok = slow & (hm <= 0)
+    a, ha = np.where(ok, m, a), np.where(ok, hm, ha)
+    b, hb = np.where(slow & ~ok, m, b), np.where(slow & ~ok, hm, hb)
+    return a, b, ha, hb, np.where(slow, 0, last).astype(np.int8)
 
 
 def search_one(knob: Knob, g: Callable[[float], float], lo: float, hi: float, largest: bool = True) -> float:

@@ -104,16 +104,7 @@ class LayerController:
         self.target_seconds = float(target_seconds)
         self.base = float(knob.base)
         self.value = self.base if value is None else float(value)
-        longest = max((max(mb.lengths) for mb in microbatches if mb.lengths), default=0)
-        if config.mode == "off":
-            self.lo = self.hi = self.base
-        else:
-            upper = float(knob.upper(np.array([longest]))[0])
-            hi = upper if config.mode == "bidirectional" else self.base
-            self.lo = self.base if config.p == 0 else float(knob.lo)
-            self.lo, self.hi = min(self.lo, self.value), max(hi, self.value)
-            if knob.integer:  # a layer runs a whole k; the step's value may be a mean over layers
-                self.lo, self.hi = float(math.floor(self.lo)), float(math.ceil(self.hi))
+        self.lo, self.hi = _budget_range(knob, config, self.value, microbatches)
         if not self.lo <= self.value <= self.hi and config.mode != "off":
             raise ValueError(f"budget {self.value} outside [{self.lo}, {self.hi}]")
         self.budget = knob.budget(budget or Budget(top_k=0), self.value)
@@ -124,30 +115,20 @@ class LayerController:
         self.d0 = [np.asarray(mb.densities, dtype=np.float64) for mb in microbatches]
         num_layers = int(cost_model.num_layers)
         m = len(microbatches)
-        attention = np.zeros(m)
-        self.fixed = np.zeros((m, num_layers))
-        for i, mb in enumerate(microbatches):
-            d0 = np.asarray(mb.densities, dtype=np.float64)
-            dens = knob.density(self.lengths[i], d0, self.value)
-            attention[i] = np.sum(cost_model.layer_attention_seconds(self.lengths[i], dens))
-            self.fixed[i, :] = cost_model.layer_other_seconds(mb.num_tokens)
-            # Layer 0 also carries what is outside the layers (embedding, head, loss), defined so
-            # that the units of a micro-batch add up to exactly the model's prediction for it.
-            total = cost_model.predict(self.lengths[i], dens)
-            self.fixed[i, 0] += max(total - num_layers * attention[i] - self.fixed[i].sum(), 0.0)
+        attention, self.fixed = _unit_seconds(microbatches, self.lengths, cost_model, knob, self.value)
         self.planned = attention[:, None] + self.fixed  # (M, L) predicted seconds at self.value
         self._chosen = np.zeros((m, num_layers), dtype=bool)
         self._predicted = np.full((m, num_layers), np.nan)  # at the chosen budget
         self._measured = np.full((m, num_layers), np.nan)
         self._records: dict[tuple[int, int], LayerRecord] = {}
         self._costs: list[dict[float, tuple[float, np.ndarray]]] = [{} for _ in range(m)]
+        """Per micro-batch, top-k: attention seconds and densities at each k probed so far (a
+        top-k density follows from the lengths: every layer of a micro-batch shares them)."""
         self._spent = 0.0
         self._planned_left = float(self.planned.sum())
         """Running sums: seconds of the decided units, planned seconds of the others."""
         self._budgets: dict[float, Budget] = {}
         """The knob's budget at each value chosen so far (built once)."""
-        """Per micro-batch, top-k: attention seconds and densities at each k probed so far (a
-        top-k density follows from the lengths: every layer of a micro-batch shares them)."""
         self.decide_seconds = 0.0
         """Wall seconds spent in :meth:`choose` (DST's per-layer overhead)."""
         self.on_device = torch.device(device).type != "cpu"
@@ -402,3 +383,43 @@ def _bisect(
         else:
             a, b = (a, mid) if good else (mid, b)
     return a if largest else b
+
+
+def _budget_range(
+    knob: Knob, config: DSTConfig, value: float, microbatches: Sequence[MicroBatch]
+) -> tuple[float, float]:
+    """``[lo, hi]``: the budgets a layer may run (the base alone when DST is off; ``value`` inside)."""
+    base = float(knob.base)
+    if config.mode == "off":
+        return base, base
+    longest = max((max(mb.lengths) for mb in microbatches if mb.lengths), default=0)
+    upper = float(knob.upper(np.array([longest]))[0])
+    hi = upper if config.mode == "bidirectional" else base
+    lo = base if config.p == 0 else float(knob.lo)
+    lo, hi = min(lo, value), max(hi, value)
+    if knob.integer:  # a layer runs a whole k; the step's value may be a mean over layers
+        lo, hi = float(math.floor(lo)), float(math.ceil(hi))
+    return lo, hi
+
+
+def _unit_seconds(
+    microbatches: Sequence[MicroBatch],
+    lengths: Sequence[np.ndarray],
+    cost_model: CostModel,
+    knob: Knob,
+    value: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Predicted seconds at budget ``value``: ``(M,)`` attention per layer, ``(M, L)`` the rest."""
+    num_layers = int(cost_model.num_layers)
+    attention = np.zeros(len(microbatches))
+    fixed = np.zeros((len(microbatches), num_layers))
+    for i, mb in enumerate(microbatches):
+        d0 = np.asarray(mb.densities, dtype=np.float64)
+        dens = knob.density(lengths[i], d0, value)
+        attention[i] = np.sum(cost_model.layer_attention_seconds(lengths[i], dens))
+        fixed[i, :] = cost_model.layer_other_seconds(mb.num_tokens)
+        # Layer 0 also carries what is outside the layers (embedding, head, loss), defined so
+        # that the units of a micro-batch add up to exactly the model's prediction for it.
+        total = cost_model.predict(lengths[i], dens)
+        fixed[i, 0] += max(total - num_layers * attention[i] - fixed[i].sum(), 0.0)
+    return attention, fixed
