@@ -127,51 +127,69 @@ def draw_timeline(ax, bars: Sequence[Bar], num_ranks: int, title: str = "") -> N
     """Draw ``bars`` on a matplotlib axis (rank 0 at the top). One colour per degree k; a CP
     unit's arrival waits are hatched; each bar is labelled with its documents when wide enough.
     The legend, outside the axis on its right, names what was drawn and nothing else."""
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
     height = 0.8
     span = max((b.end for b in bars), default=1.0) or 1.0
     degrees, linked, waited = set(), False, 0.0
     for b in bars:
-        color = _color(b.degree)
         degrees.add(b.degree)
-        lo, hi = min(b.ranks), max(b.ranks)
-        if b.degree > 1 and b.contiguous:
-            ax.add_patch(_rect(b.start, lo - height / 2, b.seconds, hi - lo + height, color))
-            ax.text(
-                b.start + b.seconds / 2,
-                (lo + hi) / 2,
-                f"k={b.degree} doc " + ",".join(map(str, b.sample_ids)),
-                ha="center",
-                va="center",
-                fontsize=7,
-            )
-        else:
-            for r in b.ranks:
-                ax.add_patch(_rect(b.start, r - height / 2, b.seconds, height, color))
-            if b.degree > 1:  # linked bars: the unit's ranks are not neighbours
-                x = b.start + b.seconds / 2
-                ax.plot([x, x], [lo, hi], color="k", lw=1, marker="o", ms=3)
-                linked = True
-            elif b.seconds > 0.06 * span and b.sample_ids:
-                ax.text(
-                    b.start + b.seconds / 2,
-                    lo,
-                    ",".join(map(str, b.sample_ids[:4])) + ("…" if len(b.sample_ids) > 4 else ""),
-                    ha="center",
-                    va="center",
-                    fontsize=6,
-                )
-        for r, t in zip(b.ranks, b.arrivals or (), strict=False):
-            if b.start - t > 1e-9:  # waited for the unit's last rank
-                ax.add_patch(_rect(t, r - height / 2, b.start - t, height, "none", hatch="//"))
-                waited = max(waited, b.start - t)
+        bar_linked, bar_waited = _draw_bar(ax, b, span, height)
+        linked = linked or bar_linked
+        waited = max(waited, bar_waited)
     ax.set_xlim(0, span * 1.02)
     ax.set_ylim(num_ranks - 0.5, -0.5)
     ax.set_yticks(range(num_ranks), [f"rank {r}" for r in range(num_ranks)])
     ax.set_xlabel("seconds into the step")
     ax.set_title(title or "units per rank", fontsize=9)
+    _draw_legend(ax, degrees, linked, waited)
+
+
+def _draw_bar(ax, b: Bar, span: float, height: float) -> tuple[bool, float]:
+    """Draw one bar: a CP unit on neighbouring ranks as one labelled rectangle, else one
+    rectangle per rank (a CP unit's linked by a line; a micro-batch labelled with its first
+    documents when wider than 6 % of ``span``), and the hatched arrival waits. Returns whether it
+    was drawn linked and its longest wait (seconds)."""
+    color = _color(b.degree)
+    lo, hi = min(b.ranks), max(b.ranks)
+    linked, waited = False, 0.0
+    if b.degree > 1 and b.contiguous:
+        ax.add_patch(_rect(b.start, lo - height / 2, b.seconds, hi - lo + height, color))
+        ax.text(
+            b.start + b.seconds / 2,
+            (lo + hi) / 2,
+            f"k={b.degree} doc " + ",".join(map(str, b.sample_ids)),
+            ha="center",
+            va="center",
+            fontsize=7,
+        )
+    else:
+        for r in b.ranks:
+            ax.add_patch(_rect(b.start, r - height / 2, b.seconds, height, color))
+        if b.degree > 1:  # linked bars: the unit's ranks are not neighbours
+            x = b.start + b.seconds / 2
+            ax.plot([x, x], [lo, hi], color="k", lw=1, marker="o", ms=3)
+            linked = True
+        elif b.seconds > 0.06 * span and b.sample_ids:
+            ax.text(
+                b.start + b.seconds / 2,
+                lo,
+                ",".join(map(str, b.sample_ids[:4])) + ("…" if len(b.sample_ids) > 4 else ""),
+                ha="center",
+                va="center",
+                fontsize=6,
+            )
+    for r, t in zip(b.ranks, b.arrivals or (), strict=False):
+        if b.start - t > 1e-9:  # waited for the unit's last rank
+            ax.add_patch(_rect(t, r - height / 2, b.start - t, height, "none", hatch="//"))
+            waited = max(waited, b.start - t)
+    return linked, waited
+
+
+def _draw_legend(ax, degrees: set[int], linked: bool, waited: float) -> None:
+    """The legend, outside the axis on its right: one entry per degree drawn, the linked bars and
+    the arrival waits when there were any."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     handles = [
         Patch(
             facecolor=_color(k),

@@ -154,12 +154,35 @@ def plan_cp(
     kmin = cost.min_degree(items.tokens, cap, r)  # ceil(L / C), or the memory model's minimum
     whole = items.cost + regime.overhead
     mean_load = float(items.cost.sum()) / r
-    cand = np.flatnonzero((kmin > 1) | (whole > 0.5 * mean_load))
-    if cand.size > 2 * r:  # at most 2R documents can each exceed half the mean load
-        keep = np.argsort(-whole[cand], kind="stable")[: 2 * r]
-        cand = np.union1d(cand[np.sort(keep)], np.flatnonzero(kmin > 1))
+    cand = _candidates(kmin, whole, mean_load, r)
     if cand.size == 0 or (r == 1 and not (kmin > 1).any()):
         return None
+    t, comm, feasible, t_feas, ks = _tables(items, cost, cand, kmin, whole, mean_load, r, fixed)
+    bound = _lower_bound(
+        items, cost, cand, kmin, whole, t, t_feas, feasible, r, ks, exact_beyond=ks.size < r and fixed is None
+    )
+    forced = bool((kmin > 1).any())
+    builds = [_scan(t_feas, feasible, cand, items, regime, r, bound, sab_time if not forced else 0.0)]
+    if forced:  # the memory-minimum plan: the whole-document reference when C forces splits
+        builds.append(np.maximum(kmin[cand], 1) if fixed is None else np.where(kmin[cand] > 1, fixed, 1))
+    per_node, aligned = cost.links.ranks_per_node, fixed is not None
+    best: CPResult | None = None
+    tried = set()
+    for deg in builds:
+        key = deg.tobytes()
+        if key in tried:
+            continue
+        tried.add(key)
+        res = _build(deg, t_feas, comm, cand, items, regime, r, per_node, iters, neighbors, bound, cost, aligned)
+        if res is not None and (best is None or res.rank_times.max() < best.rank_times.max()):
+            best = res
+    return best
+
+
+def _tables(items: Items, cost, cand, kmin, whole, mean_load: float, r: int, fixed: int | None):
+    """The candidates' times and ring seconds ``(num_cand, kcap)`` at k = 1 .. kcap, which k are
+    feasible (at least the memory minimum; with ``fixed``, 1 or exactly it), the times with the
+    infeasible ones at inf, and the ks ``(kcap,)``."""
     # Degrees tabled for the scan: up to what the longest document needs to reach the mean load
     # (the scan's targets are >= it), with room for the ring's imbalance and communication.
     kcap = int(min(r, max(int(kmin.max()), int(np.ceil(1.5 * whole.max() / mean_load)) + 2)))
@@ -170,11 +193,28 @@ def plan_cp(
     feasible = ks[None, :] >= kmin[cand][:, None]
     if fixed is not None:  # whole (k = 1) or exactly K
         feasible &= ((ks == 1) | (ks == fixed))[None, :]
-    t_feas = np.where(feasible, t, np.inf)
+    return t, comm, feasible, np.where(feasible, t, np.inf), ks
+
+
+def _candidates(kmin: np.ndarray, whole: np.ndarray, mean_load: float, r: int) -> np.ndarray:
+    """The items a split may help: those that need one (``kmin > 1``) and those whose whole cost
+    exceeds half the mean rank load (at most the 2R heaviest of them), in index order."""
+    cand = np.flatnonzero((kmin > 1) | (whole > 0.5 * mean_load))
+    if cand.size > 2 * r:  # at most 2R documents can each exceed half the mean load
+        keep = np.argsort(-whole[cand], kind="stable")[: 2 * r]
+        cand = np.union1d(cand[np.sort(keep)], np.flatnonzero(kmin > 1))
+    return cand
+
+
+def _lower_bound(items: Items, cost, cand, kmin, whole, t, t_feas, feasible, r: int, ks, exact_beyond: bool) -> float:
+    """A lower bound on the step time: the mean rank load with every candidate at its smallest
+    area (k x t; whole documents share an overhead), or the slowest candidate at its best k.
+    ``exact_beyond``: the table stops below R (and no degree is fixed), so the 32 heaviest
+    candidates' best times are looked up over every k <= R."""
     # The bound's max term needs the best time over every k <= R: exact for the longest
     # candidates (min_k t grows with the document), the tabled range for the rest.
     best_t = t_feas.min(axis=1)
-    if kcap < r and fixed is None:
+    if exact_beyond:
         top = np.argsort(-whole[cand], kind="stable")[:32]
         t_all, _ = cost.table(items.tokens[cand[top]], items.density[cand[top]], np.arange(1, r + 1))
         ok = np.arange(1, r + 1)[None, :] >= kmin[cand[top]][:, None]
@@ -182,34 +222,22 @@ def plan_cp(
     area = np.where(feasible, t * ks[None, :], np.inf)
     area[:, 0] = np.where(kmin[cand] == 1, items.cost[cand], np.inf)  # whole: shares an overhead
     other = float(items.cost.sum() - items.cost[cand].sum())
-    bound = max((other + float(area.min(axis=1).sum())) / r, float(best_t.max()))
-    per_node = cost.links.ranks_per_node
+    return max((other + float(area.min(axis=1).sum())) / r, float(best_t.max()))
+
+
+def _scan(t_feas, feasible, cand, items: Items, regime: Regime, r: int, bound: float, sab_time: float) -> np.ndarray:
+    """The candidates' degrees of the best-estimated target of a geometric scan from ``bound``
+    to the slowest candidate at its smallest feasible k (or ``sab_time``, when larger)."""
     rows = np.arange(cand.size)
     at_min = t_feas[rows, np.argmax(feasible, axis=1)]  # each at its smallest feasible k
-    forced = bool((kmin > 1).any())
-    hi = max(float(at_min.max()), sab_time if not forced else 0.0, bound * (1 + 1e-9))
+    hi = max(float(at_min.max()), sab_time, bound * (1 + 1e-9))
     targets = bound * (hi / bound) ** (np.arange(_SCAN) / (_SCAN - 1))
     scored = []
     for target in targets.tolist():
         deg = _degrees(t_feas, target)
         scored.append((_estimate(deg, t_feas, cand, items, regime, r), target, deg))
     scored.sort(key=lambda x: (x[0], x[1]))
-    builds = [scored[0][2]]
-    if forced:  # the memory-minimum plan: the whole-document reference when C forces splits
-        builds.append(np.maximum(kmin[cand], 1) if fixed is None else np.where(kmin[cand] > 1, fixed, 1))
-    best: CPResult | None = None
-    tried = set()
-    for deg in builds:
-        key = deg.tobytes()
-        if key in tried:
-            continue
-        tried.add(key)
-        res = _build(
-            deg, t_feas, comm, cand, items, regime, r, per_node, iters, neighbors, bound, cost, fixed is not None
-        )
-        if res is not None and (best is None or res.rank_times.max() < best.rank_times.max()):
-            best = res
-    return best
+    return scored[0][2]
 
 
 def _degrees(t_feas: np.ndarray, target: float) -> np.ndarray:

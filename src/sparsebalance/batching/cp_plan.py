@@ -31,7 +31,40 @@ def build_cp_plan(
     extra: dict,
 ) -> Plan:
     """The :class:`Plan` of a CP result (see the module docstring)."""
-    ids, toks, dens, first = (a.tolist() for a in (items.sample_id, items.tokens, items.density, items.offset))
+    cols = tuple(a.tolist() for a in (items.sample_id, items.tokens, items.density, items.offset))
+    units, rank_units, rank_comm = _cp_units(res, cols, cost)
+    ranks_out, offsets, times, balance, rank_tokens = _rank_schedules(res, cols, units, rank_units)
+    rank_times = res.rank_times
+    cap = capacity if capacity is not None else max(rank_tokens, default=0)
+    cu = res.units
+    metrics = PlanMetrics(
+        **time_metrics(rank_times, res.lower_bound, balance),
+        capacity_waste=(1.0 - sum(rank_tokens) / (len(rank_tokens) * cap)) if cap else 0.0,
+        num_samples=len(set(cols[0])),
+        num_tokens=int(items.tokens.sum()),
+        num_microbatches=len(units) + int(res.flat.mb_sizes.size),
+        **overlong,
+        **extra,
+        num_split_documents=int(cu.item.size),
+        cp_degrees=tuple(sorted(cu.degree.tolist(), reverse=True)),
+        comm_seconds=float(rank_comm.max()) if res.ready.size else 0.0,
+    )
+    return Plan(
+        strategy,
+        tuple(ranks_out),
+        tuple(offsets),
+        tuple(times),
+        tuple(rank_times.tolist()),
+        metrics,
+        tuple(units),
+        tuple(tuple(o) for o in rank_units),
+    )
+
+
+def _cp_units(res: CPResult, cols: tuple[list, ...], cost) -> tuple[list[Unit], list[list[int]], np.ndarray]:
+    """The CP units of ``res`` (one split document each, in slot order), each rank's unit slots and
+    each rank's ring seconds. ``cols``: the items' ids, tokens, densities and offsets as lists."""
+    ids, toks, dens, first = cols
     num_ranks = res.ready.size
     units: list[Unit] = []
     rank_units: list[list[int]] = [[] for _ in range(num_ranks)]
@@ -57,6 +90,14 @@ def build_cp_plan(
         for r in ranks:
             rank_units[r].append(slot)
         rank_comm[r0 : r0 + k] += comm
+    return units, rank_units, rank_comm
+
+
+def _rank_schedules(res: CPResult, cols: tuple[list, ...], units: list[Unit], rank_units: list[list[int]]) -> tuple:
+    """Per rank, its CP units then its data-parallel micro-batches (appending ``-1`` to
+    ``rank_units`` for each of the latter): the ranks' entries, offsets and times, the balance of
+    every rank with two or more micro-batches, and every micro-batch's tokens per rank."""
+    ids, toks, dens, first = cols
     mb_times = iter(res.dp_times[0].tolist())
     ranks_out, offsets, times, balance, rank_tokens = [], [], [], [], []
     for r, rank in enumerate(res.packs):
@@ -84,28 +125,4 @@ def build_cp_plan(
         ranks_out.append(tuple(entries))
         offsets.append(tuple(offs))
         times.append(tuple(ts))
-    rank_times = res.rank_times
-    cap = capacity if capacity is not None else max(rank_tokens, default=0)
-    num_tokens = int(items.tokens.sum())
-    metrics = PlanMetrics(
-        **time_metrics(rank_times, res.lower_bound, balance),
-        capacity_waste=(1.0 - sum(rank_tokens) / (len(rank_tokens) * cap)) if cap else 0.0,
-        num_samples=len(set(ids)),
-        num_tokens=num_tokens,
-        num_microbatches=len(units) + int(res.flat.mb_sizes.size),
-        **overlong,
-        **extra,
-        num_split_documents=int(cu.item.size),
-        cp_degrees=tuple(sorted(cu.degree.tolist(), reverse=True)),
-        comm_seconds=float(rank_comm.max()) if num_ranks else 0.0,
-    )
-    return Plan(
-        strategy,
-        tuple(ranks_out),
-        tuple(offsets),
-        tuple(times),
-        tuple(rank_times.tolist()),
-        metrics,
-        tuple(units),
-        tuple(tuple(o) for o in rank_units),
-    )
+    return ranks_out, offsets, times, balance, rank_tokens

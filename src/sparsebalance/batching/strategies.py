@@ -135,13 +135,7 @@ def local_search(
     """
     ranks = [list(r) for r in ranks]
     costs, toks_of = cost.tolist(), tokens.tolist()
-    c0, m, cap = regime.overhead, regime.micro_batches, regime.capacity
-
-    def nmb(count: int, tok: int) -> int:
-        if count == 0:
-            return 0
-        return min(count, m) if cap is None else -(-tok // cap)
-
+    c0, nmb = regime.overhead, _micro_batch_counter(regime)
     num_ranks = len(ranks)
     fixed = [0.0] * num_ranks if base is None else [float(b) for b in base]
     sums = [fixed[r] + sum(costs[i] for i in rk) for r, rk in enumerate(ranks)]
@@ -154,19 +148,10 @@ def local_search(
     heapq.heapify(light)
     done = 0
     while done < max_iters:
-        while heavy[0][2] != version[heavy[0][1]]:
-            heapq.heappop(heavy)
-        h = heavy[0][1]
+        h = _heaviest(heavy, version)
         cur = load[h]
-        lights = []  # the ``neighbors`` lightest valid entries, restored afterwards
-        while light and len(lights) < neighbors:
-            entry = heapq.heappop(light)
-            if entry[2] == version[entry[1]]:
-                lights.append(entry)
-        for entry in lights:
-            heapq.heappush(light, entry)
         best = None
-        for _, l, _ in lights:
+        for _, l, _ in _lightest(light, version, neighbors):
             if l == h or load[l] >= cur:
                 continue
             best = _best_exchange(ranks[h], ranks[l], h, l, costs, toks_of, sums, toks, cur, load[l], c0, nmb)
@@ -185,6 +170,40 @@ def local_search(
             heapq.heappush(light, (load[r], r, version[r]))
         done += 1
     return ranks, done
+
+
+def _micro_batch_counter(regime: Regime):
+    """``nmb(count, tokens)``: the micro-batches of a rank holding ``count`` items of ``tokens``
+    tokens in all (:meth:`Regime.num_mb`), as a closure over plain locals: the exchange search
+    calls it for every candidate item."""
+    m, cap = regime.micro_batches, regime.capacity
+
+    def nmb(count: int, tok: int) -> int:
+        if count == 0:
+            return 0
+        return min(count, m) if cap is None else -(-tok // cap)
+
+    return nmb
+
+
+def _heaviest(heavy: list[tuple], version: list[int]) -> int:
+    """The heaviest rank: stale entries (an older ``version`` of their rank) popped off the top."""
+    while heavy[0][2] != version[heavy[0][1]]:
+        heapq.heappop(heavy)
+    return heavy[0][1]
+
+
+def _lightest(light: list[tuple], version: list[int], neighbors: int) -> list[tuple]:
+    """The ``neighbors`` lightest valid entries ``(load, rank, version)``, lightest first; stale
+    ones are dropped, the valid ones stay in the heap."""
+    lights = []
+    while light and len(lights) < neighbors:
+        entry = heapq.heappop(light)
+        if entry[2] == version[entry[1]]:
+            lights.append(entry)
+    for entry in lights:
+        heapq.heappush(light, entry)
+    return lights
 
 
 def _best_exchange(items_h, items_l, h, l, costs, toks_of, sums, toks, cur, cur_l, c0, nmb):
