@@ -55,6 +55,19 @@ def test_the_device_default_is_resolved_in_one_function():
         resolve_kernel("cpu", 0)
 
 
+def test_the_gqa_mode_is_resolved_with_the_kernel():
+    from sparsebalance.commands import bench_attn
+    from sparsebalance.ops.flex_config import flex_settings
+
+    assert resolve_kernel("cpu").gqa == flex_settings(64, "cpu").gqa == "expand"  # what a flex call defaults to
+    assert resolve_kernel("cpu", gqa="native").gqa == "native"
+    with pytest.raises(ValueError, match="--gqa must be one of expand, native, got 'both'"):
+        resolve_kernel("cpu", gqa="both")
+    parser = argparse.ArgumentParser()
+    bench_attn.add_arguments(parser)
+    assert bench_attn.prepare_args(parser.parse_args(["--device", "cpu"])).gqa == resolve_kernel("cpu").gqa
+
+
 def test_commands_resolve_an_unset_block_size_to_the_devices(tmp_path, capsys):
     cpu = resolve_kernel("cpu").block_size
     assert TrainConfig(out=str(tmp_path / "run")).block_size == cpu
