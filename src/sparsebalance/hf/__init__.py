@@ -141,6 +141,33 @@ def _planned_args(args, global_batch: int, given: bool) -> dict[str, tuple[objec
     return fixed
 
 
+def _planned_dataloader(trainer, runtime: AttachedRuntime, sampler, callback, dataset, pad):
+    """The ``get_train_dataloader`` that :func:`enable` installs: the sampler's planned loader,
+    after refusing what changed since enable (arguments, model, dataset)."""
+
+    def train_dataloader():
+        # train() asks for its loader first: a setting changed since enable is refused here,
+        # before anything is trained
+        _check_args(trainer.args, "sparsebalance.hf (at train())")
+        if trainer.model is not runtime.model:
+            raise ValueError(
+                f"sparsebalance.hf (at train()): trainer.model ({type(trainer.model).__name__}) is "
+                "not the model sparsebalance.hf.enable attached (it was replaced after enable) and "
+                "would train with its own attention: set it back, or attach the new model and "
+                "enable a new Trainer"
+            )
+        if trainer.train_dataset is not dataset:
+            raise ValueError(
+                "sparsebalance.hf (at train()): trainer.train_dataset was replaced after "
+                "sparsebalance.hf.enable, which planned the steps over the one it had then: set "
+                "it back, or enable a new Trainer (and model) with the new dataset"
+            )
+        callback.check_args(trainer.args)
+        return sampler.dataloader(dataset, pad)
+
+    return train_dataloader
+
+
 def enable(
     trainer,
     *,
@@ -168,8 +195,7 @@ def enable(
         overlong: documents longer than ``capacity``: ``split`` into chunks | ``truncate`` |
             ``skip`` (counted in the telemetry). Context-parallel units are not available here.
         dst: budgets (default ``DSTConfig()``, the paper's top-k rule; ``DSTConfig(mode="off",
-            budget="gamma", gamma0=1.0)`` is exact
-            attention).
+            budget="gamma", gamma0=1.0)`` is exact attention).
         profile: latency profile JSON (``sparsebalance profile --out``, or an analytic one).
             Default: the profile cached for this model, device, block size and budget kind
             (``~/.cache/sparsebalance/profiles``), else one measured here on rank 0: about a
@@ -190,17 +216,39 @@ def enable(
     _check_args(trainer.args)
     if trainer.train_dataset is None:
         raise ValueError("sparsebalance.hf.enable: the trainer has no train_dataset")
+    runtime = _attach(trainer, block_size, backend)
+    config = _planner_config(trainer.args, runtime, global_batch, capacity, strategy, overlong, dst, deterministic)
+    _install(trainer, runtime, config, profile, lengths, given=global_batch is not None)
+    return runtime
+
+
+def _attach(trainer, block_size: int | None, backend: str | None) -> AttachedRuntime:
+    """:func:`attach` on ``trainer.model`` at the training device; a model attached before must
+    agree with this call's block size and backend."""
     args = trainer.args
-    accum = args.gradient_accumulation_steps
-    given = global_batch is not None
-    if global_batch is None:
-        global_batch = args.per_device_train_batch_size * accum * max(args.world_size, 1)
     check_block_size(block_size, "sparsebalance.hf.enable")
     existing = attached_runtime(trainer.model)
     if existing is not None:  # attached before: this call's settings must agree (one line if not)
         reconcile(existing, "sparsebalance.hf.enable", block_size=block_size, backend=backend, device=args.device)
-    runtime = attach(trainer.model, block_size=block_size, backend=backend, device=args.device)
-    config = PlannerConfig(
+    return attach(trainer.model, block_size=block_size, backend=backend, device=args.device)
+
+
+def _planner_config(
+    args,
+    runtime: AttachedRuntime,
+    global_batch: int | None,
+    capacity: int | None,
+    strategy: str,
+    overlong: str,
+    dst: DSTConfig | None,
+    deterministic: bool,
+) -> PlannerConfig:
+    """The planner's config from ``enable``'s arguments and the Trainer's (global batch default:
+    ``per_device_train_batch_size x gradient_accumulation_steps x world size``)."""
+    accum = args.gradient_accumulation_steps
+    if global_batch is None:
+        global_batch = args.per_device_train_batch_size * accum * max(args.world_size, 1)
+    return PlannerConfig(
         global_batch=global_batch,
         micro_batches=accum,
         capacity=capacity,
@@ -212,34 +260,18 @@ def enable(
         seed=args.seed,
         deterministic=deterministic,
     )
+
+
+def _install(trainer, runtime: AttachedRuntime, config: PlannerConfig, profile, lengths, *, given: bool) -> None:
+    """Build the balanced sampler (the latency profile measured here if none is cached), then
+    give ``trainer`` the planned loader and the callback."""
+    args = trainer.args
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"  # the Trainer's autocast
     sampler = build_sampler(
         runtime, trainer.train_dataset, config, profile, lengths, device=args.device, precision=precision
     )
     dataset, pad = trainer.train_dataset, _pad_token_id(trainer)
-    fixed = _planned_args(args, global_batch, given)
+    fixed = _planned_args(args, config.global_batch, given)
     callback = SparseBalanceCallback(sampler.planner, trainer, fixed)
-
-    def train_dataloader():
-        # train() asks for its loader first: a setting changed since enable is refused here,
-        # before anything is trained
-        _check_args(trainer.args, "sparsebalance.hf (at train())")
-        if trainer.model is not runtime.model:
-            raise ValueError(
-                f"sparsebalance.hf (at train()): trainer.model ({type(trainer.model).__name__}) is "
-                "not the model sparsebalance.hf.enable attached (it was replaced after enable) and "
-                "would train with its own attention: set it back, or attach the new model and "
-                "enable a new Trainer"
-            )
-        if trainer.train_dataset is not dataset:
-            raise ValueError(
-                "sparsebalance.hf (at train()): trainer.train_dataset was replaced after "
-                "sparsebalance.hf.enable, which planned the steps over the one it had then: set "
-                "it back, or enable a new Trainer (and model) with the new dataset"
-            )
-        callback.check_args(trainer.args)
-        return sampler.dataloader(dataset, pad)
-
-    trainer.get_train_dataloader = train_dataloader
+    trainer.get_train_dataloader = _planned_dataloader(trainer, runtime, sampler, callback, dataset, pad)
     trainer.add_callback(callback)
-    return runtime

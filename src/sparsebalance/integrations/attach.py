@@ -267,17 +267,7 @@ def attach(
         when it asks for the same settings or leaves them out; a setting the first call chose
         and this one asks to change is refused in one line naming both (:func:`reconcile`).
     """
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise ValueError("sparsebalance.attach: pass the model before wrapping it in DDP")
-    check_block_size(block_size)
-    check_device(device)
-    if backend is not None:  # a name the op does not know fails here, not at the first forward
-        try:  # (the model may move to CUDA later: only the name is checked, as on CUDA)
-            resolve_backend(backend, torch.device("cuda"))
-        except ValueError as err:
-            raise ValueError(f"sparsebalance.attach: {err}") from None
-    if budget is not None and not isinstance(budget, Budget):
-        raise TypeError(f"sparsebalance.attach: budget must be a Budget, got {budget!r}")
+    _check_attach(model, budget, block_size, backend, device)
     existing = attached_runtime(model)
     if existing is not None:
         reconcile(
@@ -297,6 +287,30 @@ def attach(
         budget or Budget(gamma=1.0),
         chosen={k for k, v in asked.items() if v is not None},
     )
+    _bind_layers(model, runtime)
+    inference.install(model, runtime)  # before the switch: it keeps the model's own attention
+    model.set_attn_implementation(IMPLEMENTATION)
+    _RUNTIMES[model] = weakref.ref(runtime)
+    return runtime
+
+
+def _check_attach(model: torch.nn.Module, budget, block_size, backend, device) -> None:
+    """Refuse what :func:`attach` cannot take (one line each), before anything is built."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError("sparsebalance.attach: pass the model before wrapping it in DDP")
+    check_block_size(block_size)
+    check_device(device)
+    if backend is not None:  # a name the op does not know fails here, not at the first forward
+        try:  # (the model may move to CUDA later: only the name is checked, as on CUDA)
+            resolve_backend(backend, torch.device("cuda"))
+        except ValueError as err:
+            raise ValueError(f"sparsebalance.attach: {err}") from None
+    if budget is not None and not isinstance(budget, Budget):
+        raise TypeError(f"sparsebalance.attach: budget must be a Budget, got {budget!r}")
+
+
+def _bind_layers(model: torch.nn.Module, runtime: AttachedRuntime) -> None:
+    """Give every attention layer of ``model`` the runtime's context (none found: refused)."""
     found = 0
     for module in model.modules():
         # transformers' attention modules (Qwen2Attention, LlamaAttention, ...): no common base
@@ -309,7 +323,3 @@ def attach(
             f"sparsebalance.attach: found no attention layer (a module with layer_idx and "
             f"q_proj) in {type(model).__name__}"
         )
-    inference.install(model, runtime)  # before the switch: it keeps the model's own attention
-    model.set_attn_implementation(IMPLEMENTATION)
-    _RUNTIMES[model] = weakref.ref(runtime)
-    return runtime

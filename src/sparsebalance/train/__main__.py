@@ -35,10 +35,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"sparsebalance train: error: {err}", file=sys.stderr, flush=True)
         return 2
     rank = int(os.environ.get("RANK", "0"))
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's worker: never outlive the agent
-        die_with_parent(signal.SIGKILL)
-    elif ENV_TOKEN in os.environ:  # the launcher's single process: stop cleanly if it dies
-        die_with_parent(signal.SIGTERM)
+    _follow_parent()
     stops = StopSignals().install()
     lock = None
     training = False  # past the set-up every rank does alike: a rank's own errors are its own
@@ -51,10 +48,7 @@ def _main(argv: list[str] | None) -> int:
     add_train_arguments(parser)
     try:
         cfg = config_from_args(parser.parse_args(argv))
-        if rank == 0 and not join(Path(cfg.out), os.environ.get(ENV_TOKEN, "")):
-            lock = RunLock(Path(cfg.out)).acquire()
-            if lock.note:
-                say(f"note: {lock.note}")
+        lock = _lock_run(Path(cfg.out), rank, say)
         trainer = Trainer(cfg)
         trainer.stops = stops
         training = True
@@ -91,6 +85,24 @@ def _main(argv: list[str] | None) -> int:
         if lock is not None:
             lock.release()
     return 0
+
+
+def _follow_parent() -> None:
+    """End with the process that started this one."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's worker: never outlive the agent
+        die_with_parent(signal.SIGKILL)
+    elif ENV_TOKEN in os.environ:  # the launcher's single process: stop cleanly if it dies
+        die_with_parent(signal.SIGTERM)
+
+
+def _lock_run(out: Path, rank: int, say) -> RunLock | None:
+    """Rank 0 takes the run folder's lock, unless it joins the lock its launcher holds."""
+    if rank != 0 or join(out, os.environ.get(ENV_TOKEN, "")):
+        return None
+    lock = RunLock(out).acquire()
+    if lock.note:
+        say(f"note: {lock.note}")
+    return lock
 
 
 if __name__ == "__main__":

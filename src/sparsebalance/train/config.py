@@ -166,7 +166,28 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         flags.check_fields(self)  # types first (the Python API): one line naming the field
-        n, given = self._name, partial(flags.given, self)
+        self._check_counts()
+        self._check_memory_options()
+        self._check_strategy()
+        self._check_choices(
+            estimator=ESTIMATORS,
+            overlong=OVERLONG,
+            parallel=PARALLEL,
+            measure_bubble=MEASURE_BUBBLE,
+            precision=PRECISIONS,
+            schedule=("cosine", "linear", "constant"),
+            device=("auto", "cpu", "cuda"),
+            on_bad_record=("error", "skip"),
+        )
+        self._check_optimizer()
+        self._resolve_block_size()
+        self._check_runtime()
+        self._check_inputs()
+        check_out_folder(Path(self.out), self.resume, self.overwrite, self)
+
+    def _check_counts(self) -> None:
+        """Ranks, steps and batch sizes (before the flags that depend on them)."""
+        n = self._name
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(f"{n('ranks_per_node')} must be >= 1, got {self.ranks_per_node}")
         if self.emulate_ranks < 0:
@@ -177,7 +198,10 @@ class TrainConfig:
             raise ValueError(f"{n('global_batch')} must be >= 1, got {self.global_batch}")
         if (self.micro_batches is None) == (self.capacity is None):
             raise ValueError(f"give exactly one of {n('micro_batches')} and {n('capacity')}")
-        self._check_memory_options()
+
+    def _check_strategy(self) -> None:
+        """The planner strategy, context parallelism and the estimator it needs."""
+        n, given = self._name, partial(flags.given, self)
         if self.strategy not in ("auto", *STRATEGIES):
             raise ValueError(f"{n('strategy')} must be auto or one of {STRATEGIES}, got {self.strategy!r}")
         if self.cp is not None and (self.cp < 2 or self.strategy not in ("sab-cp", "auto")):
@@ -192,23 +216,20 @@ class TrainConfig:
             )
         if self.estimator == "ema" and self.dst.budget != "top-k":
             raise ValueError(f"{given('estimator', 'ema')} averages top-k budgets: it needs --budget top-k")
-        self._check_choices(
-            estimator=ESTIMATORS,
-            overlong=OVERLONG,
-            parallel=PARALLEL,
-            measure_bubble=MEASURE_BUBBLE,
-            precision=PRECISIONS,
-            schedule=("cosine", "linear", "constant"),
-            device=("auto", "cpu", "cuda"),
-            on_bad_record=("error", "skip"),
-        )
+
+    def _check_optimizer(self) -> None:
+        """Learning rate, clipping, weight decay and warm-up."""
+        n = self._name
         for key, low in (("lr", "> 0"), ("grad_clip", ">= 0"), ("weight_decay", ">= 0")):
             value = getattr(self, key)
             if not (value > 0 if low == "> 0" else value >= 0):  # finite: checked by type
                 raise ValueError(f"{n(key)} must be {low}, got {value}")
         if self.warmup_steps < 0:
             raise ValueError(f"{n('warmup_steps')} must be >= 0, got {self.warmup_steps}")
-        self._resolve_block_size()
+
+    def _check_runtime(self) -> None:
+        """Precision with the parallel mode, the communication timeout, the length range."""
+        n, given = self._name, partial(flags.given, self)
         if self.precision == "fp16" and self.parallel == "fsdp2":
             raise ValueError(
                 f"{given('precision', 'fp16')} (loss scaling) is not supported "
@@ -220,6 +241,10 @@ class TrainConfig:
             self.max_len is not None and self.max_len < (self.min_len or 1)
         ):
             raise ValueError(f"need 1 <= {n('min_len')} <= {n('max_len')}, got {self.min_len}, {self.max_len}")
+
+    def _check_inputs(self) -> None:
+        """The data files exist, the remaining counts are in range, the tokenizer and profile exist."""
+        n, given = self._name, partial(flags.given, self)
         if self.data is not None:
             for path, _ in parse_mixture(self.data):
                 if not Path(path).exists():
@@ -239,7 +264,6 @@ class TrainConfig:
             path = getattr(self, key)
             if path is not None and not Path(path).exists():
                 raise ValueError(f"{given(key, path)}: no such file or directory")
-        check_out_folder(Path(self.out), self.resume, self.overwrite, self)
 
     def _name(self, field: str) -> str:
         """``--lr`` on the command line, ``TrainConfig.lr (--lr)`` from the Python API."""

@@ -419,10 +419,16 @@ def supervise(cmd: list[str], env: dict[str, str], stop_grace: float = STOP_GRAC
             signal.signal(sig, handler)
         timer.cancel()
     rc = 128 - rc if rc < 0 else rc
+    return _stopped_code(rc, received, expired.is_set(), stop_grace)
+
+
+def _stopped_code(rc: int, received: list[int], expired: bool, stop_grace: float) -> int:
+    """:func:`supervise`'s exit code once the ranks ended after ``received`` signals: ``128 +
+    the first signal`` where they were killed (said in one line), else their own ``rc``."""
     if not received or rc == 0:
         return rc
     name = signal.Signals(received[0]).name
-    if expired.is_set():
+    if expired:
         _say(
             f"the ranks did not stop within --stop-grace {stop_grace:g} s of {name}: killed; "
             "--resume continues from the last checkpoint saved"
