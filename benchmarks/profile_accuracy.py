@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from sparsebalance.latency import LatencyModel, load_profile
-from sparsebalance.latency.measure import measure_heldout, measure_profile, noise_line
+from sparsebalance.latency.heldout import measure_heldout
+from sparsebalance.latency.measure import measure_profile, noise_line
 from sparsebalance.latency.sweep import Timings, random_batches
 from sparsebalance.latency.validate import validation_summary
 from sparsebalance.models import load_shapes

@@ -29,6 +29,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -42,7 +43,6 @@ from ..precision import DTYPES
 from ..timing import median_time, torch_threads
 from .crossover import measure_dense_crossover
 from .form import FEATURES, attention_floor, features, fit_form_robust, form_tables, nnls
-from .model import LatencyModel
 from .profile import AttentionTable, Profile, Table1D, fingerprint
 from .proxy import ProxyModel
 from .sweep import (
@@ -50,7 +50,6 @@ from .sweep import (
     Timings,
     choose_design,
     prepare_microbatch,
-    random_batches,
     time_interleaved,
     topk_batch,
 )
@@ -110,6 +109,41 @@ def measure_profile(
         )
 
 
+@dataclass
+class _Rig:
+    """What every timed micro-batch of one profiling run shares: the proxy model on its device,
+    the kernel (backend, block, layout, dense crossover) and the seed."""
+
+    shapes: ModelShapes
+    model: ProxyModel
+    device: torch.device
+    backend: str
+    block_size: int
+    layout: str
+    crossover: float | None
+    top: int
+    seed: int
+
+    def shaped(self, batch: Batch) -> Batch:
+        return topk_batch(batch, self.block_size) if self.layout == "top-k" else batch
+
+    def prep(self, batch: Batch, i: int):
+        return prepare_microbatch(
+            self.model,
+            batch[0],
+            batch[1],
+            self.device,
+            self.backend,
+            self.block_size,
+            self.seed + i,
+            self.layout,
+            self.crossover,
+        )
+
+    def featurize(self, batches) -> np.ndarray:
+        return features(batches, self.shapes.num_layers, self.block_size, self.crossover)
+
+
 def _measure_profile(
     shapes,
     device,
@@ -125,102 +159,129 @@ def _measure_profile(
     layout,
 ) -> Profile:
     t_start = time.perf_counter()
-    top = int(max_len or shapes.max_context)
-    backend = resolve_backend(backend, device)
-    torch.manual_seed(0)
-    if backend == "flex":
-        check_flex_block_size(block_size, device)  # one line, before rank 0 compiles anything
-    model = ProxyModel(shapes, precision=dtype).to(device)
-    nl = shapes.num_layers
-    crossover = None  # the dense kernel's crossover: CUDA's flex with top-k budgets only
-    if device.type == "cuda" and backend == "flex" and layout == "top-k":
-        crossover = measure_dense_crossover(
-            shapes, device, DTYPES[dtype], block_size, top, lambda fn: median_time(fn, device, 2, 5)
-        )
-
-    def shaped(batch: Batch) -> Batch:
-        return topk_batch(batch, block_size) if layout == "top-k" else batch
-
-    def prep(batch: Batch, i: int):
-        return prepare_microbatch(model, batch[0], batch[1], device, backend, block_size, seed + i, layout, crossover)
-
-    # Pilot: a rough (per pair, per token, per call) cost prices the candidates.
-    pilot = [
-        ([min(top, 8 * block_size + 5)], [1.0]),
-        ([min(top, 4 * block_size + 3)], [0.1]),
-        ([min(top, block_size + 9)], [0.5]),
-    ]
-    pilot = [shaped(b) for b in pilot]
-    pt = np.array([median_time(prep(b, i), device, 1, 1) for i, b in enumerate(pilot)])
-    px = features(pilot, nl, block_size, crossover)[:, [0, 1, 4]]
-    rough = np.maximum(nnls(px / pt[:, None], np.ones(len(pilot))), 1e-12)
-
-    def featurize(batches) -> np.ndarray:
-        return features(batches, nl, block_size, crossover)
-
-    def cost(batch: Batch) -> float:
-        return float(featurize([batch])[0, [0, 1, 4]] @ rough)
-
+    rig = _make_rig(shapes, device, dtype, backend, block_size, int(max_len or shapes.max_context), seed, layout)
+    cost = _pilot_cost(rig)
     # rounds + 1: time_interleaved runs each micro-batch once untimed first (warm-up).
-    design = choose_design(top, block_size, cost, budget_s * DESIGN_SHARE, rounds + 1, featurize, seed=seed)
-    design = [shaped(b) for b in design]
+    design = choose_design(rig.top, block_size, cost, budget_s * DESIGN_SHARE, rounds + 1, rig.featurize, seed=seed)
+    design = [rig.shaped(b) for b in design]
     t_pilot = time.perf_counter() - t_start
     timings = time_interleaved(
-        [prep(b, i) for i, b in enumerate(design)],
+        [rig.prep(b, i) for i, b in enumerate(design)],
         device,
         max(MAX_ROUNDS, rounds),
         min_rounds=rounds,
         budget_s=budget_s * ROUNDS_SHARE,
         seed=seed,
     )
-    x, y = featurize(design), timings.median
+    x, y = rig.featurize(design), timings.median
     fit, dropped = fit_form_robust(x, y, noise=float(np.median(timings.cv)))
-    # Refinement: what is left of the budget goes to micro-batches like the worst LOO point.
     left = budget_s - (time.perf_counter() - t_start)
+    x, y = _refine_design(rig, design, x, y, timings, fit, dropped, cost, left)
+    fit, rejected = _fit_floored(rig, x, y, timings)
+    t_design = time.perf_counter() - t_start - t_pilot
+    opt_s, num_params = _optimizer_seconds(rig.model, device)
+    allreduce = measure_allreduce(num_params, allreduce_world_size) if allreduce_world_size > 1 else None
+    meta = {
+        "model": shapes.name,
+        "source": "measured",
+        "num_params": num_params,
+        "allreduce_world_size": allreduce_world_size or None,
+        "max_len": rig.top,
+    }
+    stages = {"pilot_seconds": t_pilot, "design_seconds": t_design, "rounds_seconds": timings.wall_seconds}
+    profile = _assemble_profile(
+        rig, dtype, design, y, timings, fit, rejected, opt_s, allreduce, (meta, t_start, stages)
+    )
+    if not quiet:
+        print(noise_line(profile), file=sys.stderr)
+    return profile
+
+
+def _make_rig(shapes, device, dtype, backend, block_size, top, seed, layout) -> _Rig:
+    """The proxy model (seeded) on ``device`` and, for CUDA's flex with top-k budgets, the dense
+    kernel's crossover; a flex block the device cannot run is refused before anything compiles."""
+    backend = resolve_backend(backend, device)
+    torch.manual_seed(0)
+    if backend == "flex":
+        check_flex_block_size(block_size, device)  # one line, before rank 0 compiles anything
+    model = ProxyModel(shapes, precision=dtype).to(device)
+    crossover = None  # the dense kernel's crossover: CUDA's flex with top-k budgets only
+    if device.type == "cuda" and backend == "flex" and layout == "top-k":
+        crossover = measure_dense_crossover(
+            shapes, device, DTYPES[dtype], block_size, top, lambda fn: median_time(fn, device, 2, 5)
+        )
+    return _Rig(shapes, model, device, backend, block_size, layout, crossover, top, seed)
+
+
+def _pilot_cost(rig: _Rig):
+    """Time three small micro-batches once; return the rough (per pair, per token, per call) cost
+    in seconds of a micro-batch, which prices the design's candidates."""
+    top, block_size = rig.top, rig.block_size
+    pilot = [
+        ([min(top, 8 * block_size + 5)], [1.0]),
+        ([min(top, 4 * block_size + 3)], [0.1]),
+        ([min(top, block_size + 9)], [0.5]),
+    ]
+    pilot = [rig.shaped(b) for b in pilot]
+    pt = np.array([median_time(rig.prep(b, i), rig.device, 1, 1) for i, b in enumerate(pilot)])
+    px = rig.featurize(pilot)[:, [0, 1, 4]]
+    rough = np.maximum(nnls(px / pt[:, None], np.ones(len(pilot))), 1e-12)
+
+    def cost(batch: Batch) -> float:
+        return float(rig.featurize([batch])[0, [0, 1, 4]] @ rough)
+
+    return cost
+
+
+def _refine_design(rig: _Rig, design, x, y, timings: Timings, fit, dropped, cost, left: float):
+    """Refinement: ``left`` seconds of budget go to up to 4 micro-batches like the worst
+    leave-one-out point, timed as many rounds as the design; ``design`` and ``timings`` are
+    extended in place, the extended features and medians returned."""
     loo = np.zeros(len(design))
     if fit.loo_errors:
         loo[np.setdiff1d(np.arange(len(design)), dropped)] = fit.loo_errors
-    extra = [shaped(b) for b in _refine(design, loo.tolist(), top, block_size, seed)]
+    extra = [rig.shaped(b) for b in _refine(design, loo.tolist(), rig.top, rig.block_size, rig.seed)]
     extra = [b for b in extra if (left := left - timings.seconds.shape[0] * cost(b)) > 0][:4]
     if extra:
         more = time_interleaved(
-            [prep(b, 100 + i) for i, b in enumerate(extra)], device, timings.seconds.shape[0], seed=seed + 1
+            [rig.prep(b, 100 + i) for i, b in enumerate(extra)], rig.device, timings.seconds.shape[0], seed=rig.seed + 1
         )
         design += extra
-        x = np.vstack([x, featurize(extra)])
+        x = np.vstack([x, rig.featurize(extra)])
         y = np.concatenate([y, more.median])
         timings.seconds = np.hstack([timings.seconds, more.seconds])
+    return x, y
+
+
+def _fit_floored(rig: _Rig, x, y, timings: Timings):
+    """The robust fit, refitted with the attention coefficient floored where noise hid it."""
+    shapes = rig.shapes
     fit, rejected = fit_form_robust(x, y, noise=float(np.median(timings.cv)))
-    token_flops = 6.0 * (nl * shapes.layer_params() + _head_params(shapes))
-    a_min = attention_floor(fit.coefficients[1], token_flops, shapes.num_heads, shapes.head_dim, block_size)
+    token_flops = 6.0 * (shapes.num_layers * shapes.layer_params() + _head_params(shapes))
+    a_min = attention_floor(fit.coefficients[1], token_flops, shapes.num_heads, shapes.head_dim, rig.block_size)
     if fit.coefficients[0] < a_min:  # noise hid the attention term: keep it priced
         floor = [a_min, 0.0, 0.0, 0.0, 0.0]
         fit, rejected = fit_form_robust(x, y, noise=float(np.median(timings.cv)), floor=floor)
-    t_design = time.perf_counter() - t_start - t_pilot
-    opt_s, num_params = _optimizer_seconds(model, device)
-    allreduce = measure_allreduce(num_params, allreduce_world_size) if allreduce_world_size > 1 else None
+    return fit, rejected
+
+
+def _assemble_profile(rig: _Rig, dtype, design, y, timings: Timings, fit, rejected, opt_s, allreduce, run) -> Profile:
+    """The :class:`Profile`: the fitted form's tables, the fit and its design points, the noise;
+    ``run`` is (meta, t_start, stage seconds): the total profiling time is taken last."""
+    meta, t_start, stages = run
+    shapes, nl, block_size = rig.shapes, rig.shapes.num_layers, rig.block_size
     share = nl * shapes.layer_params() / (nl * shapes.layer_params() + _head_params(shapes))
-    t = form_tables(fit.coefficients, nl, block_size, top, share, crossover)
+    t = form_tables(fit.coefficients, nl, block_size, rig.top, share, rig.crossover)
     noise = {**timings.noise(), "load_1min": _load(), "design_points": len(design), "design_outliers": len(rejected)}
-    profile = Profile(
-        fingerprint=fingerprint(shapes, device, dtype, backend, block_size, layout=layout),
+    return Profile(
+        fingerprint=fingerprint(shapes, rig.device, dtype, rig.backend, block_size, layout=rig.layout),
         attention=AttentionTable(t["lengths"], t["densities"], t["attention"]),
         layer_other=Table1D(t["lengths"], t["layer_other"]),
         head=Table1D(t["lengths"], t["head"]),
         num_layers=nl,
         optimizer_seconds=opt_s,
         allreduce_seconds=allreduce,
-        meta={
-            "model": shapes.name,
-            "source": "measured",
-            "num_params": num_params,
-            "allreduce_world_size": allreduce_world_size or None,
-            "max_len": top,
-            "profiling_seconds": time.perf_counter() - t_start,
-            "pilot_seconds": t_pilot,
-            "design_seconds": t_design,
-            "rounds_seconds": timings.wall_seconds,
-        },
+        meta={**meta, "profiling_seconds": time.perf_counter() - t_start, **stages},
         fit={
             "features": list(FEATURES),
             "coefficients": fit.coefficients,
@@ -241,11 +302,8 @@ def _measure_profile(
             ],
         },
         noise=noise,
-        dense_from=crossover,
+        dense_from=rig.crossover,
     )
-    if not quiet:
-        print(noise_line(profile), file=sys.stderr)
-    return profile
 
 
 def noise_line(
@@ -335,80 +393,3 @@ def measure_allreduce(num_params: int, world_size: int) -> float:
         mp.spawn(_allreduce_worker, args=(world_size, init, num_params, out), nprocs=world_size)
         with open(out) as f:
             return float(f.read())
-
-
-def heldout_batches(profile: Profile, count: int, max_tokens: int, seed: int = 1) -> list[Batch]:
-    """Held-out micro-batches: 1-4 documents of 128 .. ``max_tokens`` tokens (none of the
-    profile's design lengths), densities in [0.04, 0.95] (for a top-k profile: the realized
-    densities of top-k layouts of those, :func:`sweep.topk_batch`)."""
-    design = [n for point in profile.fit.get("design", []) for n in point["lengths"]]
-    batches = random_batches(count, max_tokens, min(128, max_tokens), seed, design)
-    if profile.fingerprint.get("layout") == "top-k":
-        block = int(profile.fingerprint.get("block_size", 64))
-        batches = [topk_batch(b, block) for b in batches]
-    return batches
-
-
-def measure_heldout(
-    shapes: ModelShapes,
-    batches: list[Batch],
-    device: torch.device,
-    dtype: str,
-    backend: str,
-    block_size: int,
-    rounds: int = 3,
-    layout: str = "threshold",
-) -> Timings:
-    """Median of ``rounds`` interleaved timings of each held-out micro-batch, and their noise."""
-    torch.manual_seed(1)
-    proxy = ProxyModel(shapes, precision=dtype).to(device)
-    fns = [
-        prepare_microbatch(proxy, b[0], b[1], device, backend, block_size, seed=1000 + i, layout=layout)
-        for i, b in enumerate(batches)
-    ]
-    fns[0]()  # warm-up
-    return time_interleaved(fns, device, rounds, rounds, seed=1)
-
-
-def measure_microbatch(
-    shapes: ModelShapes,
-    lengths: list[int],
-    densities: list[float],
-    device: torch.device,
-    dtype: str,
-    backend: str,
-    block_size: int,
-    warmup: int = 1,
-    repeats: int = 3,
-    model=None,
-) -> float:
-    """End-to-end fwd+bwd seconds (median of ``repeats``) of one packed micro-batch."""
-    model = model or ProxyModel(shapes, precision=dtype).to(device)
-    fn = prepare_microbatch(model, lengths, densities, device, backend, block_size)
-    return median_time(fn, device, warmup, repeats)
-
-
-def recalibration_steps(
-    profile: Profile, batches: list, measured: list[float], factor: float = 1.5, tol: float = 0.05
-) -> tuple[int | None, float]:
-    """Steps of online recalibration a profile scaled by ``factor`` needs to predict the measured
-    set within ``max(tol, MAPE of the unscaled model)``; returns (steps or None, final MAPE)."""
-    base = LatencyModel(profile)
-    target = max(tol, mape(base, batches, measured))
-    scaled = Profile.from_json(profile.to_json())
-    for table in (scaled.attention.seconds, scaled.layer_other.seconds, scaled.head.seconds):
-        for i, row in enumerate(table):
-            table[i] = [x * factor for x in row] if isinstance(row, list) else row * factor
-    model = LatencyModel(scaled)
-    for step in range(1, 4 * len(batches) + 1):
-        lengths, dens = batches[(step - 1) % len(batches)]
-        model.update(lengths, dens, measured[(step - 1) % len(batches)])
-        err = mape(model, batches, measured)
-        if err <= target:
-            return step, err
-    return None, mape(model, batches, measured)
-
-
-def mape(model: LatencyModel, batches: list, measured: list[float]) -> float:
-    pred = np.array([model.predict(lengths, dens) for lengths, dens in batches])
-    return float(np.mean(np.abs(pred - np.asarray(measured)) / np.asarray(measured)))

@@ -229,47 +229,77 @@ def choose_design(
     chosen = list(range(len(core)))
     spent = float(spend[chosen].sum())
     if featurize is None:
-        for i in range(len(core), len(pool)):
-            if len(chosen) >= max_points:
-                break
-            if spent + spend[i] <= budget_s:
-                chosen.append(i)
-                spent += spend[i]
+        _add_in_order(chosen, spend, spent, budget_s, max_points)
     else:
         ref = random_batches(64, max_tokens, min_len, seed + 1)
-        x, xr = featurize(pool), featurize(ref)
-        scale = np.maximum((x / t[:, None]).max(0), 1e-300)  # unit columns: a conditioned M
-        rows = x / t[:, None] / scale
-        refs = xr / np.array([cost(b) for b in ref])[:, None] / scale
-        info = rows[chosen].T @ rows[chosen] + 1e-6 * np.eye(x.shape[1])
-        tokens = np.array([sum(b[0]) for b in pool])
-        # Coverage first (the form may miss something at some size): the best point of every
-        # octave of micro-batch tokens down to max_tokens / 16; then the best anywhere.
-        octaves = [(max_tokens / 2 ** (k + 1), max_tokens / 2**k) for k in range(4)]
-        masks = [(tokens > lo) & (tokens <= hi) for lo, hi in octaves] + [np.ones(len(pool), bool)]
-        for mask in masks:
-            if mask is not masks[-1] and any(mask[i] for i in chosen):
-                continue
-            while len(chosen) < max_points:
-                inv = np.linalg.inv(info)
-                # Sherman-Morrison: adding row r lowers sum_j r_j' M^-1 r_j by
-                # sum_j (r_j' M^-1 r)^2 / (1 + r' M^-1 r).
-                cross = refs @ inv @ rows.T  # (K, M)
-                drop = (cross**2).mean(0) / (1.0 + np.einsum("ij,jk,ik->i", rows, inv, rows))
-                score = np.where(mask, drop / spend, -np.inf)
-                score[chosen] = -np.inf
-                score[spent + spend > budget_s] = -np.inf
-                i = int(np.argmax(score))
-                if not np.isfinite(score[i]):
-                    break
-                chosen.append(i)
-                spent += spend[i]
-                info += np.outer(rows[i], rows[i])
-                if mask is not masks[-1]:
-                    break
+        _add_i_optimal(chosen, pool, t, spend, spent, budget_s, max_points, max_tokens, ref, featurize, cost)
     for i in np.argsort(spend, kind="stable"):
         if len(chosen) >= min_points:
             break
         if i not in chosen:
             chosen.append(int(i))
     return [pool[i] for i in chosen]
+
+
+def _add_in_order(chosen: list[int], spend: np.ndarray, spent: float, budget_s: float, max_points: int) -> None:
+    """Append to ``chosen`` the candidates after it, in order, while their cost fits the budget."""
+    for i in range(len(chosen), len(spend)):
+        if len(chosen) >= max_points:
+            break
+        if spent + spend[i] <= budget_s:
+            chosen.append(i)
+            spent += spend[i]
+
+
+def _add_i_optimal(
+    chosen: list[int],
+    pool: list[Batch],
+    t: np.ndarray,
+    spend: np.ndarray,
+    spent: float,
+    budget_s: float,
+    max_points: int,
+    max_tokens: int,
+    ref: list[Batch],
+    featurize: Callable[[Sequence[Batch]], np.ndarray],
+    cost: Callable[[Batch], float],
+) -> None:
+    """Append to ``chosen`` the candidates of ``pool`` (rough seconds ``t``, cost ``spend``) that
+    most lower the relative prediction variance over ``ref`` per second, while they fit."""
+    x, xr = featurize(pool), featurize(ref)
+    scale = np.maximum((x / t[:, None]).max(0), 1e-300)  # unit columns: a conditioned M
+    rows = x / t[:, None] / scale
+    refs = xr / np.array([cost(b) for b in ref])[:, None] / scale
+    info = rows[chosen].T @ rows[chosen] + 1e-6 * np.eye(x.shape[1])
+    tokens = np.array([sum(b[0]) for b in pool])
+    # Coverage first (the form may miss something at some size): the best point of every
+    # octave of micro-batch tokens down to max_tokens / 16; then the best anywhere.
+    octaves = [(max_tokens / 2 ** (k + 1), max_tokens / 2**k) for k in range(4)]
+    masks = [(tokens > lo) & (tokens <= hi) for lo, hi in octaves] + [np.ones(len(pool), bool)]
+    for mask in masks:
+        if mask is not masks[-1] and any(mask[i] for i in chosen):
+            continue
+        while len(chosen) < max_points:
+            i = _best_candidate(rows, refs, info, mask, chosen, spend, spent, budget_s)
+            if i is None:
+                break
+            chosen.append(i)
+            spent += spend[i]
+            info += np.outer(rows[i], rows[i])
+            if mask is not masks[-1]:
+                break
+
+
+def _best_candidate(rows, refs, info, mask, chosen, spend, spent: float, budget_s: float) -> int | None:
+    """The row in ``mask``, not yet chosen and within budget, that most lowers the mean relative
+    prediction variance over ``refs`` per second it costs; None when there is none."""
+    inv = np.linalg.inv(info)
+    # Sherman-Morrison: adding row r lowers sum_j r_j' M^-1 r_j by
+    # sum_j (r_j' M^-1 r)^2 / (1 + r' M^-1 r).
+    cross = refs @ inv @ rows.T  # (K, M)
+    drop = (cross**2).mean(0) / (1.0 + np.einsum("ij,jk,ik->i", rows, inv, rows))
+    score = np.where(mask, drop / spend, -np.inf)
+    score[chosen] = -np.inf
+    score[spent + spend > budget_s] = -np.inf
+    i = int(np.argmax(score))
+    return i if np.isfinite(score[i]) else None

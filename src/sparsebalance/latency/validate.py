@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..models import ModelShapes
-from .measure import heldout_batches, measure_heldout, recalibration_steps
+from .heldout import heldout_batches, measure_heldout, recalibration_steps
 from .model import LatencyModel
 from .profile import Profile
 from .sweep import Batch
@@ -141,7 +141,7 @@ def validate_profile(
     max_tokens: int | None = None,
     rounds: int = 3,
 ) -> dict:
-    """Time ``num_batches`` held-out micro-batches (:func:`measure.heldout_batches`, up to
+    """Time ``num_batches`` held-out micro-batches (:func:`heldout.heldout_batches`, up to
     ``max_tokens``, default the profile's max length; median of ``rounds`` interleaved rounds)
     and return :func:`validation_summary` plus ``recalibration_steps_from_1.5x``,
     ``recalibrated_mape``, ``predict_many_10k_seconds``, ``validation_noise``, ``profile_noise``.
