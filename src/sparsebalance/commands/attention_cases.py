@@ -140,15 +140,8 @@ def measure_case(total, case, args, backend, timer, device, dtype) -> dict:
     heads, kv_heads, d, block = args.heads, args.kv_heads, args.head_dim, args.block_size
     lengths = [total] if case.startswith("d=") else pack_lengths(total, case)
     q, k, v, grad, cu = _inputs(lengths, heads, kv_heads, d, device, dtype)
-    scale = d**-0.5
     pack = PackIndex.build(cu, block, lengths)
-    if case.startswith("d="):
-        density = float(case[2:])
-        layout = random_layout(cu.cpu(), heads, block, density, seed=1, shape="top-k").to(device)
-        k_blocks = int(np.ceil(topk_for_density(total, density, block)[()]))
-    else:
-        k_blocks = 1 if case.startswith("docs") else PACK_BUDGET_TOKENS // block
-        layout = select_blocks(q.detach(), k.detach(), cu, Budget(top_k=k_blocks), block, pack=pack)
+    layout, k_blocks = _case_layout(total, case, q, k, cu, heads, block, pack, device)
     budget = Budget(top_k=k_blocks)
     counts = count_layer(q, k, v, cu, lengths, budget, block, backend, device, run_kernels=not args.counts_only)
     row = {
@@ -164,6 +157,28 @@ def measure_case(total, case, args, backend, timer, device, dtype) -> dict:
     }
     if args.counts_only:
         return {**row, **dict.fromkeys(TIMED)}
+    row.update(_time_case(q, k, v, grad, cu, lengths, layout, pack, budget, args, backend, timer, device))
+    return row
+
+
+def _case_layout(total, case, q, k, cu, heads, block, pack, device) -> tuple[BlockLayout, int]:
+    """The case's layout and its top-k: ``d=X`` a random top-k layout of density X over one
+    document, else the selection's over the pack (one block per query for ``docs`` cases)."""
+    if case.startswith("d="):
+        density = float(case[2:])
+        layout = random_layout(cu.cpu(), heads, block, density, seed=1, shape="top-k").to(device)
+        k_blocks = int(np.ceil(topk_for_density(total, density, block)[()]))
+    else:
+        k_blocks = 1 if case.startswith("docs") else PACK_BUDGET_TOKENS // block
+        layout = select_blocks(q.detach(), k.detach(), cu, Budget(top_k=k_blocks), block, pack=pack)
+    return layout, k_blocks
+
+
+def _time_case(q, k, v, grad, cu, lengths, layout, pack, budget, args, backend, timer, device) -> dict:
+    """The timed columns of one row: selection, a fresh mask, the sparse op's forward (and
+    forward + backward where the backend has one here), the dense baseline's, and their ratios."""
+    heads, kv_heads, d, block = args.heads, args.kv_heads, args.head_dim, args.block_size
+    scale = d**-0.5
     t_select = timer(lambda: select_blocks(q.detach(), k.detach(), cu, budget, block, pack=pack))
 
     def fresh_mask():  # what one layer pays once: the kernel's index form, block tables included
@@ -186,33 +201,36 @@ def measure_case(total, case, args, backend, timer, device, dtype) -> dict:
     with torch.no_grad():
         b_fwd = timer(base_fwd)
     b_fb = timer(base_fb)
-    row.update(
-        {
-            "select_s": t_select,
-            "mask_s": t_mask,
-            "fwd_s": t_fwd,
-            "fwd_bwd_s": t_fb,
-            "bwd_s": None,
-            "base_fwd_s": b_fwd,
-            "base_fwd_bwd_s": b_fb,
-            "base_bwd_s": max(b_fb - b_fwd, 0.0),
-            "fwd_ratio": t_fwd / b_fwd,
-            "bwd_ratio": None,
-            "ratio": None,
-            "layer_ratio": None,
-            "overhead_share": None,
-        }
-    )
+    return _timed_columns(t_select, t_mask, t_fwd, t_fb, b_fwd, b_fb)
+
+
+def _timed_columns(t_select, t_mask, t_fwd, t_fb, b_fwd, b_fb) -> dict:
+    """The seconds and the ratios to the dense baseline; the backward's only where it was timed."""
+    columns = {
+        "select_s": t_select,
+        "mask_s": t_mask,
+        "fwd_s": t_fwd,
+        "fwd_bwd_s": t_fb,
+        "bwd_s": None,
+        "base_fwd_s": b_fwd,
+        "base_fwd_bwd_s": b_fb,
+        "base_bwd_s": max(b_fb - b_fwd, 0.0),
+        "fwd_ratio": t_fwd / b_fwd,
+        "bwd_ratio": None,
+        "ratio": None,
+        "layer_ratio": None,
+        "overhead_share": None,
+    }
     if t_fb is not None:  # the backward's parts
         sparse = t_select + t_mask + t_fb
-        row.update(
+        columns.update(
             bwd_s=max(t_fb - t_fwd, 0.0),
             ratio=t_fb / b_fb,
             layer_ratio=sparse / b_fb,
             bwd_ratio=_ratio(t_fb - t_fwd, b_fb - b_fwd, b_fb),
             overhead_share=(t_select + t_mask) / sparse,
         )
-    return row
+    return columns
 
 
 TIMED = (

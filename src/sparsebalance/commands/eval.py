@@ -83,6 +83,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="sparse",
         help="sparse: the block-sparse op at one budget; dense: gamma 1.0, exact attention",
     )
+    _add_budget_arguments(p)
+    _add_example_arguments(p)
+    _add_data_arguments(p)
+    p.add_argument("--base", default=None, help="base model of a trainer checkpoint")
+    p.add_argument("--vocab-map", default=None, help="JSON {tokenizer id: model id}")
+    p.add_argument("--tokenizer", default=None, help="local HF tokenizer dir (default: Qwen2.5's)")
+    _add_kernel_arguments(p)
+    p.add_argument("--out", default=None, help="folder for result JSON (+ heatmap PNG)")
+    p.add_argument("--json", action="store_true", help="print only JSON to stdout")
+
+
+def _add_budget_arguments(p: argparse.ArgumentParser) -> None:
+    """The sparse budget: at most one of --top-k, --budget-tokens, --gamma."""
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--top-k", type=int, default=None, help="sparse budget: key blocks per query (MoBA top-k)")
     budget.add_argument(
@@ -98,6 +111,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="sparse budget by the threshold rule: the fewest blocks whose estimated mass reaches gamma, in (0, 1]",
     )
+
+
+def _add_example_arguments(p: argparse.ArgumentParser) -> None:
+    """The generated examples of a synthetic task."""
     p.add_argument("--num-examples", type=int, default=20, help="examples per length (and depth)")
     p.add_argument(
         "--depths",
@@ -106,6 +123,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="needle depths, e.g. 0,0.25,0.5,0.75,1 (default: 5 for niah/passkey, random for vt/kv)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the generated examples")
+
+
+def _add_data_arguments(p: argparse.ArgumentParser) -> None:
+    """LongBench's and perplexity's data, and how LongBench is truncated and scored."""
     p.add_argument("--data", default=None, help="longbench jsonl file/dir; ppl text/jsonl")
     p.add_argument("--prompts", default=None, help="longbench templates (dataset2prompt format)")
     p.add_argument(
@@ -123,9 +144,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "fuzzywuzzy, rapidfuzz = fuzzywuzzy with python-Levenshtein",
     )
     p.add_argument("--max-windows", type=int, default=32, help="ppl windows per length")
-    p.add_argument("--base", default=None, help="base model of a trainer checkpoint")
-    p.add_argument("--vocab-map", default=None, help="JSON {tokenizer id: model id}")
-    p.add_argument("--tokenizer", default=None, help="local HF tokenizer dir (default: Qwen2.5's)")
+
+
+def _add_kernel_arguments(p: argparse.ArgumentParser) -> None:
+    """Where and how attention runs: block, backend, tokens per forward, device, dtype."""
     add_block_size_argument(p)
     p.add_argument("--backend", default="auto", help="attention backend: auto | torch | flex | reference")
     p.add_argument("--pack-tokens", type=int, default=16384, help="tokens per forward")
@@ -135,8 +157,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cpu | cuda (default: cuda when available, else cpu)",
     )
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="model dtype")
-    p.add_argument("--out", default=None, help="folder for result JSON (+ heatmap PNG)")
-    p.add_argument("--json", action="store_true", help="print only JSON to stdout")
 
 
 def check_args(args: argparse.Namespace) -> Budget:

@@ -62,6 +62,27 @@ from ..tuning.config import DEFAULT_BUDGET_TOKENS
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", required=True, metavar="FILE", help="lengths / JSON / jsonl file")
     p.add_argument("--world-size", type=int, required=True, metavar="R", help="ranks")
+    _add_capacity_arguments(p)
+    _add_cost_arguments(p)
+    p.add_argument("--strategy", default="all", help=f"one of {', '.join(STRATEGIES)}, or all")
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        metavar="G",
+        help="ranks sharing a node: sab-cp keeps units of <= G ranks inside one node "
+        "(default: the links' node size, 8 for an analytic accelerator)",
+    )
+    p.add_argument("--overlong", choices=OVERLONG, default="split", help="documents longer than C")
+    _add_budget_arguments(p)
+    p.add_argument("--text-field", default="text", help="jsonl field to tokenize")
+    p.add_argument("--seed", type=int, default=None, help="shuffle the file order with this seed")
+    p.add_argument("--save", metavar="PATH", help="write every plan (with assignment) as JSON")
+    p.add_argument("--json", action="store_true", help="print only JSON to stdout")
+
+
+def _add_capacity_arguments(p: argparse.ArgumentParser) -> None:
+    """The per-rank bound: --micro-batches M or --capacity C (auto: the memory model's, from the run's settings)."""
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches per rank")
     group.add_argument(
@@ -87,6 +108,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="ddp",
         help="--capacity auto: fsdp2 shards weights, optimizer over R",
     )
+
+
+def _add_cost_arguments(p: argparse.ArgumentParser) -> None:
+    """The latency model: a measured profile, else the analytic one of --model on --accelerator."""
     p.add_argument("--profile", metavar="P", help="latency profile (default: analytic profile)")
     p.add_argument("--model", default="tiny", help="model for the analytic profile")
     p.add_argument(
@@ -95,16 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="h100",
         help="accelerator for the analytic profile",
     )
-    p.add_argument("--strategy", default="all", help=f"one of {', '.join(STRATEGIES)}, or all")
-    p.add_argument(
-        "--ranks-per-node",
-        type=int,
-        default=None,
-        metavar="G",
-        help="ranks sharing a node: sab-cp keeps units of <= G ranks inside one node "
-        "(default: the links' node size, 8 for an analytic accelerator)",
-    )
-    p.add_argument("--overlong", choices=OVERLONG, default="split", help="documents longer than C")
+
+
+def _add_budget_arguments(p: argparse.ArgumentParser) -> None:
+    """The sparse budget the densities are estimated for."""
     p.add_argument(
         "--budget",
         choices=("top-k", "gamma"),
@@ -117,51 +136,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_BUDGET_TOKENS,
         help=f"top-k: the base budget in tokens attended (default: {DEFAULT_BUDGET_TOKENS}, the paper's)",
     )
-    p.add_argument("--text-field", default="text", help="jsonl field to tokenize")
-    p.add_argument("--seed", type=int, default=None, help="shuffle the file order with this seed")
-    p.add_argument("--save", metavar="PATH", help="write every plan (with assignment) as JSON")
-    p.add_argument("--json", action="store_true", help="print only JSON to stdout")
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.strategy != "all" and args.strategy not in STRATEGIES:
-        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)} or all, got {args.strategy!r}")
-    strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
-    if args.save:  # before planning: the plans are never lost to an output error
-        check_output_file(args.save, "--save")
-    capacity, memory = _capacity(args)
-    shared = {
-        "micro_batches": args.micro_batches,
-        "capacity": capacity,
-        "overlong": args.overlong,
-        "ranks_per_node": args.ranks_per_node,
-    }
-    configs = [
-        PlanConfig(args.world_size, strategy=s, **shared) for s in strategies
-    ]  # validates R, M, C before any file is read
-    samples, densities = read_lengths(args.lengths, args.text_field)
-    if args.seed is not None:
-        order = np.random.default_rng(args.seed).permutation(len(samples))
-        samples = [samples[i] for i in order]
-        densities = None if densities is None else densities[order]
-    cost_model, cost_name = load_cost_model(args.profile, args.model, args.accelerator)
-    # sab-cp prices split documents with link speeds (the profile's measured ones, else the
-    # analytic --accelerator's); every other strategy sees the plain latency model through it.
-    cost_model = context_cost(cost_model, args.accelerator, memory=memory)
-    g = args.ranks_per_node or cost_model.links.ranks_per_node
-    nodes = f"{g} ranks per node" if g < args.world_size else "one node"
-    cost_name += f"; links {cost_model.links.source}, {nodes}"
-    if densities is not None:
-        source, kwargs = "file", {"densities": densities}
-    elif args.budget == "gamma":
-        source, kwargs = "HistoryEstimator prior", {"estimator": HistoryEstimator()}
-    else:
-        if args.budget_tokens < 0:
-            raise ValueError(f"--budget-tokens must be >= 0, got {args.budget_tokens}")
-        block = int(cost_model.base.profile.fingerprint.get("block_size", 128))
-        knob = DSTConfig(budget_tokens=args.budget_tokens).knob(block)
-        source = f"top-k {args.budget_tokens} tokens (k {knob.base} at block {block})"
-        kwargs = {"estimator": make_estimator("ema", knob)}
+    configs, capacity, memory = _plan_configs(args)
+    samples, densities = _read_samples(args)
+    cost_model, cost_name = _cost_model(args, memory)
+    source, kwargs = _density_source(args, densities, cost_model)
     plans = [plan_batch(samples, cost_model, cfg, **kwargs) for cfg in configs]
     result = {
         "num_samples": len(samples),
@@ -181,6 +162,71 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
+    _print_plans(args, result, plans, memory)
+    return 0
+
+
+def _plan_configs(args) -> tuple[list[PlanConfig], int | None, MemoryBound | None]:
+    """One :class:`PlanConfig` per strategy asked for, and the capacity (with its memory bound),
+    all validated before any file is read; ``--save`` is checked before planning too."""
+    if args.strategy != "all" and args.strategy not in STRATEGIES:
+        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)} or all, got {args.strategy!r}")
+    strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    if args.save:  # before planning: the plans are never lost to an output error
+        check_output_file(args.save, "--save")
+    capacity, memory = _capacity(args)
+    shared = {
+        "micro_batches": args.micro_batches,
+        "capacity": capacity,
+        "overlong": args.overlong,
+        "ranks_per_node": args.ranks_per_node,
+    }
+    configs = [
+        PlanConfig(args.world_size, strategy=s, **shared) for s in strategies
+    ]  # validates R, M, C before any file is read
+    return configs, capacity, memory
+
+
+def _read_samples(args) -> tuple[list, np.ndarray | None]:
+    """The samples of ``--lengths`` (and their densities, if the file has them), shuffled with ``--seed``."""
+    samples, densities = read_lengths(args.lengths, args.text_field)
+    if args.seed is not None:
+        order = np.random.default_rng(args.seed).permutation(len(samples))
+        samples = [samples[i] for i in order]
+        densities = None if densities is None else densities[order]
+    return samples, densities
+
+
+def _cost_model(args, memory: MemoryBound | None):
+    """The context-aware cost model and its one-line description (profile, links, node size)."""
+    cost_model, cost_name = load_cost_model(args.profile, args.model, args.accelerator)
+    # sab-cp prices split documents with link speeds (the profile's measured ones, else the
+    # analytic --accelerator's); every other strategy sees the plain latency model through it.
+    cost_model = context_cost(cost_model, args.accelerator, memory=memory)
+    g = args.ranks_per_node or cost_model.links.ranks_per_node
+    nodes = f"{g} ranks per node" if g < args.world_size else "one node"
+    cost_name += f"; links {cost_model.links.source}, {nodes}"
+    return cost_model, cost_name
+
+
+def _density_source(args, densities, cost_model) -> tuple[str, dict]:
+    """Where the densities come from (the file's, the gamma prior, top-k's estimator) and the
+    ``plan_batch`` keyword that supplies them."""
+    if densities is not None:
+        return "file", {"densities": densities}
+    if args.budget == "gamma":
+        return "HistoryEstimator prior", {"estimator": HistoryEstimator()}
+    if args.budget_tokens < 0:
+        raise ValueError(f"--budget-tokens must be >= 0, got {args.budget_tokens}")
+    block = int(cost_model.base.profile.fingerprint.get("block_size", 128))
+    knob = DSTConfig(budget_tokens=args.budget_tokens).knob(block)
+    source = f"top-k {args.budget_tokens} tokens (k {knob.base} at block {block})"
+    return source, {"estimator": make_estimator("ema", knob)}
+
+
+def _print_plans(args, result: dict, plans: list, memory: MemoryBound | None) -> None:
+    """The human-readable report: the bound, the cost model, the table, what --overlong did."""
+    capacity = result["capacity"]
     bound = f"M = {args.micro_batches}" if capacity is None else f"C = {capacity}"
     if memory is not None:
         peak = memory.model.peak_bytes(capacity, memory.config)
@@ -189,15 +235,14 @@ def main(args: argparse.Namespace) -> int:
             f"{memory.budget_bytes / GIB:.2f} GiB, {memory.model.c.name})"
         )
     print(
-        f"{len(samples)} samples, {result['num_tokens']} tokens, R = {args.world_size}, {bound}\n"
-        f"cost model: {cost_name}; densities: {source}\n"
+        f"{result['num_samples']} samples, {result['num_tokens']} tokens, R = {args.world_size}, {bound}\n"
+        f"cost model: {result['cost_model']}; densities: {result['densities']}\n"
     )
     print(format_table(plans))
     for line in overlong_lines(plans, args.world_size, args.overlong):
         print(line)
     if args.save:
         print(f"\nwrote {args.save}")
-    return 0
 
 
 def _capacity(args) -> tuple[int | None, MemoryBound | None]:

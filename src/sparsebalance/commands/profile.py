@@ -42,20 +42,35 @@ from ..latency import (
     load_profile,
 )
 from ..latency.measure import measure_profile, noise_line
-from ..latency.memory import CHECKPOINTING, MemoryConfig, MemoryModel, device_coefficients
-from ..latency.memory_fit import memory_fingerprint, save_calibration
+from ..latency.memory import MemoryConfig, MemoryModel, device_coefficients
 from ..latency.validate import validate_profile
 from ..models import BUILTIN_MODELS, check_trainable, load_shapes
-from ..ops import resolve_backend
 from ..precision import DTYPES, default_precision
 from ..results import markdown_table, write_results
 from ..sizes import check_device_memory
 from ..timing import torch_threads
 from ..train.launch import CPU_NPROC, rank_threads
-from ..train.memory_probe import measure_memory, tied_embeddings
+from .profile_memory import add_memory_arguments, measure_memory_profile, memory_summary, memory_tokens
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    _add_target_arguments(p)
+    _add_measure_arguments(p)
+    _add_validate_arguments(p)
+    _add_analytic_arguments(p)
+    p.add_argument("--results-dir", default=None, help="--validate also writes a dated results file here")
+    p.add_argument(
+        "--measure-links",
+        action="store_true",
+        help="also time gloo point-to-point transfers (2 processes) for context-parallel rings; "
+        "stored in the profile's meta['links']",
+    )
+    add_memory_arguments(p)
+    p.add_argument("--json", action="store_true", help="print only JSON to stdout")
+
+
+def _add_target_arguments(p: argparse.ArgumentParser) -> None:
+    """What is profiled: the model, the device and dtype, the attention kernel and its layouts."""
     p.add_argument("--model", default="tiny", help=f"built-in {BUILTIN_MODELS} or a config.json path")
     p.add_argument(
         "--device",
@@ -79,6 +94,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the budgets training will run, so the layouts timed have their shape: top-k (equal "
         "rows, as train --budget top-k) or gamma (threshold rows)",
     )
+
+
+def _add_measure_arguments(p: argparse.ArgumentParser) -> None:
+    """Measuring: where the profile goes, its largest micro-batch, the time spent."""
     p.add_argument("--out", default="profile.json", help="where to write the profile")
     p.add_argument(
         "--max-len",
@@ -100,6 +119,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="gloo processes for an all-reduce timing (0: none)",
     )
+
+
+def _add_validate_arguments(p: argparse.ArgumentParser) -> None:
+    """Validation on held-out micro-batches; --rounds and --threads also govern measuring."""
     p.add_argument(
         "--validate",
         metavar="PROFILE",
@@ -129,6 +152,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "processes; with --validate: the profile's own count)",
     )
     p.add_argument("--strict", action="store_true", help="error (not warn) on a fingerprint mismatch")
+
+
+def _add_analytic_arguments(p: argparse.ArgumentParser) -> None:
+    """An analytic (FLOP-count) profile instead of a measured one."""
     p.add_argument(
         "--analytic",
         choices=sorted(ACCELERATORS),
@@ -136,47 +163,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="write an analytic (FLOP-count) profile for this GPU instead of measuring",
     )
     p.add_argument("--efficiency", type=float, default=0.45, help="GEMM efficiency (--analytic)")
-    p.add_argument("--results-dir", default=None, help="--validate also writes a dated results file here")
-    p.add_argument(
-        "--measure-links",
-        action="store_true",
-        help="also time gloo point-to-point transfers (2 processes) for context-parallel rings; "
-        "stored in the profile's meta['links']",
-    )
-    p.add_argument(
-        "--memory",
-        action="store_true",
-        help="also measure the memory model's coefficients (one fresh process per "
-        "--memory-tokens count); stored in the profile's meta['memory'] and the cache",
-    )
-    p.add_argument(
-        "--memory-only",
-        action="store_true",
-        help="only measure the memory coefficients (written to the cache; no latency profile)",
-    )
-    p.add_argument(
-        "--memory-checkpointing",
-        choices=CHECKPOINTING,
-        default="off",
-        help="activation checkpointing of the memory probes: the mode you train with (a "
-        "calibration is used only by runs in its mode)",
-    )
-    p.add_argument(
-        "--memory-tokens",
-        default=None,
-        help="token counts of the memory probes, >= 2 distinct (default: --max-len / 4, / 2, x 1)",
-    )
-    p.add_argument("--json", action="store_true", help="print only JSON to stdout")
 
 
 def main(args: argparse.Namespace) -> int:
     shapes = load_shapes(args.model)
     if args.analytic:  # a GPU's profile: its block size is CUDA's unless given
-        check_output_file(args.out, "--out")
-        block = resolve_block_size("cuda", args.block_size, backend=None)  # priced, not compiled
-        profile = analytic_profile(shapes, args.analytic, args.efficiency, block_size=block)
-        profile.save(args.out)
-        return _report({"wrote": args.out, "source": "analytic", "device": args.analytic, "block_size": block}, args)
+        return _analytic(args, shapes)
+    device, dtype = _check_device_and_timing(args)
+    check_trainable(args.model)  # a sliding window: refused before anything is timed
+    if args.validate:
+        return _validate(args, shapes, device, dtype)
+    max_len, budget = _check_measure_arguments(args, shapes, device)
+    threads = (args.threads or rank_threads(CPU_NPROC)) if device.type == "cpu" else None
+    tokens = memory_tokens(args.memory_tokens, max_len, shapes.max_context)
+    if args.memory_only:
+        cal, path = measure_memory_profile(args, shapes, device, dtype, tokens)
+        return _report({"wrote": str(path), "memory": memory_summary(cal)}, args)
+    return _measure(args, shapes, device, dtype, max_len, budget, threads, tokens)
+
+
+def _analytic(args, shapes) -> int:
+    """Write the analytic profile of ``--analytic``'s GPU."""
+    check_output_file(args.out, "--out")
+    block = resolve_block_size("cuda", args.block_size, backend=None)  # priced, not compiled
+    profile = analytic_profile(shapes, args.analytic, args.efficiency, block_size=block)
+    profile.save(args.out)
+    return _report({"wrote": args.out, "source": "analytic", "device": args.analytic, "block_size": block}, args)
+
+
+def _check_device_and_timing(args) -> tuple[torch.device, str]:
+    """The device and dtype; resolves ``args.block_size`` for them; refuses bad --rounds, --threads."""
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but CUDA is not available")
@@ -186,10 +202,12 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--rounds must be >= 2 (the noise needs repeats), got {args.rounds}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    check_trainable(args.model)  # a sliding window: refused before anything is timed
-    if args.validate:
-        return _validate(args, shapes, device, dtype)
-    if not args.memory_only:  # before minutes of measuring: the profile can be written
+    return device, dtype
+
+
+def _check_measure_arguments(args, shapes, device) -> tuple[int, float]:
+    """Refuse, before minutes of measuring, what would fail after them; returns (max_len, budget)."""
+    if not args.memory_only:  # the profile can be written
         check_output_file(args.out, "--out")
     max_len = args.max_len if args.max_len is not None else min(4096, shapes.max_context)
     if not args.block_size <= max_len <= shapes.max_context:
@@ -198,11 +216,11 @@ def main(args: argparse.Namespace) -> int:
     budget = 6.0 if args.quick else args.budget
     if not budget > 0:  # nan included
         raise ValueError(f"--budget must be > 0 seconds, got {budget}")
-    threads = (args.threads or rank_threads(CPU_NPROC)) if device.type == "cpu" else None
-    memory_tokens = _memory_tokens(args.memory_tokens, max_len, shapes.max_context)
-    if args.memory_only:
-        cal, path = _memory(args, shapes, device, dtype, memory_tokens)
-        return _report({"wrote": str(path), "memory": _memory_summary(cal)}, args)
+    return max_len, budget
+
+
+def _measure(args, shapes, device, dtype, max_len, budget, threads, tokens) -> int:
+    """Measure the profile (with links and memory when asked), write it, report it."""
     profile = measure_profile(
         shapes,
         device,
@@ -223,9 +241,9 @@ def main(args: argparse.Namespace) -> int:
         profile.meta["links"] = measure_p2p().to_dict()
     memory = None
     if args.memory:
-        cal, _ = _memory(args, shapes, device, dtype, memory_tokens)
+        cal, _ = measure_memory_profile(args, shapes, device, dtype, tokens)
         profile.meta["memory"] = cal.to_json()
-        memory = _memory_summary(cal)
+        memory = memory_summary(cal)
     profile.save(args.out)
     print(noise_line(profile), file=sys.stderr)
     summary = {
@@ -244,48 +262,6 @@ def main(args: argparse.Namespace) -> int:
 
 def _layout(args) -> str:
     return "top-k" if args.budget_kind == "top-k" else "threshold"
-
-
-def _memory_tokens(text: str | None, max_len: int, context: int) -> list[int]:
-    if text is None:
-        return sorted({max(64, max_len // 4), max(128, max_len // 2), max_len})
-    try:
-        tokens = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--memory-tokens must be comma-separated integers, got {text!r}") from None
-    if len(set(tokens)) < 2 or min(tokens) < 2 or max(tokens) > context:
-        raise ValueError(f"--memory-tokens needs >= 2 distinct counts in [2, {context}], got {text!r}")
-    return sorted(set(tokens))
-
-
-def _memory(args, shapes, device, dtype, tokens):
-    """Probe, fit, cache; prints the fit's line on stderr. Returns (calibration, cache path)."""
-    backend = resolve_backend(args.backend, device)
-    tied = tied_embeddings(args.model)
-    fp = memory_fingerprint(fingerprint(shapes, device, dtype, backend, args.block_size), tied)
-    cal = measure_memory(
-        args.model, device, fp, tokens, args.memory_checkpointing, block_size=args.block_size, backend=backend
-    )
-    path = save_calibration(cal)
-    errs = ", ".join(f"{p.tokens}: {100 * e:+.1f} %" for p, e in zip(cal.probes, cal.errors, strict=True))
-    print(
-        f"memory: act_bytes {cal.act_bytes:.2f} per saved element, overhead "
-        f"{cal.overhead_bytes / 2**20:+.0f} MiB; fit error by tokens {errs}"
-        + (" (act_bytes at the end of its range: check the probes)" if cal.at_range_end else ""),
-        file=sys.stderr,
-    )
-    return cal, path
-
-
-def _memory_summary(cal) -> dict:
-    return {
-        "act_bytes": cal.act_bytes,
-        "overhead_bytes": cal.overhead_bytes,
-        "tokens": [p.tokens for p in cal.probes],
-        "peak_bytes": [p.peak_bytes for p in cal.probes],
-        "errors": list(cal.errors),
-        "analytic_errors": list(cal.analytic_errors),
-    }
 
 
 def check_micro_batch_memory(shapes, tokens: int, device, block_size: int, flag: str) -> None:

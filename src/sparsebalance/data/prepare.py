@@ -127,61 +127,13 @@ def prepare(cfg: PrepareConfig, tokenizer, inputs: list[dict] | None = None) -> 
     bad = BadRecords(cfg.on_bad_record, max_record_bytes=cfg.max_record_bytes)
     encode = _encoder(tokenizer)
     info = tokenizer_info(tokenizer)
-    short = {"documents": 0, "tokens": 0}
-    text_chars = 0
     with StoreWriter(cfg.out, info, overwrite=cfg.overwrite) as writer:
         inputs = inputs if inputs is not None else describe_inputs(files)
         total_bytes = sum(i["bytes"] for i in inputs)
-        threads = min(cfg.workers, os.cpu_count() or 1)
-        expected = total_bytes / (TOKENIZE_BYTES_PER_S * threads)
-        if expected > SAY_AFTER_S:  # once, before the wait (the bar, if any, follows)
-            names = ", ".join(Path(i["path"]).name for i in inputs[:3])
-            names += f" and {len(inputs) - 3} more" if len(inputs) > 3 else ""
-            print(
-                f"sparsebalance: tokenizing {total_bytes / 1e6:,.0f} MB of input ({names}) "
-                f"into {cfg.out} with {threads} thread{'s' if threads > 1 else ''}: roughly "
-                f"{_minutes(expected)} (at ~{TOKENIZE_BYTES_PER_S / 1e6:.0f} MB/s per "
-                "thread)",
-                file=sys.stderr,
-                flush=True,
-            )
+        _announce(cfg, inputs, total_bytes)
         t0 = time.perf_counter()
         bar = _Progress(total_bytes, cfg.progress)
-
-        def flush(job) -> None:
-            future, sources = job
-            docs = future.result()
-            keep = [i for i, d in enumerate(docs) if len(d) >= cfg.min_tokens]
-            dropped = [len(d) for d in docs if len(d) < cfg.min_tokens]
-            short["documents"] += len(dropped)
-            short["tokens"] += sum(dropped)
-            writer.add_many([docs[i] for i in keep], [sources[i] for i in keep])
-            bar.docs(len(docs))
-
-        pending: deque = deque()
-        with ThreadPoolExecutor(cfg.workers) as pool:
-            try:
-                texts, sources, size = [], [], 0
-                for item in inputs:
-                    for text, source in read_records(Path(item["path"]), cfg.text_field, bad, bar.bytes):
-                        texts.append(text)
-                        sources.append(source)
-                        size += len(text)
-                        if size >= cfg.chunk_bytes:
-                            pending.append((pool.submit(encode, texts), sources))
-                            text_chars += size
-                            texts, sources, size = [], [], 0
-                            while len(pending) > 2 * cfg.workers:
-                                flush(pending.popleft())
-                if texts:
-                    pending.append((pool.submit(encode, texts), sources))
-                    text_chars += size
-                while pending:
-                    flush(pending.popleft())
-            finally:
-                for future, _ in pending:  # interrupted: drop queued work before the pool joins
-                    future.cancel()
-                bar.close()
+        text_chars, short = _tokenize(cfg, inputs, encode, writer, bad, bar)
         elapsed = time.perf_counter() - t0
         extra = {
             "inputs": inputs,
@@ -208,6 +160,70 @@ def prepare(cfg: PrepareConfig, tokenizer, inputs: list[dict] | None = None) -> 
     manifest = json.loads((Path(path) / "manifest.json").read_text())
     swept = [str(t) for t in writer.swept]
     return {**manifest, "elapsed": elapsed, "swept": swept}
+
+
+def _announce(cfg: PrepareConfig, inputs: list[dict], total_bytes: int) -> None:
+    """Say on stderr, once and before the wait, what is tokenized and roughly how long it takes,
+    when that is over :data:`SAY_AFTER_S` (the bar, if any, follows)."""
+    threads = min(cfg.workers, os.cpu_count() or 1)
+    expected = total_bytes / (TOKENIZE_BYTES_PER_S * threads)
+    if expected > SAY_AFTER_S:
+        names = ", ".join(Path(i["path"]).name for i in inputs[:3])
+        names += f" and {len(inputs) - 3} more" if len(inputs) > 3 else ""
+        print(
+            f"sparsebalance: tokenizing {total_bytes / 1e6:,.0f} MB of input ({names}) "
+            f"into {cfg.out} with {threads} thread{'s' if threads > 1 else ''}: roughly "
+            f"{_minutes(expected)} (at ~{TOKENIZE_BYTES_PER_S / 1e6:.0f} MB/s per "
+            "thread)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _tokenize(
+    cfg: PrepareConfig, inputs: list[dict], encode, writer: StoreWriter, bad: BadRecords, bar: _Progress
+) -> tuple[int, dict]:
+    """Read the inputs' records, tokenize chunks of ``cfg.chunk_bytes`` on ``cfg.workers``
+    threads (at most 2 x workers chunks queued) and write the documents of >= ``min_tokens``
+    in input order; returns (text characters read, the short documents skipped)."""
+    short = {"documents": 0, "tokens": 0}
+    text_chars = 0
+
+    def flush(job) -> None:
+        future, sources = job
+        docs = future.result()
+        keep = [i for i, d in enumerate(docs) if len(d) >= cfg.min_tokens]
+        dropped = [len(d) for d in docs if len(d) < cfg.min_tokens]
+        short["documents"] += len(dropped)
+        short["tokens"] += sum(dropped)
+        writer.add_many([docs[i] for i in keep], [sources[i] for i in keep])
+        bar.docs(len(docs))
+
+    pending: deque = deque()
+    with ThreadPoolExecutor(cfg.workers) as pool:
+        try:
+            texts, sources, size = [], [], 0
+            for item in inputs:
+                for text, source in read_records(Path(item["path"]), cfg.text_field, bad, bar.bytes):
+                    texts.append(text)
+                    sources.append(source)
+                    size += len(text)
+                    if size >= cfg.chunk_bytes:
+                        pending.append((pool.submit(encode, texts), sources))
+                        text_chars += size
+                        texts, sources, size = [], [], 0
+                        while len(pending) > 2 * cfg.workers:
+                            flush(pending.popleft())
+            if texts:
+                pending.append((pool.submit(encode, texts), sources))
+                text_chars += size
+            while pending:
+                flush(pending.popleft())
+        finally:
+            for future, _ in pending:  # interrupted: drop queued work before the pool joins
+                future.cancel()
+            bar.close()
+    return text_chars, short
 
 
 def _minutes(seconds: float) -> str:
