@@ -5,6 +5,7 @@
     python benchmarks/table1.py --mode measured     # this CPU, --emulate-ranks 8 (one process)
     python benchmarks/table1.py --mode gloo         # this CPU, 2 gloo ranks (torchrun)
     python benchmarks/table1.py --mode simulated    # the paper's setting, analytic H200
+    python benchmarks/table1.py --mode simulated --pp 4   # ... as the paper runs it: DP x PP4 (1F1B)
     python benchmarks/table1.py --mode measured --quick   # tiny, for the slow test tier
 
 Measured modes train the real model with the real trainer: one :class:`Trainer` per row in one
@@ -17,7 +18,12 @@ step decision + the slowest rank's per-layer DST decisions (``overhead_s`` of th
 ms and as a share of the row's step; and as a share of the analytic H200 step of the paper's
 setting (the same pipeline work beside a real GPU step). Run alone: nothing else on the machine.
 
-Writes ``benchmarks/results/<date>-table1-<mode>-cpu.{md,json}``.
+With ``--pp P`` (simulated only) every data-parallel rank is a 1F1B pipeline of P stages
+(:mod:`sparsebalance.simulate.pipeline`): a row's iteration is the slowest pipeline's makespan,
+its imbalance the paper's max / mean micro-batch time. SAB and DST are not pipeline-aware yet
+(issue 44): they balance and tune rank totals; the pipeline only prices the result.
+
+Writes ``benchmarks/results/<date>-table1-<mode>[-ppP]-cpu.{md,json}``.
 """
 
 from __future__ import annotations
@@ -50,6 +56,15 @@ ROWS = {  # name -> (planner strategy, DST mode)
     "+LBB+DST": ("lbb", "bidirectional"),
 }
 CONFIG = Path(__file__).parent / "configs" / "table1.toml"
+PIPELINE_NOTE = (
+    "Pipelines (--pp {pp}): every data-parallel rank is a 1F1B pipeline of {pp} stages (layers split "
+    "evenly, the LM head on the last stage, backward = 2 x forward, sends free); iteration = the "
+    "slowest pipeline's makespan, bubbles included; imbalance = max / mean micro-batch time (the "
+    "paper's), pipeline imbalance = max / mean makespan, device idle = the mean idle share of the "
+    "DP x PP devices. SAB's micro-batch packing and DST are NOT pipeline-aware yet (issue 44): SAB "
+    "evens rank totals and, second, micro-batch times inside a rank, without pricing the 1F1B "
+    "makespan or ordering micro-batches; DST's anchor and cuts read rank totals."
+)
 
 
 def draw_lengths(mix: dict, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -219,9 +234,11 @@ def simulated(cfg: dict, args) -> dict:
                 strategies=list(names.values()),
                 dst=dst,
                 block_size=s["block_size"],
+                pipeline_stages=args.pp,
             )
             st, ov = res["strategies"], res["overhead_seconds"]
-            out[f"{mix}/DP{r}"] = {
+            key_name = f"{mix}/DP{r}" + (f" PP{args.pp}" if args.pp > 1 else "")
+            out[key_name] = {
                 row: {
                     "imbalance": 1 / st[key]["balance_efficiency"],
                     "step_ms": 1e3 * st[key]["step_seconds"],
@@ -229,6 +246,15 @@ def simulated(cfg: dict, args) -> dict:
                     "overhead_share": (ov[key]["plan_seconds"] + ov[key]["dst_seconds"]) / st[key]["step_seconds"],
                     "speedup": st[key]["speedup"],
                     "density": st[key]["mean_density"],
+                    **(
+                        {  # the paper's imbalance is over micro-batches; keep the pipelines' too
+                            "imbalance": st[key]["microbatch_imbalance"],
+                            "dp_imbalance": 1 / st[key]["balance_efficiency"],
+                            "device_idle": st[key]["device_idle_fraction"],
+                        }
+                        if args.pp > 1
+                        else {}
+                    ),
                 }
                 for row, key in names.items()
             }
@@ -251,6 +277,10 @@ def table(cfg: dict, results: dict, mode: str) -> str:
             "density",
             "paper: imbalance / iteration / overhead / speedup",
         ]
+        pipe = all("device_idle" in r for r in rows.values())
+        if pipe:
+            head[1] = "imbalance (micro-batch)"
+            head += ["pipeline imbalance", "device idle"]
         body = []
         for name, r in rows.items():
             p = paper[name]
@@ -264,6 +294,7 @@ def table(cfg: dict, results: dict, mode: str) -> str:
                     f"{r['speedup']:.3f}x",
                     r["density"],
                     f"{p[0]} / {p[1]} / {p[2]} / {p[3]:.2f}x",
+                    *([r["dp_imbalance"], r["device_idle"]] if pipe else []),
                 ]
             )
         parts.append(f"### {key}\n\n" + markdown_table(head, body))
@@ -292,11 +323,19 @@ def main() -> int:
         action="store_true",
         help="one seed, 3 rounds, small batches (a smoke test, not a measurement)",
     )
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="simulated only: pipeline stages per data-parallel rank (1F1B makespan); 1 = none",
+    )
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     cfg = load_config(Path(args.config), args.not_preregistered or args.quick)
     args.mixes = [m.strip() for m in args.mixes.split(",") if m.strip()]
+    if args.pp < 1 or (args.pp > 1 and args.mode != "simulated"):
+        p.error(f"--pp {args.pp}: must be >= 1, and above 1 only with --mode simulated (no pipeline trainer yet)")
     if args.quick:
         cfg["seeds"], cfg["rounds"] = [0], 3
         cfg["measured"].update(global_batch=8, budget_tokens=256)
@@ -323,9 +362,11 @@ def main() -> int:
     other = " (NOT the pre-registered file)" if args.not_preregistered else ""
     quick = " --quick: a smoke test, not a measurement" if args.quick else ""
     notes = f"Settings: {args.config}{other}{quick}; load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}."
+    if args.pp > 1:
+        notes += f"\n\n{PIPELINE_NOTE.format(pp=args.pp)}"
     md, _ = write_results(
         args.out,
-        f"table1-{args.mode}{'-quick' if args.quick else ''}",
+        f"table1-{args.mode}{f'-pp{args.pp}' if args.pp > 1 else ''}{'-quick' if args.quick else ''}",
         torch.device("cpu"),
         table(cfg, results, args.mode),
         {"results": results, "config": cfg},

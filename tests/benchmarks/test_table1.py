@@ -60,3 +60,21 @@ def test_quick_runs_every_row(tmp_path, mode):
     for r in rows.values():
         assert r["step_ms"] > 0 and r["imbalance"] >= 1.0 - 1e-9 and 0 < r["density"] <= 1
         assert r["overhead_share"] < 1
+
+
+def test_simulated_pipelines_quick(tmp_path):
+    # --pp 4: the paper's DP2 PP4 rows on the simulator (cheap: a few seconds)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    script = [sys.executable, str(ROOT / "benchmarks" / "table1.py"), "--mode"]
+    args = ["--quick", "--mixes", "chatqa2", "--out", str(tmp_path)]
+    done = subprocess.run([*script, "simulated", "--pp", "4", *args], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    md = next(tmp_path.glob("*-table1-simulated-pp4-quick-cpu.md"))
+    text = md.read_text()
+    assert "### chatqa2/DP2 PP4" in text and "imbalance (micro-batch)" in text
+    assert "NOT pipeline-aware" in text
+    rows = json.loads(md.with_suffix(".json").read_text())["results"]["chatqa2/DP2 PP4"]
+    assert list(rows) == ROWS
+    assert all(r["device_idle"] > 0 and r["imbalance"] >= 1 for r in rows.values())
+    refused = subprocess.run([*script, "measured", "--pp", "2", *args], env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and "--pp 2" in refused.stderr

@@ -71,7 +71,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 
 
 def format_table(result: dict) -> str:
-    """One row per strategy of one world size; times in milliseconds."""
+    """One row per strategy of one world size; times in milliseconds (with ``--pp``: also the
+    devices' idle share inside the step and the max / mean micro-batch time)."""
     headers = [
         "strategy",
         "step ms",
@@ -103,6 +104,10 @@ def format_table(result: dict) -> str:
         ]
         for name, s in result["strategies"].items()
     ]
+    if all("device_idle_fraction" in s for s in result["strategies"].values()):
+        headers += ["device idle", "mb imbalance"]
+        for row, s in zip(rows, result["strategies"].values(), strict=True):
+            row += [s["device_idle_fraction"], s["microbatch_imbalance"]]
     return markdown_table(headers, rows)
 
 
@@ -133,6 +138,11 @@ def main(args: argparse.Namespace) -> int:
         f"{summary['sparsity']}\n{config.steps} steps x {config.samples_per_rank} samples per "
         f"rank, {bound}, seed {config.seed}; {config.dst.describe()}"
     )
+    if config.pipeline_stages > 1:
+        print(
+            f"pipelines: each rank is a 1F1B pipeline of {config.pipeline_stages} stages (makespan, "
+            "bubbles included); the planner and DST still balance rank totals, not the makespan"
+        )
     for res in summary["results"]:
         print(
             f"\nR = {res['world_size']} (all-reduce + optimizer "

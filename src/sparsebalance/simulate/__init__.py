@@ -10,7 +10,8 @@ table["strategies"]["sab+dst"]["speedup"]
 ```
 
 Modules: ``distributions`` (document lengths), ``sparsity`` (densities at gamma0), ``engine``
-(the step replay, :func:`simulate_steps`), ``scenario`` (config, batches, cost model, all-reduce),
+(the step replay, :func:`simulate_steps`), ``pipeline`` (1F1B makespans, ``--pp``),
+``scenario`` (config, batches, cost model, all-reduce),
 ``plots`` (PNG).
 """
 

@@ -36,6 +36,7 @@ from ..tuning import ANCHORS, DensityCurve, DSTConfig, DSTTuner, Knob, PlanWorkl
 from ..tuning.dst import StepArrays
 from ..tuning.records import CUT, RAISED
 from ..workload import CostModel
+from .pipeline import pipeline_record, stage_layers
 from .sparsity import CoverageModel
 
 
@@ -109,6 +110,7 @@ def simulate_steps(
     show_step: int = 0,
     workers: int = 1,
     overlong: str = "split",
+    pipeline_stages: int = 1,
 ) -> dict:
     """Predicted ablation table for explicit global batches (the simulator's and bench-e2e's API).
 
@@ -126,6 +128,8 @@ def simulate_steps(
         show_step: which step's per-rank times to return (``rank_times``).
         workers: processes over steps (results do not depend on it).
         overlong: ``--overlong`` policy for documents over the capacity (``R x C`` for sab-cp).
+        pipeline_stages: ``--pp`` P: each rank is a 1F1B pipeline of P stages and its time is the
+            pipeline's makespan (:mod:`~sparsebalance.simulate.pipeline`); 1 = no pipeline.
 
     Returns:
         JSON-ready dict: ``world_size``, ``num_steps``, ``strategies`` (name -> summary: mean step
@@ -151,6 +155,9 @@ def simulate_steps(
     PlanConfig(world_size, micro_batches, capacity, overlong=overlong)
     cover = CoverageModel(knob.density, dst.gamma0) if coverage else None
     job = _Job(world_size, cost_model, micro_batches, capacity, tuple(strats), dst, knob, overlong, cover)
+    if pipeline_stages != 1:
+        _check_pipeline(pipeline_stages, cost_model, strats)
+        job = replace(job, pipeline_stages=pipeline_stages)
     if workers == 1 or len(steps) == 1:
         records = [job.run(b) for b in steps]
     else:
@@ -172,6 +179,7 @@ class _Job:
     knob: Knob
     overlong: str = "split"
     coverage: CoverageModel | None = None
+    pipeline_stages: int = 1
 
     def planner_densities(self, batch: StepBatch) -> np.ndarray:
         """What SAB prices each document at: its density at gamma0 (gamma), or at the base k
@@ -199,8 +207,18 @@ class _Job:
                 dec = DSTTuner(cfg, knob=self.knob).decide_arrays(work)
                 dst_s = time.perf_counter() - t0 if cfg.mode != "off" else 0.0
                 decided[s.planner, cfg] = {**_record(dec, work), **stats, "dst_s": dst_s}
+                if self.pipeline_stages > 1:  # a rank's time is its pipeline's makespan
+                    decided[s.planner, cfg].update(pipeline_record(work, dec.budgets, self.pipeline_stages))
             out[s.name] = decided[s.planner, cfg]
         return out
+
+
+def _check_pipeline(num_stages, cost_model: CostModel, strats: Sequence[Strategy]) -> None:
+    """``--pp``: at most one stage per layer, and no hybrid CP plans (not modelled in pipelines)."""
+    stage_layers(cost_model.num_layers, num_stages)
+    cp = [s.name for s in strats if s.planner == "sab-cp"]
+    if cp:
+        raise ValueError(f"--pp: pipelines are not simulated with context-parallel plans ({', '.join(cp)}); use --pp 1")
 
 
 def _workload(a: Assignment, cost_model: CostModel, knob: Knob, content: np.ndarray, coverage):
@@ -279,6 +297,9 @@ def _summarize(records, strats, world_size, step_overhead, show_step) -> dict:
             "split_documents": float(series(s.name, "split").mean()),
             "comm_seconds": float(series(s.name, "comm").mean()),
         }
+        if "device_idle" in records[0][s.name]:  # --pp > 1: the pipelines' own numbers
+            table[s.name]["device_idle_fraction"] = float(series(s.name, "device_idle").mean())
+            table[s.name]["microbatch_imbalance"] = float(series(s.name, "mb_imbalance").mean())
         per_step[s.name] = step.tolist()
         overhead[s.name] = {
             "plan_seconds": float(np.median(series(s.name, "plan_s"))),

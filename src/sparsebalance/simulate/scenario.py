@@ -94,6 +94,10 @@ class SimConfig:
     one node (in-node link), wider units cross nodes (hierarchical ring, inner ring = a node);
     the gradient all-reduce uses the in-node link up to G ranks. Default: the accelerator's 8
     GPUs per node (measured profile links: one host)."""
+    pipeline_stages: int = 1
+    """[--pp] pipeline stages P per data-parallel rank: each rank becomes a 1F1B pipeline of P
+    devices (R x P in all), its time the pipeline's makespan, bubbles included
+    (:mod:`sparsebalance.simulate.pipeline`); at most the model's layers. 1 = no pipeline."""
     show_step: int = 0
     """[--show-step] the step whose per-rank times are kept (for the plot)."""
     workers: int = 1
@@ -127,6 +131,8 @@ class SimConfig:
             raise ValueError(f"--show-step must be in [0, --steps={self.steps}), got {self.show_step}")
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.pipeline_stages < 1:
+            raise ValueError(f"--pp must be >= 1, got {self.pipeline_stages}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}")
         resolve_strategies(self.strategies)  # unknown names fail before any work
@@ -203,15 +209,18 @@ def build_cost_model(config: SimConfig) -> tuple[LatencyModel, ModelShapes | Non
 
 
 def step_overhead(model: LatencyModel, shapes: ModelShapes | None, config: SimConfig, r: int):
-    """Optimizer seconds (from the profile) + bf16 gradient ring all-reduce at ``r`` ranks."""
+    """Optimizer seconds (from the profile) + bf16 gradient ring all-reduce at ``r`` ranks. With
+    ``--pp P`` each stage updates and all-reduces (over its ``r`` data-parallel peers) about 1/P
+    of the parameters, in parallel: both terms are divided by P."""
+    pp = config.pipeline_stages
     if shapes is None:
-        return model.profile.optimizer_seconds
-    params = shapes.layer_params() * shapes.num_layers + shapes.vocab_size * shapes.hidden_size
+        return model.profile.optimizer_seconds / pp
+    params = (shapes.layer_params() * shapes.num_layers + shapes.vocab_size * shapes.hidden_size) / pp
     acc = ACCELERATORS[config.analytic]
     if config.ranks_per_node is not None:
         acc = replace(acc, gpus_per_node=config.ranks_per_node)
     comm = allreduce_seconds(2 * params, r, acc)
-    return model.profile.optimizer_seconds + comm
+    return model.profile.optimizer_seconds / pp + comm
 
 
 def run_simulation(config: SimConfig) -> dict:
@@ -260,6 +269,7 @@ def _simulate_one(config: SimConfig, model: LatencyModel, cost, shapes, r: int) 
         step_overhead=step_overhead(model, shapes, config, r),
         show_step=config.show_step,
         workers=config.workers,
+        pipeline_stages=config.pipeline_stages,
     )
 
 
@@ -302,5 +312,6 @@ def _describe(config: SimConfig, desc: str, results: list[dict]) -> dict:
         "samples_per_rank": config.samples_per_rank,
         "steps": config.steps,
         "seed": config.seed,
+        **({"pipeline_stages": config.pipeline_stages} if config.pipeline_stages > 1 else {}),
         "results": results,
     }
