@@ -50,47 +50,28 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     return {"config": config, "rows": rows, "targets": check_targets(rows)}
 
 
+_COLUMNS = (
+    "T",
+    "case",
+    "backend",
+    "density",
+    "dense docs",
+    "select",
+    "mask",
+    "fwd",
+    "bwd",
+    "fwd+bwd",
+    "layer (all parts)",
+    "select+mask share",
+    "SDPA fwd+bwd s",
+    "launches / layer",
+    "DST launches / layer",
+    "host reads / layer",
+)
+
+
 def format_table(rows: list[dict], targets: list[dict] | None = None) -> str:
-    headers = [
-        "T",
-        "case",
-        "backend",
-        "density",
-        "dense docs",
-        "select",
-        "mask",
-        "fwd",
-        "bwd",
-        "fwd+bwd",
-        "layer (all parts)",
-        "select+mask share",
-        "SDPA fwd+bwd s",
-        "launches / layer",
-        "DST launches / layer",
-        "host reads / layer",
-    ]
-    body = [
-        [
-            r["seq_len"],
-            r["case"],
-            r["backend"],
-            r["density"],
-            f"{r['dense_docs']}/{r['num_docs']}",
-            _part(r, "select_s"),
-            _part(r, "mask_s"),
-            _shown(r["fwd_ratio"]),
-            _shown(r["bwd_ratio"]),
-            _shown(r["ratio"]),
-            _shown(r["layer_ratio"]),
-            _shown(r["overhead_share"]),
-            _shown(r["base_fwd_bwd_s"]),
-            r["ops_per_layer"],
-            r["ops_per_layer_dst"],
-            r["host_reads_per_layer"],
-        ]
-        for r in rows
-    ]
-    table = markdown_table(headers, body)
+    table = markdown_table(list(_COLUMNS), [_cells(r) for r in rows])
     note = (
         "\n\nEach part is a ratio to the same run's dense baseline (select, mask: to its "
         "fwd+bwd; fwd and bwd: to its fwd and bwd). 'layer' = select + mask + fwd + bwd. "
@@ -101,16 +82,37 @@ def format_table(rows: list[dict], targets: list[dict] | None = None) -> str:
     )
     if not targets:
         return table + note
-    lines = [
-        f"- {t['target']}: "
-        + (
-            "not measured"
-            if t["met"] is None
-            else ", ".join(_value(x) for x in t["measured"]) + (" — met" if t["met"] else " — missed")
-        )
-        for t in targets
-    ]
+    lines = [_target_line(t) for t in targets]
     return table + note + "\n\nTargets (issues 36 and 42, flex rows only):\n" + "\n".join(lines)
+
+
+def _cells(r: dict) -> list:
+    """One row of :func:`format_table`: the parts as ratios to the dense baseline, the launches."""
+    return [
+        r["seq_len"],
+        r["case"],
+        r["backend"],
+        r["density"],
+        f"{r['dense_docs']}/{r['num_docs']}",
+        _part(r, "select_s"),
+        _part(r, "mask_s"),
+        _shown(r["fwd_ratio"]),
+        _shown(r["bwd_ratio"]),
+        _shown(r["ratio"]),
+        _shown(r["layer_ratio"]),
+        _shown(r["overhead_share"]),
+        _shown(r["base_fwd_bwd_s"]),
+        r["ops_per_layer"],
+        r["ops_per_layer_dst"],
+        r["host_reads_per_layer"],
+    ]
+
+
+def _target_line(t: dict) -> str:
+    """``- target: measured values — met | missed`` (``not measured`` when it was not run)."""
+    if t["met"] is None:
+        return f"- {t['target']}: not measured"
+    return f"- {t['target']}: " + ", ".join(_value(x) for x in t["measured"]) + (" — met" if t["met"] else " — missed")
 
 
 def _shown(value):
