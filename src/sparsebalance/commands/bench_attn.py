@@ -20,7 +20,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from ..engine.kernel import add_block_size_argument, resolve_block_size
+from ..engine.kernel import add_block_size_argument, resolve_block_size, resolve_gqa
 from ..ops import available_backends
 from ..ops.flex_config import GQA_MODES
 from ..results import markdown_table, write_results
@@ -160,7 +160,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated backends (default: every available one except reference)",
     )
     p.add_argument(
-        "--gqa", default="expand", choices=GQA_MODES, help="flex's grouped-query attention: expand K/V or native"
+        "--gqa", choices=GQA_MODES, help="flex's grouped-query attention: expand K/V or native (default: the kernel's)"
     )
     p.add_argument(
         "--device",
@@ -204,6 +204,7 @@ def prepare_args(args: argparse.Namespace) -> argparse.Namespace:
     backends = args.backends or [b for b in available_backends(args.device) if b != "reference"]
     # several backends run: the block is checked for flex when flex is among them
     args.block_size = resolve_block_size(args.device, args.block_size, "flex" if "flex" in backends else None)
+    args.gqa = resolve_gqa(args.gqa, args.block_size)
     if min(args.heads, args.kv_heads, args.head_dim) < 1 or args.heads % args.kv_heads:
         raise ValueError(
             f"--heads ({args.heads}) must be a positive multiple of --kv-heads ({args.kv_heads}); --head-dim >= 1"

@@ -136,6 +136,31 @@ def simulate_steps(
         seconds, speedup vs baseline, balance efficiency, bubble fraction, mean density, budget
         cut/given), ``per_step`` (name -> step seconds list) and ``rank_times`` of ``show_step``.
     """
+    steps = _checked_steps(batches, world_size, show_step, workers)
+    dst = dst or DSTConfig()
+    knob = dst.knob(block_size, curve)
+    strats = resolve_strategies(strategies)
+    # validates --micro-batches / --capacity / --overlong now
+    PlanConfig(world_size, micro_batches, capacity, overlong=overlong)
+    cover = CoverageModel(knob.density, dst.gamma0) if coverage else None
+    job = _Job(world_size, cost_model, micro_batches, capacity, tuple(strats), dst, knob, overlong, cover)
+    if pipeline_stages != 1:
+        _check_pipeline(pipeline_stages, cost_model, strats)
+        job = replace(job, pipeline_stages=pipeline_stages)
+    return _summarize(_run_steps(job, steps, workers), strats, world_size, step_overhead, show_step)
+
+
+def _run_steps(job: _Job, steps: list[StepBatch], workers: int) -> list:
+    """Every step's records, in step order: in this process, or over ``workers`` processes."""
+    if workers == 1 or len(steps) == 1:
+        return [job.run(b) for b in steps]
+    with ProcessPoolExecutor(max_workers=min(workers, len(steps))) as pool:
+        return list(pool.map(job.run, steps, chunksize=max(1, len(steps) // workers)))
+
+
+def _checked_steps(batches, world_size: int, show_step: int, workers: int) -> list[StepBatch]:
+    """``batches`` as :class:`StepBatch` es, after checking them and the other arguments of
+    :func:`simulate_steps` that a step does not check itself (``ValueError`` naming the flag)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
         raise ValueError(f"--world-size must be an integer >= 1, got {world_size!r}")
     steps = [b if isinstance(b, StepBatch) else StepBatch(*map(np.asarray, b)) for b in batches]
@@ -148,22 +173,7 @@ def simulate_steps(
         raise ValueError(f"show_step must be in [0, {len(steps)}), got {show_step}")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"--workers must be an integer >= 1, got {workers!r}")
-    dst = dst or DSTConfig()
-    knob = dst.knob(block_size, curve)
-    strats = resolve_strategies(strategies)
-    # validates --micro-batches / --capacity / --overlong now
-    PlanConfig(world_size, micro_batches, capacity, overlong=overlong)
-    cover = CoverageModel(knob.density, dst.gamma0) if coverage else None
-    job = _Job(world_size, cost_model, micro_batches, capacity, tuple(strats), dst, knob, overlong, cover)
-    if pipeline_stages != 1:
-        _check_pipeline(pipeline_stages, cost_model, strats)
-        job = replace(job, pipeline_stages=pipeline_stages)
-    if workers == 1 or len(steps) == 1:
-        records = [job.run(b) for b in steps]
-    else:
-        with ProcessPoolExecutor(max_workers=min(workers, len(steps))) as pool:
-            records = list(pool.map(job.run, steps, chunksize=max(1, len(steps) // workers)))
-    return _summarize(records, strats, world_size, step_overhead, show_step)
+    return steps
 
 
 @dataclass(frozen=True)
