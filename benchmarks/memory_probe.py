@@ -24,13 +24,13 @@ import numpy as np
 import torch
 
 from sparsebalance.data import pack
-from sparsebalance.ops.loss import linear_cross_entropy
 from sparsebalance.models.attention import PackedAttention
 from sparsebalance.models.checkpointing import apply_activation_checkpointing
 from sparsebalance.models.head import forward_hidden, output_head
 from sparsebalance.models.hf import build_model
 from sparsebalance.models.shapes import CONFIG_DIR
 from sparsebalance.ops import Budget
+from sparsebalance.ops.loss import linear_cross_entropy
 
 
 def current_rss() -> int:
