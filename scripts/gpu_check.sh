@@ -93,7 +93,7 @@ missing_order=()            # those modules, in the order of NEEDS
 
 # The tier's tests in --quick (sync and correctness) and in tier-long (the rest): the same files,
 # split by name; tests/test_gpu_check.py checks that together they are every gpu test.
-TIER_FILES=(tests/gpu tests/ops/test_flex.py tests/engine/test_loss.py
+TIER_FILES=(tests/gpu tests/ops/test_flex.py tests/ops/test_loss.py
             tests/latency/test_memory_fit.py)
 TIER_LONG_K="qwen2_5 or probes or fp16_loss_scaling"
 

@@ -23,7 +23,7 @@ def test_checkpointing_and_chunked_loss_train_like_the_plain_path(tmp_path):
     """Same losses over 2 deterministic steps (gamma < 1, DST's layer controller, per-document
     weights). Weights are not compared in fp32: AdamW turns last-bit gradient differences of
     near-zero gradients into lr-sized steps; float64 equality of loss and every gradient is tested
-    in tests/models/test_checkpointing.py and tests/engine/test_loss.py."""
+    in tests/models/test_checkpointing.py and tests/ops/test_loss.py."""
     runs = {}
     for name, over in {
         "plain": dict(activation_checkpointing="off", loss="plain"),
