@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -115,6 +115,8 @@ class StepWork:
     tickets: list = field(default_factory=list)
     """The collated micro-batches' tickets, in order (their layer statistics)."""
     t_planned: float = 0.0
+    counted_with: Callable[[int, int, int], int] | None = None
+    """The dataset's target count ``target_tokens`` was counted with (None: n - 1 a chunk)."""
 
     @property
     def plan_hash(self) -> str:
@@ -177,8 +179,6 @@ class StepPlanner:
             all_gather=self.all_gather,
             deterministic=config.deterministic,
         )
-        self.target_count: Callable[[int, int, int], int] | None = None
-        """Optional ``(sample id, offset, length) -> targets`` (masked prompts); default n - 1."""
         self.history: list[dict] = []
         """One telemetry dict per finished step (what the trainer's loggers get)."""
         self._work: StepWork | None = None
@@ -216,10 +216,18 @@ class StepPlanner:
         return self._work
 
     # ------------------------------------------------------------------ plan + tune
-    def work(self, epoch: int, step_in_epoch: int) -> StepWork:
-        """The planned step (planned once: every micro-batch of a step asks for it)."""
+    def work(
+        self, epoch: int, step_in_epoch: int, target_count: Callable[[int, int, int], int] | None = None
+    ) -> StepWork:
+        """The planned step (planned once: every micro-batch of a step asks for it).
+        ``target_count``: ``(sample id, offset, length) -> targets`` of the dataset the step
+        draws from (masked prompts), for the global batch's target tokens; default n - 1."""
         step = epoch * self.steps_per_epoch + step_in_epoch
         if self._work is not None and self._work.step == step:
+            if self._work.counted_with != target_count:  # planned without this dataset's count (== : bound methods)
+                plan = self._work.tuned.planned.plan
+                targets = self._targets(plan, target_count)
+                self._work = replace(self._work, target_tokens=targets, counted_with=target_count)
             return self._work
         cfg = self.config
         samples = [self.sample(i) for i in self.batch_ids(epoch, step_in_epoch)]
@@ -239,17 +247,26 @@ class StepPlanner:
         ]
         fillers = range(len(specs), cfg.micro_batches)
         specs += [MicroBatchSpec(step, m, filler=True) for m in fillers]
-        self._work = StepWork(step, epoch, tuned, specs, self._targets(plan), t_planned=time.perf_counter())
+        self._work = StepWork(
+            step,
+            epoch,
+            tuned,
+            specs,
+            self._targets(plan, target_count),
+            t_planned=time.perf_counter(),
+            counted_with=target_count,
+        )
         return self._work
 
-    def _targets(self, plan) -> int:
+    @staticmethod
+    def _targets(plan, target_count: Callable[[int, int, int], int] | None) -> int:
         """Target tokens of the global batch (every rank's documents; labels shift inside a
         document, so a chunk of n tokens has n - 1 unless ``target_count`` says otherwise)."""
         total = 0
         for rank, rank_offs in zip(plan.ranks, plan.offsets, strict=True):
             for mb, offs in zip(rank, rank_offs, strict=True):
                 for i, o, n in zip(mb.sample_ids, offs, mb.lengths, strict=True):
-                    total += self.target_count(i, o, n) if self.target_count else n - 1
+                    total += target_count(i, o, n) if target_count else n - 1
         return total
 
     # ------------------------------------------------------------------ feedback

@@ -202,9 +202,6 @@ class PlannedDataset:
 
     def __init__(self, dataset, planner: StepPlanner) -> None:
         self.dataset, self.planner = dataset, planner
-        # the dataset arrives after the planner (BalancedBatchSampler.dataloader): its masked
-        # prompts change the global batch's target count, HF's loss normaliser
-        planner.target_count = self._target_count
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -215,7 +212,9 @@ class PlannedDataset:
         return int((targets_of(ids[offset : offset + length], chunk) != IGNORE).sum())
 
     def __getitem__(self, slot: MicroBatchSlot):
-        work = self.planner.work(slot.epoch, slot.step)
+        # the dataset's masked prompts change the global batch's target count (HF's loss
+        # normaliser): the planner counts with this dataset's, not n - 1 a chunk
+        work = self.planner.work(slot.epoch, slot.step, self._target_count)
         spec = work.specs[slot.index]
         examples = [self.dataset[i] for i in spec.sample_ids]
         return work, spec, examples
