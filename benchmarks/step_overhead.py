@@ -18,9 +18,10 @@ import argparse
 import statistics
 
 import numpy as np
+import torch
 
 from sparsebalance.batching import PlanConfig
-from sparsebalance.engine import StepEngine
+from sparsebalance.engine import Kernel, StepEngine
 from sparsebalance.latency import LatencyModel, analytic_profile
 from sparsebalance.models import load_shapes
 from sparsebalance.results import markdown_table, write_results
@@ -38,9 +39,7 @@ def measure(global_batch: int, steps: int, ranks: int, seed: int = 0) -> dict:
         latency,
         DSTConfig(),
         lambda i: Sample(i, int(lengths[i])),
-        block_size=128,
-        backend="flex",
-        device="cuda",
+        kernel=Kernel(torch.device("cuda"), 128, "flex", "bf16", "expand"),  # an H100 run's, on any host
         world_size=1,
     )
     plan_s, dst_s = [], []

@@ -86,9 +86,7 @@ def cuda_run(monkeypatch, tmp_path):
         latency,
         dst,
         lambda i: Sample(i, len(docs[i]), ""),
-        block_size=kernel.block_size,
-        backend=kernel.backend,
-        device=kernel.device,
+        kernel=kernel,
         world_size=1,
     )
     assert not engine.layer_times  # the device is CUDA: no host layer times

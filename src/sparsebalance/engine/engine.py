@@ -32,6 +32,7 @@ from ..tuning import DSTConfig, DSTTuner, LayerController, decide_units
 from ..workload import CostModel, MicroBatch, Sample
 from .cp_unit import pass_schedule
 from .feedback import apply_feedback
+from .kernel import Kernel
 from .layers import LayerTimer, layer_feedback, packed_attention
 from .records import MicroBatchResult, RankRecord, StepFeedback, StepPlan, TunedStep
 from .summary import StepReport, derive_bubbles
@@ -83,12 +84,13 @@ class StepEngine:
     Args:
         plan: how a global batch is planned (:class:`~sparsebalance.batching.PlanConfig`).
         latency: the latency model (the same on every rank; :func:`~.startup.load_latency_model`).
-        dst: DST's settings (the tuner and its knob are built from them and ``block_size``).
+        dst: DST's settings (the tuner and its knob are built from them and the kernel's block).
         sample: sample id -> :class:`Sample` (length and source, for the estimator's feedback).
-        block_size, backend: the attention kernel's (the knob states top-k budgets in tokens).
-        device: where the micro-batches train: off the CPU nothing inside a step may wait for
-            it (DST's layer controllers decide on it), and only on the CPU do layer host times
-            feed DST's closed loop.
+        kernel: the run's attention kernel (:func:`~.kernel.resolve_kernel`): its block size
+            (the knob states top-k budgets in tokens), backend and GQA mode reach every
+            attention context; its device is where the micro-batches train: off the CPU nothing
+            inside a step may wait for it (DST's layer controllers decide on it), and only on
+            the CPU do layer host times feed DST's closed loop.
         world_size: the processes whose gradient sync averages (the loss scale's numerator).
         estimator: the density estimator SAB plans with, or its ``--estimator`` name.
         all_gather: ``obj -> [obj of every rank]`` (one rank: ``[obj]``).
@@ -105,9 +107,7 @@ class StepEngine:
         dst: DSTConfig,
         sample: Callable[[int], Sample],
         *,
-        block_size: int,
-        backend: str,
-        device: torch.device | str,
+        kernel: Kernel,
         world_size: int,
         estimator: DensityEstimator | str = "auto",
         all_gather: Callable[[object], list] | None = None,
@@ -117,11 +117,11 @@ class StepEngine:
     ) -> None:
         self.config = plan
         self.latency = latency
-        self.tuner = DSTTuner(dst, block_size=block_size)
+        self.kernel = kernel
+        self.tuner = DSTTuner(dst, block_size=kernel.block_size)
         self.estimator = make_estimator(estimator, self.tuner.knob) if isinstance(estimator, str) else estimator
         self.sample = sample
-        self.block_size, self.backend = block_size, backend
-        self.device = torch.device(device)
+        self.block_size, self.backend, self.device = kernel.block_size, kernel.backend, kernel.device
         self.world_size = world_size
         self.all_gather = all_gather or (lambda obj: [obj])
         self.cost = cost
@@ -194,7 +194,12 @@ class StepEngine:
         """
         if microbatch is None:
             return packed_attention(
-                cu_seqlens, lengths, FILLER_BUDGET, block_size=self.block_size, backend=self.backend
+                cu_seqlens,
+                lengths,
+                FILLER_BUDGET,
+                block_size=self.block_size,
+                backend=self.backend,
+                gqa=self.kernel.gqa,
             )
         planned = tuned.planned
         value = tuned.decision.ranks[rank].budget
@@ -221,6 +226,7 @@ class StepEngine:
             m=m,
             timer=timer,
             dense_from=self.latency.profile.dense_from,
+            gqa=self.kernel.gqa,
         )
 
     def _unit_attention(
@@ -245,6 +251,7 @@ class StepEngine:
             choose_budget=choose,
             ring=ring,
             lengths=tuple(int(n) for n in lengths),
+            gqa=self.kernel.gqa,
         )
 
     def _step_layers(self, tuned: TunedStep) -> _StepLayers:

@@ -59,11 +59,13 @@ def packed_attention(
     m: int = 0,
     timer: LayerTimer | None = None,
     dense_from: float | None = None,
+    gqa: str | None = None,
 ) -> PackedAttention:
     """The attention context of micro-batch ``m`` (``cu_seqlens`` int32 ``(N + 1,)``, its
     documents' ``lengths`` on the host): ``budget`` for every layer, or DST's per-layer choice
     when a ``controller`` is given; the ``timer`` sees each layer's end; ``dense_from``: the
-    latency profile's crossover (documents from that density run whole on the dense kernel)."""
+    latency profile's crossover (documents from that density run whole on the dense kernel);
+    ``gqa``: flex's GQA mode (the run's :class:`~.kernel.Kernel`'s; None: the flex default)."""
     choose, low = None, None
     if controller is not None:
         choose = lambda layer, e: controller.choose(m, layer, e)  # noqa: E731
@@ -78,4 +80,5 @@ def packed_attention(
         lengths=tuple(int(n) for n in lengths),
         min_budget=low,
         dense_from=dense_from,
+        gqa=gqa,
     )

@@ -34,6 +34,7 @@ from ..engine import (
     StepEngine,
     TunedStep,
     check_global_batch,
+    resolve_kernel,
 )
 from ..workload import Sample
 
@@ -134,7 +135,10 @@ class StepPlanner:
         all_gather: ``obj -> [obj of every rank]`` (``torch.distributed.all_gather_object``).
         sources: optional ``(N,)`` source names (the density estimator learns per source).
         device: where the micro-batches train (DST decides on it off the CPU; layer times are
-            fed back only on the CPU, :attr:`~sparsebalance.engine.StepEngine.layer_times`).
+            fed back only on the CPU, :attr:`~sparsebalance.engine.StepEngine.layer_times`);
+            the engine's kernel (block size, backend, GQA mode) is resolved for it from
+            ``config`` and ``precision`` (what the forwards compute in; ``auto``: the device's)
+            by :func:`~sparsebalance.engine.resolve_kernel`, as the latency start-up's.
     """
 
     def __init__(
@@ -148,6 +152,7 @@ class StepPlanner:
         sources: Sequence[str] | None = None,
         *,
         device: torch.device | str,
+        precision: str = "auto",
     ) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
         if self.lengths.size == 0 or int(self.lengths.min()) < 1:
@@ -167,14 +172,13 @@ class StepPlanner:
             config.overlong,
         )
         self.device = torch.device(device)
+        kernel = resolve_kernel(self.device, config.block_size, config.backend, precision)
         self.engine = StepEngine(
             plan,
             latency,
             config.dst,
             self.sample,
-            block_size=config.block_size,
-            backend=config.backend,
-            device=self.device,
+            kernel=kernel,
             world_size=world_size,
             all_gather=self.all_gather,
             deterministic=config.deterministic,

@@ -105,6 +105,6 @@ def build_sampler(
     check_global_batch(config.global_batch, lengths.size, world, flag="global_batch")  # before any profiling
     gather = all_gather_fn()
     latency = latency_model(runtime.model, config, profile, lengths, gather, device, precision)
-    planner = StepPlanner(lengths, config, latency, rank, world, gather, sources, device=device)
+    planner = StepPlanner(lengths, config, latency, rank, world, gather, sources, device=device, precision=precision)
     runtime.planner = planner
     return BalancedBatchSampler(planner, vocab)

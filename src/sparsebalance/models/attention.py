@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ..ops import BlockLayout, Budget, block_sparse_attention, estimate_block_mass, select_blocks
+from ..ops.flex_config import GQA_MODES
 from ..ops.pack_index import DensityIndex, PackIndex
 from ..ops.topk_gate import GateTables, TopKGate, gate_applies
 from ..ops.varlen import resolve_scale
@@ -222,10 +223,16 @@ class PackedAttention:
     (the latency profile's crossover, ``Profile.dense_from``): a top-k document whose density
     reaches it keeps every causal block (exact attention, on the dense path). None: only the
     documents the budget covers."""
+    gqa: str | None = None
+    """flex's grouped-query attention, ``expand`` or ``native``: the run's resolved
+    :class:`~sparsebalance.engine.kernel.Kernel`'s. None: the flex call's default (``expand``).
+    The ring and the other backends ignore it."""
     _pack: PackIndex | None = field(default=None, init=False, repr=False)
     _all_covered: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.gqa is not None and self.gqa not in GQA_MODES:
+            raise ValueError(f"gqa must be one of {GQA_MODES} or None, got {self.gqa!r}")
         if self.ring is None:  # a CP unit's shards index the global pack in the ring's estimate
             self._pack = PackIndex.build(self.cu_seqlens, self.block_size, self.lengths)
             low = self.min_budget if self.choose_budget is not None else self.budget
@@ -351,7 +358,7 @@ def _attend(ctx: PackedAttention, q, k, v, layout: BlockLayout, scaling) -> torc
     """The op on the whole pack, or this rank's rows through the unit's ring."""
     if ctx.ring is not None:
         return ctx.ring.attend(q, k, v, layout, scaling)
-    return block_sparse_attention(q, k, v, layout, ctx.cu_seqlens, scale=scaling, backend=ctx.backend)
+    return block_sparse_attention(q, k, v, layout, ctx.cu_seqlens, scale=scaling, backend=ctx.backend, gqa=ctx.gqa)
 
 
 def register() -> None:

@@ -65,6 +65,7 @@ def block_sparse_attention(
     cu_seqlens: torch.Tensor,
     scale: float | None = None,
     backend: str = "auto",
+    gqa: str | None = None,
 ) -> torch.Tensor:
     """Attention over the (query block, key block) pairs of ``layout``, document-causal.
 
@@ -77,6 +78,9 @@ def block_sparse_attention(
         scale: softmax scale, default ``D ** -0.5``.
         backend: ``"auto"`` (flex on CUDA, else torch), ``"torch"``, ``"flex"`` (on the CPU
             without gradients only: FlexAttention has no backward there) or ``"reference"``.
+        gqa: flex's grouped-query attention, ``"expand"`` or ``"native"`` (the run's
+            :class:`~sparsebalance.engine.kernel.Kernel`); None: the flex call's default
+            (:class:`~sparsebalance.ops.flex_config.FlexSettings`). The other backends ignore it.
 
     Returns:
         ``(T, Hq, D)`` in ``q.dtype``, differentiable in q, k and v. Query token i attends to the
@@ -96,5 +100,5 @@ def block_sparse_attention(
     if backend == "reference":
         return kernel(reference_attention, q, k, v, layout, cu_seqlens, scale, like=q)
     if backend == "flex":
-        return flex_block_sparse_attention(q, k, v, layout, scale)
+        return flex_block_sparse_attention(q, k, v, layout, scale, gqa)
     return kernel(torch_block_sparse_attention, q, k, v, layout, scale, like=q)
