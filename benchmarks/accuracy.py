@@ -210,7 +210,7 @@ def write_data(path: Path, args, encode) -> dict[str, int]:
 def train_metrics(results, base: float) -> dict:
     """What the continuation did, over steps and (emulated) ranks: DST roles, budget range,
     realized density, predicted step time (slowest rank, latency model) before and after DST."""
-    sums = [r.summary for r in results]
+    sums = [r.report for r in results]
     recs = [rec for r in results for rec in r.records]
     roles = {"cut": 0, "raised": 0, "kept": 0}
     for rec in recs:
