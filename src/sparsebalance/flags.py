@@ -184,7 +184,7 @@ def values_from_args(args: argparse.Namespace, cls: type, prefix: tuple[str, ...
     """The flags that were given, as a nested dict (``{"dst": {"gamma_min": 0.6}}``)."""
     out: dict = {}
     for opt in options(cls, prefix):
-        value = getattr(args, opt.dest, None)
+        value = vars(args).get(opt.dest)  # a flag this parser did not define: not given
         if value is not None:
             node = out
             for key in opt.path[len(prefix) : -1]:
@@ -288,7 +288,7 @@ def _tuple_fits(kind: Any, value: Any) -> bool:
     size = None if len(args) == 2 and args[1] is Ellipsis else len(args)
     if not isinstance(value, (tuple, list)) and not _numpy(value, "ndarray"):
         return False
-    if getattr(value, "ndim", 1) != 1:
+    if _numpy(value, "ndarray") and value.ndim != 1:
         return False
     if size is not None and len(value) != size:
         return False

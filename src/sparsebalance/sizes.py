@@ -83,7 +83,7 @@ def check_memory(flags: str, what: str, num_bytes: int) -> None:
 def check_device_memory(flags: str, what: str, num_bytes: float, device) -> None:
     """:func:`check_memory` against the memory of ``device`` (a ``torch.device``): a GPU's free
     memory on CUDA, the host's available memory otherwise."""
-    if getattr(device, "type", device) != "cuda":
+    if str(device).split(":")[0] != "cuda":  # a torch.device or its name
         check_memory(flags, what, int(num_bytes))
         return
     import torch

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 
+import numpy as np
 import pytest
 
 from sparsebalance.cli import main
@@ -51,11 +52,14 @@ class _Counting:
     def __init__(self, tokenizer):
         self.inner, self.texts = tokenizer, 0
         self.name, self.vocab_size = tokenizer.name, tokenizer.vocab_size
-        self.eos_token_id = tokenizer.eos_token_id
+        self.identity, self.eos_token_id = tokenizer.identity, tokenizer.eos_token_id
 
     def encode(self, text):
         self.texts += 1
         return self.inner.encode(text)
+
+    def encode_batch(self, texts):
+        return [np.asarray(self.encode(t), np.int64) for t in texts]
 
 
 @pytest.mark.parametrize("policy", ["error", "skip"])

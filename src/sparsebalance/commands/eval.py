@@ -204,6 +204,7 @@ def check_sizes(args: argparse.Namespace, model) -> None:
     from ..sizes import check_device_memory
 
     config = model.config
+    # a transformers config may lack the field (no fixed context): no length check then
     longest, context = max(args.lengths), getattr(config, "max_position_embeddings", None)
     if context and longest > context:
         raise ValueError(
@@ -213,7 +214,7 @@ def check_sizes(args: argparse.Namespace, model) -> None:
     if args.pack_tokens < 1:
         raise ValueError(f"--pack-tokens must be >= 1, got {args.pack_tokens}")
     shapes = ModelShapes.from_hf_config(config.to_dict(), name=str(args.model))
-    tied = bool(getattr(config, "tie_word_embeddings", True))
+    tied = bool(getattr(config, "tie_word_embeddings", True))  # transformers config: tied by default
     memory = MemoryModel(shapes, cpu_coefficients(0.0), tied)
     tokens, size = max(longest, args.pack_tokens), DTYPES[args.dtype].itemsize
     need = memory.inference_peak_bytes(tokens, size, args.block_size)

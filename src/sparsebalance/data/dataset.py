@@ -141,7 +141,7 @@ def resolve_data(
     progress: bool = False,
 ) -> list[DataSource]:
     """``--data`` -> store folders with weights (raw inputs prepared into the cache once)."""
-    identity = getattr(tokenizer, "identity", tokenizer.name)  # no vocabulary load for stores
+    identity = tokenizer.identity  # no vocabulary load for stores
     if data is None:
         lo, hi = min_len or BUILTIN_LEN[0], max_len or BUILTIN_LEN[1]
         path = _builtin_store(tokenizer, num_builtin, seed, lo, hi, *_token_cache(cache_dir))

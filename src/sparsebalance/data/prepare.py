@@ -19,8 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from .readers import (
     MAX_RECORD_BYTES,
     BadRecords,
@@ -30,6 +28,7 @@ from .readers import (
     source_stem,
 )
 from .store import VERSION, StoreWriter
+from .tokenizer import Tokenizer
 
 TOKENIZE_BYTES_PER_S = 10e6
 """Input bytes one tokenizer thread gets through per second, roughly, for the line said before a
@@ -99,25 +98,16 @@ def store_key(inputs: list[dict], tokenizer_identity: str, text_field: str, min_
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def _encoder(tokenizer):
-    if hasattr(tokenizer, "encode_batch"):
-        return tokenizer.encode_batch
-    return lambda texts: [np.asarray(tokenizer.encode(t), np.int64) for t in texts]
-
-
-def tokenizer_info(tokenizer) -> dict:
-    vocab = getattr(tokenizer, "vocab_size", None)
-    if vocab is None:
-        raise ValueError(f"tokenizer {tokenizer.name!r} does not say its vocab_size")
+def tokenizer_info(tokenizer: Tokenizer) -> dict:
     return {
         "name": tokenizer.name,
-        "identity": getattr(tokenizer, "identity", tokenizer.name),
-        "vocab_size": int(vocab),
-        "eos_token_id": getattr(tokenizer, "eos_token_id", None),
+        "identity": tokenizer.identity,
+        "vocab_size": int(tokenizer.vocab_size),
+        "eos_token_id": tokenizer.eos_token_id,
     }
 
 
-def prepare(cfg: PrepareConfig, tokenizer, inputs: list[dict] | None = None) -> dict:
+def prepare(cfg: PrepareConfig, tokenizer: Tokenizer, inputs: list[dict] | None = None) -> dict:
     """Write the store; return its manifest (+ ``elapsed`` seconds). ``inputs``: precomputed
     :func:`describe_inputs` (the caller may already have hashed them for a cache key).
 
@@ -125,7 +115,7 @@ def prepare(cfg: PrepareConfig, tokenizer, inputs: list[dict] | None = None) -> 
     another prepare writes it) after the inputs are found and before they are hashed or read."""
     files = input_files(cfg.inputs) if inputs is None else []
     bad = BadRecords(cfg.on_bad_record, max_record_bytes=cfg.max_record_bytes)
-    encode = _encoder(tokenizer)
+    encode = tokenizer.encode_batch
     info = tokenizer_info(tokenizer)
     with StoreWriter(cfg.out, info, overwrite=cfg.overwrite) as writer:
         inputs = inputs if inputs is not None else describe_inputs(files)

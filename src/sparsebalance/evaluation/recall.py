@@ -51,6 +51,7 @@ def _recall_attention(
             sb_attention=sb_attention,
             **kwargs,
         )
+    # a transformers attention module carries layer_idx; a bare one is the latest layer
     layer = int(getattr(module, "layer_idx", len(sb_attention.stats) - 1))
     _, layout = sb_attention.layouts.pop(layer)
     q, k = (x[0].transpose(0, 1) for x in (query, key))  # (T, H, D)

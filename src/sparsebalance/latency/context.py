@@ -91,7 +91,7 @@ def analytic_links(device: str) -> Links:
 
 def links_from_profile(profile) -> Links | None:
     """The measured links stored in ``profile.meta["links"]`` (None when the profile has none)."""
-    data = getattr(profile, "meta", {}).get("links")
+    data = profile.meta.get("links")
     return None if not data else Links(**data)
 
 

@@ -256,7 +256,7 @@ class MemoryModel:
 def device_coefficients(device, base_bytes: float = 0.0) -> MemoryCoefficients:
     """Coefficients for a ``torch.device``: the analytic bf16 ones with this GPU's memory on CUDA
     (the trainer's CUDA path: bf16 autocast, flex), fp32 ones with ``base_bytes`` on CPU."""
-    if getattr(device, "type", device) == "cuda":
+    if str(device).split(":")[0] == "cuda":  # a torch.device or its name
         import torch
 
         props = torch.cuda.get_device_properties(device)
