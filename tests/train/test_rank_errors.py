@@ -63,3 +63,24 @@ def test_a_stalled_peer_is_one_line_from_the_rank_that_waited(tmp_path, monkeypa
     err = capsys.readouterr().err
     assert code == 1
     assert err == f"sparsebalance train: {line}; the last checkpoint is intact\n"
+
+
+@pytest.mark.parametrize("rank, says", [("0", True), ("1", False)])
+def test_an_error_every_rank_agreed_on_is_said_by_rank_0_only(tmp_path, monkeypatch, capsys, rank, says):
+    """A full disk while saving is raised on every rank (rank 0's outcome, broadcast): before,
+    rank 1 said it as its own, and when rank 1 exited first torchrun stopped rank 0 unheard."""
+    from sparsebalance.train.checkpoint import AgreedError
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    line = "checkpoint step-000002: no space left in /x (disk full); its partial files are removed"
+
+    class Full(_Trainer):
+        def run(self):
+            raise AgreedError(line)
+
+    monkeypatch.setattr(entry, "Trainer", lambda cfg: Full(cfg, True))
+    code = entry.main(["--out", str(tmp_path / "run"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == (f"sparsebalance train: error: {line}\n" if says else "")

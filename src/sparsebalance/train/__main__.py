@@ -1,7 +1,8 @@
 """torchrun entry point: ``torchrun --nproc_per_node N -m sparsebalance.train [flags]``.
 
 Every way a run ends is one line from rank 0 (user error: exit 2; non-finite loss: 3; stopped by
-a signal: 128 + signal) and the other ranks stay silent, but for an error a rank meets on its
+a signal: 128 + signal; an error every rank agreed on, such as a full disk while saving, waits
+until rank 0 has said it) and the other ranks stay silent, but for an error a rank meets on its
 own while training (a damaged shard of a token store only it reads, say): that rank says it,
 naming itself; and a peer that stalls or dies (``--comm-timeout``): each rank that waited says
 where, in one line (exit 1). Rank 0 holds the run folder's lock."""
@@ -16,6 +17,7 @@ from pathlib import Path
 from ..engine.step import NonFiniteLoss
 from ..flags import command_line
 from ..parallel.watch import CommTimeout
+from .checkpoint import AgreedError
 from .config import add_train_arguments, config_from_args
 from .multinode import adopt_slurm_env
 from .runlock import ENV_TOKEN, RunLock, join
@@ -60,6 +62,10 @@ def _main(argv: list[str] | None) -> int:
         # objects that are already gone, and a rank that trained to the end aborts (exit 134).
         del trainer
         gc.collect()
+    except AgreedError as err:  # every rank raised it alike: rank 0 says it
+        say(f"error: {err}")
+        _together()
+        return 2
     except ValueError as err:
         if rank == 0 or not training:
             say(f"error: {err}")
@@ -85,6 +91,18 @@ def _main(argv: list[str] | None) -> int:
         if lock is not None:
             lock.release()
     return 0
+
+
+def _together() -> None:
+    """Wait until every rank is here: torchrun stops the others at the first rank's exit, and
+    rank 0 must have said the run's last line by then."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        try:
+            dist.barrier()
+        except Exception:  # a peer already gone: nothing left to wait for
+            pass
 
 
 def _follow_parent() -> None:

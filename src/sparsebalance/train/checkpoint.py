@@ -43,6 +43,10 @@ _STEP = re.compile(r"step-(\d+)")
 _TEMPORARY = re.compile(r"\.step-\d+\.(tmp|old)(-.*)?|latest\.tmp(-.*)?")
 
 
+class AgreedError(ValueError):
+    """A one-line error every rank raised alike (rank 0's outcome, broadcast): rank 0 says it."""
+
+
 class CheckpointFormatError(ValueError):
     """A checkpoint of another format version: refused, never skipped for an older one."""
 
@@ -149,7 +153,7 @@ def save_checkpoint(
             raise
     error = _agree(error)
     if error is not None:
-        raise ValueError(error)
+        raise AgreedError(error)
     if final is not None:
         prune_checkpoints(final.parent, step, keep_last)
     return final
