@@ -8,6 +8,7 @@ naming itself; and a peer that stalls or dies (``--comm-timeout``): each rank th
 where, in one line (exit 1). Rank 0 holds the run folder's lock."""
 
 import argparse
+import contextlib
 import gc
 import os
 import signal
@@ -99,10 +100,8 @@ def _together() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        try:
+        with contextlib.suppress(Exception):  # a peer already gone: nothing left to wait for
             dist.barrier()
-        except Exception:  # a peer already gone: nothing left to wait for
-            pass
 
 
 def _follow_parent() -> None:
