@@ -185,10 +185,13 @@ def parallelize(model: nn.Module, runtime: Runtime, parallel: str, measure_bubbl
     return Parallelized(ddp, model, "ddp", measure_bubble, world, clock, ready)
 
 
-def allreduce_gradients(params: list[torch.nn.Parameter], world_size: int, bucket_elems: int = 1 << 24) -> None:
-    """Average gradients over ranks with a few flat buckets (DDP's reducer without its overlap
-    with the backward: ``--measure-bubble exact`` times wait and sync apart). A rank that had no
-    document this step joins with zero gradients."""
+def allreduce_gradients(
+    params: list[torch.nn.Parameter], world_size: int, bucket_elems: int = 1 << 24, group=None
+) -> None:
+    """Average gradients over the ``world_size`` ranks of ``group`` (default: all) with a few flat
+    buckets (DDP's reducer without its overlap with the backward: ``--measure-bubble exact`` times
+    wait and sync apart; a pipeline stage's data-parallel peers). A rank that had no document this
+    step joins with zero gradients."""
     if world_size <= 1:
         return
     for p in params:
@@ -202,7 +205,7 @@ def allreduce_gradients(params: list[torch.nn.Parameter], world_size: int, bucke
         size += g.numel()
         if size >= bucket_elems or i == len(grads) - 1:
             flat = torch.cat([b.reshape(-1) for b in bucket])
-            dist.all_reduce(flat)
+            dist.all_reduce(flat, group=group)
             flat /= world_size
             offset = 0
             for b in bucket:

@@ -194,6 +194,10 @@ class RankRecord:
     """Seconds DST's layer controllers spent deciding this rank's budgets (part of compute_s)."""
     coverage_limited: int = 0
     """Layer decisions where the coverage bound p stopped a cut the time target asked for."""
+    stages: list[dict] = field(default_factory=list)
+    """``--pp P``: one entry per pipeline stage of this (data-parallel) rank, ``{stage, busy_s,
+    idle_s}``: its forward + backward seconds and its bubble (the pipeline's span less its busy
+    time); empty without a pipeline."""
     loss_sum: float = field(default=0.0, repr=False)
     weight: float = field(default=0.0, repr=False)
     microbatches: tuple[MicroBatchResult, ...] = field(default=(), repr=False)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,10 @@ class Updater:
     """``--precision fp16``'s loss scaling (the executor scales every backward)."""
     is_main: bool = True
     """This rank says what it skipped (rank 0)."""
+    norm: Callable[[float], float] | None = None
+    """The whole model's gradient norm, clipping to its argument when above 0, where this rank
+    holds part of the model (a pipeline stage: :meth:`.PipelineExecutor.grad_norm`); None: from
+    ``params``."""
     nonfinite_in_a_row: int = field(default=0, init=False)
     """Consecutive steps skipped for a NaN/inf loss or gradient (0 after an applied step)."""
 
@@ -101,6 +106,8 @@ class Updater:
 
     def _grad_norm(self) -> float:
         """The global gradient norm, clipped to ``grad_clip`` if set (one read back)."""
+        if self.norm is not None:
+            return self.norm(self.config.grad_clip)
         if self.config.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
         else:
@@ -145,6 +152,8 @@ class StepRunner:
     """``--emulate-ranks``: this one process runs every planned rank in turn."""
     labels: tuple[str, str] = ("", "")
     """(strategy, DST mode) as the summary names them."""
+    stages: int = 1
+    """``--pp``: processes per planned rank (a pipeline's stages; they share one record)."""
 
     @property
     def num_ranks(self) -> int:
@@ -209,7 +218,7 @@ class StepRunner:
             rec.bubble_s, rec.sync_s = clock.seconds(t0, t1), clock.seconds(t1, t2)
             records = self.rt.all_gather_object(rec)
         else:
-            works = self.rt.all_gather_object(local)
+            works = self.rt.all_gather_object(local)[:: self.stages]  # one per pipeline
             slowest = max(w.ready_s for w in works)
             records = [w.records[0] for w in works]
             for rec, w in zip(records, works, strict=True):

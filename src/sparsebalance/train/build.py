@@ -16,6 +16,7 @@ from ..data import load_tokenizer
 from ..data.dataset import TokenizedCorpus, apply_vocabulary, compact_vocabulary, open_corpus, resolve_data
 from ..data.store import is_store
 from ..engine.runtime import Runtime
+from ..engine.stage import PipelineLayout, StageModel, check_pipeline_model
 from ..latency import LatencyModel, fingerprint, load_profile
 from ..latency.memory import (
     GIB,
@@ -44,10 +45,13 @@ def say(rt: Runtime, line: str) -> None:
 
 def check_world(cfg: TrainConfig, rt: Runtime) -> tuple[TrainConfig, int]:
     """The config with ``--strategy auto`` resolved for this world, and its number of ranks
-    (``--emulate-ranks``, else the processes); refuses a world the settings cannot split."""
+    (``--emulate-ranks``, else the processes, a pipeline's ``--pp`` stages counting as one);
+    refuses a world the settings cannot split."""
     if cfg.emulate_ranks and rt.distributed:
         raise ValueError("--emulate-ranks runs in one process: launch it with --nproc 1")
-    num_ranks = cfg.emulate_ranks or rt.world_size
+    if rt.world_size % cfg.pp:
+        raise ValueError(f"--pp {cfg.pp} must divide the number of processes ({rt.world_size}): --nproc is DP x PP")
+    num_ranks = cfg.emulate_ranks or rt.world_size // cfg.pp  # a pipeline is one planned rank
     cfg = resolve_strategy(cfg, num_ranks)  # --strategy auto
     if cfg.cp is not None and num_ranks % cfg.cp:
         raise ValueError(
@@ -109,6 +113,15 @@ def checked_model(cfg: TrainConfig, device: torch.device, named: str) -> torch.n
     check_attention(model.config, named)  # as built: defaults the file left out
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     return model
+
+
+def pipeline_stage(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module) -> StageModel | None:
+    """``--pp P``: this rank's stage of ``model`` (the other stages' layers dropped); None without
+    a pipeline."""
+    if cfg.pp == 1:
+        return None
+    check_pipeline_model(model.config, cfg.pp)
+    return StageModel(model, PipelineLayout.of(rt.rank, rt.world_size, cfg.pp))
 
 
 def fit_vocabulary(corpus: TokenizedCorpus, model: torch.nn.Module) -> TokenizedCorpus:

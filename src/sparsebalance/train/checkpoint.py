@@ -136,7 +136,7 @@ def save_checkpoint(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(cpu_offload=True))
-    final, error = None, None
+    state = None
     if is_main:
         state = {
             "optimizer": optim_sd,
@@ -144,6 +144,16 @@ def save_checkpoint(
             "rng": plain(rng_states),
             "trainer": plain(trainer_state),
         }
+    return commit_checkpoint(Path(run_dir), step, model_sd, state, is_main, keep_last)
+
+
+def commit_checkpoint(
+    run_dir: Path, step: int, model_sd: dict, state: dict | None, is_main: bool, keep_last: int
+) -> Path | None:
+    """Collective: rank 0 writes ``model_sd`` and ``state`` as checkpoint ``step`` (atomic), every
+    rank raises the same :class:`AgreedError` if it could not, then old checkpoints are pruned."""
+    final, error = None, None
+    if is_main:
         try:
             final = _write_checkpoint(Path(run_dir) / "checkpoints", step, model_sd, state)
         except ValueError as err:

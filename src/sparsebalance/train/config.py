@@ -123,6 +123,9 @@ class TrainConfig:
     the RNGs (the same on every rank; saved with checkpoints)."""
     parallel: str = "ddp"
     """ddp (replicated: DistributedDataParallel) | fsdp2 (fully_shard on every decoder layer)."""
+    pp: int = 1
+    """Pipeline stages per data-parallel rank (1F1B over neighbouring ranks; --nproc = DP x PP,
+    layers split evenly, the head on the last stage); 1: no pipeline. See docs/pipeline.md."""
     ranks_per_node: int | None = None
     """Ranks per machine: which ranks share a node's fast links; ``sab-cp`` keeps a unit of up to
     this many ranks inside one node, wider units run the hierarchical ring with a node as inner
@@ -182,6 +185,7 @@ class TrainConfig:
         self._check_optimizer()
         self._resolve_block_size()
         self._check_runtime()
+        self._check_pipeline()
         self._check_inputs()
         check_out_folder(Path(self.out), self.resume, self.overwrite, self)
 
@@ -241,6 +245,31 @@ class TrainConfig:
             self.max_len is not None and self.max_len < (self.min_len or 1)
         ):
             raise ValueError(f"need 1 <= {n('min_len')} <= {n('max_len')}, got {self.min_len}, {self.max_len}")
+
+    def _check_pipeline(self) -> None:
+        """``--pp``: what a pipeline cannot run yet, refused with what to use instead."""
+        n, given = self._name, partial(flags.given, self)
+        if self.pp < 1:
+            raise ValueError(f"{n('pp')} must be >= 1, got {self.pp}")
+        if self.pp == 1:
+            return
+        use = {
+            ("strategy", "sab-cp"): "--strategy sab (a pipeline runs whole documents per micro-batch)",
+            ("parallel", "fsdp2"): "--parallel ddp (each stage is averaged over its data-parallel peers)",
+            ("measure_bubble", "exact"): "--measure-bubble overlap",
+            ("precision", "fp16"): "--precision bf16",
+            ("capacity", "auto"): "--capacity N (tokens per micro-batch)",
+        }
+        for (key, value), instead in use.items():
+            if getattr(self, key) == value:
+                raise ValueError(f"{given(key, value)} cannot run with {n('pp')} {self.pp}: use {instead}")
+        if self.emulate_ranks:
+            raise ValueError(f"{n('emulate_ranks')} cannot run with {n('pp')} {self.pp}: launch --nproc DP x PP")
+        if self.activation_checkpointing != "off":
+            raise ValueError(
+                f"{n('activation_checkpointing')} {self.activation_checkpointing} cannot run with "
+                f"{n('pp')} {self.pp} yet: use --activation-checkpointing off"
+            )
 
     def _check_inputs(self) -> None:
         """The data files exist, the remaining counts are in range, the tokenizer and profile exist."""
@@ -335,7 +364,7 @@ def resolve_strategy(cfg: TrainConfig, num_ranks: int) -> TrainConfig:
     more (long documents trained whole), ``sab`` on one rank or with ``--emulate-ranks``."""
     if cfg.strategy != "auto":
         return cfg
-    real = num_ranks >= 2 and not cfg.emulate_ranks
+    real = num_ranks >= 2 and not cfg.emulate_ranks and cfg.pp == 1  # a pipeline: whole documents
     return dataclasses.replace(cfg, strategy="sab-cp" if real else "sab")
 
 

@@ -11,6 +11,7 @@ import signal
 import sys
 import warnings
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,9 @@ from ..engine import (
     profile_length,
     resolve_kernel,
 )
-from ..engine.parallelize import parallelize
+from ..clock import Clock
+from ..engine.parallelize import Parallelized, parallelize
+from ..engine.pipeline import PipelineExecutor, PipelineGroups
 from ..engine.runtime import Runtime, rng_state, seed_everything, set_rng_state
 from ..engine.summary import StepResult
 from ..latency import LatencyModel, OutsideGridWarning, context_cost
@@ -44,6 +47,7 @@ from ..tuning import DSTTuner
 from ..workload import Sample
 from . import build
 from .checkpoint import load_checkpoint, save_checkpoint
+from .pipeline_checkpoint import load_pipeline_checkpoint, save_pipeline_checkpoint
 from .config import TrainConfig, to_dict
 from .multinode import launcher_placement
 from .resume import choose_checkpoint
@@ -74,12 +78,15 @@ class Trainer:
         cfg = self.cfg
         # every rank's launcher variables: the topology and which rank writes each node's caches
         self._placements = rt.all_gather_object(launcher_placement())
-        self.topology = build.topology(cfg, rt, self.num_ranks, self._placements)
+        self.topology = build.topology(
+            cfg, rt, self.num_ranks, self._placements[:: cfg.pp]
+        )  # a pipeline: its first stage
         seed_everything(cfg.seed)
         self.run_dir = Path(cfg.out)
         named = build.check_model(cfg)  # before the data is prepared
         corpus = build.open_data(cfg, rt, self._placements)
         self.model = build.checked_model(cfg, rt.device, named)
+        self.stage = build.pipeline_stage(cfg, rt, self.model)  # --pp: this rank's stage, else None
         self.corpus = build.fit_vocabulary(corpus, self.model)
         check_global_batch(cfg.global_batch, self.corpus.lengths().size, self.num_ranks)
         self.data = BatchSource(self.corpus, cfg.seed, cfg.global_batch)
@@ -132,7 +139,7 @@ class Trainer:
             cfg.dst,
             self.sample,
             kernel=self.kernel,
-            world_size=self.rt.world_size,
+            world_size=self.num_ranks,  # the processes averaged: pipelines, not their stages
             estimator=cfg.estimator,
             all_gather=self.rt.all_gather_object,
             cost=cost,
@@ -145,11 +152,17 @@ class Trainer:
         return engine
 
     def _runner(self) -> StepRunner:
-        """The own loop's step: the engine, this rank's executor (over the parallelized model)
-        and the optimizer update."""
+        """The own loop's step: the engine, this rank's executor (over the parallelized model,
+        or this rank's pipeline stage) and the optimizer update."""
         cfg, rt = self.cfg, self.rt
-        self.par = parallelize(self.model, rt, cfg.parallel, cfg.measure_bubble)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.stage is None:
+            self.par = parallelize(self.model, rt, cfg.parallel, cfg.measure_bubble)
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+        else:  # gradients are averaged by the pipeline executor, after its schedule
+            self.par = Parallelized(
+                self.model, self.model, "single", cfg.measure_bubble, rt.world_size, Clock(rt.device)
+            )
+            self.params = [p for p in self.stage.parameters_owned() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.scaler = self.precision.grad_scaler()  # fp16's loss scaling, None otherwise
@@ -158,18 +171,28 @@ class Trainer:
             per_doc_weighting=cfg.per_doc_loss_weighting,
             loss=cfg.loss,
         )
-        executor = RankExecutor(
-            self.par,
-            self.corpus.docs,
-            self.engine,
-            execution,
-            rt.device,
-            precision=self.precision,
-            scaler=self.scaler,
-            ring_groups=self._ring_groups(),
-        )
+        if self.stage is None:
+            executor = RankExecutor(
+                self.par,
+                self.corpus.docs,
+                self.engine,
+                execution,
+                rt.device,
+                precision=self.precision,
+                scaler=self.scaler,
+                ring_groups=self._ring_groups(),
+            )
+            norm = None
+        else:
+            groups = PipelineGroups.create(self.stage.layout, self.stage.tied)
+            executor = PipelineExecutor(
+                self.stage, groups, self.corpus.docs, self.engine, execution, rt.device, self.precision, self.par.clock
+            )
+            norm = executor.grad_norm
         update = UpdateConfig(grad_clip=cfg.grad_clip, max_nonfinite_steps=cfg.max_nonfinite_steps)
-        updater = Updater(self.params, self.optimizer, self.scheduler, update, scaler=self.scaler, is_main=rt.is_main)
+        updater = Updater(
+            self.params, self.optimizer, self.scheduler, update, scaler=self.scaler, is_main=rt.is_main, norm=norm
+        )
         return StepRunner(
             self.engine,
             executor,
@@ -178,6 +201,7 @@ class Trainer:
             rt,
             emulated=bool(cfg.emulate_ranks),
             labels=(cfg.strategy, cfg.dst.mode),
+            stages=cfg.pp,
         )
 
     def _ring_groups(self) -> RingGroups | None:
@@ -246,7 +270,8 @@ class Trainer:
 
     def save(self) -> None:
         rngs = self.rt.all_gather_object(rng_state())
-        save_checkpoint(
+        save = save_checkpoint if self.stage is None else partial(save_pipeline_checkpoint, self.stage, self.rt)
+        save(
             self.run_dir,
             self.step,
             self.model,
@@ -270,7 +295,10 @@ class Trainer:
 
     def _resume(self) -> None:
         path = self._checkpoint
-        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, runtime=self.rt)
+        if self.stage is None:
+            state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, runtime=self.rt)
+        else:
+            state = load_pipeline_checkpoint(path, self.stage, self.optimizer, self.scheduler, self.rt)
         # The LR of the next step follows this run's schedule (its --steps may have changed),
         # not the one the checkpoint's scheduler last computed.
         factor = self._lr_factor(self.scheduler.last_epoch)

@@ -1,0 +1,238 @@
+"""Stage 3 of the step with ``--pp P``: this rank's stage of its pipeline runs the pipeline's
+micro-batches in the 1F1B order (PyTorch's ``Schedule1F1B``, Megatron-LM's default; the order is
+:func:`sparsebalance.simulate.pipeline.schedule_order`, the one the simulator prices), then the
+gradients are summed and averaged.
+
+Shapes: every rank holds the step's plan, so every stage knows each micro-batch's token count and
+receives exactly ``(1, T_m, H)``: no padding to a fixed capacity and no shape exchange (Megatron
+exchanges shapes for packed batches; ``torch.distributed.pipelining``'s stages fix their receive
+buffers at the first step's shapes). The attention metadata (pack, budgets, DST's per-layer
+choices) is built on each stage from the shared plan (:meth:`.StepEngine.attention`), never sent.
+
+Per step and micro-batch boundary the schedule sends one tensor each way (activations forward,
+their gradients back: ``isend`` + ``recv``); nothing else waits. After the last backward: the tied
+embedding's gradient is summed between the first and last stage (when the LM head is the
+embedding), then each stage's gradients are averaged over its data-parallel peers, and the global
+gradient norm for clipping sums the stages' squares (:meth:`PipelineExecutor.grad_norm`).
+
+Each micro-batch's record is the whole model's: its stages' forward + backward seconds summed (what
+the latency model predicts for a micro-batch), their layers' densities and budgets in layer order,
+the loss of the last stage; the pipeline's record adds per-stage busy and idle time (the bubbles).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..clock import Clock, Mark, use_clock
+from ..data import pack
+from ..precision import Precision
+from ..simulate.pipeline import schedule_order
+from .engine import StepEngine
+from .execute import ExecutionConfig
+from .parallelize import allreduce_gradients
+from .records import LocalWork, MicroBatchResult, TunedStep
+from .stage import PipelineLayout, StageModel
+
+
+@dataclass
+class PipelineGroups:
+    """The process groups of a DP x PP grid (created once, every rank, in the same order)."""
+
+    pipeline: object
+    """This rank's pipeline (its P stages): where the micro-batch records are gathered."""
+    data: object | None
+    """This rank's stage in every pipeline: where its gradients are averaged (None: one pipeline)."""
+    tied: object | None
+    """This pipeline's first and last stage (the tied embedding's two copies); None if not needed."""
+
+    @classmethod
+    def create(cls, layout: PipelineLayout, tied: bool) -> PipelineGroups:
+        P, D = layout.stages, layout.dp_size
+        mine = {}
+        for d in range(D):
+            mine[("pipeline", d)] = dist.new_group([layout.rank(d, s) for s in range(P)])
+        for s in range(P):
+            mine[("data", s)] = dist.new_group([layout.rank(d, s) for d in range(D)]) if D > 1 else None
+        for d in range(D):
+            ends = [layout.rank(d, 0), layout.rank(d, P - 1)]
+            mine[("tied", d)] = dist.new_group(ends) if tied and P > 1 else None
+        return cls(mine[("pipeline", layout.dp)], mine[("data", layout.stage)], mine[("tied", layout.dp)])
+
+
+@dataclass
+class _Op:
+    """One micro-batch on this stage: its batch, context, tensors kept for its backward, marks."""
+
+    unit: object
+    batch: object
+    ctx: object = None
+    inputs: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    marks: list[tuple[Mark, Mark]] = field(default_factory=list)
+
+
+@dataclass
+class PipelineExecutor:
+    """Runs this rank's stage of its pipeline's share of a :class:`TunedStep` (see the module
+    docstring); the planned rank is the data-parallel pipeline."""
+
+    stage: StageModel
+    groups: PipelineGroups
+    docs: Sequence[np.ndarray]
+    engine: StepEngine
+    config: ExecutionConfig
+    device: torch.device
+    precision: Precision
+    clock: Clock
+    scaler: torch.amp.GradScaler | None = None
+
+    @property
+    def layout(self) -> PipelineLayout:
+        return self.stage.layout
+
+    def run(self, step: TunedStep, rank: int, origin: Mark | None = None) -> LocalWork:
+        """This stage's forwards and backwards, the gradient sync, and the pipeline's record
+        (``rank``: the world rank, unused: the pipeline is this rank's layout's)."""
+        clock, layout = self.clock, self.layout
+        origin = origin or clock.mark()
+        with use_clock(clock):
+            ops, sends = self._schedule(step)
+            for work, _tensor in sends:  # the tensor stays alive until its send is done
+                work.wait()
+            ready = clock.mark()
+            self._sync_gradients()
+            done = clock.mark()
+            clock.synchronize()  # the step's one wait for the device
+            mine = [self._result(op, origin) for op in ops]
+            busy = sum(clock.seconds(a, b) for op in ops for a, b in op.marks)
+            stage = {"busy_s": busy, "span_s": clock.seconds(origin, ready)}
+            times = (clock.seconds(origin, ready), clock.seconds(origin, done))
+        gathered = [None] * layout.stages
+        dist.all_gather_object(gathered, (mine, stage, times), group=self.groups.pipeline)
+        results = [_merge(parts) for parts in zip(*(g[0] for g in gathered), strict=True)]
+        record = self.engine.record(step, layout.dp, results)
+        span = max(g[1]["span_s"] for g in gathered)
+        record.stages = [
+            {"stage": s, "busy_s": g[1]["busy_s"], "idle_s": max(span - g[1]["busy_s"], 0.0)}
+            for s, g in enumerate(gathered)
+        ]
+        ready_s, done_s = (max(g[2][i] for g in gathered) for i in (0, 1))
+        return LocalWork([record], ready_s, done_s)
+
+    def _schedule(self, step: TunedStep) -> tuple[list[_Op], list]:
+        """The 1F1B order of this stage's micro-batches; the sends still in flight."""
+        planned, dp = step.planned, self.layout.dp
+        units = [planned.units[u] for u in planned.rank_units[dp]]
+        if any(u.degree > 1 for u in units):
+            raise ValueError("--pp: a context-parallel unit in the plan (sab-cp cannot run in a pipeline)")
+        ops: list[_Op] = []
+        for unit in units:
+            docs = [
+                self.docs[i][o : o + n] for i, o, n in zip(unit.sample_ids, unit.offsets, unit.lengths, strict=True)
+            ]
+            ops.append(_Op(unit, pack(docs, self.device, self.config.per_doc_weighting)))
+        sends: list = []
+        for kind, m in schedule_order(self.layout.stages, len(ops), self.layout.stage):
+            if kind == "F":
+                self._forward(step, m, ops[m], sends)
+            else:
+                self._backward(ops[m], step.loss_scale, sends)
+        return ops, sends
+
+    def _forward(self, step: TunedStep, m: int, op: _Op, sends: list) -> None:
+        layout, batch = self.layout, op.batch
+        if layout.first:
+            x = batch.input_ids
+        else:
+            x = torch.empty(self.stage.hidden_shape(sum(batch.lengths)), dtype=self.stage.hidden_dtype)
+            dist.recv(x, layout.rank(layout.dp, layout.stage - 1))
+            x = x.to(self.device).requires_grad_()
+        t0 = self.clock.mark()
+        op.ctx = self.engine.attention(step, layout.dp, m, batch.cu_seqlens, batch.lengths, start=t0.host)
+        with self.precision.autocast():
+            out = self.stage(x, batch.position_ids, op.ctx)
+            if layout.last:
+                out = self.stage.loss(out, batch, self.config.loss, not self.config.per_doc_weighting)
+        op.inputs, op.output = (None if layout.first else x), out
+        op.marks.append((t0, self.clock.mark()))
+        if not layout.last:
+            sent = out.detach().cpu()
+            sends.append((dist.isend(sent, layout.rank(layout.dp, layout.stage + 1)), sent))
+
+    def _backward(self, op: _Op, loss_scale: float, sends: list) -> None:
+        layout = self.layout
+        if layout.last:
+            t0 = self.clock.mark()
+            scaled = op.output * loss_scale
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        else:
+            grad = torch.empty(op.output.shape, dtype=op.output.dtype)
+            dist.recv(grad, layout.rank(layout.dp, layout.stage + 1))
+            t0 = self.clock.mark()
+            op.output.backward(grad.to(self.device))
+        op.marks.append((t0, self.clock.mark()))
+        if not layout.first:
+            sent = op.inputs.grad.cpu()
+            sends.append((dist.isend(sent, layout.rank(layout.dp, layout.stage - 1)), sent))
+        op.inputs = None if layout.last else op.inputs  # the last stage's loss stays for the record
+        op.output = op.output.detach() if layout.last else None
+
+    def _result(self, op: _Op, origin: Mark) -> MicroBatchResult:
+        """This stage's share of one micro-batch (after the synchronize)."""
+        seconds = sum(self.clock.seconds(a, b) for a, b in op.marks)
+        loss = op.output if self.layout.last else 0.0
+        weight = op.batch.loss_weights.sum() if self.layout.last else 0.0
+        return MicroBatchResult.from_stats(
+            seconds,
+            op.unit.lengths,
+            op.unit.sample_ids,
+            op.ctx.stats,
+            loss,
+            weight,
+            slot=op.unit.slot,
+            start_s=self.clock.seconds(origin, op.marks[0][0]),
+        )
+
+    def _sync_gradients(self) -> None:
+        """Sum the tied embedding's two gradients, then average over the data-parallel pipelines."""
+        params = self.stage.parameters_owned()
+        tied = self.stage.tied_weight()
+        if tied is not None and self.groups.tied is not None:
+            if tied.grad is None:
+                tied.grad = torch.zeros_like(tied)
+            dist.all_reduce(tied.grad, group=self.groups.tied)
+        if self.groups.data is not None:
+            allreduce_gradients(params, self.layout.dp_size, group=self.groups.data)
+
+    def grad_norm(self, max_norm: float) -> float:
+        """The whole model's gradient norm (the stages' squares summed, the tied embedding
+        counted once), clipping every stage's gradients to ``max_norm`` when it is above 0."""
+        params = self.stage.parameters_owned()
+        tied = self.stage.tied_weight()
+        counted = [p.grad for p in params if p.grad is not None and not (self.layout.last and p is tied)]
+        local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=self.device)
+        square = (local.float() ** 2).reshape(1)
+        dist.all_reduce(square, group=self.groups.pipeline)
+        total = square.sqrt()[0]
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total)
+        return float(total)
+
+
+def _merge(parts: Sequence[MicroBatchResult]) -> MicroBatchResult:
+    """One micro-batch's stage results (stage order) as the whole model's."""
+    first, last = parts[0], parts[-1]
+    return replace(
+        first,
+        seconds=sum(p.seconds for p in parts),
+        layer_densities=tuple(d for p in parts for d in p.layer_densities),
+        budgets=tuple(b for p in parts for b in p.budgets),
+        loss_sum=last.loss_sum,
+        weight_sum=last.weight_sum,
+    )

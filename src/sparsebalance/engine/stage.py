@@ -1,0 +1,160 @@
+"""One pipeline stage of a Hugging Face causal LM (``--pp P``): a contiguous run of its decoder
+layers, the embedding with the first stage, the final norm, LM head and loss with the last.
+
+Where a rank sits (:class:`PipelineLayout`): world rank ``r`` is stage ``r % P`` of data-parallel
+pipeline ``r // P``, so a pipeline's stages are neighbouring ranks (one node's fast links carry the
+activations). Layers are split as the simulator prices them
+(:func:`sparsebalance.simulate.pipeline.stage_layers`: ``L // P`` each, the first ``L % P`` stages
+one more; the head sits on the last stage, which gets the fewest).
+
+:class:`StageModel` keeps the model's own modules and names: the layers of other stages are
+replaced by parameterless ``Identity`` modules, so a stage's state dict has the whole model's keys
+(``model.layers.5.mlp...``) for the parameters it holds, and stages assembled give the model's
+full state dict (a pipeline checkpoint is an ordinary one). Its forward runs the same modules in
+the same order as the model's own forward (embedding, rotary embedding, layers, norm), so a stage
+computes what the whole model computes, bit for bit on CPU in fp32.
+
+A model whose tied LM head is its embedding (``tie_word_embeddings``) holds that weight on both
+the first and the last stage; the pipeline sums its two gradients (:mod:`.pipeline`) so both copies
+take the same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..ops.loss import linear_cross_entropy, weighted_cross_entropy
+from ..simulate.pipeline import stage_layers
+
+# Decoders whose forward is embed -> rotary -> layers -> norm with nothing else in between (no
+# embedding scale, no sliding window): a stage can run it piece by piece.
+PIPELINE_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Where a world rank sits in a DP x PP grid of ``dp_size`` pipelines of ``stages``."""
+
+    stages: int
+    stage: int
+    dp: int
+    dp_size: int
+
+    @classmethod
+    def of(cls, rank: int, world_size: int, stages: int) -> PipelineLayout:
+        if stages < 1 or world_size % stages:
+            raise ValueError(f"--pp {stages} must divide the number of processes ({world_size})")
+        return cls(stages, rank % stages, rank // stages, world_size // stages)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def rank(self, dp: int, stage: int) -> int:
+        """The world rank of ``stage`` of pipeline ``dp``."""
+        return dp * self.stages + stage
+
+    def layers(self, num_layers: int) -> range:
+        """The decoder layers this stage runs."""
+        counts = stage_layers(num_layers, self.stages)
+        start = int(counts[: self.stage].sum())
+        return range(start, start + int(counts[self.stage]))
+
+
+def check_pipeline_model(config, stages: int) -> None:
+    """Refuse, in one line, a model a pipeline of ``stages`` cannot split (``config``: its
+    transformers config)."""
+    kind = config.model_type
+    if kind not in PIPELINE_MODELS:
+        raise ValueError(
+            f"--pp {stages}: {kind} models are not split into pipeline stages (supported: "
+            f"{', '.join(PIPELINE_MODELS)}); train it with --pp 1"
+        )
+    stage_layers(config.num_hidden_layers, stages)  # more stages than layers: refused there
+
+
+class StageModel(nn.Module):
+    """This rank's stage of ``model`` (changed in place: other stages' layers are dropped)."""
+
+    def __init__(self, model: nn.Module, layout: PipelineLayout):
+        super().__init__()
+        check_pipeline_model(model.config, layout.stages)
+        self.model, self.layout = model, layout
+        decoder = model.get_decoder()
+        self.span = layout.layers(len(decoder.layers))
+        for i in range(len(decoder.layers)):
+            if i not in self.span:
+                decoder.layers[i] = nn.Identity()  # no parameters: freed, and not saved
+        self.layers = [decoder.layers[i] for i in self.span]
+        self.tied = bool(model.config.tie_word_embeddings)
+        owned = []
+        if layout.first or (layout.last and self.tied):
+            owned.append(decoder.embed_tokens)
+        owned += self.layers
+        if layout.last:
+            owned += [decoder.norm, model.get_output_embeddings()]
+        ids = {id(p) for m in owned for p in m.parameters()}
+        self._params = [p for p in model.parameters() if id(p) in ids]
+        self.names = [n for n, t in model.state_dict(keep_vars=True).items() if id(t) in ids]
+        """This stage's entries of the model's state dict (a tied weight under both its names)."""
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self.model.get_decoder()
+
+    def parameters_owned(self) -> list[nn.Parameter]:
+        """The parameters this stage holds and steps, in model order, each once."""
+        return list(self._params)
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """The embedding that is also the LM head, on the stages holding it (None elsewhere)."""
+        if not self.tied or not (self.layout.first or self.layout.last) or self.layout.stages == 1:
+            return None
+        return self.decoder.embed_tokens.weight
+
+    def state_dict_owned(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters under the whole model's names (detached, on the CPU)."""
+        entries = self.model.state_dict(keep_vars=True)
+        return {n: entries[n].detach().cpu() for n in self.names}
+
+    def hidden_shape(self, tokens: int) -> tuple[int, int, int]:
+        return (1, tokens, self.model.config.hidden_size)
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """The residual stream's dtype (the parameters'): what crosses between stages."""
+        return self.decoder.norm.weight.dtype
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, attention) -> torch.Tensor:
+        """Token ids (first stage) or the previous stage's hidden states ``(1, T, H)`` through this
+        stage's layers (and the final norm on the last stage)."""
+        decoder = self.decoder
+        hidden = decoder.embed_tokens(x) if self.layout.first else x
+        rotary = decoder.rotary_emb(hidden, position_ids)
+        for layer in self.layers:
+            hidden = layer(
+                hidden,
+                attention_mask=None,
+                position_ids=position_ids,
+                position_embeddings=rotary,
+                sb_attention=attention,
+                use_cache=False,
+            )
+        return decoder.norm(hidden) if self.layout.last else hidden
+
+    def loss(self, hidden: torch.Tensor, batch, impl: str, uniform_weights: bool) -> torch.Tensor:
+        """The last stage's weighted loss sum of a packed micro-batch (as :func:`.loss.packed_loss`)."""
+        head = self.model.get_output_embeddings()
+        labels, weights = batch.labels[0], batch.loss_weights[0]
+        if impl == "plain":
+            return weighted_cross_entropy(head(hidden)[0], labels, weights)
+        return linear_cross_entropy(
+            hidden[0], head.weight, labels, weights, head.bias, impl, None, uniform_weights=uniform_weights
+        )

@@ -1,0 +1,83 @@
+"""Checkpoints of a pipeline run (``--pp P``): the same folder, files and guarantees as
+:mod:`.checkpoint` (atomic, checksummed, a full disk one line), written by rank 0.
+
+- ``model.pt``: the whole model's state dict, the stages' parameters assembled under the model's
+  own names, so ``sparsebalance export``/``eval`` read a pipeline checkpoint as any other.
+- ``state.pt``'s ``optimizer``: one optimizer state per stage, in stage order (a stage's optimizer
+  steps only its parameters; every data-parallel pipeline holds the same states, so the first
+  pipeline's are saved), and ``pipeline``: ``{"stages": P}``.
+
+Resuming needs the same ``--pp`` (refused before launch otherwise: the optimizer states are
+per stage); rank 0 reads the files and hands every rank its stage's tensors. Rank 0 holds the
+whole model and its optimizer states while saving and loading (a host-memory limit for models
+much larger than one stage: docs/pipeline.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..engine.runtime import Runtime
+from ..engine.stage import StageModel
+from .checkpoint import KEEP_LAST, _load, commit_checkpoint, plain
+
+
+def save_pipeline_checkpoint(
+    stage: StageModel,
+    rt: Runtime,
+    run_dir: Path,
+    step: int,
+    model,
+    optimizer,
+    scheduler,
+    trainer_state: dict,
+    rng_states: list,
+    is_main: bool,
+    keep_last: int = KEEP_LAST,
+) -> Path | None:
+    """Collective: every stage of the first pipeline hands rank 0 its parameters and optimizer
+    state; rank 0 writes them (``model``: unused, the stage holds it; the signature is
+    :func:`.checkpoint.save_checkpoint`'s)."""
+    layout = stage.layout
+    mine = (stage.state_dict_owned(), optimizer.state_dict()) if layout.dp == 0 else None
+    parts = [None] * rt.world_size if is_main else None
+    dist.gather_object(mine, parts, dst=0)
+    model_sd, state = {}, None
+    if is_main:
+        stages = [parts[layout.rank(0, s)] for s in range(layout.stages)]
+        for sd, _ in stages:
+            model_sd.update(sd)  # a tied embedding is in two stages: the same values
+        state = {
+            "optimizer": [opt for _, opt in stages],
+            "pipeline": {"stages": layout.stages},
+            "scheduler": plain(scheduler.state_dict()),
+            "rng": plain(rng_states),
+            "trainer": plain(trainer_state),
+        }
+    return commit_checkpoint(Path(run_dir), step, model_sd, state, is_main, keep_last)
+
+
+def load_pipeline_checkpoint(path: Path, stage: StageModel, optimizer, scheduler, rt: Runtime) -> dict:
+    """Restore this rank's stage, its optimizer and the scheduler from checkpoint ``path``
+    (verified on rank 0); the saved ``state`` without the optimizers'."""
+    layout = stage.layout
+    payload = None
+    if rt.is_main:
+        model_sd = _load(Path(path) / "model.pt")
+        state = _load(Path(path) / "state.pt")
+        saved = state.pop("pipeline", {}).get("stages", 1)
+        if saved != layout.stages:
+            raise ValueError(f"--resume: {path} was saved with --pp {saved}; resume it with --pp {saved}")
+        payload = (model_sd, state)
+    model_sd, state = rt.broadcast_object(payload)
+    missing = [n for n in stage.names if n not in model_sd]
+    if missing:
+        raise ValueError(
+            f"--resume: {path} lacks {len(missing)} parameters of stage {layout.stage} ({missing[0]}, ...)"
+        )
+    stage.model.load_state_dict({n: model_sd[n] for n in stage.names}, strict=False)
+    optimizer.load_state_dict(state.pop("optimizer")[layout.stage])
+    scheduler.load_state_dict(state["scheduler"])
+    return state
