@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..clock import Clock
 from ..data.batches import BatchSource
 from ..engine import (
     ExecutionConfig,
@@ -31,7 +32,6 @@ from ..engine import (
     profile_length,
     resolve_kernel,
 )
-from ..clock import Clock
 from ..engine.parallelize import Parallelized, parallelize
 from ..engine.pipeline import PipelineExecutor, PipelineGroups
 from ..engine.runtime import Runtime, rng_state, seed_everything, set_rng_state
@@ -47,9 +47,9 @@ from ..tuning import DSTTuner
 from ..workload import Sample
 from . import build
 from .checkpoint import load_checkpoint, save_checkpoint
-from .pipeline_checkpoint import load_pipeline_checkpoint, save_pipeline_checkpoint
 from .config import TrainConfig, to_dict
 from .multinode import launcher_placement
+from .pipeline_checkpoint import load_pipeline_checkpoint, save_pipeline_checkpoint
 from .resume import choose_checkpoint
 from .signals import Stopped, StopSignals
 from .telemetry import Telemetry
