@@ -105,8 +105,9 @@ def _say(name: str, ranks: int) -> Callable[[TrainConfig], None]:
     """What prints ``== NAME: ...``, the line a run starts with."""
 
     def say(cfg: TrainConfig) -> None:
+        layout = f"ranks={ranks}" if cfg.pp == 1 else f"ranks={ranks} (DP {ranks // cfg.pp} x PP {cfg.pp})"
         print(
-            f"== {name}: strategy={cfg.strategy}, dst={cfg.dst.mode}, ranks={ranks}, steps={cfg.steps} -> {cfg.out}",
+            f"== {name}: strategy={cfg.strategy}, dst={cfg.dst.mode}, {layout}, steps={cfg.steps} -> {cfg.out}",
             flush=True,
         )
 

@@ -63,6 +63,8 @@ def check_world(cfg: TrainConfig, rt: Runtime) -> tuple[TrainConfig, int]:
 def topology(cfg: TrainConfig, rt: Runtime, num_ranks: int, placements: list) -> Topology:
     """Which ranks share a node: ``--ranks-per-node``, else the launcher's (checked to agree
     on every rank), else one node. Emulated ranks have no launcher."""
+    if cfg.pp > 1:  # the planned ranks are pipelines; only sab-cp reads the nodes, and it cannot pipeline
+        return Topology(num_ranks, num_ranks)
     reported = [] if cfg.emulate_ranks else placements
     found, note = Topology.from_launcher(num_ranks, reported, cfg.ranks_per_node)
     if note:

@@ -1,0 +1,174 @@
+"""Pipeline parallelism (``--pp``, issue 44) on real gloo processes: a pipeline of 2 stages
+computes what one process computes (losses, gradients, weights), keeps one record per pipeline
+with per-stage bubbles, saves ordinary checkpoints and resumes exactly; what it cannot run is
+refused in one line."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sparsebalance.engine.runtime import Runtime
+from sparsebalance.train import TrainConfig, Trainer
+from sparsebalance.tuning import DSTConfig
+from tests.train.harness import base_config, run_ranks
+
+OFF = DSTConfig(mode="off", budget="gamma", gamma0=0.9)
+
+
+def _cfg(tmp: Path, **over) -> TrainConfig:
+    return base_config(tmp, **{"steps": 3, "strategy": "sab", "dst": OFF, **over})
+
+
+def _model(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return torch.load(run / "checkpoints" / f"step-{step:06d}" / "model.pt", weights_only=True)
+
+
+def _lines(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.distributed
+def test_two_stages_compute_what_one_process_computes(tmp_path):
+    """Issue 44's correctness target: PP2 (gloo, fp32, deterministic) gives PP1's per-step
+    losses within 1e-5 and the same weights; the checkpoint is the whole model's."""
+    one, two = tmp_path / "pp1", tmp_path / "pp2"
+    one.mkdir(), two.mkdir()
+    ref = run_ranks(_cfg(one), 1, one)
+    got = run_ranks(_cfg(two, pp=2), 2, two)
+    assert got[0]["losses"] == pytest.approx(ref[0]["losses"], rel=1e-5, abs=1e-5)
+    assert got[1]["losses"] == got[0]["losses"]
+    want, have = _model(one / "run", 3), _model(two / "run", 3)
+    assert sorted(have) == sorted(want)  # every stage's parameters, the tied head included
+    # weights after 3 AdamW steps: Adam divides by the gradients' size, so a gradient that is 0 in
+    # exact arithmetic (a key bias: softmax ignores a shift) is rounding noise scaled up to ~lr
+    for name, tensor in want.items():
+        torch.testing.assert_close(have[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+    per_pipeline = [x for x in _lines(two / "run") if x["rank"] != "all"]
+    assert [x["step"] for x in per_pipeline] == [1, 2, 3]  # one record per pipeline, not per stage
+    for x in per_pipeline:
+        assert [s["stage"] for s in x["stages"]] == [0, 1]
+        assert all(s["busy_s"] > 0 and s["idle_s"] >= 0 for s in x["stages"])
+        assert len(x["units"]) >= 1 and x["compute_s"] > 0
+    assert all(x["stages"] == [] for x in _lines(one / "run") if x["rank"] != "all")
+
+
+def _grads_worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:
+    out = Path(tmp) / f"grads-{rank}.pkl"
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
+        torch.set_num_threads(1)
+        trainer = Trainer(cfg, Runtime(rank, world, torch.device("cpu")))
+        tuned = trainer.engine.begin(trainer.next_batch())
+        trainer.runner.synchronize(trainer.runner.execute(tuned))
+        named = dict(trainer.model.named_parameters())
+        names = trainer.stage.names if trainer.stage is not None else list(named)
+        entries = trainer.model.state_dict(keep_vars=True)
+        result = {n: entries[n].grad.clone() for n in names if entries[n].grad is not None}
+        dist.destroy_process_group()
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+    out.write_bytes(pickle.dumps(result))
+
+
+def _grads(cfg: TrainConfig, world: int, tmp: Path) -> dict[str, torch.Tensor]:
+    (tmp / "rdzv").unlink(missing_ok=True)
+    mp.spawn(_grads_worker, args=(world, str(tmp), cfg), nprocs=world, join=True)
+    merged = {}
+    for r in range(world):
+        res = pickle.loads((tmp / f"grads-{r}.pkl").read_bytes())
+        assert "error" not in res, res.get("error")
+        merged.update(res)
+    return merged
+
+
+@pytest.mark.distributed
+def test_two_stages_give_one_processs_gradients(tmp_path):
+    """The same gradients within 1e-5 relative, the tied embedding's two parts summed."""
+    one, two = tmp_path / "pp1", tmp_path / "pp2"
+    one.mkdir(), two.mkdir()
+    want = _grads(_cfg(one), 1, one)
+    have = _grads(_cfg(two, pp=2), 2, two)
+    assert sorted(have) == sorted(want)
+    for name, grad in want.items():
+        torch.testing.assert_close(have[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.distributed
+def test_a_pipeline_resumes_exactly(tmp_path):
+    cfg = _cfg(tmp_path, pp=2, steps=4, checkpoint_every=2, dst=DSTConfig(mode="bidirectional", budget="gamma"))
+    full = run_ranks(cfg, 2, tmp_path)
+    again = tmp_path / "again"
+    again.mkdir()
+    shutil.copytree(tmp_path / "run" / "checkpoints", again / "run" / "checkpoints")
+    shutil.rmtree(again / "run" / "checkpoints" / "step-000004")
+    (again / "run" / "checkpoints" / "latest").write_text("step-000002\n")
+    resumed = run_ranks(replace(cfg, out=str(again / "run"), resume=True), 2, again)
+    assert resumed[0]["losses"] == pytest.approx(full[0]["losses"][2:], rel=1e-6, abs=1e-6)
+    for name, tensor in _model(tmp_path / "run", 4).items():
+        torch.testing.assert_close(_model(again / "run", 4)[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_pipelines_of_two_stages_match_two_ranks(tmp_path):
+    """DP2 x PP2 (4 processes) computes what DP2 (2 processes) does."""
+    dp, both = tmp_path / "dp2", tmp_path / "dp2pp2"
+    dp.mkdir(), both.mkdir()
+    ref = run_ranks(_cfg(dp), 2, dp)
+    got = run_ranks(_cfg(both, pp=2), 4, both)
+    assert got[0]["losses"] == pytest.approx(ref[0]["losses"], rel=1e-5, abs=1e-5)
+    for name, tensor in _model(dp / "run", 3).items():
+        torch.testing.assert_close(_model(both / "run", 3)[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+    per_pipeline = [x for x in _lines(both / "run") if x["rank"] != "all"]
+    assert sorted({x["rank"] for x in per_pipeline}) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "over, says",
+    [
+        ({"pp": 0}, "--pp must be >= 1, got 0"),
+        ({"pp": 2, "strategy": "sab-cp"}, "--strategy sab-cp cannot run with --pp 2: use --strategy sab"),
+        ({"pp": 2, "parallel": "fsdp2"}, "--parallel fsdp2 cannot run with --pp 2: use --parallel ddp"),
+        ({"pp": 2, "measure_bubble": "exact"}, "cannot run with --pp 2: use --measure-bubble overlap"),
+        ({"pp": 2, "precision": "fp16"}, "--precision fp16 cannot run with --pp 2: use --precision bf16"),
+        ({"pp": 2, "capacity": "auto", "memory_budget": "8GiB"}, "cannot run with --pp 2: use --capacity N"),
+        ({"pp": 2, "emulate_ranks": 4}, "--emulate-ranks cannot run with --pp 2"),
+        ({"pp": 2, "activation_checkpointing": "full"}, "use --activation-checkpointing off"),
+    ],
+)
+def test_what_a_pipeline_cannot_run_is_one_line(tmp_path, over, says):
+    from sparsebalance.flags import command_line
+
+    with command_line(), pytest.raises(ValueError) as err:  # as `sparsebalance train` says it
+        _cfg(tmp_path, **over)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_more_stages_than_layers_and_a_world_they_do_not_divide_are_refused(tmp_path):
+    from sparsebalance.engine.stage import PipelineLayout, check_pipeline_model
+    from sparsebalance.models.hf import build_model
+
+    model = build_model("tiny", "cpu", torch.float32, seed=0)  # 4 layers
+    with pytest.raises(ValueError, match="--pp 5: more pipeline stages than the model's 4 layers"):
+        check_pipeline_model(model.config, 5)
+    with pytest.raises(ValueError, match=r"--pp 2 must divide the number of processes \(3\)"):
+        PipelineLayout.of(0, 3, 2)
+    assert [PipelineLayout.of(r, 4, 2).layers(4) for r in range(4)] == [range(0, 2), range(2, 4)] * 2
+
+
+def test_resuming_with_another_pp_is_refused(tmp_path):
+    from sparsebalance.train.config import to_dict
+    from sparsebalance.train.resume import differences
+
+    saved = to_dict(_cfg(tmp_path, pp=2))
+    assert differences(saved, _cfg(tmp_path)) == ["--pp 2 -> 1"]
