@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .report_pipeline import pipeline_figure, pipeline_line
 from .results import markdown_table, write_file
 from .timeline import draw_timeline, record_bars
 
@@ -367,7 +368,10 @@ PLOTS = {
 
 
 def _plots(run_data: RunData, out_dir: Path) -> list[str]:
-    return [_save(make(run_data), out_dir / name) for name, make in PLOTS.items()]
+    made = [_save(make(run_data), out_dir / name) for name, make in PLOTS.items()]
+    if any(pipeline_line(ranks) for ranks, _ in run_data.values()):  # --pp: the stages' bubbles
+        made.append(_save(pipeline_figure(run_data), out_dir / "pipeline.png"))
+    return made
 
 
 def _max_ranks(run_data: RunData) -> int:
@@ -402,6 +406,9 @@ def write_report(root: Path, plots: bool = True) -> tuple[Path, dict]:
         line = budgets(ranks, steps)
         if line:
             lines += [f"Budgets, {name}: {line}", ""]
+        line = pipeline_line(ranks)
+        if line:
+            lines += [f"Pipeline, {name}: {line}", ""]
     if plots:
         try:
             for f in _plots(data, root):

@@ -1,0 +1,53 @@
+"""The pipeline part of a run's report (``--pp P``): each stage's busy time and its bubble (the
+pipeline's span less the stage's own forward + backward), from the ``stages`` of the per-rank
+records in ``metrics.jsonl`` (:class:`~sparsebalance.engine.records.RankRecord`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def stage_means(ranks: list[dict], skip_first: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(busy, idle)`` seconds per stage, means over the run's steps (the warm-up step left out
+    when there are others) and pipelines; None for a run without a pipeline."""
+    rows = [r for r in ranks if r.get("stages")]
+    if not rows:
+        return None
+    first = min(r["step"] for r in rows)
+    body = [r for r in rows if r["step"] != first] if skip_first and len({r["step"] for r in rows}) > 1 else rows
+    busy = np.mean([[s["busy_s"] for s in r["stages"]] for r in body], axis=0)
+    idle = np.mean([[s["idle_s"] for s in r["stages"]] for r in body], axis=0)
+    return busy, idle
+
+
+def pipeline_line(ranks: list[dict]) -> str:
+    """One line: the stages, their mean busy seconds and bubble share; empty without a pipeline."""
+    means = stage_means(ranks)
+    if means is None:
+        return ""
+    busy, idle = means
+    parts = ", ".join(
+        f"stage {s} busy {b:.3f} s, bubble {i:.3f} s ({100 * i / max(b + i, 1e-12):.0f} %)"
+        for s, (b, i) in enumerate(zip(busy, idle, strict=True))
+    )
+    return f"{len(busy)} stages per pipeline (1F1B), mean per step: {parts}."
+
+
+def pipeline_figure(run_data: dict):
+    """``pipeline.png``: per run and stage, mean busy and bubble seconds per step (stacked)."""
+    import matplotlib.pyplot as plt
+
+    runs = {name: stage_means(ranks) for name, (ranks, _) in run_data.items()}
+    runs = {name: m for name, m in runs.items() if m is not None}
+    fig, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")
+    labels, x = [], 0
+    for name, (busy, idle) in runs.items():
+        for s, (b, i) in enumerate(zip(busy, idle, strict=True)):
+            ax.bar(x, b, color="tab:blue", label="busy" if x == 0 else None)
+            ax.bar(x, i, bottom=b, color="tab:gray", alpha=0.5, label="bubble" if x == 0 else None)
+            labels.append(f"{name}\nstage {s}")
+            x += 1
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set(title="pipeline stages: busy and bubble per step (mean)", ylabel="seconds per step")
+    ax.legend()
+    return fig
