@@ -70,6 +70,9 @@ class PlanMetrics:
     """Documents (or ``--overlong`` chunks) run on a context-parallel unit of k > 1 ranks."""
     cp_degrees: tuple[int, ...] = ()
     """The CP degree k of every split document, largest first."""
+    makespan: float = 0.0
+    """With pipelines (``PlanConfig.pipeline_stages`` > 1, ``sab``): the slowest rank's predicted
+    1F1B makespan, micro-batches in plan order (:mod:`.pipeline`); 0 otherwise."""
     comm_seconds: float = 0.0
     """Predicted exposed communication (ring transfers, selection all-gather) of the rank that
     has the most of it."""
@@ -203,6 +206,20 @@ def flatten_packs(packs: list[list[list[int]]]) -> FlatPacks:
     )
 
 
+def padded_packs(flat: FlatPacks, items: Items) -> tuple[np.ndarray, np.ndarray]:
+    """``(B, max_docs)`` lengths (0 = empty slot) and densities (1.0 there) of every non-empty
+    micro-batch, plan order: what ``predict_many`` reads."""
+    sizes = flat.mb_sizes
+    row = np.repeat(np.arange(sizes.size), sizes)
+    col = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    width = int(sizes.max(initial=0))
+    lengths = np.zeros((sizes.size, width), dtype=np.int64)
+    dens = np.ones((sizes.size, width), dtype=np.float64)
+    lengths[row, col] = items.tokens[flat.item]
+    dens[row, col] = items.density[flat.item]
+    return lengths, dens
+
+
 def predict_packs(flat: FlatPacks, items: Items, cost_model: CostModel):
     """Predicted seconds of every non-empty micro-batch (``(B,)``, plan order) and of every rank
     (``(R,)``: its micro-batches summed in order, as a Python ``sum`` would).
@@ -212,13 +229,7 @@ def predict_packs(flat: FlatPacks, items: Items, cost_model: CostModel):
     times, rank_times = np.zeros(0), np.zeros(flat.num_ranks)
     if flat.mb_sizes.size:
         sizes = flat.mb_sizes
-        row = np.repeat(np.arange(sizes.size), sizes)
-        col = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-        width = int(sizes.max())
-        lengths = np.zeros((sizes.size, width), dtype=np.int64)
-        dens = np.ones((sizes.size, width), dtype=np.float64)
-        lengths[row, col] = items.tokens[flat.item]
-        dens[row, col] = items.density[flat.item]
+        lengths, dens = padded_packs(flat, items)
         times = np.asarray(cost_model.predict_many(lengths, dens), dtype=np.float64)
         # Rank sums column by column: the same left-to-right additions as sum() over a rank.
         counts = np.bincount(flat.mb_rank, minlength=flat.num_ranks)

@@ -46,6 +46,7 @@ from ..workload import CostModel, Sample
 from .context import CPResult, plan_cp
 from .cp_plan import build_cp_plan
 from .estimate import DensityEstimator
+from .pipeline import PipelineShape, least_makespan, pipeline_search
 from .plan import FlatPacks, Items, Plan, build_plan, flatten_packs, predict_packs
 from .strategies import (
     Regime,
@@ -94,6 +95,12 @@ class PlanConfig:
     """Ranks sharing a node G (``--ranks-per-node``, the run's topology): ``sab-cp`` keeps a unit
     of k <= G ranks inside one node, prices rings that span nodes at the inter-node link and
     runs them hierarchical (inner ring = a node); default: the cost model's ``links``."""
+    pipeline_stages: int = 1
+    """Pipeline stages P per data-parallel rank (``--pp``): each rank is a 1F1B pipeline of P
+    stages. With P > 1, ``sab`` packs and orders each rank's micro-batches for the least 1F1B
+    makespan and evens the ranks' makespans, not their totals (:mod:`.pipeline`); the other
+    strategies are unchanged. At most the model's layers; not with ``sab-cp``. 1: no pipeline,
+    every plan exactly as without the field."""
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
@@ -127,6 +134,11 @@ class PlanConfig:
                 )
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}")
+        p = self.pipeline_stages
+        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+            raise ValueError(f"--pp must be an integer >= 1, got {p!r}")
+        if p > 1 and self.strategy == "sab-cp":
+            raise ValueError(f"--pp {p}: pipelines are not planned with context-parallel plans (sab-cp); use --pp 1")
 
 
 def plan_batch(
@@ -215,7 +227,9 @@ def _assign(ids, lens, dens, cost_model, config: PlanConfig) -> Assignment:
     regime = Regime(config.micro_batches, config.capacity, float(cost_model.microbatch_overhead()))
     if config.strategy == "sab-cp":
         return _sab_cp(items, regime, cost_model, config, overlong)
-    if config.strategy == "sab":
+    if config.strategy == "sab" and config.pipeline_stages > 1:
+        packs, flat, times, extra = _sab_pipeline(items, regime, cost_model, config)
+    elif config.strategy == "sab":
         packs, flat, times, extra = _sab(items, regime, cost_model, config)
     else:
         packs = _baseline(config.strategy, items, regime, cost_model, config)
@@ -355,6 +369,24 @@ def _sab(items: Items, regime: Regime, cost_model, config: PlanConfig):
         extra = {"local_search_moves": 0, "candidate": "tokens"}
         return tokens_packs, tokens_flat, tokens_times, extra
     return packs, flat, times, {"local_search_moves": moves, "candidate": "cost"}
+
+
+def _sab_pipeline(items: Items, regime: Regime, cost_model, config: PlanConfig):
+    """``sab`` for P > 1 pipeline stages: from the rank-total ``sab`` plan, the makespan search
+    of :func:`~.pipeline.pipeline_search`; of the three plans (pipeline, rank-total, ``tokens``)
+    the one of least predicted makespan is kept (ties: in that order), each priced by
+    ``predict_many`` per micro-batch in its run order, so ``sab`` with pipelines is never
+    predicted slower than without."""
+    r = config.world_size
+    iters = 4 * r + 64 if config.local_search_iters is None else config.local_search_iters
+    shape = PipelineShape.of(cost_model.num_layers, config.pipeline_stages)
+    tokens_packs = _baseline("tokens", items, regime, cost_model, config)
+    ranks = lpt_ranks(items.cost, r, regime, items.tokens)
+    ranks, moves = local_search(ranks, items.cost, items.tokens, regime, iters, config.neighbors)
+    cost_packs = pack_balanced_ranks(ranks, items.cost, items.tokens, regime)
+    pipe_packs, _, exchanges = pipeline_search(ranks, items.cost, items.tokens, regime, shape, iters, config.neighbors)
+    candidates = [("pipeline", pipe_packs, moves + exchanges), ("cost", cost_packs, moves), ("tokens", tokens_packs, 0)]
+    return least_makespan(candidates, items, cost_model, shape)
 
 
 def _sab_cp(items: Items, regime: Regime, cost_model, config: PlanConfig, overlong: dict):

@@ -32,7 +32,7 @@ import numpy as np
 from ..batching import STRATEGIES as PLANNERS
 from ..batching import PlanConfig
 from ..batching.planner import Assignment, assign_batch
-from ..tuning import ANCHORS, DensityCurve, DSTConfig, DSTTuner, Knob, PlanWorkload, UnitWorkload
+from ..tuning import ANCHORS, DensityCurve, DSTConfig, DSTTuner, Knob, PipelineWorkload, PlanWorkload, UnitWorkload
 from ..tuning.dst import StepArrays
 from ..tuning.records import CUT, RAISED
 from ..workload import CostModel
@@ -204,21 +204,27 @@ class _Job:
         for s in self.strategies:
             if s.planner not in works:  # one plan per planner (baseline and dst share one)
                 cfg = PlanConfig(self.world_size, self.micro_batches, self.capacity, s.planner, self.overlong)
+                if self.pipeline_stages > 1:  # sab packs for the pipelines' makespans
+                    cfg = replace(cfg, pipeline_stages=self.pipeline_stages)
                 t0 = time.perf_counter()
                 a = assign_batch(batch.lengths, dens, self.cost_model, cfg)
                 plan_s = time.perf_counter() - t0
                 work = _workload(a, self.cost_model, self.knob, batch.densities, self.coverage)
-                works[s.planner] = (work, {**_cp_stats(a), "plan_s": plan_s})
+                t0 = time.perf_counter()
+                if self.pipeline_stages > 1:  # DST reads makespans (heads priced once per plan)
+                    work = PipelineWorkload(work, self.pipeline_stages)
+                works[s.planner] = (work, {**_cp_stats(a), "plan_s": plan_s, "pipe_s": time.perf_counter() - t0})
             cfg = replace(self.dst, mode=s.dst_mode, anchor=s.anchor or self.dst.anchor)
             # sab+dst and sab+dst@<default anchor> are the same decision: made once.
             if (s.planner, cfg) not in decided:
                 work, stats = works[s.planner]
                 t0 = time.perf_counter()
                 dec = DSTTuner(cfg, knob=self.knob).decide_arrays(work)
-                dst_s = time.perf_counter() - t0 if cfg.mode != "off" else 0.0
+                # DST's own cost: its decision and, with pipelines, the makespan pricing's set-up
+                dst_s = time.perf_counter() - t0 + stats["pipe_s"] if cfg.mode != "off" else 0.0
                 decided[s.planner, cfg] = {**_record(dec, work), **stats, "dst_s": dst_s}
                 if self.pipeline_stages > 1:  # a rank's time is its pipeline's makespan
-                    decided[s.planner, cfg].update(pipeline_record(work, dec.budgets, self.pipeline_stages))
+                    decided[s.planner, cfg].update(pipeline_record(work.work, dec.budgets, self.pipeline_stages))
             out[s.name] = decided[s.planner, cfg]
         return out
 

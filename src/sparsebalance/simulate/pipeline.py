@@ -24,97 +24,39 @@ predicts forward + backward together.
 
 Not modelled: send/receive of activations between stages (taken as free, overlapped), the
 interleaved (virtual-stage) schedule, memory limits of the warm-up's in-flight activations.
+
+The schedule's math (:func:`one_f_one_b`, the vectorised :func:`makespans`) lives in
+:mod:`sparsebalance.batching.schedule`, shared with the planner (SAB) and DST, which use the same
+makespan when ``pipeline_stages > 1``; it is re-exported here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from ..batching.schedule import (
+    BACKWARD_RATIO,
+    PipelineResult,
+    head_seconds,
+    makespans,
+    one_f_one_b,
+    schedule_order,
+    split_forward_backward,
+    stage_layers,
+)
 from ..workload import CostModel
 
-BACKWARD_RATIO = 2.0
-"""Backward seconds per forward second, when the latency model gives only their sum."""
-
-
-@dataclass(frozen=True)
-class PipelineResult:
-    """One pipeline's step: ``makespan`` seconds, ``busy`` and ``bubble`` ``(P,)`` seconds per
-    stage (``busy + bubble == makespan``)."""
-
-    makespan: float
-    busy: np.ndarray
-    bubble: np.ndarray
-
-
-def schedule_order(num_stages: int, num_micro_batches: int, stage: int) -> list[tuple[str, int]]:
-    """Stage ``stage``'s ops in 1F1B order: ``("F", m)`` / ``("B", m)``."""
-    m = num_micro_batches
-    warm = min(num_stages - stage - 1, m)
-    order = [("F", i) for i in range(warm)]
-    for i in range(m - warm):
-        order += [("F", warm + i), ("B", i)]
-    order += [("B", i) for i in range(m - warm, m)]
-    return order
-
-
-def one_f_one_b(forward: np.ndarray, backward: np.ndarray) -> PipelineResult:
-    """Exact makespan of the non-interleaved 1F1B schedule.
-
-    Args:
-        forward, backward: float ``(M, P)`` seconds of micro-batch m's forward / backward on stage
-            s (>= 0, finite).
-
-    Returns:
-        :class:`PipelineResult`. Cost: each of the 2 M P ops is placed once; sweeps over the
-        stages repeat until all are placed (at most 2 M P sweeps, a few in practice).
-    """
-    f = np.asarray(forward, dtype=np.float64)
-    b = np.asarray(backward, dtype=np.float64)
-    if f.ndim != 2 or f.shape != b.shape or f.shape[0] < 1 or f.shape[1] < 1:
-        raise ValueError(f"forward and backward must both be (M, P) with M, P >= 1, got {f.shape} and {b.shape}")
-    if not (np.all(np.isfinite(f)) and np.all(np.isfinite(b)) and (f >= 0).all() and (b >= 0).all()):
-        raise ValueError("forward and backward seconds must be finite and >= 0")
-    m, p = f.shape
-    orders = [schedule_order(p, m, s) for s in range(p)]
-    end = {"F": np.full((m, p), np.nan), "B": np.full((m, p), np.nan)}
-    nxt = [0] * p  # next op index per stage
-    free = [0.0] * p  # when each stage finishes its previous op
-    left = 2 * m * p
-    while left:
-        progressed = False
-        for s in range(p):
-            while nxt[s] < len(orders[s]):
-                kind, mb = orders[s][nxt[s]]
-                if kind == "F":
-                    ready = 0.0 if s == 0 else end["F"][mb, s - 1]
-                    dur = f[mb, s]
-                else:
-                    ready = end["F"][mb, s] if s == p - 1 else end["B"][mb, s + 1]
-                    dur = b[mb, s]
-                if np.isnan(ready):  # its input is not computed yet: another stage first
-                    break
-                start = max(free[s], ready)
-                free[s] = end[kind][mb, s] = start + dur
-                nxt[s] += 1
-                left -= 1
-                progressed = True
-        assert progressed, "1F1B dependencies form a cycle"  # cannot happen for this order
-    makespan = float(max(free))
-    busy = f.sum(axis=0) + b.sum(axis=0)
-    return PipelineResult(makespan, busy, makespan - busy)
-
-
-def stage_layers(num_layers: int, num_stages: int) -> np.ndarray:
-    """``(P,)`` layers per stage: ``L // P`` each, the first ``L % P`` stages one more."""
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"--pp must be an integer >= 1, got {num_stages!r}")
-    if num_stages > num_layers:
-        raise ValueError(f"--pp {num_stages}: more pipeline stages than the model's {num_layers} layers")
-    out = np.full(num_stages, num_layers // num_stages, dtype=np.int64)
-    out[: num_layers % num_stages] += 1
-    return out
+__all__ = [
+    "BACKWARD_RATIO",
+    "PipelineResult",
+    "makespans",
+    "one_f_one_b",
+    "pipeline_record",
+    "schedule_order",
+    "split_forward_backward",
+    "stage_layers",
+    "stage_seconds",
+]
 
 
 def stage_seconds(cost_model: CostModel, lengths: np.ndarray, densities: np.ndarray, num_stages: int) -> np.ndarray:
@@ -124,29 +66,18 @@ def stage_seconds(cost_model: CostModel, lengths: np.ndarray, densities: np.ndar
         lengths: int ``(M, K)`` documents per micro-batch (0 = empty slot); densities ``(M, K)``.
 
     Each row sums to ``cost_model.predict_many(lengths, densities)`` (up to rounding): per-layer
-    time x the stage's layers, and the remainder (the head term) on the last stage.
+    time x the stage's layers, and the remainder (the head term,
+    :func:`~sparsebalance.batching.schedule.head_seconds`) on the last stage.
     """
     lengths = np.asarray(lengths)
     densities = np.asarray(densities, dtype=np.float64)
     layers = stage_layers(cost_model.num_layers, num_stages)
     total = np.asarray(cost_model.predict_many(lengths, densities), dtype=np.float64)
-    valid = lengths > 0
-    attn = np.zeros(lengths.shape)
-    attn[valid] = cost_model.layer_attention_seconds(lengths[valid], densities[valid])
-    rest = np.array([cost_model.layer_other_seconds(int(t)) for t in lengths.sum(axis=-1).tolist()])
-    per_layer = attn.sum(axis=-1) + rest  # (M,)
-    head = np.maximum(total - cost_model.num_layers * per_layer, 0.0)
+    head = head_seconds(cost_model, lengths, densities, total)
+    per_layer = (total - head) / cost_model.num_layers
     out = per_layer[:, None] * layers[None, :].astype(np.float64)
     out[:, -1] += head
     return out
-
-
-def split_forward_backward(seconds: np.ndarray, ratio: float = BACKWARD_RATIO) -> tuple[np.ndarray, np.ndarray]:
-    """``seconds`` (forward + backward) -> (forward, backward) at backward = ``ratio`` x forward."""
-    if not (np.isfinite(ratio) and ratio >= 0):
-        raise ValueError(f"backward ratio must be finite and >= 0, got {ratio}")
-    forward = np.asarray(seconds, dtype=np.float64) / (1.0 + ratio)
-    return forward, forward * ratio
 
 
 def pipeline_record(work, values: np.ndarray, num_stages: int, ratio: float = BACKWARD_RATIO) -> dict:

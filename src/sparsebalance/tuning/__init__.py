@@ -20,6 +20,7 @@ from .curve import DensityCurve
 from .dst import DSTTuner, RankWorkload
 from .knob import GammaKnob, Knob, TopKKnob, knob_from_tokens
 from .layer import LayerController
+from .pipeline_workload import PipelineWorkload
 from .plan_workload import PlanWorkload
 from .records import (
     LayerRecord,
@@ -43,6 +44,7 @@ __all__ = [
     "Knob",
     "LayerController",
     "LayerRecord",
+    "PipelineWorkload",
     "PlanWorkload",
     "RankDecision",
     "RankRunSummary",

@@ -36,6 +36,7 @@ from ..workload import CostModel, MicroBatch
 from .config import ANCHORS, MODES, DSTConfig, add_dst_arguments
 from .curve import DensityCurve
 from .knob import GammaKnob, Knob, search_many, search_one
+from .pipeline_workload import PipelineWorkload
 from .plan_workload import PlanWorkload, StepWorkload
 from .records import CUT, KEPT, RAISED, RankDecision, StepDecision, StepTargets
 
@@ -227,9 +228,14 @@ class DSTTuner:
         self,
         plan: Sequence[Sequence[MicroBatch]],
         cost_model: CostModel,
-        workload: PlanWorkload | None = None,
+        workload: PlanWorkload | PipelineWorkload | None = None,
+        pipeline_stages: int = 1,
     ) -> StepDecision:
         """The whole step from the plan (rank -> micro-batches), identical on every rank.
+
+        ``pipeline_stages`` P > 1: every rank is a 1F1B pipeline of P stages and its time is the
+        pipeline's makespan (:class:`~.pipeline_workload.PipelineWorkload`): the anchor, the cuts
+        and the raises read makespans, and ``RankDecision``'s times are makespans. 1: rank sums.
 
         Vectorised over ranks (:mod:`.plan_workload`): the same budgets and times as
         :meth:`decide_rank` for every rank, in a few ``predict_many`` calls per search probe.
@@ -242,6 +248,13 @@ class DSTTuner:
             workload = PlanWorkload(plan, cost_model, self.knob)
         elif not (workload.num_ranks == len(plan) and workload.cost_model is cost_model):
             raise ValueError("decide: the workload was built for another plan, cost model or knob")
+        if pipeline_stages != 1 and isinstance(workload, PipelineWorkload):
+            if workload.num_stages != pipeline_stages:
+                raise ValueError(
+                    f"decide: a workload of {workload.num_stages} stages, pipeline_stages {pipeline_stages}"
+                )
+        elif pipeline_stages != 1:
+            workload = PipelineWorkload(workload, pipeline_stages)
         a = self.decide_arrays(workload)
         ranks = tuple(
             RankDecision(r, role, v, t, b, t, db, da, ab, aa)

@@ -1,0 +1,239 @@
+"""SAB for pipelines (``PlanConfig.pipeline_stages`` P > 1): pack each data-parallel rank's
+documents into micro-batches, and order them, so that its 1F1B makespan is short, and even the
+ranks' makespans instead of their totals.
+
+Why: a rank of P stages runs its M micro-batches through a 1F1B pipeline
+(:mod:`.schedule`); a slow micro-batch stalls every later stage, so the makespan is about
+``(sum of micro-batch times + (P - 1) x the slowest) / P`` and depends on the order too (the
+best and worst order of four micro-batches differ by up to ~1.4x). Rank totals are the wrong
+thing to even: a rank holding one long document has a long critical path at the same total.
+
+Pricing (the planner's, a surrogate of the cost model): a micro-batch's time is the micro-batch
+overhead plus its items' ``doc_seconds`` (additive, as SAB's rank-level search), spread over the
+stages by their layer share (:func:`~.schedule.stage_layers`; the LM head's small term spread
+with it), backward = 2 x forward; the makespan is the exact 1F1B one
+(:func:`~.schedule.makespans`).
+
+Per rank (:func:`pack_rank`): LPT on item cost into micro-batches (:func:`~.strategies.
+pack_balanced`), then the order of least makespan (every order up to :data:`EXHAUSTIVE_ORDER`
+micro-batches, else best swaps from the ascending order). Across ranks
+(:func:`pipeline_search`): from SAB's rank-total assignment, moves and swaps of items between
+the rank of the longest makespan and the ``neighbors`` shortest, each candidate re-packed and
+priced exactly (all of one exchange step's candidates in one vectorised call); an exchange is
+made when it lowers the larger of the two makespans below the current maximum.
+
+Cost per exchange step with ranks of n items: ``n^2`` candidates (at most :data:`MAX_PAIRS`
+swaps), two Python LPT packs each, one :func:`~.schedule.makespans` call per micro-batch count.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ..workload import CostModel
+from .plan import Items, flatten_packs, padded_packs, predict_packs
+from .schedule import BACKWARD_RATIO, head_seconds, layered_makespans, stage_layers
+from .strategies import RankItems, RankPacks, Regime, pack_balanced
+
+EXHAUSTIVE_ORDER = 6
+"""Up to this many micro-batches per rank every order is priced (720 at 6); above, best swaps."""
+MAX_PAIRS = 256
+"""Most swap candidates per (heavy, light) rank pair (the heavy rank's largest items first)."""
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """How the planner prices a rank's micro-batches as a 1F1B pipeline."""
+
+    layers: np.ndarray
+    """``(P,)`` layers per stage (:func:`~.schedule.stage_layers`)."""
+    ratio: float = BACKWARD_RATIO
+    """Backward seconds per forward second."""
+
+    @classmethod
+    def of(cls, num_layers: int, num_stages: int) -> PipelineShape:
+        return cls(stage_layers(num_layers, num_stages))
+
+    @property
+    def num_stages(self) -> int:
+        return int(self.layers.size)
+
+    def makespans(self, times: np.ndarray) -> np.ndarray:
+        """``(n,)`` makespans of n pipelines of micro-batch times ``(n, M)``, in that order."""
+        return layered_makespans(times, 0.0, self.layers, self.ratio)
+
+
+@lru_cache(maxsize=16)
+def _permutations(m: int) -> np.ndarray:
+    return np.array(list(itertools.permutations(range(m))), dtype=np.int64).reshape(-1, m)
+
+
+def best_orders(times: np.ndarray, shape: PipelineShape) -> tuple[np.ndarray, np.ndarray]:
+    """The order of least makespan for each of n pipelines: ``times`` ``(n, M)`` -> (orders
+    int ``(n, M)``, makespans ``(n,)``). Ties: the first order in lexicographic order (M <=
+    :data:`EXHAUSTIVE_ORDER`) or the first swap found. Deterministic."""
+    times = np.asarray(times, dtype=np.float64)
+    n, m = times.shape
+    if m <= 1:
+        return np.zeros((n, m), dtype=np.int64), shape.makespans(times) if m else np.zeros(n)
+    if m <= EXHAUSTIVE_ORDER:
+        perms = _permutations(m)
+        spans = shape.makespans(times[:, perms].reshape(-1, m)).reshape(n, perms.shape[0])
+        best = np.argmin(spans, axis=1)
+        return perms[best], spans[np.arange(n), best]
+    order = np.argsort(times, axis=1, kind="stable")
+    span = shape.makespans(np.take_along_axis(times, order, axis=1))
+    pairs = np.array(list(itertools.combinations(range(m), 2)), dtype=np.int64)
+    for _ in range(m):  # best-improvement swaps, at most M rounds
+        cand = np.repeat(order[:, None, :], pairs.shape[0], axis=1)  # (n, S, M)
+        a, b = pairs[:, 0], pairs[:, 1]
+        cand[:, np.arange(pairs.shape[0]), a], cand[:, np.arange(pairs.shape[0]), b] = order[:, b], order[:, a]
+        spans = shape.makespans(np.take_along_axis(times[:, None, :], cand, axis=2).reshape(-1, m)).reshape(n, -1)
+        best = np.argmin(spans, axis=1)
+        better = spans[np.arange(n), best] < span * (1 - 1e-12)
+        if not better.any():
+            break
+        order[better] = cand[better, best[better]]
+        span[better] = spans[better, best[better]]
+    return order, span
+
+
+def _mb_times(packs: list[list[int]], costs: list[float], c0: float) -> list[float]:
+    return [c0 + sum(costs[i] for i in mb) for mb in packs]
+
+
+def rank_makespans(
+    ranks: list[list[int]],
+    cost: np.ndarray,
+    tokens: np.ndarray,
+    regime: Regime,
+    shape: PipelineShape,
+) -> tuple[list[list[list[int]]], np.ndarray]:
+    """Each rank's items packed (LPT) and ordered for the least makespan: (packs ``rank ->
+    micro-batch -> item``, makespans ``(n,)``); an empty rank has no micro-batch and 0 s."""
+    costs = cost.tolist()
+    packs = [pack_balanced(items, cost, tokens, regime) for items in ranks]
+    spans = np.zeros(len(ranks))
+    by_count: dict[int, list[int]] = {}
+    for r, p in enumerate(packs):
+        if p:
+            by_count.setdefault(len(p), []).append(r)
+    for m, rows in by_count.items():
+        times = np.array([_mb_times(packs[r], costs, regime.overhead) for r in rows]).reshape(len(rows), m)
+        orders, spans[rows] = best_orders(times, shape)
+        for r, order in zip(rows, orders.tolist(), strict=True):
+            packs[r] = [packs[r][j] for j in order]
+    return packs, spans
+
+
+def pack_rank(items: list[int], cost: np.ndarray, tokens: np.ndarray, regime: Regime, shape: PipelineShape):
+    """One rank: ``(micro-batches in run order, makespan)``."""
+    packs, spans = rank_makespans([items], cost, tokens, regime, shape)
+    return packs[0], float(spans[0])
+
+
+def _candidates(items_h: list[int], items_l: list[int], costs: list[float]) -> list[tuple[int, int]]:
+    """Exchanges ``(i, j)`` from the heavy rank to the light one: moves (j = -1) of every item of
+    h, and swaps of h's item i with a cheaper item j of l (at most :data:`MAX_PAIRS`, h's largest
+    items first)."""
+    out = [(i, -1) for i in items_h]
+    heavy = sorted(items_h, key=lambda i: (-costs[i], i))
+    light = sorted(items_l, key=lambda j: (costs[j], j))
+    for i in heavy:
+        for j in light:
+            if costs[j] >= costs[i] or len(out) >= len(items_h) + MAX_PAIRS:
+                break
+            out.append((i, j))
+    return out
+
+
+def _exchanged(items_h: list[int], items_l: list[int], i: int, j: int) -> tuple[list[int], list[int]]:
+    h = [x for x in items_h if x != i] + ([j] if j >= 0 else [])
+    l = [x for x in items_l if x != j] + [i]
+    return h, l
+
+
+def pipeline_search(
+    ranks: RankItems,
+    cost: np.ndarray,
+    tokens: np.ndarray,
+    regime: Regime,
+    shape: PipelineShape,
+    max_iters: int,
+    neighbors: int = 4,
+) -> tuple[RankPacks, np.ndarray, int]:
+    """Lower the longest rank makespan by moves and swaps (see the module docstring).
+
+    Returns (packs ``rank -> micro-batch -> item`` in run order, makespans ``(R,)``, exchanges
+    made). The maximum never increases; stops when the longest rank cannot be improved against
+    any of its ``neighbors`` lightest ranks, or after ``max_iters`` exchanges. Deterministic
+    (ties by rank index, then candidate order)."""
+    ranks = [list(r) for r in ranks]
+    costs = cost.tolist()
+    packs, spans = rank_makespans(ranks, cost, tokens, regime, shape)
+    done = 0
+    while done < max_iters:
+        h = int(np.argmax(spans))
+        light = [int(x) for x in np.argsort(spans, kind="stable") if x != h][:neighbors]
+        made = False
+        for l in light:
+            if spans[l] >= spans[h]:
+                break
+            cands = _candidates(ranks[h], ranks[l], costs)
+            pairs = [_exchanged(ranks[h], ranks[l], i, j) for i, j in cands]
+            flat = [side for pair in pairs for side in pair]
+            cand_packs, cand_spans = rank_makespans(flat, cost, tokens, regime, shape)
+            worst = np.maximum(cand_spans[0::2], cand_spans[1::2])
+            best = int(np.argmin(worst)) if worst.size else -1
+            if best < 0 or not worst[best] < spans[h] * (1 - 1e-12):
+                continue
+            ranks[h], ranks[l] = pairs[best]
+            packs[h], packs[l] = cand_packs[2 * best], cand_packs[2 * best + 1]
+            spans[h], spans[l] = cand_spans[2 * best], cand_spans[2 * best + 1]
+            made = True
+            break
+        if not made:
+            break
+        done += 1
+    return packs, spans, done
+
+
+def pack_makespans(
+    times: np.ndarray, mb_rank: np.ndarray, num_ranks: int, shape: PipelineShape, head: np.ndarray | float = 0.0
+) -> np.ndarray:
+    """``(R,)`` makespans of a plan's ranks from its micro-batch times ``(B,)`` in plan (= run)
+    order and their ranks ``(B,)`` (non-decreasing); ``head`` ``(B,)`` seconds of each run on the
+    last stage only (0: all spread by layers). A rank without micro-batches takes 0 s."""
+    times = np.asarray(times, dtype=np.float64)
+    head = np.broadcast_to(np.asarray(head, dtype=np.float64), times.shape)
+    out = np.zeros(num_ranks)
+    counts = np.bincount(mb_rank, minlength=num_ranks)
+    starts = np.cumsum(counts) - counts
+    for m in sorted(set(counts.tolist()) - {0}):
+        rows = np.flatnonzero(counts == m)
+        idx = starts[rows][:, None] + np.arange(m)[None, :]
+        out[rows] = layered_makespans(times[idx], head[idx], shape.layers, shape.ratio)
+    return out
+
+
+def least_makespan(
+    candidates: list[tuple[str, RankPacks, int]], items: Items, cost_model: CostModel, shape: PipelineShape
+):
+    """Of candidate plans ``(name, packs, exchanges made)``, the one of least predicted makespan
+    (ties: the earlier), each priced as the simulator prices it: ``predict_many`` per micro-batch
+    in run order, the head term (:func:`~.schedule.head_seconds`) on the last stage. Returns
+    ``(packs, flat, times, extra)`` as the planner's strategies do."""
+    best = None
+    for name, packs, made in candidates:
+        flat = flatten_packs(packs)
+        times = predict_packs(flat, items, cost_model)
+        lengths, dens = padded_packs(flat, items)
+        head = head_seconds(cost_model, lengths, dens, times[0])
+        span = float(pack_makespans(times[0], flat.mb_rank, flat.num_ranks, shape, head).max())
+        if best is None or span < best[0] * (1 - 1e-12):
+            best = (span, packs, flat, times, {"local_search_moves": made, "candidate": name, "makespan": span})
+    return best[1:]

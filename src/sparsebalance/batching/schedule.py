@@ -1,0 +1,187 @@
+"""The 1F1B pipeline schedule and its exact makespan, shared by the planner (SAB), DST and the
+simulator.
+
+A data-parallel rank with P pipeline stages runs each of its M micro-batches forward on stage
+0, 1, ..., P-1 and backward on P-1, ..., 0. Every stage runs its ops in the non-interleaved 1F1B
+order (PyTorch's ``Schedule1F1B``, Megatron-LM's default): a warm-up of ``min(P - s - 1, M)``
+forwards, then alternately one forward and one backward, then the remaining backwards.
+
+An op starts when the previous op of its stage has finished and its input is there: the forward
+of micro-batch m on stage s-1 (a forward) or its backward on stage s+1 (a backward; on the last
+stage, its own forward). The recurrence is solved exactly, so heterogeneous micro-batches make
+the bubbles they make; with equal times f and b the makespan is ``(M + P - 1) (f + b)``.
+:func:`one_f_one_b` solves it for one pipeline; :func:`makespans` for many pipelines of the same
+(M, P) at once (one numpy pass per op, in a dependency order computed once per (M, P)).
+
+The layers are split into P contiguous stages of ``L // P`` layers, the first ``L % P`` stages one
+more (:func:`stage_layers`); forward : backward is a fixed ratio, backward = 2 x forward by
+default (:data:`BACKWARD_RATIO`), since latency models predict their sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ..workload import CostModel
+
+BACKWARD_RATIO = 2.0
+"""Backward seconds per forward second, when the latency model gives only their sum."""
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """One pipeline's step: ``makespan`` seconds, ``busy`` and ``bubble`` ``(P,)`` seconds per
+    stage (``busy + bubble == makespan``)."""
+
+    makespan: float
+    busy: np.ndarray
+    bubble: np.ndarray
+
+
+def schedule_order(num_stages: int, num_micro_batches: int, stage: int) -> list[tuple[str, int]]:
+    """Stage ``stage``'s ops in 1F1B order: ``("F", m)`` / ``("B", m)``."""
+    m = num_micro_batches
+    warm = min(num_stages - stage - 1, m)
+    order = [("F", i) for i in range(warm)]
+    for i in range(m - warm):
+        order += [("F", warm + i), ("B", i)]
+    order += [("B", i) for i in range(m - warm, m)]
+    return order
+
+
+@lru_cache(maxsize=64)
+def dependency_order(num_stages: int, num_micro_batches: int) -> tuple[tuple[str, int, int], ...]:
+    """Every op ``(kind, micro-batch, stage)`` once, in an order where each op comes after the
+    previous op of its stage and after its input (the sweep of :func:`one_f_one_b`; it does not
+    depend on the ops' durations)."""
+    p, m = num_stages, num_micro_batches
+    orders = [schedule_order(p, m, s) for s in range(p)]
+    done = {"F": np.zeros((m, p), dtype=bool), "B": np.zeros((m, p), dtype=bool)}
+    nxt, out = [0] * p, []
+    while len(out) < 2 * m * p:
+        progressed = False
+        for s in range(p):
+            while nxt[s] < len(orders[s]):
+                kind, mb = orders[s][nxt[s]]
+                if kind == "F":
+                    ready = s == 0 or done["F"][mb, s - 1]
+                else:  # the last stage's backward follows its own forward
+                    ready = done["F"][mb, s] if s == p - 1 else done["B"][mb, s + 1]
+                if not ready:
+                    break
+                done[kind][mb, s] = True
+                out.append((kind, mb, s))
+                nxt[s] += 1
+                progressed = True
+        assert progressed, "1F1B dependencies form a cycle"  # cannot happen for this order
+    return tuple(out)
+
+
+def _check_times(f: np.ndarray, b: np.ndarray, ndim: int) -> None:
+    if f.ndim != ndim or f.shape != b.shape or min(f.shape[-2:], default=0) < 1:
+        shape = "(M, P)" if ndim == 2 else "(n, M, P)"
+        raise ValueError(f"forward and backward must both be {shape} with M, P >= 1, got {f.shape} and {b.shape}")
+    if not (np.all(np.isfinite(f)) and np.all(np.isfinite(b)) and (f >= 0).all() and (b >= 0).all()):
+        raise ValueError("forward and backward seconds must be finite and >= 0")
+
+
+def one_f_one_b(forward: np.ndarray, backward: np.ndarray) -> PipelineResult:
+    """Exact makespan of the non-interleaved 1F1B schedule.
+
+    Args:
+        forward, backward: float ``(M, P)`` seconds of micro-batch m's forward / backward on stage
+            s (>= 0, finite).
+
+    Returns:
+        :class:`PipelineResult`; O(M P).
+    """
+    f = np.asarray(forward, dtype=np.float64)
+    b = np.asarray(backward, dtype=np.float64)
+    _check_times(f, b, 2)
+    makespan = float(makespans(f[None], b[None])[0])
+    busy = f.sum(axis=0) + b.sum(axis=0)
+    return PipelineResult(makespan, busy, makespan - busy)
+
+
+def makespans(forward: np.ndarray, backward: np.ndarray) -> np.ndarray:
+    """``(n,)`` exact 1F1B makespans of n pipelines with the same (M, P): ``forward`` and
+    ``backward`` float ``(n, M, P)`` seconds. One vectorised step per op (2 M P of them), whatever
+    n is."""
+    f = np.asarray(forward, dtype=np.float64)
+    b = np.asarray(backward, dtype=np.float64)
+    _check_times(f, b, 3)
+    n, m, p = f.shape
+    end_f = np.zeros((m, p, n))
+    end_b = np.zeros((m, p, n))
+    free = np.zeros((p, n))
+    ft, bt = np.moveaxis(f, 0, -1), np.moveaxis(b, 0, -1)  # (M, P, n): one op's n times contiguous-ish
+    for kind, mb, s in dependency_order(p, m):
+        if kind == "F":
+            start = free[s] if s == 0 else np.maximum(free[s], end_f[mb, s - 1])
+            free[s] = end_f[mb, s] = start + ft[mb, s]
+        else:
+            ready = end_f[mb, s] if s == p - 1 else end_b[mb, s + 1]
+            free[s] = end_b[mb, s] = np.maximum(free[s], ready) + bt[mb, s]
+    return free.max(axis=0)
+
+
+def stage_layers(num_layers: int, num_stages: int) -> np.ndarray:
+    """``(P,)`` layers per stage: ``L // P`` each, the first ``L % P`` stages one more."""
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"--pp must be an integer >= 1, got {num_stages!r}")
+    if num_stages > num_layers:
+        raise ValueError(f"--pp {num_stages}: more pipeline stages than the model's {num_layers} layers")
+    out = np.full(num_stages, num_layers // num_stages, dtype=np.int64)
+    out[: num_layers % num_stages] += 1
+    return out
+
+
+def split_forward_backward(seconds: np.ndarray, ratio: float = BACKWARD_RATIO) -> tuple[np.ndarray, np.ndarray]:
+    """``seconds`` (forward + backward) -> (forward, backward) at backward = ``ratio`` x forward."""
+    if not (np.isfinite(ratio) and ratio >= 0):
+        raise ValueError(f"backward ratio must be finite and >= 0, got {ratio}")
+    forward = np.asarray(seconds, dtype=np.float64) / (1.0 + ratio)
+    return forward, forward * ratio
+
+
+def layered_makespans(times: np.ndarray, head: np.ndarray, layers: np.ndarray, ratio: float = BACKWARD_RATIO):
+    """``(n,)`` 1F1B makespans of n pipelines from their micro-batch times.
+
+    Args:
+        times: float ``(n, M)`` forward + backward seconds of each micro-batch (the cost model's).
+        head: float ``(n, M)`` (or broadcastable) seconds of each micro-batch not spread over the
+            layers (the LM head and loss, on the last stage); 0 spreads all of it.
+        layers: int ``(P,)`` layers per stage (:func:`stage_layers`).
+
+    A stage's share is ``(times - head) x layers[s] / L``, plus ``head`` on the last stage: what
+    :func:`sparsebalance.simulate.pipeline.stage_seconds` gives for a latency model whose head term
+    depends on tokens only.
+    """
+    t = np.asarray(times, dtype=np.float64)
+    h = np.broadcast_to(np.asarray(head, dtype=np.float64), t.shape)
+    per_layer = (t - h) / float(layers.sum())
+    stages = per_layer[..., None] * layers.astype(np.float64)
+    stages[..., -1] += h
+    return makespans(*split_forward_backward(stages, ratio))
+
+
+def head_seconds(cost_model: CostModel, lengths: np.ndarray, densities: np.ndarray, totals: np.ndarray) -> np.ndarray:
+    """What of each micro-batch's predicted time is not spread over the layers (the LM head and
+    loss, priced on the last stage): ``max(totals - L x per-layer seconds, 0)``, per-layer =
+    the documents' attention plus the rest of a layer (``layer_other_seconds`` of the pack).
+
+    Args:
+        lengths: int ``(..., K)`` documents per micro-batch (0 = empty slot); densities the same.
+        totals: ``(...)`` the micro-batches' ``predict_many`` seconds at those densities.
+    """
+    lengths = np.asarray(lengths)
+    valid = lengths > 0
+    attn = np.zeros(lengths.shape)
+    attn[valid] = cost_model.layer_attention_seconds(lengths[valid], np.asarray(densities, dtype=np.float64)[valid])
+    tokens = lengths.sum(axis=-1)
+    rest = np.array([cost_model.layer_other_seconds(int(t)) for t in tokens.reshape(-1).tolist()]).reshape(tokens.shape)
+    per_layer = attn.sum(axis=-1) + rest
+    return np.maximum(np.asarray(totals, dtype=np.float64) - cost_model.num_layers * per_layer, 0.0)

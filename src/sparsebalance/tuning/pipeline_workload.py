@@ -1,0 +1,87 @@
+"""DST over pipelines: a plan's ranks priced as 1F1B pipelines (their makespans), not as sums.
+
+With P > 1 pipeline stages a rank's step time is its pipeline's makespan
+(:mod:`sparsebalance.batching.schedule`): about ``(sum of micro-batch times + (P - 1) x the
+slowest) / P``, order included. :class:`PipelineWorkload` implements
+:class:`~.plan_workload.StepWorkload` with that time, so :meth:`DSTTuner.decide_arrays
+<sparsebalance.tuning.dst.DSTTuner.decide_arrays>` runs unchanged and its anchor (min / mean /
+median / max), its bottlenecks (pipelines whose makespan exceeds the cut threshold) and its raise
+targets are all read on makespans: a rank's budget is cut until its critical path meets the
+anchor, and a rank with a short pipeline is raised until its makespan reaches it, its bubble
+time becoming attention. One budget per rank, as without pipelines: cutting k (top-k) shrinks the
+long documents' micro-batches, those on the critical path, far more than the short ones.
+
+Stage times: a micro-batch's predicted seconds at the rank's budget, minus its head term
+(:func:`~sparsebalance.batching.schedule.head_seconds`, priced once at the base budget: a latency
+model's head depends on tokens only), spread over the stages by their layers, the head on the
+last stage; backward = 2 x forward. Exactly what the simulator's
+:func:`~sparsebalance.simulate.pipeline.pipeline_record` prices (up to rounding).
+
+Cost per probe: the wrapped workload's ``predict_many`` calls plus one vectorised makespan pass
+(2 M P numpy steps) per group of ranks of the same shape.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..batching.schedule import BACKWARD_RATIO, head_seconds, layered_makespans, stage_layers
+from .plan_workload import PlanWorkload
+
+
+class PipelineWorkload:
+    """The ranks of a :class:`PlanWorkload` as 1F1B pipelines of ``num_stages`` stages:
+    :meth:`seconds` is each rank's makespan with its micro-batches in plan (= run) order."""
+
+    def __init__(self, work: PlanWorkload, num_stages: int, ratio: float = BACKWARD_RATIO) -> None:
+        self.work = work
+        self.num_ranks = work.num_ranks
+        self.knob = work.knob
+        self.cost_model = work.cost_model
+        self.max_lengths = work.max_lengths
+        self.num_stages = num_stages
+        self.layers = stage_layers(work.cost_model.num_layers, num_stages)
+        self.ratio = ratio
+        base = float(work.knob.base)
+        self._heads = []  # per group (n, M): seconds on the last stage only
+        for g in work.groups:
+            dens = work.knob.density(g.lengths, g.d0, base)
+            self._heads.append(head_seconds(work.cost_model, g.lengths, dens, g.predict(None, dens)))
+        self._memo: dict[float, np.ndarray] = {}
+
+    @property
+    def has_coverage(self) -> bool:
+        return self.work.has_coverage
+
+    @property
+    def weights(self) -> np.ndarray:
+        """``(R,)`` sum of length² over each rank's documents."""
+        return self.work.weights
+
+    def seconds(self, values: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
+        """``(R,)`` each rank's 1F1B makespan at ``values[r]``; ranks outside ``active`` (and
+        ranks without micro-batches) read 0."""
+        uniform = (active is None or active.all()) and values.size and np.all(values == values[0])
+        key = float(values[0]) if uniform else None
+        if key in self._memo:
+            return self._memo[key].copy()
+        out = np.zeros(self.num_ranks)
+        for g, head in zip(self.work.groups, self._heads, strict=True):
+            sel = np.ones(g.ranks.size, dtype=bool) if active is None else active[g.ranks]
+            if not sel.any():
+                continue
+            dens = self.knob.density(g.lengths[sel], g.d0[sel], values[g.ranks[sel]][:, None, None])
+            times = g.predict(None if active is None else sel, dens)
+            out[g.ranks[sel]] = layered_makespans(times, head[sel], self.layers, self.ratio)
+        if key is not None:
+            self._memo[key] = out.copy()
+        return out
+
+    def coverage(self, values: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
+        return self.work.coverage(values, active)
+
+    def mean_density(self, values: np.ndarray) -> np.ndarray:
+        return self.work.mean_density(values)
+
+    def attention_seconds(self, values: np.ndarray) -> np.ndarray:
+        return self.work.attention_seconds(values)

@@ -1,0 +1,102 @@
+"""DST over pipelines: ``decide(..., pipeline_stages=P)`` anchors, cuts and raises on each rank's
+1F1B makespan (what the simulator prices), not on rank totals."""
+
+import numpy as np
+import pytest
+
+from sparsebalance.batching.schedule import head_seconds, stage_layers
+from sparsebalance.simulate.pipeline import one_f_one_b, split_forward_backward, stage_seconds
+from sparsebalance.tuning import DSTConfig, DSTTuner, PipelineWorkload, PlanWorkload
+from sparsebalance.tuning.records import CUT, KEPT, RAISED
+from sparsebalance.workload import MicroBatch
+
+from ..batching.fake_cost import FakeCost
+
+
+class EightLayers(FakeCost):
+    num_layers = 8
+
+    def __init__(self):
+        super().__init__(a=1e-5, b=1e-7, c0=1e-3)
+
+
+def mb(*lengths, density=0.5):
+    return MicroBatch(tuple(range(len(lengths))), tuple(lengths), tuple([density] * len(lengths)))
+
+
+# Equal rank totals (both ranks hold 4 x 2000 tokens at one density), unequal pipelines: rank 0
+# runs one 8000-token-sized micro-batch's worth of attention in one pack (the critical path).
+PLAN = [
+    [mb(2000, 2000, 2000, 2000), mb(10), mb(10), mb(10)],
+    [mb(2000, 10), mb(2000, 10), mb(2000, 10), mb(2000, 10)],
+]
+
+
+def tuner(mode="bidirectional"):
+    return DSTTuner(DSTConfig(mode=mode, anchor="mean", p=0.5, budget_tokens=512), block_size=64)
+
+
+def makespan_at(cost, mbs, knob, value, stages):
+    n = max(len(m.lengths) for m in mbs)
+    lengths = np.array([list(m.lengths) + [0] * (n - len(m.lengths)) for m in mbs])
+    d0 = np.array([list(m.densities) + [1.0] * (n - len(m.densities)) for m in mbs])
+    st = stage_seconds(cost, lengths, knob.density(lengths, d0, value), stages)
+    return one_f_one_b(*split_forward_backward(st)).makespan
+
+
+def test_workload_prices_each_rank_as_the_simulator_does():
+    cost, t = EightLayers(), tuner()
+    work = PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), 4)
+    for value in (t.base, t.knob.lo, 2 * t.base):
+        got = work.seconds(np.full(2, value))
+        want = [makespan_at(cost, PLAN[r], t.knob, value, 4) for r in range(2)]
+        assert got == pytest.approx(want, rel=1e-12)
+    active = np.array([False, True])
+    assert work.seconds(np.full(2, t.base), active)[0] == 0.0
+
+
+def test_anchor_and_roles_read_makespans_not_totals():
+    cost, t = EightLayers(), tuner()
+    flat = t.decide(PLAN, cost)
+    totals = PlanWorkload(PLAN, cost, t.knob).seconds(np.full(2, t.base))
+    assert flat.targets.anchor_seconds == pytest.approx(totals.mean())
+    piped = t.decide(PLAN, cost, pipeline_stages=4)
+    spans = [makespan_at(cost, PLAN[r], t.knob, t.base, 4) for r in range(2)]
+    assert spans[0] > 1.2 * spans[1]  # the case: one critical micro-batch on rank 0
+    assert piped.targets.times_before == pytest.approx(spans)
+    assert piped.targets.anchor_seconds == pytest.approx(np.mean(spans))
+    assert piped.targets.roles == (CUT, RAISED)
+    assert piped.ranks[0].budget < t.base < piped.ranks[1].budget
+    # the cut pipeline lands at the anchor (coverage allows it here), the raised one up to it
+    after = [makespan_at(cost, PLAN[r], t.knob, piped.ranks[r].budget, 4) for r in range(2)]
+    assert after == pytest.approx([r.predicted_after for r in piped.ranks], rel=1e-12)
+    assert max(after) <= piped.targets.anchor_seconds * (1 + 1e-6)
+    assert max(after) < max(spans)
+
+
+def test_one_stage_decides_exactly_as_before():
+    cost, t = EightLayers(), tuner()
+    assert t.decide(PLAN, cost, pipeline_stages=1) == t.decide(PLAN, cost)
+
+
+def test_off_keeps_the_base_with_pipelines():
+    cost = EightLayers()
+    dec = tuner("off").decide(PLAN, cost, pipeline_stages=4)
+    assert dec.targets.roles == (KEPT, KEPT)
+    assert dec.budgets.tolist() == [tuner().base] * 2
+
+
+def test_head_is_what_the_layers_do_not_explain():
+    cost = EightLayers()
+    lengths, dens = np.array([[100, 30], [50, 0]]), np.array([[0.5, 1.0], [0.2, 1.0]])
+    total = cost.predict_many(lengths, dens)
+    assert head_seconds(cost, lengths, dens, total) == pytest.approx([cost.c0, cost.c0])
+
+
+def test_bad_pipeline_stages_refused():
+    cost, t = EightLayers(), tuner()
+    with pytest.raises(ValueError, match="more pipeline stages than the model's 8 layers"):
+        t.decide(PLAN, cost, pipeline_stages=9)
+    with pytest.raises(ValueError, match="--pp must be an integer >= 1"):
+        t.decide(PLAN, cost, pipeline_stages=0)
+    assert stage_layers(8, 3).tolist() == [3, 3, 2]
