@@ -72,7 +72,7 @@ def test_simulated_pipelines_quick(tmp_path):
     md = next(tmp_path.glob("*-table1-simulated-pp4-quick-cpu.md"))
     text = md.read_text()
     assert "### chatqa2/DP2 PP4" in text and "imbalance (micro-batch)" in text
-    assert "NOT pipeline-aware" in text
+    assert "SAB and DST are pipeline-aware" in text and "Why +LBB stays below 1.0x" in text
     rows = json.loads(md.with_suffix(".json").read_text())["results"]["chatqa2/DP2 PP4"]
     assert list(rows) == ROWS
     assert all(r["device_idle"] > 0 and r["imbalance"] >= 1 for r in rows.values())
