@@ -221,14 +221,16 @@ def data(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_of_the_launcher_kills_the_workers_and_resume_matches(data):
+@pytest.mark.parametrize("layout", [(), ("--pp", "2")], ids=["dp2", "pp2"])
+def test_kill_9_of_the_launcher_kills_the_workers_and_resume_matches(data, layout):
     """The killed run is started for far more steps than it can train before the kill, so it
     is always killed mid-run (with --steps 5 it could finish first, and --resume then found a
     complete run); it is resumed, and compared with a reference run, to 2 steps past the kill:
-    the constant LR does not depend on --steps, which may change on --resume."""
+    the constant LR does not depend on --steps, which may change on --resume. ``pp2``: the two
+    processes are one pipeline of two stages (issue 44)."""
     out = data / "killed"
     log = (data / "killed.log").open("w")
-    many = ("--steps", "1000")
+    many = ("--steps", "1000", *layout)
     proc = subprocess.Popen(
         _argv(data, out, *many), env=_env(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=log
     )
@@ -249,7 +251,7 @@ def test_kill_9_of_the_launcher_kills_the_workers_and_resume_matches(data):
     killed_at = max(_losses(out))
     time.sleep(2)
     assert max(_losses(out)) == killed_at  # nobody writes after the kill
-    steps = ("--steps", str(killed_at + 2))
+    steps = ("--steps", str(killed_at + 2), *layout)
     ref = subprocess.run(_argv(data, data / "ref", *steps), env=_env(), capture_output=True, text=True, timeout=600)
     assert ref.returncode == 0, ref.stderr[-2000:]
     resumed = subprocess.run(

@@ -92,6 +92,12 @@ class PipelineExecutor:
     clock: Clock
     scaler: torch.amp.GradScaler | None = None
 
+    def __post_init__(self) -> None:
+        # what crosses between stages lives where the backend sends from: NCCL sends device
+        # tensors (no host copy, no wait), gloo host ones (one device-to-host copy per send)
+        nccl = self.device.type == "cuda" and dist.get_backend() == "nccl"
+        self.wire = self.device if nccl else torch.device("cpu")
+
     @property
     def layout(self) -> PipelineLayout:
         return self.stage.layout
@@ -150,7 +156,9 @@ class PipelineExecutor:
         if layout.first:
             x = batch.input_ids
         else:
-            x = torch.empty(self.stage.hidden_shape(sum(batch.lengths)), dtype=self.stage.hidden_dtype)
+            x = torch.empty(
+                self.stage.hidden_shape(sum(batch.lengths)), dtype=self.stage.hidden_dtype, device=self.wire
+            )
             dist.recv(x, layout.rank(layout.dp, layout.stage - 1))
             x = x.to(self.device).requires_grad_()
         t0 = self.clock.mark()
@@ -162,7 +170,7 @@ class PipelineExecutor:
         op.inputs, op.output = (None if layout.first else x), out
         op.marks.append((t0, self.clock.mark()))
         if not layout.last:
-            sent = out.detach().cpu()
+            sent = out.detach().to(self.wire)
             sends.append((dist.isend(sent, layout.rank(layout.dp, layout.stage + 1)), sent))
 
     def _backward(self, op: _Op, loss_scale: float, sends: list) -> None:
@@ -172,13 +180,13 @@ class PipelineExecutor:
             scaled = op.output * loss_scale
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         else:
-            grad = torch.empty(op.output.shape, dtype=op.output.dtype)
+            grad = torch.empty(op.output.shape, dtype=op.output.dtype, device=self.wire)
             dist.recv(grad, layout.rank(layout.dp, layout.stage + 1))
             t0 = self.clock.mark()
             op.output.backward(grad.to(self.device))
         op.marks.append((t0, self.clock.mark()))
         if not layout.first:
-            sent = op.inputs.grad.cpu()
+            sent = op.inputs.grad.to(self.wire)
             sends.append((dist.isend(sent, layout.rank(layout.dp, layout.stage - 1)), sent))
         op.inputs = None if layout.last else op.inputs  # the last stage's loss stays for the record
         op.output = op.output.detach() if layout.last else None
