@@ -1,6 +1,6 @@
 """Stage 3 of the step with ``--pp P``: this rank's stage of its pipeline runs the pipeline's
 micro-batches in the 1F1B order (PyTorch's ``Schedule1F1B``, Megatron-LM's default; the order is
-:func:`sparsebalance.simulate.pipeline.schedule_order`, the one the simulator prices), then the
+:func:`sparsebalance.batching.schedule.schedule_order`, the one the simulator prices), then the
 gradients are summed and averaged.
 
 Shapes: every rank holds the step's plan, so every stage knows each micro-batch's token count and
@@ -29,10 +29,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..batching.schedule import schedule_order
 from ..clock import Clock, Mark, use_clock
 from ..data import pack
 from ..precision import Precision
-from ..simulate.pipeline import schedule_order
 from .engine import StepEngine
 from .execute import ExecutionConfig
 from .parallelize import allreduce_gradients

@@ -4,7 +4,7 @@ layers, the embedding with the first stage, the final norm, LM head and loss wit
 Where a rank sits (:class:`PipelineLayout`): world rank ``r`` is stage ``r % P`` of data-parallel
 pipeline ``r // P``, so a pipeline's stages are neighbouring ranks (one node's fast links carry the
 activations). Layers are split as the simulator prices them
-(:func:`sparsebalance.simulate.pipeline.stage_layers`: ``L // P`` each, the first ``L % P`` stages
+(:func:`sparsebalance.batching.schedule.stage_layers`: ``L // P`` each, the first ``L % P`` stages
 one more; the head sits on the last stage, which gets the fewest).
 
 :class:`StageModel` keeps the model's own modules and names: the layers of other stages are
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..batching.schedule import stage_layers
 from ..ops.loss import linear_cross_entropy, weighted_cross_entropy
-from ..simulate.pipeline import stage_layers
 
 # Decoders whose forward is embed -> rotary -> layers -> norm with nothing else in between (no
 # embedding scale, no sliding window): a stage can run it piece by piece.
