@@ -55,7 +55,9 @@ def test_rank_record_keeps_the_jsonl_schema_and_aggregates():
         "units",
         "dst_layer_s",
         "coverage_limited",
+        "stages",
     ]  # new fields appended
+    assert out["stages"] == []  # a pipeline's per-stage busy and idle; none without one
     assert [u["slot"] for u in out["units"]] == [-1, -1] and out["ring_wait_s"] == 0.0
     assert out["units"][0]["degree"] == 1 and out["units"][0]["sample_ids"] == [4, 7]
     assert out["compute_s"] == 0.75 and out["tokens"] == 35 and out["microbatch_s"] == [0.5, 0.25]

@@ -164,7 +164,8 @@ class StepEngine:
         if plan.units:
             decision = decide_units(self.tuner, plan, self.cost or self.latency)
         else:
-            decision = self.tuner.decide(plan.ranks, self.latency)
+            # a pipeline's ranks are timed by their 1F1B makespans (anchor, cuts and raises)
+            decision = self.tuner.decide(plan.ranks, self.latency, pipeline_stages=self.config.pipeline_stages)
         scale = self.world_size / max(planned.global_weight, 1e-9)
         tuned = TunedStep(planned, decision, scale, time.perf_counter() - t0)
         self._layers = [*self._layers[-1:], _StepLayers(tuned)]
@@ -274,7 +275,9 @@ class StepEngine:
             controller = LayerController.from_decision(
                 tuned.decision.ranks[rank], solo, self.latency, dst, knob=self.knob, device=self.device
             )
-            if len(solo) < len(plan.ranks[rank]):  # its CP units are not the controller's
+            # its CP units are not the controller's; a pipeline's target is a makespan, not the
+            # sum of its micro-batches' seconds the controller spends: it keeps the decision's sum
+            if len(solo) < len(plan.ranks[rank]) or self.config.pipeline_stages > 1:
                 controller.target_seconds = float(controller.planned.sum())
         layers.solo[rank] = controller
         return controller

@@ -132,6 +132,7 @@ class Trainer:
             overlong=cfg.overlong,
             cp_degree=cfg.cp,
             ranks_per_node=self.topology.ranks_per_node,
+            pipeline_stages=cfg.pp,
         )
         engine = StepEngine(
             plan,
