@@ -6,6 +6,7 @@
     python benchmarks/table1.py --mode gloo         # this CPU, 2 gloo ranks (torchrun)
     python benchmarks/table1.py --mode simulated    # the paper's setting, analytic H200
     python benchmarks/table1.py --mode simulated --pp 4   # ... as the paper runs it: DP x PP4 (1F1B)
+    python benchmarks/table1.py --mode gloo --pp 2        # this CPU, the 2 gloo ranks as one PP2 pipeline
     python benchmarks/table1.py --mode measured --quick   # tiny, for the slow test tier
 
 Measured modes train the real model with the real trainer: one :class:`Trainer` per row in one
@@ -18,10 +19,12 @@ step decision + the slowest rank's per-layer DST decisions (``overhead_s`` of th
 ms and as a share of the row's step; and as a share of the analytic H200 step of the paper's
 setting (the same pipeline work beside a real GPU step). Run alone: nothing else on the machine.
 
-With ``--pp P`` (simulated only) every data-parallel rank is a 1F1B pipeline of P stages
+With ``--pp P`` every data-parallel rank is a 1F1B pipeline of P stages. Simulated
 (:mod:`sparsebalance.simulate.pipeline`): a row's iteration is the slowest pipeline's makespan,
-its imbalance the paper's max / mean micro-batch time. SAB packs and orders micro-batches for
-the 1F1B makespan and DST anchors on makespans (``PlanConfig.pipeline_stages``, issue 44).
+its imbalance the paper's max / mean micro-batch time. ``--mode gloo --pp P``: the real pipeline
+trainer (``train --pp``) on the gloo ranks, ``[measured.pipeline]``'s batch per pipeline. SAB
+packs and orders micro-batches for the 1F1B makespan and DST anchors on makespans
+(``PlanConfig.pipeline_stages``, issue 44).
 
 Writes ``benchmarks/results/<date>-table1-<mode>[-ppP]-cpu.{md,json}``.
 """
@@ -67,6 +70,13 @@ PIPELINE_NOTE = (
     "rank). The baseline and LBB are not: their micro-batches run in the order they are dealt. "
     "Overhead = planning + DST wall time on this shared 2-core CPU (noisy)."
 )
+MEASURED_PIPELINE_NOTE = (
+    "Measured pipelines (--mode gloo --pp {pp}): the gloo ranks are DP x PP {pp} processes (one per "
+    "core) running the real pipeline trainer (`sparsebalance train --pp {pp}`: 1F1B, activations "
+    "sent between processes); [measured.pipeline]'s documents per pipeline and micro-batches. "
+    "Iteration = the measured wall time of a step; imbalance = max / mean of the pipelines' summed "
+    "micro-batch seconds (1.0 with one pipeline: the gain is inside the pipeline)."
+)
 LBB_NOTE = (
     "Why +LBB stays below 1.0x: LBB (the paper's length-based batching) cuts length-sorted documents "
     "into consecutive micro-batches, so the longest documents share a micro-batch and that one "
@@ -103,13 +113,19 @@ def write_store(path: Path, lengths: np.ndarray, seed: int, vocab: int = 4096) -
 
 
 # ---------------------------------------------------------------------- measured (real training)
-def run_rows(cfg: dict, mix: str, seed: int, store: Path, out: Path, emulate: int) -> dict:
-    """Every row's trainer, stepped interleaved; returns per row the per-round summaries."""
+def run_rows(cfg: dict, mix: str, seed: int, store: Path, out: Path, emulate: int, pp: int = 1) -> dict:
+    """Every row's trainer, stepped interleaved; returns per row the per-round summaries
+    (``pp`` > 1: pipelines of ``pp`` stages, ``[measured.pipeline]``'s batch per pipeline)."""
     from sparsebalance.train.config import TrainConfig
     from sparsebalance.train.trainer import Trainer
     from sparsebalance.tuning import DSTConfig
 
     m = cfg["measured"]
+    batch = {"global_batch": m["global_batch"], "micro_batches": m["micro_batches"]}
+    if pp > 1:
+        dp = int(os.environ.get("WORLD_SIZE", "1")) // pp
+        piped = m["pipeline"]
+        batch = {"global_batch": piped["global_batch_per_pipeline"] * dp, "micro_batches": piped["micro_batches"]}
     trainers = {}
     for name, (strategy, mode) in ROWS.items():
         dst = DSTConfig(mode=mode, anchor=cfg["anchor"], p=cfg["p"], budget_tokens=m["budget_tokens"])
@@ -117,9 +133,9 @@ def run_rows(cfg: dict, mix: str, seed: int, store: Path, out: Path, emulate: in
             model=m["model"],
             data=str(store),
             steps=cfg["rounds"],
-            global_batch=m["global_batch"],
-            micro_batches=m["micro_batches"],
+            **batch,
             capacity=None,
+            pp=pp,
             strategy=strategy,
             block_size=m["block_size"],
             emulate_ranks=emulate,
@@ -184,7 +200,7 @@ def measured(cfg: dict, args, emulate: int) -> dict:
                 lengths = draw_lengths(m["mixes"][mix], args.num_docs, rng)
                 store = write_store(tmp / f"store-{mix}-{seed}", lengths, seed)
                 t0 = time.perf_counter()
-                rounds = run_rows(cfg, mix, seed, store, tmp / f"runs-{mix}-{seed}", emulate)
+                rounds = run_rows(cfg, mix, seed, store, tmp / f"runs-{mix}-{seed}", emulate, args.pp)
                 results[f"{mix}/seed{seed}"] = {
                     "rows": summarize(rounds),
                     "raw": rounds,
@@ -340,15 +356,15 @@ def main() -> int:
         "--pp",
         type=int,
         default=1,
-        help="simulated only: pipeline stages per data-parallel rank (1F1B makespan); 1 = none",
+        help="pipeline stages per data-parallel rank (simulated: 1F1B makespan; gloo: the pipeline trainer); 1 = none",
     )
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     cfg = load_config(Path(args.config), args.not_preregistered or args.quick)
     args.mixes = [m.strip() for m in args.mixes.split(",") if m.strip()]
-    if args.pp < 1 or (args.pp > 1 and args.mode != "simulated"):
-        p.error(f"--pp {args.pp}: must be >= 1, and above 1 only with --mode simulated (no pipeline trainer yet)")
+    if args.pp < 1 or (args.pp > 1 and args.mode == "measured"):
+        p.error(f"--pp {args.pp}: must be >= 1, and above 1 only with --mode simulated or gloo (real pipelines)")
     if args.quick:
         cfg["seeds"], cfg["rounds"] = [0], 3
         cfg["measured"].update(global_batch=8, budget_tokens=256)
@@ -376,7 +392,8 @@ def main() -> int:
     quick = " --quick: a smoke test, not a measurement" if args.quick else ""
     notes = f"Settings: {args.config}{other}{quick}; load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}."
     if args.pp > 1:
-        notes += f"\n\n{PIPELINE_NOTE.format(pp=args.pp)}\n\n{LBB_NOTE}"
+        note = MEASURED_PIPELINE_NOTE if args.mode == "gloo" else PIPELINE_NOTE
+        notes += f"\n\n{note.format(pp=args.pp)}\n\n{LBB_NOTE}"
     md, _ = write_results(
         args.out,
         f"table1-{args.mode}{f'-pp{args.pp}' if args.pp > 1 else ''}{'-quick' if args.quick else ''}",
