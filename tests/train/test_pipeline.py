@@ -194,3 +194,17 @@ def test_resuming_with_another_pp_is_refused(tmp_path):
 
     saved = to_dict(_cfg(tmp_path, pp=2))
     assert differences(saved, _cfg(tmp_path)) == ["--pp 2 -> 1"]
+
+
+def test_the_launcher_refuses_a_grid_before_any_process_starts(tmp_path):
+    """``--nproc`` not a multiple of ``--pp``, or more stages than layers: one line from the
+    launcher's preflight, before anything is profiled or launched."""
+    from sparsebalance.train.launch import default_nproc, preflight
+
+    with pytest.raises(ValueError, match=r"^--pp 2 must divide --nproc 3: the processes are DP x PP$"):
+        preflight(_cfg(tmp_path, pp=2), 3)
+    with pytest.raises(ValueError, match="--pp 8: more pipeline stages than the model's 4 layers"):
+        preflight(_cfg(tmp_path, pp=8), 8)
+    # without --nproc on a CPU: one pipeline when the default count is not a multiple of --pp
+    assert default_nproc(_cfg(tmp_path, pp=3), None) == 3
+    assert default_nproc(_cfg(tmp_path, pp=2), None) == 2

@@ -107,7 +107,8 @@ def add_nproc_argument(p) -> None:
 
 def default_nproc(cfg: TrainConfig, requested: int | None, cpu: int = CPU_NPROC) -> int:
     """Processes to launch: ``--nproc``, else 1 with ``--emulate-ranks``, else the GPU count on
-    CUDA and ``cpu`` (:data:`CPU_NPROC`; the demo's :data:`DEMO_CPU_RANKS`) on CPU."""
+    CUDA and ``cpu`` (:data:`CPU_NPROC`; the demo's :data:`DEMO_CPU_RANKS`) on CPU, or ``--pp``
+    when that count is not a multiple of it (one pipeline)."""
     check_device(cfg)
     if requested is not None:
         if requested < 1:
@@ -117,7 +118,8 @@ def default_nproc(cfg: TrainConfig, requested: int | None, cpu: int = CPU_NPROC)
         return requested
     if cfg.emulate_ranks:
         return 1
-    return torch.cuda.device_count() if uses_cuda(cfg) else cpu
+    found = torch.cuda.device_count() if uses_cuda(cfg) else cpu
+    return found if found % cfg.pp == 0 else cfg.pp  # CPU --pp P: one pipeline of P processes
 
 
 def check_device(cfg: TrainConfig) -> None:
@@ -164,6 +166,7 @@ def preflight(cfg: TrainConfig, nproc: int, multinode: bool = False) -> str | No
     ``--steps`` does not ask for fewer steps than it has. Returns the line to print instead of
     launching when ``--resume`` has nothing to train (the run is complete; on one machine: other
     machines' ranks would wait for node 0's), else None."""
+    from ..batching.schedule import stage_layers
     from ..data import load_corpus, load_tokenizer
     from ..latency import check_profile_fits, load_profile
     from ..models import check_trainable
@@ -188,6 +191,10 @@ def preflight(cfg: TrainConfig, nproc: int, multinode: bool = False) -> str | No
         # every rank restores its own RNG state: another --nproc died at the first index
         check_world_size(path, nproc, "--nproc x --nnodes" if multinode else f"--nproc {nproc}")
     shapes = check_trainable(cfg.model)  # a sliding window: refused before it is profiled
+    if cfg.pp > 1:  # a pipeline's grid: before any process starts
+        if nproc % cfg.pp:
+            raise ValueError(f"--pp {cfg.pp} must divide --nproc {nproc}: the processes are DP x PP")
+        stage_layers(shapes.num_layers, cfg.pp)  # more stages than layers: refused
     if cfg.profile:  # readable, and for this run (also on --resume, where it may change)
         profile = load_profile(cfg.profile)
         check_profile_fits(
