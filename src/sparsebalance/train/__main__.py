@@ -63,15 +63,13 @@ def _main(argv: list[str] | None) -> int:
         # objects that are already gone, and a rank that trained to the end aborts (exit 134).
         del trainer
         gc.collect()
-    except AgreedError as err:  # every rank raised it alike: rank 0 says it
-        say(f"error: {err}")
-        _together()
-        return 2
     except ValueError as err:
-        if rank == 0 or not training:
+        if rank == 0 or not training or isinstance(err, AgreedError):  # an agreed one: rank 0's
             say(f"error: {err}")
         else:
             print(f"sparsebalance train: rank {rank}: error: {err}", file=sys.stderr, flush=True)
+        if isinstance(err, AgreedError):
+            _together()
         return 2
     except NonFiniteLoss as err:
         say(f"stopped: {err}; the last checkpoint is intact")

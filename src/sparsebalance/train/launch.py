@@ -158,6 +158,15 @@ class RunFailed(RuntimeError):
 REPORTED_CODES = {2, 3} | {128 + s for s in HANDLED}  # user error, non-finite loss, signals
 
 
+def check_pipeline_grid(cfg: TrainConfig, nproc: int, num_layers: int) -> None:
+    """``--pp``: the processes split into whole pipelines, and no more stages than layers."""
+    from ..batching.schedule import stage_layers
+
+    if cfg.pp > 1 and nproc % cfg.pp:
+        raise ValueError(f"--pp {cfg.pp} must divide --nproc {nproc}: the processes are DP x PP")
+    stage_layers(num_layers, cfg.pp)  # more stages than layers: refused
+
+
 def preflight(cfg: TrainConfig, nproc: int, multinode: bool = False) -> str | None:
     """Everything cheap that can fail, before any process starts or anything is profiled: the
     model's config, the tokenizer, the data (read and tokenized into the shared cache, which the
@@ -166,7 +175,6 @@ def preflight(cfg: TrainConfig, nproc: int, multinode: bool = False) -> str | No
     ``--steps`` does not ask for fewer steps than it has. Returns the line to print instead of
     launching when ``--resume`` has nothing to train (the run is complete; on one machine: other
     machines' ranks would wait for node 0's), else None."""
-    from ..batching.schedule import stage_layers
     from ..data import load_corpus, load_tokenizer
     from ..latency import check_profile_fits, load_profile
     from ..models import check_trainable
@@ -191,10 +199,7 @@ def preflight(cfg: TrainConfig, nproc: int, multinode: bool = False) -> str | No
         # every rank restores its own RNG state: another --nproc died at the first index
         check_world_size(path, nproc, "--nproc x --nnodes" if multinode else f"--nproc {nproc}")
     shapes = check_trainable(cfg.model)  # a sliding window: refused before it is profiled
-    if cfg.pp > 1:  # a pipeline's grid: before any process starts
-        if nproc % cfg.pp:
-            raise ValueError(f"--pp {cfg.pp} must divide --nproc {nproc}: the processes are DP x PP")
-        stage_layers(shapes.num_layers, cfg.pp)  # more stages than layers: refused
+    check_pipeline_grid(cfg, nproc, shapes.num_layers)
     if cfg.profile:  # readable, and for this run (also on --resume, where it may change)
         profile = load_profile(cfg.profile)
         check_profile_fits(
