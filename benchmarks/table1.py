@@ -66,8 +66,10 @@ PIPELINE_NOTE = (
     "paper's), pipeline imbalance = max / mean makespan, device idle = the mean idle share of the "
     "DP x PP devices. SAB and DST are pipeline-aware (issue 44, point 2): SAB packs each rank's "
     "micro-batches and orders them for the least exact 1F1B makespan and evens the ranks' makespans "
-    "(PlanConfig.pipeline_stages); DST's anchor, cuts and raises read makespans (one budget per "
-    "rank). The baseline and LBB are not: their micro-batches run in the order they are dealt. "
+    "(PlanConfig.pipeline_stages); DST's anchor, cuts and raises read makespans, one budget per "
+    "pipeline first, then one per micro-batch (the critical micro-batches cut within their own "
+    "coverage bound, the others raised to a common level; kept only where it shortens the "
+    "makespan). The baseline and LBB are not: their micro-batches run in the order they are dealt. "
     "Overhead = planning + DST wall time on this shared 2-core CPU (noisy)."
 )
 MEASURED_PIPELINE_NOTE = (

@@ -141,8 +141,8 @@ class StepEngine:
     # ------------------------------------------------------------------ begin
     def begin(self, samples: list[Sample]) -> TunedStep:
         """Plan (SAB) and tune (DST) the global batch ``samples``: every rank derives the same
-        plan (one all-gather checks it), a budget per rank (per worker with CP units) and the
-        loss scale ``world_size / global weight``."""
+        plan (one all-gather checks it), a budget per rank (per worker with CP units, per
+        micro-batch of a pipeline) and the loss scale ``world_size / global weight``."""
         return self._tune(self.plan(samples))
 
     def plan(self, samples: list[Sample]) -> StepPlan:
@@ -203,7 +203,10 @@ class StepEngine:
                 gqa=self.kernel.gqa,
             )
         planned = tuned.planned
-        value = tuned.decision.ranks[rank].budget
+        decision = tuned.decision.ranks[rank]
+        # a pipeline's micro-batches have a budget each (the critical ones cut, the others raised)
+        mbs = decision.microbatch_budgets
+        value = decision.budget if mbs is None else mbs[microbatch]
         budget = self.knob.budget(Budget(top_k=0), value)
         u = planned.rank_units[rank][microbatch]
         unit = planned.units[u]
@@ -277,6 +280,7 @@ class StepEngine:
             )
             # its CP units are not the controller's; a pipeline's target is a makespan, not the
             # sum of its micro-batches' seconds the controller spends: it keeps the decision's sum
+            # (planned at each micro-batch's own budget: each unit is allotted its planned share)
             if len(solo) < len(plan.ranks[rank]) or self.config.pipeline_stages > 1:
                 controller.target_seconds = float(controller.planned.sum())
         layers.solo[rank] = controller

@@ -224,7 +224,10 @@ class _Job:
                 dst_s = time.perf_counter() - t0 + stats["pipe_s"] if cfg.mode != "off" else 0.0
                 decided[s.planner, cfg] = {**_record(dec, work), **stats, "dst_s": dst_s}
                 if self.pipeline_stages > 1:  # a rank's time is its pipeline's makespan
-                    decided[s.planner, cfg].update(pipeline_record(work.work, dec.budgets, self.pipeline_stages))
+                    rec = pipeline_record(
+                        work.work, dec.budgets, self.pipeline_stages, mb_values=dec.microbatch_budgets
+                    )
+                    decided[s.planner, cfg].update(rec)
             out[s.name] = decided[s.planner, cfg]
         return out
 

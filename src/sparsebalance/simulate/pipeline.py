@@ -32,6 +32,8 @@ makespan when ``pipeline_stages > 1``; it is re-exported here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from ..batching.schedule import (
@@ -80,9 +82,18 @@ def stage_seconds(cost_model: CostModel, lengths: np.ndarray, densities: np.ndar
     return out
 
 
-def pipeline_record(work, values: np.ndarray, num_stages: int, ratio: float = BACKWARD_RATIO) -> dict:
+def pipeline_record(
+    work,
+    values: np.ndarray,
+    num_stages: int,
+    ratio: float = BACKWARD_RATIO,
+    *,
+    mb_values: Sequence[np.ndarray] | None = None,
+) -> dict:
     """A simulated step's pipeline numbers for a :class:`~sparsebalance.tuning.PlanWorkload`
-    priced at per-rank knob values ``(R,)``: what the engine's record reads instead of rank sums.
+    priced at per-rank knob values ``(R,)``, or per micro-batch: ``mb_values`` (one ``(M_r,)``
+    per rank, DST's budgets per micro-batch of a pipeline); what the engine's record reads
+    instead of rank sums.
 
     Returns: ``compute`` (slowest pipeline's makespan), ``mean_rank`` (mean makespan),
     ``rank_times`` ``(R,)`` makespans, ``device_idle`` (mean idle share of the R x P devices in
@@ -94,7 +105,11 @@ def pipeline_record(work, values: np.ndarray, num_stages: int, ratio: float = BA
     busy = np.zeros((r, num_stages))
     mb_times: list[np.ndarray] = []
     for g in work.groups:
-        dens = work.knob.density(g.lengths, g.d0, values[g.ranks][:, None, None])
+        if mb_values is None:
+            per_mb = values[g.ranks][:, None, None]
+        else:
+            per_mb = np.stack([np.asarray(mb_values[r], dtype=np.float64) for r in g.ranks.tolist()])[..., None]
+        dens = work.knob.density(g.lengths, g.d0, per_mb)
         for i, rank in enumerate(g.ranks.tolist()):
             st = stage_seconds(work.cost_model, g.lengths[i], dens[i], num_stages)
             res = one_f_one_b(*split_forward_backward(st, ratio))

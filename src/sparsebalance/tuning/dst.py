@@ -23,12 +23,17 @@ layer by the :class:`~.layer.LayerController`, which has the layer's real gate s
 
 ``mode="down"`` stops after step 2; ``mode="off"`` keeps the base budget everywhere (the baseline
 and SAB-only ablations). The tuner is a plain object without state between steps.
+
+Pipelines (``pipeline_stages`` P > 1): workers are 1F1B pipelines timed by their makespans
+(:mod:`.pipeline_workload`), and after the rule above (one budget per pipeline) every micro-batch
+gets its own budget (:mod:`.microbatch_dst`: the critical micro-batches cut, the others raised,
+no pipeline predicted slower than with its one budget).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -36,6 +41,7 @@ from ..workload import CostModel, MicroBatch
 from .config import ANCHORS, MODES, DSTConfig, add_dst_arguments
 from .curve import DensityCurve
 from .knob import GammaKnob, Knob, search_many, search_one
+from .microbatch_dst import RankLevel, decide_microbatches
 from .pipeline_workload import PipelineWorkload
 from .plan_workload import PlanWorkload, StepWorkload
 from .records import CUT, KEPT, RAISED, RankDecision, StepDecision, StepTargets
@@ -112,6 +118,9 @@ class StepArrays:
     density_after: np.ndarray
     attention_before: np.ndarray
     attention_after: np.ndarray
+    microbatch_budgets: tuple[np.ndarray, ...] | None = None
+    """Pipelines (:class:`PipelineWorkload`, mode not off): each rank's ``(M_r,)`` budgets per
+    micro-batch (:mod:`.microbatch_dst`; ``budgets`` is then their mean per rank); else None."""
 
 
 class DSTTuner:
@@ -230,12 +239,17 @@ class DSTTuner:
         cost_model: CostModel,
         workload: PlanWorkload | PipelineWorkload | None = None,
         pipeline_stages: int = 1,
+        *,
+        per_microbatch: bool = True,
     ) -> StepDecision:
         """The whole step from the plan (rank -> micro-batches), identical on every rank.
 
         ``pipeline_stages`` P > 1: every rank is a 1F1B pipeline of P stages and its time is the
         pipeline's makespan (:class:`~.pipeline_workload.PipelineWorkload`): the anchor, the cuts
-        and the raises read makespans, and ``RankDecision``'s times are makespans. 1: rank sums.
+        and the raises read makespans, and ``RankDecision``'s times are makespans. Then each
+        micro-batch gets its own budget (``RankDecision.microbatch_budgets``, ``budget`` their
+        mean; :mod:`.microbatch_dst`), unless ``per_microbatch`` is False (one budget per
+        pipeline). 1: rank sums, one budget per rank.
 
         Vectorised over ranks (:mod:`.plan_workload`): the same budgets and times as
         :meth:`decide_rank` for every rank, in a few ``predict_many`` calls per search probe.
@@ -255,10 +269,11 @@ class DSTTuner:
                 )
         elif pipeline_stages != 1:
             workload = PipelineWorkload(workload, pipeline_stages)
-        a = self.decide_arrays(workload)
+        a = self.decide_arrays(workload, per_microbatch=per_microbatch)
+        mbs = [None] * len(plan) if a.microbatch_budgets is None else [tuple(m.tolist()) for m in a.microbatch_budgets]
         ranks = tuple(
-            RankDecision(r, role, v, t, b, t, db, da, ab, aa)
-            for r, (role, v, t, b, db, da, ab, aa) in enumerate(
+            RankDecision(r, role, v, t, b, t, db, da, ab, aa, mb)
+            for r, (role, v, t, b, db, da, ab, aa, mb) in enumerate(
                 zip(
                     a.targets.roles,
                     a.budgets.tolist(),
@@ -268,6 +283,7 @@ class DSTTuner:
                     a.density_after.tolist(),
                     a.attention_before.tolist(),
                     a.attention_after.tolist(),
+                    mbs,
                     strict=True,
                 )
             )
@@ -292,10 +308,11 @@ class DSTTuner:
 
         return search_many(knob, g, lo, base, np.ones(n, dtype=bool), largest=False)
 
-    def decide_arrays(self, workload: StepWorkload) -> StepArrays:
-        """:meth:`decide` on a plan's :class:`PlanWorkload` (or a ``UnitWorkload``), as ``(W,)``
-        arrays without one :class:`RankDecision` per worker (what the simulator reads for
-        thousands of ranks)."""
+    def decide_arrays(self, workload: StepWorkload, *, per_microbatch: bool = True) -> StepArrays:
+        """:meth:`decide` on a plan's :class:`PlanWorkload` (or a ``UnitWorkload``, or a
+        :class:`PipelineWorkload`: then budgets per micro-batch unless ``per_microbatch`` is
+        False), as ``(W,)`` arrays without one :class:`RankDecision` per worker (what the
+        simulator reads for thousands of ranks)."""
         if workload.num_ranks == 0:
             raise ValueError("DST needs at least one rank in the plan, got 0")
         if workload.knob != self.knob:
@@ -316,7 +333,7 @@ class DSTTuner:
         hi = np.maximum(knob.upper(work.max_lengths), base)
         lim_up = targets.raise_seconds
         value = np.where(raised, search_many(knob, lambda v, s: work.seconds(v, s) - lim_up, base, hi, raised), value)
-        return StepArrays(
+        arrays = StepArrays(
             targets=targets,
             budgets=value,
             times_after=work.seconds(value, full),
@@ -324,6 +341,18 @@ class DSTTuner:
             density_after=work.mean_density(value),
             attention_before=work.attention_seconds(base),
             attention_after=work.attention_seconds(value),
+        )
+        if not (per_microbatch and isinstance(work, PipelineWorkload) and self.config.mode != "off"):
+            return arrays
+        rank = RankLevel(value, arrays.times_after, arrays.density_after, arrays.attention_after)
+        mb = decide_microbatches(work, self.config, _ANCHOR_FNS[self.config.anchor], rank)
+        return replace(
+            arrays,
+            budgets=mb.mean_budgets,
+            times_after=mb.times_after,
+            density_after=mb.density_after,
+            attention_after=mb.attention_after,
+            microbatch_budgets=mb.budgets,
         )
 
     def assemble(self, targets: StepTargets, ranks: Sequence[RankDecision]) -> StepDecision:

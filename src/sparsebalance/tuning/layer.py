@@ -74,7 +74,9 @@ class LayerController:
         cost_model: any object following ``sparsebalance.workload.CostModel``.
         config: the DST config (mode, coverage bound p, probes).
         target_seconds: the rank's target forward + backward seconds for the step.
-        value: the rank's step-level budget (default the knob's base).
+        value: the rank's step-level budget (default the knob's base; with ``values``, their mean).
+        values: a budget per micro-batch (a pipeline's, :attr:`RankDecision.microbatch_budgets`):
+            each micro-batch's units are planned at its own (default ``value`` for every one).
         knob: the budget knob: the tuner's, built from ``config`` at the resolved kernel's block
             size (required: a top-k knob states its budget in blocks of that size).
         budget: template for the returned budgets (anchors, caps); its knob value is replaced.
@@ -95,6 +97,7 @@ class LayerController:
         *,
         knob: Knob,
         device: torch.device | str,
+        values: Sequence[float] | None = None,
     ) -> None:
         if not np.isfinite(target_seconds) or target_seconds < 0:
             raise ValueError(f"target_seconds must be finite and >= 0, got {target_seconds}")
@@ -103,10 +106,17 @@ class LayerController:
         self.knob = knob
         self.target_seconds = float(target_seconds)
         self.base = float(knob.base)
-        self.value = self.base if value is None else float(value)
-        self.lo, self.hi = _budget_range(knob, config, self.value, microbatches)
-        if not self.lo <= self.value <= self.hi and config.mode != "off":
-            raise ValueError(f"budget {self.value} outside [{self.lo}, {self.hi}]")
+        if values is not None and len(values) != len(microbatches):
+            raise ValueError(f"{len(values)} budgets for {len(microbatches)} micro-batches")
+        if value is None:
+            value = self.base if not values else float(np.mean(values))
+        self.value = float(value)
+        self.values = np.full(len(microbatches), self.value) if values is None else np.asarray(values, dtype=float)
+        """``(M,)`` each micro-batch's step-level budget."""
+        span = (float(min(self.value, *self.values)), float(max(self.value, *self.values)))
+        self.lo, self.hi = _budget_range(knob, config, span, microbatches)
+        if not self.lo <= span[0] <= span[1] <= self.hi and config.mode != "off":
+            raise ValueError(f"budget {self.value} (per micro-batch {self.values}) outside [{self.lo}, {self.hi}]")
         self.budget = knob.budget(budget or Budget(top_k=0), self.value)
         self._bound = (tuple(range(int(self.lo), int(self.base) + 1)), knob.budget(self.budget, self.base))
         """Top-k's coverage bound: every whole k of ``[lo, base]``, and the base budget."""
@@ -115,8 +125,8 @@ class LayerController:
         self.d0 = [np.asarray(mb.densities, dtype=np.float64) for mb in microbatches]
         num_layers = int(cost_model.num_layers)
         m = len(microbatches)
-        attention, self.fixed = _unit_seconds(microbatches, self.lengths, cost_model, knob, self.value)
-        self.planned = attention[:, None] + self.fixed  # (M, L) predicted seconds at self.value
+        attention, self.fixed = _unit_seconds(microbatches, self.lengths, cost_model, knob, self.values)
+        self.planned = attention[:, None] + self.fixed  # (M, L) predicted seconds at self.values
         self._chosen = np.zeros((m, num_layers), dtype=bool)
         self._predicted = np.full((m, num_layers), np.nan)  # at the chosen budget
         self._measured = np.full((m, num_layers), np.nan)
@@ -148,7 +158,8 @@ class LayerController:
         knob: Knob,
         device: torch.device | str,
     ) -> LayerController:
-        """The controller for a rank's step-level :class:`RankDecision`."""
+        """The controller for a rank's step-level :class:`RankDecision` (a pipeline's: one budget
+        per micro-batch, ``decision.microbatch_budgets``)."""
         return cls(
             microbatches,
             cost_model,
@@ -158,6 +169,7 @@ class LayerController:
             knob=knob,
             budget=budget,
             device=device,
+            values=decision.microbatch_budgets,
         )
 
     def was_chosen(self, microbatch: int, layer: int) -> bool:
@@ -386,9 +398,10 @@ def _bisect(
 
 
 def _budget_range(
-    knob: Knob, config: DSTConfig, value: float, microbatches: Sequence[MicroBatch]
+    knob: Knob, config: DSTConfig, span: tuple[float, float], microbatches: Sequence[MicroBatch]
 ) -> tuple[float, float]:
-    """``[lo, hi]``: the budgets a layer may run (the base alone when DST is off; ``value`` inside)."""
+    """``[lo, hi]``: the budgets a layer may run (the base alone when DST is off; the step-level
+    budgets' ``span`` (min, max) inside)."""
     base = float(knob.base)
     if config.mode == "off":
         return base, base
@@ -396,7 +409,7 @@ def _budget_range(
     upper = float(knob.upper(np.array([longest]))[0])
     hi = upper if config.mode == "bidirectional" else base
     lo = base if config.p == 0 else float(knob.lo)
-    lo, hi = min(lo, value), max(hi, value)
+    lo, hi = min(lo, span[0]), max(hi, span[1])
     if knob.integer:  # a layer runs a whole k; the step's value may be a mean over layers
         lo, hi = float(math.floor(lo)), float(math.ceil(hi))
     return lo, hi
@@ -407,15 +420,16 @@ def _unit_seconds(
     lengths: Sequence[np.ndarray],
     cost_model: CostModel,
     knob: Knob,
-    value: float,
+    values: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Predicted seconds at budget ``value``: ``(M,)`` attention per layer, ``(M, L)`` the rest."""
+    """Predicted seconds at each micro-batch's budget ``values[m]``: ``(M,)`` attention per
+    layer, ``(M, L)`` the rest."""
     num_layers = int(cost_model.num_layers)
     attention = np.zeros(len(microbatches))
     fixed = np.zeros((len(microbatches), num_layers))
     for i, mb in enumerate(microbatches):
         d0 = np.asarray(mb.densities, dtype=np.float64)
-        dens = knob.density(lengths[i], d0, value)
+        dens = knob.density(lengths[i], d0, float(values[i]))
         attention[i] = np.sum(cost_model.layer_attention_seconds(lengths[i], dens))
         fixed[i, :] = cost_model.layer_other_seconds(mb.num_tokens)
         # Layer 0 also carries what is outside the layers (embedding, head, loss), defined so

@@ -8,8 +8,9 @@ slowest) / P``, order included. :class:`PipelineWorkload` implements
 median / max), its bottlenecks (pipelines whose makespan exceeds the cut threshold) and its raise
 targets are all read on makespans: a rank's budget is cut until its critical path meets the
 anchor, and a rank with a short pipeline is raised until its makespan reaches it, its bubble
-time becoming attention. One budget per rank, as without pipelines: cutting k (top-k) shrinks the
-long documents' micro-batches, those on the critical path, far more than the short ones.
+time becoming attention. That rank level decides one budget per rank (cutting k shrinks the long
+documents' micro-batches, those on the critical path, far more than the short ones); the
+micro-batch level (:mod:`.microbatch_dst`) then gives every micro-batch of a pipeline its own.
 
 Stage times: a micro-batch's predicted seconds at the rank's budget, minus its head term
 (:func:`~sparsebalance.batching.schedule.head_seconds`, priced once at the base budget: a latency
@@ -48,6 +49,12 @@ class PipelineWorkload:
             dens = work.knob.density(g.lengths, g.d0, base)
             self._heads.append(head_seconds(work.cost_model, g.lengths, dens, g.predict(None, dens)))
         self._memo: dict[float, np.ndarray] = {}
+
+    @property
+    def heads(self) -> list[np.ndarray]:
+        """Per group of :attr:`PlanWorkload.groups`, ``(n, M)`` seconds of each micro-batch on
+        the last stage only (the head, priced at the base budget)."""
+        return self._heads
 
     @property
     def has_coverage(self) -> bool:

@@ -58,7 +58,7 @@ class RankDecision:
     """``"cut"``, ``"raised"`` or ``"kept"`` (see :class:`StepTargets`)."""
     budget: float
     """The rank's budget for the step, the knob's value (k or gamma; the layer controller starts
-    from it)."""
+    from it); with :attr:`microbatch_budgets`, their mean."""
     target_seconds: float
     """What the rank aims at: its predicted time at ``budget`` (the layer controller's target)."""
     predicted_before: float
@@ -74,6 +74,10 @@ class RankDecision:
     """Predicted attention seconds (all layers, all micro-batches) at the base budget."""
     attention_after: float
     """Predicted attention seconds at ``budget``."""
+    microbatch_budgets: tuple[float, ...] | None = None
+    """Pipelines (``pipeline_stages`` > 1, DST on): the budget of each of the rank's
+    micro-batches, plan order (:mod:`~sparsebalance.tuning.microbatch_dst`); ``budget`` is then
+    their mean and the times and densities are priced at them. None: ``budget`` for every one."""
 
     @property
     def budget_delta(self) -> float:

@@ -1,0 +1,301 @@
+"""DST inside a pipeline: one budget per micro-batch, so the critical micro-batch is cut and the
+others are raised into the slack.
+
+In a 1F1B pipeline of P stages the makespan is about ``(sum of micro-batch times + (P - 1) x the
+slowest) / P`` (exactly: :mod:`sparsebalance.batching.schedule`). Shortening the slowest
+micro-batch shortens it ~P times more than shortening another one, and raising a short
+micro-batch's budget costs ~1/P of its extra time. One budget per pipeline cannot use that; this
+level, run after the rank level of :meth:`DSTTuner.decide_arrays
+<sparsebalance.tuning.dst.DSTTuner.decide_arrays>` (which gives pipeline r one budget ``v_r`` and
+its makespan ``S_r``), can:
+
+1. ``t0[r, m]``: micro-batch seconds at the base budget. ``floor[r, m]``: the smallest budget within
+   the coverage bound of the micro-batch's own documents (``C_m(base) - C_m(v) <= p``, tokens
+   weighted; the knob's floor without a coverage model, the base with p = 0). ``hi[r, m]``: the
+   knob's upper bound for its longest document (the base with ``mode="down"``).
+2. The anchor is a makespan: ``B_r`` is pipeline r's makespan with its micro-batches evened at the
+   base budget (each one the mean of its micro-batches' stage times: the same total, no critical
+   micro-batch), or its makespan at the base if that is shorter (an order that puts short
+   micro-batches at the fill and the drain, SAB's, can beat even ones), ``T = anchor(B)`` (the
+   config's min / mean / median / max).
+3. Targets: a pipeline whose base makespan exceeds ``(1 + tolerance) T`` aims at that; the others
+   at the raise target (``T``, or the step after those cuts with ``raise_to="step"``; never below
+   their base makespan; ``down``: their base makespan). Every target is capped at ``S_r``.
+4. Water level: ``tau_r`` is the highest level whose exact 1F1B makespan, with micro-batch m
+   running ``min(tau_r, t_m(hi))``, meets the target (a bisection on makespans alone, no
+   cost-model call). Micro-batches above the level are cut to it, those below raised to it (the
+   paper's rule with a micro-batch anchor, the level, set by a makespan): even micro-batch times
+   are the least makespan for a total, so the level spends the target on as much attention as it
+   allows. A cut stops at its coverage floor: that micro-batch runs ``t_m(floor)`` and the
+   pipeline misses its target (as a rank does at the rank level), the others keep the level.
+5. Never slower than one budget: where the floors push a pipeline's makespan above ``S_r``, its
+   target becomes the makespan of the cuts alone (the micro-batches above the level cut to it or
+   to their floor, the others at the base; at most ``S_r``), and its level is the highest whose
+   makespan with the floors (``clip(tau, t_m(floor), t_m(hi))``) is within that: the short
+   micro-batches are raised only into what the cuts freed.
+6. Budgets: each micro-batch gets the largest budget in ``[floor, hi]`` whose time is within the
+   level (one vectorised search over every micro-batch; its floor where the floor is above it),
+   and the makespans are priced again exactly. A pipeline keeps ``v_r`` for every micro-batch
+   (as before this level) unless its budgets per micro-batch give it a strictly shorter
+   makespan: not where every micro-batch at its floor is above ``S_r`` (a per-micro-batch
+   coverage bound is stricter than the rank's token-weighted one), nor where the target is
+   ``S_r`` itself (evening would only move attention between micro-batches: from the long
+   documents to the short ones, not a clear gain).
+
+Cost per step: ~25 vectorised ``predict_many`` calls over all micro-batches (three prices, the
+coverage floors' and the final search's probes) and ~25 makespan passes (2 M P numpy steps each)
+per group of pipelines of one shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..batching.schedule import layered_makespans
+from .config import DSTConfig
+from .knob import search_many
+from .pipeline_workload import PipelineWorkload
+
+LEVEL_RTOL = 1e-7
+"""The water level's bisection stops at this relative width (about 24 makespan passes)."""
+FASTER_RTOL = 1e-6
+"""Budgets per micro-batch replace the pipeline's one budget only if its makespan is shorter by
+more than this (relative)."""
+
+
+@dataclass(frozen=True)
+class MicroBatchDecision:
+    """:func:`decide_microbatches`: budgets per micro-batch and their effect per rank (pipeline)."""
+
+    budgets: tuple[np.ndarray, ...]
+    """``R`` float64 ``(M_r,)``: each rank's budget per micro-batch, in plan order."""
+    mean_budgets: np.ndarray
+    """``(R,)`` each rank's mean over its micro-batches (its one budget without any)."""
+    times_after: np.ndarray
+    """``(R,)`` predicted makespans at ``budgets``."""
+    density_after: np.ndarray
+    """``(R,)`` length²-weighted mean density at ``budgets``."""
+    attention_after: np.ndarray
+    """``(R,)`` predicted attention seconds (all layers) at ``budgets``."""
+    anchor_seconds: float
+    """``T``: the anchor of the pipelines' evened makespans at the base budget."""
+    kept: np.ndarray
+    """``(R,)`` bool: the pipeline kept the rank level's one budget for every micro-batch (the
+    micro-batch level was not faster there; its numbers are the rank level's)."""
+
+
+class MicroBatchPrices:
+    """The micro-batches of a :class:`PipelineWorkload`, flat (group by group, rank by rank, in
+    plan order: ``E`` entries), priced at one budget each."""
+
+    def __init__(self, pipe: PipelineWorkload) -> None:
+        self.pipe = pipe
+        self.knob = pipe.knob
+        self.groups = pipe.work.groups
+        sizes = [g.lengths.shape[0] * g.lengths.shape[1] for g in self.groups]
+        self.bounds = np.cumsum([0, *sizes]).tolist()
+        self.size = self.bounds[-1]
+        empty = np.zeros(0, dtype=np.int64)
+        self.max_lengths = np.concatenate([empty, *(g.lengths.max(axis=-1).reshape(-1) for g in self.groups)])
+        """``(E,)`` each micro-batch's longest document."""
+        self.rank_of = np.concatenate([empty, *(np.repeat(g.ranks, g.lengths.shape[1]) for g in self.groups)])
+        """``(E,)`` each micro-batch's rank."""
+
+    def split(self, flat: np.ndarray) -> list[np.ndarray]:
+        """``(E, ...)`` -> one ``(n, M, ...)`` view per group."""
+        return [
+            flat[a:b].reshape(*g.lengths.shape[:2], *flat.shape[1:])
+            for g, a, b in zip(self.groups, self.bounds[:-1], self.bounds[1:], strict=True)
+        ]
+
+    def _each(self, values: np.ndarray, active: np.ndarray | None):
+        """``[(group, rank selection or None, rows, (n', M) values, output view)]`` for every
+        group with an active entry, and the ``(E,)`` zeros the views write into."""
+        out = np.zeros(self.size)
+        acts = [None] * len(self.groups) if active is None else self.split(active)
+        todo = []
+        for g, v, o, a in zip(self.groups, self.split(values), self.split(out), acts, strict=True):
+            sel = None if a is None else a.any(axis=1)
+            if sel is None or sel.any():
+                rows = slice(None) if sel is None else sel
+                todo.append((g, sel, rows, v[rows], o))
+        return todo, out
+
+    def seconds(self, values: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
+        """``(E,)`` micro-batch seconds at ``values`` (entries of unpriced ranks read 0)."""
+        todo, out = self._each(values, active)
+        for g, sel, rows, v, o in todo:
+            o[rows] = g.predict(sel, self.knob.density(g.lengths[rows], g.d0[rows], v[..., None]))
+        return out
+
+    def coverage(self, values: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
+        """``(E,)`` each micro-batch's gate coverage at ``values``: its documents' (the
+        workload's coverage model) weighted by tokens; 1.0 for an empty or inactive one."""
+        model = self.pipe.work.coverage_model
+        if model is None:
+            raise ValueError("this workload has no coverage model")
+        todo, out = self._each(values, active)
+        for g, _, rows, v, o in todo:
+            lengths = g.lengths[rows]
+            cov = model.document_coverage(lengths, g.d0[rows], v[..., None])
+            num = (np.where(lengths > 0, cov, 0.0) * lengths).sum(axis=-1)
+            tokens = lengths.sum(axis=-1).astype(np.float64)
+            o[rows] = np.where(tokens > 0, num / np.where(tokens > 0, tokens, 1.0), 1.0)
+        return out if active is None else np.where(active, out, 1.0)
+
+    def rank_sums(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(R,)`` length²-weighted mean density and attention seconds (all layers) of each rank
+        at per-micro-batch ``values`` (1.0 and 0 for a rank without micro-batches)."""
+        work = self.pipe.work
+        density, attention = np.ones(work.num_ranks), np.zeros(work.num_ranks)
+        for g, v in zip(self.groups, self.split(values), strict=True):
+            n = g.ranks.size
+            dens = self.knob.density(g.lengths, g.d0, v[..., None])
+            total = work.weights[g.ranks]
+            num = (g.lengths.astype(np.float64) ** 2 * dens).reshape(n, -1).sum(axis=-1)
+            density[g.ranks] = np.where(total > 0, num / np.where(total > 0, total, 1.0), 1.0)
+            valid = g.lengths > 0
+            per_doc = np.zeros(g.lengths.shape)
+            per_doc[valid] = work.cost_model.layer_attention_seconds(g.lengths[valid], dens[valid])
+            attention[g.ranks] = work.cost_model.num_layers * per_doc.reshape(n, -1).sum(axis=-1)
+        return density, attention
+
+    def makespans(self, seconds: np.ndarray) -> np.ndarray:
+        """``(R,)`` each pipeline's 1F1B makespan from ``(E,)`` micro-batch seconds (heads at
+        the base budget, as :class:`PipelineWorkload` prices them); 0 without micro-batches."""
+        pipe, out = self.pipe, np.zeros(self.pipe.num_ranks)
+        for g, head, t in zip(self.groups, pipe.heads, self.split(seconds), strict=True):
+            out[g.ranks] = layered_makespans(t, head, pipe.layers, pipe.ratio)
+        return out
+
+
+def microbatch_floors(prices: MicroBatchPrices, config: DSTConfig) -> np.ndarray:
+    """``(E,)`` the smallest budget each micro-batch may be cut to: within the coverage bound
+    ``C_m(base) - C_m(v) <= p`` of its own documents when the workload has a coverage model, the
+    knob's floor without one (the layer controller then bounds each layer), the base with p = 0."""
+    knob, p, n = prices.knob, config.p, prices.size
+    base, lo = np.full(n, float(knob.base)), np.full(n, float(knob.lo))
+    if p == 0:
+        return base
+    if p >= 1 or not prices.pipe.has_coverage:
+        return lo
+    c_base = prices.coverage(base)
+
+    def g(v, sel):
+        return prices.coverage(v, sel) - (c_base - p)
+
+    return search_many(knob, g, lo, base, np.ones(n, dtype=bool), largest=False)
+
+
+@dataclass(frozen=True)
+class RankLevel:
+    """The rank level's decision (one budget per pipeline), ``(R,)`` each: the starting point."""
+
+    values: np.ndarray
+    times: np.ndarray
+    """``S_r``: predicted makespans at ``values``."""
+    density: np.ndarray
+    attention: np.ndarray
+
+
+def decide_microbatches(
+    pipe: PipelineWorkload, config: DSTConfig, anchor: Callable[[np.ndarray], float], rank: RankLevel
+) -> MicroBatchDecision:
+    """Budgets per micro-batch of every pipeline (the module docstring's rule) from the ``rank``
+    level's decision; ``anchor``: the config's anchor function. ``config.mode`` must not be off."""
+    assert config.mode != "off", "mode off keeps the base budget: no micro-batch level"
+    prices, knob = MicroBatchPrices(pipe), pipe.knob
+    base = np.full(prices.size, float(knob.base))
+    floor = microbatch_floors(prices, config)
+    hi = base if config.mode == "down" else np.maximum(knob.upper(prices.max_lengths), base)
+    t0, tf, th = prices.seconds(base), prices.seconds(floor), prices.seconds(hi)
+    span_base, span_floor = prices.makespans(t0), prices.makespans(tf)
+    t_anchor = float(anchor(np.minimum(_even_makespans(prices, t0), span_base)))
+    target = np.minimum(_targets(config, t_anchor, span_base, span_floor), rank.times)
+    level = _levels(prices, np.zeros(prices.size), th, target)  # cuts as deep as the target asks
+    over = prices.makespans(np.clip(level, tf, th)) > rank.times  # the floors stopped the cuts
+    if over.any():  # the cuts alone (the others at the base), then raises within that makespan
+        cut_only = prices.makespans(np.clip(np.minimum(level, t0), tf, th))
+        capped = _levels(prices, tf, th, np.minimum(rank.times, cut_only))
+        level = np.where(over[prices.rank_of], capped, level)
+    level = np.where(np.abs(level - t0) <= LEVEL_RTOL * 10 * t0, np.maximum(level, t0), level)  # the base: kept
+    # the largest budget within each micro-batch's level; at its floor where even that is above
+    active, lo = tf <= level, np.where(level >= t0, base, floor)  # at or above the base: raised or kept
+    values = np.where(active, search_many(knob, lambda v, s: prices.seconds(v, s) - level, lo, hi, active), floor)
+    times = prices.makespans(prices.seconds(values))
+    density, attention = prices.rank_sums(values)
+    # kept: one budget per pipeline where the micro-batch level is not faster (then it would
+    # only move attention between micro-batches at the same makespan, not a clear gain)
+    kept = ~(times < rank.times * (1.0 - FASTER_RTOL))
+    values = np.where(kept[prices.rank_of], rank.values[prices.rank_of], values)
+    per_rank = [np.zeros(0)] * pipe.num_ranks
+    means = rank.values.astype(np.float64).copy()
+    for g, v in zip(prices.groups, prices.split(values), strict=True):
+        for i, r in enumerate(g.ranks.tolist()):
+            per_rank[r] = v[i].copy()
+            means[r] = rank.values[r] if kept[r] else float(v[i].mean())
+    return MicroBatchDecision(
+        budgets=tuple(per_rank),
+        mean_budgets=means,
+        times_after=np.where(kept, rank.times, times),
+        density_after=np.where(kept, rank.density, density),
+        attention_after=np.where(kept, rank.attention, attention),
+        anchor_seconds=t_anchor,
+        kept=kept,
+    )
+
+
+def _even_makespans(prices: MicroBatchPrices, t0: np.ndarray) -> np.ndarray:
+    """``(R,)`` each pipeline's makespan with its micro-batches evened at ``(E,)`` times ``t0``
+    (each one their mean, heads too)."""
+    pipe, out = prices.pipe, np.zeros(prices.pipe.num_ranks)
+    for g, head, a0 in zip(prices.groups, pipe.heads, prices.split(t0), strict=True):
+        mean = np.broadcast_to(a0.mean(axis=1, keepdims=True), a0.shape)
+        out[g.ranks] = layered_makespans(mean, head.mean(axis=1, keepdims=True), pipe.layers, pipe.ratio)
+    return out
+
+
+def _targets(config: DSTConfig, t_anchor: float, span_base: np.ndarray, span_floor: np.ndarray) -> np.ndarray:
+    """``(R,)`` each pipeline's makespan target before the caps (step 3 of the module docstring)."""
+    threshold = (1.0 + config.tolerance) * t_anchor
+    cut = span_base > threshold
+    if config.mode == "down":
+        return np.where(cut, threshold, span_base)
+    post_cut = float(np.where(cut, np.maximum(threshold, span_floor), span_base).max(initial=0.0))
+    raise_to = t_anchor if config.raise_to == "anchor" else post_cut
+    return np.where(cut, threshold, np.maximum(raise_to, span_base))
+
+
+def _levels(prices: MicroBatchPrices, lower: np.ndarray, upper: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """``(E,)`` each micro-batch's pipeline's :func:`_water_level` for ``(R,)`` targets, between
+    ``(E,)`` lower and upper micro-batch times."""
+    pipe, level = prices.pipe, np.zeros(prices.size)
+    for g, head, lv, lo, hi in zip(
+        prices.groups, pipe.heads, prices.split(level), prices.split(lower), prices.split(upper), strict=True
+    ):
+        lv[...] = _water_level(lo, hi, head, target[g.ranks], pipe)[:, None]
+    return level
+
+
+def _water_level(tf: np.ndarray, th: np.ndarray, head: np.ndarray, target: np.ndarray, pipe) -> np.ndarray:
+    """``(n,)`` the highest level ``tau`` whose makespan with micro-batch times
+    ``clip(tau, tf, th)`` (``(n, M)``: the lowest and highest times) is within ``target``
+    (``>=`` the makespan at ``tf``): a bisection to :data:`LEVEL_RTOL`."""
+
+    def span(tau: np.ndarray) -> np.ndarray:
+        return layered_makespans(np.clip(tau[:, None], tf, th), head, pipe.layers, pipe.ratio)
+
+    a, b = tf.min(axis=1), th.max(axis=1)  # span(a) is the floors' makespan: feasible
+    top = span(b) <= target
+    a = np.where(top, b, a)
+    for _ in range(200):  # a safeguard; the tolerance stops it after ~24 passes
+        open_ = b - a > LEVEL_RTOL * np.abs(b)
+        if not open_.any():
+            break
+        mid = 0.5 * (a + b)
+        ok = span(mid) <= target
+        a, b = np.where(open_ & ok, mid, a), np.where(open_ & ~ok, mid, b)
+    return a
