@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     ("ops",),  # the attention op
     ("models", "tasks", "data", "batching", "tuning", "latency", "parallel"),  # library stages
-    ("evaluation", "simulate", "timeline"),  # built from the stages
+    ("evaluation", "simulate", "timeline", "report_pipeline"),  # built from the stages
     ("engine",),  # the step engine below every front end
     ("report", "train"),  # the CLI trainer (own loop) and its reports
     ("integrations", "hf"),  # other trainers (HF Trainer, TRL, loops) over the engine
