@@ -188,8 +188,8 @@ class PipelineExecutor:
         if not layout.first:
             sent = op.inputs.grad.to(self.wire)
             sends.append((dist.isend(sent, layout.rank(layout.dp, layout.stage - 1)), sent))
-        op.inputs = None if layout.last else op.inputs  # the last stage's loss stays for the record
-        op.output = op.output.detach() if layout.last else None
+        # its activations are freed now; the last stage keeps the loss (detached) for the record
+        op.inputs, op.output = None, (op.output.detach() if layout.last else None)
 
     def _result(self, op: _Op, origin: Mark) -> MicroBatchResult:
         """This stage's share of one micro-batch (after the synchronize)."""

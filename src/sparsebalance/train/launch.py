@@ -118,8 +118,9 @@ def default_nproc(cfg: TrainConfig, requested: int | None, cpu: int = CPU_NPROC)
         return requested
     if cfg.emulate_ranks:
         return 1
-    found = torch.cuda.device_count() if uses_cuda(cfg) else cpu
-    return found if found % cfg.pp == 0 else cfg.pp  # CPU --pp P: one pipeline of P processes
+    if uses_cuda(cfg):
+        return torch.cuda.device_count()  # one per GPU: a --pp that does not divide it is refused
+    return cpu if cpu % cfg.pp == 0 else cfg.pp  # CPU --pp P: one pipeline of P processes
 
 
 def check_device(cfg: TrainConfig) -> None:
