@@ -60,8 +60,10 @@ ROWS = {  # name -> (planner strategy, DST mode)
 }
 CONFIG = Path(__file__).parent / "configs" / "table1.toml"
 PIPELINE_NOTE = (
-    "Pipelines (--pp {pp}): every data-parallel rank is a 1F1B pipeline of {pp} stages (layers split "
-    "evenly, the LM head on the last stage, backward = 2 x forward, sends free); iteration = the "
+    "Pipelines (--pp {pp}): every data-parallel rank is a 1F1B pipeline of {pp} stages (layers per stage "
+    "{split}, balanced against the LM head on the last stage, weighed from the model's shapes as "
+    "{head:.2f} layers: the trainer's split, used by the planner, DST and the pricing alike; backward = "
+    "2 x forward, sends free); iteration = the "
     "slowest pipeline's makespan, bubbles included; imbalance = max / mean micro-batch time (the "
     "paper's), pipeline imbalance = max / mean makespan, device idle = the mean idle share of the "
     "DP x PP devices. SAB and DST are pipeline-aware (issue 44, point 2): SAB packs each rank's "
@@ -222,6 +224,17 @@ def format_rows(rows: dict) -> str:
 
 
 # ---------------------------------------------------------------------- simulated (paper scale)
+def pipeline_layers(cfg: dict, pp: int) -> tuple[tuple[int, ...], float]:
+    """The simulated model's layers per stage at ``--pp pp`` (the trainer's balanced split; empty
+    at pp 1) and its LM head's weight in layers."""
+    from sparsebalance.batching.schedule import head_layers
+    from sparsebalance.models import load_shapes
+    from sparsebalance.simulate.scenario import pipeline_split
+
+    shapes = load_shapes(cfg["simulated"]["model"])
+    return pipeline_split(shapes, shapes.num_layers, pp), head_layers(shapes)
+
+
 def simulated(cfg: dict, args) -> dict:
     from sparsebalance.latency import LatencyModel, analytic_profile
     from sparsebalance.models import load_shapes
@@ -266,6 +279,7 @@ def simulated(cfg: dict, args) -> dict:
                 dst=dst,
                 block_size=s["block_size"],
                 pipeline_stages=args.pp,
+                stage_layers=pipeline_layers(cfg, args.pp)[0],
             )
             st, ov = res["strategies"], res["overhead_seconds"]
             key_name = f"{mix}/DP{r}" + (f" PP{args.pp}" if args.pp > 1 else "")
@@ -395,7 +409,8 @@ def main() -> int:
     notes = f"Settings: {args.config}{other}{quick}; load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}."
     if args.pp > 1:
         note = MEASURED_PIPELINE_NOTE if args.mode == "gloo" else PIPELINE_NOTE
-        notes += f"\n\n{note.format(pp=args.pp)}\n\n{LBB_NOTE}"
+        split, head = pipeline_layers(cfg, args.pp)
+        notes += f"\n\n{note.format(pp=args.pp, split=list(split), head=head)}\n\n{LBB_NOTE}"
     md, _ = write_results(
         args.out,
         f"table1-{args.mode}{f'-pp{args.pp}' if args.pp > 1 else ''}{'-quick' if args.quick else ''}",

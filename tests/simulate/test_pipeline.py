@@ -162,3 +162,30 @@ def test_cli_pp(capsys):
     assert "--pp must be >= 1" in capsys.readouterr().err
     assert cli_main([*base, "--pp", "25"]) == 2  # qwen2.5-0.5b has 24 layers
     assert "more pipeline stages than the model's 24 layers" in capsys.readouterr().err
+
+
+def test_the_simulator_prices_the_given_split():
+    """``stage_layers``: the stage times, the planner, DST and the step's makespan all use it;
+    the simulate command splits as the trainer does (``balanced_layers`` from the shapes)."""
+    from sparsebalance.batching.schedule import balanced_layers, head_layers
+    from sparsebalance.simulate.pipeline import stage_seconds
+
+    shapes = load_shapes("qwen2.5-0.5b")  # 24 layers, a head of ~9 layers
+    model = LatencyModel(analytic_profile(shapes, "h200", block_size=128))
+    split = tuple(balanced_layers(24, 4, head_layers(shapes)).tolist())
+    assert split == (8, 8, 7, 1)
+    st = stage_seconds(model, np.array([[4096, 1024]]), np.array([[0.3, 0.5]]), 4, split)
+    assert st[0, 2] == pytest.approx(st[0, 0] * 7 / 8)  # 7 layers against 8
+    rng = np.random.default_rng(1)
+    batch = (rng.integers(256, 16384, 16), np.full(16, 0.3))
+    kw = dict(micro_batches=4, block_size=128, strategies=["sab", "sab+dst"], pipeline_stages=4)
+    even = simulate_steps([batch], 2, model, **kw)
+    balanced = simulate_steps([batch], 2, model, stage_layers=split, **kw)
+    for name in ("baseline", "sab", "sab+dst"):  # the head's stage was the bottleneck
+        assert balanced["strategies"][name]["compute_seconds"] < even["strategies"][name]["compute_seconds"]
+    with pytest.raises(ValueError, match="summing to the model's 24 layers"):
+        simulate_steps([batch], 2, model, stage_layers=(6, 6, 6, 5), **kw)
+    with pytest.raises(ValueError, match="given without a pipeline"):
+        simulate_steps([batch], 2, model, micro_batches=4, block_size=128, stage_layers=(24,))
+    res = run_simulation(_config(pipeline_stages=4))
+    assert res["stage_layers"] == list(split)

@@ -87,6 +87,12 @@ def _grads_worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:
         names = trainer.stage.names if trainer.stage is not None else list(entries)
         result = {n: entries[n].grad.clone() for n in names if entries[n].grad is not None}
         result[f"reads-{rank}"] = reads
+        if trainer.stage is not None:  # the split the stage runs, and the one the planner and DST price
+            result[f"split-{rank}"] = (
+                trainer.stage.span,
+                trainer.stage.layout.split,
+                trainer.engine.config.stage_layers,
+            )
         dist.destroy_process_group()
     except BaseException:
         result = {"error": traceback.format_exc()}
@@ -104,8 +110,8 @@ def _grads(cfg: TrainConfig, world: int, tmp: Path) -> dict[str, torch.Tensor]:
     return merged
 
 
-def _reads(grads: dict) -> dict:
-    return {k: grads.pop(k) for k in [k for k in grads if k.startswith("reads-")]}
+def _reads(grads: dict, prefix: str = "reads-") -> dict:
+    return {k: grads.pop(k) for k in [k for k in grads if k.startswith(prefix)]}
 
 
 @pytest.mark.distributed
@@ -120,6 +126,11 @@ def test_two_stages_give_one_processs_gradients(tmp_path):
     have = _grads(_cfg(two, pp=2), 2, two)
     _reads(want)
     assert _reads(have) == {"reads-0": [[]], "reads-1": [[]]}
+    # the tiny model's head weighs ~1.33 layers: 3 + 1 layers, run and priced alike on both stages
+    assert _reads(have, "split-") == {
+        "split-0": (range(0, 3), (3, 1), (3, 1)),
+        "split-1": (range(3, 4), (3, 1), (3, 1)),
+    }
     assert sorted(have) == sorted(want)
     for name, grad in want.items():
         torch.testing.assert_close(have[name], grad, rtol=1e-5, atol=1e-7, msg=name)
@@ -129,6 +140,8 @@ def test_two_stages_give_one_processs_gradients(tmp_path):
 def test_a_pipeline_resumes_exactly(tmp_path):
     cfg = _cfg(tmp_path, pp=2, steps=4, checkpoint_every=2, dst=DSTConfig(mode="bidirectional", budget="gamma"))
     full = run_ranks(cfg, 2, tmp_path)
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step-000002" / "state.pt", weights_only=False)
+    assert state["pipeline"] == {"stages": 2, "layers": [3, 1]}  # a resume with another split is refused
     again = tmp_path / "again"
     again.mkdir()
     shutil.copytree(tmp_path / "run" / "checkpoints", again / "run" / "checkpoints")
@@ -185,7 +198,32 @@ def test_more_stages_than_layers_and_a_world_they_do_not_divide_are_refused(tmp_
         check_pipeline_model(model.config, 5)
     with pytest.raises(ValueError, match=r"--pp 2 must divide the number of processes \(3\)"):
         PipelineLayout.of(0, 3, 2)
-    assert [PipelineLayout.of(r, 4, 2).layers(4) for r in range(4)] == [range(0, 2), range(2, 4)] * 2
+    assert [PipelineLayout.of(r, 4, 2).layers(4) for r in range(4)] == [range(0, 2), range(2, 4)] * 2  # no split: even
+    assert [PipelineLayout.of(r, 4, 2, (3, 1)).layers(4) for r in range(4)] == [range(0, 3), range(3, 4)] * 2
+    with pytest.raises(ValueError, match=r"a split of 3 stages"):
+        PipelineLayout.of(0, 4, 2, (2, 1, 1))
+    with pytest.raises(ValueError, match=r"summing to the model's 4 layers"):
+        PipelineLayout.of(0, 4, 2, (3, 2)).layers(4)
+
+
+def test_the_trainers_stages_split_the_layers_by_cost(tmp_path):
+    """``build.pipeline_stage``: the tiny model's LM head (H x V = 1.33 layers of FLOPs) puts 3
+    layers on the first stage and 1 beside the head (max stage cost 3, not 2 + 1.33); the stages
+    hold every layer once."""
+    from sparsebalance.engine.runtime import Runtime
+    from sparsebalance.models.hf import build_model
+    from sparsebalance.train import build
+
+    cfg = _cfg(tmp_path, pp=2)
+    stages = []
+    for rank in range(2):
+        model = build_model("tiny", "cpu", torch.float32, seed=0)
+        stages.append(build.pipeline_stage(cfg, Runtime(rank, 2, torch.device("cpu")), model))
+    assert [s.layout.split for s in stages] == [(3, 1), (3, 1)]
+    assert [s.span for s in stages] == [range(0, 3), range(3, 4)]
+    assert sorted(n for s in stages for n in s.names if ".layers." in n) == sorted(
+        n for n in build_model("tiny", "cpu", torch.float32, seed=0).state_dict() if ".layers." in n
+    )
 
 
 def test_resuming_with_another_pp_is_refused(tmp_path):

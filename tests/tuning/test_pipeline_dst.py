@@ -36,11 +36,11 @@ def tuner(mode="bidirectional"):
     return DSTTuner(DSTConfig(mode=mode, anchor="mean", p=0.5, budget_tokens=512), block_size=64)
 
 
-def makespan_at(cost, mbs, knob, value, stages):
+def makespan_at(cost, mbs, knob, value, stages, split=()):
     n = max(len(m.lengths) for m in mbs)
     lengths = np.array([list(m.lengths) + [0] * (n - len(m.lengths)) for m in mbs])
     d0 = np.array([list(m.densities) + [1.0] * (n - len(m.densities)) for m in mbs])
-    st = stage_seconds(cost, lengths, knob.density(lengths, d0, value), stages)
+    st = stage_seconds(cost, lengths, knob.density(lengths, d0, value), stages, split)
     return one_f_one_b(*split_forward_backward(st)).makespan
 
 
@@ -100,3 +100,26 @@ def test_bad_pipeline_stages_refused():
     with pytest.raises(ValueError, match="--pp must be an integer >= 1"):
         t.decide(PLAN, cost, pipeline_stages=0)
     assert stage_layers(8, 3).tolist() == [3, 3, 2]
+
+
+def test_workload_and_decide_price_the_given_split():
+    """``stage_layers``: the workload prices each rank as the simulator does with that split, not
+    the even one; ``decide`` builds it from the split and refuses a workload of another."""
+    cost, t = EightLayers(), tuner()
+    split = (3, 2, 2, 1)
+    work = PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), 4, stage_layers=split)
+    even = PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), 4)
+    assert work.layers.tolist() == list(split) and even.layers.tolist() == [2, 2, 2, 2]
+    lengths = np.array([[2000, 2000, 2000, 2000]] + [[10, 0, 0, 0]] * 3)
+    st = stage_seconds(cost, lengths, np.full(lengths.shape, 0.5), 4, split)
+    assert st[0, :3] / np.array([3, 2, 2]) == pytest.approx(np.full(3, st[0, 0] / 3))
+    got, base = work.seconds(np.full(2, t.base)), even.seconds(np.full(2, t.base))
+    want = [makespan_at(cost, PLAN[r], t.knob, t.base, 4, split) for r in range(2)]
+    assert got == pytest.approx(want, rel=1e-12)
+    assert not np.allclose(got, base)  # the split changes the makespans DST reads
+    flat = t.decide(PLAN, cost, pipeline_stages=4, stage_layers=split, per_microbatch=False)
+    assert [r.predicted_before for r in flat.ranks] == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match=r"a workload of stages \[2, 2, 2, 2\]"):
+        t.decide(PLAN, cost, even, pipeline_stages=4, stage_layers=split)
+    with pytest.raises(ValueError, match="summing to the model's 8 layers"):
+        PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), 4, stage_layers=(3, 3, 3, 3))

@@ -10,8 +10,8 @@ thing to even: a rank holding one long document has a long critical path at the 
 
 Pricing (the planner's, a surrogate of the cost model): a micro-batch's time is the micro-batch
 overhead plus its items' ``doc_seconds`` (additive, as SAB's rank-level search), spread over the
-stages by their layer share (:func:`~.schedule.stage_layers`; the LM head's small term spread
-with it), backward = 2 x forward; the makespan is the exact 1F1B one
+stages by their layer share (``PlanConfig.stage_layers``, :func:`~.schedule.resolve_layers`;
+the LM head's small term spread with it), backward = 2 x forward; the makespan is the exact 1F1B one
 (:func:`~.schedule.makespans`).
 
 Per rank (:func:`pack_rank`): LPT on item cost into micro-batches (:func:`~.strategies.
@@ -36,7 +36,7 @@ import numpy as np
 
 from ..workload import CostModel
 from .plan import Items, flatten_packs, padded_packs, predict_packs
-from .schedule import BACKWARD_RATIO, head_seconds, layered_makespans, stage_layers
+from .schedule import BACKWARD_RATIO, head_seconds, layered_makespans, resolve_layers
 from .strategies import RankItems, RankPacks, Regime, pack_balanced
 
 EXHAUSTIVE_ORDER = 6
@@ -50,13 +50,14 @@ class PipelineShape:
     """How the planner prices a rank's micro-batches as a 1F1B pipeline."""
 
     layers: np.ndarray
-    """``(P,)`` layers per stage (:func:`~.schedule.stage_layers`)."""
+    """``(P,)`` layers per stage (:func:`~.schedule.resolve_layers`)."""
     ratio: float = BACKWARD_RATIO
     """Backward seconds per forward second."""
 
     @classmethod
-    def of(cls, num_layers: int, num_stages: int) -> PipelineShape:
-        return cls(stage_layers(num_layers, num_stages))
+    def of(cls, num_layers: int, num_stages: int, split: tuple[int, ...] = ()) -> PipelineShape:
+        """``split``: layers per stage (``PlanConfig.stage_layers``); empty = the even split."""
+        return cls(resolve_layers(num_layers, num_stages, split))
 
     @property
     def num_stages(self) -> int:

@@ -101,6 +101,11 @@ class PlanConfig:
     makespan and evens the ranks' makespans, not their totals (:mod:`.pipeline`); the other
     strategies are unchanged. At most the model's layers; not with ``sab-cp``. 1: no pipeline,
     every plan exactly as without the field."""
+    stage_layers: tuple[int, ...] = ()
+    """Decoder layers per pipeline stage (P entries, each >= 1, summing to the model's layers; the
+    trainer's split, :func:`~.schedule.balanced_layers`); empty: the even split
+    (:func:`~.schedule.stage_layers`). The planner prices stages with it, as DST, the simulator
+    and the trainer's stages do."""
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
@@ -139,6 +144,11 @@ class PlanConfig:
             raise ValueError(f"--pp must be an integer >= 1, got {p!r}")
         if p > 1 and self.strategy == "sab-cp":
             raise ValueError(f"--pp {p}: pipelines are not planned with context-parallel plans (sab-cp); use --pp 1")
+        split = self.stage_layers
+        if not isinstance(split, tuple) or not all(isinstance(n, int) and not isinstance(n, bool) for n in split):
+            raise ValueError(f"stage_layers must be a tuple of integers, got {split!r}")
+        if split and (len(split) != p or min(split) < 1):
+            raise ValueError(f"stage_layers {split}: need one entry >= 1 per pipeline stage (--pp {p})")
 
 
 def plan_batch(
@@ -379,7 +389,7 @@ def _sab_pipeline(items: Items, regime: Regime, cost_model, config: PlanConfig):
     predicted slower than without."""
     r = config.world_size
     iters = 4 * r + 64 if config.local_search_iters is None else config.local_search_iters
-    shape = PipelineShape.of(cost_model.num_layers, config.pipeline_stages)
+    shape = PipelineShape.of(cost_model.num_layers, config.pipeline_stages, config.stage_layers)
     tokens_packs = _baseline("tokens", items, regime, cost_model, config)
     ranks = lpt_ranks(items.cost, r, regime, items.tokens)
     ranks, moves = local_search(ranks, items.cost, items.tokens, regime, iters, config.neighbors)

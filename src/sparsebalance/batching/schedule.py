@@ -13,8 +13,12 @@ the bubbles they make; with equal times f and b the makespan is ``(M + P - 1) (f
 :func:`one_f_one_b` solves it for one pipeline; :func:`makespans` for many pipelines of the same
 (M, P) at once (one numpy pass per op, in a dependency order computed once per (M, P)).
 
-The layers are split into P contiguous stages of ``L // P`` layers, the first ``L % P`` stages one
-more (:func:`stage_layers`); forward : backward is a fixed ratio, backward = 2 x forward by
+The layers are split into P contiguous stages. The even split (:func:`stage_layers`: ``L // P``
+each, the first ``L % P`` stages one more) ignores the LM head on the last stage; the balanced one
+(:func:`balanced_layers`, weighing the head by :func:`head_layers`) gives the last stage fewer
+layers when the head costs more than a layer (Qwen2.5-3B at P = 4: 10/10/10/6, not 9/9/9/9).
+Everything that prices or runs a pipeline takes one split (a ``stage_layers`` tuple; empty =
+even; :func:`resolve_layers`). Forward : backward is a fixed ratio, backward = 2 x forward by
 default (:data:`BACKWARD_RATIO`), since latency models predict their sum.
 """
 
@@ -25,6 +29,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..models import ModelShapes
 from ..workload import CostModel
 
 BACKWARD_RATIO = 2.0
@@ -136,6 +141,66 @@ def stage_layers(num_layers: int, num_stages: int) -> np.ndarray:
         raise ValueError(f"--pp {num_stages}: more pipeline stages than the model's {num_layers} layers")
     out = np.full(num_stages, num_layers // num_stages, dtype=np.int64)
     out[: num_layers % num_stages] += 1
+    return out
+
+
+def head_layers(shapes: ModelShapes) -> float:
+    """The LM head's weight in decoder layers, as FLOPs per token: the head GEMM ``H x V`` over
+    one layer's projections (q, k, v, o) and MLP (gate, up, down),
+    ``H (Hq D) + 2 H (Hkv D) + (Hq D) H + 3 H I``.
+
+    Attention's own FLOPs are left out: they are sparse and depend on the documents' lengths, so
+    no fixed number stands for them (leaving them out slightly overweights the head for long
+    documents). Shapes, not a measured latency profile, so the split is fixed by the model alone:
+    a resumed run may change ``--profile`` but not its per-stage optimizer states. The embedding
+    lookup (first stage) and the final norm are negligible and not counted. Qwen2.5-3B: ~4.04;
+    the tiny model: ~1.33.
+    """
+    h, d = shapes.hidden_size, shapes.head_dim
+    q, kv = shapes.num_heads * d, shapes.num_kv_heads * d
+    layer = h * q + 2 * h * kv + q * h + 3 * h * shapes.intermediate_size
+    return float(h * shapes.vocab_size) / float(layer)
+
+
+def balanced_layers(num_layers: int, num_stages: int, head_layers: float) -> np.ndarray:
+    """``(P,)`` layers per stage, contiguous, minimising the largest stage cost: its layers, plus
+    ``head_layers`` on the last stage; every stage >= 1 layer.
+
+    The first P - 1 stages share what the last leaves as :func:`stage_layers` does. Among splits
+    of equal largest cost: the even split (:func:`stage_layers`) first, so a head of under a layer
+    changes nothing; then the one with more layers on the last stage. O(L).
+    """
+    even = stage_layers(num_layers, num_stages)  # validates --pp against the layers
+    if not (np.isfinite(head_layers) and head_layers >= 0):
+        raise ValueError(f"head_layers must be finite and >= 0, got {head_layers!r}")
+    p = num_stages
+    if p == 1:
+        return even
+
+    def cost(last: int) -> float:
+        return max(-(-(num_layers - last) // (p - 1)), last + head_layers)
+
+    best = int(even[-1])
+    for last in range(num_layers - p + 1, 0, -1):  # more layers on the last stage first
+        if cost(last) < cost(best) - 1e-9:
+            best = last
+    if best == even[-1]:
+        return even
+    return np.append(stage_layers(num_layers - best, p - 1), best)
+
+
+def resolve_layers(num_layers: int, num_stages: int, split: tuple[int, ...] = ()) -> np.ndarray:
+    """``(P,)`` layers per stage: ``split`` checked against the model (P entries, each >= 1,
+    summing to ``num_layers``), or the even split (:func:`stage_layers`) when it is empty."""
+    even = stage_layers(num_layers, num_stages)
+    if not split:
+        return even
+    out = np.asarray(split, dtype=np.int64)
+    if out.shape != (num_stages,) or (out < 1).any() or int(out.sum()) != num_layers:
+        raise ValueError(
+            f"stage_layers {tuple(split)}: need {num_stages} stages of >= 1 layer summing to the "
+            f"model's {num_layers} layers"
+        )
     return out
 
 

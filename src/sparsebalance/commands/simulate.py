@@ -140,8 +140,9 @@ def main(args: argparse.Namespace) -> int:
     )
     if config.pipeline_stages > 1:
         print(
-            f"pipelines: each rank is a 1F1B pipeline of {config.pipeline_stages} stages (makespan, "
-            "bubbles included); sab packs and orders micro-batches for it and DST anchors on it"
+            f"pipelines: each rank is a 1F1B pipeline of {config.pipeline_stages} stages (layers per stage "
+            f"{summary['stage_layers']}; makespan, bubbles included); sab packs and orders micro-batches "
+            "for it and DST anchors on it"
         )
     for res in summary["results"]:
         print(

@@ -165,7 +165,10 @@ class StepEngine:
             decision = decide_units(self.tuner, plan, self.cost or self.latency)
         else:
             # a pipeline's ranks are timed by their 1F1B makespans (anchor, cuts and raises)
-            decision = self.tuner.decide(plan.ranks, self.latency, pipeline_stages=self.config.pipeline_stages)
+            cfg = self.config
+            decision = self.tuner.decide(
+                plan.ranks, self.latency, pipeline_stages=cfg.pipeline_stages, stage_layers=cfg.stage_layers
+            )
         scale = self.world_size / max(planned.global_weight, 1e-9)
         tuned = TunedStep(planned, decision, scale, time.perf_counter() - t0)
         self._layers = [*self._layers[-1:], _StepLayers(tuned)]

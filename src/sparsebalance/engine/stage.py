@@ -3,9 +3,10 @@ layers, the embedding with the first stage, the final norm, LM head and loss wit
 
 Where a rank sits (:class:`PipelineLayout`): world rank ``r`` is stage ``r % P`` of data-parallel
 pipeline ``r // P``, so a pipeline's stages are neighbouring ranks (one node's fast links carry the
-activations). Layers are split as the simulator prices them
-(:func:`sparsebalance.batching.schedule.stage_layers`: ``L // P`` each, the first ``L % P`` stages
-one more; the head sits on the last stage, which gets the fewest).
+activations). Layers are split by ``PipelineLayout.split``, the one split the planner, DST and the
+simulator price (the trainer's is :func:`sparsebalance.batching.schedule.balanced_layers`: the last
+stage, which holds the LM head, gets fewer layers when the head costs more than one); empty: the
+even split (:func:`~sparsebalance.batching.schedule.stage_layers`).
 
 :class:`StageModel` keeps the model's own modules and names: the layers of other stages are
 replaced by parameterless ``Identity`` modules, so a stage's state dict has the whole model's keys
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..batching.schedule import stage_layers
+from ..batching.schedule import resolve_layers, stage_layers
 from ..ops.loss import linear_cross_entropy, weighted_cross_entropy
 
 # Decoders whose forward is embed -> rotary -> layers -> norm with nothing else in between (no
@@ -42,12 +43,17 @@ class PipelineLayout:
     stage: int
     dp: int
     dp_size: int
+    split: tuple[int, ...] = ()
+    """Decoder layers per stage (``stages`` entries summing to the model's layers; what
+    ``PlanConfig.stage_layers`` holds); empty: the even split."""
 
     @classmethod
-    def of(cls, rank: int, world_size: int, stages: int) -> PipelineLayout:
+    def of(cls, rank: int, world_size: int, stages: int, split: tuple[int, ...] = ()) -> PipelineLayout:
         if stages < 1 or world_size % stages:
             raise ValueError(f"--pp {stages} must divide the number of processes ({world_size})")
-        return cls(stages, rank % stages, rank // stages, world_size // stages)
+        if split and len(split) != stages:
+            raise ValueError(f"--pp {stages}: a split of {len(split)} stages {tuple(split)}")
+        return cls(stages, rank % stages, rank // stages, world_size // stages, tuple(split))
 
     @property
     def first(self) -> bool:
@@ -62,8 +68,9 @@ class PipelineLayout:
         return dp * self.stages + stage
 
     def layers(self, num_layers: int) -> range:
-        """The decoder layers this stage runs."""
-        counts = stage_layers(num_layers, self.stages)
+        """The decoder layers this stage runs (``ValueError`` if :attr:`split` does not fit a model
+        of ``num_layers``)."""
+        counts = resolve_layers(num_layers, self.stages, self.split)
         start = int(counts[: self.stage].sum())
         return range(start, start + int(counts[self.stage]))
 
@@ -89,6 +96,9 @@ class StageModel(nn.Module):
         self.model, self.layout = model, layout
         decoder = model.get_decoder()
         self.span = layout.layers(len(decoder.layers))
+        self.split = tuple(resolve_layers(len(decoder.layers), layout.stages, layout.split).tolist())
+        """Layers per stage of the whole pipeline (what a checkpoint records: its optimizer states
+        are per stage)."""
         for i in range(len(decoder.layers)):
             if i not in self.span:
                 decoder.layers[i] = nn.Identity()  # no parameters: freed, and not saved

@@ -32,11 +32,12 @@ import numpy as np
 from ..batching import STRATEGIES as PLANNERS
 from ..batching import PlanConfig
 from ..batching.planner import Assignment, assign_batch
+from ..batching.schedule import resolve_layers
 from ..tuning import ANCHORS, DensityCurve, DSTConfig, DSTTuner, Knob, PipelineWorkload, PlanWorkload, UnitWorkload
 from ..tuning.dst import StepArrays
 from ..tuning.records import CUT, RAISED
 from ..workload import CostModel
-from .pipeline import pipeline_record, stage_layers
+from .pipeline import pipeline_record
 from .sparsity import CoverageModel
 
 
@@ -111,6 +112,7 @@ def simulate_steps(
     workers: int = 1,
     overlong: str = "split",
     pipeline_stages: int = 1,
+    stage_layers: tuple[int, ...] = (),
 ) -> dict:
     """Predicted ablation table for explicit global batches (the simulator's and bench-e2e's API).
 
@@ -130,6 +132,8 @@ def simulate_steps(
         overlong: ``--overlong`` policy for documents over the capacity (``R x C`` for sab-cp).
         pipeline_stages: ``--pp`` P: each rank is a 1F1B pipeline of P stages and its time is the
             pipeline's makespan (:mod:`~sparsebalance.simulate.pipeline`); 1 = no pipeline.
+        stage_layers: layers per pipeline stage, the one split the planner, DST and the pricing
+            use (the trainer's: ``balanced_layers(L, P, head_layers(shapes))``); empty = even.
 
     Returns:
         JSON-ready dict: ``world_size``, ``num_steps``, ``strategies`` (name -> summary: mean step
@@ -142,11 +146,13 @@ def simulate_steps(
     strats = resolve_strategies(strategies)
     # validates --micro-batches / --capacity / --overlong now
     PlanConfig(world_size, micro_batches, capacity, overlong=overlong)
+    if stage_layers and pipeline_stages == 1:
+        raise ValueError(f"stage_layers {tuple(stage_layers)} given without a pipeline (pipeline_stages 1)")
     cover = CoverageModel(knob.density, dst.gamma0) if coverage else None
     job = _Job(world_size, cost_model, micro_batches, capacity, tuple(strats), dst, knob, overlong, cover)
     if pipeline_stages != 1:
-        _check_pipeline(pipeline_stages, cost_model, strats)
-        job = replace(job, pipeline_stages=pipeline_stages)
+        _check_pipeline(pipeline_stages, cost_model, strats, stage_layers)
+        job = replace(job, pipeline_stages=pipeline_stages, stage_layers=tuple(stage_layers))
     return _summarize(_run_steps(job, steps, workers), strats, world_size, step_overhead, show_step)
 
 
@@ -190,6 +196,7 @@ class _Job:
     overlong: str = "split"
     coverage: CoverageModel | None = None
     pipeline_stages: int = 1
+    stage_layers: tuple[int, ...] = ()
 
     def planner_densities(self, batch: StepBatch) -> np.ndarray:
         """What SAB prices each document at: its density at gamma0 (gamma), or at the base k
@@ -205,14 +212,14 @@ class _Job:
             if s.planner not in works:  # one plan per planner (baseline and dst share one)
                 cfg = PlanConfig(self.world_size, self.micro_batches, self.capacity, s.planner, self.overlong)
                 if self.pipeline_stages > 1:  # sab packs for the pipelines' makespans
-                    cfg = replace(cfg, pipeline_stages=self.pipeline_stages)
+                    cfg = replace(cfg, pipeline_stages=self.pipeline_stages, stage_layers=self.stage_layers)
                 t0 = time.perf_counter()
                 a = assign_batch(batch.lengths, dens, self.cost_model, cfg)
                 plan_s = time.perf_counter() - t0
                 work = _workload(a, self.cost_model, self.knob, batch.densities, self.coverage)
                 t0 = time.perf_counter()
                 if self.pipeline_stages > 1:  # DST reads makespans (heads priced once per plan)
-                    work = PipelineWorkload(work, self.pipeline_stages)
+                    work = PipelineWorkload(work, self.pipeline_stages, stage_layers=self.stage_layers)
                 works[s.planner] = (work, {**_cp_stats(a), "plan_s": plan_s, "pipe_s": time.perf_counter() - t0})
             cfg = replace(self.dst, mode=s.dst_mode, anchor=s.anchor or self.dst.anchor)
             # sab+dst and sab+dst@<default anchor> are the same decision: made once.
@@ -225,16 +232,21 @@ class _Job:
                 decided[s.planner, cfg] = {**_record(dec, work), **stats, "dst_s": dst_s}
                 if self.pipeline_stages > 1:  # a rank's time is its pipeline's makespan
                     rec = pipeline_record(
-                        work.work, dec.budgets, self.pipeline_stages, mb_values=dec.microbatch_budgets
+                        work.work,
+                        dec.budgets,
+                        self.pipeline_stages,
+                        mb_values=dec.microbatch_budgets,
+                        stage_layers=self.stage_layers,
                     )
                     decided[s.planner, cfg].update(rec)
             out[s.name] = decided[s.planner, cfg]
         return out
 
 
-def _check_pipeline(num_stages, cost_model: CostModel, strats: Sequence[Strategy]) -> None:
-    """``--pp``: at most one stage per layer, and no hybrid CP plans (not modelled in pipelines)."""
-    stage_layers(cost_model.num_layers, num_stages)
+def _check_pipeline(num_stages, cost_model: CostModel, strats: Sequence[Strategy], split: tuple[int, ...]) -> None:
+    """``--pp``: at most one stage per layer, a split that fits the model, and no hybrid CP plans
+    (not modelled in pipelines)."""
+    resolve_layers(cost_model.num_layers, num_stages, tuple(split))
     cp = [s.name for s in strats if s.planner == "sab-cp"]
     if cp:
         raise ValueError(f"--pp: pipelines are not simulated with context-parallel plans ({', '.join(cp)}); use --pp 1")

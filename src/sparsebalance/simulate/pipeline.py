@@ -13,9 +13,10 @@ so heterogeneous micro-batches make the bubbles they make. With equal times f an
 makespan is ``(M + P - 1) (f + b)``; with P = 1 it is the sum of all ops.
 
 How a micro-batch's predicted time (forward + backward, from the latency model) is divided
-(:func:`stage_seconds`): the L transformer layers are split into P contiguous stages of
-``L // P`` layers, the first ``L % P`` stages one layer more (the LM head and loss sit on the last
-stage, which therefore gets the fewest layers); a stage's time is its layers' share of the
+(:func:`stage_seconds`): the L transformer layers are split into P contiguous stages, the given
+split (``stage_layers``: the trainer's, :func:`~sparsebalance.batching.schedule.balanced_layers`,
+which gives the stage holding the LM head and loss fewer layers) or, when none is given, ``L // P``
+layers each, the first ``L % P`` stages one more; a stage's time is its layers' share of the
 micro-batch's per-layer time (attention at the micro-batch's densities plus the rest of the
 layer) plus, on the last stage, the latency model's head term (the embedding lookup is
 negligible and not priced). Forward : backward is split at a fixed ratio, backward = 2 x forward
@@ -42,6 +43,7 @@ from ..batching.schedule import (
     head_seconds,
     makespans,
     one_f_one_b,
+    resolve_layers,
     schedule_order,
     split_forward_backward,
     stage_layers,
@@ -61,11 +63,18 @@ __all__ = [
 ]
 
 
-def stage_seconds(cost_model: CostModel, lengths: np.ndarray, densities: np.ndarray, num_stages: int) -> np.ndarray:
+def stage_seconds(
+    cost_model: CostModel,
+    lengths: np.ndarray,
+    densities: np.ndarray,
+    num_stages: int,
+    stage_layers: tuple[int, ...] = (),
+) -> np.ndarray:
     """``(M, P)`` forward + backward seconds of each micro-batch on each stage.
 
     Args:
         lengths: int ``(M, K)`` documents per micro-batch (0 = empty slot); densities ``(M, K)``.
+        stage_layers: layers per stage (P entries summing to L); empty: the even split.
 
     Each row sums to ``cost_model.predict_many(lengths, densities)`` (up to rounding): per-layer
     time x the stage's layers, and the remainder (the head term,
@@ -73,7 +82,7 @@ def stage_seconds(cost_model: CostModel, lengths: np.ndarray, densities: np.ndar
     """
     lengths = np.asarray(lengths)
     densities = np.asarray(densities, dtype=np.float64)
-    layers = stage_layers(cost_model.num_layers, num_stages)
+    layers = resolve_layers(cost_model.num_layers, num_stages, stage_layers)
     total = np.asarray(cost_model.predict_many(lengths, densities), dtype=np.float64)
     head = head_seconds(cost_model, lengths, densities, total)
     per_layer = (total - head) / cost_model.num_layers
@@ -89,11 +98,12 @@ def pipeline_record(
     ratio: float = BACKWARD_RATIO,
     *,
     mb_values: Sequence[np.ndarray] | None = None,
+    stage_layers: tuple[int, ...] = (),
 ) -> dict:
     """A simulated step's pipeline numbers for a :class:`~sparsebalance.tuning.PlanWorkload`
     priced at per-rank knob values ``(R,)``, or per micro-batch: ``mb_values`` (one ``(M_r,)``
     per rank, DST's budgets per micro-batch of a pipeline); what the engine's record reads
-    instead of rank sums.
+    instead of rank sums. ``stage_layers``: layers per stage (empty: the even split).
 
     Returns: ``compute`` (slowest pipeline's makespan), ``mean_rank`` (mean makespan),
     ``rank_times`` ``(R,)`` makespans, ``device_idle`` (mean idle share of the R x P devices in
@@ -111,7 +121,7 @@ def pipeline_record(
             per_mb = np.stack([np.asarray(mb_values[r], dtype=np.float64) for r in g.ranks.tolist()])[..., None]
         dens = work.knob.density(g.lengths, g.d0, per_mb)
         for i, rank in enumerate(g.ranks.tolist()):
-            st = stage_seconds(work.cost_model, g.lengths[i], dens[i], num_stages)
+            st = stage_seconds(work.cost_model, g.lengths[i], dens[i], num_stages, stage_layers)
             res = one_f_one_b(*split_forward_backward(st, ratio))
             makespans[rank] = res.makespan
             busy[rank] = res.busy

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .. import flags
+from ..batching.schedule import balanced_layers, head_layers, stage_layers
 from ..latency import (
     ACCELERATORS,
     LatencyModel,
@@ -252,7 +253,11 @@ def run_simulation(config: SimConfig) -> dict:
             res = _simulate_one(config, model, cost, shapes, r)
         res["wall_seconds"] = time.perf_counter() - t0
         results.append(res)
-    return _describe(config, desc, results)
+    out = _describe(config, desc, results)
+    if config.pipeline_stages > 1:
+        split = pipeline_split(shapes, model.num_layers, config.pipeline_stages)
+        out["stage_layers"] = list(split) or stage_layers(model.num_layers, config.pipeline_stages).tolist()
+    return out
 
 
 def _simulate_one(config: SimConfig, model: LatencyModel, cost, shapes, r: int) -> dict:
@@ -270,7 +275,17 @@ def _simulate_one(config: SimConfig, model: LatencyModel, cost, shapes, r: int) 
         show_step=config.show_step,
         workers=config.workers,
         pipeline_stages=config.pipeline_stages,
+        stage_layers=pipeline_split(shapes, model.num_layers, config.pipeline_stages),
     )
+
+
+def pipeline_split(shapes: ModelShapes | None, num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """The trainer's layers per stage for ``--pp P`` (:func:`~sparsebalance.batching.schedule.
+    balanced_layers`, the LM head weighed from the model's shapes); without shapes (a measured
+    profile alone) or a pipeline: empty, the even split."""
+    if shapes is None or num_stages == 1:
+        return ()
+    return tuple(balanced_layers(num_layers, num_stages, head_layers(shapes)).tolist())
 
 
 def _describe(config: SimConfig, desc: str, results: list[dict]) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .. import flags
+from ..batching.schedule import balanced_layers, head_layers
 from ..data import load_tokenizer
 from ..data.dataset import TokenizedCorpus, apply_vocabulary, compact_vocabulary, open_corpus, resolve_data
 from ..data.store import is_store
@@ -118,12 +119,16 @@ def checked_model(cfg: TrainConfig, device: torch.device, named: str) -> torch.n
 
 
 def pipeline_stage(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module) -> StageModel | None:
-    """``--pp P``: this rank's stage of ``model`` (the other stages' layers dropped); None without
-    a pipeline."""
+    """``--pp P``: this rank's stage of ``model`` (the other stages' layers dropped), the layers
+    split by cost (:func:`~sparsebalance.batching.schedule.balanced_layers`, the LM head weighed
+    from the model's shapes: fixed by the model alone, so a resumed run splits alike); None
+    without a pipeline."""
     if cfg.pp == 1:
         return None
     check_pipeline_model(model.config, cfg.pp)
-    return StageModel(model, PipelineLayout.of(rt.rank, rt.world_size, cfg.pp))
+    shapes = ModelShapes.from_hf_config(model.config.to_dict())
+    split = tuple(balanced_layers(shapes.num_layers, cfg.pp, head_layers(shapes)).tolist())
+    return StageModel(model, PipelineLayout.of(rt.rank, rt.world_size, cfg.pp, split))
 
 
 def fit_vocabulary(corpus: TokenizedCorpus, model: torch.nn.Module) -> TokenizedCorpus:

@@ -125,7 +125,7 @@ class TrainConfig:
     """ddp (replicated: DistributedDataParallel) | fsdp2 (fully_shard on every decoder layer)."""
     pp: int = 1
     """Pipeline stages per data-parallel rank (1F1B over neighbouring ranks; --nproc = DP x PP,
-    layers split evenly, the head on the last stage); 1: no pipeline. See docs/pipeline.md."""
+    layers split by cost, the last stage holding the LM head gets fewer); 1: no pipeline. See docs/pipeline.md."""
     ranks_per_node: int | None = None
     """Ranks per machine: which ranks share a node's fast links; ``sab-cp`` keeps a unit of up to
     this many ranks inside one node, wider units run the hierarchical ring with a node as inner

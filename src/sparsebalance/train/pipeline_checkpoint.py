@@ -5,7 +5,7 @@
   own names, so ``sparsebalance export``/``eval`` read a pipeline checkpoint as any other.
 - ``state.pt``'s ``optimizer``: one optimizer state per stage, in stage order (a stage's optimizer
   steps only its parameters; every data-parallel pipeline holds the same states, so the first
-  pipeline's are saved), and ``pipeline``: ``{"stages": P}``.
+  pipeline's are saved), and ``pipeline``: ``{"stages": P, "layers": [layers per stage]}``.
 
 Resuming needs the same ``--pp`` (refused before launch otherwise: the optimizer states are
 per stage); rank 0 reads the files and hands every rank its stage's tensors. Rank 0 holds the
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..batching.schedule import stage_layers
 from ..engine.runtime import Runtime
 from ..engine.stage import StageModel
 from .checkpoint import KEEP_LAST, _load, commit_checkpoint, plain
@@ -51,7 +52,7 @@ def save_pipeline_checkpoint(
             model_sd.update(sd)  # a tied embedding is in two stages: the same values
         state = {
             "optimizer": [opt for _, opt in stages],
-            "pipeline": {"stages": layout.stages},
+            "pipeline": {"stages": layout.stages, "layers": list(stage.split)},
             "scheduler": plain(scheduler.state_dict()),
             "rng": plain(rng_states),
             "trainer": plain(trainer_state),
@@ -67,9 +68,18 @@ def load_pipeline_checkpoint(path: Path, stage: StageModel, optimizer, scheduler
     if rt.is_main:
         model_sd = _load(Path(path) / "model.pt")
         state = _load(Path(path) / "state.pt")
-        saved = state.pop("pipeline", {}).get("stages", 1)
+        pipeline = state.pop("pipeline", {})
+        saved = pipeline.get("stages", 1)
         if saved != layout.stages:
             raise ValueError(f"--resume: {path} was saved with --pp {saved}; resume it with --pp {saved}")
+        # checkpoints from before the balanced split record no layers: theirs was the even split
+        layers = tuple(pipeline.get("layers", stage_layers(sum(stage.split), saved).tolist()))
+        if layers != stage.split:
+            raise ValueError(
+                f"--resume: {path} split the layers {list(layers)} over its stages, this version splits them "
+                f"{list(stage.split)} (its optimizer states are per stage): resume it with the version that "
+                "wrote it, or start afresh"
+            )
         payload = (model_sd, state)
     model_sd, state = rt.broadcast_object(payload)
     missing = [n for n in stage.names if n not in model_sd]

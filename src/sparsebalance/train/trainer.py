@@ -133,6 +133,7 @@ class Trainer:
             cp_degree=cfg.cp,
             ranks_per_node=self.topology.ranks_per_node,
             pipeline_stages=cfg.pp,
+            stage_layers=() if self.stage is None else self.stage.layout.split,  # what the stages run
         )
         engine = StepEngine(
             plan,

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..batching.schedule import resolve_layers
 from ..workload import CostModel, MicroBatch
 from .config import ANCHORS, MODES, DSTConfig, add_dst_arguments
 from .curve import DensityCurve
@@ -241,6 +242,7 @@ class DSTTuner:
         pipeline_stages: int = 1,
         *,
         per_microbatch: bool = True,
+        stage_layers: tuple[int, ...] = (),
     ) -> StepDecision:
         """The whole step from the plan (rank -> micro-batches), identical on every rank.
 
@@ -249,7 +251,8 @@ class DSTTuner:
         and the raises read makespans, and ``RankDecision``'s times are makespans. Then each
         micro-batch gets its own budget (``RankDecision.microbatch_budgets``, ``budget`` their
         mean; :mod:`.microbatch_dst`), unless ``per_microbatch`` is False (one budget per
-        pipeline). 1: rank sums, one budget per rank.
+        pipeline). 1: rank sums, one budget per rank. ``stage_layers``: the pipeline's layers per
+        stage (``PlanConfig.stage_layers``; empty = the even split).
 
         Vectorised over ranks (:mod:`.plan_workload`): the same budgets and times as
         :meth:`decide_rank` for every rank, in a few ``predict_many`` calls per search probe.
@@ -263,12 +266,14 @@ class DSTTuner:
         elif not (workload.num_ranks == len(plan) and workload.cost_model is cost_model):
             raise ValueError("decide: the workload was built for another plan, cost model or knob")
         if pipeline_stages != 1 and isinstance(workload, PipelineWorkload):
-            if workload.num_stages != pipeline_stages:
+            split = resolve_layers(cost_model.num_layers, pipeline_stages, stage_layers)
+            if workload.num_stages != pipeline_stages or not np.array_equal(workload.layers, split):
                 raise ValueError(
-                    f"decide: a workload of {workload.num_stages} stages, pipeline_stages {pipeline_stages}"
+                    f"decide: a workload of stages {workload.layers.tolist()}, pipeline_stages {pipeline_stages} "
+                    f"of stages {split.tolist()}"
                 )
         elif pipeline_stages != 1:
-            workload = PipelineWorkload(workload, pipeline_stages)
+            workload = PipelineWorkload(workload, pipeline_stages, stage_layers=stage_layers)
         a = self.decide_arrays(workload, per_microbatch=per_microbatch)
         mbs = [None] * len(plan) if a.microbatch_budgets is None else [tuple(m.tolist()) for m in a.microbatch_budgets]
         ranks = tuple(

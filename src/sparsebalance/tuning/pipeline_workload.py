@@ -14,9 +14,10 @@ micro-batch level (:mod:`.microbatch_dst`) then gives every micro-batch of a pip
 
 Stage times: a micro-batch's predicted seconds at the rank's budget, minus its head term
 (:func:`~sparsebalance.batching.schedule.head_seconds`, priced once at the base budget: a latency
-model's head depends on tokens only), spread over the stages by their layers, the head on the
-last stage; backward = 2 x forward. Exactly what the simulator's
-:func:`~sparsebalance.simulate.pipeline.pipeline_record` prices (up to rounding).
+model's head depends on tokens only), spread over the stages by their layers (``stage_layers``,
+the split the planner and the trainer use; empty = even), the head on the last stage; backward =
+2 x forward. Exactly what the simulator's :func:`~sparsebalance.simulate.pipeline.pipeline_record`
+prices (up to rounding).
 
 Cost per probe: the wrapped workload's ``predict_many`` calls plus one vectorised makespan pass
 (2 M P numpy steps) per group of ranks of the same shape.
@@ -26,22 +27,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..batching.schedule import BACKWARD_RATIO, head_seconds, layered_makespans, stage_layers
+from ..batching.schedule import BACKWARD_RATIO, head_seconds, layered_makespans, resolve_layers
 from .plan_workload import PlanWorkload
 
 
 class PipelineWorkload:
     """The ranks of a :class:`PlanWorkload` as 1F1B pipelines of ``num_stages`` stages:
-    :meth:`seconds` is each rank's makespan with its micro-batches in plan (= run) order."""
+    :meth:`seconds` is each rank's makespan with its micro-batches in plan (= run) order;
+    ``stage_layers``: layers per stage (``PlanConfig.stage_layers``; empty = the even split)."""
 
-    def __init__(self, work: PlanWorkload, num_stages: int, ratio: float = BACKWARD_RATIO) -> None:
+    def __init__(
+        self, work: PlanWorkload, num_stages: int, ratio: float = BACKWARD_RATIO, *, stage_layers: tuple[int, ...] = ()
+    ) -> None:
         self.work = work
         self.num_ranks = work.num_ranks
         self.knob = work.knob
         self.cost_model = work.cost_model
         self.max_lengths = work.max_lengths
         self.num_stages = num_stages
-        self.layers = stage_layers(work.cost_model.num_layers, num_stages)
+        self.layers = resolve_layers(work.cost_model.num_layers, num_stages, stage_layers)
         self.ratio = ratio
         base = float(work.knob.base)
         self._heads = []  # per group (n, M): seconds on the last stage only
