@@ -246,3 +246,24 @@ def test_the_launcher_refuses_a_grid_before_any_process_starts(tmp_path):
     # without --nproc on a CPU: one pipeline when the default count is not a multiple of --pp
     assert default_nproc(_cfg(tmp_path, pp=3), None) == 3
     assert default_nproc(_cfg(tmp_path, pp=2), None) == 2
+
+
+def test_resuming_a_checkpoint_of_another_split_is_one_line(tmp_path):
+    """A pipeline checkpoint records its split; another split (its optimizer states are per stage)
+    is refused by rank 0 and said by every rank, before any state is loaded."""
+    from sparsebalance.engine.stage import PipelineLayout, StageModel
+    from sparsebalance.models.hf import build_model
+    from sparsebalance.train.pipeline_checkpoint import _read
+
+    stage = StageModel(build_model("tiny", "cpu", torch.float32, seed=0), PipelineLayout.of(0, 2, 2, (3, 1)))
+    torch.save({}, tmp_path / "model.pt")
+    torch.save({"pipeline": {"stages": 2, "layers": [2, 2]}}, tmp_path / "state.pt")
+    model_sd, state, error = _read(tmp_path, stage)
+    assert model_sd is None and state is None
+    assert error.startswith(
+        f"--resume: {tmp_path} split the layers [2, 2] over its stages, this version splits them [3, 1]"
+    )
+    torch.save({"pipeline": {"stages": 4}}, tmp_path / "state.pt")
+    assert _read(tmp_path, stage)[2] == f"--resume: {tmp_path} was saved with --pp 4; resume it with --pp 4"
+    torch.save({"pipeline": {"stages": 2, "layers": [3, 1]}}, tmp_path / "state.pt")
+    assert _read(tmp_path, stage)[2] is None

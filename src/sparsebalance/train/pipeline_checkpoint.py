@@ -66,22 +66,10 @@ def load_pipeline_checkpoint(path: Path, stage: StageModel, optimizer, scheduler
     layout = stage.layout
     payload = None
     if rt.is_main:
-        model_sd = _load(Path(path) / "model.pt")
-        state = _load(Path(path) / "state.pt")
-        pipeline = state.pop("pipeline", {})
-        saved = pipeline.get("stages", 1)
-        if saved != layout.stages:
-            raise ValueError(f"--resume: {path} was saved with --pp {saved}; resume it with --pp {saved}")
-        # checkpoints from before the balanced split record no layers: theirs was the even split
-        layers = tuple(pipeline.get("layers", stage_layers(sum(stage.split), saved).tolist()))
-        if layers != stage.split:
-            raise ValueError(
-                f"--resume: {path} split the layers {list(layers)} over its stages, this version splits them "
-                f"{list(stage.split)} (its optimizer states are per stage): resume it with the version that "
-                "wrote it, or start afresh"
-            )
-        payload = (model_sd, state)
-    model_sd, state = rt.broadcast_object(payload)
+        payload = _read(Path(path), stage)
+    model_sd, state, error = rt.broadcast_object(payload)  # rank 0's refusal, said by every rank
+    if error is not None:
+        raise ValueError(error)
     missing = [n for n in stage.names if n not in model_sd]
     if missing:
         raise ValueError(
@@ -91,3 +79,27 @@ def load_pipeline_checkpoint(path: Path, stage: StageModel, optimizer, scheduler
     optimizer.load_state_dict(state.pop("optimizer")[layout.stage])
     scheduler.load_state_dict(state["scheduler"])
     return state
+
+
+def _read(path: Path, stage: StageModel) -> tuple[dict | None, dict | None, str | None]:
+    """Rank 0: the checkpoint's model and state, or the line refusing it for this pipeline."""
+    layout = stage.layout
+    model_sd = _load(path / "model.pt")
+    state = _load(path / "state.pt")
+    pipeline = state.pop("pipeline", {})
+    saved = pipeline.get("stages", 1)
+    if saved != layout.stages:
+        return None, None, f"--resume: {path} was saved with --pp {saved}; resume it with --pp {saved}"
+    # checkpoints from before the balanced split record no layers: theirs was the even split
+    layers = tuple(pipeline.get("layers", stage_layers(sum(stage.split), saved).tolist()))
+    if layers != stage.split:
+        return (
+            None,
+            None,
+            (
+                f"--resume: {path} split the layers {list(layers)} over its stages, this version splits them "
+                f"{list(stage.split)} (its optimizer states are per stage): resume it with the version that "
+                "wrote it, or start afresh"
+            ),
+        )
+    return model_sd, state, None
