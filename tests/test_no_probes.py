@@ -67,19 +67,9 @@ ALLOWED_BY_FILE: dict[str, dict[tuple[str, str], str]] = {
     },
     "commands/eval.py": {
         ("config", "max_position_embeddings"): "a transformers config may lack it: no length check",
-        ("config", "tie_word_embeddings"): "a transformers config may lack it: tied by default",
-    },
-    "train/build.py": {
-        ("model.config", "tie_word_embeddings"): "a transformers config may lack it: tied by default",
     },
     "evaluation/recall.py": {
         ("module", "layer_idx"): "a transformers attention module carries it; a bare one not",
-    },
-    "parallel/watch.py": {
-        ("dist", "DistError"): "torch.distributed's error class, absent before torch 2.2",
-    },
-    "data/tokenizer.py": {
-        ("self._tok", "_tokenizer"): "a transformers fast tokenizer's backend; a slow one has none",
     },
     "hf/callback.py": {
         ("self.trainer", "model_wrapped"): "an HF Trainer's DDP wrapper; no trainer: None",

@@ -33,6 +33,7 @@ from ..engine.kernel import add_block_size_argument, resolve_block_size, resolve
 from ..evaluation.longbench import TRUNCATIONS
 from ..evaluation.metrics import CODE_SIM_BACKENDS
 from ..files import check_output_folder, write_text_atomic
+from ..models.head import tied_head
 from ..ops import Budget, resolve_backend
 from ..results import markdown_table
 from ..tasks import TASKS
@@ -214,7 +215,7 @@ def check_sizes(args: argparse.Namespace, model) -> None:
     if args.pack_tokens < 1:
         raise ValueError(f"--pack-tokens must be >= 1, got {args.pack_tokens}")
     shapes = ModelShapes.from_hf_config(config.to_dict(), name=str(args.model))
-    tied = bool(getattr(config, "tie_word_embeddings", True))  # transformers config: tied by default
+    tied = tied_head(model)  # the weights say whether the head is the embedding
     memory = MemoryModel(shapes, cpu_coefficients(0.0), tied)
     tokens, size = max(longest, args.pack_tokens), DTYPES[args.dtype].itemsize
     need = memory.inference_peak_bytes(tokens, size, args.block_size)

@@ -122,10 +122,12 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids of each text, the same as :meth:`encode`; a fast tokenizer's batch encoder
         (Rust threads) when there is one."""
-        backend = getattr(self._tok, "_tokenizer", None)  # transformers: only a fast tokenizer has it
-        if backend is None:
+        from transformers import PreTrainedTokenizerFast
+
+        if not isinstance(self._tok, PreTrainedTokenizerFast):  # a slow tokenizer: one at a time
             return [np.asarray(self.encode(t), np.int64) for t in texts]
-        return [np.asarray(e.ids, np.int64) for e in backend.encode_batch(texts, add_special_tokens=False)]
+        batch = self._tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, np.int64) for e in batch]
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; ``skip_special_tokens`` drops special tokens (``<|im_end|>`` ...)."""

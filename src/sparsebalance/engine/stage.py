@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..batching.schedule import resolve_layers, stage_layers
+from ..models.head import tied_head
 from ..ops.loss import linear_cross_entropy, weighted_cross_entropy
 
 # Decoders whose forward is embed -> rotary -> layers -> norm with nothing else in between (no
@@ -103,7 +104,7 @@ class StageModel(nn.Module):
             if i not in self.span:
                 decoder.layers[i] = nn.Identity()  # no parameters: freed, and not saved
         self.layers = [decoder.layers[i] for i in self.span]
-        self.tied = bool(model.config.tie_word_embeddings)
+        self.tied = tied_head(model)  # before other stages' modules are dropped
         owned = []
         if layout.first or (layout.last and self.tied):
             owned.append(decoder.embed_tokens)

@@ -26,6 +26,13 @@ def output_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     return head.weight, getattr(head, "bias", None)
 
 
+def tied_head(model: torch.nn.Module) -> bool:
+    """Whether the model's lm-head weight is its input embedding (``tie_word_embeddings``), read
+    from the weights themselves: the fact, whatever the config says or leaves out."""
+    head, embed = _unwrap(model).get_output_embeddings(), _unwrap(model).get_input_embeddings()
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
 def forward_hidden(model: torch.nn.Module, **inputs) -> torch.Tensor:
     """Run ``model(**inputs)`` and return the decoder's last hidden states ``(B, T, H)``
     (after the final norm) instead of logits; no ``(T, V)`` tensor is built."""

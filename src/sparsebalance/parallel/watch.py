@@ -127,7 +127,7 @@ def is_comm_failure(err: BaseException) -> bool:
     """A torch.distributed error (timeout, closed connection), not a bug elsewhere."""
     import torch.distributed as dist
 
-    if isinstance(err, getattr(dist, "DistError", ())):  # torch.distributed has it from 2.2 on
+    if isinstance(err, dist.DistError):  # torch >= 2.6 (pyproject): always there
         return True
     text = str(err).lower()
     # "pair closure": gloo's error for every call on a pair after one of its waits timed out

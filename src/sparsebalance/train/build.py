@@ -32,6 +32,7 @@ from ..latency.memory import (
 from ..latency.memory_fit import find_calibration, memory_fingerprint
 from ..models import ModelShapes, check_attention, check_trainable
 from ..models.checkpointing import apply_activation_checkpointing
+from ..models.head import tied_head
 from ..models.hf import build_model
 from .checkpoint import clean_temporaries
 from .config import RUN_FILES, RUN_STATE, TrainConfig, resolve_strategy, to_record
@@ -150,8 +151,7 @@ def fit_capacity(
     printed says which. ``kernel``: the run's resolved attention kernel (precision, backend)."""
     dev = rt.device
     analytic = device_coefficients(dev, base_rss)
-    # a transformers config may lack the field: tied is its default
-    tied = bool(getattr(model.config, "tie_word_embeddings", True))
+    tied = tied_head(model)  # the weights say whether the head is the embedding
     running = memory_fingerprint(fingerprint(shapes, dev, kernel.precision, kernel.backend, cfg.block_size), tied)
     meta = load_profile(cfg.profile).meta if cfg.profile else None
     cal, source = find_calibration(running, meta, checkpointing=cfg.activation_checkpointing)
