@@ -282,7 +282,7 @@ def test_sigterm_stops_with_one_line_and_a_checkpoint(data):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 128 + signal.SIGTERM
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     ours = _our_lines(err)
     assert len(ours) == 2, err[-2000:]  # the launcher waits, the ranks stop
     assert ours[0].startswith("sparsebalance train: SIGTERM: the ranks finish their step")
