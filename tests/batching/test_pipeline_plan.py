@@ -145,3 +145,45 @@ def test_bad_pipeline_stages_refused_in_one_line(kwargs, match):
 def test_more_stages_than_layers_refused():
     with pytest.raises(ValueError, match="more pipeline stages than the model's 8 layers"):
         plan_batch([Sample(0, 10), Sample(1, 20)], EightLayers(), PlanConfig(1, 2, pipeline_stages=9), densities=[1, 1])
+
+
+def test_a_learned_slow_last_stage_is_priced_into_the_makespan():
+    """``PlanConfig.stage_scales`` / ``backward_ratio`` (a run's measured stages,
+    :mod:`sparsebalance.engine.stage_calibration`): each stage's share times its scale, split at
+    the ratio, is the exact 1F1B makespan the planner prices; the identity prices as before."""
+    from sparsebalance.batching.schedule import spread_stages
+
+    times = np.random.default_rng(7).lognormal(0.0, 0.7, (5, 4))
+    identity, slow = PipelineShape.of(8, 4), PipelineShape.of(8, 4, (), 3.0, (1.0, 1.0, 1.0, 2.0))
+    stages = spread_stages(times, 0.0, identity.layers) * np.array([1.0, 1.0, 1.0, 2.0])
+    want = [reference_makespan(st / 4.0, st * 3.0 / 4.0) for st in stages]
+    assert slow.makespans(times) == pytest.approx(want, rel=1e-12)
+    assert np.all(slow.makespans(times) > 1.2 * identity.makespans(times))
+    ones = PipelineShape.of(8, 4, (), 2.0, (1.0,) * 4)
+    assert np.array_equal(ones.makespans(times), identity.makespans(times))
+    # the plan: its makespan is priced with the scales; the identity plans exactly as the default
+    lens = np.array([4000, 1000, 1000, 1000, 1000, 1000, 1000, 2000])
+    cost = EightLayers()
+    base = assign_batch(lens, np.ones(8), cost, PlanConfig(2, 2, strategy="sab", pipeline_stages=4))
+    same = assign_batch(
+        lens, np.ones(8), cost, PlanConfig(2, 2, pipeline_stages=4, stage_scales=(1.0,) * 4, backward_ratio=2.0)
+    )
+    assert same.packs == base.packs and same.extra["makespan"] == base.extra["makespan"]
+    cfg = PlanConfig(2, 2, strategy="sab", pipeline_stages=4, stage_scales=(1.0, 1.0, 1.0, 2.0), backward_ratio=3.0)
+    learned = assign_batch(lens, np.ones(8), cost, cfg)
+    assert learned.extra["makespan"] == pytest.approx(_span(learned, slow, head=cost.c0))
+    assert learned.extra["makespan"] > 1.2 * base.extra["makespan"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"stage_scales": (1.0,)}, r"stage_scales must be a tuple of one scale per pipeline stage \(--pp 2\)"),
+        ({"stage_scales": (1.0, 0.0)}, "stage_scales must be finite and > 0"),
+        ({"backward_ratio": float("nan")}, "backward_ratio must be finite and >= 0"),
+    ],
+)
+def test_bad_stage_pricing_refused_in_one_line(kwargs, match):
+    with pytest.raises(ValueError, match=match) as err:
+        PlanConfig(2, 4, pipeline_stages=2, **kwargs)
+    assert "\n" not in str(err.value)

@@ -123,3 +123,25 @@ def test_workload_and_decide_price_the_given_split():
         t.decide(PLAN, cost, even, pipeline_stages=4, stage_layers=split)
     with pytest.raises(ValueError, match="summing to the model's 8 layers"):
         PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), 4, stage_layers=(3, 3, 3, 3))
+
+
+def test_workload_and_decide_price_learned_stage_scales_and_ratio():
+    """A run's measured stages (``stage_scales``, ``ratio``): each stage's share times its scale,
+    split at the ratio; the identity decides exactly as the default."""
+    cost, t = EightLayers(), tuner()
+    scales = (1.0, 1.0, 1.0, 2.0)
+    work = PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), 4, 3.0, stage_scales=scales)
+    for r in range(2):
+        n = max(len(m.lengths) for m in PLAN[r])
+        lengths = np.array([list(m.lengths) + [0] * (n - len(m.lengths)) for m in PLAN[r]])
+        d0 = np.array([list(m.densities) + [1.0] * (n - len(m.densities)) for m in PLAN[r]])
+        st = stage_seconds(cost, lengths, t.knob.density(lengths, d0, t.base), 4) * np.asarray(scales)
+        want = one_f_one_b(*split_forward_backward(st, 3.0)).makespan
+        assert work.seconds(np.full(2, t.base))[r] == pytest.approx(want, rel=1e-12)
+        assert want > 1.2 * makespan_at(cost, PLAN[r], t.knob, t.base, 4)
+    learned = t.decide(PLAN, cost, pipeline_stages=4, ratio=3.0, stage_scales=scales)
+    assert learned.targets.times_before == pytest.approx(work.seconds(np.full(2, t.base)).tolist(), rel=1e-12)
+    same = t.decide(PLAN, cost, pipeline_stages=4, ratio=2.0, stage_scales=(1.0,) * 4)
+    assert same == t.decide(PLAN, cost, pipeline_stages=4)
+    with pytest.raises(ValueError, match="need one scale per stage"):
+        PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), 4, stage_scales=(1.0, 2.0))

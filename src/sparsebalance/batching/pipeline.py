@@ -11,8 +11,9 @@ thing to even: a rank holding one long document has a long critical path at the 
 Pricing (the planner's, a surrogate of the cost model): a micro-batch's time is the micro-batch
 overhead plus its items' ``doc_seconds`` (additive, as SAB's rank-level search), spread over the
 stages by their layer share (``PlanConfig.stage_layers``, :func:`~.schedule.resolve_layers`;
-the LM head's small term spread with it), backward = 2 x forward; the makespan is the exact 1F1B one
-(:func:`~.schedule.makespans`).
+the LM head's small term spread with it), each share times its stage's scale, backward = ratio x
+forward (``PlanConfig.stage_scales`` and ``backward_ratio``: 1 and 2 until a training run has
+measured its stages); the makespan is the exact 1F1B one (:func:`~.schedule.makespans`).
 
 Per rank (:func:`pack_rank`): LPT on item cost into micro-batches (:func:`~.strategies.
 pack_balanced`), then the order of least makespan (every order up to :data:`EXHAUSTIVE_ORDER`
@@ -52,12 +53,23 @@ class PipelineShape:
     layers: np.ndarray
     """``(P,)`` layers per stage (:func:`~.schedule.resolve_layers`)."""
     ratio: float = BACKWARD_RATIO
-    """Backward seconds per forward second."""
+    """Backward seconds per forward second (``PlanConfig.backward_ratio``)."""
+    scales: np.ndarray | None = None
+    """``(P,)`` multiplies each stage's share of a micro-batch (``PlanConfig.stage_scales``, a
+    run's measured stage scales); None: 1."""
 
     @classmethod
-    def of(cls, num_layers: int, num_stages: int, split: tuple[int, ...] = ()) -> PipelineShape:
-        """``split``: layers per stage (``PlanConfig.stage_layers``); empty = the even split."""
-        return cls(resolve_layers(num_layers, num_stages, split))
+    def of(
+        cls,
+        num_layers: int,
+        num_stages: int,
+        split: tuple[int, ...] = (),
+        ratio: float = BACKWARD_RATIO,
+        scales: tuple[float, ...] = (),
+    ) -> PipelineShape:
+        """``split``: layers per stage (``PlanConfig.stage_layers``); empty = the even split.
+        ``scales``: per stage (``PlanConfig.stage_scales``); empty = 1."""
+        return cls(resolve_layers(num_layers, num_stages, split), ratio, np.asarray(scales) if scales else None)
 
     @property
     def num_stages(self) -> int:
@@ -65,7 +77,7 @@ class PipelineShape:
 
     def makespans(self, times: np.ndarray) -> np.ndarray:
         """``(n,)`` makespans of n pipelines of micro-batch times ``(n, M)``, in that order."""
-        return layered_makespans(times, 0.0, self.layers, self.ratio)
+        return layered_makespans(times, 0.0, self.layers, self.ratio, self.scales)
 
 
 @lru_cache(maxsize=16)
@@ -217,7 +229,7 @@ def pack_makespans(
     for m in sorted(set(counts.tolist()) - {0}):
         rows = np.flatnonzero(counts == m)
         idx = starts[rows][:, None] + np.arange(m)[None, :]
-        out[rows] = layered_makespans(times[idx], head[idx], shape.layers, shape.ratio)
+        out[rows] = layered_makespans(times[idx], head[idx], shape.layers, shape.ratio, shape.scales)
     return out
 
 

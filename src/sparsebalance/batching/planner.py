@@ -48,6 +48,7 @@ from .cp_plan import build_cp_plan
 from .estimate import DensityEstimator
 from .pipeline import PipelineShape, least_makespan, pipeline_search
 from .plan import FlatPacks, Items, Plan, build_plan, flatten_packs, predict_packs
+from .schedule import BACKWARD_RATIO
 from .strategies import (
     Regime,
     fit_linear_coef,
@@ -106,6 +107,13 @@ class PlanConfig:
     trainer's split, :func:`~.schedule.balanced_layers`); empty: the even split
     (:func:`~.schedule.stage_layers`). The planner prices stages with it, as DST, the simulator
     and the trainer's stages do."""
+    stage_scales: tuple[float, ...] = ()
+    """Multiplies each pipeline stage's share of a micro-batch's predicted seconds (P entries > 0;
+    a training run's measured stage scales, :mod:`sparsebalance.engine.stage_calibration`);
+    empty: 1 for every stage."""
+    backward_ratio: float = BACKWARD_RATIO
+    """Backward seconds per forward second with which pipeline stages are priced (a training
+    run's measured ratio; default :data:`~.schedule.BACKWARD_RATIO`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
@@ -149,6 +157,13 @@ class PlanConfig:
             raise ValueError(f"stage_layers must be a tuple of integers, got {split!r}")
         if split and (len(split) != p or min(split) < 1):
             raise ValueError(f"stage_layers {split}: need one entry >= 1 per pipeline stage (--pp {p})")
+        scales = self.stage_scales
+        if not isinstance(scales, tuple) or (scales and len(scales) != p):
+            raise ValueError(f"stage_scales must be a tuple of one scale per pipeline stage (--pp {p}), got {scales!r}")
+        if not all(np.isfinite(x) and x > 0 for x in scales):
+            raise ValueError(f"stage_scales must be finite and > 0, got {scales!r}")
+        if not (np.isfinite(self.backward_ratio) and self.backward_ratio >= 0):
+            raise ValueError(f"backward_ratio must be finite and >= 0, got {self.backward_ratio!r}")
 
 
 def plan_batch(
@@ -389,7 +404,9 @@ def _sab_pipeline(items: Items, regime: Regime, cost_model, config: PlanConfig):
     predicted slower than without."""
     r = config.world_size
     iters = 4 * r + 64 if config.local_search_iters is None else config.local_search_iters
-    shape = PipelineShape.of(cost_model.num_layers, config.pipeline_stages, config.stage_layers)
+    shape = PipelineShape.of(
+        cost_model.num_layers, config.pipeline_stages, config.stage_layers, config.backward_ratio, config.stage_scales
+    )
     tokens_packs = _baseline("tokens", items, regime, cost_model, config)
     ranks = lpt_ranks(items.cost, r, regime, items.tokens)
     ranks, moves = local_search(ranks, items.cost, items.tokens, regime, iters, config.neighbors)

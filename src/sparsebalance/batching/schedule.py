@@ -19,7 +19,9 @@ each, the first ``L % P`` stages one more) ignores the LM head on the last stage
 layers when the head costs more than a layer (Qwen2.5-3B at P = 4: 10/10/10/6, not 9/9/9/9).
 Everything that prices or runs a pipeline takes one split (a ``stage_layers`` tuple; empty =
 even; :func:`resolve_layers`). Forward : backward is a fixed ratio, backward = 2 x forward by
-default (:data:`BACKWARD_RATIO`), since latency models predict their sum.
+default (:data:`BACKWARD_RATIO`), since latency models predict their sum; a training run learns
+the ratio and a time scale per stage from its measured stages
+(:mod:`sparsebalance.engine.stage_calibration`) and prices with those.
 """
 
 from __future__ import annotations
@@ -212,7 +214,26 @@ def split_forward_backward(seconds: np.ndarray, ratio: float = BACKWARD_RATIO) -
     return forward, forward * ratio
 
 
-def layered_makespans(times: np.ndarray, head: np.ndarray, layers: np.ndarray, ratio: float = BACKWARD_RATIO):
+def spread_stages(times: np.ndarray, head: np.ndarray, layers: np.ndarray) -> np.ndarray:
+    """``(..., P)`` each micro-batch's seconds per stage: ``(times - head) x layers[s] / L``, plus
+    ``head`` on the last stage (``times`` float ``(...)``, ``head`` broadcastable to it, ``layers``
+    int ``(P,)``): what :func:`sparsebalance.simulate.pipeline.stage_seconds` gives for a latency
+    model whose head term depends on tokens only."""
+    t = np.asarray(times, dtype=np.float64)
+    h = np.broadcast_to(np.asarray(head, dtype=np.float64), t.shape)
+    per_layer = (t - h) / float(layers.sum())
+    stages = per_layer[..., None] * layers.astype(np.float64)
+    stages[..., -1] += h
+    return stages
+
+
+def layered_makespans(
+    times: np.ndarray,
+    head: np.ndarray,
+    layers: np.ndarray,
+    ratio: float = BACKWARD_RATIO,
+    scales: np.ndarray | None = None,
+):
     """``(n,)`` 1F1B makespans of n pipelines from their micro-batch times.
 
     Args:
@@ -220,16 +241,15 @@ def layered_makespans(times: np.ndarray, head: np.ndarray, layers: np.ndarray, r
         head: float ``(n, M)`` (or broadcastable) seconds of each micro-batch not spread over the
             layers (the LM head and loss, on the last stage); 0 spreads all of it.
         layers: int ``(P,)`` layers per stage (:func:`stage_layers`).
+        ratio: backward seconds per forward second.
+        scales: float ``(P,)`` multiplies each stage's share (a run's measured stage scales,
+            :mod:`sparsebalance.engine.stage_calibration`); None: 1.
 
-    A stage's share is ``(times - head) x layers[s] / L``, plus ``head`` on the last stage: what
-    :func:`sparsebalance.simulate.pipeline.stage_seconds` gives for a latency model whose head term
-    depends on tokens only.
+    A stage's share is :func:`spread_stages`'s, times its scale.
     """
-    t = np.asarray(times, dtype=np.float64)
-    h = np.broadcast_to(np.asarray(head, dtype=np.float64), t.shape)
-    per_layer = (t - h) / float(layers.sum())
-    stages = per_layer[..., None] * layers.astype(np.float64)
-    stages[..., -1] += h
+    stages = spread_stages(times, head, layers)
+    if scales is not None:
+        stages = stages * np.asarray(scales, dtype=np.float64)
     return makespans(*split_forward_backward(stages, ratio))
 
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..batching import DensityEstimator, PlanConfig, make_estimator, plan_batch
+from ..batching.schedule import resolve_layers
 from ..latency import LatencyModel
 from ..models.attention import PackedAttention
 from ..ops import Budget
@@ -35,6 +36,7 @@ from .feedback import apply_feedback
 from .kernel import Kernel
 from .layers import LayerTimer, layer_feedback, packed_attention
 from .records import MicroBatchResult, RankRecord, StepFeedback, StepPlan, TunedStep
+from .stage_calibration import StageCalibration
 from .summary import StepReport, derive_bubbles
 
 FILLER_BUDGET = Budget(gamma=1.0)
@@ -128,6 +130,8 @@ class StepEngine:
         self.per_doc_weighting, self.deterministic = per_doc_weighting, deterministic
         self.layer_times = layer_feedback(dst, deterministic, self.device)
         """DST's closed loop gets measured layer host times (CPU, not deterministic)."""
+        self.stage_calibration = StageCalibration(plan.pipeline_stages)
+        """``--pp``: the pipeline stages' learned pricing (backward ratio, a scale per stage)."""
         self._layers: list[_StepLayers] = []  # the last two steps' (a loader may run ahead)
 
     @property
@@ -147,7 +151,7 @@ class StepEngine:
 
     def plan(self, samples: list[Sample]) -> StepPlan:
         """SAB alone: samples -> ranks -> micro-batches; every rank derived the same (checked)."""
-        plan = plan_batch(samples, self.cost or self.latency, self.config, estimator=self.estimator)
+        plan = plan_batch(samples, self.cost or self.latency, self.planning_config(), estimator=self.estimator)
         hashes = self.all_gather(plan.hash())
         check_plan_agreement(hashes, plan)
         units, rank_units = plan.execution()
@@ -157,6 +161,14 @@ class StepEngine:
         )
         return StepPlan(plan, hashes[0], weight, units, rank_units, pass_schedule(units, rank_units))
 
+    def planning_config(self) -> PlanConfig:
+        """The plan's config, its pipeline stages priced as measured so far
+        (:attr:`stage_calibration`: the identity until a step was measured); without a
+        pipeline, the config itself."""
+        if self.config.pipeline_stages == 1:
+            return self.config
+        return replace(self.config, **self.stage_calibration.pricing())
+
     def _tune(self, planned: StepPlan) -> TunedStep:
         plan = planned.plan
         t0 = time.perf_counter()
@@ -164,10 +176,16 @@ class StepEngine:
         if plan.units:
             decision = decide_units(self.tuner, plan, self.cost or self.latency)
         else:
-            # a pipeline's ranks are timed by their 1F1B makespans (anchor, cuts and raises)
-            cfg = self.config
+            # a pipeline's ranks are timed by their 1F1B makespans (anchor, cuts and raises),
+            # its stages priced as the planner priced them
+            cfg = self.planning_config()
             decision = self.tuner.decide(
-                plan.ranks, self.latency, pipeline_stages=cfg.pipeline_stages, stage_layers=cfg.stage_layers
+                plan.ranks,
+                self.latency,
+                pipeline_stages=cfg.pipeline_stages,
+                stage_layers=cfg.stage_layers,
+                ratio=cfg.backward_ratio,
+                stage_scales=cfg.stage_scales,
             )
         scale = self.world_size / max(planned.global_weight, 1e-9)
         tuned = TunedStep(planned, decision, scale, time.perf_counter() - t0)
@@ -354,32 +372,42 @@ class StepEngine:
 
     def feedback(self, records: list[RankRecord], measured: bool = True) -> StepFeedback:
         """Fold the step's micro-batches (every rank's, rank order) into the latency model and
-        the density estimator; their times only when ``measured`` and not deterministic (what
+        the density estimator, and with pipelines their stages' times into
+        :attr:`stage_calibration` (priced by the latency model before this step's update: what
+        priced the step); times only when ``measured`` and not deterministic (what
         :meth:`finish` does after its gather; the own loop syncs its records itself)."""
         feedback = StepFeedback.from_records(records)
+        timed = measured and not self.deterministic
+        if timed and self.config.pipeline_stages > 1:
+            cfg = self.config
+            layers = resolve_layers(self.latency.num_layers, cfg.pipeline_stages, cfg.stage_layers)
+            self.stage_calibration.observe(feedback.microbatches, self.latency, layers)
         apply_feedback(
             feedback,
             self.latency,
             self.estimator,
             self.knob,
             self.sample,
-            use_timings=measured and not self.deterministic,
+            use_timings=timed,
             context=self.cost,
         )
         return feedback
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """JSON-ready: the latency model's calibration, the estimator's state and the ring
-        terms of ``sab-cp``'s cost model (None without one)."""
+        """JSON-ready: the latency model's calibration, the estimator's state, the ring
+        terms of ``sab-cp``'s cost model (None without one) and the pipeline stages' pricing."""
         return {
             "latency": self.latency.state_dict(),
             "estimator": self.estimator.state_dict(),
             "context": None if self.cost is None else self.cost.state_dict(),
+            "stage_calibration": self.stage_calibration.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (a state from before the stages' pricing: the identity)."""
         self.latency.load_state_dict(state["latency"])
         self.estimator.load_state_dict(state["estimator"])
+        self.stage_calibration.load_state_dict(state.get("stage_calibration"))
         if self.cost is not None and state.get("context") is not None:
             self.cost.load_state_dict(state["context"])

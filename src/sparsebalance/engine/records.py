@@ -95,6 +95,10 @@ class MicroBatchResult:
     local_tokens: int = 0
     """Tokens this rank held: its shard's real tokens for a CP unit (whose ``lengths`` are the
     unit's whole documents); 0 = ``sum(lengths)``."""
+    stage_seconds: tuple[tuple[float, float], ...] = ()
+    """``--pp P``: ``(P, 2)`` the micro-batch's forward and backward seconds on each pipeline
+    stage, in stage order (they sum to ``seconds``; what the stages' closed loop learns from,
+    :mod:`.stage_calibration`); ``()`` without a pipeline."""
 
     @classmethod
     def from_stats(cls, seconds: float, lengths, sample_ids, stats, loss_sum, weight_sum, **extra) -> MicroBatchResult:
@@ -151,6 +155,8 @@ class MicroBatchResult:
             "seconds": self.seconds,
             "ring_wait_s": self.ring_wait_s,
             "density": self.density,
+            # pipelines only: [forward, backward] seconds per stage
+            **({"stage_s": [list(fb) for fb in self.stage_seconds]} if self.stage_seconds else {}),
         }
 
 
@@ -189,7 +195,8 @@ class RankRecord:
     units: list[dict] = field(default_factory=list)
     """One entry per micro-batch in execution order (:meth:`MicroBatchResult.unit_json`): slot,
     the unit's ranks and degree k, ring kind, sample ids, tokens on this rank, start, seconds and
-    ring wait. Appended after the earlier fields: older readers see the same first fields."""
+    ring wait (and with ``--pp``, ``stage_s``: [forward, backward] seconds per stage). Appended
+    after the earlier fields: older readers see the same first fields."""
     dst_layer_s: float = 0.0
     """Seconds DST's layer controllers spent deciding this rank's budgets (part of compute_s)."""
     coverage_limited: int = 0

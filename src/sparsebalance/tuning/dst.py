@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..batching.schedule import resolve_layers
+from ..batching.schedule import BACKWARD_RATIO, resolve_layers
 from ..workload import CostModel, MicroBatch
 from .config import ANCHORS, MODES, DSTConfig, add_dst_arguments
 from .curve import DensityCurve
@@ -243,6 +243,8 @@ class DSTTuner:
         *,
         per_microbatch: bool = True,
         stage_layers: tuple[int, ...] = (),
+        ratio: float = BACKWARD_RATIO,
+        stage_scales: tuple[float, ...] = (),
     ) -> StepDecision:
         """The whole step from the plan (rank -> micro-batches), identical on every rank.
 
@@ -252,7 +254,9 @@ class DSTTuner:
         micro-batch gets its own budget (``RankDecision.microbatch_budgets``, ``budget`` their
         mean; :mod:`.microbatch_dst`), unless ``per_microbatch`` is False (one budget per
         pipeline). 1: rank sums, one budget per rank. ``stage_layers``: the pipeline's layers per
-        stage (``PlanConfig.stage_layers``; empty = the even split).
+        stage (``PlanConfig.stage_layers``; empty = the even split); ``ratio`` and
+        ``stage_scales``: how its stages are priced (``PlanConfig.backward_ratio`` and
+        ``stage_scales``, a training run's measured ones; used when the workload is built here).
 
         Vectorised over ranks (:mod:`.plan_workload`): the same budgets and times as
         :meth:`decide_rank` for every rank, in a few ``predict_many`` calls per search probe.
@@ -273,7 +277,9 @@ class DSTTuner:
                     f"of stages {split.tolist()}"
                 )
         elif pipeline_stages != 1:
-            workload = PipelineWorkload(workload, pipeline_stages, stage_layers=stage_layers)
+            workload = PipelineWorkload(
+                workload, pipeline_stages, ratio, stage_layers=stage_layers, stage_scales=stage_scales
+            )
         a = self.decide_arrays(workload, per_microbatch=per_microbatch)
         mbs = [None] * len(plan) if a.microbatch_budgets is None else [tuple(m.tolist()) for m in a.microbatch_budgets]
         ranks = tuple(

@@ -168,7 +168,7 @@ class MicroBatchPrices:
         the base budget, as :class:`PipelineWorkload` prices them); 0 without micro-batches."""
         pipe, out = self.pipe, np.zeros(self.pipe.num_ranks)
         for g, head, t in zip(self.groups, pipe.heads, self.split(seconds), strict=True):
-            out[g.ranks] = layered_makespans(t, head, pipe.layers, pipe.ratio)
+            out[g.ranks] = layered_makespans(t, head, pipe.layers, pipe.ratio, pipe.scales)
         return out
 
 
@@ -254,7 +254,7 @@ def _even_makespans(prices: MicroBatchPrices, t0: np.ndarray) -> np.ndarray:
     pipe, out = prices.pipe, np.zeros(prices.pipe.num_ranks)
     for g, head, a0 in zip(prices.groups, pipe.heads, prices.split(t0), strict=True):
         mean = np.broadcast_to(a0.mean(axis=1, keepdims=True), a0.shape)
-        out[g.ranks] = layered_makespans(mean, head.mean(axis=1, keepdims=True), pipe.layers, pipe.ratio)
+        out[g.ranks] = layered_makespans(mean, head.mean(axis=1, keepdims=True), pipe.layers, pipe.ratio, pipe.scales)
     return out
 
 
@@ -286,7 +286,7 @@ def _water_level(tf: np.ndarray, th: np.ndarray, head: np.ndarray, target: np.nd
     (``>=`` the makespan at ``tf``): a bisection to :data:`LEVEL_RTOL`."""
 
     def span(tau: np.ndarray) -> np.ndarray:
-        return layered_makespans(np.clip(tau[:, None], tf, th), head, pipe.layers, pipe.ratio)
+        return layered_makespans(np.clip(tau[:, None], tf, th), head, pipe.layers, pipe.ratio, pipe.scales)
 
     a, b = tf.min(axis=1), th.max(axis=1)  # span(a) is the floors' makespan: feasible
     top = span(b) <= target

@@ -15,9 +15,11 @@ micro-batch level (:mod:`.microbatch_dst`) then gives every micro-batch of a pip
 Stage times: a micro-batch's predicted seconds at the rank's budget, minus its head term
 (:func:`~sparsebalance.batching.schedule.head_seconds`, priced once at the base budget: a latency
 model's head depends on tokens only), spread over the stages by their layers (``stage_layers``,
-the split the planner and the trainer use; empty = even), the head on the last stage; backward =
-2 x forward. Exactly what the simulator's :func:`~sparsebalance.simulate.pipeline.pipeline_record`
-prices (up to rounding).
+the split the planner and the trainer use; empty = even), the head on the last stage, each
+stage's share times its scale; backward = ratio x forward. With the defaults (scales 1, ratio
+2) exactly what the simulator's :func:`~sparsebalance.simulate.pipeline.pipeline_record` prices
+(up to rounding); a training run passes the scales and ratio it measured
+(:mod:`sparsebalance.engine.stage_calibration`).
 
 Cost per probe: the wrapped workload's ``predict_many`` calls plus one vectorised makespan pass
 (2 M P numpy steps) per group of ranks of the same shape.
@@ -34,10 +36,18 @@ from .plan_workload import PlanWorkload
 class PipelineWorkload:
     """The ranks of a :class:`PlanWorkload` as 1F1B pipelines of ``num_stages`` stages:
     :meth:`seconds` is each rank's makespan with its micro-batches in plan (= run) order;
-    ``stage_layers``: layers per stage (``PlanConfig.stage_layers``; empty = the even split)."""
+    ``stage_layers``: layers per stage (``PlanConfig.stage_layers``; empty = the even split);
+    ``ratio``: backward seconds per forward second; ``stage_scales``: ``(P,)`` multiplies each
+    stage's share (``PlanConfig.stage_scales``; empty = 1)."""
 
     def __init__(
-        self, work: PlanWorkload, num_stages: int, ratio: float = BACKWARD_RATIO, *, stage_layers: tuple[int, ...] = ()
+        self,
+        work: PlanWorkload,
+        num_stages: int,
+        ratio: float = BACKWARD_RATIO,
+        *,
+        stage_layers: tuple[int, ...] = (),
+        stage_scales: tuple[float, ...] = (),
     ) -> None:
         self.work = work
         self.num_ranks = work.num_ranks
@@ -47,6 +57,10 @@ class PipelineWorkload:
         self.num_stages = num_stages
         self.layers = resolve_layers(work.cost_model.num_layers, num_stages, stage_layers)
         self.ratio = ratio
+        if stage_scales and len(stage_scales) != num_stages:
+            raise ValueError(f"stage_scales {tuple(stage_scales)}: need one scale per stage ({num_stages})")
+        self.scales = np.asarray(stage_scales, dtype=np.float64) if stage_scales else None
+        """``(P,)`` each stage's scale, or None (1)."""
         base = float(work.knob.base)
         self._heads = []  # per group (n, M): seconds on the last stage only
         for g in work.groups:
@@ -83,7 +97,7 @@ class PipelineWorkload:
                 continue
             dens = self.knob.density(g.lengths[sel], g.d0[sel], values[g.ranks[sel]][:, None, None])
             times = g.predict(None if active is None else sel, dens)
-            out[g.ranks[sel]] = layered_makespans(times, head[sel], self.layers, self.ratio)
+            out[g.ranks[sel]] = layered_makespans(times, head[sel], self.layers, self.ratio, self.scales)
         if key is not None:
             self._memo[key] = out.copy()
         return out
