@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from sparsebalance.engine.runtime import Runtime
 from sparsebalance.launches import LaunchCounter
@@ -60,7 +61,11 @@ def test_two_stages_compute_what_one_process_computes(tmp_path):
         assert [s["stage"] for s in x["stages"]] == [0, 1]
         assert all(s["busy_s"] > 0 and s["idle_s"] >= 0 for s in x["stages"])
         assert len(x["units"]) >= 1 and x["compute_s"] > 0
+        for unit in x["units"]:  # each stage's [forward, backward] seconds: the stages' closed loop
+            assert len(unit["stage_s"]) == 2 and all(f > 0 and b > 0 for f, b in unit["stage_s"])
+            assert sum(f + b for f, b in unit["stage_s"]) == pytest.approx(unit["seconds"], rel=1e-9)
     assert all(x["stages"] == [] for x in _lines(one / "run") if x["rank"] != "all")
+    assert all("stage_s" not in u for x in _lines(one / "run") if x["rank"] != "all" for u in x["units"])
 
 
 def _grads_worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:
@@ -142,6 +147,8 @@ def test_a_pipeline_resumes_exactly(tmp_path):
     full = run_ranks(cfg, 2, tmp_path)
     state = torch.load(tmp_path / "run" / "checkpoints" / "step-000002" / "state.pt", weights_only=False)
     assert state["pipeline"] == {"stages": 2, "layers": [3, 1]}  # a resume with another split is refused
+    # the stages' learned pricing is saved (--deterministic: no timing enters it, the identity)
+    assert state["trainer"]["stage_calibration"] == {"ratio": 2.0, "scales": [1.0, 1.0], "steps": 0}
     again = tmp_path / "again"
     again.mkdir()
     shutil.copytree(tmp_path / "run" / "checkpoints", again / "run" / "checkpoints")
@@ -155,17 +162,79 @@ def test_a_pipeline_resumes_exactly(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_pipelines_of_two_stages_match_two_ranks(tmp_path):
-    """DP2 x PP2 (4 processes) computes what DP2 (2 processes) does."""
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_two_pipelines_of_two_stages_match_two_ranks(tmp_path, parallel):
+    """DP2 x PP2 (4 processes) computes what DP2 (2 processes) does, each stage averaged over its
+    peer (``ddp``) or sharded over it (``fsdp2``: the checkpoint gathers the shards)."""
     dp, both = tmp_path / "dp2", tmp_path / "dp2pp2"
     dp.mkdir(), both.mkdir()
     ref = run_ranks(_cfg(dp), 2, dp)
-    got = run_ranks(_cfg(both, pp=2), 4, both)
+    cfg = _cfg(both, pp=2, parallel=parallel, checkpoint_every=2)
+    got = run_ranks(cfg, 4, both)
     assert got[0]["losses"] == pytest.approx(ref[0]["losses"], rel=1e-5, abs=1e-5)
     for name, tensor in _model(dp / "run", 3).items():
         torch.testing.assert_close(_model(both / "run", 3)[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
     per_pipeline = [x for x in _lines(both / "run") if x["rank"] != "all"]
     assert sorted({x["rank"] for x in per_pipeline}) == [0, 1]
+    if parallel == "fsdp2":  # and it resumes exactly from its own checkpoint
+        again = tmp_path / "again"
+        again.mkdir()
+        shutil.copytree(both / "run" / "checkpoints", again / "run" / "checkpoints")
+        shutil.rmtree(again / "run" / "checkpoints" / "step-000003")
+        (again / "run" / "checkpoints" / "latest").write_text("step-000002\n")
+        resumed = run_ranks(replace(cfg, out=str(again / "run"), resume=True), 4, again)
+        assert resumed[0]["losses"] == pytest.approx(got[0]["losses"][2:], rel=1e-6, abs=1e-6)
+        for name, tensor in _model(both / "run", 3).items():
+            torch.testing.assert_close(_model(again / "run", 3)[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _collectives_worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:
+    out = Path(tmp) / f"collectives-{rank}.pkl"
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
+        torch.set_num_threads(1)
+        trainer = Trainer(cfg, Runtime(rank, world, torch.device("cpu")))
+        counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
+        originals = {name: getattr(dist, name) for name in counts}
+
+        def counting(name):
+            def call(*args, **kwargs):
+                counts[name] += 1
+                return originals[name](*args, **kwargs)
+
+            return call
+
+        for name in counts:  # what FSDP2 calls (torch.distributed's, looked up at each call)
+            setattr(dist, name, counting(name))
+        micro = [[len(r.microbatches) for r in trainer.run_step().records] for _ in range(cfg.steps)]
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        units = len(trainer.stage.layers) + 1  # a unit per decoder layer, and the stage itself
+        result = {"counts": counts, "units": units, "micro": micro, "dp": trainer.stage.layout.dp}
+        result["sharded"] = all(isinstance(p, DTensor) for p in trainer.stage.parameters_owned())
+        dist.destroy_process_group()
+    except BaseException:  # report every failure to the test process
+        result = {"error": traceback.format_exc()}
+    out.write_bytes(pickle.dumps(result))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_stages_gather_and_reduce_once_per_step(tmp_path):
+    """``--parallel fsdp2`` with ``--pp``: every parameter is a shard, and each FSDP unit of a stage
+    all-gathers once and reduce-scatters once per step (not once per micro-batch), so pipelines
+    with different micro-batch counts stay in step."""
+    cfg = _cfg(tmp_path, pp=2, parallel="fsdp2", steps=3, capacity=300, strategy="sequential")
+    mp.spawn(_collectives_worker, args=(4, str(tmp_path), cfg), nprocs=4, join=True)
+    results = [pickle.loads((tmp_path / f"collectives-{r}.pkl").read_bytes()) for r in range(4)]
+    assert not [r["error"] for r in results if "error" in r]
+    for r in results:
+        assert r["sharded"]
+        assert r["counts"] == {"all_gather_single": 3 * r["units"], "reduce_scatter_single": 3 * r["units"]}
+    assert [r["units"] for r in results] == [4, 2, 4, 2]  # the tiny model's 3/1 split, plus each root
+    # dataset order at 300 tokens (no latency model in the plan): steps where one pipeline has
+    # more micro-batches than the other
+    assert any(len(set(counts)) > 1 for counts in results[0]["micro"])
 
 
 @pytest.mark.parametrize(
@@ -173,7 +242,6 @@ def test_two_pipelines_of_two_stages_match_two_ranks(tmp_path):
     [
         ({"pp": 0}, "--pp must be >= 1, got 0"),
         ({"pp": 2, "strategy": "sab-cp"}, "--strategy sab-cp cannot run with --pp 2: use --strategy sab"),
-        ({"pp": 2, "parallel": "fsdp2"}, "--parallel fsdp2 cannot run with --pp 2: use --parallel ddp"),
         ({"pp": 2, "measure_bubble": "exact"}, "cannot run with --pp 2: use --measure-bubble overlap"),
         ({"pp": 2, "precision": "fp16"}, "--precision fp16 cannot run with --pp 2: use --precision bf16"),
         ({"pp": 2, "capacity": "auto", "memory_budget": "8GiB"}, "cannot run with --pp 2: use --capacity N"),
@@ -243,9 +311,16 @@ def test_the_launcher_refuses_a_grid_before_any_process_starts(tmp_path):
         preflight(_cfg(tmp_path, pp=2), 3)
     with pytest.raises(ValueError, match="--pp 8: more pipeline stages than the model's 4 layers"):
         preflight(_cfg(tmp_path, pp=8), 8)
-    # without --nproc on a CPU: one pipeline when the default count is not a multiple of --pp
+    fsdp2 = _cfg(tmp_path, pp=2, parallel="fsdp2")
+    with pytest.raises(
+        ValueError, match=r"^--parallel fsdp2 with --pp 2 shards each stage .* use --nproc 4 \(or more\)"
+    ):
+        preflight(fsdp2, 2)
+    # without --nproc on a CPU: one pipeline when the default count is not a multiple of --pp,
+    # two with FSDP2 (its shards need data-parallel peers)
     assert default_nproc(_cfg(tmp_path, pp=3), None) == 3
     assert default_nproc(_cfg(tmp_path, pp=2), None) == 2
+    assert default_nproc(fsdp2, None) == 4
 
 
 def test_resuming_a_checkpoint_of_another_split_is_one_line(tmp_path):

@@ -13,11 +13,17 @@ Per step and micro-batch boundary the schedule sends one tensor each way (activa
 their gradients back: ``isend`` + ``recv``); nothing else waits. After the last backward: the tied
 embedding's gradient is summed between the first and last stage (when the LM head is the
 embedding), then each stage's gradients are averaged over its data-parallel peers, and the global
-gradient norm for clipping sums the stages' squares (:meth:`PipelineExecutor.grad_norm`).
+gradient norm for clipping sums the stages' squares (:meth:`PipelineExecutor.grad_norm`). With
+``--parallel fsdp2`` (:meth:`.StageModel.shard`) the stage's parameters stay gathered through the
+step and its gradients are reduce-scattered in its last backward (FSDP2's flags, set before each
+backward); a pipeline without micro-batches runs a two-token filler at zero loss, so its peers'
+collectives are matched.
 
 Each micro-batch's record is the whole model's: its stages' forward + backward seconds summed (what
-the latency model predicts for a micro-batch), their layers' densities and budgets in layer order,
-the loss of the last stage; the pipeline's record adds per-stage busy and idle time (the bubbles).
+the latency model predicts for a micro-batch), each stage's (forward, backward) seconds
+(``stage_seconds``: what :mod:`.stage_calibration` learns the stages' pricing from), their layers'
+densities and budgets in layer order, the loss of the last stage; the pipeline's record adds
+per-stage busy and idle time (the bubbles).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..batching.schedule import schedule_order
 from ..clock import Clock, Mark, use_clock
@@ -143,13 +150,15 @@ class PipelineExecutor:
                 self.docs[i][o : o + n] for i, o, n in zip(unit.sample_ids, unit.offsets, unit.lengths, strict=True)
             ]
             ops.append(_Op(unit, pack(docs, self.device, self.config.per_doc_weighting)))
+        if not ops and self.stage.sharded:  # FSDP2's collectives need a pass in every pipeline
+            ops.append(_Op(None, pack([np.zeros(2, dtype=np.int64)], self.device, False)))
         sends: list = []
         for kind, m in schedule_order(self.layout.stages, len(ops), self.layout.stage):
             if kind == "F":
                 self._forward(step, m, ops[m], sends)
             else:
-                self._backward(ops[m], step.loss_scale, sends)
-        return ops, sends
+                self._backward(ops[m], step.loss_scale, sends, last=m == len(ops) - 1)
+        return [op for op in ops if op.unit is not None], sends
 
     def _forward(self, step: TunedStep, m: int, op: _Op, sends: list) -> None:
         layout, batch = self.layout, op.batch
@@ -162,19 +171,27 @@ class PipelineExecutor:
             dist.recv(x, layout.rank(layout.dp, layout.stage - 1))
             x = x.to(self.device).requires_grad_()
         t0 = self.clock.mark()
-        op.ctx = self.engine.attention(step, layout.dp, m, batch.cu_seqlens, batch.lengths, start=t0.host)
+        filler = op.unit is None  # two tokens at exact attention, adding nothing to the gradients
+        op.ctx = self.engine.attention(
+            step, layout.dp, None if filler else m, batch.cu_seqlens, batch.lengths, start=t0.host
+        )
         with self.precision.autocast():
             out = self.stage(x, batch.position_ids, op.ctx)
             if layout.last:
                 out = self.stage.loss(out, batch, self.config.loss, not self.config.per_doc_weighting)
+                out = out * 0.0 if filler else out
         op.inputs, op.output = (None if layout.first else x), out
         op.marks.append((t0, self.clock.mark()))
         if not layout.last:
             sent = out.detach().to(self.wire)
             sends.append((dist.isend(sent, layout.rank(layout.dp, layout.stage + 1)), sent))
 
-    def _backward(self, op: _Op, loss_scale: float, sends: list) -> None:
+    def _backward(self, op: _Op, loss_scale: float, sends: list, last: bool) -> None:
         layout = self.layout
+        if self.stage.sharded:  # FSDP2: gradients accumulate gathered; reduce-scattered in the last
+            self.stage.set_is_last_backward(last)
+            self.stage.set_reshard_after_backward(last)
+            self.stage.set_requires_gradient_sync(last)
         if layout.last:
             t0 = self.clock.mark()
             scaled = op.output * loss_scale
@@ -192,8 +209,10 @@ class PipelineExecutor:
         op.inputs, op.output = None, (op.output.detach() if layout.last else None)
 
     def _result(self, op: _Op, origin: Mark) -> MicroBatchResult:
-        """This stage's share of one micro-batch (after the synchronize)."""
-        seconds = sum(self.clock.seconds(a, b) for a, b in op.marks)
+        """This stage's share of one micro-batch (after the synchronize); its ``stage_seconds``:
+        this stage's (forward, backward) seconds (its marks: the forward's, then the backward's)."""
+        forward, backward = (self.clock.seconds(a, b) for a, b in op.marks)
+        seconds = forward + backward
         loss = op.output if self.layout.last else 0.0
         weight = op.batch.loss_weights.sum() if self.layout.last else 0.0
         return MicroBatchResult.from_stats(
@@ -205,17 +224,20 @@ class PipelineExecutor:
             weight,
             slot=op.unit.slot,
             start_s=self.clock.seconds(origin, op.marks[0][0]),
+            stage_seconds=((forward, backward),),
         )
 
     def _sync_gradients(self) -> None:
-        """Sum the tied embedding's two gradients, then average over the data-parallel pipelines."""
+        """Sum the tied embedding's two gradients, then average over the data-parallel pipelines
+        (FSDP2 did, in the last backward: the two copies' shards are summed, alike on both ends)."""
         params = self.stage.parameters_owned()
         tied = self.stage.tied_weight()
         if tied is not None and self.groups.tied is not None:
             if tied.grad is None:
                 tied.grad = torch.zeros_like(tied)
-            dist.all_reduce(tied.grad, group=self.groups.tied)
-        if self.groups.data is not None:
+            grad = tied.grad.to_local() if isinstance(tied.grad, DTensor) else tied.grad
+            dist.all_reduce(grad, group=self.groups.tied)
+        if self.groups.data is not None and not self.stage.sharded:
             allreduce_gradients(params, self.layout.dp_size, group=self.groups.data)
 
     def grad_norm(self, max_norm: float) -> float:
@@ -225,6 +247,8 @@ class PipelineExecutor:
         tied = self.stage.tied_weight()
         counted = [p.grad for p in params if p.grad is not None and not (self.layout.last and p is tied)]
         local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=self.device)
+        if isinstance(local, DTensor):  # FSDP2: the shards' norm, gathered over the stage's peers
+            local = local.full_tensor()
         square = (local.float() ** 2).reshape(1)
         dist.all_reduce(square, group=self.groups.pipeline)
         total = square.sqrt()[0]
@@ -234,11 +258,13 @@ class PipelineExecutor:
 
 
 def _merge(parts: Sequence[MicroBatchResult]) -> MicroBatchResult:
-    """One micro-batch's stage results (stage order) as the whole model's."""
+    """One micro-batch's stage results (stage order) as the whole model's, each stage's
+    (forward, backward) seconds kept in ``stage_seconds``."""
     first, last = parts[0], parts[-1]
     return replace(
         first,
         seconds=sum(p.seconds for p in parts),
+        stage_seconds=tuple(fb for p in parts for fb in p.stage_seconds),
         layer_densities=tuple(d for p in parts for d in p.layer_densities),
         budgets=tuple(b for p in parts for b in p.budgets),
         loss_sum=last.loss_sum,

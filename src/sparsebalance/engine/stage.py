@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..batching.schedule import resolve_layers, stage_layers
 from ..models.head import tied_head
@@ -100,29 +101,48 @@ class StageModel(nn.Module):
         self.split = tuple(resolve_layers(len(decoder.layers), layout.stages, layout.split).tolist())
         """Layers per stage of the whole pipeline (what a checkpoint records: its optimizer states
         are per stage)."""
+        self.tied = tied_head(model)  # before other stages' modules are dropped
+        self.hidden_dtype = decoder.norm.weight.dtype
+        """The residual stream's dtype (the parameters'): what crosses between stages."""
         for i in range(len(decoder.layers)):
             if i not in self.span:
                 decoder.layers[i] = nn.Identity()  # no parameters: freed, and not saved
+        # the embedding, final norm and LM head of the stages that never run them: freed too
+        if not (layout.first or (layout.last and self.tied)):
+            decoder.embed_tokens = nn.Identity()
+        if not layout.last:
+            decoder.norm = nn.Identity()
+            model.set_output_embeddings(nn.Identity())
         self.layers = [decoder.layers[i] for i in self.span]
-        self.tied = tied_head(model)  # before other stages' modules are dropped
-        owned = []
-        if layout.first or (layout.last and self.tied):
-            owned.append(decoder.embed_tokens)
-        owned += self.layers
-        if layout.last:
-            owned += [decoder.norm, model.get_output_embeddings()]
-        ids = {id(p) for m in owned for p in m.parameters()}
-        self._params = [p for p in model.parameters() if id(p) in ids]
-        self.names = [n for n, t in model.state_dict(keep_vars=True).items() if id(t) in ids]
+        params = {id(p) for p in model.parameters()}  # this stage's only, now
+        self.names = [n for n, t in model.state_dict(keep_vars=True).items() if id(t) in params]
         """This stage's entries of the model's state dict (a tied weight under both its names)."""
+        self.sharded = False
+        """``--parallel fsdp2``: :meth:`shard` split the parameters over the stage's DP peers."""
 
     @property
     def decoder(self) -> nn.Module:
         return self.model.get_decoder()
 
+    def shard(self, mesh) -> None:
+        """``--parallel fsdp2``: ``fully_shard`` every decoder layer of this stage, then the stage
+        (its embedding, norm and head), over ``mesh`` (this stage in every pipeline). Parameters
+        stay gathered from a step's first forward to its last backward (``reshard_after_forward``
+        off, as torchtitan does with pipelines; :mod:`.pipeline` reshards and reduce-scatters in
+        the last backward only): one all-gather and one reduce-scatter per step, whatever the
+        pipelines' micro-batch counts."""
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in self.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        fully_shard(self, mesh=mesh, reshard_after_forward=False)
+        self.layers = [self.decoder.layers[i] for i in self.span]
+        self.sharded = True
+
     def parameters_owned(self) -> list[nn.Parameter]:
-        """The parameters this stage holds and steps, in model order, each once."""
-        return list(self._params)
+        """The parameters this stage holds and steps, in model order, each once (after
+        :meth:`shard`, the sharded ones)."""
+        return list(self.model.parameters())
 
     def tied_weight(self) -> nn.Parameter | None:
         """The embedding that is also the LM head, on the stages holding it (None elsewhere)."""
@@ -131,17 +151,17 @@ class StageModel(nn.Module):
         return self.decoder.embed_tokens.weight
 
     def state_dict_owned(self) -> dict[str, torch.Tensor]:
-        """This stage's parameters under the whole model's names (detached, on the CPU)."""
+        """This stage's parameters under the whole model's names (detached, on the CPU); sharded
+        ones gathered (collective over the stage's data-parallel peers)."""
         entries = self.model.state_dict(keep_vars=True)
-        return {n: entries[n].detach().cpu() for n in self.names}
+        out = {}
+        for n in self.names:
+            t = entries[n].detach()
+            out[n] = (t.full_tensor() if isinstance(t, DTensor) else t).cpu()
+        return out
 
     def hidden_shape(self, tokens: int) -> tuple[int, int, int]:
         return (1, tokens, self.model.config.hidden_size)
-
-    @property
-    def hidden_dtype(self) -> torch.dtype:
-        """The residual stream's dtype (the parameters'): what crosses between stages."""
-        return self.decoder.norm.weight.dtype
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, attention) -> torch.Tensor:
         """Token ids (first stage) or the previous stage's hidden states ``(1, T, H)`` through this

@@ -35,7 +35,7 @@ from ..models.checkpointing import apply_activation_checkpointing
 from ..models.head import tied_head
 from ..models.hf import build_model
 from .checkpoint import clean_temporaries
-from .config import RUN_FILES, RUN_STATE, TrainConfig, resolve_strategy, to_record
+from .config import RUN_FILES, RUN_STATE, TrainConfig, check_pipeline_world, resolve_strategy, to_record
 from .multinode import Topology, node_leaders, resolve_on_nodes
 
 
@@ -51,8 +51,7 @@ def check_world(cfg: TrainConfig, rt: Runtime) -> tuple[TrainConfig, int]:
     refuses a world the settings cannot split."""
     if cfg.emulate_ranks and rt.distributed:
         raise ValueError("--emulate-ranks runs in one process: launch it with --nproc 1")
-    if rt.world_size % cfg.pp:
-        raise ValueError(f"--pp {cfg.pp} must divide the number of processes ({rt.world_size}): --nproc is DP x PP")
+    check_pipeline_world(cfg, rt.world_size)
     num_ranks = cfg.emulate_ranks or rt.world_size // cfg.pp  # a pipeline is one planned rank
     cfg = resolve_strategy(cfg, num_ranks)  # --strategy auto
     if cfg.cp is not None and num_ranks % cfg.cp:
@@ -122,14 +121,20 @@ def checked_model(cfg: TrainConfig, device: torch.device, named: str) -> torch.n
 def pipeline_stage(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module) -> StageModel | None:
     """``--pp P``: this rank's stage of ``model`` (the other stages' layers dropped), the layers
     split by cost (:func:`~sparsebalance.batching.schedule.balanced_layers`, the LM head weighed
-    from the model's shapes: fixed by the model alone, so a resumed run splits alike); None
-    without a pipeline."""
+    from the model's shapes: fixed by the model alone, so a resumed run splits alike), sharded
+    over the stage's data-parallel peers with ``--parallel fsdp2``; None without a pipeline."""
     if cfg.pp == 1:
         return None
     check_pipeline_model(model.config, cfg.pp)
     shapes = ModelShapes.from_hf_config(model.config.to_dict())
     split = tuple(balanced_layers(shapes.num_layers, cfg.pp, head_layers(shapes)).tolist())
-    return StageModel(model, PipelineLayout.of(rt.rank, rt.world_size, cfg.pp, split))
+    stage = StageModel(model, PipelineLayout.of(rt.rank, rt.world_size, cfg.pp, split))
+    if cfg.parallel == "fsdp2":  # each stage sharded over its peers in the other pipelines
+        from torch.distributed.device_mesh import init_device_mesh
+
+        grid = (stage.layout.dp_size, stage.layout.stages)  # world rank = dp x P + stage
+        stage.shard(init_device_mesh(rt.device.type, grid, mesh_dim_names=("dp", "pp"))["dp"])
+    return stage
 
 
 def fit_vocabulary(corpus: TokenizedCorpus, model: torch.nn.Module) -> TokenizedCorpus:

@@ -255,7 +255,6 @@ class TrainConfig:
             return
         use = {
             ("strategy", "sab-cp"): "--strategy sab (a pipeline runs whole documents per micro-batch)",
-            ("parallel", "fsdp2"): "--parallel ddp (each stage is averaged over its data-parallel peers)",
             ("measure_bubble", "exact"): "--measure-bubble overlap",
             ("precision", "fp16"): "--precision bf16",
             ("capacity", "auto"): "--capacity N (tokens per micro-batch)",
@@ -357,6 +356,18 @@ class TrainConfig:
         for key, values in allowed.items():
             if getattr(self, key) not in values:
                 raise ValueError(f"{self._name(key)} must be one of {values}, got {getattr(self, key)!r}")
+
+
+def check_pipeline_world(cfg: TrainConfig, nproc: int) -> None:
+    """``--pp``: ``nproc`` processes split into whole pipelines, and ``--parallel fsdp2`` has
+    data-parallel peers to shard each stage over."""
+    if cfg.pp > 1 and nproc % cfg.pp:
+        raise ValueError(f"--pp {cfg.pp} must divide --nproc {nproc}: the processes are DP x PP")
+    if cfg.pp > 1 and cfg.parallel == "fsdp2" and nproc == cfg.pp:
+        raise ValueError(
+            f"--parallel fsdp2 with --pp {cfg.pp} shards each stage over its data-parallel peers and "
+            f"one pipeline has none: use --nproc {2 * cfg.pp} (or more), or --parallel ddp"
+        )
 
 
 def resolve_strategy(cfg: TrainConfig, num_ranks: int) -> TrainConfig:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import find_checkpoint
-from .config import RUN_STATE, TrainConfig, check_batch, resolve_strategy, to_record
+from .config import RUN_STATE, TrainConfig, check_batch, check_pipeline_world, resolve_strategy, to_record
 from .multinode import Rendezvous, Topology
 from .resume import check_same_run, check_steps, check_world_size, is_complete, saved_identity
 from .runlock import ENV_TOKEN, FOLLOW, RunLock
@@ -108,7 +108,7 @@ def add_nproc_argument(p) -> None:
 def default_nproc(cfg: TrainConfig, requested: int | None, cpu: int = CPU_NPROC) -> int:
     """Processes to launch: ``--nproc``, else 1 with ``--emulate-ranks``, else the GPU count on
     CUDA and ``cpu`` (:data:`CPU_NPROC`; the demo's :data:`DEMO_CPU_RANKS`) on CPU, or ``--pp``
-    when that count is not a multiple of it (one pipeline)."""
+    when that count is not a multiple of it (one pipeline; two with ``--parallel fsdp2``)."""
     check_device(cfg)
     if requested is not None:
         if requested < 1:
@@ -120,6 +120,8 @@ def default_nproc(cfg: TrainConfig, requested: int | None, cpu: int = CPU_NPROC)
         return 1
     if uses_cuda(cfg):
         return torch.cuda.device_count()  # one per GPU: a --pp that does not divide it is refused
+    if cfg.pp > 1 and cfg.parallel == "fsdp2":  # CPU: two pipelines, the fewest FSDP2 shards over
+        return max(cpu - cpu % cfg.pp, 2 * cfg.pp)
     return cpu if cpu % cfg.pp == 0 else cfg.pp  # CPU --pp P: one pipeline of P processes
 
 
@@ -163,8 +165,7 @@ def check_pipeline_grid(cfg: TrainConfig, nproc: int, num_layers: int) -> None:
     """``--pp``: the processes split into whole pipelines, and no more stages than layers."""
     from ..batching.schedule import stage_layers
 
-    if cfg.pp > 1 and nproc % cfg.pp:
-        raise ValueError(f"--pp {cfg.pp} must divide --nproc {nproc}: the processes are DP x PP")
+    check_pipeline_world(cfg, nproc)
     stage_layers(num_layers, cfg.pp)  # more stages than layers: refused
 
 

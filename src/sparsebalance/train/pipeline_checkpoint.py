@@ -3,9 +3,11 @@
 
 - ``model.pt``: the whole model's state dict, the stages' parameters assembled under the model's
   own names, so ``sparsebalance export``/``eval`` read a pipeline checkpoint as any other.
-- ``state.pt``'s ``optimizer``: one optimizer state per stage, in stage order (a stage's optimizer
-  steps only its parameters; every data-parallel pipeline holds the same states, so the first
-  pipeline's are saved), and ``pipeline``: ``{"stages": P, "layers": [layers per stage]}``.
+- ``state.pt``'s ``optimizer``: one optimizer state per stage, in stage order, keyed by parameter
+  names (a stage's optimizer steps only its parameters; every data-parallel pipeline holds the
+  same states, so the first pipeline's are saved; ``--parallel fsdp2`` stages gather their shards
+  first, so ``ddp`` and ``fsdp2`` write the same files), and ``pipeline``: ``{"stages": P,
+  "layers": [layers per stage]}``.
 
 Resuming needs the same ``--pp`` (refused before launch otherwise: the optimizer states are
 per stage); rank 0 reads the files and hands every rank its stage's tensors. Rank 0 holds the
@@ -17,7 +19,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from ..batching.schedule import stage_layers
 from ..engine.runtime import Runtime
@@ -42,7 +51,10 @@ def save_pipeline_checkpoint(
     state; rank 0 writes them (``model``: unused, the stage holds it; the signature is
     :func:`.checkpoint.save_checkpoint`'s)."""
     layout = stage.layout
-    mine = (stage.state_dict_owned(), optimizer.state_dict()) if layout.dp == 0 else None
+    mine = None
+    if layout.dp == 0 or stage.sharded:  # FSDP2: every peer takes part in the gathers
+        mine = (stage.state_dict_owned(), _optimizer_state(stage, optimizer))
+    mine = mine if layout.dp == 0 else None
     parts = [None] * rt.world_size if is_main else None
     dist.gather_object(mine, parts, dst=0)
     model_sd, state = {}, None
@@ -75,10 +87,29 @@ def load_pipeline_checkpoint(path: Path, stage: StageModel, optimizer, scheduler
         raise ValueError(
             f"--resume: {path} lacks {len(missing)} parameters of stage {layout.stage} ({missing[0]}, ...)"
         )
-    stage.model.load_state_dict({n: model_sd[n] for n in stage.names}, strict=False)
-    optimizer.load_state_dict(state.pop("optimizer")[layout.stage])
+    # full tensors in, each FSDP2 peer keeping its shard; names as the stage's (``model.`` + the model's)
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(stage, {f"model.{n}": model_sd[n] for n in stage.names}, options=options)
+    set_optimizer_state_dict(stage, optimizer, state.pop("optimizer")[layout.stage], options=options)
     scheduler.load_state_dict(state["scheduler"])
     return state
+
+
+def _optimizer_state(stage: StageModel, optimizer) -> dict:
+    """The stage's optimizer state keyed by parameter names, full tensors on the CPU (FSDP2's
+    shards gathered over the stage's peers): one format for ``ddp`` and ``fsdp2`` stages."""
+    full = get_optimizer_state_dict(stage, optimizer, options=StateDictOptions(full_state_dict=True))
+    return _on_cpu(full)
+
+
+def _on_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_cpu(v) for v in obj)
+    return obj
 
 
 def _read(path: Path, stage: StageModel) -> tuple[dict | None, dict | None, str | None]:
