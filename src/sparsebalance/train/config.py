@@ -264,11 +264,6 @@ class TrainConfig:
                 raise ValueError(f"{given(key, value)} cannot run with {n('pp')} {self.pp}: use {instead}")
         if self.emulate_ranks:
             raise ValueError(f"{n('emulate_ranks')} cannot run with {n('pp')} {self.pp}: launch --nproc DP x PP")
-        if self.activation_checkpointing != "off":
-            raise ValueError(
-                f"{n('activation_checkpointing')} {self.activation_checkpointing} cannot run with "
-                f"{n('pp')} {self.pp} yet: use --activation-checkpointing off"
-            )
 
     def _check_inputs(self) -> None:
         """The data files exist, the remaining counts are in range, the tokenizer and profile exist."""
