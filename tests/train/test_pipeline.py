@@ -75,9 +75,20 @@ def _grads_worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:
         torch.set_num_threads(1)
         trainer = Trainer(cfg, Runtime(rank, world, torch.device("cpu")))
         tuned = trainer.engine.begin(trainer.next_batch())
-        executor, reads = trainer.runner.executor, []
+        executor, reads, wire = trainer.runner.executor, [], []
         if trainer.stage is not None:  # count what the 1F1B schedule reads back from the device
             schedule = executor._schedule
+            groups = {id(executor.groups.activations): "activations", id(executor.groups.gradients): "gradients"}
+            send, recv = dist.isend, dist.recv
+
+            def watched(op, fn):  # which group carries each send and receive, and to or from whom
+                def call(tensor, peer, group=None, **kw):
+                    wire.append((op, peer - rank, groups.get(id(group), "other")))
+                    return fn(tensor, peer, group=group, **kw)
+
+                return call
+
+            dist.isend, dist.recv = watched("send", send), watched("recv", recv)
 
             def counted(step):
                 with LaunchCounter(trace=True) as count:
@@ -92,6 +103,7 @@ def _grads_worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:
         names = trainer.stage.names if trainer.stage is not None else list(entries)
         result = {n: entries[n].grad.clone() for n in names if entries[n].grad is not None}
         result[f"reads-{rank}"] = reads
+        result[f"wire-{rank}"] = sorted(set(wire))
         if trainer.stage is not None:  # the split the stage runs, and the one the planner and DST price
             result[f"split-{rank}"] = (
                 trainer.stage.span,
@@ -129,8 +141,13 @@ def test_two_stages_give_one_processs_gradients(tmp_path):
     one.mkdir(), two.mkdir()
     want = _grads(_cfg(one), 1, one)
     have = _grads(_cfg(two, pp=2), 2, two)
-    _reads(want)
+    _reads(want), _reads(want, "wire-")
     assert _reads(have) == {"reads-0": [[]], "reads-1": [[]]}
+    # one direction per group (NCCL orders a pair's sends and receives of one group on one stream)
+    assert _reads(have, "wire-") == {
+        "wire-0": [("recv", 1, "gradients"), ("send", 1, "activations")],
+        "wire-1": [("recv", -1, "activations"), ("send", -1, "gradients")],
+    }
     # the tiny model's head weighs ~1.33 layers: 3 + 1 layers, run and priced alike on both stages
     assert _reads(have, "split-") == {
         "split-0": (range(0, 3), (3, 1), (3, 1)),

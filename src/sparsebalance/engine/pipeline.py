@@ -57,19 +57,34 @@ class PipelineGroups:
     """This rank's stage in every pipeline: where its gradients are averaged (None: one pipeline)."""
     tied: object | None
     """This pipeline's first and last stage (the tied embedding's two copies); None if not needed."""
+    activations: object = None
+    """This pipeline's stages again, for the activations sent forward only."""
+    gradients: object = None
+    """And for their gradients sent back only. NCCL runs a pair's sends and receives of one group
+    in order on one stream: 1F1B's send of the next forward and its peer's send of a backward
+    would each wait for a receive queued behind the other's send. One direction per group keeps
+    every pair's queue in one order on both ends."""
 
     @classmethod
     def create(cls, layout: PipelineLayout, tied: bool) -> PipelineGroups:
         P, D = layout.stages, layout.dp_size
         mine = {}
         for d in range(D):
-            mine[("pipeline", d)] = dist.new_group([layout.rank(d, s) for s in range(P)])
+            for kind in ("pipeline", "activations", "gradients"):
+                mine[(kind, d)] = dist.new_group([layout.rank(d, s) for s in range(P)])
         for s in range(P):
             mine[("data", s)] = dist.new_group([layout.rank(d, s) for d in range(D)]) if D > 1 else None
         for d in range(D):
             ends = [layout.rank(d, 0), layout.rank(d, P - 1)]
             mine[("tied", d)] = dist.new_group(ends) if tied and P > 1 else None
-        return cls(mine[("pipeline", layout.dp)], mine[("data", layout.stage)], mine[("tied", layout.dp)])
+        d = layout.dp
+        return cls(
+            mine[("pipeline", d)],
+            mine[("data", layout.stage)],
+            mine[("tied", d)],
+            mine[("activations", d)],
+            mine[("gradients", d)],
+        )
 
 
 @dataclass
@@ -168,7 +183,7 @@ class PipelineExecutor:
             x = torch.empty(
                 self.stage.hidden_shape(sum(batch.lengths)), dtype=self.stage.hidden_dtype, device=self.wire
             )
-            dist.recv(x, layout.rank(layout.dp, layout.stage - 1))
+            dist.recv(x, layout.rank(layout.dp, layout.stage - 1), group=self.groups.activations)
             x = x.to(self.device).requires_grad_()
         t0 = self.clock.mark()
         filler = op.unit is None  # two tokens at exact attention, adding nothing to the gradients
@@ -184,7 +199,9 @@ class PipelineExecutor:
         op.marks.append((t0, self.clock.mark()))
         if not layout.last:
             sent = out.detach().to(self.wire)
-            sends.append((dist.isend(sent, layout.rank(layout.dp, layout.stage + 1)), sent))
+            sends.append(
+                (dist.isend(sent, layout.rank(layout.dp, layout.stage + 1), group=self.groups.activations), sent)
+            )
 
     def _backward(self, op: _Op, loss_scale: float, sends: list, last: bool) -> None:
         layout = self.layout
@@ -198,13 +215,15 @@ class PipelineExecutor:
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         else:
             grad = torch.empty(op.output.shape, dtype=op.output.dtype, device=self.wire)
-            dist.recv(grad, layout.rank(layout.dp, layout.stage + 1))
+            dist.recv(grad, layout.rank(layout.dp, layout.stage + 1), group=self.groups.gradients)
             t0 = self.clock.mark()
             op.output.backward(grad.to(self.device))
         op.marks.append((t0, self.clock.mark()))
         if not layout.first:
             sent = op.inputs.grad.to(self.wire)
-            sends.append((dist.isend(sent, layout.rank(layout.dp, layout.stage - 1)), sent))
+            sends.append(
+                (dist.isend(sent, layout.rank(layout.dp, layout.stage - 1), group=self.groups.gradients), sent)
+            )
         # its activations are freed now; the last stage keeps the loss (detached) for the record
         op.inputs, op.output = None, (op.output.detach() if layout.last else None)
 
