@@ -9,7 +9,7 @@ from sparsebalance.simulate.pipeline import one_f_one_b, split_forward_backward,
 from sparsebalance.simulate.sparsity import CoverageModel
 from sparsebalance.tuning import DSTConfig, DSTTuner, LayerController, PipelineWorkload, PlanWorkload
 
-from .test_pipeline_dst import PLAN, EightLayers, mb
+from .test_pipeline_dst import PLAN, EightLayers, mb, pipe
 
 # Two equal pipelines (SAB's outcome): nothing for one budget per pipeline to move, but each has
 # one critical micro-batch (three long documents) and three short ones that may be raised.
@@ -45,18 +45,18 @@ def coverage(model, mbs, values):
 def test_one_stage_and_mode_off_have_no_microbatch_budgets(plan):
     cost, t = EightLayers(), tuner()
     flat = t.decide(plan, cost)
-    assert flat == t.decide(plan, cost, pipeline_stages=1)
+    assert flat == t.decide(plan, cost, pipeline=None)
     assert all(r.microbatch_budgets is None for r in flat.ranks)
     assert t.decide_arrays(PlanWorkload(plan, cost, t.knob)).microbatch_budgets is None
-    off = tuner("off").decide(plan, cost, pipeline_stages=4)
+    off = tuner("off").decide(plan, cost, pipeline=pipe(4))
     assert all(r.microbatch_budgets is None for r in off.ranks)
 
 
 def test_the_critical_microbatch_is_cut_the_others_raised():
     cost, t = EightLayers(), tuner()
-    one = t.decide(EVEN, cost, pipeline_stages=4, per_microbatch=False)
+    one = t.decide(EVEN, cost, pipeline=pipe(4), per_microbatch=False)
     assert one.budgets.tolist() == [t.base, t.base]  # even pipelines: one budget moves nothing
-    per = t.decide(EVEN, cost, pipeline_stages=4)
+    per = t.decide(EVEN, cost, pipeline=pipe(4))
     for r, dec in enumerate(per.ranks):
         v = dec.microbatch_budgets
         assert len(v) == 4 and v[0] < t.base < min(v[1:])
@@ -73,8 +73,8 @@ def test_never_slower_than_one_budget_per_pipeline():
         for anchor in ("min", "mean", "max"):
             for p in (0.0, 0.05, 0.5):
                 t = tuner(mode, p, anchor)
-                one = t.decide(PLAN, cost, pipeline_stages=4, per_microbatch=False)
-                per = t.decide(PLAN, cost, pipeline_stages=4)
+                one = t.decide(PLAN, cost, pipeline=pipe(4), per_microbatch=False)
+                per = t.decide(PLAN, cost, pipeline=pipe(4))
                 assert np.all(per.times_after <= one.times_after), (mode, anchor, p)
                 for dec in per.ranks:
                     assert min(dec.microbatch_budgets) >= t.knob.lo
@@ -89,7 +89,7 @@ def test_each_microbatch_cut_stays_within_its_coverage_bound(p):
     cost, t = EightLayers(), tuner(p=p)
     model = CoverageModel(t.knob.density, 0.9)
     plan = [[mb(3000, 3000, 3000, density=0.2), mb(1500, density=0.4), mb(1500), mb(1500)]] * 2
-    work = PipelineWorkload(PlanWorkload(plan, cost, t.knob, coverage=model), 4)
+    work = PipelineWorkload(PlanWorkload(plan, cost, t.knob, coverage=model), pipe(4))
     one = t.decide_arrays(work, per_microbatch=False)
     per = t.decide_arrays(work)
     for r in range(2):
@@ -107,7 +107,7 @@ def test_a_tighter_bound_cuts_less():
     for p in (0.01, 0.05, 0.3):
         t = tuner(p=p)
         model = CoverageModel(t.knob.density, 0.9)
-        work = PipelineWorkload(PlanWorkload(EVEN, cost, t.knob, coverage=model), 4)
+        work = PipelineWorkload(PlanWorkload(EVEN, cost, t.knob, coverage=model), pipe(4))
         spans.append(t.decide_arrays(work).times_after.max())
     assert spans[0] >= spans[1] >= spans[2]
     assert spans[0] > spans[2]
@@ -115,7 +115,7 @@ def test_a_tighter_bound_cuts_less():
 
 def test_layer_controller_plans_each_microbatch_at_its_budget():
     cost, t = EightLayers(), tuner()
-    dec = t.decide(EVEN, cost, pipeline_stages=4).ranks[0]
+    dec = t.decide(EVEN, cost, pipeline=pipe(4)).ranks[0]
     ctl = LayerController.from_decision(dec, EVEN[0], cost, t.config, knob=t.knob, device="cpu")
     assert ctl.values.tolist() == list(dec.microbatch_budgets)
     assert ctl.lo <= min(dec.microbatch_budgets) and max(dec.microbatch_budgets) <= ctl.hi

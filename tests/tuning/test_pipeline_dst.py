@@ -1,9 +1,10 @@
-"""DST over pipelines: ``decide(..., pipeline_stages=P)`` anchors, cuts and raises on each rank's
+"""DST over pipelines: ``decide(..., pipeline=PipelineShape)`` anchors, cuts and raises on each rank's
 1F1B makespan (what the simulator prices), not on rank totals."""
 
 import numpy as np
 import pytest
 
+from sparsebalance.batching.pipeline import PipelineShape
 from sparsebalance.batching.schedule import head_seconds, stage_layers
 from sparsebalance.simulate.pipeline import one_f_one_b, split_forward_backward, stage_seconds
 from sparsebalance.tuning import DSTConfig, DSTTuner, PipelineWorkload, PlanWorkload
@@ -32,6 +33,11 @@ PLAN = [
 ]
 
 
+def pipe(stages, split=(), ratio=2.0, scales=()):
+    """The pricing of EightLayers as a pipeline of ``stages``."""
+    return PipelineShape.of(8, stages, split, ratio, scales)
+
+
 def tuner(mode="bidirectional"):
     return DSTTuner(DSTConfig(mode=mode, anchor="mean", p=0.5, budget_tokens=512), block_size=64)
 
@@ -46,7 +52,7 @@ def makespan_at(cost, mbs, knob, value, stages, split=()):
 
 def test_workload_prices_each_rank_as_the_simulator_does():
     cost, t = EightLayers(), tuner()
-    work = PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), 4)
+    work = PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), pipe(4))
     for value in (t.base, t.knob.lo, 2 * t.base):
         got = work.seconds(np.full(2, value))
         want = [makespan_at(cost, PLAN[r], t.knob, value, 4) for r in range(2)]
@@ -60,7 +66,7 @@ def test_anchor_and_roles_read_makespans_not_totals():
     flat = t.decide(PLAN, cost)
     totals = PlanWorkload(PLAN, cost, t.knob).seconds(np.full(2, t.base))
     assert flat.targets.anchor_seconds == pytest.approx(totals.mean())
-    piped = t.decide(PLAN, cost, pipeline_stages=4, per_microbatch=False)  # the rank level alone
+    piped = t.decide(PLAN, cost, pipeline=pipe(4), per_microbatch=False)  # the rank level alone
     spans = [makespan_at(cost, PLAN[r], t.knob, t.base, 4) for r in range(2)]
     assert spans[0] > 1.2 * spans[1]  # the case: one critical micro-batch on rank 0
     assert piped.targets.times_before == pytest.approx(spans)
@@ -76,12 +82,12 @@ def test_anchor_and_roles_read_makespans_not_totals():
 
 def test_one_stage_decides_exactly_as_before():
     cost, t = EightLayers(), tuner()
-    assert t.decide(PLAN, cost, pipeline_stages=1) == t.decide(PLAN, cost)
+    assert t.decide(PLAN, cost, pipeline=None) == t.decide(PLAN, cost)
 
 
 def test_off_keeps_the_base_with_pipelines():
     cost = EightLayers()
-    dec = tuner("off").decide(PLAN, cost, pipeline_stages=4)
+    dec = tuner("off").decide(PLAN, cost, pipeline=pipe(4))
     assert dec.targets.roles == (KEPT, KEPT)
     assert dec.budgets.tolist() == [tuner().base] * 2
 
@@ -93,23 +99,25 @@ def test_head_is_what_the_layers_do_not_explain():
     assert head_seconds(cost, lengths, dens, total) == pytest.approx([cost.c0, cost.c0])
 
 
-def test_bad_pipeline_stages_refused():
-    cost, t = EightLayers(), tuner()
+def test_bad_pipelines_refused():
     with pytest.raises(ValueError, match="more pipeline stages than the model's 8 layers"):
-        t.decide(PLAN, cost, pipeline_stages=9)
+        pipe(9)
     with pytest.raises(ValueError, match="--pp must be an integer >= 1"):
-        t.decide(PLAN, cost, pipeline_stages=0)
+        pipe(0)
     assert stage_layers(8, 3).tolist() == [3, 3, 2]
+    cost, t = EightLayers(), tuner()
+    with pytest.raises(ValueError, match=r"a pipeline of stages \[3, 3, 3\] for a model of 8 layers"):
+        PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), PipelineShape.of(9, 3))
 
 
 def test_workload_and_decide_price_the_given_split():
-    """``stage_layers``: the workload prices each rank as the simulator does with that split, not
-    the even one; ``decide`` builds it from the split and refuses a workload of another."""
+    """A split: the workload prices each rank as the simulator does with it, not the even one;
+    ``decide`` builds it from the pipeline and refuses a workload of another."""
     cost, t = EightLayers(), tuner()
     split = (3, 2, 2, 1)
-    work = PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), 4, stage_layers=split)
-    even = PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), 4)
-    assert work.layers.tolist() == list(split) and even.layers.tolist() == [2, 2, 2, 2]
+    work = PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), pipe(4, split))
+    even = PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), pipe(4))
+    assert work.shape.layers.tolist() == list(split) and even.shape.layers.tolist() == [2, 2, 2, 2]
     lengths = np.array([[2000, 2000, 2000, 2000]] + [[10, 0, 0, 0]] * 3)
     st = stage_seconds(cost, lengths, np.full(lengths.shape, 0.5), 4, split)
     assert st[0, :3] / np.array([3, 2, 2]) == pytest.approx(np.full(3, st[0, 0] / 3))
@@ -117,12 +125,12 @@ def test_workload_and_decide_price_the_given_split():
     want = [makespan_at(cost, PLAN[r], t.knob, t.base, 4, split) for r in range(2)]
     assert got == pytest.approx(want, rel=1e-12)
     assert not np.allclose(got, base)  # the split changes the makespans DST reads
-    flat = t.decide(PLAN, cost, pipeline_stages=4, stage_layers=split, per_microbatch=False)
+    flat = t.decide(PLAN, cost, pipeline=pipe(4, split), per_microbatch=False)
     assert [r.predicted_before for r in flat.ranks] == pytest.approx(want, rel=1e-12)
-    with pytest.raises(ValueError, match=r"a workload of stages \[2, 2, 2, 2\]"):
-        t.decide(PLAN, cost, even, pipeline_stages=4, stage_layers=split)
+    with pytest.raises(ValueError, match="the workload prices another pipeline"):
+        t.decide(PLAN, cost, even, pipeline=pipe(4, split))
     with pytest.raises(ValueError, match="summing to the model's 8 layers"):
-        PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), 4, stage_layers=(3, 3, 3, 3))
+        pipe(4, (3, 3, 3, 3))
 
 
 def test_workload_and_decide_price_learned_stage_scales_and_ratio():
@@ -130,7 +138,7 @@ def test_workload_and_decide_price_learned_stage_scales_and_ratio():
     split at the ratio; the identity decides exactly as the default."""
     cost, t = EightLayers(), tuner()
     scales = (1.0, 1.0, 1.0, 2.0)
-    work = PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), 4, 3.0, stage_scales=scales)
+    work = PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), pipe(4, (), 3.0, scales))
     for r in range(2):
         n = max(len(m.lengths) for m in PLAN[r])
         lengths = np.array([list(m.lengths) + [0] * (n - len(m.lengths)) for m in PLAN[r]])
@@ -139,9 +147,9 @@ def test_workload_and_decide_price_learned_stage_scales_and_ratio():
         want = one_f_one_b(*split_forward_backward(st, 3.0)).makespan
         assert work.seconds(np.full(2, t.base))[r] == pytest.approx(want, rel=1e-12)
         assert want > 1.2 * makespan_at(cost, PLAN[r], t.knob, t.base, 4)
-    learned = t.decide(PLAN, cost, pipeline_stages=4, ratio=3.0, stage_scales=scales)
+    learned = t.decide(PLAN, cost, pipeline=pipe(4, (), 3.0, scales))
     assert learned.targets.times_before == pytest.approx(work.seconds(np.full(2, t.base)).tolist(), rel=1e-12)
-    same = t.decide(PLAN, cost, pipeline_stages=4, ratio=2.0, stage_scales=(1.0,) * 4)
-    assert same == t.decide(PLAN, cost, pipeline_stages=4)
+    same = t.decide(PLAN, cost, pipeline=pipe(4, (), 2.0, (1.0,) * 4))
+    assert same == t.decide(PLAN, cost, pipeline=pipe(4))
     with pytest.raises(ValueError, match="need one scale per stage"):
-        PipelineWorkload(PlanWorkload(PLAN, cost, t.knob), 4, stage_scales=(1.0, 2.0))
+        pipe(4, (), 2.0, (1.0, 2.0))

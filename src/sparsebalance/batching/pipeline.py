@@ -69,15 +69,31 @@ class PipelineShape:
     ) -> PipelineShape:
         """``split``: layers per stage (``PlanConfig.stage_layers``); empty = the even split.
         ``scales``: per stage (``PlanConfig.stage_scales``); empty = 1."""
-        return cls(resolve_layers(num_layers, num_stages, split), ratio, np.asarray(scales) if scales else None)
+        if scales and len(scales) != num_stages:
+            raise ValueError(f"stage_scales {tuple(scales)}: need one scale per stage ({num_stages})")
+        layers = resolve_layers(num_layers, num_stages, split)
+        return cls(layers, ratio, np.asarray(scales, dtype=np.float64) if scales else None)
 
     @property
     def num_stages(self) -> int:
         return int(self.layers.size)
 
-    def makespans(self, times: np.ndarray) -> np.ndarray:
-        """``(n,)`` makespans of n pipelines of micro-batch times ``(n, M)``, in that order."""
-        return layered_makespans(times, 0.0, self.layers, self.ratio, self.scales)
+    def __eq__(self, other: object) -> bool:
+        """Prices alike: the same split, backward ratio and stage scales (None = 1)."""
+        if not isinstance(other, PipelineShape):
+            return NotImplemented
+        ones = np.ones(self.num_stages)
+        mine = ones if self.scales is None else self.scales
+        theirs = np.ones(other.num_stages) if other.scales is None else other.scales
+        return np.array_equal(self.layers, other.layers) and self.ratio == other.ratio and np.array_equal(mine, theirs)
+
+    __hash__ = None  # arrays inside: not hashable
+
+    def makespans(self, times: np.ndarray, head: np.ndarray | float = 0.0) -> np.ndarray:
+        """``(n,)`` makespans of n pipelines of micro-batch times ``(n, M)``, in that order;
+        ``head``: what of each micro-batch runs on the last stage only
+        (:func:`~.schedule.layered_makespans`)."""
+        return layered_makespans(times, head, self.layers, self.ratio, self.scales)
 
 
 @lru_cache(maxsize=16)

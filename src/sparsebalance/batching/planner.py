@@ -165,6 +165,15 @@ class PlanConfig:
         if not (np.isfinite(self.backward_ratio) and self.backward_ratio >= 0):
             raise ValueError(f"backward_ratio must be finite and >= 0, got {self.backward_ratio!r}")
 
+    def pipeline(self, num_layers: int) -> PipelineShape | None:
+        """How SAB and DST price a rank as a 1F1B pipeline of a ``num_layers`` model (the split,
+        the stage scales, the backward ratio); None without a pipeline."""
+        if self.pipeline_stages == 1:
+            return None
+        return PipelineShape.of(
+            num_layers, self.pipeline_stages, self.stage_layers, self.backward_ratio, self.stage_scales
+        )
+
 
 def plan_batch(
     samples: Sequence[Sample],
@@ -404,9 +413,7 @@ def _sab_pipeline(items: Items, regime: Regime, cost_model, config: PlanConfig):
     predicted slower than without."""
     r = config.world_size
     iters = 4 * r + 64 if config.local_search_iters is None else config.local_search_iters
-    shape = PipelineShape.of(
-        cost_model.num_layers, config.pipeline_stages, config.stage_layers, config.backward_ratio, config.stage_scales
-    )
+    shape = config.pipeline(cost_model.num_layers)
     tokens_packs = _baseline("tokens", items, regime, cost_model, config)
     ranks = lpt_ranks(items.cost, r, regime, items.tokens)
     ranks, moves = local_search(ranks, items.cost, items.tokens, regime, iters, config.neighbors)

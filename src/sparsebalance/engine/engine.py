@@ -178,15 +178,8 @@ class StepEngine:
         else:
             # a pipeline's ranks are timed by their 1F1B makespans (anchor, cuts and raises),
             # its stages priced as the planner priced them
-            cfg = self.planning_config()
-            decision = self.tuner.decide(
-                plan.ranks,
-                self.latency,
-                pipeline_stages=cfg.pipeline_stages,
-                stage_layers=cfg.stage_layers,
-                ratio=cfg.backward_ratio,
-                stage_scales=cfg.stage_scales,
-            )
+            pipeline = self.planning_config().pipeline(self.latency.num_layers)
+            decision = self.tuner.decide(plan.ranks, self.latency, pipeline=pipeline)
         scale = self.world_size / max(planned.global_weight, 1e-9)
         tuned = TunedStep(planned, decision, scale, time.perf_counter() - t0)
         self._layers = [*self._layers[-1:], _StepLayers(tuned)]

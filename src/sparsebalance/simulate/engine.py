@@ -219,7 +219,7 @@ class _Job:
                 work = _workload(a, self.cost_model, self.knob, batch.densities, self.coverage)
                 t0 = time.perf_counter()
                 if self.pipeline_stages > 1:  # DST reads makespans (heads priced once per plan)
-                    work = PipelineWorkload(work, self.pipeline_stages, stage_layers=self.stage_layers)
+                    work = PipelineWorkload(work, cfg.pipeline(self.cost_model.num_layers))
                 works[s.planner] = (work, {**_cp_stats(a), "plan_s": plan_s, "pipe_s": time.perf_counter() - t0})
             cfg = replace(self.dst, mode=s.dst_mode, anchor=s.anchor or self.dst.anchor)
             # sab+dst and sab+dst@<default anchor> are the same decision: made once.

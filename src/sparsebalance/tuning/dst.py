@@ -24,7 +24,7 @@ layer by the :class:`~.layer.LayerController`, which has the layer's real gate s
 ``mode="down"`` stops after step 2; ``mode="off"`` keeps the base budget everywhere (the baseline
 and SAB-only ablations). The tuner is a plain object without state between steps.
 
-Pipelines (``pipeline_stages`` P > 1): workers are 1F1B pipelines timed by their makespans
+Pipelines (``decide(..., pipeline=)``, ``PlanConfig.pipeline``): workers are 1F1B pipelines timed by their makespans
 (:mod:`.pipeline_workload`), and after the rule above (one budget per pipeline) every micro-batch
 gets its own budget (:mod:`.microbatch_dst`: the critical micro-batches cut, the others raised,
 no pipeline predicted slower than with its one budget).
@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..batching.schedule import BACKWARD_RATIO, resolve_layers
+from ..batching.pipeline import PipelineShape
 from ..workload import CostModel, MicroBatch
 from .config import ANCHORS, MODES, DSTConfig, add_dst_arguments
 from .curve import DensityCurve
@@ -239,24 +239,19 @@ class DSTTuner:
         plan: Sequence[Sequence[MicroBatch]],
         cost_model: CostModel,
         workload: PlanWorkload | PipelineWorkload | None = None,
-        pipeline_stages: int = 1,
+        pipeline: PipelineShape | None = None,
         *,
         per_microbatch: bool = True,
-        stage_layers: tuple[int, ...] = (),
-        ratio: float = BACKWARD_RATIO,
-        stage_scales: tuple[float, ...] = (),
     ) -> StepDecision:
         """The whole step from the plan (rank -> micro-batches), identical on every rank.
 
-        ``pipeline_stages`` P > 1: every rank is a 1F1B pipeline of P stages and its time is the
-        pipeline's makespan (:class:`~.pipeline_workload.PipelineWorkload`): the anchor, the cuts
-        and the raises read makespans, and ``RankDecision``'s times are makespans. Then each
-        micro-batch gets its own budget (``RankDecision.microbatch_budgets``, ``budget`` their
-        mean; :mod:`.microbatch_dst`), unless ``per_microbatch`` is False (one budget per
-        pipeline). 1: rank sums, one budget per rank. ``stage_layers``: the pipeline's layers per
-        stage (``PlanConfig.stage_layers``; empty = the even split); ``ratio`` and
-        ``stage_scales``: how its stages are priced (``PlanConfig.backward_ratio`` and
-        ``stage_scales``, a training run's measured ones; used when the workload is built here).
+        ``pipeline`` (``PlanConfig.pipeline``: the split, stage scales and backward ratio): every
+        rank is a 1F1B pipeline and its time is the pipeline's makespan
+        (:class:`~.pipeline_workload.PipelineWorkload`): the anchor, the cuts and the raises read
+        makespans, and ``RankDecision``'s times are makespans. Then each micro-batch gets its own
+        budget (``RankDecision.microbatch_budgets``, ``budget`` their mean; :mod:`.microbatch_dst`),
+        unless ``per_microbatch`` is False (one budget per pipeline). None: rank sums, one budget
+        per rank.
 
         Vectorised over ranks (:mod:`.plan_workload`): the same budgets and times as
         :meth:`decide_rank` for every rank, in a few ``predict_many`` calls per search probe.
@@ -269,17 +264,10 @@ class DSTTuner:
             workload = PlanWorkload(plan, cost_model, self.knob)
         elif not (workload.num_ranks == len(plan) and workload.cost_model is cost_model):
             raise ValueError("decide: the workload was built for another plan, cost model or knob")
-        if pipeline_stages != 1 and isinstance(workload, PipelineWorkload):
-            split = resolve_layers(cost_model.num_layers, pipeline_stages, stage_layers)
-            if workload.num_stages != pipeline_stages or not np.array_equal(workload.layers, split):
-                raise ValueError(
-                    f"decide: a workload of stages {workload.layers.tolist()}, pipeline_stages {pipeline_stages} "
-                    f"of stages {split.tolist()}"
-                )
-        elif pipeline_stages != 1:
-            workload = PipelineWorkload(
-                workload, pipeline_stages, ratio, stage_layers=stage_layers, stage_scales=stage_scales
-            )
+        if isinstance(workload, PipelineWorkload) and workload.shape != pipeline:
+            raise ValueError("decide: the workload prices another pipeline than ``pipeline``")
+        if pipeline is not None and not isinstance(workload, PipelineWorkload):
+            workload = PipelineWorkload(workload, pipeline)
         a = self.decide_arrays(workload, per_microbatch=per_microbatch)
         mbs = [None] * len(plan) if a.microbatch_budgets is None else [tuple(m.tolist()) for m in a.microbatch_budgets]
         ranks = tuple(

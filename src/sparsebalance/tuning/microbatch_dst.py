@@ -54,7 +54,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..batching.schedule import layered_makespans
 from .config import DSTConfig
 from .knob import search_many
 from .pipeline_workload import PipelineWorkload
@@ -168,7 +167,7 @@ class MicroBatchPrices:
         the base budget, as :class:`PipelineWorkload` prices them); 0 without micro-batches."""
         pipe, out = self.pipe, np.zeros(self.pipe.num_ranks)
         for g, head, t in zip(self.groups, pipe.heads, self.split(seconds), strict=True):
-            out[g.ranks] = layered_makespans(t, head, pipe.layers, pipe.ratio, pipe.scales)
+            out[g.ranks] = pipe.shape.makespans(t, head)
         return out
 
 
@@ -254,7 +253,7 @@ def _even_makespans(prices: MicroBatchPrices, t0: np.ndarray) -> np.ndarray:
     pipe, out = prices.pipe, np.zeros(prices.pipe.num_ranks)
     for g, head, a0 in zip(prices.groups, pipe.heads, prices.split(t0), strict=True):
         mean = np.broadcast_to(a0.mean(axis=1, keepdims=True), a0.shape)
-        out[g.ranks] = layered_makespans(mean, head.mean(axis=1, keepdims=True), pipe.layers, pipe.ratio, pipe.scales)
+        out[g.ranks] = pipe.shape.makespans(mean, head.mean(axis=1, keepdims=True))
     return out
 
 
@@ -286,7 +285,7 @@ def _water_level(tf: np.ndarray, th: np.ndarray, head: np.ndarray, target: np.nd
     (``>=`` the makespan at ``tf``): a bisection to :data:`LEVEL_RTOL`."""
 
     def span(tau: np.ndarray) -> np.ndarray:
-        return layered_makespans(np.clip(tau[:, None], tf, th), head, pipe.layers, pipe.ratio, pipe.scales)
+        return pipe.shape.makespans(np.clip(tau[:, None], tf, th), head)
 
     a, b = tf.min(axis=1), th.max(axis=1)  # span(a) is the floors' makespan: feasible
     top = span(b) <= target

@@ -29,38 +29,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..batching.schedule import BACKWARD_RATIO, head_seconds, layered_makespans, resolve_layers
+from ..batching.pipeline import PipelineShape
+from ..batching.schedule import head_seconds
 from .plan_workload import PlanWorkload
 
 
 class PipelineWorkload:
-    """The ranks of a :class:`PlanWorkload` as 1F1B pipelines of ``num_stages`` stages:
-    :meth:`seconds` is each rank's makespan with its micro-batches in plan (= run) order;
-    ``stage_layers``: layers per stage (``PlanConfig.stage_layers``; empty = the even split);
-    ``ratio``: backward seconds per forward second; ``stage_scales``: ``(P,)`` multiplies each
-    stage's share (``PlanConfig.stage_scales``; empty = 1)."""
+    """The ranks of a :class:`PlanWorkload` as 1F1B pipelines priced by ``shape`` (the split, the
+    stage scales and the backward ratio; ``PlanConfig.pipeline``): :meth:`seconds` is each rank's
+    makespan with its micro-batches in plan (= run) order."""
 
-    def __init__(
-        self,
-        work: PlanWorkload,
-        num_stages: int,
-        ratio: float = BACKWARD_RATIO,
-        *,
-        stage_layers: tuple[int, ...] = (),
-        stage_scales: tuple[float, ...] = (),
-    ) -> None:
+    def __init__(self, work: PlanWorkload, shape: PipelineShape) -> None:
+        if int(shape.layers.sum()) != work.cost_model.num_layers:
+            raise ValueError(
+                f"a pipeline of stages {shape.layers.tolist()} for a model of {work.cost_model.num_layers} layers"
+            )
         self.work = work
         self.num_ranks = work.num_ranks
         self.knob = work.knob
         self.cost_model = work.cost_model
         self.max_lengths = work.max_lengths
-        self.num_stages = num_stages
-        self.layers = resolve_layers(work.cost_model.num_layers, num_stages, stage_layers)
-        self.ratio = ratio
-        if stage_scales and len(stage_scales) != num_stages:
-            raise ValueError(f"stage_scales {tuple(stage_scales)}: need one scale per stage ({num_stages})")
-        self.scales = np.asarray(stage_scales, dtype=np.float64) if stage_scales else None
-        """``(P,)`` each stage's scale, or None (1)."""
+        self.shape = shape
         base = float(work.knob.base)
         self._heads = []  # per group (n, M): seconds on the last stage only
         for g in work.groups:
@@ -97,7 +86,7 @@ class PipelineWorkload:
                 continue
             dens = self.knob.density(g.lengths[sel], g.d0[sel], values[g.ranks[sel]][:, None, None])
             times = g.predict(None if active is None else sel, dens)
-            out[g.ranks[sel]] = layered_makespans(times, head[sel], self.layers, self.ratio, self.scales)
+            out[g.ranks[sel]] = self.shape.makespans(times, head[sel])
         if key is not None:
             self._memo[key] = out.copy()
         return out
