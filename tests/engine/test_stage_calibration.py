@@ -96,10 +96,16 @@ def test_it_moves_smoothly_towards_a_step():
 
 def test_an_outlier_step_is_clamped():
     cal = StageCalibration(2)
-    # stage 0 measured at ~nothing, the backward at 1000x the forward: one step moves the scale
-    # and the ratio only from the bounds' values, by the smoothing weight
-    cal.observe(_microbatches(slow=(1e-9, 1.0), ratio=1000.0), COST, LAYERS)
-    assert cal.scales[0] == pytest.approx(SCALE_BOUNDS[0] ** SMOOTHING, rel=1e-12)
+    # stage 0 measured at ~nothing, the backward at 1000x the forward: one step moves the scales
+    # and the ratio only from the bounds' values, by the smoothing weight; the scales are then
+    # renormalised so the step's predicted total is kept (they move the split only)
+    mbs = _microbatches(slow=(1e-9, 1.0), ratio=1000.0)
+    cal.observe(mbs, COST, LAYERS)
+    predicted = predicted_stage_seconds(COST, mbs, LAYERS).sum(axis=0)
+    share = predicted / predicted.sum()
+    raw = np.array([SCALE_BOUNDS[0], min(SCALE_BOUNDS[1], 1.0 / share[1])]) ** SMOOTHING
+    assert cal.scales == pytest.approx(raw / (share @ raw), rel=1e-6)
+    assert share @ cal.scales == pytest.approx(1.0, rel=1e-12)
     assert cal.ratio == pytest.approx(2.0 ** (1 - SMOOTHING) * RATIO_BOUNDS[1] ** SMOOTHING, rel=1e-12)
     # a step with a stage at 0 s (nothing measured there) is left out
     before = cal.state_dict()

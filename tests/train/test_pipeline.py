@@ -227,21 +227,32 @@ def _collectives_worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> No
         trainer = Trainer(cfg, Runtime(rank, world, torch.device("cpu")))
         counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
         originals = {name: getattr(dist, name) for name in counts}
+        executor, inside = trainer.runner.executor, [False, 0]  # in the timed schedule; its collectives
+        schedule = executor._schedule
+
+        def timed(step):
+            inside[0] = True
+            try:
+                return schedule(step)
+            finally:
+                inside[0] = False
 
         def counting(name):
             def call(*args, **kwargs):
                 counts[name] += 1
+                inside[1] += inside[0]
                 return originals[name](*args, **kwargs)
 
             return call
 
+        executor._schedule = timed
         for name in counts:  # what FSDP2 calls (torch.distributed's, looked up at each call)
             setattr(dist, name, counting(name))
         micro = [[len(r.microbatches) for r in trainer.run_step().records] for _ in range(cfg.steps)]
         for name, fn in originals.items():
             setattr(dist, name, fn)
         units = len(trainer.stage.layers) + 1  # a unit per decoder layer, and the stage itself
-        result = {"counts": counts, "units": units, "micro": micro, "dp": trainer.stage.layout.dp}
+        result = {"counts": counts, "units": units, "micro": micro, "dp": trainer.stage.layout.dp, "in": inside[1]}
         result["sharded"] = all(isinstance(p, DTensor) for p in trainer.stage.parameters_owned())
         dist.destroy_process_group()
     except BaseException:  # report every failure to the test process
@@ -255,13 +266,14 @@ def _collectives_worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> No
 def test_fsdp2_stages_gather_and_reduce_once_per_step(tmp_path, strategy, capacity):
     """``--parallel fsdp2`` with ``--pp``: every parameter is a shard, and each FSDP unit of a stage
     all-gathers once and reduce-scatters once per step (not once per micro-batch), so pipelines
-    with different micro-batch counts stay in step, and a pipeline without any runs a filler."""
+    with different micro-batch counts stay in step, a pipeline without any included; none of them
+    runs inside the schedule, whose forwards and backwards are timed."""
     cfg = _cfg(tmp_path, pp=2, parallel="fsdp2", steps=3, capacity=capacity, strategy=strategy)
     mp.spawn(_collectives_worker, args=(4, str(tmp_path), cfg), nprocs=4, join=True)
     results = [pickle.loads((tmp_path / f"collectives-{r}.pkl").read_bytes()) for r in range(4)]
     assert not [r["error"] for r in results if "error" in r]
     for r in results:
-        assert r["sharded"]
+        assert r["sharded"] and r["in"] == 0
         assert r["counts"] == {"all_gather_single": 3 * r["units"], "reduce_scatter_single": 3 * r["units"]}
     assert [r["units"] for r in results] == [4, 2, 4, 2]  # the tiny model's 3/1 split, plus each root
     # plans without the latency model: dataset order at 300 tokens has steps where one pipeline
@@ -376,3 +388,19 @@ def test_resuming_a_checkpoint_of_another_split_is_one_line(tmp_path):
     assert _read(tmp_path, stage)[2] == f"--resume: {tmp_path} was saved with --pp 4; resume it with --pp 4"
     torch.save({"pipeline": {"stages": 2, "layers": [3, 1]}}, tmp_path / "state.pt")
     assert _read(tmp_path, stage)[2] is None
+
+
+def test_a_pipeline_checkpoint_with_optimizer_states_by_index_is_one_line(tmp_path):
+    """Pipeline checkpoints of earlier development builds kept each stage's optimizer state by
+    parameter index; they are refused in one line, not loaded under another meaning."""
+    from sparsebalance.engine.stage import PipelineLayout, StageModel
+    from sparsebalance.models.hf import build_model
+    from sparsebalance.train.pipeline_checkpoint import _read
+
+    stage = StageModel(build_model("tiny", "cpu", torch.float32, seed=0), PipelineLayout.of(0, 2, 2, (3, 1)))
+    torch.save({}, tmp_path / "model.pt")
+    by_index = {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": [{"params": [0]}]}
+    torch.save({"optimizer": [by_index, by_index], "pipeline": {"stages": 2, "layers": [3, 1]}}, tmp_path / "state.pt")
+    model_sd, state, error = _read(tmp_path, stage)
+    assert model_sd is None and state is None
+    assert "earlier development build" in error and "\n" not in error

@@ -14,10 +14,11 @@ their gradients back: ``isend`` + ``recv``); nothing else waits. After the last 
 embedding's gradient is summed between the first and last stage (when the LM head is the
 embedding), then each stage's gradients are averaged over its data-parallel peers, and the global
 gradient norm for clipping sums the stages' squares (:meth:`PipelineExecutor.grad_norm`). With
-``--parallel fsdp2`` (:meth:`.StageModel.shard`) the stage's parameters stay gathered through the
-step and its gradients are reduce-scattered in its last backward (FSDP2's flags, set before each
-backward); a pipeline without micro-batches runs a two-token filler at zero loss, so its peers'
-collectives are matched.
+``--parallel fsdp2`` (:meth:`.StageModel.shard`) the stage is gathered before the schedule and
+stays gathered through it, its gradients accumulate unsharded, and after the schedule a two-token
+pass at zero loss reduce-scatters them (:meth:`PipelineExecutor._reduce_shards`): every unit
+all-gathers once and reduce-scatters once per step, a pipeline without micro-batches included,
+and no timed forward or backward waits for a peer pipeline.
 
 Each micro-batch's record is the whole model's: its stages' forward + backward seconds summed (what
 the latency model predicts for a micro-batch), each stage's (forward, backward) seconds
@@ -130,11 +131,13 @@ class PipelineExecutor:
         clock, layout = self.clock, self.layout
         origin = origin or clock.mark()
         with use_clock(clock):
+            if self.stage.sharded:  # FSDP2: gathered before the schedule, not in a timed forward
+                self.stage.gather()
             ops, sends = self._schedule(step)
             for work, _tensor in sends:  # the tensor stays alive until its send is done
                 work.wait()
             ready = clock.mark()
-            self._sync_gradients()
+            self._sync_gradients(step)
             done = clock.mark()
             clock.synchronize()  # the step's one wait for the device
             mine = [self._result(op, origin) for op in ops]
@@ -165,15 +168,13 @@ class PipelineExecutor:
                 self.docs[i][o : o + n] for i, o, n in zip(unit.sample_ids, unit.offsets, unit.lengths, strict=True)
             ]
             ops.append(_Op(unit, pack(docs, self.device, self.config.per_doc_weighting)))
-        if not ops and self.stage.sharded:  # FSDP2's collectives need a pass in every pipeline
-            ops.append(_Op(None, pack([np.zeros(2, dtype=np.int64)], self.device, False)))
         sends: list = []
         for kind, m in schedule_order(self.layout.stages, len(ops), self.layout.stage):
             if kind == "F":
                 self._forward(step, m, ops[m], sends)
             else:
-                self._backward(ops[m], step.loss_scale, sends, last=m == len(ops) - 1)
-        return [op for op in ops if op.unit is not None], sends
+                self._backward(ops[m], step.loss_scale, sends)
+        return ops, sends
 
     def _forward(self, step: TunedStep, m: int, op: _Op, sends: list) -> None:
         layout, batch = self.layout, op.batch
@@ -186,15 +187,11 @@ class PipelineExecutor:
             dist.recv(x, layout.rank(layout.dp, layout.stage - 1), group=self.groups.activations)
             x = x.to(self.device).requires_grad_()
         t0 = self.clock.mark()
-        filler = op.unit is None  # two tokens at exact attention, adding nothing to the gradients
-        op.ctx = self.engine.attention(
-            step, layout.dp, None if filler else m, batch.cu_seqlens, batch.lengths, start=t0.host
-        )
+        op.ctx = self.engine.attention(step, layout.dp, m, batch.cu_seqlens, batch.lengths, start=t0.host)
         with self.precision.autocast():
             out = self.stage(x, batch.position_ids, op.ctx)
             if layout.last:
                 out = self.stage.loss(out, batch, self.config.loss, not self.config.per_doc_weighting)
-                out = out * 0.0 if filler else out
         op.inputs, op.output = (None if layout.first else x), out
         op.marks.append((t0, self.clock.mark()))
         if not layout.last:
@@ -203,12 +200,8 @@ class PipelineExecutor:
                 (dist.isend(sent, layout.rank(layout.dp, layout.stage + 1), group=self.groups.activations), sent)
             )
 
-    def _backward(self, op: _Op, loss_scale: float, sends: list, last: bool) -> None:
+    def _backward(self, op: _Op, loss_scale: float, sends: list) -> None:
         layout = self.layout
-        if self.stage.sharded:  # FSDP2: gradients accumulate gathered; reduce-scattered in the last
-            self.stage.set_is_last_backward(last)
-            self.stage.set_reshard_after_backward(last)
-            self.stage.set_requires_gradient_sync(last)
         if layout.last:
             t0 = self.clock.mark()
             scaled = op.output * loss_scale
@@ -246,9 +239,30 @@ class PipelineExecutor:
             stage_seconds=((forward, backward),),
         )
 
-    def _sync_gradients(self) -> None:
+    def _reduce_shards(self, step: TunedStep) -> None:
+        """FSDP2: reduce-scatter the gradients the schedule accumulated (gathered) and reshard,
+        after the schedule, so no forward or backward of it waits for a peer pipeline: a
+        two-token pass through the stage at zero loss, with gradient sync on, runs every unit's
+        post-backward (public API only; ``torch.distributed.pipelining`` calls FSDP's internals)."""
+        stage, layout = self.stage, self.layout
+        stage.sync_in_next_backward()
+        batch = pack([np.zeros(2, dtype=np.int64)], self.device, False)
+        ctx = self.engine.attention(step, layout.dp, None, batch.cu_seqlens, batch.lengths)  # exact
+        x = batch.input_ids
+        if not layout.first:
+            x = torch.zeros(stage.hidden_shape(2), dtype=stage.hidden_dtype, device=self.device)
+        with self.precision.autocast():
+            out = stage(x, batch.position_ids, ctx)
+        for p in stage.parameters():  # gathered now: every peer reduces every parameter (a pipeline
+            if p.grad is None:  # without micro-batches, or a head this pass does not reach, adds 0)
+                p.grad = torch.zeros_like(p)
+        (out.float().sum() * 0.0).backward()
+
+    def _sync_gradients(self, step: TunedStep) -> None:
         """Sum the tied embedding's two gradients, then average over the data-parallel pipelines
         (FSDP2 did, in the last backward: the two copies' shards are summed, alike on both ends)."""
+        if self.stage.sharded:
+            self._reduce_shards(step)
         params = self.stage.parameters_owned()
         tied = self.stage.tied_weight()
         if tied is not None and self.groups.tied is not None:

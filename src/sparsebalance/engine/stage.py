@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..batching.schedule import resolve_layers, stage_layers
@@ -127,10 +128,9 @@ class StageModel(nn.Module):
     def shard(self, mesh) -> None:
         """``--parallel fsdp2``: ``fully_shard`` every decoder layer of this stage, then the stage
         (its embedding, norm and head), over ``mesh`` (this stage in every pipeline). Parameters
-        stay gathered from a step's first forward to its last backward (``reshard_after_forward``
-        off, as torchtitan does with pipelines; :mod:`.pipeline` reshards and reduce-scatters in
-        the last backward only): one all-gather and one reduce-scatter per step, whatever the
-        pipelines' micro-batch counts."""
+        stay gathered through a step's schedule (:meth:`gather`; ``reshard_after_forward`` off, as
+        torchtitan does with pipelines) and are reduce-scattered after it (:mod:`.pipeline`): one
+        all-gather and one reduce-scatter per step, whatever the pipelines' micro-batch counts."""
         from torch.distributed.fsdp import fully_shard
 
         for layer in self.layers:
@@ -138,6 +138,24 @@ class StageModel(nn.Module):
         fully_shard(self, mesh=mesh, reshard_after_forward=False)
         self.layers = [self.decoder.layers[i] for i in self.span]
         self.sharded = True
+
+    def gather(self) -> None:
+        """FSDP2, before a step's schedule: all-gather every unit (the stage's own first), and let
+        the schedule's backwards accumulate gradients gathered, with no reduce-scatter or reshard
+        (:meth:`sync_in_next_backward` turns them back on)."""
+        self._flags(False)
+        for module in self.modules():
+            if isinstance(module, FSDPModule):
+                module.unshard()
+
+    def sync_in_next_backward(self) -> None:
+        """FSDP2: the next backward reduce-scatters the accumulated gradients and reshards."""
+        self._flags(True)
+
+    def _flags(self, sync: bool) -> None:
+        self.set_is_last_backward(sync)
+        self.set_reshard_after_backward(sync)
+        self.set_requires_gradient_sync(sync)
 
     def parameters_owned(self) -> list[nn.Parameter]:
         """The parameters this stage holds and steps, in model order, each once (after

@@ -13,7 +13,8 @@ cost alike, backward = 2 x forward) is measured here, from a step's micro-batch 
   layers, spread as the pricing spreads it). Shares, not seconds: the latency model is already
   recalibrated with the same micro-batches' whole seconds (:func:`.feedback.apply_feedback`);
   scales of seconds would correct that whole-model error a second time. The scales move only
-  the split (a step's scales times its predicted stage seconds sum to its predicted seconds).
+  the split: after averaging they are renormalised so that the step's predicted stage seconds
+  times the scales sum to its predicted seconds.
 
 Each step's values are clamped (:data:`SCALE_BOUNDS`, :data:`RATIO_BOUNDS`) and folded into an
 exponential moving average of their logarithms (weight :data:`SMOOTHING`), so one outlier step
@@ -96,9 +97,13 @@ class StageCalibration:
         if not (finite and forward > 0 and backward > 0 and np.all(per_stage > 0) and np.all(predicted > 0)):
             return False
         ratio = np.clip(backward / forward, *RATIO_BOUNDS)
-        scales = np.clip((per_stage / per_stage.sum()) / (predicted / predicted.sum()), *SCALE_BOUNDS)
+        share = predicted / predicted.sum()
+        scales = np.clip((per_stage / per_stage.sum()) / share, *SCALE_BOUNDS)
         self.ratio = float(_average(np.float64(self.ratio), ratio))
-        self.scales = _average(self.scales, scales)
+        averaged = _average(self.scales, scales)
+        # renormalised on this step's shares: the average of logarithms (and the clamp) would
+        # otherwise also scale a micro-batch's total, which the latency model already corrects
+        self.scales = averaged / float(share @ averaged)
         self.steps += 1
         return True
 

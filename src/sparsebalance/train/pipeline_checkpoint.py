@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from ..batching.schedule import stage_layers
 from ..engine.runtime import Runtime
@@ -96,13 +97,16 @@ def load_pipeline_checkpoint(path: Path, stage: StageModel, optimizer, scheduler
 
 
 def _optimizer_state(stage: StageModel, optimizer) -> dict:
-    """The stage's optimizer state keyed by parameter names, full tensors on the CPU (FSDP2's
-    shards gathered over the stage's peers): one format for ``ddp`` and ``fsdp2`` stages."""
-    full = get_optimizer_state_dict(stage, optimizer, options=StateDictOptions(full_state_dict=True))
-    return _on_cpu(full)
+    """The stage's optimizer state keyed by parameter names, full tensors on the CPU: one format
+    for ``ddp`` and ``fsdp2`` stages. FSDP2's shards are gathered one tensor at a time (a
+    collective over the stage's peers, in the state's order), each moved to the CPU before the
+    next, so no device ever holds the stage's whole optimizer state."""
+    return _on_cpu(get_optimizer_state_dict(stage, optimizer, options=StateDictOptions(full_state_dict=False)))
 
 
 def _on_cpu(obj):
+    if isinstance(obj, DTensor):
+        return obj.full_tensor().cpu()
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
@@ -131,6 +135,15 @@ def _read(path: Path, stage: StageModel) -> tuple[dict | None, dict | None, str 
                 f"--resume: {path} split the layers {list(layers)} over its stages, this version splits them "
                 f"{list(stage.split)} (its optimizer states are per stage): resume it with the version that "
                 "wrote it, or start afresh"
+            ),
+        )
+    if any(isinstance(k, int) for opt in state.get("optimizer", ()) for k in opt["state"]):
+        return (
+            None,
+            None,
+            (
+                f"--resume: {path} is a pipeline checkpoint of an earlier development build (its optimizer "
+                "states are by index, not by name): start afresh, or `sparsebalance export` its weights"
             ),
         )
     return model_sd, state, None
