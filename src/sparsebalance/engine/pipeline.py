@@ -65,6 +65,9 @@ class PipelineGroups:
     in order on one stream: 1F1B's send of the next forward and its peer's send of a backward
     would each wait for a receive queued behind the other's send. One direction per group keeps
     every pair's queue in one order on both ends."""
+    objects: object = None
+    """Every rank on gloo, for a checkpoint's objects when the default group is NCCL (it would
+    stage every pickle in device memory); None: the default group."""
 
     @classmethod
     def create(cls, layout: PipelineLayout, tied: bool) -> PipelineGroups:
@@ -78,6 +81,7 @@ class PipelineGroups:
         for d in range(D):
             ends = [layout.rank(d, 0), layout.rank(d, P - 1)]
             mine[("tied", d)] = dist.new_group(ends) if tied and P > 1 else None
+        objects = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
         d = layout.dp
         return cls(
             mine[("pipeline", d)],
@@ -85,6 +89,7 @@ class PipelineGroups:
             mine[("tied", d)],
             mine[("activations", d)],
             mine[("gradients", d)],
+            objects,
         )
 
 

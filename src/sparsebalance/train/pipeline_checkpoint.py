@@ -10,9 +10,11 @@
   "layers": [layers per stage]}``.
 
 Resuming needs the same ``--pp`` (refused before launch otherwise: the optimizer states are
-per stage); rank 0 reads the files and hands every rank its stage's tensors. Rank 0 holds the
-whole model and its optimizer states while saving and loading (a host-memory limit for models
-much larger than one stage: docs/pipeline.md).
+per stage); rank 0 reads the files and sends every rank its own stage's tensors only. The
+objects travel point to point over ``group`` (on CUDA a gloo group: NCCL would stage every pickle
+in device memory). Rank 0 holds the whole model and its optimizer states while saving and loading
+(a host-memory limit for models much larger than one stage: docs/pipeline.md); every other rank
+holds its stage's.
 """
 
 from __future__ import annotations
@@ -47,20 +49,24 @@ def save_pipeline_checkpoint(
     rng_states: list,
     is_main: bool,
     keep_last: int = KEEP_LAST,
+    group=None,
 ) -> Path | None:
-    """Collective: every stage of the first pipeline hands rank 0 its parameters and optimizer
-    state; rank 0 writes them (``model``: unused, the stage holds it; the signature is
-    :func:`.checkpoint.save_checkpoint`'s)."""
+    """Collective: every stage of the first pipeline sends rank 0 its parameters and optimizer
+    state (``group``: for these objects; None: the default group); rank 0 writes them (``model``:
+    unused, the stage holds it; the signature is :func:`.checkpoint.save_checkpoint`'s)."""
     layout = stage.layout
     mine = None
     if layout.dp == 0 or stage.sharded:  # FSDP2: every peer takes part in the gathers
         mine = (stage.state_dict_owned(), _optimizer_state(stage, optimizer))
-    mine = mine if layout.dp == 0 else None
-    parts = [None] * rt.world_size if is_main else None
-    dist.gather_object(mine, parts, dst=0)
+    if layout.dp == 0 and layout.stage > 0:
+        dist.send_object_list([mine], dst=0, group=group)
     model_sd, state = {}, None
     if is_main:
-        stages = [parts[layout.rank(0, s)] for s in range(layout.stages)]
+        stages = [mine]
+        for s in range(1, layout.stages):
+            box = [None]
+            dist.recv_object_list(box, src=layout.rank(0, s), group=group)
+            stages.append(box[0])
         for sd, _ in stages:
             model_sd.update(sd)  # a tied embedding is in two stages: the same values
         state = {
@@ -73,27 +79,47 @@ def save_pipeline_checkpoint(
     return commit_checkpoint(Path(run_dir), step, model_sd, state, is_main, keep_last)
 
 
-def load_pipeline_checkpoint(path: Path, stage: StageModel, optimizer, scheduler, rt: Runtime) -> dict:
+def load_pipeline_checkpoint(path: Path, stage: StageModel, optimizer, scheduler, rt: Runtime, group=None) -> dict:
     """Restore this rank's stage, its optimizer and the scheduler from checkpoint ``path``
-    (verified on rank 0); the saved ``state`` without the optimizers'."""
+    (verified on rank 0), rank 0 sending every rank its stage's part over ``group``; the saved
+    ``state`` without the optimizers'."""
     layout = stage.layout
-    payload = None
+    names = [None] * rt.world_size if rt.is_main else None  # each rank's parameters, by name
+    dist.gather_object(stage.names, names, dst=0, group=group)
+    model_sd, state, error = None, None, None
     if rt.is_main:
-        payload = _read(Path(path), stage)
-    model_sd, state, error = rt.broadcast_object(payload)  # rank 0's refusal, said by every rank
+        model_sd, state, error = _read(Path(path), stage)
+        error = error or _missing(path, model_sd, names, layout)
+    error = rt.broadcast_object(error)  # rank 0's refusal, said by every rank
     if error is not None:
         raise ValueError(error)
-    missing = [n for n in stage.names if n not in model_sd]
-    if missing:
-        raise ValueError(
-            f"--resume: {path} lacks {len(missing)} parameters of stage {layout.stage} ({missing[0]}, ...)"
-        )
+    if rt.is_main:
+        optimizers = state.pop("optimizer")
+        for rank in range(1, rt.world_size):  # its stage's part only, one rank at a time
+            there = rank % layout.stages  # world rank r is stage r % P (PipelineLayout)
+            part = ({n: model_sd[n] for n in names[rank]}, {**state, "optimizer": optimizers[there]})
+            dist.send_object_list([part], dst=rank, group=group)
+        model_sd, state = {n: model_sd[n] for n in stage.names}, {**state, "optimizer": optimizers[layout.stage]}
+    else:
+        box = [None]
+        dist.recv_object_list(box, src=0, group=group)
+        model_sd, state = box[0]
     # full tensors in, each FSDP2 peer keeping its shard; names as the stage's (``model.`` + the model's)
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(stage, {f"model.{n}": model_sd[n] for n in stage.names}, options=options)
-    set_optimizer_state_dict(stage, optimizer, state.pop("optimizer")[layout.stage], options=options)
+    set_optimizer_state_dict(stage, optimizer, state.pop("optimizer"), options=options)
     scheduler.load_state_dict(state["scheduler"])
     return state
+
+
+def _missing(path: Path, model_sd: dict, names: list[list[str]], layout) -> str | None:
+    """The line refusing a checkpoint that lacks a parameter some rank's stage holds."""
+    for rank, mine in enumerate(names):
+        missing = [n for n in mine if n not in model_sd]
+        if missing:
+            stage = rank % layout.stages
+            return f"--resume: {path} lacks {len(missing)} parameters of stage {stage} ({missing[0]}, ...)"
+    return None
 
 
 def _optimizer_state(stage: StageModel, optimizer) -> dict:

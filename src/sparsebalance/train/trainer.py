@@ -272,7 +272,10 @@ class Trainer:
 
     def save(self) -> None:
         rngs = self.rt.all_gather_object(rng_state())
-        save = save_checkpoint if self.stage is None else partial(save_pipeline_checkpoint, self.stage, self.rt)
+        save = save_checkpoint
+        if self.stage is not None:
+            objects = self.runner.executor.groups.objects
+            save = partial(save_pipeline_checkpoint, self.stage, self.rt, group=objects)
         save(
             self.run_dir,
             self.step,
@@ -300,7 +303,8 @@ class Trainer:
         if self.stage is None:
             state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, runtime=self.rt)
         else:
-            state = load_pipeline_checkpoint(path, self.stage, self.optimizer, self.scheduler, self.rt)
+            groups = self.runner.executor.groups
+            state = load_pipeline_checkpoint(path, self.stage, self.optimizer, self.scheduler, self.rt, groups.objects)
         # The LR of the next step follows this run's schedule (its --steps may have changed),
         # not the one the checkpoint's scheduler last computed.
         factor = self._lr_factor(self.scheduler.last_epoch)
