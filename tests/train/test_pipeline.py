@@ -35,6 +35,19 @@ def _model(run: Path, step: int) -> dict[str, torch.Tensor]:
     return torch.load(run / "checkpoints" / f"step-{step:06d}" / "model.pt", weights_only=True)
 
 
+def _resumed(cfg: TrainConfig, world: int, run: Path, tmp: Path, step: int, last: int) -> list[dict]:
+    """``cfg`` resumed on ``world`` processes from a copy of ``run``'s checkpoints up to ``step``
+    (``last``, the final one, removed) in ``tmp``; checks the final weights equal ``run``'s."""
+    tmp.mkdir()
+    shutil.copytree(run / "checkpoints", tmp / "run" / "checkpoints")
+    shutil.rmtree(tmp / "run" / "checkpoints" / f"step-{last:06d}")
+    (tmp / "run" / "checkpoints" / "latest").write_text(f"step-{step:06d}\n")
+    resumed = run_ranks(replace(cfg, out=str(tmp / "run"), resume=True), world, tmp)
+    for name, tensor in _model(run, last).items():
+        torch.testing.assert_close(_model(tmp / "run", last)[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+    return resumed
+
+
 def _lines(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -166,15 +179,8 @@ def test_a_pipeline_resumes_exactly(tmp_path):
     assert state["pipeline"] == {"stages": 2, "layers": [3, 1]}  # a resume with another split is refused
     # the stages' learned pricing is saved (--deterministic: no timing enters it, the identity)
     assert state["trainer"]["stage_calibration"] == {"ratio": 2.0, "scales": [1.0, 1.0], "steps": 0}
-    again = tmp_path / "again"
-    again.mkdir()
-    shutil.copytree(tmp_path / "run" / "checkpoints", again / "run" / "checkpoints")
-    shutil.rmtree(again / "run" / "checkpoints" / "step-000004")
-    (again / "run" / "checkpoints" / "latest").write_text("step-000002\n")
-    resumed = run_ranks(replace(cfg, out=str(again / "run"), resume=True), 2, again)
+    resumed = _resumed(cfg, 2, tmp_path / "run", tmp_path / "again", 2, 4)
     assert resumed[0]["losses"] == pytest.approx(full[0]["losses"][2:], rel=1e-6, abs=1e-6)
-    for name, tensor in _model(tmp_path / "run", 4).items():
-        torch.testing.assert_close(_model(again / "run", 4)[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
 
 
 @pytest.mark.distributed
@@ -194,15 +200,8 @@ def test_two_pipelines_of_two_stages_match_two_ranks(tmp_path, parallel):
     per_pipeline = [x for x in _lines(both / "run") if x["rank"] != "all"]
     assert sorted({x["rank"] for x in per_pipeline}) == [0, 1]
     if parallel == "fsdp2":  # and it resumes exactly from its own checkpoint
-        again = tmp_path / "again"
-        again.mkdir()
-        shutil.copytree(both / "run" / "checkpoints", again / "run" / "checkpoints")
-        shutil.rmtree(again / "run" / "checkpoints" / "step-000003")
-        (again / "run" / "checkpoints" / "latest").write_text("step-000002\n")
-        resumed = run_ranks(replace(cfg, out=str(again / "run"), resume=True), 4, again)
+        resumed = _resumed(cfg, 4, both / "run", tmp_path / "again", 2, 3)
         assert resumed[0]["losses"] == pytest.approx(got[0]["losses"][2:], rel=1e-6, abs=1e-6)
-        for name, tensor in _model(both / "run", 3).items():
-            torch.testing.assert_close(_model(again / "run", 3)[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
 
 
 @pytest.mark.distributed
