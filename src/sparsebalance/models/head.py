@@ -28,7 +28,9 @@ def output_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
 
 def tied_head(model: torch.nn.Module) -> bool:
     """Whether the model's lm-head weight is its input embedding (``tie_word_embeddings``), read
-    from the weights themselves: the fact, whatever the config says or leaves out."""
+    from the weights themselves: the fact, whatever the config says or leaves out. A whole model
+    only: a pipeline stage replaces the modules it does not run (read ``StageModel.tied``, taken
+    before)."""
     head, embed = _unwrap(model).get_output_embeddings(), _unwrap(model).get_input_embeddings()
     return head is not None and embed is not None and head.weight is embed.weight
 
