@@ -63,31 +63,43 @@ def base_config(tmp: Path, device: str = "cpu", **over) -> TrainConfig:
     return TrainConfig(**{**fields, **over})
 
 
-def _worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:
-    out = Path(tmp) / f"result-{rank}.pkl"
+def _run(trainer: Trainer, rank: int) -> dict:
+    """:func:`run_ranks`'s body: the whole run, and a digest of the final weights."""
+    result = trainer.run()
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in trainer.model.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in full])
+    result["param_sum"] = float(flat.double().sum())
+    result["param_first"] = flat[:64].tolist()
+    return result
+
+
+def _trainer_worker(rank: int, body, world: int, tmp: str, cfg: TrainConfig, name: str) -> None:
+    out = Path(tmp) / f"{name}-{rank}.pkl"
     try:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
         torch.set_num_threads(1)
-        trainer = Trainer(cfg, Runtime(rank, world, torch.device("cpu")))
-        result = trainer.run()
-        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in trainer.model.parameters()]
-        flat = torch.cat([p.detach().reshape(-1) for p in full])
-        result["param_sum"] = float(flat.double().sum())
-        result["param_first"] = flat[:64].tolist()
+        result = body(Trainer(cfg, Runtime(rank, world, torch.device("cpu"))), rank)
         dist.destroy_process_group()
     except BaseException:  # report every failure to the test process
         result = {"error": traceback.format_exc()}
     out.write_bytes(pickle.dumps(result))
 
 
-def run_ranks(cfg: TrainConfig, world: int, tmp: Path) -> list[dict]:
-    """Run the trainer on ``world`` processes; raise with the worker traceback on failure."""
+def run_trainers(body, cfg: TrainConfig, world: int, tmp: Path, name: str = "result") -> list[dict]:
+    """A :class:`Trainer` of ``cfg`` on each of ``world`` gloo processes, then ``body(trainer,
+    rank) -> dict`` there (a module-level function: spawn pickles it by name); every rank's dict,
+    or an ``AssertionError`` with the failed rank's traceback."""
     rdzv = tmp / "rdzv"
     if rdzv.exists():
         os.remove(rdzv)
-    mp.spawn(_worker, args=(world, str(tmp), cfg), nprocs=world, join=True)
-    results = [pickle.loads((tmp / f"result-{r}.pkl").read_bytes()) for r in range(world)]
+    mp.spawn(_trainer_worker, args=(body, world, str(tmp), cfg, name), nprocs=world, join=True)
+    results = [pickle.loads((tmp / f"{name}-{r}.pkl").read_bytes()) for r in range(world)]
     for r, res in enumerate(results):
         if "error" in res:
             raise AssertionError(f"rank {r} failed:\n{res['error']}")
     return results
+
+
+def run_ranks(cfg: TrainConfig, world: int, tmp: Path) -> list[dict]:
+    """Run the trainer on ``world`` processes; raise with the worker traceback on failure."""
+    return run_trainers(_run, cfg, world, tmp)

@@ -6,23 +6,20 @@ refused in one line."""
 from __future__ import annotations
 
 import json
-import pickle
 import shutil
-import traceback
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from sparsebalance.engine.runtime import Runtime
 from sparsebalance.launches import LaunchCounter
 from sparsebalance.train import TrainConfig, Trainer
 from sparsebalance.tuning import DSTConfig
-from tests.train.harness import base_config, run_ranks
+from tests.train.harness import base_config, run_ranks, run_trainers
 
 OFF = DSTConfig(mode="off", budget="gamma", gamma0=0.9)
 
@@ -81,61 +78,49 @@ def test_two_stages_compute_what_one_process_computes(tmp_path):
     assert all("stage_s" not in u for x in _lines(one / "run") if x["rank"] != "all" for u in x["units"])
 
 
-def _grads_worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:
-    out = Path(tmp) / f"grads-{rank}.pkl"
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
-        torch.set_num_threads(1)
-        trainer = Trainer(cfg, Runtime(rank, world, torch.device("cpu")))
-        tuned = trainer.engine.begin(trainer.next_batch())
-        executor, reads, wire = trainer.runner.executor, [], []
-        if trainer.stage is not None:  # count what the 1F1B schedule reads back from the device
-            schedule = executor._schedule
-            groups = {id(executor.groups.activations): "activations", id(executor.groups.gradients): "gradients"}
-            send, recv = dist.isend, dist.recv
+def _grads_body(trainer: Trainer, rank: int) -> dict:
+    tuned = trainer.engine.begin(trainer.next_batch())
+    executor, reads, wire = trainer.runner.executor, [], []
+    if trainer.stage is not None:  # count what the 1F1B schedule reads back from the device
+        schedule = executor._schedule
+        groups = {id(executor.groups.activations): "activations", id(executor.groups.gradients): "gradients"}
+        send, recv = dist.isend, dist.recv
 
-            def watched(op, fn):  # which group carries each send and receive, and to or from whom
-                def call(tensor, peer, group=None, **kw):
-                    wire.append((op, peer - rank, groups.get(id(group), "other")))
-                    return fn(tensor, peer, group=group, **kw)
+        def watched(op, fn):  # which group carries each send and receive, and to or from whom
+            def call(tensor, peer, group=None, **kw):
+                wire.append((op, peer - rank, groups.get(id(group), "other")))
+                return fn(tensor, peer, group=group, **kw)
 
-                return call
+            return call
 
-            dist.isend, dist.recv = watched("send", send), watched("recv", recv)
+        dist.isend, dist.recv = watched("send", send), watched("recv", recv)
 
-            def counted(step):
-                with LaunchCounter(trace=True) as count:
-                    out = schedule(step)
-                # the CPU kernel's own reads (ops/block_sparse_torch.py: not the CUDA path) aside
-                reads.append(sorted({s for s in count.read_sites if not s.startswith("ops/block_sparse_torch.py")}))
-                return out
+        def counted(step):
+            with LaunchCounter(trace=True) as count:
+                out = schedule(step)
+            # the CPU kernel's own reads (ops/block_sparse_torch.py: not the CUDA path) aside
+            reads.append(sorted({s for s in count.read_sites if not s.startswith("ops/block_sparse_torch.py")}))
+            return out
 
-            executor._schedule = counted
-        trainer.runner.synchronize(trainer.runner.execute(tuned))
-        entries = trainer.model.state_dict(keep_vars=True)  # a tied weight under both its names
-        names = trainer.stage.names if trainer.stage is not None else list(entries)
-        result = {n: entries[n].grad.clone() for n in names if entries[n].grad is not None}
-        result[f"reads-{rank}"] = reads
-        result[f"wire-{rank}"] = sorted(set(wire))
-        if trainer.stage is not None:  # the split the stage runs, and the one the planner and DST price
-            result[f"split-{rank}"] = (
-                trainer.stage.span,
-                trainer.stage.layout.split,
-                trainer.engine.config.stage_layers,
-            )
-        dist.destroy_process_group()
-    except BaseException:
-        result = {"error": traceback.format_exc()}
-    out.write_bytes(pickle.dumps(result))
+        executor._schedule = counted
+    trainer.runner.synchronize(trainer.runner.execute(tuned))
+    entries = trainer.model.state_dict(keep_vars=True)  # a tied weight under both its names
+    names = trainer.stage.names if trainer.stage is not None else list(entries)
+    result = {n: entries[n].grad.clone() for n in names if entries[n].grad is not None}
+    result[f"reads-{rank}"] = reads
+    result[f"wire-{rank}"] = sorted(set(wire))
+    if trainer.stage is not None:  # the split the stage runs, and the one the planner and DST price
+        result[f"split-{rank}"] = (
+            trainer.stage.span,
+            trainer.stage.layout.split,
+            trainer.engine.config.stage_layers,
+        )
+    return result
 
 
 def _grads(cfg: TrainConfig, world: int, tmp: Path) -> dict[str, torch.Tensor]:
-    (tmp / "rdzv").unlink(missing_ok=True)
-    mp.spawn(_grads_worker, args=(world, str(tmp), cfg), nprocs=world, join=True)
     merged = {}
-    for r in range(world):
-        res = pickle.loads((tmp / f"grads-{r}.pkl").read_bytes())
-        assert "error" not in res, res.get("error")
+    for res in run_trainers(_grads_body, cfg, world, tmp, "grads"):
         merged.update(res)
     return merged
 
@@ -218,45 +203,37 @@ def test_a_pipeline_with_activation_checkpointing_computes_the_same(tmp_path, mo
     assert got[0]["losses"] == pytest.approx(ref[0]["losses"], rel=1e-5, abs=1e-5)
 
 
-def _collectives_worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:
-    out = Path(tmp) / f"collectives-{rank}.pkl"
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
-        torch.set_num_threads(1)
-        trainer = Trainer(cfg, Runtime(rank, world, torch.device("cpu")))
-        counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
-        originals = {name: getattr(dist, name) for name in counts}
-        executor, inside = trainer.runner.executor, [False, 0]  # in the timed schedule; its collectives
-        schedule = executor._schedule
+def _collectives_body(trainer: Trainer, rank: int) -> dict:
+    counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
+    originals = {name: getattr(dist, name) for name in counts}
+    executor, inside = trainer.runner.executor, [False, 0]  # in the timed schedule; its collectives
+    schedule = executor._schedule
 
-        def timed(step):
-            inside[0] = True
-            try:
-                return schedule(step)
-            finally:
-                inside[0] = False
+    def timed(step):
+        inside[0] = True
+        try:
+            return schedule(step)
+        finally:
+            inside[0] = False
 
-        def counting(name):
-            def call(*args, **kwargs):
-                counts[name] += 1
-                inside[1] += inside[0]
-                return originals[name](*args, **kwargs)
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            inside[1] += inside[0]
+            return originals[name](*args, **kwargs)
 
-            return call
+        return call
 
-        executor._schedule = timed
-        for name in counts:  # what FSDP2 calls (torch.distributed's, looked up at each call)
-            setattr(dist, name, counting(name))
-        micro = [[len(r.microbatches) for r in trainer.run_step().records] for _ in range(cfg.steps)]
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-        units = len(trainer.stage.layers) + 1  # a unit per decoder layer, and the stage itself
-        result = {"counts": counts, "units": units, "micro": micro, "dp": trainer.stage.layout.dp, "in": inside[1]}
-        result["sharded"] = all(isinstance(p, DTensor) for p in trainer.stage.parameters_owned())
-        dist.destroy_process_group()
-    except BaseException:  # report every failure to the test process
-        result = {"error": traceback.format_exc()}
-    out.write_bytes(pickle.dumps(result))
+    executor._schedule = timed
+    for name in counts:  # what FSDP2 calls (torch.distributed's, looked up at each call)
+        setattr(dist, name, counting(name))
+    micro = [[len(r.microbatches) for r in trainer.run_step().records] for _ in range(trainer.cfg.steps)]
+    for name, fn in originals.items():
+        setattr(dist, name, fn)
+    units = len(trainer.stage.layers) + 1  # a unit per decoder layer, and the stage itself
+    result = {"counts": counts, "units": units, "micro": micro, "dp": trainer.stage.layout.dp, "in": inside[1]}
+    result["sharded"] = all(isinstance(p, DTensor) for p in trainer.stage.parameters_owned())
+    return result
 
 
 @pytest.mark.distributed
@@ -268,9 +245,7 @@ def test_fsdp2_stages_gather_and_reduce_once_per_step(tmp_path, strategy, capaci
     with different micro-batch counts stay in step, a pipeline without any included; none of them
     runs inside the schedule, whose forwards and backwards are timed."""
     cfg = _cfg(tmp_path, pp=2, parallel="fsdp2", steps=3, capacity=capacity, strategy=strategy)
-    mp.spawn(_collectives_worker, args=(4, str(tmp_path), cfg), nprocs=4, join=True)
-    results = [pickle.loads((tmp_path / f"collectives-{r}.pkl").read_bytes()) for r in range(4)]
-    assert not [r["error"] for r in results if "error" in r]
+    results = run_trainers(_collectives_body, cfg, 4, tmp_path, "collectives")
     for r in results:
         assert r["sharded"] and r["in"] == 0
         assert r["counts"] == {"all_gather_single": 3 * r["units"], "reduce_scatter_single": 3 * r["units"]}
@@ -323,7 +298,6 @@ def test_the_trainers_stages_split_the_layers_by_cost(tmp_path):
     """``build.pipeline_stage``: the tiny model's LM head (H x V = 1.33 layers of FLOPs) puts 3
     layers on the first stage and 1 beside the head (max stage cost 3, not 2 + 1.33); the stages
     hold every layer once."""
-    from sparsebalance.engine.runtime import Runtime
     from sparsebalance.models.hf import build_model
     from sparsebalance.train import build
 
