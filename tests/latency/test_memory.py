@@ -12,6 +12,7 @@ import torch
 
 from sparsebalance.cli import main
 from sparsebalance.data import pack
+from sparsebalance.latency.host_memory import current_rss_bytes, parse_bytes
 from sparsebalance.latency.memory import (
     ANALYTIC,
     LOSS_CHUNK_ELEMS,
@@ -19,9 +20,7 @@ from sparsebalance.latency.memory import (
     MemoryModel,
     auto_capacity,
     cpu_coefficients,
-    current_rss_bytes,
     device_coefficients,
-    parse_bytes,
     with_budget_fraction,
 )
 from sparsebalance.models import load_shapes
@@ -159,7 +158,7 @@ def test_a_probe_reports_its_own_peak_not_its_parents():
     ballast = bytearray(600 * 2**20)  # the parent's resident set grows by 600 MiB, touched
     ballast[::4096] = b"x" * len(ballast[::4096])
     parent = current_rss_bytes()
-    code = "from sparsebalance.latency.memory import peak_rss_bytes; print(*peak_rss_bytes())"
+    code = "from sparsebalance.latency.host_memory import peak_rss_bytes; print(*peak_rss_bytes())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     peak, source = out.stdout.split()
     assert source == "VmHWM" and 0 < int(peak) < parent - 400 * 2**20

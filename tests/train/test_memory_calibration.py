@@ -13,7 +13,8 @@ import torch
 from sparsebalance.engine.runtime import Runtime
 from sparsebalance.latency import fingerprint, load_profile
 from sparsebalance.latency import memory_fit as mf
-from sparsebalance.latency.memory import cpu_coefficients, current_rss_bytes
+from sparsebalance.latency.host_memory import current_rss_bytes
+from sparsebalance.latency.memory import cpu_coefficients
 from sparsebalance.latency.memory_fit import MemoryCalibration, MemoryProbe, memory_fingerprint
 from sparsebalance.models import ModelShapes
 from sparsebalance.models.hf import build_model

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sparsebalance.engine.runtime import Runtime
-from sparsebalance.latency.memory import current_rss_bytes
+from sparsebalance.latency.host_memory import current_rss_bytes
 from sparsebalance.train import TrainConfig, Trainer
 from sparsebalance.tuning import LayerController
 from tests.train.harness import base_config

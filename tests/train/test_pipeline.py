@@ -258,6 +258,42 @@ def test_fsdp2_stages_gather_and_reduce_once_per_step(tmp_path, strategy, capaci
         assert all(counts[1] == 0 for counts in results[0]["micro"])
 
 
+def _capacity_body(trainer: Trainer, rank: int) -> dict:
+    """``--capacity auto`` on this rank's stage: the chosen capacity and bound, what this rank's
+    own stage would allow with the chosen coefficients, and the step's micro-batch sizes."""
+    from sparsebalance.latency.memory import MemoryModel, StageShare, auto_capacity
+
+    bound = trainer.memory_bound
+    own = replace(bound.config, stage=StageShare.of(trainer.stage.split, trainer.stage.layout.stage))
+    model = MemoryModel(bound.model.shapes, bound.model.c, trainer.stage.tied)
+    mine = auto_capacity(model, bound.budget_bytes, own)
+    result = trainer.run()
+    return {"capacity": trainer.cfg.capacity, "bound": bound.config, "mine": mine, "result": result}
+
+
+@pytest.mark.distributed
+def test_capacity_auto_fits_every_stage(tmp_path, capfd):
+    """``--pp 2 --capacity auto``: each rank prices its own stage (its layers, embedding or head,
+    and the micro-batches 1F1B keeps in flight on it), every rank plans with the tightest
+    stage's capacity, the line printed names that stage, and the run trains."""
+    from sparsebalance.latency.host_memory import current_rss_bytes
+    from sparsebalance.latency.memory import StageShare
+
+    budget = str(current_rss_bytes() + 2**30)  # the workers' base is their own resident size
+    results = run_trainers(
+        _capacity_body, _cfg(tmp_path, pp=2, steps=1, capacity="auto", memory_budget=budget), 2, tmp_path
+    )
+    cap = results[0]["capacity"]
+    assert [r["capacity"] for r in results] == [cap, cap] and cap == min(r["mine"] for r in results)
+    assert results[0]["bound"] == results[1]["bound"] and results[0]["bound"].micro_batches == 2
+    assert results[0]["bound"].stage in (
+        StageShare(3, True, False, 2),
+        StageShare(1, False, True, 1),
+    )  # the tiny model's 3/1 split
+    assert results[0]["result"]["steps"] == 1
+    assert f"--capacity auto = {cap} tokens per micro-batch" in capfd.readouterr().err
+
+
 @pytest.mark.parametrize(
     "over, says",
     [
@@ -265,7 +301,6 @@ def test_fsdp2_stages_gather_and_reduce_once_per_step(tmp_path, strategy, capaci
         ({"pp": 2, "strategy": "sab-cp"}, "--strategy sab-cp cannot run with --pp 2: use --strategy sab"),
         ({"pp": 2, "measure_bubble": "exact"}, "cannot run with --pp 2: use --measure-bubble overlap"),
         ({"pp": 2, "precision": "fp16"}, "--precision fp16 cannot run with --pp 2: use --precision bf16"),
-        ({"pp": 2, "capacity": "auto", "memory_budget": "8GiB"}, "cannot run with --pp 2: use --capacity N"),
         ({"pp": 2, "emulate_ranks": 4}, "--emulate-ranks cannot run with --pp 2"),
     ],
 )

@@ -10,15 +10,26 @@ and optimizer state) and the longest document (context parallelism over all N de
 whose predicted peak fits the budget (default: 90% of the GPU's memory; required on CPU).
 Predicted, not measured: see ``sparsebalance.latency.memory`` for what the model counts.
 ``--check TOKENS`` prints the peak's breakdown for a document of that length instead.
+A run may put several micro-batches on a rank, so every figure counts a later micro-batch's
+backward, which holds the gradients accumulated so far.
+
+``--pp P``: pipelines of P stages (``--devices`` counts all devices, DP x PP; FSDP2 shards each
+stage over its N / P data-parallel peers). The micro-batch column is the pipeline's: the largest
+micro-batch that fits on every stage (split by layers as ``train --pp`` splits them), where 1F1B
+keeps ``P - s`` micro-batches in flight on stage ``s``; ``--check`` breaks down each stage.
+A pipeline runs whole documents, so there is no context-parallel column.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
+from ..batching.schedule import balanced_layers, head_layers
 from ..engine.kernel import add_block_size_argument, resolve_block_size
+from ..latency.host_memory import current_rss_bytes, parse_bytes
 from ..latency.memory import (
     ANALYTIC,
     CHECKPOINTING,
@@ -26,9 +37,8 @@ from ..latency.memory import (
     LOSSES,
     MemoryConfig,
     MemoryModel,
+    StageShare,
     cpu_coefficients,
-    current_rss_bytes,
-    parse_bytes,
     with_budget_fraction,
 )
 from ..models import BUILTIN_MODELS, load_shapes
@@ -72,6 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="breakdown of one document of TOKENS over the largest --devices",
     )
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (--devices counts DP x PP devices)")
     p.add_argument("--json", action="store_true", help="print only JSON")
 
 
@@ -87,43 +98,62 @@ def main(args: argparse.Namespace) -> int:
     devices = [int(x) for x in str(args.devices).split(",") if x.strip()]
     if not devices or min(devices) < 1:
         raise ValueError(f"--devices must be positive integers, got {args.devices!r}")
+    shapes = load_shapes(args.model)
+    stages = _stages(args, devices, shapes)
     # an estimate: no kernel compiles, so any positive block is accepted
     args.block_size = resolve_block_size("cuda" if args.analytic else "cpu", args.block_size, backend=None)
     coeffs = _coefficients(args)
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else with_budget_fraction(coeffs)
-    shapes = load_shapes(args.model)
     model = MemoryModel(shapes, coeffs)
-    base = {"block_size": args.block_size, "density": args.density}
+    base = {"block_size": args.block_size, "density": args.density, "micro_batches": 2}
     if args.check is not None:
         n = max(devices)
         rows = []
         for ckpt in CHECKPOINTING:
             for loss in LOSSES:
-                cfg = MemoryConfig(ckpt, loss, shard=n, cp=n, **base)
-                parts = model.breakdown(args.check, cfg)
-                rows.append(
-                    {
-                        "checkpointing": ckpt,
-                        "loss": loss,
-                        "devices": n,
-                        "fits": parts["peak"] <= budget,
-                        "moment": parts["moment"],
-                        **{f"{k} GiB": v / GIB for k, v in parts.items() if k != "moment"},
-                    }
-                )
-        return _emit(args, rows, budget, coeffs, f"{args.check:,} tokens over {n} devices")
+                for s, stage in enumerate(stages):
+                    cp = n if stage is None else 1
+                    cfg = MemoryConfig(ckpt, loss, shard=n // args.pp, cp=cp, stage=stage, **base)
+                    parts = model.breakdown(args.check, cfg)
+                    where = {} if stage is None else {"stage": s}
+                    rows.append(
+                        {
+                            "checkpointing": ckpt,
+                            "loss": loss,
+                            "devices": n,
+                            **where,
+                            "fits": parts["peak"] <= budget,
+                            "moment": parts["moment"],
+                            **{f"{k} GiB": v / GIB for k, v in parts.items() if k != "moment"},
+                        }
+                    )
+        what = f"{args.check:,} tokens " + (f"per micro-batch, PP {args.pp} over" if args.pp > 1 else "over")
+        return _emit(args, rows, budget, coeffs, f"{what} {n} devices")
     rows = []
     for ckpt in CHECKPOINTING:
         for loss in LOSSES:
             row = {"checkpointing": ckpt, "loss": loss}
             for n in devices:
-                mb = model.max_tokens(budget, MemoryConfig(ckpt, loss, shard=n, **base))
-                doc = model.max_tokens(budget, MemoryConfig(ckpt, loss, shard=n, cp=n, **base))
-                row[f"micro-batch/rank @{n}"] = mb
-                if n > 1:
-                    row[f"document (CP) @{n}"] = doc
+                fit = partial(model.max_tokens, budget)
+                row[f"micro-batch/rank @{n}"] = min(
+                    fit(MemoryConfig(ckpt, loss, shard=n // args.pp, stage=stage, **base)) for stage in stages
+                )
+                if n > 1 and args.pp == 1:
+                    row[f"document (CP) @{n}"] = fit(MemoryConfig(ckpt, loss, shard=n, cp=n, **base))
             rows.append(row)
-    return _emit(args, rows, budget, coeffs, "longest trainable (tokens)")
+    return _emit(args, rows, budget, coeffs, "longest trainable (tokens)" + (f", PP {args.pp}" if args.pp > 1 else ""))
+
+
+def _stages(args, devices: list[int], shapes) -> list[StageShare | None]:
+    """``--pp``'s stages as ``train --pp`` splits the model (``[None]``: no pipeline)."""
+    if args.pp < 1:
+        raise ValueError(f"--pp must be >= 1, got {args.pp}")
+    if args.pp == 1:
+        return [None]
+    if any(n % args.pp for n in devices):
+        raise ValueError(f"--pp {args.pp} must divide every --devices count ({args.devices}): the devices are DP x PP")
+    split = tuple(balanced_layers(shapes.num_layers, args.pp, head_layers(shapes)).tolist())
+    return [StageShare.of(split, s) for s in range(args.pp)]
 
 
 def _emit(args, rows, budget, coeffs, title) -> int:

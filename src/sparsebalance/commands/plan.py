@@ -43,6 +43,7 @@ from ..batching import (
 from ..data import read_lengths
 from ..files import check_output_file, write_text_atomic
 from ..latency import ACCELERATORS, context_cost, load_cost_model, load_profile
+from ..latency.host_memory import parse_bytes
 from ..latency.memory import (
     ANALYTIC,
     CHECKPOINTING,
@@ -50,7 +51,6 @@ from ..latency.memory import (
     MemoryBound,
     MemoryConfig,
     MemoryModel,
-    parse_bytes,
     with_budget_fraction,
 )
 from ..models import load_shapes
@@ -260,7 +260,8 @@ def _capacity(args) -> tuple[int | None, MemoryBound | None]:
     block = 128  # the analytic profile's; a measured --profile's own
     if args.profile:
         block = int(load_profile(args.profile).fingerprint.get("block_size", block))
-    cfg = MemoryConfig(args.activation_checkpointing, args.loss, shard=max(1, shard), block_size=block)
+    # a rank may run several micro-batches: later backwards hold the accumulated gradients
+    cfg = MemoryConfig(args.activation_checkpointing, args.loss, shard=max(1, shard), micro_batches=2, block_size=block)
     memory = MemoryBound(MemoryModel(load_shapes(args.model), coeffs), budget, cfg)
     return memory.capacity(), memory
 

@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def record_bytes(text: str) -> int:
     """``--max-record-bytes`` (``64MiB``, ``1e8``, ...) -> bytes."""
-    from ..latency.memory import parse_bytes
+    from ..latency.host_memory import parse_bytes
 
     try:
         return int(parse_bytes(text))

@@ -23,8 +23,12 @@ MLP, tied or untied lm-head):
 
 The peak is the largest of four moments: the end of the forward (kept activations + autocast's
 low-precision weight copies), the loss (kept activations + the loss), the first layer's backward
-(kept activations + lm-head gradient + one rerun layer + transients), and the end of the backward
-(all gradients + the embedding's second copy).
+(kept activations + lm-head gradient + one rerun layer + transients; with ``micro_batches >= 2``
+a later micro-batch's, which holds every gradient accumulated so far, unsharded), and the end of
+the backward (all gradients + the embedding's second copy).
+A pipeline stage (``MemoryConfig.stage``, ``--pp``) counts its own layers, embedding or head and
+loss, and the activations of the micro-batches 1F1B keeps in flight on it (``P - s`` on stage
+``s``: the first stage keeps the most); with FSDP2 it stays gathered through the step.
 Context parallelism of degree ``cp`` is assumed to split a micro-batch's tokens (activations,
 loss, layouts) evenly over ``cp`` ranks, plus one remote K/V shard in flight (the ring's buffer).
 
@@ -33,14 +37,13 @@ Coefficients: :data:`ANALYTIC` gives bf16-autocast figures for ``h100``, ``h200`
 per saved element on average); :func:`cpu_coefficients` the fp32 CPU ones, whose ``base_bytes``
 (libraries, allocator) is measured as the resident set of a fresh process
 (``benchmarks/memory.py`` and ``profile --memory`` measure peaks in fresh processes:
-:func:`peak_rss_bytes`).
+:func:`~.host_memory.peak_rss_bytes`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 
@@ -109,6 +112,32 @@ def cpu_coefficients(base_bytes: float) -> MemoryCoefficients:
 
 
 @dataclass(frozen=True)
+class StageShare:
+    """What one pipeline stage (``--pp``) holds: its decoder layers, the input embedding (the
+    first stage), the final norm + LM head + loss (the last stage: a tied head is its own copy
+    there), and the micro-batches whose saved activations it keeps at once (1F1B: ``P - s`` on
+    stage ``s``, as :func:`~sparsebalance.batching.schedule.schedule_order` runs them)."""
+
+    layers: int
+    embedding: bool
+    head: bool
+    in_flight: int
+
+    @classmethod
+    def of(cls, split: tuple[int, ...], stage: int) -> StageShare:
+        """Stage ``stage`` of a pipeline whose stages run ``split`` layers each."""
+        p = len(split)
+        if not 0 <= stage < p:
+            raise ValueError(f"stage {stage} of a {p}-stage pipeline")
+        return cls(int(split[stage]), stage == 0, stage == p - 1, p - stage)
+
+    @classmethod
+    def whole(cls, num_layers: int) -> StageShare:
+        """The whole model, one micro-batch at a time (no pipeline)."""
+        return cls(num_layers, True, True, 1)
+
+
+@dataclass(frozen=True)
 class MemoryConfig:
     """The features that change a micro-batch's memory."""
 
@@ -124,6 +153,14 @@ class MemoryConfig:
     """Context-parallel degree: a micro-batch's tokens are split evenly over ``cp`` ranks."""
     density: float = 1.0
     """Attention density (kept / causal block pairs): sizes the torch backend's metadata."""
+    micro_batches: int = 1
+    """Micro-batches per rank and step. From the second on, a backward holds the gradients the
+    earlier ones accumulated, unsharded (DDP's are always whole; FSDP2 keeps them unsharded
+    until the last micro-batch reduce-scatters): a run packed to a capacity gives 2 (any step
+    may hold several), a probe of one micro-batch 1."""
+    stage: StageShare | None = None
+    """``--pp``: the pipeline stage this rank runs (its layers, embedding or head, and the
+    micro-batches 1F1B keeps in flight); None: the whole model, one micro-batch at a time."""
     block_size: int = field(kw_only=True)
     """Sparse attention block size (tokens); a keyword, required."""
 
@@ -132,8 +169,8 @@ class MemoryConfig:
             raise ValueError(f"--activation-checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
-        if self.shard < 1 or self.cp < 1 or self.block_size < 1:
-            raise ValueError("shard, cp and block_size must be >= 1")
+        if self.shard < 1 or self.cp < 1 or self.block_size < 1 or self.micro_batches < 1:
+            raise ValueError("shard, cp, micro_batches and block_size must be >= 1")
         if not 0 < self.density <= 1:
             raise ValueError(f"density must lie in (0, 1], got {self.density}")
         if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
@@ -149,10 +186,14 @@ class MemoryModel:
         self.tied = tied_embeddings
         """Input embedding and lm-head share one weight (Qwen2.5-0.5B and 3B do)."""
 
-    def num_params(self) -> int:
+    def num_params(self, stage: StageShare | None = None) -> int:
+        """Parameters of the whole model, or of one pipeline stage (a tied head is a copy of the
+        embedding on the last stage; the first stage has the embedding alone)."""
         s = self.shapes
+        st = stage or StageShare.whole(s.num_layers)
         embed = s.vocab_size * s.hidden_size
-        return s.num_layers * s.layer_params() + embed * (1 if self.tied else 2) + s.hidden_size
+        embeds = int(st.embedding) + int(st.head) - int(self.tied and st.embedding and st.head)
+        return st.layers * s.layer_params() + embed * embeds + s.hidden_size * int(st.head)
 
     def layer_elems(self) -> tuple[float, float]:
         """Saved elements per token of one decoder layer: (outside the MLP, inside the MLP)."""
@@ -160,46 +201,66 @@ class MemoryModel:
         kv = s.num_kv_heads * s.head_dim
         return 9 * s.hidden_size + 4 * kv + s.num_heads, 4 * s.intermediate_size
 
+    def _state(self, params: int, cfg: MemoryConfig) -> tuple[float, float, float]:
+        """``(weights + optimizer state, gradients after the step's last backward, autocast's
+        weight copies)``: FSDP2 divides all three by ``shard``. A pipeline stage stays gathered
+        through the step (:meth:`.StageModel.gather`): its whole weights beside their shards,
+        whole gradients and copies; only the optimizer state is divided."""
+        c, n = self.c, cfg.shard
+        if cfg.stage is not None and n > 1:
+            return (
+                params * (c.param_bytes * (1 + 1 / n) + c.optimizer_bytes / n),
+                params * c.grad_bytes,
+                params * c.cast_bytes,
+            )
+        return params * (c.param_bytes + c.optimizer_bytes) / n, params * c.grad_bytes / n, params * c.cast_bytes / n
+
+    def _kept(self, t: int, cfg: MemoryConfig, st: StageShare) -> tuple[float, float]:
+        """``(activations kept for the backward by the micro-batches in flight, one layer's
+        rerun under checkpointing)`` for ``t`` tokens per micro-batch on this rank."""
+        s, a = self.shapes, self.c.act_bytes
+        outer, mlp = self.layer_elems()
+        full_layer = (outer + mlp) * t * a
+        if cfg.checkpointing == "off":
+            kept, rerun = st.layers * full_layer, 0.0
+        elif cfg.checkpointing == "full":
+            kept, rerun = st.layers * s.hidden_size * t * a, full_layer
+        else:
+            kept, rerun = st.layers * outer * t * a, mlp * t * a
+        kept += (2 * s.head_dim + 2 * s.hidden_size * int(st.head)) * t * a  # rotary cos/sin, final norm
+        if cfg.cp > 1:  # the ring's remote K/V shard in flight
+            kept += 2 * s.num_kv_heads * s.head_dim * t * a
+        return st.in_flight * kept, rerun
+
     def breakdown(self, tokens: int, cfg: MemoryConfig) -> dict[str, float]:
         """Bytes of every component at the peak moment, and ``peak`` (their sum)."""
         if tokens < 1:
             raise ValueError(f"tokens must be >= 1, got {tokens}")
         s, c = self.shapes, self.c
+        st = cfg.stage or StageShare.whole(s.num_layers)
         t = math.ceil(tokens / cfg.cp)  # this rank's tokens
-        h, v, n_layers = s.hidden_size, s.vocab_size, s.num_layers
-        params = self.num_params()
-        head = v * h
-        state = params * (c.param_bytes + c.optimizer_bytes) / cfg.shard
-        grads = params * c.grad_bytes / cfg.shard
-        outer, mlp = self.layer_elems()
-        full_layer = (outer + mlp) * t * c.act_bytes
-        if cfg.checkpointing == "off":
-            kept, rerun = n_layers * full_layer, 0.0
-        elif cfg.checkpointing == "full":
-            kept, rerun = n_layers * h * t * c.act_bytes, full_layer
-        else:
-            kept, rerun = n_layers * outer * t * c.act_bytes, mlp * t * c.act_bytes
-        kept += (2 * h + 2 * s.head_dim) * t * c.act_bytes  # final norm, rotary cos/sin
-        if cfg.cp > 1:  # the ring's remote K/V shard in flight
-            kept += 2 * s.num_kv_heads * s.head_dim * t * c.act_bytes
+        h, v = s.hidden_size, s.vocab_size
+        params = self.num_params(cfg.stage)
+        head = v * h * int(st.head)
+        state, grads, cast = self._state(params, cfg)
+        kept, rerun = self._kept(t, cfg, st)
         transient = 3 * s.intermediate_size * t * c.act_bytes
-        attention = c.workspace_bytes + n_layers * self._layout_bytes(tokens, cfg)
-        if cfg.loss == "plain":
+        attention = c.workspace_bytes + st.in_flight * st.layers * self._layout_bytes(tokens, cfg)
+        loss = 0.0
+        if st.head and cfg.loss == "plain":
             loss = t * v * c.logit_bytes
-        else:
+        elif st.head:
             chunk = min(t, cfg.loss_chunk_tokens or max(1, LOSS_CHUNK_ELEMS // v))
             loss = 2 * chunk * v * 4 + head * 4 + t * h * 4
-        at_forward_end = kept + params * c.cast_bytes / cfg.shard  # autocast's weight copies
-        at_loss = kept + loss
-        at_first_layer = kept + head * c.grad_bytes + rerun + transient
-        at_end = grads + (head * c.grad_bytes if self.tied else 0.0)
-        moment = max(
-            ("forward end", at_forward_end),
-            ("loss", at_loss),
-            ("first layer backward", at_first_layer),
-            ("end", at_end),
-            key=lambda kv: kv[1],
-        )
+        # a backward after the first holds every gradient accumulated so far, unsharded
+        held = params * c.grad_bytes if cfg.micro_batches > 1 else head * c.grad_bytes
+        moments = {
+            "forward end": kept + cast,  # autocast's weight copies
+            "loss": kept + loss,
+            "first layer backward" if cfg.micro_batches == 1 else "later backward": kept + held + rerun + transient,
+            "end": grads + (head * c.grad_bytes if self.tied and st.embedding else 0.0),
+        }
+        moment = max(moments.items(), key=lambda kv: kv[1])
         parts = {
             "base": c.base_bytes,
             "weights+optimizer": state,
@@ -331,67 +392,6 @@ def with_budget_fraction(coefficients: MemoryCoefficients, fraction: float = 0.9
     return fraction * coefficients.device_bytes
 
 
-def _status_bytes(field: str) -> int:
-    """``field`` of Linux's ``/proc/self/status`` in bytes (0 where unavailable)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def current_rss_bytes() -> int:
-    """Resident bytes of this process now (Linux ``VmRSS``; 0 where unavailable)."""
-    return _status_bytes("VmRSS")
-
-
-def peak_rss_bytes() -> tuple[int, str]:
-    """``(bytes, source)``: this process's peak resident size since it started its program.
-
-    Linux ``VmHWM`` (the high-water mark of this program's own memory). Not ``ru_maxrss``: Linux
-    carries the parent's peak across ``fork`` + ``exec`` into it, so a probe started by a
-    ``sparsebalance profile`` process holding torch reported that process's ~0.7 GB instead of
-    its own peak. Elsewhere ``ru_maxrss`` (KiB on Linux, bytes on macOS)."""
-    hwm = _status_bytes("VmHWM")
-    if hwm:
-        return hwm, "VmHWM"
-    import resource
-    import sys
-
-    scale = 1 if sys.platform == "darwin" else 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale, "ru_maxrss"
-
-
-def parse_bytes(text: str) -> float:
-    """``"80GB"``, ``"72GiB"``, ``"512MiB"``, ``"1e9"`` -> bytes (for ``--memory-budget``)."""
-    units = {
-        "": 1,
-        "b": 1,
-        "kb": 1e3,
-        "mb": 1e6,
-        "gb": 1e9,
-        "tb": 1e12,
-        "kib": 2**10,
-        "mib": 2**20,
-        "gib": 2**30,
-        "tib": 2**40,
-    }
-    raw = text.strip().lower().replace(" ", "")
-    num = raw.rstrip("kmgtib")
-    unit = raw[len(num) :]
-    try:
-        value = float(num) * units[unit]
-    except (ValueError, KeyError):
-        raise ValueError(
-            f"--memory-budget {text!r}: expected a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-        ) from None
-    if not (math.isfinite(value) and value > 0):  # nan, inf
-        raise ValueError(f"--memory-budget must be a finite number of bytes > 0, got {text!r}")
-    return value
-
-
 __all__ = [
     "ANALYTIC",
     "CHECKPOINTING",
@@ -401,10 +401,9 @@ __all__ = [
     "MemoryCoefficients",
     "MemoryConfig",
     "MemoryModel",
+    "StageShare",
     "auto_capacity",
     "cpu_coefficients",
-    "current_rss_bytes",
     "device_coefficients",
-    "parse_bytes",
     "with_budget_fraction",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,14 +20,15 @@ from ..data.store import is_store
 from ..engine.runtime import Runtime
 from ..engine.stage import PipelineLayout, StageModel, check_pipeline_model
 from ..latency import LatencyModel, fingerprint, load_profile
+from ..latency.host_memory import parse_bytes
 from ..latency.memory import (
     GIB,
     MemoryBound,
     MemoryConfig,
     MemoryModel,
+    StageShare,
     auto_capacity,
     device_coefficients,
-    parse_bytes,
     with_budget_fraction,
 )
 from ..latency.memory_fit import find_calibration, memory_fingerprint
@@ -146,41 +148,68 @@ def fit_vocabulary(corpus: TokenizedCorpus, model: torch.nn.Module) -> Tokenized
 
 
 def fit_capacity(
-    cfg: TrainConfig, rt: Runtime, model: torch.nn.Module, shapes: ModelShapes, kernel, base_rss: int
+    cfg: TrainConfig,
+    rt: Runtime,
+    model: torch.nn.Module,
+    shapes: ModelShapes,
+    kernel,
+    base_rss: int,
+    stage: StageModel | None = None,
 ) -> tuple[int, MemoryBound]:
     """``--capacity auto``: the largest micro-batch whose predicted peak fits the budget (the
-    smallest over ranks, so every rank plans with the same bound), and the bound (``sab-cp``
-    takes each document's minimum CP degree from it). The memory model uses the coefficients
-    ``sparsebalance profile --memory`` measured for this setup (from ``--profile``'s
-    ``meta["memory"]`` or the cache) when there are some, else the analytic ones; the line
-    printed says which. ``kernel``: the run's resolved attention kernel (precision, backend)."""
+    smallest over ranks, so every rank plans with the same bound: with ``--pp`` each rank
+    prices its own ``stage``, and the first stage, which keeps the most micro-batches in
+    flight, usually binds), and the bound (``sab-cp`` takes each document's minimum CP degree
+    from it). The memory model uses the coefficients ``sparsebalance profile --memory``
+    measured for this setup (from ``--profile``'s ``meta["memory"]`` or the cache) when there
+    are some, else the analytic ones; the line printed says which. ``kernel``: the run's
+    resolved attention kernel (precision, backend)."""
     dev = rt.device
     analytic = device_coefficients(dev, base_rss)
-    tied = tied_head(model)  # the weights say whether the head is the embedding
+    tied = stage.tied if stage is not None else tied_head(model)  # the head is the embedding
     running = memory_fingerprint(fingerprint(shapes, dev, kernel.precision, kernel.backend, cfg.block_size), tied)
     meta = load_profile(cfg.profile).meta if cfg.profile else None
     cal, source = find_calibration(running, meta, checkpointing=cfg.activation_checkpointing)
     coeffs = cal.coefficients(analytic) if cal is not None else analytic
     budget = parse_bytes(cfg.memory_budget) if cfg.memory_budget else with_budget_fraction(coeffs)
-    mem_cfg = MemoryConfig(
-        cfg.activation_checkpointing,
-        "plain" if cfg.loss == "plain" else "chunked",
-        shard=rt.world_size if cfg.parallel == "fsdp2" else 1,
-        block_size=cfg.block_size,
-    )
+    mem_cfg = _memory_config(cfg, rt.world_size, stage)
     mine = MemoryModel(shapes, coeffs, tied)
     # Every rank plans with the most constrained rank's model (same plan, same hash).
-    gathered = rt.all_gather_object((auto_capacity(mine, budget, mem_cfg), coeffs, budget))
-    cap, coeffs, budget = min(gathered, key=lambda g: g[0])
+    gathered = rt.all_gather_object((auto_capacity(mine, budget, mem_cfg), coeffs, budget, mem_cfg))
+    binding = min(range(len(gathered)), key=lambda r: gathered[r][0])  # ties: the lowest rank
+    cap, coeffs, budget, mem_cfg = gathered[binding]
     memory = MemoryModel(shapes, coeffs, tied)
     if rt.is_main:
+        st = mem_cfg.stage  # world rank = pipeline x P + stage
+        where = (
+            "" if st is None else f" on stage {binding % cfg.pp} of {cfg.pp}, {st.in_flight} micro-batches in flight"
+        )
         print(
             f"sparsebalance train: --capacity auto = {cap} tokens per micro-batch (predicted "
-            f"peak {memory.peak_bytes(cap, mem_cfg) / GIB:.2f} GiB of a "
-            f"{budget / GIB:.2f} GiB budget, {coeffs.name}; {source})",
+            f"peak {memory.peak_bytes(cap, mem_cfg) / GIB:.2f} GiB of a {budget / GIB:.2f} GiB "
+            f"budget{where}, {coeffs.name}; {source})",
             file=sys.stderr,
         )
     return cap, MemoryBound(memory, budget, mem_cfg)
+
+
+def _memory_config(cfg: TrainConfig, world_size: int, stage: StageModel | None) -> MemoryConfig:
+    """What changes this rank's peak: checkpointing, the loss, the FSDP2 degree (the stage's
+    data-parallel peers with ``--pp``), whether a step may run several micro-batches per rank
+    (any with more documents than pipelines), and ``--pp``'s stage."""
+    pipelines = world_size // cfg.pp
+    share = None
+    if stage is not None:
+        share = StageShare.of(stage.split, stage.layout.stage)
+        share = replace(share, in_flight=min(share.in_flight, cfg.global_batch))
+    return MemoryConfig(
+        cfg.activation_checkpointing,
+        "plain" if cfg.loss == "plain" else "chunked",
+        shard=pipelines if cfg.parallel == "fsdp2" else 1,
+        micro_batches=2 if cfg.global_batch > pipelines else 1,
+        stage=share,
+        block_size=cfg.block_size,
+    )
 
 
 def check_run_folder(cfg: TrainConfig) -> list[Path]:

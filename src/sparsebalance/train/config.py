@@ -23,7 +23,7 @@ from ..engine.kernel import resolve_block_size
 from ..engine.parallelize import MEASURE_BUBBLE, PARALLEL
 from ..engine.startup import check_global_batch
 from ..files import check_output_folder
-from ..latency.memory import parse_bytes
+from ..latency.host_memory import parse_bytes
 from ..models.checkpointing import MODES as CHECKPOINT_MODES
 from ..ops import resolve_backend
 from ..ops.loss import LOSS_IMPLS
@@ -257,7 +257,6 @@ class TrainConfig:
             ("strategy", "sab-cp"): "--strategy sab (a pipeline runs whole documents per micro-batch)",
             ("measure_bubble", "exact"): "--measure-bubble overlap",
             ("precision", "fp16"): "--precision bf16",
-            ("capacity", "auto"): "--capacity N (tokens per micro-batch)",
         }
         for (key, value), instead in use.items():
             if getattr(self, key) == value:

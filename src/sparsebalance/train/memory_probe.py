@@ -13,7 +13,7 @@ on a 64-token batch, as in every step after the first), then runs one packed mic
 - ``base_bytes``: CPU: resident bytes before the model; CUDA: 0 (the allocator counts tensors only);
 - ``static_bytes``: after the warm-up step (model, optimizer state; CPU: + the libraries);
 - ``peak_bytes``: CPU: the process's peak resident size (Linux ``VmHWM``, see
-  :func:`~sparsebalance.latency.memory.peak_rss_bytes`);
+  :func:`~sparsebalance.latency.host_memory.peak_rss_bytes`);
   CUDA: ``torch.cuda.max_memory_allocated`` over the measured micro-batch (peak statistics reset
   after the warm-up; the optimizer's own step is not part of it, as in the memory model);
 - ``seconds``: wall time of the measured forward + backward.
@@ -36,12 +36,8 @@ import torch
 from ..data import pack
 from ..engine.kernel import add_block_size_argument, resolve_block_size
 from ..engine.loss import packed_loss
-from ..latency.memory import (
-    cpu_coefficients,
-    current_rss_bytes,
-    device_coefficients,
-    peak_rss_bytes,
-)
+from ..latency.host_memory import current_rss_bytes, peak_rss_bytes
+from ..latency.memory import cpu_coefficients, device_coefficients
 from ..latency.memory_fit import MemoryCalibration, MemoryProbe, fit_memory
 from ..models import BUILTIN_MODELS, load_shapes
 from ..models.attention import PackedAttention

@@ -37,7 +37,8 @@ from ..engine.pipeline import PipelineExecutor, PipelineGroups
 from ..engine.runtime import Runtime, rng_state, seed_everything, set_rng_state
 from ..engine.summary import StepResult
 from ..latency import LatencyModel, OutsideGridWarning, context_cost
-from ..latency.memory import MemoryBound, current_rss_bytes
+from ..latency.host_memory import current_rss_bytes
+from ..latency.memory import MemoryBound
 from ..models import ModelShapes
 from ..parallel.groups import RingGroups
 from ..parallel.p2p import RING_WAITS
@@ -99,7 +100,9 @@ class Trainer:
         """``--capacity auto``: the memory model and budget; ``sab-cp`` takes each document's
         minimum CP degree from it."""
         if cfg.capacity == "auto":
-            capacity, self.memory_bound = build.fit_capacity(cfg, rt, self.model, shapes, self.kernel, base_rss)
+            capacity, self.memory_bound = build.fit_capacity(
+                cfg, rt, self.model, shapes, self.kernel, base_rss, self.stage
+            )
             self.cfg = cfg = replace(cfg, capacity=capacity)
         self.engine = self._engine(shapes)
         self.runner = self._runner()

@@ -1,0 +1,96 @@
+"""The memory model of a pipeline stage (``--pp``) and of a step of several micro-batches: what a
+stage holds, what 1F1B keeps in flight on it, the gradients a later micro-batch's backward holds,
+and ``sparsebalance memory --pp``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from sparsebalance.batching.schedule import balanced_layers, head_layers
+from sparsebalance.cli import main
+from sparsebalance.latency.memory import ANALYTIC, MemoryConfig, MemoryModel, StageShare
+from sparsebalance.models import load_shapes
+
+H200 = ANALYTIC["h200"]
+
+
+def _split(shapes, stages: int) -> tuple[int, ...]:
+    return tuple(balanced_layers(shapes.num_layers, stages, head_layers(shapes)).tolist())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_stages_hold_the_model_once_and_a_tied_head_twice(tied):
+    shapes = load_shapes("qwen2.5-3b")
+    mem = MemoryModel(shapes, H200, tied)
+    split = _split(shapes, 4)
+    stages = [StageShare.of(split, s) for s in range(4)]
+    assert [s.in_flight for s in stages] == [4, 3, 2, 1]  # 1F1B: P - s on stage s
+    assert [(s.embedding, s.head) for s in stages] == [(True, False), (False, False), (False, False), (False, True)]
+    copy = shapes.vocab_size * shapes.hidden_size if tied else 0  # the last stage's head
+    assert sum(mem.num_params(s) for s in stages) == mem.num_params() + copy
+    assert mem.num_params(StageShare.whole(shapes.num_layers)) == mem.num_params()
+
+
+def test_a_stage_keeps_the_activations_of_its_micro_batches_in_flight():
+    """A middle stage of ``l`` layers with ``k`` micro-batches in flight keeps ``k`` times what
+    an ``l``-layer model keeps for one micro-batch, less the final norm it does not run."""
+    shapes = load_shapes("qwen2.5-0.5b")
+    t, a = 8192, H200.act_bytes
+    for ckpt in ("off", "selective", "full"):
+        cfg = MemoryConfig(ckpt, "chunked", block_size=128)
+        middle = MemoryModel(shapes, H200).breakdown(t, replace(cfg, stage=StageShare(6, False, False, 3)))
+        whole = MemoryModel(replace(shapes, num_layers=6), H200).breakdown(t, cfg)
+        norm = 2 * shapes.hidden_size * t * a
+        assert middle["activations"] == pytest.approx(3 * (whole["activations"] - norm))
+        assert middle["loss"] == 0.0  # the loss is the last stage's
+
+
+def test_a_later_micro_batch_holds_every_accumulated_gradient():
+    """From a step's second micro-batch on, a backward holds the gradients accumulated so far,
+    unsharded (FSDP2 reduce-scatters in the last micro-batch only): the difference from the first
+    micro-batch's backward (which holds only the LM head's) is the rest of the gradients."""
+    shapes = load_shapes("qwen2.5-3b")
+    mem = MemoryModel(shapes, H200)
+    one = MemoryConfig("full", "chunked", shard=8, block_size=128)
+    first, later = mem.breakdown(65536, one), mem.breakdown(65536, replace(one, micro_batches=2))
+    assert (first["moment"], later["moment"]) == ("first layer backward", "later backward")
+    rest = (mem.num_params() - shapes.vocab_size * shapes.hidden_size) * H200.grad_bytes
+    assert later["peak"] - first["peak"] == pytest.approx(rest)
+    with pytest.raises(ValueError, match="micro_batches"):
+        MemoryConfig(micro_batches=0, block_size=128)
+
+
+def test_an_fsdp2_stage_is_gathered_through_the_step():
+    """``--pp`` with ``--parallel fsdp2``: the stage's whole weights beside their shards, and only
+    the optimizer state divided by the data-parallel degree."""
+    shapes = load_shapes("qwen2.5-3b")
+    mem = MemoryModel(shapes, H200)
+    stage = StageShare.of(_split(shapes, 4), 1)
+    params = mem.num_params(stage)
+    parts = mem.breakdown(4096, MemoryConfig("full", "chunked", shard=4, stage=stage, block_size=128))
+    c = H200
+    assert parts["weights+optimizer"] == pytest.approx(params * (c.param_bytes * 1.25 + c.optimizer_bytes / 4))
+    whole = mem.breakdown(4096, MemoryConfig("full", "chunked", shard=4, block_size=128))
+    assert whole["weights+optimizer"] == pytest.approx(mem.num_params() * (c.param_bytes + c.optimizer_bytes) / 4)
+
+
+def test_the_memory_command_gives_the_pipelines_tightest_stage(capsys):
+    shapes = load_shapes("qwen2.5-3b")
+    args = ["memory", "--model", "qwen2.5-3b", "--analytic", "h200", "--devices", "8", "--pp", "4", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    mem = MemoryModel(shapes, H200)
+    split = _split(shapes, 4)
+    for row in out["rows"]:
+        cfg = MemoryConfig(row["checkpointing"], row["loss"], shard=2, micro_batches=2, density=0.1, block_size=128)
+        fits = [mem.max_tokens(out["budget_bytes"], replace(cfg, stage=StageShare.of(split, s))) for s in range(4)]
+        assert set(row) == {"checkpointing", "loss", "micro-batch/rank @8"}  # no CP column: whole documents
+        assert row["micro-batch/rank @8"] == min(fits) > 0
+    assert main([*args[:-1], "--check", "32768"]) == 0
+    table = capsys.readouterr().out
+    assert "32,768 tokens per micro-batch, PP 4 over 8 devices" in table and "| stage |" in table
+    assert main(["memory", "--analytic", "h200", "--devices", "6", "--pp", "4"]) == 2
+    assert "--pp 4 must divide every --devices count (6)" in capsys.readouterr().err
