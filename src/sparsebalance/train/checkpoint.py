@@ -133,9 +133,11 @@ def save_checkpoint(
     previous checkpoint and ``latest`` as they were, and raises the same one-line ``ValueError``
     on every rank (rank 0's outcome is broadcast when a process group is up), so a run ends
     with one line, not one traceback per rank."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(cpu_offload=True))
+    options = _options(cpu_offload=True)
+    model_sd = get_model_state_dict(model, options=options)
+    optim_sd = optimizer_state_dict(model, optimizer, options)
     state = None
     if is_main:
         state = {
@@ -145,6 +147,33 @@ def save_checkpoint(
             "trainer": plain(trainer_state),
         }
     return commit_checkpoint(Path(run_dir), step, model_sd, state, is_main, keep_last)
+
+
+def optimizer_state_dict(model, optimizer, options) -> dict:
+    """``optimizer``'s state dict (``get_optimizer_state_dict``), leaving an optimizer that has no
+    state yet (no step taken: step 0, or every step so far skipped as non-finite) without one. Torch
+    creates a missing state by stepping at learning rate 0 (AdamW: ``step`` 1 and zero moments, so
+    the next real step would be bias-corrected as the second); that state is dropped again, from
+    the optimizer and from the dict, which then holds no state."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    unstepped = not optimizer.state
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
+    if unstepped:
+        optimizer.state.clear()
+        optim_sd["state"] = {}
+    return optim_sd
+
+
+def load_optimizer_state_dict(model, optimizer, optim_sd: dict, options, unstepped: bool) -> None:
+    """``set_optimizer_state_dict``; ``unstepped``: the saved state is empty (saved before the first
+    step, see :func:`optimizer_state_dict`), and the optimizer is left without state too (torch
+    creates it by a step at learning rate 0 before loading the saved one into it)."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_sd, options=options)
+    if unstepped:
+        optimizer.state.clear()
 
 
 def commit_checkpoint(
@@ -449,10 +478,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, fsdp: bool = False,
     (FSDP2: its shard), the small rest (scheduler, RNG states, trainer state) as one object. A
     rank's extra memory while loading is about its own optimizer state plus one tensor in flight
     (rank 0: plus the mapped file pages, which the kernel can drop)."""
-    from torch.distributed.checkpoint.state_dict import (
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     distributed = runtime is not None and runtime.distributed
     main = runtime is None or runtime.is_main
@@ -461,13 +487,14 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, fsdp: bool = False,
         model_sd = _load(Path(path) / "model.pt")
         state = _load(Path(path) / "state.pt")
         optim_sd = state.pop("optimizer")
+    unstepped = main and not optim_sd["state"]
+    if distributed:  # first: every rank needs to know whether the saved optimizer state is empty
+        state, unstepped = runtime.broadcast_object((state, unstepped))
     # Model and optimizer apart: ``set_state_dict`` with the other ranks' empty dicts would skip
     # the model there (optimizer only) while rank 0 broadcasts it.
     options = _options(broadcast_from_rank0=distributed)
     set_model_state_dict(model, model_sd, options=options)
-    set_optimizer_state_dict(model, optimizer, optim_sd, options=options)
-    if distributed:
-        state = runtime.broadcast_object(state)
+    load_optimizer_state_dict(model, optimizer, optim_sd, options, unstepped)
     scheduler.load_state_dict(state["scheduler"])
     return state
 

@@ -23,18 +23,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from ..batching.schedule import stage_layers
 from ..engine.runtime import Runtime
 from ..engine.stage import StageModel
-from .checkpoint import KEEP_LAST, _load, commit_checkpoint, plain
+from .checkpoint import KEEP_LAST, _load, commit_checkpoint, load_optimizer_state_dict, optimizer_state_dict, plain
 
 
 def save_pipeline_checkpoint(
@@ -107,7 +102,8 @@ def load_pipeline_checkpoint(path: Path, stage: StageModel, optimizer, scheduler
     # full tensors in, each FSDP2 peer keeping its shard; names as the stage's (``model.`` + the model's)
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(stage, {f"model.{n}": model_sd[n] for n in stage.names}, options=options)
-    set_optimizer_state_dict(stage, optimizer, state.pop("optimizer"), options=options)
+    optim_sd = state.pop("optimizer")
+    load_optimizer_state_dict(stage, optimizer, optim_sd, options, unstepped=not optim_sd["state"])
     scheduler.load_state_dict(state["scheduler"])
     return state
 
@@ -127,7 +123,7 @@ def _optimizer_state(stage: StageModel, optimizer) -> dict:
     for ``ddp`` and ``fsdp2`` stages. FSDP2's shards are gathered one tensor at a time (a
     collective over the stage's peers, in the state's order), each moved to the CPU before the
     next, so no device ever holds the stage's whole optimizer state."""
-    return _on_cpu(get_optimizer_state_dict(stage, optimizer, options=StateDictOptions(full_state_dict=False)))
+    return _on_cpu(optimizer_state_dict(stage, optimizer, StateDictOptions(full_state_dict=False)))
 
 
 def _on_cpu(obj):
