@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from sparsebalance.batching.schedule import balanced_layers, head_layers
+from sparsebalance.batching.schedule import balanced_layers, head_layers, schedule_order
 from sparsebalance.cli import main
-from sparsebalance.latency.memory import ANALYTIC, MemoryConfig, MemoryModel, StageShare
+from sparsebalance.latency.memory import ANALYTIC, MemoryConfig, MemoryModel, StageShare, cpu_coefficients
 from sparsebalance.models import load_shapes
 
 H200 = ANALYTIC["h200"]
@@ -32,6 +32,18 @@ def test_the_stages_hold_the_model_once_and_a_tied_head_twice(tied):
     copy = shapes.vocab_size * shapes.hidden_size if tied else 0  # the last stage's head
     assert sum(mem.num_params(s) for s in stages) == mem.num_params() + copy
     assert mem.num_params(StageShare.whole(shapes.num_layers)) == mem.num_params()
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_the_micro_batches_in_flight_are_the_schedules(p):
+    """``StageShare.of``'s ``in_flight`` is the most forwards 1F1B's order runs on the stage before
+    their backwards (given enough micro-batches)."""
+    for s in range(p):
+        order, open_, most = schedule_order(p, 8, s), 0, 0
+        for kind, _ in order:
+            open_ += 1 if kind == "F" else -1
+            most = max(most, open_)
+        assert StageShare.of((1,) * p, s).in_flight == most
 
 
 def test_a_stage_keeps_the_activations_of_its_micro_batches_in_flight():
@@ -61,6 +73,29 @@ def test_a_later_micro_batch_holds_every_accumulated_gradient():
     assert later["peak"] - first["peak"] == pytest.approx(rest)
     with pytest.raises(ValueError, match="micro_batches"):
         MemoryConfig(micro_batches=0, block_size=128)
+
+
+def test_every_moment_of_a_later_micro_batch_holds_the_accumulated_gradients():
+    """The gradients accumulated by earlier micro-batches are alive through a later one's forward
+    and loss too, not only its backward: a loss-bound micro-batch's peak rises by all of them."""
+    shapes = load_shapes("qwen2.5-0.5b")
+    mem = MemoryModel(shapes, cpu_coefficients(0.0))
+    one = MemoryConfig("off", "plain", block_size=128)
+    first, later = mem.breakdown(1024, one), mem.breakdown(1024, replace(one, micro_batches=2))
+    assert (first["moment"], later["moment"]) == ("loss", "loss")
+    assert later["peak"] - first["peak"] == pytest.approx(mem.num_params() * 4.0)
+
+
+def test_the_first_stage_holds_its_embedding_gradient_twice_in_a_later_micro_batch():
+    """At the end of a later micro-batch's backward the embedding's dense gradient lands beside the
+    one accumulated so far, on the first stage too (it has no head to tie it to)."""
+    shapes = load_shapes("qwen2.5-0.5b")
+    mem = MemoryModel(shapes, cpu_coefficients(0.0))
+    first_stage = StageShare.of(_split(shapes, 4), 0)
+    one = MemoryConfig("full", "chunked", stage=first_stage, block_size=128)
+    first, later = mem.breakdown(128, one), mem.breakdown(128, replace(one, micro_batches=2))
+    assert (first["moment"], later["moment"]) == ("end", "end")
+    assert later["peak"] - first["peak"] == pytest.approx(shapes.vocab_size * shapes.hidden_size * 4.0)
 
 
 def test_an_fsdp2_stage_is_gathered_through_the_step():

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from sparsebalance.batching.schedule import dependency_order, settled_sends
 from sparsebalance.cli import main as cli_main
 from sparsebalance.latency import LatencyModel, analytic_profile
 from sparsebalance.models import load_shapes
@@ -67,6 +68,30 @@ def test_schedule_order_is_1f1b():
     assert schedule_order(4, 4, 2) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
     assert schedule_order(4, 4, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]
     assert schedule_order(4, 2, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]  # warm-up capped at M
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_a_stage_keeps_only_the_sends_in_flight(p, m):
+    """A receive settles only sends its peer received before sending it (in a global order that
+    respects every dependency, the peer's receive comes first); every send is settled or still
+    pending at the end; no stage holds more than P sends at once, however many micro-batches."""
+    where = {op: i for i, op in enumerate(dependency_order(p, m))}
+    for s in range(p):
+        settled, pending, most = settled_sends(p, m, s), set(), 0
+        for kind, mb in schedule_order(p, m, s):
+            for k in settled.get((kind, mb), []):
+                peer = s + 1 if k[0] == "F" else s - 1
+                assert where[(*k, peer)] < where[(kind, mb, s)]
+                pending.remove(k)
+            if (kind == "F" and s < p - 1) or (kind == "B" and s > 0):
+                pending.add((kind, mb))
+            most = max(most, len(pending))
+        assert most <= p
+        sends = m * ((s < p - 1) + (s > 0))
+        assert sum(len(v) for v in settled.values()) + len(pending) == sends
+    if m == 8:  # the first stage settles its first activations when their gradient comes back
+        assert ("F", 0) in settled_sends(p, m, 0)[("B", 0)]
 
 
 def test_bad_inputs_refused():

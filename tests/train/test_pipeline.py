@@ -272,26 +272,54 @@ def _capacity_body(trainer: Trainer, rank: int) -> dict:
 
 
 @pytest.mark.distributed
-def test_capacity_auto_fits_every_stage(tmp_path, capfd):
+@pytest.mark.parametrize("parallel, world", [("ddp", 2), ("fsdp2", 4)])
+def test_capacity_auto_fits_every_stage(tmp_path, capfd, parallel, world):
     """``--pp 2 --capacity auto``: each rank prices its own stage (its layers, embedding or head,
-    and the micro-batches 1F1B keeps in flight on it), every rank plans with the tightest
-    stage's capacity, the line printed names that stage, and the run trains."""
+    and the micro-batches 1F1B keeps in flight on it; under FSDP2 its shards over the other
+    pipeline), every rank plans with the tightest stage's capacity, the line printed names that
+    stage, and the run trains."""
     from sparsebalance.latency.host_memory import current_rss_bytes
     from sparsebalance.latency.memory import StageShare
 
     budget = str(current_rss_bytes() + 2**30)  # the workers' base is their own resident size
-    results = run_trainers(
-        _capacity_body, _cfg(tmp_path, pp=2, steps=1, capacity="auto", memory_budget=budget), 2, tmp_path
-    )
-    cap = results[0]["capacity"]
-    assert [r["capacity"] for r in results] == [cap, cap] and cap == min(r["mine"] for r in results)
-    assert results[0]["bound"] == results[1]["bound"] and results[0]["bound"].micro_batches == 2
-    assert results[0]["bound"].stage in (
-        StageShare(3, True, False, 2),
-        StageShare(1, False, True, 1),
-    )  # the tiny model's 3/1 split
+    cfg = _cfg(tmp_path, pp=2, steps=1, capacity="auto", memory_budget=budget, parallel=parallel, global_batch=4)
+    results = run_trainers(_capacity_body, cfg, world, tmp_path)
+    cap, bound = results[0]["capacity"], results[0]["bound"]
+    assert all(r["capacity"] == cap and r["bound"] == bound for r in results)
+    assert cap == min(r["mine"] for r in results) and bound.micro_batches == 2
+    assert bound.shard == (2 if parallel == "fsdp2" else 1)
+    assert bound.stage in (StageShare(3, True, False, 2), StageShare(1, False, True, 1))  # the tiny model's 3/1 split
     assert results[0]["result"]["steps"] == 1
-    assert f"--capacity auto = {cap} tokens per micro-batch" in capfd.readouterr().err
+    binding = min(range(world), key=lambda r: results[r]["mine"]) % 2  # rank r runs stage r % 2
+    said = f"on stage {binding} of 2, {bound.stage.in_flight} micro-batches in flight"
+    assert f"--capacity auto = {cap} tokens per micro-batch" in (err := capfd.readouterr().err) and said in err
+
+
+@pytest.mark.parametrize(
+    "overlong, global_batch, world, in_flight, micro_batches",
+    [
+        ("split", 1, 2, 2, 2),  # one document, split into pieces: as many micro-batches as pieces
+        ("truncate", 1, 2, 1, 1),  # one document, never split: one micro-batch
+        ("skip", 3, 4, 2, 2),  # two pipelines, up to two documents each
+        ("truncate", 2, 4, 1, 1),
+    ],
+)
+def test_the_memory_bound_counts_the_micro_batches_a_step_can_run(
+    tmp_path, overlong, global_batch, world, in_flight, micro_batches
+):
+    """``--capacity auto``'s memory config: the first of two stages keeps up to 2 micro-batches in
+    flight and a later one holds earlier gradients, unless the step cannot give it that many: a
+    pipeline's micro-batches are bounded by its documents only when no document is split."""
+    from types import SimpleNamespace
+
+    from sparsebalance.engine.stage import PipelineLayout
+    from sparsebalance.train.build import _memory_config
+
+    cfg = _cfg(tmp_path, pp=2, overlong=overlong, global_batch=global_batch)
+    stage = SimpleNamespace(split=(3, 1), layout=PipelineLayout.of(0, world, 2, (3, 1)))
+    mem = _memory_config(cfg, world, stage)
+    assert (mem.stage.in_flight, mem.micro_batches) == (in_flight, micro_batches)
+    assert _memory_config(replace(cfg, pp=1), world // 2, None).micro_batches == micro_batches  # as many pipelines
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,30 @@ def schedule_order(num_stages: int, num_micro_batches: int, stage: int) -> list[
     return order
 
 
+def settled_sends(num_stages: int, num_micro_batches: int, stage: int) -> dict[tuple[str, int], list[tuple[str, int]]]:
+    """Which of stage ``stage``'s sends each of its receives proves received, so a stage keeps
+    only the sends still in flight (not every micro-batch's). Keys: this stage's receiving ops
+    (``("F", m)``: the activations of m from ``stage - 1``; ``("B", m)``: their gradient from
+    ``stage + 1``); values: its earlier sends, named by the op that sent them (``("F", j)``: j's
+    activations to ``stage + 1``; ``("B", j)``: j's input gradient to ``stage - 1``), that the
+    sender's own order received before sending this message."""
+    p, m = num_stages, num_micro_batches
+    out: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    sent: set[tuple[str, int]] = set()
+    for op in schedule_order(p, m, stage):
+        kind = op[0]
+        peer = stage - 1 if kind == "F" else stage + 1  # who sends what this op receives
+        if 0 <= peer < p:
+            theirs = schedule_order(p, m, peer)
+            before = theirs[: theirs.index(op)]
+            mine = "B" if kind == "F" else "F"  # what we sent the peer: it received it at the same op
+            out[op] = [k for k in before if k[0] == mine and k in sent]
+            sent.difference_update(out[op])
+        if (kind == "F" and stage < p - 1) or (kind == "B" and stage > 0):
+            sent.add(op)
+    return out
+
+
 @lru_cache(maxsize=64)
 def dependency_order(num_stages: int, num_micro_batches: int) -> tuple[tuple[str, int, int], ...]:
     """Every op ``(kind, micro-batch, stage)`` once, in an order where each op comes after the

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..batching.schedule import schedule_order
+from ..batching.schedule import schedule_order, settled_sends
 from ..clock import Clock, Mark, use_clock
 from ..data import pack
 from ..precision import Precision
@@ -139,7 +139,7 @@ class PipelineExecutor:
             if self.stage.sharded:  # FSDP2: gathered before the schedule, not in a timed forward
                 self.stage.gather()
             ops, sends = self._schedule(step)
-            for work, _tensor in sends:  # the tensor stays alive until its send is done
+            for work, _tensor in sends.values():  # the tensor stays alive until its send is done
                 work.wait()
             ready = clock.mark()
             self._sync_gradients(step)
@@ -161,8 +161,11 @@ class PipelineExecutor:
         ready_s, done_s = (max(g[2][i] for g in gathered) for i in (0, 1))
         return LocalWork([record], ready_s, done_s)
 
-    def _schedule(self, step: TunedStep) -> tuple[list[_Op], list]:
-        """The 1F1B order of this stage's micro-batches; the sends still in flight."""
+    def _schedule(self, step: TunedStep) -> tuple[list[_Op], dict]:
+        """The 1F1B order of this stage's micro-batches; the sends still in flight. A send is
+        dropped (its wait returns at once) when a receive proves its peer received it
+        (:func:`.settled_sends`), so a stage holds the sends of the micro-batches in flight, not
+        of all of them."""
         planned, dp = step.planned, self.layout.dp
         units = [planned.units[u] for u in planned.rank_units[dp]]
         if any(u.degree > 1 for u in units):
@@ -173,15 +176,17 @@ class PipelineExecutor:
                 self.docs[i][o : o + n] for i, o, n in zip(unit.sample_ids, unit.offsets, unit.lengths, strict=True)
             ]
             ops.append(_Op(unit, pack(docs, self.device, self.config.per_doc_weighting)))
-        sends: list = []
+        sends: dict = {}
+        settled = settled_sends(self.layout.stages, len(ops), self.layout.stage)
         for kind, m in schedule_order(self.layout.stages, len(ops), self.layout.stage):
+            done = [sends.pop(k) for k in settled.get((kind, m), [])]
             if kind == "F":
-                self._forward(step, m, ops[m], sends)
+                self._forward(step, m, ops[m], sends, done)
             else:
-                self._backward(ops[m], step.loss_scale, sends)
+                self._backward(m, ops[m], step.loss_scale, sends, done)
         return ops, sends
 
-    def _forward(self, step: TunedStep, m: int, op: _Op, sends: list) -> None:
+    def _forward(self, step: TunedStep, m: int, op: _Op, sends: dict, done: list) -> None:
         layout, batch = self.layout, op.batch
         if layout.first:
             x = batch.input_ids
@@ -190,6 +195,7 @@ class PipelineExecutor:
                 self.stage.hidden_shape(sum(batch.lengths)), dtype=self.stage.hidden_dtype, device=self.wire
             )
             dist.recv(x, layout.rank(layout.dp, layout.stage - 1), group=self.groups.activations)
+            _release(done)
             x = x.to(self.device).requires_grad_()
         t0 = self.clock.mark()
         op.ctx = self.engine.attention(step, layout.dp, m, batch.cu_seqlens, batch.lengths, start=t0.host)
@@ -201,11 +207,10 @@ class PipelineExecutor:
         op.marks.append((t0, self.clock.mark()))
         if not layout.last:
             sent = out.detach().to(self.wire)
-            sends.append(
-                (dist.isend(sent, layout.rank(layout.dp, layout.stage + 1), group=self.groups.activations), sent)
-            )
+            to = layout.rank(layout.dp, layout.stage + 1)
+            sends[("F", m)] = (dist.isend(sent, to, group=self.groups.activations), sent)
 
-    def _backward(self, op: _Op, loss_scale: float, sends: list) -> None:
+    def _backward(self, m: int, op: _Op, loss_scale: float, sends: dict, done: list) -> None:
         layout = self.layout
         if layout.last:
             t0 = self.clock.mark()
@@ -214,14 +219,14 @@ class PipelineExecutor:
         else:
             grad = torch.empty(op.output.shape, dtype=op.output.dtype, device=self.wire)
             dist.recv(grad, layout.rank(layout.dp, layout.stage + 1), group=self.groups.gradients)
+            _release(done)
             t0 = self.clock.mark()
             op.output.backward(grad.to(self.device))
         op.marks.append((t0, self.clock.mark()))
         if not layout.first:
             sent = op.inputs.grad.to(self.wire)
-            sends.append(
-                (dist.isend(sent, layout.rank(layout.dp, layout.stage - 1), group=self.groups.gradients), sent)
-            )
+            to = layout.rank(layout.dp, layout.stage - 1)
+            sends[("B", m)] = (dist.isend(sent, to, group=self.groups.gradients), sent)
         # its activations are freed now; the last stage keeps the loss (detached) for the record
         op.inputs, op.output = None, (op.output.detach() if layout.last else None)
 
@@ -293,6 +298,13 @@ class PipelineExecutor:
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total)
         return float(total)
+
+
+def _release(sends: list) -> None:
+    """Sends their peer has received (proven by the receive just made): the waits return at once
+    and the tensors go."""
+    for work, _tensor in sends:
+        work.wait()
 
 
 def _merge(parts: Sequence[MicroBatchResult]) -> MicroBatchResult:

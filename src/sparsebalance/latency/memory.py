@@ -23,9 +23,11 @@ MLP, tied or untied lm-head):
 
 The peak is the largest of four moments: the end of the forward (kept activations + autocast's
 low-precision weight copies), the loss (kept activations + the loss), the first layer's backward
-(kept activations + lm-head gradient + one rerun layer + transients; with ``micro_batches >= 2``
-a later micro-batch's, which holds every gradient accumulated so far, unsharded), and the end of
-the backward (all gradients + the embedding's second copy).
+(kept activations + lm-head gradient + one rerun layer + transients), and the end of the backward
+(all gradients + the embedding's dense gradient beside a tied head's or an earlier micro-batch's).
+With ``micro_batches >= 2`` the first three are a later micro-batch's, beside every gradient
+accumulated so far, unsharded. A stage's other micro-batches in flight are gone by the end: the
+later backward, which holds them with the same gradients, bounds that moment.
 A pipeline stage (``MemoryConfig.stage``, ``--pp``) counts its own layers, embedding or head and
 loss, and the activations of the micro-batches 1F1B keeps in flight on it (``P - s`` on stage
 ``s``: the first stage keeps the most); with FSDP2 it stays gathered through the step.
@@ -252,13 +254,17 @@ class MemoryModel:
         elif st.head:
             chunk = min(t, cfg.loss_chunk_tokens or max(1, LOSS_CHUNK_ELEMS // v))
             loss = 2 * chunk * v * 4 + head * 4 + t * h * 4
-        # a backward after the first holds every gradient accumulated so far, unsharded
-        held = params * c.grad_bytes if cfg.micro_batches > 1 else head * c.grad_bytes
+        # a micro-batch after the first runs beside every gradient accumulated so far, unsharded
+        later = cfg.micro_batches > 1
+        prior = params * c.grad_bytes if later else 0.0
+        # the embedding's dense gradient lands beside a tied head's, or an earlier micro-batch's
+        second = v * h * c.grad_bytes if st.embedding and (later or (self.tied and st.head)) else 0.0
+        backward = kept + (prior if later else head * c.grad_bytes) + rerun + transient
         moments = {
-            "forward end": kept + cast,  # autocast's weight copies
-            "loss": kept + loss,
-            "first layer backward" if cfg.micro_batches == 1 else "later backward": kept + held + rerun + transient,
-            "end": grads + (head * c.grad_bytes if self.tied and st.embedding else 0.0),
+            "forward end": kept + cast + prior,  # autocast's weight copies
+            "loss": kept + loss + prior,
+            "later backward" if later else "first layer backward": backward,
+            "end": grads + second,
         }
         moment = max(moments.items(), key=lambda kv: kv[1])
         parts = {

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from dataclasses import replace
@@ -195,18 +196,22 @@ def fit_capacity(
 
 def _memory_config(cfg: TrainConfig, world_size: int, stage: StageModel | None) -> MemoryConfig:
     """What changes this rank's peak: checkpointing, the loss, the FSDP2 degree (the stage's
-    data-parallel peers with ``--pp``), whether a step may run several micro-batches per rank
-    (any with more documents than pipelines), and ``--pp``'s stage."""
+    data-parallel peers with ``--pp``), whether a step may run several micro-batches per rank,
+    and ``--pp``'s stage with the micro-batches in flight on it. A rank's micro-batches are at
+    most its share of the documents only when none is split (``--overlong split`` makes one
+    micro-batch per piece of a document over the capacity)."""
     pipelines = world_size // cfg.pp
+    most = math.ceil(cfg.global_batch / pipelines) if cfg.overlong != "split" else None
     share = None
     if stage is not None:
         share = StageShare.of(stage.split, stage.layout.stage)
-        share = replace(share, in_flight=min(share.in_flight, cfg.global_batch))
+        if most is not None:
+            share = replace(share, in_flight=min(share.in_flight, most))
     return MemoryConfig(
         cfg.activation_checkpointing,
         "plain" if cfg.loss == "plain" else "chunked",
         shard=pipelines if cfg.parallel == "fsdp2" else 1,
-        micro_batches=2 if cfg.global_batch > pipelines else 1,
+        micro_batches=1 if most == 1 else 2,
         stage=share,
         block_size=cfg.block_size,
     )
