@@ -376,6 +376,23 @@ def test_the_trainers_stages_split_the_layers_by_cost(tmp_path):
     )
 
 
+def test_only_the_stage_reaches_the_device(tmp_path):
+    """``--pp``: the model is built in host memory and only this rank's stage moves to the device
+    (a model whose weights do not fit one device still starts). The meta device stands in for a
+    GPU: every stage parameter lands there, and the model was whole on the host before."""
+    from sparsebalance.train import build
+
+    cfg = _cfg(tmp_path, pp=2)
+    meta = torch.device("meta")
+    for rank, layers in ((0, 3), (1, 1)):
+        model = build.checked_model(cfg, meta, "--model tiny")
+        assert {p.device.type for p in model.parameters()} == {"cpu"} and len(model.get_decoder().layers) == 4
+        stage = build.pipeline_stage(cfg, Runtime(rank, 2, meta), model)
+        assert {p.device.type for p in stage.parameters()} == {"meta"} and len(stage.layers) == layers
+    whole = build.checked_model(replace(cfg, pp=1), meta, "--model tiny")  # no pipeline: built there
+    assert {p.device.type for p in whole.parameters()} == {"meta"}
+
+
 def test_resuming_with_another_pp_is_refused(tmp_path):
     from sparsebalance.train.config import to_dict
     from sparsebalance.train.resume import differences

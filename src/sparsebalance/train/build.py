@@ -114,8 +114,9 @@ def check_model(cfg: TrainConfig) -> str:
 def checked_model(cfg: TrainConfig, device: torch.device, named: str) -> torch.nn.Module:
     """``--model`` built in fp32 master weights on ``device`` (its attention checked as built:
     defaults the file left out), with ``--activation-checkpointing`` applied; ``named``: what
-    :func:`check_model` returned."""
-    model = build_model(cfg.model, device, torch.float32, seed=cfg.seed)
+    :func:`check_model` returned. With ``--pp`` it stays in host memory: :func:`pipeline_stage`
+    moves only this rank's stage to the device (a model too large for one device still starts)."""
+    model = build_model(cfg.model, device if cfg.pp == 1 else "cpu", torch.float32, seed=cfg.seed)
     check_attention(model.config, named)  # as built: defaults the file left out
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     return model
@@ -125,13 +126,14 @@ def pipeline_stage(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module) -> Sta
     """``--pp P``: this rank's stage of ``model`` (the other stages' layers dropped), the layers
     split by cost (:func:`~sparsebalance.batching.schedule.balanced_layers`, the LM head weighed
     from the model's shapes: fixed by the model alone, so a resumed run splits alike), sharded
-    over the stage's data-parallel peers with ``--parallel fsdp2``; None without a pipeline."""
+    over the stage's data-parallel peers with ``--parallel fsdp2``; None without a pipeline. The
+    stage alone is moved to ``rt.device`` (``model`` is built in host memory)."""
     if cfg.pp == 1:
         return None
     check_pipeline_model(model.config, cfg.pp)
     shapes = ModelShapes.from_hf_config(model.config.to_dict())
     split = tuple(balanced_layers(shapes.num_layers, cfg.pp, head_layers(shapes)).tolist())
-    stage = StageModel(model, PipelineLayout.of(rt.rank, rt.world_size, cfg.pp, split))
+    stage = StageModel(model, PipelineLayout.of(rt.rank, rt.world_size, cfg.pp, split)).to(rt.device)
     if cfg.parallel == "fsdp2":  # each stage sharded over its peers in the other pipelines
         from torch.distributed.device_mesh import init_device_mesh
 
