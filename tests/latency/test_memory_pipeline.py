@@ -86,6 +86,17 @@ def test_every_moment_of_a_later_micro_batch_holds_the_accumulated_gradients():
     assert later["peak"] - first["peak"] == pytest.approx(mem.num_params() * 4.0)
 
 
+def test_ddp_holds_its_gradients_from_the_first_micro_batch():
+    """Under DDP the gradients are views of its buckets, allocated once: even a step's first
+    micro-batch runs beside all of them, as a later one does."""
+    mem = MemoryModel(load_shapes("qwen2.5-0.5b"), cpu_coefficients(0.0))
+    for ckpt, loss in (("off", "plain"), ("full", "chunked")):
+        one = MemoryConfig(ckpt, loss, block_size=128)
+        ddp = mem.peak_bytes(2048, replace(one, ddp=True))
+        assert ddp == pytest.approx(mem.peak_bytes(2048, replace(one, micro_batches=2)))
+        assert ddp > mem.peak_bytes(2048, one)
+
+
 def test_the_first_stage_holds_its_embedding_gradient_twice_in_a_later_micro_batch():
     """At the end of a later micro-batch's backward the embedding's dense gradient lands beside the
     one accumulated so far, on the first stage too (it has no head to tie it to)."""
@@ -96,6 +107,37 @@ def test_the_first_stage_holds_its_embedding_gradient_twice_in_a_later_micro_bat
     first, later = mem.breakdown(128, one), mem.breakdown(128, replace(one, micro_batches=2))
     assert (first["moment"], later["moment"]) == ("end", "end")
     assert later["peak"] - first["peak"] == pytest.approx(shapes.vocab_size * shapes.hidden_size * 4.0)
+
+
+def test_a_backwards_end_holds_the_other_micro_batches_in_flight():
+    """In steady 1F1B the first stage ends a backward (where the embedding's gradient lands) with
+    the other ``in_flight - 1`` micro-batches' activations still kept."""
+    shapes = load_shapes("qwen2.5-0.5b")
+    mem = MemoryModel(shapes, cpu_coefficients(0.0))
+    first = StageShare.of(_split(shapes, 4), 0)
+    cfg = MemoryConfig("full", "chunked", micro_batches=2, stage=first, block_size=128)
+    alone = replace(cfg, stage=replace(first, in_flight=1))
+    four, one = mem.breakdown(128, cfg), mem.breakdown(128, alone)
+    assert (four["moment"], one["moment"]) == ("end", "end")
+    kept_one, _ = mem._kept(128, alone, alone.stage)
+    layouts = four["attention workspace"] - one["attention workspace"]  # their layouts too
+    assert four["peak"] - one["peak"] - layouts == pytest.approx(3 * kept_one)
+
+
+@pytest.mark.parametrize("ckpt, copies", [("off", 3), ("selective", 3), ("full", 0)])
+def test_every_micro_batch_in_flight_keeps_its_autocast_weight_copies(ckpt, copies):
+    """Autocast's bf16 weight copies are cached through a forward and saved for its backward, so a
+    stage's backward runs beside the copies of its 3 micro-batches in flight, unless full
+    checkpointing recomputes every layer there (each layer's copy made and freed as it goes)."""
+    shapes = load_shapes("qwen2.5-3b")
+    stage = StageShare.of(_split(shapes, 4), 1)
+    assert stage.in_flight == 3
+    cfg = MemoryConfig(ckpt, "chunked", micro_batches=2, stage=stage, block_size=256)
+    with_copies = MemoryModel(shapes, H200).breakdown(8192, cfg)
+    without = MemoryModel(shapes, replace(H200, cast_bytes=0.0)).breakdown(8192, cfg)
+    assert with_copies["moment"] == without["moment"] == "later backward"
+    params = MemoryModel(shapes, H200).num_params(stage)
+    assert with_copies["peak"] - without["peak"] == pytest.approx(copies * params * H200.cast_bytes)
 
 
 def test_an_fsdp2_stage_is_gathered_through_the_step():

@@ -102,6 +102,12 @@ class Parallelized:
         return self.kind == "fsdp2"
 
     @property
+    def keeps_gradients(self) -> bool:
+        """DDP's gradients are views of its buckets: zeroed in place after a step, never dropped
+        (dropped, the next step's would be allocated again beside the buckets)."""
+        return self.kind == "ddp"
+
+    @property
     def exact(self) -> bool:
         """Barrier, then a separately timed all-reduce (only meaningful with several ranks)."""
         return self.measure_bubble == "exact" and self.kind != "single"
@@ -177,9 +183,18 @@ def parallelize(model: nn.Module, runtime: Runtime, parallel: str, measure_bubbl
     # broadcast_buffers=False: the only buffers (rotary frequencies) are identical constants
     # (torch 2.13 deprecates the name in favour of forward_sync_buffers, which still syncs at
     # init; the old name keeps the documented behaviour, so its FutureWarning is silenced).
+    # gradient_as_bucket_view: the gradients are views of the all-reduce buckets, not a second
+    # copy beside them (a whole model's gradients saved; the Updater zeroes them in place). DDP
+    # makes views only of gradients that exist when it wraps the model: zeros, so that the first
+    # step's micro-batches under no_sync() accumulate into the buckets too.
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=None, broadcast_buffers=False)
+        ddp = nn.parallel.DistributedDataParallel(
+            model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True
+        )
     ready = ReadyClock(clock)
     ddp.register_comm_hook(ready, ReadyClock.hook)
     return Parallelized(ddp, model, "ddp", measure_bubble, world, clock, ready)

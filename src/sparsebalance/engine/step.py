@@ -63,6 +63,9 @@ class Updater:
     """The whole model's gradient norm, clipping to its argument when above 0, where this rank
     holds part of the model (a pipeline stage: :meth:`.PipelineExecutor.grad_norm`); None: from
     ``params``."""
+    keep_gradients: bool = False
+    """Zero the gradients in place after a step instead of dropping them (DDP's are views of its
+    all-reduce buckets: :attr:`.Parallelized.keeps_gradients`)."""
     nonfinite_in_a_row: int = field(default=0, init=False)
     """Consecutive steps skipped for a NaN/inf loss or gradient (0 after an applied step)."""
 
@@ -101,7 +104,7 @@ class Updater:
                     flush=True,
                 )
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.keep_gradients)
         return time.perf_counter() - t0, False
 
     def _grad_norm(self) -> float:
@@ -120,7 +123,7 @@ class Updater:
 
     def _skip(self, step: int, what: str, t0: float) -> float:
         """Drop the step's gradients, count it, say so; stop past ``max_nonfinite_steps``."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.keep_gradients)
         self.nonfinite_in_a_row += 1
         limit = self.config.max_nonfinite_steps
         if self.nonfinite_in_a_row > limit:

@@ -24,10 +24,13 @@ MLP, tied or untied lm-head):
 The peak is the largest of four moments: the end of the forward (kept activations + autocast's
 low-precision weight copies), the loss (kept activations + the loss), the first layer's backward
 (kept activations + lm-head gradient + one rerun layer + transients), and the end of the backward
-(all gradients + the embedding's dense gradient beside a tied head's or an earlier micro-batch's).
+(all gradients + the embedding's dense gradient beside a tied head's or an earlier micro-batch's,
++ the other micro-batches a pipeline stage has in flight).
 With ``micro_batches >= 2`` the first three are a later micro-batch's, beside every gradient
-accumulated so far, unsharded. A stage's other micro-batches in flight are gone by the end: the
-later backward, which holds them with the same gradients, bounds that moment.
+accumulated so far, unsharded; under DDP (``ddp``) every micro-batch's are, since its gradients are
+views of its all-reduce buckets, allocated once (``gradient_as_bucket_view``). Autocast's
+low-precision weight copies are cached through a forward and its loss, and saved for the backward
+by every micro-batch in flight (unless full checkpointing recomputes each layer there).
 A pipeline stage (``MemoryConfig.stage``, ``--pp``) counts its own layers, embedding or head and
 loss, and the activations of the micro-batches 1F1B keeps in flight on it (``P - s`` on stage
 ``s``: the first stage keeps the most); with FSDP2 it stays gathered through the step.
@@ -160,6 +163,9 @@ class MemoryConfig:
     earlier ones accumulated, unsharded (DDP's are always whole; FSDP2 keeps them unsharded
     until the last micro-batch reduce-scatters): a run packed to a capacity gives 2 (any step
     may hold several), a probe of one micro-batch 1."""
+    ddp: bool = False
+    """DDP over several processes: the gradients are views of its all-reduce buckets, allocated
+    once and zeroed in place, so every moment holds them, whole, as a later micro-batch does."""
     stage: StageShare | None = None
     """``--pp``: the pipeline stage this rank runs (its layers, embedding or head, and the
     micro-batches 1F1B keeps in flight); None: the whole model, one micro-batch at a time."""
@@ -254,17 +260,22 @@ class MemoryModel:
         elif st.head:
             chunk = min(t, cfg.loss_chunk_tokens or max(1, LOSS_CHUNK_ELEMS // v))
             loss = 2 * chunk * v * 4 + head * 4 + t * h * 4
-        # a micro-batch after the first runs beside every gradient accumulated so far, unsharded
-        later = cfg.micro_batches > 1
-        prior = params * c.grad_bytes if later else 0.0
-        # the embedding's dense gradient lands beside a tied head's, or an earlier micro-batch's
-        second = v * h * c.grad_bytes if st.embedding and (later or (self.tied and st.head)) else 0.0
-        backward = kept + (prior if later else head * c.grad_bytes) + rerun + transient
+        # a micro-batch after the first (or any, under DDP) runs beside every gradient, unsharded
+        held = cfg.micro_batches > 1 or cfg.ddp
+        prior = params * c.grad_bytes if held else 0.0
+        # the embedding's dense gradient lands beside a tied head's, or one already held
+        second = v * h * c.grad_bytes if st.embedding and (held or (self.tied and st.head)) else 0.0
+        # autocast's weight copies: cached through a forward (and its loss), and saved for the
+        # backward by every micro-batch in flight unless each layer is recomputed there
+        saved = cast if cfg.checkpointing != "full" else 0.0
+        forward = cast + (st.in_flight - 1) * saved
+        backward = kept + st.in_flight * saved + (prior if held else head * c.grad_bytes) + rerun + transient
+        others = (st.in_flight - 1) / st.in_flight  # at a backward's end, the other micro-batches in flight
         moments = {
-            "forward end": kept + cast + prior,  # autocast's weight copies
-            "loss": kept + loss + prior,
-            "later backward" if later else "first layer backward": backward,
-            "end": grads + second,
+            "forward end": kept + forward + prior,
+            "loss": kept + loss + forward + prior,
+            "later backward" if cfg.micro_batches > 1 else "first layer backward": backward,
+            "end": grads + second + others * (kept + st.in_flight * saved),
         }
         moment = max(moments.items(), key=lambda kv: kv[1])
         parts = {

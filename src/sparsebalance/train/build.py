@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import sys
 from dataclasses import replace
@@ -199,11 +198,12 @@ def fit_capacity(
 def _memory_config(cfg: TrainConfig, world_size: int, stage: StageModel | None) -> MemoryConfig:
     """What changes this rank's peak: checkpointing, the loss, the FSDP2 degree (the stage's
     data-parallel peers with ``--pp``), whether a step may run several micro-batches per rank,
-    and ``--pp``'s stage with the micro-batches in flight on it. A rank's micro-batches are at
-    most its share of the documents only when none is split (``--overlong split`` makes one
-    micro-batch per piece of a document over the capacity)."""
+    and ``--pp``'s stage with the micro-batches in flight on it. A rank's micro-batches are
+    bounded only by the global batch (SAB may give one pipeline more documents than its share
+    to shorten its bubbles; ``sab-cp`` puts a unit of several documents on one rank), and only
+    when no document is split (``--overlong split`` makes a micro-batch of every piece)."""
     pipelines = world_size // cfg.pp
-    most = math.ceil(cfg.global_batch / pipelines) if cfg.overlong != "split" else None
+    most = cfg.global_batch if cfg.overlong != "split" else None
     share = None
     if stage is not None:
         share = StageShare.of(stage.split, stage.layout.stage)
@@ -214,6 +214,7 @@ def _memory_config(cfg: TrainConfig, world_size: int, stage: StageModel | None) 
         "plain" if cfg.loss == "plain" else "chunked",
         shard=pipelines if cfg.parallel == "fsdp2" else 1,
         micro_batches=1 if most == 1 else 2,
+        ddp=cfg.parallel == "ddp" and cfg.pp == 1 and pipelines > 1,
         stage=share,
         block_size=cfg.block_size,
     )

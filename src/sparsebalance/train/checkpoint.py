@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..versions import CHECKPOINT, CONFIG
+from .optimizer_state import load_optimizer_state_dict, optimizer_state_dict
 
 CHECKSUMS = "checksums.json"
 RESUME_FILES = ("model.pt", "state.pt")
@@ -147,33 +148,6 @@ def save_checkpoint(
             "trainer": plain(trainer_state),
         }
     return commit_checkpoint(Path(run_dir), step, model_sd, state, is_main, keep_last)
-
-
-def optimizer_state_dict(model, optimizer, options) -> dict:
-    """``optimizer``'s state dict (``get_optimizer_state_dict``), leaving an optimizer that has no
-    state yet (no step taken: step 0, or every step so far skipped as non-finite) without one. Torch
-    creates a missing state by stepping at learning rate 0 (AdamW: ``step`` 1 and zero moments, so
-    the next real step would be bias-corrected as the second); that state is dropped again, from
-    the optimizer and from the dict, which then holds no state."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    unstepped = not optimizer.state
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
-    if unstepped:
-        optimizer.state.clear()
-        optim_sd["state"] = {}
-    return optim_sd
-
-
-def load_optimizer_state_dict(model, optimizer, optim_sd: dict, options, unstepped: bool) -> None:
-    """``set_optimizer_state_dict``; ``unstepped``: the saved state is empty (saved before the first
-    step, see :func:`optimizer_state_dict`), and the optimizer is left without state too (torch
-    creates it by a step at learning rate 0 before loading the saved one into it)."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-    set_optimizer_state_dict(model, optimizer, optim_sd, options=options)
-    if unstepped:
-        optimizer.state.clear()
 
 
 def commit_checkpoint(

@@ -29,7 +29,8 @@ from torch.distributed.tensor import DTensor
 from ..batching.schedule import stage_layers
 from ..engine.runtime import Runtime
 from ..engine.stage import StageModel
-from .checkpoint import KEEP_LAST, _load, commit_checkpoint, load_optimizer_state_dict, optimizer_state_dict, plain
+from .checkpoint import KEEP_LAST, _load, commit_checkpoint, plain
+from .optimizer_state import load_optimizer_state_dict, optimizer_state_dict
 
 
 def save_pipeline_checkpoint(

@@ -196,7 +196,14 @@ class Trainer:
             norm = executor.grad_norm
         update = UpdateConfig(grad_clip=cfg.grad_clip, max_nonfinite_steps=cfg.max_nonfinite_steps)
         updater = Updater(
-            self.params, self.optimizer, self.scheduler, update, scaler=self.scaler, is_main=rt.is_main, norm=norm
+            self.params,
+            self.optimizer,
+            self.scheduler,
+            update,
+            scaler=self.scaler,
+            is_main=rt.is_main,
+            norm=norm,
+            keep_gradients=self.par.keeps_gradients,
         )
         return StepRunner(
             self.engine,
