@@ -70,19 +70,40 @@ def test_schedule_order_is_1f1b():
     assert schedule_order(4, 2, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]  # warm-up capped at M
 
 
+def _ancestors(p: int, m: int) -> dict[tuple[str, int, int], set]:
+    """Every op ``(kind, micro-batch, stage)``'s ancestors: the previous op of its stage, and its
+    input (the forward on the stage before; the backward on the stage after, or on the last stage
+    its own forward), transitively."""
+    parents: dict = {}
+    for s in range(p):
+        order = schedule_order(p, m, s)
+        for i, (kind, mb) in enumerate(order):
+            deps = [(*order[i - 1], s)] if i else []
+            if kind == "F" and s > 0:
+                deps.append(("F", mb, s - 1))
+            elif kind == "B":
+                deps.append(("B", mb, s + 1) if s < p - 1 else ("F", mb, s))
+            parents[(kind, mb, s)] = deps
+    found: dict = {}
+    for op in dependency_order(p, m):  # parents first
+        found[op] = set().union(*({d} | found[d] for d in parents[op])) if parents[op] else set()
+    return found
+
+
 @pytest.mark.parametrize("p", [2, 3, 4])
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_a_stage_keeps_only_the_sends_in_flight(p, m):
-    """A receive settles only sends its peer received before sending it (in a global order that
-    respects every dependency, the peer's receive comes first); every send is settled or still
-    pending at the end; no stage holds more than P sends at once, however many micro-batches."""
-    where = {op: i for i, op in enumerate(dependency_order(p, m))}
+    """A receive settles only sends its peer received before sending it (the peer's receive is an
+    ancestor of the receiving op in the schedule's dependency graph: every order runs it first);
+    every send is settled or still pending at the end; no stage holds more than P sends at once,
+    however many micro-batches."""
+    before = _ancestors(p, m)
     for s in range(p):
         settled, pending, most = settled_sends(p, m, s), set(), 0
         for kind, mb in schedule_order(p, m, s):
             for k in settled.get((kind, mb), []):
                 peer = s + 1 if k[0] == "F" else s - 1
-                assert where[(*k, peer)] < where[(kind, mb, s)]
+                assert (*k, peer) in before[(kind, mb, s)]
                 pending.remove(k)
             if (kind == "F" and s < p - 1) or (kind == "B" and s > 0):
                 pending.add((kind, mb))
