@@ -26,14 +26,8 @@ from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
-from sparsebalance.latency.memory import (
-    ANALYTIC,
-    GIB,
-    MemoryConfig,
-    MemoryModel,
-    cpu_coefficients,
-    with_budget_fraction,
-)
+from sparsebalance.latency.memory import ANALYTIC, GIB, MemoryConfig, MemoryModel, cpu_coefficients
+from sparsebalance.latency.memory_bound import with_budget_fraction
 from sparsebalance.models import load_shapes
 from sparsebalance.results import markdown_table
 

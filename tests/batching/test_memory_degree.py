@@ -10,7 +10,8 @@ import pytest
 
 from sparsebalance.batching import PlanConfig, check_units, plan_batch
 from sparsebalance.cli import main
-from sparsebalance.latency.memory import ANALYTIC, GIB, MemoryBound, MemoryConfig, MemoryModel
+from sparsebalance.latency.memory import ANALYTIC, GIB, MemoryConfig, MemoryModel
+from sparsebalance.latency.memory_bound import MemoryBound
 from sparsebalance.models import load_shapes
 from sparsebalance.workload import Sample
 from tests.batching.fake_cost import fake_context

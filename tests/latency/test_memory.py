@@ -18,11 +18,10 @@ from sparsebalance.latency.memory import (
     LOSS_CHUNK_ELEMS,
     MemoryConfig,
     MemoryModel,
-    auto_capacity,
     cpu_coefficients,
     device_coefficients,
-    with_budget_fraction,
 )
+from sparsebalance.latency.memory_bound import auto_capacity, with_budget_fraction
 from sparsebalance.models import load_shapes
 from sparsebalance.models.attention import PackedAttention
 from sparsebalance.models.hf import build_model

@@ -13,14 +13,8 @@ import torch
 from sparsebalance.cli import main
 from sparsebalance.latency import fingerprint
 from sparsebalance.latency import memory_fit as mf
-from sparsebalance.latency.memory import (
-    GIB,
-    MemoryConfig,
-    MemoryModel,
-    auto_capacity,
-    cpu_coefficients,
-    device_coefficients,
-)
+from sparsebalance.latency.memory import GIB, MemoryConfig, MemoryModel, cpu_coefficients, device_coefficients
+from sparsebalance.latency.memory_bound import auto_capacity
 from sparsebalance.latency.memory_fit import (
     MemoryCalibration,
     MemoryProbe,

@@ -261,7 +261,8 @@ def test_fsdp2_stages_gather_and_reduce_once_per_step(tmp_path, strategy, capaci
 def _capacity_body(trainer: Trainer, rank: int) -> dict:
     """``--capacity auto`` on this rank's stage: the chosen capacity and bound, what this rank's
     own stage would allow with the chosen coefficients, and the step's micro-batch sizes."""
-    from sparsebalance.latency.memory import MemoryModel, StageShare, auto_capacity
+    from sparsebalance.latency.memory import MemoryModel, StageShare
+    from sparsebalance.latency.memory_bound import auto_capacity
 
     bound = trainer.memory_bound
     own = replace(bound.config, stage=StageShare.of(trainer.stage.split, trainer.stage.layout.stage))

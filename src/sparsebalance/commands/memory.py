@@ -39,8 +39,8 @@ from ..latency.memory import (
     MemoryModel,
     StageShare,
     cpu_coefficients,
-    with_budget_fraction,
 )
+from ..latency.memory_bound import with_budget_fraction
 from ..models import BUILTIN_MODELS, load_shapes
 from ..results import markdown_table
 

@@ -44,15 +44,8 @@ from ..data import read_lengths
 from ..files import check_output_file, write_text_atomic
 from ..latency import ACCELERATORS, context_cost, load_cost_model, load_profile
 from ..latency.host_memory import parse_bytes
-from ..latency.memory import (
-    ANALYTIC,
-    CHECKPOINTING,
-    GIB,
-    MemoryBound,
-    MemoryConfig,
-    MemoryModel,
-    with_budget_fraction,
-)
+from ..latency.memory import ANALYTIC, CHECKPOINTING, GIB, MemoryConfig, MemoryModel
+from ..latency.memory_bound import MemoryBound, with_budget_fraction
 from ..models import load_shapes
 from ..results import markdown_table
 from ..tuning import DSTConfig

@@ -135,7 +135,7 @@ class ContextCost:
         block_size: B.
         imbalance_flat / imbalance_hier: striped ring time over perfect balance (>= 1).
         ring: ``auto``, ``flat`` or ``hierarchical`` (see :func:`ring_kind`).
-        memory: a :class:`~sparsebalance.latency.memory.MemoryBound` (``--capacity auto``): the
+        memory: a :class:`~sparsebalance.latency.memory_bound.MemoryBound` (``--capacity auto``): the
             memory model then sets each document's minimum degree (:meth:`min_degree`).
     """
 

@@ -21,16 +21,8 @@ from ..engine.runtime import Runtime
 from ..engine.stage import PipelineLayout, StageModel, check_pipeline_model
 from ..latency import LatencyModel, fingerprint, load_profile
 from ..latency.host_memory import parse_bytes
-from ..latency.memory import (
-    GIB,
-    MemoryBound,
-    MemoryConfig,
-    MemoryModel,
-    StageShare,
-    auto_capacity,
-    device_coefficients,
-    with_budget_fraction,
-)
+from ..latency.memory import GIB, MemoryConfig, MemoryModel, StageShare, device_coefficients
+from ..latency.memory_bound import MemoryBound, auto_capacity, with_budget_fraction
 from ..latency.memory_fit import find_calibration, memory_fingerprint
 from ..models import ModelShapes, check_attention, check_trainable
 from ..models.checkpointing import apply_activation_checkpointing

@@ -38,7 +38,7 @@ from ..engine.runtime import Runtime, rng_state, seed_everything, set_rng_state
 from ..engine.summary import StepResult
 from ..latency import LatencyModel, OutsideGridWarning, context_cost
 from ..latency.host_memory import current_rss_bytes
-from ..latency.memory import MemoryBound
+from ..latency.memory_bound import MemoryBound
 from ..models import ModelShapes
 from ..parallel.groups import RingGroups
 from ..parallel.p2p import RING_WAITS
