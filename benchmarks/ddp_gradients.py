@@ -9,7 +9,8 @@ two micro-batches (the first under ``no_sync()``, as the trainer runs them), SGD
 
 - ``before``: ``gradient_as_bucket_view=False`` and ``zero_grad(set_to_none=True)`` (the trainer
   until 2026-11-28): the gradients are a copy beside DDP's all-reduce buckets, dropped every step;
-- ``now``: zero gradients before wrapping (DDP makes views only of gradients that exist then),
+- ``now``: zero gradients before wrapping (DDP makes views of missing ones only at the first
+  synced backward, after the first step's ``no_sync()`` micro-batches),
   ``gradient_as_bucket_view=True`` and ``zero_grad(set_to_none=False)``: the gradients are views
   of the buckets, zeroed in place.
 

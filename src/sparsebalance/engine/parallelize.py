@@ -185,8 +185,8 @@ def parallelize(model: nn.Module, runtime: Runtime, parallel: str, measure_bubbl
     # init; the old name keeps the documented behaviour, so its FutureWarning is silenced).
     # gradient_as_bucket_view: the gradients are views of the all-reduce buckets, not a second
     # copy beside them (a whole model's gradients saved; the Updater zeroes them in place). DDP
-    # makes views only of gradients that exist when it wraps the model: zeros, so that the first
-    # step's micro-batches under no_sync() accumulate into the buckets too.
+    # turns existing gradients into views as it wraps the model, missing ones at the first synced
+    # backward: zeros now, so that the first step's no_sync() micro-batches use the buckets too.
     for p in model.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)

@@ -76,7 +76,7 @@ class Updater:
         The step's one check for non-finite values, on the device, read once here at the step's
         end (the attention kernels do no per-call containment: ``ops/block_sparse_flex.py``):
         the global loss, and the global gradient norm (which clipping computes anyway; fp16's
-        loss scaler checks its own). A non-finite step drops its gradients and applies nothing
+        loss scaler checks its own). A non-finite step drops (or, kept, zeroes) its gradients and applies nothing
         (the scheduler still advances: the step's data was consumed); more than
         ``max_nonfinite_steps`` of them in a row raise :class:`NonFiniteLoss`. Every rank sees
         the same loss and the same synced gradients, so every rank decides the same."""
@@ -122,7 +122,7 @@ class Updater:
         return float(norm)
 
     def _skip(self, step: int, what: str, t0: float) -> float:
-        """Drop the step's gradients, count it, say so; stop past ``max_nonfinite_steps``."""
+        """Drop (or zero, when kept) the step's gradients, count it, say so; stop past ``max_nonfinite_steps``."""
         self.optimizer.zero_grad(set_to_none=not self.keep_gradients)
         self.nonfinite_in_a_row += 1
         limit = self.config.max_nonfinite_steps

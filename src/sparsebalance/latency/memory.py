@@ -238,6 +238,23 @@ class MemoryModel:
             kept += 2 * s.num_kv_heads * s.head_dim * t * a
         return st.in_flight * kept, rerun
 
+    def _gradients(self, params: int, grads: float, cfg: MemoryConfig, st: StageShare) -> tuple[float, float, float]:
+        """Gradient bytes ``(held through a micro-batch, held through its backward, at its end)``.
+        A micro-batch after the first (any, under DDP: its buckets) runs beside every gradient,
+        unsharded. A tied weight used by the embedding and the head on one rank gets its head
+        gradient first; autograd keeps it until the embedding's arrives at the very end, where
+        the two and their sum are alive at once (a held gradient then adds the sum in place). An
+        embedding alone (untied, or a pipeline's first stage) lands its dense gradient beside a
+        held one."""
+        s, g = self.shapes, self.c.grad_bytes
+        vh = s.vocab_size * s.hidden_size * g
+        held = cfg.micro_batches > 1 or cfg.ddp
+        both = self.tied and st.embedding and st.head
+        prior = params * g if held else 0.0
+        backward = prior + vh * int(both) if held else vh * int(st.head)
+        dense = (2 + int(held) if both else int(held)) if st.embedding else 0
+        return prior, backward, (prior if held else grads) + vh * dense
+
     def breakdown(self, tokens: int, cfg: MemoryConfig) -> dict[str, float]:
         """Bytes of every component at the peak moment, and ``peak`` (their sum)."""
         if tokens < 1:
@@ -258,29 +275,30 @@ class MemoryModel:
         elif st.head:
             chunk = min(t, cfg.loss_chunk_tokens or max(1, LOSS_CHUNK_ELEMS // v))
             loss = 2 * chunk * v * 4 + head * 4 + t * h * 4
-        # a micro-batch after the first (or any, under DDP) runs beside every gradient, unsharded
-        held = cfg.micro_batches > 1 or cfg.ddp
-        prior = params * c.grad_bytes if held else 0.0
-        # the embedding's dense gradient lands beside a tied head's, or one already held
-        second = v * h * c.grad_bytes if st.embedding and (held or (self.tied and st.head)) else 0.0
+        prior, held_backward, at_end = self._gradients(params, grads, cfg, st)
         # autocast's weight copies: cached through a forward (and its loss), and saved for the
         # backward by every micro-batch in flight unless each layer is recomputed there
         saved = cast if cfg.checkpointing != "full" else 0.0
         forward = cast + (st.in_flight - 1) * saved
-        backward = kept + st.in_flight * saved + (prior if held else head * c.grad_bytes) + rerun + transient
         others = (st.in_flight - 1) / st.in_flight  # at a backward's end, the other micro-batches in flight
         moments = {
             "forward end": kept + forward + prior,
             "loss": kept + loss + forward + prior,
-            "later backward" if cfg.micro_batches > 1 else "first layer backward": backward,
-            "end": grads + second + others * (kept + st.in_flight * saved),
+            "later backward" if prior else "first layer backward": kept
+            + st.in_flight * saved
+            + held_backward
+            + rerun
+            + transient,
+            "end": at_end + others * (kept + st.in_flight * saved),
         }
+        if cfg.ddp:  # DDP rebuilds its buckets once (second step): old and new beside each other
+            moments["bucket rebuild"] = 2 * prior
         moment = max(moments.items(), key=lambda kv: kv[1])
         parts = {
             "base": c.base_bytes,
             "weights+optimizer": state,
             "attention workspace": attention,
-            "activations": kept if moment[0] != "end" else 0.0,
+            "activations": kept if moment[0] not in ("end", "bucket rebuild") else 0.0,
             "loss": loss if moment[0] == "loss" else 0.0,
         }
         parts["other at peak"] = moment[1] - parts["activations"] - parts["loss"]
