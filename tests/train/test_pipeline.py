@@ -273,7 +273,7 @@ def _capacity_body(trainer: Trainer, rank: int) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("parallel, world", [("ddp", 2), ("fsdp2", 4)])
+@pytest.mark.parametrize("parallel, world", [("ddp", 2), pytest.param("fsdp2", 4, marks=pytest.mark.slow)])
 def test_capacity_auto_fits_every_stage(tmp_path, capfd, parallel, world):
     """``--pp 2 --capacity auto``: each rank prices its own stage (its layers, embedding or head,
     and the micro-batches 1F1B keeps in flight on it; under FSDP2 its shards over the other
