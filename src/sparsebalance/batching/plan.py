@@ -29,6 +29,9 @@ class Items:
     density: np.ndarray
     cost: np.ndarray
     """``cost_model.doc_seconds(tokens, density)``."""
+    padded: bool = False
+    """Price every micro-batch as run without packing (``PlanConfig.pad_micro_batches``): each
+    document padded to the micro-batch's longest, see :func:`padded_packs`."""
 
 
 @dataclass(frozen=True)
@@ -208,16 +211,35 @@ def flatten_packs(packs: list[list[list[int]]]) -> FlatPacks:
 
 def padded_packs(flat: FlatPacks, items: Items) -> tuple[np.ndarray, np.ndarray]:
     """``(B, max_docs)`` lengths (0 = empty slot) and densities (1.0 there) of every non-empty
-    micro-batch, plan order: what ``predict_many`` reads."""
+    micro-batch, plan order: what ``predict_many`` reads.
+
+    With ``items.padded`` every document of a micro-batch is priced as its longest one (length
+    and density: the documents share the planner's base budget, so the longest one's density is
+    what that budget keeps of the padded length), the micro-batch as a ``(K, S)`` batch without
+    packing runs it."""
     sizes = flat.mb_sizes
     row = np.repeat(np.arange(sizes.size), sizes)
     col = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
     width = int(sizes.max(initial=0))
     lengths = np.zeros((sizes.size, width), dtype=np.int64)
     dens = np.ones((sizes.size, width), dtype=np.float64)
-    lengths[row, col] = items.tokens[flat.item]
-    dens[row, col] = items.density[flat.item]
+    tokens, density = items.tokens[flat.item], items.density[flat.item]
+    if items.padded and row.size:
+        longest = longest_in_rows(tokens, sizes)
+        tokens, density = tokens[longest][row], density[longest][row]
+    lengths[row, col] = tokens
+    dens[row, col] = density
     return lengths, dens
+
+
+def longest_in_rows(values: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``(B,)`` the index into ``values`` of the largest of each consecutive row of ``sizes``
+    (each >= 1) entries; ties: the first."""
+    starts = np.cumsum(sizes) - sizes
+    row = np.repeat(np.arange(sizes.size), sizes)
+    # stable sort by (row, -value): each row's first entry is its largest
+    order = np.lexsort((-np.asarray(values, dtype=np.float64), row))
+    return order[starts]
 
 
 def predict_packs(flat: FlatPacks, items: Items, cost_model: CostModel):

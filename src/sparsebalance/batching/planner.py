@@ -46,6 +46,7 @@ from ..workload import CostModel, Sample
 from .context import CPResult, plan_cp
 from .cp_plan import build_cp_plan
 from .estimate import DensityEstimator
+from .padding import least_rank_time, padded_candidates
 from .pipeline import PipelineShape, least_makespan, pipeline_search
 from .plan import FlatPacks, Items, Plan, build_plan, flatten_packs, predict_packs
 from .schedule import BACKWARD_RATIO
@@ -114,6 +115,11 @@ class PlanConfig:
     backward_ratio: float = BACKWARD_RATIO
     """Backward seconds per forward second with which pipeline stages are priced (a training
     run's measured ratio; default :data:`~.schedule.BACKWARD_RATIO`)."""
+    pad_micro_batches: bool = False
+    """Price every micro-batch as run without packing, each document padded to the micro-batch's
+    longest (``--pad-micro-batches``, the simulator's model of Megatron-style ``(K, S)`` batches,
+    :mod:`.padding`); ``sab`` then also tries length-grouped micro-batches. Needs
+    ``micro_batches``; not with ``sab-cp``. The trainer packs: never set for training."""
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
@@ -164,6 +170,11 @@ class PlanConfig:
             raise ValueError(f"stage_scales must be finite and > 0, got {scales!r}")
         if not (np.isfinite(self.backward_ratio) and self.backward_ratio >= 0):
             raise ValueError(f"backward_ratio must be finite and >= 0, got {self.backward_ratio!r}")
+        if self.pad_micro_batches and (self.capacity is not None or self.strategy == "sab-cp"):
+            raise ValueError(
+                "--pad-micro-batches needs --micro-batches M (a padded micro-batch has K documents of its "
+                "longest's length, not a token capacity) and a whole-document strategy (not sab-cp)"
+            )
 
     def pipeline(self, num_layers: int) -> PipelineShape | None:
         """How SAB and DST price a rank as a 1F1B pipeline of a ``num_layers`` model (the split,
@@ -333,7 +344,7 @@ def _items(ids, lens, dens, cost_model, config) -> tuple[Items, dict]:
             if ids.size == 0:
                 raise ValueError(f"--overlong skip: every sample is longer than --capacity {cap}")
     cost = np.asarray(cost_model.doc_seconds(lens, dens), dtype=np.float64)
-    return Items(ids, offs, lens, dens, cost), stats
+    return Items(ids, offs, lens, dens, cost, padded=config.pad_micro_batches), stats
 
 
 def _lower_bound(items: Items, regime: Regime, config: PlanConfig) -> float:
@@ -399,10 +410,12 @@ def _sab(items: Items, regime: Regime, cost_model, config: PlanConfig):
     packs = pack_balanced_ranks(ranks, items.cost, items.tokens, regime)
     flat = flatten_packs(packs)
     times = predict_packs(flat, items, cost_model)
+    best = (packs, flat, times, {"local_search_moves": moves, "candidate": "cost"})
     if not times[1].max() < tokens_times[1].max() * (1 - 1e-12):
-        extra = {"local_search_moves": 0, "candidate": "tokens"}
-        return tokens_packs, tokens_flat, tokens_times, extra
-    return packs, flat, times, {"local_search_moves": moves, "candidate": "cost"}
+        best = (tokens_packs, tokens_flat, tokens_times, {"local_search_moves": 0, "candidate": "tokens"})
+    if items.padded:
+        return least_rank_time(best, padded_candidates(ranks, items, regime, cost_model, None), items, cost_model)
+    return best
 
 
 def _sab_pipeline(items: Items, regime: Regime, cost_model, config: PlanConfig):
@@ -420,6 +433,8 @@ def _sab_pipeline(items: Items, regime: Regime, cost_model, config: PlanConfig):
     cost_packs = pack_balanced_ranks(ranks, items.cost, items.tokens, regime)
     pipe_packs, _, exchanges = pipeline_search(ranks, items.cost, items.tokens, regime, shape, iters, config.neighbors)
     candidates = [("pipeline", pipe_packs, moves + exchanges), ("cost", cost_packs, moves), ("tokens", tokens_packs, 0)]
+    if items.padded:
+        candidates += padded_candidates(ranks, items, regime, cost_model, shape)
     return least_makespan(candidates, items, cost_model, shape)
 
 

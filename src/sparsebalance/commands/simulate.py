@@ -144,6 +144,11 @@ def main(args: argparse.Namespace) -> int:
             f"{summary['stage_layers']}; makespan, bubbles included); sab packs and orders micro-batches "
             "for it and DST anchors on it"
         )
+    if config.pad_micro_batches:
+        print(
+            "padded micro-batches: every document costs its micro-batch's longest (no packing, every "
+            "strategy); sab also prices length-grouped micro-batches"
+        )
     for res in summary["results"]:
         print(
             f"\nR = {res['world_size']} (all-reduce + optimizer "

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..batching import STRATEGIES as PLANNERS
 from ..batching import PlanConfig
+from ..batching.plan import longest_in_rows
 from ..batching.planner import Assignment, assign_batch
 from ..batching.schedule import resolve_layers
 from ..tuning import ANCHORS, DensityCurve, DSTConfig, DSTTuner, Knob, PipelineWorkload, PlanWorkload, UnitWorkload
@@ -113,6 +114,7 @@ def simulate_steps(
     overlong: str = "split",
     pipeline_stages: int = 1,
     stage_layers: tuple[int, ...] = (),
+    pad_micro_batches: bool = False,
 ) -> dict:
     """Predicted ablation table for explicit global batches (the simulator's and bench-e2e's API).
 
@@ -134,6 +136,10 @@ def simulate_steps(
             pipeline's makespan (:mod:`~sparsebalance.simulate.pipeline`); 1 = no pipeline.
         stage_layers: layers per pipeline stage, the one split the planner, DST and the pricing
             use (the trainer's: ``balanced_layers(L, P, head_layers(shapes))``); empty = even.
+        pad_micro_batches: run every micro-batch without packing, each document padded to the
+            micro-batch's longest (``--pad-micro-batches``: Megatron-style ``(K, S)`` batches;
+            every strategy, DST and the pricing see the padded documents, each keeping its own
+            budget; :mod:`~sparsebalance.batching.padding`). Needs ``micro_batches``.
 
     Returns:
         JSON-ready dict: ``world_size``, ``num_steps``, ``strategies`` (name -> summary: mean step
@@ -145,11 +151,12 @@ def simulate_steps(
     knob = dst.knob(block_size, curve)
     strats = resolve_strategies(strategies)
     # validates --micro-batches / --capacity / --overlong now
-    PlanConfig(world_size, micro_batches, capacity, overlong=overlong)
+    PlanConfig(world_size, micro_batches, capacity, overlong=overlong, pad_micro_batches=pad_micro_batches)
     if stage_layers and pipeline_stages == 1:
         raise ValueError(f"stage_layers {tuple(stage_layers)} given without a pipeline (pipeline_stages 1)")
     cover = CoverageModel(knob.density, dst.gamma0) if coverage else None
     job = _Job(world_size, cost_model, micro_batches, capacity, tuple(strats), dst, knob, overlong, cover)
+    job = replace(job, padded=pad_micro_batches)
     if pipeline_stages != 1:
         _check_pipeline(pipeline_stages, cost_model, strats, stage_layers)
         job = replace(job, pipeline_stages=pipeline_stages, stage_layers=tuple(stage_layers))
@@ -197,6 +204,7 @@ class _Job:
     coverage: CoverageModel | None = None
     pipeline_stages: int = 1
     stage_layers: tuple[int, ...] = ()
+    padded: bool = False
 
     def planner_densities(self, batch: StepBatch) -> np.ndarray:
         """What SAB prices each document at: its density at gamma0 (gamma), or at the base k
@@ -210,7 +218,9 @@ class _Job:
         dens = self.planner_densities(batch)
         for s in self.strategies:
             if s.planner not in works:  # one plan per planner (baseline and dst share one)
-                cfg = PlanConfig(self.world_size, self.micro_batches, self.capacity, s.planner, self.overlong)
+                cfg = PlanConfig(
+                    self.world_size, self.micro_batches, self.capacity, s.planner, self.overlong, pad_micro_batches=self.padded
+                )
                 if self.pipeline_stages > 1:  # sab packs for the pipelines' makespans
                     cfg = replace(cfg, pipeline_stages=self.pipeline_stages, stage_layers=self.stage_layers)
                 t0 = time.perf_counter()
@@ -259,7 +269,10 @@ def _workload(a: Assignment, cost_model: CostModel, knob: Knob, content: np.ndar
     batch's density at gamma0 (``content``, by sample), what the knob and coverage model read."""
     f = a.flat
     d0 = content[a.items.sample_id]
-    args = (f.mb_rank, f.mb_sizes, a.items.tokens[f.item], d0[f.item], cost_model, knob, coverage)
+    lengths = a.items.tokens[f.item]
+    if a.items.padded and lengths.size:  # every document as long as its micro-batch's longest
+        lengths = lengths[longest_in_rows(lengths, f.mb_sizes)].repeat(f.mb_sizes)
+    args = (f.mb_rank, f.mb_sizes, lengths, d0[f.item], cost_model, knob, coverage)
     if a.cp is None:
         return PlanWorkload.from_flat(f.num_ranks, *args)
     u = a.cp.units

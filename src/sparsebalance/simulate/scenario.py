@@ -99,6 +99,11 @@ class SimConfig:
     """[--pp] pipeline stages P per data-parallel rank: each rank becomes a 1F1B pipeline of P
     devices (R x P in all), its time the pipeline's makespan, bubbles included
     (:mod:`sparsebalance.simulate.pipeline`); at most the model's layers. 1 = no pipeline."""
+    pad_micro_batches: bool = False
+    """[--pad-micro-batches] run every micro-batch unpacked, its documents padded to its longest
+    (Megatron-style ``(K, S)`` batches; the SparseBalance paper's micro-batch 2 as we read it),
+    in every strategy: a model of frameworks that pad (the trainer packs). Needs
+    ``--micro-batches`` (:mod:`sparsebalance.batching.padding`)."""
     show_step: int = 0
     """[--show-step] the step whose per-rank times are kept (for the plot)."""
     workers: int = 1
@@ -134,6 +139,8 @@ class SimConfig:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.pipeline_stages < 1:
             raise ValueError(f"--pp must be >= 1, got {self.pipeline_stages}")
+        if self.pad_micro_batches and self.micro_batches is None:
+            raise ValueError("--pad-micro-batches needs --micro-batches M (not --capacity): a padded micro-batch has K documents")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}")
         resolve_strategies(self.strategies)  # unknown names fail before any work
@@ -276,6 +283,7 @@ def _simulate_one(config: SimConfig, model: LatencyModel, cost, shapes, r: int) 
         workers=config.workers,
         pipeline_stages=config.pipeline_stages,
         stage_layers=pipeline_split(shapes, model.num_layers, config.pipeline_stages),
+        pad_micro_batches=config.pad_micro_batches,
     )
 
 
@@ -328,5 +336,6 @@ def _describe(config: SimConfig, desc: str, results: list[dict]) -> dict:
         "steps": config.steps,
         "seed": config.seed,
         **({"pipeline_stages": config.pipeline_stages} if config.pipeline_stages > 1 else {}),
+        **({"pad_micro_batches": True} if config.pad_micro_batches else {}),
         "results": results,
     }
