@@ -88,7 +88,8 @@ LBB_NOTE = (
     "makespan); against the dataset-order baseline, which scatters long documents, that is slower. "
     "Its gain in the paper is, we assume, the padding it saves when Megatron pads each micro-batch "
     "to its longest document; our packed (THD) micro-batches have no padding, and the simulator "
-    "prices none, so that gain cannot appear. LBB was not made pipeline-aware: it is a length "
+    "prices none (unless --pad-micro-batches), so that gain cannot appear. LBB was not made "
+    "pipeline-aware: it is a length "
     "bucketing, not a balancing objective, and giving it SAB's makespan search would make it SAB "
     "on token counts, not the paper's baseline."
 )
@@ -99,9 +100,24 @@ PADDED_NOTE = (
     "the paper's micro-batch 2 as we read it): a padded document costs what a document of S "
     "tokens costs at its own budget (attention and the rest), and the planner, DST and the "
     "pricing all see the padded documents. SAB prices the padding too and adds two "
-    "length-grouped plans to its candidates (sparsebalance.batching.padding). This is a model "
-    "of frameworks that pad, testing why the paper's +LBB gains: SparseBalance's trainer packs."
+    "length-grouped plans to its candidates (sparsebalance.batching.padding), one of them LBB's "
+    "own: which plan it kept is listed below. Density is the padded documents' (what the kernel "
+    "runs), and DST's coverage bound reads them too (conservative: a padded document's real "
+    "coverage is at least that). This is a model of frameworks that pad, testing why the paper's "
+    "+LBB gains: SparseBalance's trainer packs."
 )
+
+
+def kept_plans(results: dict) -> str:
+    """One line per setting: which of SAB's plans the +SAB and +SAB+DST rows kept, in how many steps."""
+    lines = [
+        f"- {key}: "
+        + "; ".join(
+            f"{row} " + ", ".join(f"{c} {n}" for c, n in res[row]["candidates"].items()) for row in ("+SAB", "+SAB+DST")
+        )
+        for key, res in results.items()
+    ]
+    return "SAB's kept plan per step (of its candidates):\n" + "\n".join(lines)
 
 
 def draw_lengths(mix: dict, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -302,6 +318,7 @@ def simulated(cfg: dict, args) -> dict:
                     "overhead_share": (ov[key]["plan_seconds"] + ov[key]["dst_seconds"]) / st[key]["step_seconds"],
                     "speedup": st[key]["speedup"],
                     "density": st[key]["mean_density"],
+                    "candidates": st[key]["candidates"],
                     **(
                         {  # the paper's imbalance is over micro-batches; keep the pipelines' too
                             "imbalance": st[key]["microbatch_imbalance"],
@@ -430,7 +447,10 @@ def main() -> int:
         note = MEASURED_PIPELINE_NOTE if args.mode == "gloo" else PIPELINE_NOTE
         split, head = pipeline_layers(cfg, args.pp)
         notes += f"\n\n{note.format(pp=args.pp, split=list(split), head=head)}"
-        notes += f"\n\n{PADDED_NOTE if args.pad_micro_batches else LBB_NOTE}"
+    if args.pad_micro_batches:
+        notes += f"\n\n{PADDED_NOTE}\n\n{kept_plans(results)}"
+    elif args.pp > 1:
+        notes += f"\n\n{LBB_NOTE}"
     md, _ = write_results(
         args.out,
         f"table1-{args.mode}{f'-pp{args.pp}' if args.pp > 1 else ''}{'-padded' if args.pad_micro_batches else ''}"

@@ -46,14 +46,15 @@ def test_a_padded_micro_batch_prices_every_document_as_its_longest():
     assert np.all(plain < times)
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [{"capacity": 4096}, {"micro_batches": 2, "strategy": "sab-cp"}],
-    ids=["capacity", "sab-cp"],
-)
-def test_padding_needs_counted_micro_batches_and_whole_documents(kwargs):
-    with pytest.raises(ValueError, match="--pad-micro-batches needs --micro-batches"):
-        PlanConfig(2, pad_micro_batches=True, **kwargs)
+def test_padding_needs_counted_micro_batches_and_whole_documents(model):
+    with pytest.raises(ValueError, match="--pad-micro-batches needs --micro-batches M, not --capacity"):
+        PlanConfig(2, capacity=4096, pad_micro_batches=True)
+    with pytest.raises(ValueError, match=r"context-parallel plans \(sab-cp\) are not padded"):
+        PlanConfig(2, 2, strategy="sab-cp", pad_micro_batches=True)
+    with pytest.raises(ValueError, match=r"context-parallel plans \(sab-cp\) are not padded"):
+        simulate_steps(
+            [_batch(0)], 2, model, micro_batches=4, block_size=128, strategies=["sab-cp"], pad_micro_batches=True
+        )
 
 
 def test_simconfig_refuses_padding_with_a_capacity():
@@ -97,12 +98,51 @@ def test_padded_sab_is_never_predicted_slower_than_lbb(model, seed, pp):
         assert _makespan(sab, model, cfg_s) <= _makespan(lbb, model, cfg_l) * (1 + 1e-12)
 
 
-def test_without_padding_nothing_changes(model):
+def test_without_padding_each_document_is_priced_at_its_own_length(model):
     lengths, dens = _batch(0)
     a = assign_batch(lengths, dens, model, PlanConfig(2, 4, pipeline_stages=4))
-    b = assign_batch(lengths, dens, model, PlanConfig(2, 4, pipeline_stages=4, pad_micro_batches=False))
-    assert not a.items.padded
-    assert a.packs == b.packs and a.extra["candidate"] in ("pipeline", "cost", "tokens")
+    assert not a.items.padded and a.extra["candidate"] in ("pipeline", "cost", "tokens")
+    for mb, t in zip([mb for rank in a.packs for mb in rank if mb], a.times[0].tolist(), strict=True):
+        own = a.items.tokens[mb][None, :], a.items.density[mb][None, :]
+        assert t == pytest.approx(float(model.predict_many(*own)[0]), rel=1e-12)
+
+
+@pytest.mark.parametrize("budget", ["top-k", "gamma"])
+@pytest.mark.parametrize("pp", [1, 4])
+@pytest.mark.parametrize("strategy", ["sequential", "sab", "lbb"])
+def test_the_simulator_prices_a_padded_plan_as_the_planner_does(model, budget, pp, strategy):
+    """With DST off, every rank's simulated time (pp 4: its makespan) is the planner's
+    prediction for the same padded plan, under either budget kind."""
+    from sparsebalance.simulate.engine import _Job  # the densities the simulator plans with
+    from sparsebalance.tuning import DSTConfig
+
+    lengths, content = _batch(3)
+    dst = DSTConfig(budget=budget, budget_tokens=4096) if budget == "top-k" else DSTConfig(budget="gamma")
+    res = simulate_steps(
+        [(lengths, content)],
+        2,
+        model,
+        micro_batches=4,
+        block_size=128,
+        strategies=[strategy],
+        dst=dst,
+        pipeline_stages=pp,
+        pad_micro_batches=True,
+    )
+    name = {"sequential": "baseline"}.get(strategy, strategy)
+    knob = dst.knob(128, None)
+    job = _Job(2, model, 4, None, (), dst, knob)
+    dens = job.planner_densities(type("B", (), {"lengths": lengths, "densities": content})())
+    cfg = PlanConfig(2, 4, strategy=strategy, pipeline_stages=pp, pad_micro_batches=True)
+    a = assign_batch(lengths, dens, model, cfg)
+    if pp == 1:
+        planned = a.times[1]
+    else:
+        shape = cfg.pipeline(model.num_layers)
+        padded_lengths, padded_dens = padded_packs(a.flat, a.items)
+        head = head_seconds(model, padded_lengths, padded_dens, a.times[0])
+        planned = pack_makespans(a.times[0], a.flat.mb_rank, a.flat.num_ranks, shape, head)
+    assert np.allclose(res["rank_times"][name], planned, rtol=1e-9)
 
 
 def test_the_simulator_runs_every_document_at_its_micro_batch_longest(model):

@@ -13,7 +13,10 @@ also prices two length-grouped plans and keeps the least predicted one:
 - ``lbb``: the length buckets of :func:`~.strategies.length_buckets` (the paper's LBB).
 
 With pipelines each rank's micro-batches of both are put in the order of least 1F1B makespan
-(:func:`~.pipeline.best_orders` on their padded times). The trainer packs (THD, no padding):
+(:func:`~.pipeline.best_orders` on their padded times). The rank assignment itself is still
+balanced by unpadded document cost (a heuristic: the candidates are then priced padded). Under
+padding ``sab`` often keeps LBB's own plan (the simulator's ``candidates`` say how often), so it
+is never predicted slower than LBB, by construction. The trainer packs (THD, no padding):
 this is the simulator's model of frameworks that do not, not a training mode.
 """
 
@@ -28,15 +31,21 @@ from .strategies import RankItems, RankPacks, Regime, length_buckets, pack_in_or
 
 
 def padded_candidates(
-    ranks: RankItems, items: Items, regime: Regime, cost_model: CostModel, shape: PipelineShape | None
+    ranks: RankItems,
+    items: Items,
+    regime: Regime,
+    cost_model: CostModel,
+    shape: PipelineShape | None,
+    moves: int = 0,
 ) -> list[tuple[str, RankPacks, int]]:
-    """``[("sorted", packs, 0), ("lbb", packs, 0)]`` for ``ranks`` (a rank assignment of
-    ``items``), each rank's micro-batches in the order of least makespan when ``shape`` is given."""
+    """``[("sorted", packs, moves), ("lbb", packs, 0)]`` for ``ranks`` (sab's rank assignment of
+    ``items``, made with ``moves`` local-search exchanges), each rank's micro-batches in the order
+    of least makespan when ``shape`` is given."""
     tokens = items.tokens
     by_length = [sorted(rank, key=lambda i: (-int(tokens[i]), i)) for rank in ranks]
     sorted_packs = [pack_in_order(rank, tokens, regime) for rank in by_length]
     lbb = length_buckets(tokens, len(ranks), regime)
-    out = [("sorted", sorted_packs, 0), ("lbb", lbb, 0)]
+    out = [("sorted", sorted_packs, moves), ("lbb", lbb, 0)]
     if shape is None:
         return out
     return [(name, _in_best_order(packs, items, cost_model, shape), made) for name, packs, made in out]
@@ -44,7 +53,8 @@ def padded_candidates(
 
 def _in_best_order(packs: RankPacks, items: Items, cost_model: CostModel, shape: PipelineShape) -> RankPacks:
     """Each rank's non-empty micro-batches reordered for the least makespan of their predicted
-    (padded) times."""
+    (padded) times, the head term spread over the stages as the search's surrogate does (the
+    final choice, :func:`~.pipeline.least_makespan`, prices it on the last stage)."""
     packs = [[mb for mb in rank if mb] for rank in packs]
     times = predict_packs(flatten_packs(packs), items, cost_model)[0].tolist()
     per_rank, start = [], 0

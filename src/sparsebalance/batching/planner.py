@@ -170,11 +170,13 @@ class PlanConfig:
             raise ValueError(f"stage_scales must be finite and > 0, got {scales!r}")
         if not (np.isfinite(self.backward_ratio) and self.backward_ratio >= 0):
             raise ValueError(f"backward_ratio must be finite and >= 0, got {self.backward_ratio!r}")
-        if self.pad_micro_batches and (self.capacity is not None or self.strategy == "sab-cp"):
+        if self.pad_micro_batches and self.capacity is not None:
             raise ValueError(
-                "--pad-micro-batches needs --micro-batches M (a padded micro-batch has K documents of its "
-                "longest's length, not a token capacity) and a whole-document strategy (not sab-cp)"
+                "--pad-micro-batches needs --micro-batches M, not --capacity (a padded micro-batch is K "
+                "documents of its longest's length, not a token budget)"
             )
+        if self.pad_micro_batches and self.strategy == "sab-cp":
+            raise ValueError("--pad-micro-batches: context-parallel plans (sab-cp) are not padded; use sab")
 
     def pipeline(self, num_layers: int) -> PipelineShape | None:
         """How SAB and DST price a rank as a 1F1B pipeline of a ``num_layers`` model (the split,
@@ -414,7 +416,9 @@ def _sab(items: Items, regime: Regime, cost_model, config: PlanConfig):
     if not times[1].max() < tokens_times[1].max() * (1 - 1e-12):
         best = (tokens_packs, tokens_flat, tokens_times, {"local_search_moves": 0, "candidate": "tokens"})
     if items.padded:
-        return least_rank_time(best, padded_candidates(ranks, items, regime, cost_model, None), items, cost_model)
+        return least_rank_time(
+            best, padded_candidates(ranks, items, regime, cost_model, None, moves), items, cost_model
+        )
     return best
 
 
@@ -434,7 +438,7 @@ def _sab_pipeline(items: Items, regime: Regime, cost_model, config: PlanConfig):
     pipe_packs, _, exchanges = pipeline_search(ranks, items.cost, items.tokens, regime, shape, iters, config.neighbors)
     candidates = [("pipeline", pipe_packs, moves + exchanges), ("cost", cost_packs, moves), ("tokens", tokens_packs, 0)]
     if items.padded:
-        candidates += padded_candidates(ranks, items, regime, cost_model, shape)
+        candidates += padded_candidates(ranks, items, regime, cost_model, shape, moves)
     return least_makespan(candidates, items, cost_model, shape)
 
 

@@ -13,6 +13,12 @@ paper's per-length-bin average starts there; the simulator does not carry it acr
 DST's coverage bound reads :class:`~sparsebalance.simulate.sparsity.CoverageModel` built on the
 batch's densities at gamma0 (the documents' content), whatever the budget kind.
 
+Padded micro-batches (``pad_micro_batches``): every document of a micro-batch is handed to DST
+and the pricing as the micro-batch's longest (its length and content density, each keeping its
+own budget), as the planner prices it (:func:`~sparsebalance.batching.plan.padded_packs`). The
+coverage bound then reads the padded documents too: conservative (a right-padded document's
+queries still see only its own keys, so its real coverage is at least the padded one's).
+
 Step time = slowest rank's predicted compute + ``step_overhead`` (gradient all-reduce + optimizer,
 not overlapped with compute: an assumption that makes speed-ups conservative).
 
@@ -23,6 +29,7 @@ plus Python per micro-batch) and about 25 vectorised ``predict_many`` probes per
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
@@ -152,6 +159,8 @@ def simulate_steps(
     strats = resolve_strategies(strategies)
     # validates --micro-batches / --capacity / --overlong now
     PlanConfig(world_size, micro_batches, capacity, overlong=overlong, pad_micro_batches=pad_micro_batches)
+    if pad_micro_batches and any(s.planner == "sab-cp" for s in strats):
+        raise ValueError("--pad-micro-batches: context-parallel plans (sab-cp) are not padded; use sab")
     if stage_layers and pipeline_stages == 1:
         raise ValueError(f"stage_layers {tuple(stage_layers)} given without a pipeline (pipeline_stages 1)")
     cover = CoverageModel(knob.density, dst.gamma0) if coverage else None
@@ -219,7 +228,12 @@ class _Job:
         for s in self.strategies:
             if s.planner not in works:  # one plan per planner (baseline and dst share one)
                 cfg = PlanConfig(
-                    self.world_size, self.micro_batches, self.capacity, s.planner, self.overlong, pad_micro_batches=self.padded
+                    self.world_size,
+                    self.micro_batches,
+                    self.capacity,
+                    s.planner,
+                    self.overlong,
+                    pad_micro_batches=self.padded,
                 )
                 if self.pipeline_stages > 1:  # sab packs for the pipelines' makespans
                     cfg = replace(cfg, pipeline_stages=self.pipeline_stages, stage_layers=self.stage_layers)
@@ -230,7 +244,8 @@ class _Job:
                 t0 = time.perf_counter()
                 if self.pipeline_stages > 1:  # DST reads makespans (heads priced once per plan)
                     work = PipelineWorkload(work, cfg.pipeline(self.cost_model.num_layers))
-                works[s.planner] = (work, {**_cp_stats(a), "plan_s": plan_s, "pipe_s": time.perf_counter() - t0})
+                stats = {**_cp_stats(a), "plan_s": plan_s, "pipe_s": time.perf_counter() - t0}
+                works[s.planner] = (work, {**stats, "candidate": a.extra.get("candidate", "")})
             cfg = replace(self.dst, mode=s.dst_mode, anchor=s.anchor or self.dst.anchor)
             # sab+dst and sab+dst@<default anchor> are the same decision: made once.
             if (s.planner, cfg) not in decided:
@@ -268,11 +283,12 @@ def _workload(a: Assignment, cost_model: CostModel, knob: Knob, content: np.ndar
     ranks joined by CP units) for a hybrid ``sab-cp`` plan. Its per-document ``d0`` is the
     batch's density at gamma0 (``content``, by sample), what the knob and coverage model read."""
     f = a.flat
-    d0 = content[a.items.sample_id]
-    lengths = a.items.tokens[f.item]
-    if a.items.padded and lengths.size:  # every document as long as its micro-batch's longest
-        lengths = lengths[longest_in_rows(lengths, f.mb_sizes)].repeat(f.mb_sizes)
-    args = (f.mb_rank, f.mb_sizes, lengths, d0[f.item], cost_model, knob, coverage)
+    d0 = content[a.items.sample_id]  # by item
+    lengths, placed = a.items.tokens[f.item], d0[f.item]
+    if a.items.padded and lengths.size:  # every document as its micro-batch's longest (the planner's pricing)
+        longest = longest_in_rows(lengths, f.mb_sizes)
+        lengths, placed = lengths[longest].repeat(f.mb_sizes), placed[longest].repeat(f.mb_sizes)
+    args = (f.mb_rank, f.mb_sizes, lengths, placed, cost_model, knob, coverage)
     if a.cp is None:
         return PlanWorkload.from_flat(f.num_ranks, *args)
     u = a.cp.units
@@ -344,6 +360,9 @@ def _summarize(records, strats, world_size, step_overhead, show_step) -> dict:
         if "device_idle" in records[0][s.name]:  # --pp > 1: the pipelines' own numbers
             table[s.name]["device_idle_fraction"] = float(series(s.name, "device_idle").mean())
             table[s.name]["microbatch_imbalance"] = float(series(s.name, "mb_imbalance").mean())
+        # which of sab's (or sab-cp's) plans was kept, in how many steps; {} for the others
+        kept = Counter(rec[s.name]["candidate"] for rec in records if rec[s.name]["candidate"])
+        table[s.name]["candidates"] = dict(sorted(kept.items()))
         per_step[s.name] = step.tolist()
         overhead[s.name] = {
             "plan_seconds": float(np.median(series(s.name, "plan_s"))),

@@ -140,7 +140,9 @@ class SimConfig:
         if self.pipeline_stages < 1:
             raise ValueError(f"--pp must be >= 1, got {self.pipeline_stages}")
         if self.pad_micro_batches and self.micro_batches is None:
-            raise ValueError("--pad-micro-batches needs --micro-batches M (not --capacity): a padded micro-batch has K documents")
+            raise ValueError(
+                "--pad-micro-batches needs --micro-batches M (not --capacity): a padded micro-batch has K documents"
+            )
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}")
         resolve_strategies(self.strategies)  # unknown names fail before any work
