@@ -17,7 +17,8 @@ Strategies (one interface, :data:`STRATEGIES`):
 - ``sab``: LPT on predicted seconds (density-aware, micro-batch overheads counted), refined by
   moves/swaps between the heaviest and the lightest ranks; the plain ``tokens`` plan is also
   timed and kept if it is predicted faster, so ``sab`` is never worse than ``tokens`` under the
-  same cost model (``metrics.candidate`` says which won);
+  same cost model (``metrics.candidate`` says which won); with padded micro-batches
+  (``pad_micro_batches``, the simulator's) it also prices length-grouped plans (:mod:`.padding`);
 - ``sab-cp``: ``sab`` plus context parallelism per document (:mod:`.context`): long documents
   run on units of k ranks when that shortens the step; never slower than ``sab`` (it times both).
   Needs a :class:`~sparsebalance.latency.context.ContextCost`; ``--overlong`` applies above
@@ -26,6 +27,8 @@ Strategies (one interface, :data:`STRATEGIES`):
 Inside a rank, ``sequential``/``sorted`` pack in order (``lbb`` keeps its buckets); the others
 balance their own key across the rank's micro-batches (the secondary objective). Only the cost
 model's protocol is used.
+
+The strategies' assignments live in :mod:`.assign`.
 
 Complexity (N items, R ranks, I local-search exchanges, n = N/R): O(N log N) for LPT,
 O(I (R log R + n log n)) for the search, O(N log n) packing, one vectorised ``predict_many``.
@@ -40,27 +43,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..latency.context import ContextCost
-from ..latency.model import LatencyModel
 from ..sizes import check_memory, plan_bytes
 from ..workload import CostModel, Sample
+from .assign import baseline_packs, sab_packs, sab_pipeline_packs
 from .context import CPResult, plan_cp
 from .cp_plan import build_cp_plan
 from .estimate import DensityEstimator
-from .padding import least_rank_time, padded_candidates
-from .pipeline import PipelineShape, least_makespan, pipeline_search
+from .pipeline import PipelineShape
 from .plan import FlatPacks, Items, Plan, build_plan, flatten_packs, predict_packs
 from .schedule import BACKWARD_RATIO
 from .strategies import (
     Regime,
-    fit_linear_coef,
-    flops_key,
-    flops_linear_coef,
-    length_buckets,
-    local_search,
-    lpt_ranks,
-    pack_balanced_ranks,
-    pack_in_order,
-    shard_contiguous,
 )
 
 STRATEGIES = ("sequential", "sorted", "lbb", "tokens", "flops", "sab", "sab-cp")
@@ -275,11 +268,11 @@ def _assign(ids, lens, dens, cost_model, config: PlanConfig) -> Assignment:
     if config.strategy == "sab-cp":
         return _sab_cp(items, regime, cost_model, config, overlong)
     if config.strategy == "sab" and config.pipeline_stages > 1:
-        packs, flat, times, extra = _sab_pipeline(items, regime, cost_model, config)
+        packs, flat, times, extra = sab_pipeline_packs(items, regime, cost_model, config)
     elif config.strategy == "sab":
-        packs, flat, times, extra = _sab(items, regime, cost_model, config)
+        packs, flat, times, extra = sab_packs(items, regime, cost_model, config)
     else:
-        packs = _baseline(config.strategy, items, regime, cost_model, config)
+        packs = baseline_packs(config.strategy, items, regime, cost_model, config)
         flat = flatten_packs(packs)
         times, extra = predict_packs(flat, items, cost_model), {}
     return Assignment(packs, flat, items, times, regime, overlong, extra)
@@ -360,88 +353,6 @@ def _lower_bound(items: Items, regime: Regime, config: PlanConfig) -> float:
     return float(max(mean, c0 + items.cost.max()))
 
 
-def _rank_key(strategy: str, items: Items, cost_model, config) -> np.ndarray:
-    if strategy == "tokens":
-        return items.tokens.astype(np.float64)
-    if strategy == "flops":
-        coef = config.flops_linear_coef
-        shapes = _model_shapes(cost_model)
-        if coef is None and shapes is not None:
-            coef = flops_linear_coef(shapes)
-        elif coef is None:
-            coef = fit_linear_coef(lambda l: cost_model.doc_seconds(l, np.ones_like(l)))
-        return flops_key(items.tokens, coef)
-    return items.cost
-
-
-def _model_shapes(cost_model) -> dict | None:
-    """The model shapes behind a cost model: a ``LatencyModel``'s profile fingerprint (also
-    under a ``ContextCost``'s ``base``); None for a synthetic cost model."""
-    model = cost_model.base if isinstance(cost_model, ContextCost) else cost_model
-    if not isinstance(model, LatencyModel):
-        return None
-    return model.profile.fingerprint.get("shapes")
-
-
-def _baseline(strategy, items: Items, regime: Regime, cost_model, config) -> list:
-    """``sequential``, ``sorted``, ``lbb``, ``tokens`` and ``flops``: rank -> micro-batch ->
-    item."""
-    r = config.world_size
-    if strategy == "lbb":
-        return length_buckets(items.tokens, r, regime)
-    if strategy in ("sequential", "sorted"):
-        order = np.arange(len(items.tokens))
-        if strategy == "sorted":
-            order = np.argsort(items.tokens, kind="stable")
-        return [pack_in_order(rank, items.tokens, regime) for rank in shard_contiguous(order, r)]
-    key = _rank_key(strategy, items, cost_model, config)
-    return pack_balanced_ranks(lpt_ranks(key, r), key, items.tokens, regime)
-
-
-def _sab(items: Items, regime: Regime, cost_model, config: PlanConfig):
-    """LPT on predicted seconds, refined by the local search, packed and timed; kept only if its
-    predicted step time beats the plain ``tokens`` plan (the fallback that makes ``sab <= tokens``
-    hold whatever the cost model's non-additive parts do)."""
-    r = config.world_size
-    iters = 4 * r + 64 if config.local_search_iters is None else config.local_search_iters
-    tokens_packs = _baseline("tokens", items, regime, cost_model, config)
-    tokens_flat = flatten_packs(tokens_packs)
-    tokens_times = predict_packs(tokens_flat, items, cost_model)
-    ranks = lpt_ranks(items.cost, r, regime, items.tokens)
-    ranks, moves = local_search(ranks, items.cost, items.tokens, regime, iters, config.neighbors)
-    packs = pack_balanced_ranks(ranks, items.cost, items.tokens, regime)
-    flat = flatten_packs(packs)
-    times = predict_packs(flat, items, cost_model)
-    best = (packs, flat, times, {"local_search_moves": moves, "candidate": "cost"})
-    if not times[1].max() < tokens_times[1].max() * (1 - 1e-12):
-        best = (tokens_packs, tokens_flat, tokens_times, {"local_search_moves": 0, "candidate": "tokens"})
-    if items.padded:
-        return least_rank_time(
-            best, padded_candidates(ranks, items, regime, cost_model, None, moves), items, cost_model
-        )
-    return best
-
-
-def _sab_pipeline(items: Items, regime: Regime, cost_model, config: PlanConfig):
-    """``sab`` for P > 1 pipeline stages: from the rank-total ``sab`` plan, the makespan search
-    of :func:`~.pipeline.pipeline_search`; of the three plans (pipeline, rank-total, ``tokens``)
-    the one of least predicted makespan is kept (ties: in that order), each priced by
-    ``predict_many`` per micro-batch in its run order, so ``sab`` with pipelines is never
-    predicted slower than without."""
-    r = config.world_size
-    iters = 4 * r + 64 if config.local_search_iters is None else config.local_search_iters
-    shape = config.pipeline(cost_model.num_layers)
-    tokens_packs = _baseline("tokens", items, regime, cost_model, config)
-    ranks = lpt_ranks(items.cost, r, regime, items.tokens)
-    ranks, moves = local_search(ranks, items.cost, items.tokens, regime, iters, config.neighbors)
-    cost_packs = pack_balanced_ranks(ranks, items.cost, items.tokens, regime)
-    pipe_packs, _, exchanges = pipeline_search(ranks, items.cost, items.tokens, regime, shape, iters, config.neighbors)
-    candidates = [("pipeline", pipe_packs, moves + exchanges), ("cost", cost_packs, moves), ("tokens", tokens_packs, 0)]
-    if items.padded:
-        candidates += padded_candidates(ranks, items, regime, cost_model, shape, moves)
-    return least_makespan(candidates, items, cost_model, shape)
-
-
 def _sab_cp(items: Items, regime: Regime, cost_model, config: PlanConfig, overlong: dict):
     """``sab`` and the best hybrid plan of :func:`~sparsebalance.batching.context.plan_cp`; the
     hybrid one is kept only if predicted strictly faster (or if memory forces splits)."""
@@ -455,7 +366,7 @@ def _sab_cp(items: Items, regime: Regime, cost_model, config: PlanConfig, overlo
     forced = regime.capacity is not None and bool((items.tokens > regime.capacity).any())
     sab = None
     if not forced:
-        sab = _sab(items, regime, cost_model, config)
+        sab = sab_packs(items, regime, cost_model, config)
     sab_time = float(sab[2][1].max()) if sab is not None else np.inf
     cp = plan_cp(items, regime, cost_model, r, iters, config.neighbors, sab_time, config.cp_degree)
     if cp is not None and (forced or cp.rank_times.max() < sab_time * (1 - 1e-12)):
