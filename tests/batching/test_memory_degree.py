@@ -59,7 +59,8 @@ def test_sab_cp_takes_the_minimum_degree_from_the_memory_bound():
 
 
 def bound_3b(gib: float = 70.0, ranks: int = 32) -> MemoryBound:
-    cfg = MemoryConfig("full", "chunked", shard=ranks, micro_batches=2, block_size=128)  # plan --capacity auto's
+    # plan --capacity auto's with --parallel fsdp2 (its gradients reduce-scattered every micro-batch)
+    cfg = MemoryConfig("full", "chunked", shard=ranks, micro_batches=2, reduce_every=True, block_size=128)
     return MemoryBound(MemoryModel(load_shapes("qwen2.5-3b"), ANALYTIC["a100"]), gib * GIB, cfg)
 
 

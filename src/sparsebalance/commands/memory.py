@@ -11,7 +11,8 @@ whose predicted peak fits the budget (default: 90% of the GPU's memory; required
 Predicted, not measured: see ``sparsebalance.latency.memory`` for what the model counts.
 ``--check TOKENS`` prints the peak's breakdown for a document of that length instead.
 A run may put several micro-batches on a rank, so every figure counts a later micro-batch's
-backward, which holds the gradients accumulated so far.
+backward, which holds the gradients accumulated so far (sharded over the N devices, as FSDP2
+reduce-scatters every micro-batch by default; whole with ``--fsdp-gradient-sync step``).
 
 ``--pp P``: pipelines of P stages (``--devices`` counts all devices, DP x PP; FSDP2 shards each
 stage over its N / P data-parallel peers). The micro-batch column is the pipeline's: the largest
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from ..batching.schedule import balanced_layers, head_layers
 from ..engine.kernel import add_block_size_argument, resolve_block_size
+from ..engine.parallelize import FSDP_GRADIENT_SYNC
 from ..latency.host_memory import current_rss_bytes, parse_bytes
 from ..latency.memory import (
     ANALYTIC,
@@ -83,6 +85,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="breakdown of one document of TOKENS over the largest --devices",
     )
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (--devices counts DP x PP devices)")
+    p.add_argument(
+        "--fsdp-gradient-sync",
+        choices=FSDP_GRADIENT_SYNC,
+        default="micro-batch",
+        help="as train's: FSDP2 reduce-scatters after every micro-batch (a later one holds 1/N of the "
+        "gradients; default) or in the step's last only (it holds them whole); with --pp: step",
+    )
     p.add_argument("--json", action="store_true", help="print only JSON")
 
 
@@ -105,7 +114,9 @@ def main(args: argparse.Namespace) -> int:
     coeffs = _coefficients(args)
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else with_budget_fraction(coeffs)
     model = MemoryModel(shapes, coeffs)
-    base = {"block_size": args.block_size, "density": args.density, "micro_batches": 2}
+    # FSDP2 without pipelines reduce-scatters every micro-batch, as `train` does by default
+    every = args.pp == 1 and args.fsdp_gradient_sync == "micro-batch"
+    base = {"block_size": args.block_size, "density": args.density, "micro_batches": 2, "reduce_every": every}
     if args.check is not None:
         n = max(devices)
         rows = []

@@ -254,7 +254,15 @@ def _capacity(args) -> tuple[int | None, MemoryBound | None]:
     if args.profile:
         block = int(load_profile(args.profile).fingerprint.get("block_size", block))
     # a rank may run several micro-batches: later backwards hold the accumulated gradients
-    cfg = MemoryConfig(args.activation_checkpointing, args.loss, shard=max(1, shard), micro_batches=2, block_size=block)
+    # (sharded: train's FSDP2 reduce-scatters every micro-batch by default)
+    cfg = MemoryConfig(
+        args.activation_checkpointing,
+        args.loss,
+        shard=max(1, shard),
+        micro_batches=2,
+        reduce_every=args.parallel == "fsdp2",
+        block_size=block,
+    )
     memory = MemoryBound(MemoryModel(load_shapes(args.model), coeffs), budget, cfg)
     return memory.capacity(), memory
 

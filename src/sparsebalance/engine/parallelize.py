@@ -6,8 +6,9 @@ Gradient sync, ``--measure-bubble``:
 
 - ``overlap`` (default): DDP's reducer (``torch.nn.parallel.DistributedDataParallel``) all-reduces
   gradient buckets while the last micro-batch's backward still runs; earlier micro-batches run
-  under ``no_sync()``. FSDP2 reduce-scatters in the last backward the same way. The bubble is
-  derived afterwards from per-rank timestamps (one all-gather, no barrier in the hot path).
+  under ``no_sync()``. FSDP2 reduce-scatters after every micro-batch's backward (``--fsdp-gradient-sync
+  micro-batch``, the default: sharded gradients accumulate) or in the last only (``step``). The
+  bubble is derived afterwards from per-rank timestamps (one all-gather, no barrier in the hot path).
 - ``exact``: every micro-batch runs without sync, then a barrier (its wait is the bubble) and one
   bucketed all-reduce (timed alone): bubble and sync measured apart, for experiments.
 
@@ -36,6 +37,7 @@ from ..clock import Clock, Mark
 from .runtime import Runtime
 
 PARALLEL = ("ddp", "fsdp2")
+FSDP_GRADIENT_SYNC = ("micro-batch", "step")
 MEASURE_BUBBLE = ("overlap", "exact")
 
 
@@ -95,6 +97,9 @@ class Parallelized:
     clock: Clock = dataclasses.field(default_factory=Clock)
     """The run's clock (the device's): every time of the step is one of its marks."""
     _ready: ReadyClock | None = None
+    sync_every_micro_batch: bool = False
+    """FSDP2: reduce-scatter after every micro-batch's backward (sharded gradients accumulate),
+    not only the step's last (``--fsdp-gradient-sync``)."""
 
     @property
     def sharded(self) -> bool:
@@ -130,8 +135,8 @@ class Parallelized:
         sync = index == passes - 1 and not self.exact
         if self._ready is not None:
             self._ready.last = None  # marked again only if this pass syncs
-        if self.kind == "fsdp2":  # reduce-scatter in the last backward, in both modes
-            self.model.set_requires_gradient_sync(index == passes - 1)
+        if self.kind == "fsdp2":  # reduce-scatter in every backward, or the last, in both modes
+            self.model.set_requires_gradient_sync(self.sync_every_micro_batch or index == passes - 1)
             yield
         elif self.kind == "ddp" and not sync:
             with self.model.no_sync():
@@ -151,7 +156,9 @@ class Parallelized:
             allreduce_gradients(params, self.world_size)
 
 
-def parallelize(model: nn.Module, runtime: Runtime, parallel: str, measure_bubble: str):
+def parallelize(
+    model: nn.Module, runtime: Runtime, parallel: str, measure_bubble: str, fsdp_sync_every_micro_batch: bool = True
+):
     """Apply data parallelism to ``model`` (replicas start from rank 0's weights).
 
     Args:
@@ -160,6 +167,8 @@ def parallelize(model: nn.Module, runtime: Runtime, parallel: str, measure_bubbl
         parallel: ``"ddp"`` (replicated; DDP's bucketed all-reduce) or ``"fsdp2"``
             (``fully_shard`` on every decoder layer, then the root).
         measure_bubble: ``"overlap"`` or ``"exact"``.
+        fsdp_sync_every_micro_batch: FSDP2 reduce-scatters after every micro-batch (True: a
+            later micro-batch holds sharded gradients) or in the step's last backward only.
     """
     if parallel not in PARALLEL:
         raise ValueError(f"--parallel must be one of {PARALLEL}, got {parallel!r}")
@@ -175,7 +184,9 @@ def parallelize(model: nn.Module, runtime: Runtime, parallel: str, measure_bubbl
         for layer in decoder_layers(model):
             fully_shard(layer)
         fully_shard(model)
-        return Parallelized(model, model, "fsdp2", measure_bubble, world, clock)
+        return Parallelized(
+            model, model, "fsdp2", measure_bubble, world, clock, sync_every_micro_batch=fsdp_sync_every_micro_batch
+        )
     if not runtime.distributed:
         return Parallelized(model, model, "single", measure_bubble, world, clock)
     # device_ids=None: inputs are already on the device, and DDP would otherwise copy the

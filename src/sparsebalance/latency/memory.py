@@ -27,7 +27,8 @@ low-precision weight copies), the loss (kept activations + the loss), the first 
 (all gradients + the embedding's dense gradient beside a tied head's or an earlier micro-batch's,
 + the other micro-batches a pipeline stage has in flight).
 With ``micro_batches >= 2`` the first three are a later micro-batch's, beside every gradient
-accumulated so far, unsharded; under DDP (``ddp``) every micro-batch's are, since its gradients are
+accumulated so far, unsharded (sharded when FSDP2 reduce-scatters every micro-batch,
+``reduce_every``); under DDP (``ddp``) every micro-batch's are, since its gradients are
 views of its all-reduce buckets, allocated once (``gradient_as_bucket_view``). Autocast's
 low-precision weight copies are cached through a forward and its loss, and saved for the backward
 by every micro-batch in flight (unless full checkpointing recomputes each layer there).
@@ -159,8 +160,11 @@ class MemoryConfig:
     micro_batches: int = 1
     """Micro-batches per rank and step. From the second on, a backward holds the gradients the
     earlier ones accumulated, unsharded (DDP's are always whole; FSDP2 keeps them unsharded
-    until the last micro-batch reduce-scatters): a run packed to a capacity gives 2 (any step
-    may hold several), a probe of one micro-batch 1."""
+    until the last micro-batch reduce-scatters, sharded with ``reduce_every``): a run packed to
+    a capacity gives 2 (any step may hold several), a probe of one micro-batch 1."""
+    reduce_every: bool = False
+    """FSDP2 reduce-scatters after every micro-batch (``--fsdp-gradient-sync micro-batch``): the
+    gradients earlier micro-batches accumulated are held sharded (1/``shard``), not whole."""
     ddp: bool = False
     """DDP over several processes: the gradients are views of its all-reduce buckets, allocated
     once and zeroed in place, so every moment holds them, whole, as a later micro-batch does."""
@@ -241,16 +245,16 @@ class MemoryModel:
     def _gradients(self, params: int, grads: float, cfg: MemoryConfig, st: StageShare) -> tuple[float, float, float]:
         """Gradient bytes ``(held through a micro-batch, held through its backward, at its end)``.
         A micro-batch after the first (any, under DDP: its buckets) runs beside every gradient,
-        unsharded. A tied weight used by the embedding and the head on one rank gets its head
-        gradient first; autograd keeps it until the embedding's arrives at the very end, where
-        the two and their sum are alive at once (a held gradient then adds the sum in place). An
-        embedding alone (untied, or a pipeline's first stage) lands its dense gradient beside a
-        held one."""
+        unsharded (sharded where FSDP2 reduce-scatters every micro-batch: ``reduce_every``). A
+        tied weight used by the embedding and the head on one rank gets its head gradient first;
+        autograd keeps it until the embedding's arrives at the very end, where the two and their
+        sum are alive at once (a held gradient then adds the sum in place). An embedding alone
+        (untied, or a pipeline's first stage) lands its dense gradient beside a held one."""
         s, g = self.shapes, self.c.grad_bytes
         vh = s.vocab_size * s.hidden_size * g
         held = cfg.micro_batches > 1 or cfg.ddp
         both = self.tied and st.embedding and st.head
-        prior = params * g if held else 0.0
+        prior = (grads if cfg.reduce_every else params * g) if held else 0.0
         backward = prior + vh * int(both) if held else vh * int(st.head)
         dense = (2 + int(held) if both else int(held)) if st.embedding else 0
         return prior, backward, (prior if held else grads) + vh * dense

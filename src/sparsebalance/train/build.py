@@ -206,6 +206,7 @@ def _memory_config(cfg: TrainConfig, world_size: int, stage: StageModel | None) 
         "plain" if cfg.loss == "plain" else "chunked",
         shard=pipelines if cfg.parallel == "fsdp2" else 1,
         micro_batches=1 if most == 1 else 2,
+        reduce_every=cfg.fsdp_sync_every_micro_batch,
         ddp=cfg.parallel == "ddp" and cfg.pp == 1 and pipelines > 1,
         stage=share,
         block_size=cfg.block_size,

@@ -20,7 +20,7 @@ from .. import flags
 from ..batching import ESTIMATORS, OVERLONG, STRATEGIES
 from ..data.mixture import parse_mixture
 from ..engine.kernel import resolve_block_size
-from ..engine.parallelize import MEASURE_BUBBLE, PARALLEL
+from ..engine.parallelize import FSDP_GRADIENT_SYNC, MEASURE_BUBBLE, PARALLEL
 from ..engine.startup import check_global_batch
 from ..files import check_output_folder
 from ..latency.host_memory import parse_bytes
@@ -123,6 +123,13 @@ class TrainConfig:
     the RNGs (the same on every rank; saved with checkpoints)."""
     parallel: str = "ddp"
     """ddp (replicated: DistributedDataParallel) | fsdp2 (fully_shard on every decoder layer)."""
+    fsdp_gradient_sync: str | None = None
+    """When --parallel fsdp2 reduce-scatters the gradients: micro-batch (after every micro-batch's
+    backward, the sharded gradients accumulating: a later micro-batch holds 1/N of them, as in
+    torchtitan and ZeRO-3) | step (in the step's last backward only: one reduce-scatter a step, but
+    every micro-batch after the first holds the whole model's gradients unsharded). Default:
+    micro-batch; with --pp a stage stays gathered through its schedule and reduce-scatters once
+    (step, the only choice there)."""
     pp: int = 1
     """Pipeline stages per data-parallel rank (1F1B over neighbouring ranks; --nproc = DP x PP,
     layers split by cost, the last stage holding the LM head gets fewer); 1: no pipeline. See docs/pipeline.md."""
@@ -239,6 +246,18 @@ class TrainConfig:
                 f"{given('precision', 'fp16')} (loss scaling) is not supported "
                 f"with {given('parallel', 'fsdp2')}: use bf16"
             )
+        sync = self.fsdp_gradient_sync
+        if sync is not None and sync not in FSDP_GRADIENT_SYNC:
+            raise ValueError(f"{n('fsdp_gradient_sync')} must be one of {FSDP_GRADIENT_SYNC}, got {sync!r}")
+        if sync is not None and self.parallel != "fsdp2":
+            raise ValueError(
+                f"{given('fsdp_gradient_sync', sync)} is for --parallel fsdp2 (DDP all-reduces once a step)"
+            )
+        if sync == "micro-batch" and self.pp > 1:
+            raise ValueError(
+                f"{given('fsdp_gradient_sync', sync)}: with --pp a stage stays gathered through its schedule and "
+                "reduce-scatters once a step; use --fsdp-gradient-sync step (or leave it unset)"
+            )
         if not self.comm_timeout > 0:
             raise ValueError(f"{n('comm_timeout')} must be > 0 seconds, got {self.comm_timeout}")
         if (self.min_len is not None and self.min_len < 1) or (
@@ -344,6 +363,11 @@ class TrainConfig:
         elif self.capacity == "auto" and self.device == "cpu":
             raise ValueError(f"{flags.given(self, 'capacity', 'auto')} on CPU needs {n('memory_budget')} (e.g. 8GiB)")
         self._check_choices(activation_checkpointing=CHECKPOINT_MODES, loss=LOSS_IMPLS)
+
+    @property
+    def fsdp_sync_every_micro_batch(self) -> bool:
+        """FSDP2 without pipelines reduce-scatters after every micro-batch (the default)."""
+        return self.parallel == "fsdp2" and self.pp == 1 and (self.fsdp_gradient_sync or "micro-batch") == "micro-batch"
 
     def _check_choices(self, **allowed: tuple) -> None:
         """Each field named is one of its allowed values."""

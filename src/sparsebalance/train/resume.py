@@ -31,6 +31,7 @@ SAFE_ON_RESUME = {
     "keep_checkpoints": "how many checkpoints are kept",
     "comm_timeout": "how long a collective may wait before the run reports a hang",
     "max_nonfinite_steps": "how many skipped non-finite steps in a row the run tolerates",
+    "fsdp_gradient_sync": "when FSDP2 reduce-scatters: the same sums (rounded in another order)",
 }
 """Fields a resumed run may change, and why each is safe."""
 
