@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sparsebalance.train import launch
+from sparsebalance.train import supervise
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,7 +104,7 @@ def test_the_ranks_finish_their_step_and_save_however_long_it_takes(tmp_path, ca
     """Before: the launcher forwarded SIGTERM to torchrun, which killed the ranks when its own
     grace ran out (30 s) with their step unfinished: exit 143, no checkpoint, no line."""
     _signal_when([tmp_path / "ready-0", tmp_path / "ready-1"])
-    rc = launch.supervise(_cmd(tmp_path, "saves"), dict(os.environ), stop_grace=600)
+    rc = supervise.supervise(_cmd(tmp_path, "saves"), dict(os.environ), stop_grace=600)
     assert rc == 128 + signal.SIGTERM
     assert (tmp_path / "saved-0").exists() and (tmp_path / "saved-1").exists()
     lines = _lines(capsys)
@@ -118,7 +118,7 @@ def test_the_ranks_finish_their_step_and_save_however_long_it_takes(tmp_path, ca
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks found through /proc")
 def test_ranks_that_do_not_stop_within_the_grace_are_killed_and_it_is_said(tmp_path, capsys):
     _signal_when([tmp_path / "ready-0", tmp_path / "ready-1"])
-    rc = launch.supervise(_cmd(tmp_path, "hangs"), dict(os.environ), stop_grace=0.5)
+    rc = supervise.supervise(_cmd(tmp_path, "hangs"), dict(os.environ), stop_grace=0.5)
     assert rc == 128 + signal.SIGTERM
     lines = _lines(capsys)
     assert len(lines) == 2, lines
@@ -134,7 +134,7 @@ def test_a_second_signal_kills_at_once_and_it_is_said(tmp_path, capsys):
     ready = [tmp_path / "ready-0", tmp_path / "ready-1"]
     _signal_when(ready)
     _signal_when([*ready, tmp_path / "got-0", tmp_path / "got-1"])  # once they have the first
-    rc = launch.supervise(_cmd(tmp_path, "hangs"), dict(os.environ), stop_grace=600)
+    rc = supervise.supervise(_cmd(tmp_path, "hangs"), dict(os.environ), stop_grace=600)
     assert rc == 128 + signal.SIGTERM
     lines = _lines(capsys)
     assert len(lines) == 2, lines
@@ -150,8 +150,8 @@ def test_children_are_the_direct_children_only(tmp_path):
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert child.pid in launch.children(os.getpid())
-        assert launch.children(child.pid) == []
+        assert child.pid in supervise.children(os.getpid())
+        assert supervise.children(child.pid) == []
     finally:
         child.kill()
         child.wait()

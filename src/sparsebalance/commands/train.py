@@ -19,14 +19,13 @@ from ..train.launch import (
     DEMO_DEFAULTS,
     RunFailed,
     add_nproc_argument,
-    add_stop_grace_argument,
     default_nproc,
     demo_configs,
     launch,
     on_start,
-    stop_grace,
 )
 from ..train.multinode import Rendezvous
+from ..train.supervise import add_stop_grace_argument, stop_grace
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
