@@ -88,9 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fsdp-gradient-sync",
         choices=FSDP_GRADIENT_SYNC,
-        default="micro-batch",
+        default=None,
         help="as train's: FSDP2 reduce-scatters after every micro-batch (a later one holds 1/N of the "
-        "gradients; default) or in the step's last only (it holds them whole); with --pp: step",
+        "gradients; the default) or in the step's last only (it holds them whole); with --pp: step only",
     )
     p.add_argument("--json", action="store_true", help="print only JSON")
 
@@ -115,7 +115,12 @@ def main(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else with_budget_fraction(coeffs)
     model = MemoryModel(shapes, coeffs)
     # FSDP2 without pipelines reduce-scatters every micro-batch, as `train` does by default
-    every = args.pp == 1 and args.fsdp_gradient_sync == "micro-batch"
+    if args.pp > 1 and args.fsdp_gradient_sync == "micro-batch":
+        raise ValueError(
+            f"--fsdp-gradient-sync micro-batch: with --pp {args.pp} a stage stays gathered through its schedule "
+            "and reduce-scatters once a step; use --fsdp-gradient-sync step (or leave it unset)"
+        )
+    every = args.pp == 1 and args.fsdp_gradient_sync != "step"
     base = {"block_size": args.block_size, "density": args.density, "micro_batches": 2, "reduce_every": every}
     if args.check is not None:
         n = max(devices)

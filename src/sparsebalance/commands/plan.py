@@ -41,6 +41,7 @@ from ..batching import (
     plan_batch,
 )
 from ..data import read_lengths
+from ..engine.parallelize import FSDP_GRADIENT_SYNC
 from ..files import check_output_file, write_text_atomic
 from ..latency import ACCELERATORS, context_cost, load_cost_model, load_profile
 from ..latency.host_memory import parse_bytes
@@ -100,6 +101,13 @@ def _add_capacity_arguments(p: argparse.ArgumentParser) -> None:
         choices=["ddp", "fsdp2"],
         default="ddp",
         help="--capacity auto: fsdp2 shards weights, optimizer over R",
+    )
+    p.add_argument(
+        "--fsdp-gradient-sync",
+        choices=FSDP_GRADIENT_SYNC,
+        default="micro-batch",
+        help="--capacity auto with fsdp2, as train's: reduce-scatter after every micro-batch (a later one "
+        "holds 1/R of the gradients) or in the step's last only (it holds them whole)",
     )
 
 
@@ -260,7 +268,7 @@ def _capacity(args) -> tuple[int | None, MemoryBound | None]:
         args.loss,
         shard=max(1, shard),
         micro_batches=2,
-        reduce_every=args.parallel == "fsdp2",
+        reduce_every=args.parallel == "fsdp2" and args.fsdp_gradient_sync == "micro-batch",
         block_size=block,
     )
     memory = MemoryBound(MemoryModel(load_shapes(args.model), coeffs), budget, cfg)

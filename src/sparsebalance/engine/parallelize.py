@@ -97,9 +97,9 @@ class Parallelized:
     clock: Clock = dataclasses.field(default_factory=Clock)
     """The run's clock (the device's): every time of the step is one of its marks."""
     _ready: ReadyClock | None = None
-    sync_every_micro_batch: bool = False
+    sync_every_micro_batch: bool = True
     """FSDP2: reduce-scatter after every micro-batch's backward (sharded gradients accumulate),
-    not only the step's last (``--fsdp-gradient-sync``)."""
+    not only the step's last (``--fsdp-gradient-sync``; True, the default, as :func:`parallelize`'s)."""
 
     @property
     def sharded(self) -> bool:
@@ -130,8 +130,10 @@ class Parallelized:
 
     @contextlib.contextmanager
     def microbatch(self, index: int, passes: int) -> Iterator[None]:
-        """Context for pass ``index`` of ``passes``: gradients sync (overlapped with the
-        backward) on the last pass only, and never in ``exact`` mode (synced afterwards)."""
+        """Context for pass ``index`` of ``passes``: DDP's gradients sync (overlapped with the
+        backward) on the last pass only, and never in ``exact`` mode (synced afterwards); FSDP2's
+        reduce-scatter in every pass's backward (``sync_every_micro_batch``) or the last, in both
+        modes."""
         sync = index == passes - 1 and not self.exact
         if self._ready is not None:
             self._ready.last = None  # marked again only if this pass syncs
@@ -150,14 +152,14 @@ class Parallelized:
         return self._ready.last if self._ready is not None else None
 
     def sync_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """``exact`` mode's separate gradient all-reduce (FSDP2 already reduced in its last
-        backward); a no-op otherwise."""
+        """``exact`` mode's separate gradient all-reduce (FSDP2 already reduce-scattered in its
+        backwards); a no-op otherwise."""
         if self.exact and self.kind == "ddp":
             allreduce_gradients(params, self.world_size)
 
 
 def parallelize(
-    model: nn.Module, runtime: Runtime, parallel: str, measure_bubble: str, fsdp_sync_every_micro_batch: bool = True
+    model: nn.Module, runtime: Runtime, parallel: str, measure_bubble: str, *, fsdp_sync_every_micro_batch: bool = True
 ):
     """Apply data parallelism to ``model`` (replicas start from rank 0's weights).
 

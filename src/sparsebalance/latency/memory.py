@@ -256,7 +256,8 @@ class MemoryModel:
         both = self.tied and st.embedding and st.head
         prior = (grads if cfg.reduce_every else params * g) if held else 0.0
         backward = prior + vh * int(both) if held else vh * int(st.head)
-        dense = (2 + int(held) if both else int(held)) if st.embedding else 0
+        whole = held and not cfg.reduce_every  # a held gradient the new ones are added into, whole
+        dense = (2 + int(whole) if both else int(whole)) if st.embedding else 0
         return prior, backward, (prior if held else grads) + vh * dense
 
     def breakdown(self, tokens: int, cfg: MemoryConfig) -> dict[str, float]:

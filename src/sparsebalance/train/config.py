@@ -129,7 +129,7 @@ class TrainConfig:
     torchtitan and ZeRO-3) | step (in the step's last backward only: one reduce-scatter a step, but
     every micro-batch after the first holds the whole model's gradients unsharded). Default:
     micro-batch; with --pp a stage stays gathered through its schedule and reduce-scatters once
-    (step, the only choice there)."""
+    (step, the only choice there). Saved resolved (None only without FSDP2)."""
     pp: int = 1
     """Pipeline stages per data-parallel rank (1F1B over neighbouring ranks; --nproc = DP x PP,
     layers split by cost, the last stage holding the LM head gets fewer); 1: no pipeline. See docs/pipeline.md."""
@@ -258,6 +258,8 @@ class TrainConfig:
                 f"{given('fsdp_gradient_sync', sync)}: with --pp a stage stays gathered through its schedule and "
                 "reduce-scatters once a step; use --fsdp-gradient-sync step (or leave it unset)"
             )
+        if self.parallel == "fsdp2" and sync is None:  # resolved: what runs is what is saved
+            self.fsdp_gradient_sync = "step" if self.pp > 1 else "micro-batch"
         if not self.comm_timeout > 0:
             raise ValueError(f"{n('comm_timeout')} must be > 0 seconds, got {self.comm_timeout}")
         if (self.min_len is not None and self.min_len < 1) or (
@@ -367,7 +369,7 @@ class TrainConfig:
     @property
     def fsdp_sync_every_micro_batch(self) -> bool:
         """FSDP2 without pipelines reduce-scatters after every micro-batch (the default)."""
-        return self.parallel == "fsdp2" and self.pp == 1 and (self.fsdp_gradient_sync or "micro-batch") == "micro-batch"
+        return self.parallel == "fsdp2" and self.fsdp_gradient_sync == "micro-batch"
 
     def _check_choices(self, **allowed: tuple) -> None:
         """Each field named is one of its allowed values."""

@@ -161,7 +161,8 @@ class Trainer:
         or this rank's pipeline stage) and the optimizer update."""
         cfg, rt = self.cfg, self.rt
         if self.stage is None:
-            self.par = parallelize(self.model, rt, cfg.parallel, cfg.measure_bubble, cfg.fsdp_sync_every_micro_batch)
+            every = cfg.fsdp_sync_every_micro_batch
+            self.par = parallelize(self.model, rt, cfg.parallel, cfg.measure_bubble, fsdp_sync_every_micro_batch=every)
             self.params = [p for p in self.model.parameters() if p.requires_grad]
         else:  # gradients are averaged by the pipeline executor, after its schedule
             self.par = Parallelized(
