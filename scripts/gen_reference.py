@@ -80,7 +80,7 @@ def convert_parser() -> argparse.ArgumentParser:
 def train_module_parser() -> argparse.ArgumentParser:
     """What ``python -m sparsebalance.train`` (torchrun's entry point) parses; its ``main`` is
     not called (it installs signal handlers), the parser is built the same way."""
-    from sparsebalance.train.config import add_train_arguments
+    from sparsebalance.train.config_io import add_train_arguments
 
     parser = argparse.ArgumentParser(prog="python -m sparsebalance.train")
     add_train_arguments(parser)

@@ -13,7 +13,7 @@ from sparsebalance.latency import analytic_profile, load_profile
 from sparsebalance.latency.memory_fit import save_calibration
 from sparsebalance.latency.profile import SCHEMA
 from sparsebalance.models import load_shapes
-from sparsebalance.train.config import add_train_arguments, config_from_args, to_record
+from sparsebalance.train.config_io import add_train_arguments, config_from_args, to_record
 from sparsebalance.versions import CHECKPOINT, CONFIG, PROFILE, STORE, Schema
 
 

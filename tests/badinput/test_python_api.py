@@ -169,7 +169,7 @@ def test_a_simulation_refuses_a_profile_of_another_model(tmp_path):
 
 def test_the_trainer_refuses_to_resume_with_fewer_steps_than_trained(tmp_path):
     from sparsebalance.train.checkpoint import save_checkpoint
-    from sparsebalance.train.config import to_dict
+    from sparsebalance.train.config_io import to_dict
 
     done = _config(tmp_path, steps=10)
     model = torch.nn.Linear(4, 4)

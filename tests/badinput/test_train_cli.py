@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from sparsebalance.train.checkpoint import save_checkpoint
-from sparsebalance.train.config import TrainConfig, to_dict
+from sparsebalance.train.config import TrainConfig
+from sparsebalance.train.config_io import to_dict
 from tests.badinput.conftest import (
     ExpensiveStageReached,
     assert_refused,

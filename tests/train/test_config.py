@@ -11,7 +11,7 @@ import pytest
 
 from sparsebalance import flags
 from sparsebalance.train import TrainConfig, add_train_arguments, config_from_args
-from sparsebalance.train.config import to_record
+from sparsebalance.train.config_io import to_record
 from sparsebalance.tuning import DSTConfig
 
 

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from sparsebalance.train import TrainConfig
-from sparsebalance.train.config import add_train_arguments, config_from_args, to_record, upgrade
+from sparsebalance.train.config_io import add_train_arguments, config_from_args, to_record, upgrade
 from sparsebalance.versions import CONFIG
 
 

@@ -396,7 +396,7 @@ def test_only_the_stage_reaches_the_device(tmp_path):
 
 
 def test_resuming_with_another_pp_is_refused(tmp_path):
-    from sparsebalance.train.config import to_dict
+    from sparsebalance.train.config_io import to_dict
     from sparsebalance.train.resume import differences
 
     saved = to_dict(_cfg(tmp_path, pp=2))

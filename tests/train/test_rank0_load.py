@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from sparsebalance.engine.runtime import Runtime
 from sparsebalance.train import TrainConfig
 from sparsebalance.train.checkpoint import load_checkpoint, save_checkpoint
-from sparsebalance.train.config import to_dict
+from sparsebalance.train.config_io import to_dict
 from sparsebalance.train.resume import choose_checkpoint
 
 pytestmark = [

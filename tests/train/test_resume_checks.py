@@ -15,7 +15,7 @@ from sparsebalance.engine.runtime import Runtime
 from sparsebalance.train import TrainConfig, resume
 from sparsebalance.train import checkpoint as ckpt
 from sparsebalance.train.checkpoint import CHECKSUMS, find_checkpoint, save_checkpoint, sha256
-from sparsebalance.train.config import to_dict
+from sparsebalance.train.config_io import to_dict
 
 CPU1 = Runtime(0, 1, torch.device("cpu"))
 

@@ -19,7 +19,7 @@ from ..engine.step import NonFiniteLoss
 from ..flags import command_line
 from ..parallel.watch import CommTimeout
 from .checkpoint import AgreedError
-from .config import add_train_arguments, config_from_args
+from .config_io import add_train_arguments, config_from_args
 from .multinode import adopt_slurm_env
 from .runlock import ENV_TOKEN, RunLock, join
 from .signals import Stopped, StopSignals, die_with_parent

@@ -29,7 +29,8 @@ from ..models.checkpointing import apply_activation_checkpointing
 from ..models.head import tied_head
 from ..models.hf import build_model
 from .checkpoint import clean_temporaries
-from .config import RUN_FILES, RUN_STATE, TrainConfig, check_pipeline_world, resolve_strategy, to_record
+from .config import RUN_FILES, RUN_STATE, TrainConfig, check_pipeline_world, resolve_strategy
+from .config_io import to_record
 from .multinode import Topology, node_leaders, resolve_on_nodes
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint import find_checkpoint
-from .config import RUN_STATE, TrainConfig, check_batch, check_pipeline_world, resolve_strategy, to_record
+from .config import RUN_STATE, TrainConfig, check_batch, check_pipeline_world, resolve_strategy
+from .config_io import to_record
 from .multinode import Rendezvous, Topology
 from .resume import check_same_run, check_steps, check_world_size, is_complete, saved_identity
 from .runlock import ENV_TOKEN, FOLLOW, RunLock

@@ -15,7 +15,8 @@ from pathlib import Path
 from .. import flags
 from ..versions import CHECKPOINT, CONFIG
 from .checkpoint import checkpoint_version, find_checkpoint, verify_checkpoint
-from .config import TrainConfig, to_dict, upgrade
+from .config import TrainConfig
+from .config_io import to_dict, upgrade
 
 SAFE_ON_RESUME = {
     "steps": "a longer or shorter run; the LR schedule follows the new total from the first resumed step",

@@ -48,7 +48,8 @@ from ..tuning import DSTTuner
 from ..workload import Sample
 from . import build
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import TrainConfig, to_dict
+from .config import TrainConfig
+from .config_io import to_dict
 from .multinode import launcher_placement
 from .pipeline_checkpoint import load_pipeline_checkpoint, save_pipeline_checkpoint
 from .resume import choose_checkpoint
