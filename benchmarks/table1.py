@@ -193,6 +193,10 @@ def run_rows(cfg: dict, mix: str, seed: int, store: Path, out: Path, emulate: in
                     "density": s.mean_density,
                     "loss": s.loss,
                     "coverage_limited": s.coverage_limited,
+                    # the latency model's prediction of the step's compute (slowest rank or
+                    # pipeline makespan) before and after DST: what the planner and DST aimed at
+                    "predicted_before_s": s.predicted_max_before_s,
+                    "predicted_s": s.predicted_max_s,
                 }
             )
     return rounds
@@ -202,6 +206,7 @@ def summarize(rounds: dict[str, list[dict]]) -> dict:
     """Per row: medians over rounds (warm-up dropped) and the median per-round speed-up."""
     out = {}
     base = [x["step_s"] for x in rounds["baseline"][1:]]
+    base_pred = [x.get("predicted_s") for x in rounds["baseline"][1:]]
     for name, rs in rounds.items():
         rs = rs[1:]
         step = [x["step_s"] for x in rs]
@@ -216,6 +221,9 @@ def summarize(rounds: dict[str, list[dict]]) -> dict:
             "coverage_limited": med(x["coverage_limited"] for x in rs),
             "rounds": len(rs),
         }
+        if all(x.get("predicted_s") for x in rs) and all(base_pred):  # runs made before it: absent
+            pred = [x["predicted_s"] for x in rs]
+            out[name]["predicted_speedup"] = med(b / s for b, s in zip(base_pred, pred, strict=True))
     return out
 
 
@@ -354,6 +362,9 @@ def table(cfg: dict, results: dict, mode: str) -> str:
         if pipe:
             head[1] = "imbalance (micro-batch)"
             head += ["pipeline imbalance", "device idle"]
+        predicted = all("predicted_speedup" in r for r in rows.values())
+        if predicted:
+            head.append("predicted speedup (latency model)")
         body = []
         for name, r in rows.items():
             p = paper[name]
@@ -368,6 +379,7 @@ def table(cfg: dict, results: dict, mode: str) -> str:
                     r["density"],
                     f"{p[0]} / {p[1]} / {p[2]} / {p[3]:.2f}x",
                     *([r["dp_imbalance"], r["device_idle"]] if pipe else []),
+                    *([f"{r['predicted_speedup']:.3f}x"] if predicted else []),
                 ]
             )
         parts.append(f"### {key}\n\n" + markdown_table(head, body))

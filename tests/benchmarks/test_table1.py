@@ -60,6 +60,9 @@ def test_quick_runs_every_row(tmp_path, mode):
     for r in rows.values():
         assert r["step_ms"] > 0 and r["imbalance"] >= 1.0 - 1e-9 and 0 < r["density"] <= 1
         assert r["overhead_share"] < 1
+        assert r["predicted_speedup"] > 0  # the latency model's view of the same rows
+    assert rows["baseline"]["predicted_speedup"] == pytest.approx(1.0)
+    assert "predicted speedup (latency model)" in md
 
 
 def test_simulated_pipelines_quick(tmp_path):
