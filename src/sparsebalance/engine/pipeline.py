@@ -29,6 +29,7 @@ per-stage busy and idle time (the bubbles).
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -70,18 +71,26 @@ class PipelineGroups:
     stage every pickle in device memory); None: the default group."""
 
     @classmethod
-    def create(cls, layout: PipelineLayout, tied: bool) -> PipelineGroups:
+    def create(cls, layout: PipelineLayout, tied: bool, timeout_s: float | None = None) -> PipelineGroups:
+        """Every rank calls it, once. ``timeout_s``: how long a send, receive or collective of
+        these groups may wait (``--comm-timeout``); a group made without one waits the backend's
+        default (gloo: 30 minutes), so a stalled stage would hang the run instead of failing."""
         P, D = layout.stages, layout.dp_size
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+
+        def group(ranks=None, **kw):
+            return dist.new_group(ranks, timeout=timeout, **kw)
+
         mine = {}
         for d in range(D):
             for kind in ("pipeline", "activations", "gradients"):
-                mine[(kind, d)] = dist.new_group([layout.rank(d, s) for s in range(P)])
+                mine[(kind, d)] = group([layout.rank(d, s) for s in range(P)])
         for s in range(P):
-            mine[("data", s)] = dist.new_group([layout.rank(d, s) for d in range(D)]) if D > 1 else None
+            mine[("data", s)] = group([layout.rank(d, s) for d in range(D)]) if D > 1 else None
         for d in range(D):
             ends = [layout.rank(d, 0), layout.rank(d, P - 1)]
-            mine[("tied", d)] = dist.new_group(ends) if tied and P > 1 else None
-        objects = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
+            mine[("tied", d)] = group(ends) if tied and P > 1 else None
+        objects = group(backend="gloo") if dist.get_backend() == "nccl" else None
         d = layout.dp
         return cls(
             mine[("pipeline", d)],

@@ -191,7 +191,7 @@ class Trainer:
             )
             norm = None
         else:
-            groups = PipelineGroups.create(self.stage.layout, self.stage.tied)
+            groups = PipelineGroups.create(self.stage.layout, self.stage.tied, cfg.comm_timeout)
             executor = PipelineExecutor(
                 self.stage, groups, self.corpus.docs, self.engine, execution, rt.device, self.precision, self.par.clock
             )
