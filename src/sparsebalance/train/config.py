@@ -396,10 +396,12 @@ def resolve_strategy(cfg: TrainConfig, num_ranks: int) -> TrainConfig:
     return dataclasses.replace(cfg, strategy="sab-cp" if real else "sab")
 
 
-def check_batch(cfg: TrainConfig, num_docs: int, num_ranks: int) -> None:
-    """The global batch must fit the dataset and give every rank a document (the engine's
-    :func:`~sparsebalance.engine.check_global_batch`, before the workers start)."""
-    check_global_batch(cfg.global_batch, num_docs, num_ranks)
+def check_batch(cfg: TrainConfig, num_docs: int, num_processes: int) -> None:
+    """The global batch must fit the dataset and give every planned rank a document (the engine's
+    :func:`~sparsebalance.engine.check_global_batch`, before the workers start). With ``--pp`` the
+    planned ranks are the pipelines (``num_processes // pp``), not the processes: a pipeline's
+    stages share its documents."""
+    check_global_batch(cfg.global_batch, num_docs, num_processes // cfg.pp)
 
 
 def check_out_folder(out: Path, resume: bool, overwrite: bool, config=None) -> None:

@@ -251,6 +251,8 @@ def overlong_note(cfg: TrainConfig, lengths, num_ranks: int) -> str | None:
         why = "no unit of ranks holds them"
     elif cfg.emulate_ranks:
         why = "CP units cannot run with --emulate-ranks (one process)"
+    elif cfg.pp > 1:
+        why = f"CP units cannot run with --pp {cfg.pp}"
     elif num_ranks < 2:
         why = "CP units need >= 2 ranks"
     else:
