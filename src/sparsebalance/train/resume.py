@@ -66,6 +66,8 @@ def differences(saved: dict, current: TrainConfig, skip: tuple[str, ...] = ()) -
             continue
         old = before.get(key, defaults.get(key))  # a field newer than the checkpoint: default
         new = now.get(key)
+        if key == "capacity" and new == "auto" and isinstance(old, int):
+            continue  # a checkpoint holds the capacity auto resolved; resuming keeps it (saved_capacity)
         if old != new and not (isinstance(old, list) and tuple(old) == new):
             flag = "--" + key.split(".")[-1].replace("_", "-")
             out.append(f"{flag} {old!r} -> {new!r}")
@@ -104,13 +106,22 @@ def check_same_run(checkpoint: Path, cfg: TrainConfig, data: dict | None) -> lis
         raise ValueError(
             f"--resume: {checkpoint} belongs to a different run ({'; '.join(diffs)}); only "
             f"{', '.join('--' + k.replace('_', '-') for k in SAFE_ON_RESUME)} may change. "
-            "Start a new run in another --out (or --overwrite this one)"
+            "Start a new run in another --out (or --overwrite this one, which deletes it)"
         )
     return [
         f"--{k.replace('_', '-')} {saved.get(k)!r} -> {v!r}"
         for k, v in to_dict(cfg).items()
         if k in SAFE_ON_RESUME and k not in ("resume", "overwrite") and saved.get(k) != v
     ]
+
+
+def saved_capacity(checkpoint: Path) -> int | None:
+    """The tokens per micro-batch a checkpoint's run planned with (what ``--capacity auto``
+    resolved when it started); None: it planned by ``--micro-batches``. A resumed ``--capacity
+    auto`` run keeps it, so its plans continue as they were (a fresh fit may differ by a block:
+    it starts from this process's resident memory)."""
+    capacity = saved_identity(checkpoint)[0].get("capacity")
+    return capacity if isinstance(capacity, int) else None
 
 
 def checkpoint_step(checkpoint: Path) -> int:

@@ -52,7 +52,7 @@ from .config import TrainConfig
 from .config_io import to_dict
 from .multinode import launcher_placement
 from .pipeline_checkpoint import load_pipeline_checkpoint, save_pipeline_checkpoint
-from .resume import choose_checkpoint
+from .resume import choose_checkpoint, saved_capacity
 from .signals import Stopped, StopSignals
 from .telemetry import Telemetry
 
@@ -104,6 +104,8 @@ class Trainer:
             capacity, self.memory_bound = build.fit_capacity(
                 cfg, rt, self.model, shapes, self.kernel, base_rss, self.stage
             )
+            if self._checkpoint is not None:
+                capacity = self._resumed_capacity(capacity)
             self.cfg = cfg = replace(cfg, capacity=capacity)
         self.engine = self._engine(shapes)
         self.runner = self._runner()
@@ -309,6 +311,17 @@ class Trainer:
         for line in lines:
             build.say(self.rt, line)
         return path
+
+    def _resumed_capacity(self, fitted: int) -> int:
+        """``--capacity auto`` on ``--resume``: the capacity the run started with (rank 0 reads
+        its checkpoint; every rank plans with it), said when a fresh fit (``fitted``) differs."""
+        saved = self.rt.broadcast_object(saved_capacity(self._checkpoint) if self.rt.is_main else None)
+        if saved is None:
+            return fitted
+        if saved != fitted:
+            line = f"--resume: --capacity auto keeps the run's {saved} tokens (a fresh start fits {fitted})"
+            build.say(self.rt, line)
+        return saved
 
     def _resume(self) -> None:
         path = self._checkpoint
