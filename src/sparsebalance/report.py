@@ -387,14 +387,17 @@ def _save(fig, path: Path) -> str:
     return path.name
 
 
-def write_report(root: Path, plots: bool = True) -> tuple[Path, dict]:
-    """Write ``report.md`` (and PNGs) into ``root``; returns its path and the comparison.
+def write_report(root: Path, plots: bool = True, out: Path | None = None) -> tuple[Path, dict]:
+    """Write ``report.md`` (and PNGs) into ``out`` (default: ``root``, the run folder); returns
+    its path and the comparison.
 
     Each file is written atomically and replaces the one of an earlier report of this run (they
     are made from its ``metrics.jsonl`` again at will); a full disk raises
     :class:`~sparsebalance.results.DiskFull` with the earlier file intact."""
     root = Path(root)
+    out = root if out is None else Path(out)
     runs = find_runs(root)
+    out.mkdir(parents=True, exist_ok=True)
     data = {name: load_run(path) for name, path in runs.items()}
     table, comparison = comparison_table({n: summarize(st) for n, (_, st) in data.items()})
     lines = [f"# Training report: {root}", "", table, "", table_note(comparison), ""]
@@ -411,11 +414,11 @@ def write_report(root: Path, plots: bool = True) -> tuple[Path, dict]:
             lines += [f"Pipeline, {name}: {line}", ""]
     if plots:
         try:
-            for f in _plots(data, root):
+            for f in _plots(data, out):
                 lines.append(f"![{f}]({f})")
         except ImportError:
             lines.append("(plots skipped: `pip install matplotlib`, or the `plot` extra)")
     # atomic, and replaced: the run's own report, made again from its metrics.jsonl at will
-    path = write_file(root / "report.md", "\n".join(lines) + "\n")
-    write_file(root / "comparison.json", json.dumps(comparison, indent=1) + "\n")
+    path = write_file(out / "report.md", "\n".join(lines) + "\n")
+    write_file(out / "comparison.json", json.dumps(comparison, indent=1) + "\n")
     return path, comparison
