@@ -15,7 +15,7 @@ import numpy as np
 from ..latency.context import ContextCost
 from ..latency.model import LatencyModel
 from .padding import least_rank_time, padded_candidates
-from .pipeline import least_makespan, pipeline_search
+from .pipeline import ORDER_SEARCH_MAX, least_makespan, pipeline_search
 from .plan import Items, flatten_packs, predict_packs
 from .strategies import (
     Regime,
@@ -99,7 +99,10 @@ def sab_pipeline_packs(items: Items, regime: Regime, cost_model, config):
     of :func:`~.pipeline.pipeline_search`; of the three plans (pipeline, rank-total, ``tokens``)
     the one of least predicted makespan is kept (ties: in that order), each priced by
     ``predict_many`` per micro-batch in its run order, so ``sab`` with pipelines is never
-    predicted slower than without."""
+    predicted slower than without. Above :data:`~.pipeline.ORDER_SEARCH_MAX` micro-batches on a
+    rank the makespan search is skipped (its cost grows with their cube): the rank-total plan in
+    ascending predicted time is the first candidate instead, and ``extra["order_search_skipped"]``
+    holds the most micro-batches a rank had."""
     r = config.world_size
     iters = 4 * r + 64 if config.local_search_iters is None else config.local_search_iters
     shape = config.pipeline(cost_model.num_layers)
@@ -107,8 +110,16 @@ def sab_pipeline_packs(items: Items, regime: Regime, cost_model, config):
     ranks = lpt_ranks(items.cost, r, regime, items.tokens)
     ranks, moves = local_search(ranks, items.cost, items.tokens, regime, iters, config.neighbors)
     cost_packs = pack_balanced_ranks(ranks, items.cost, items.tokens, regime)
-    pipe_packs, _, exchanges = pipeline_search(ranks, items.cost, items.tokens, regime, shape, iters, config.neighbors)
-    candidates = [("pipeline", pipe_packs, moves + exchanges), ("cost", cost_packs, moves), ("tokens", tokens_packs, 0)]
+    most = max(len(p) for p in cost_packs)
+    if most > ORDER_SEARCH_MAX:  # the makespan search is cubic in micro-batches per rank: skipped
+        ascending = [sorted(p, key=lambda mb: float(items.cost[mb].sum())) for p in cost_packs]
+        candidates = [("ascending", ascending, moves), ("cost", cost_packs, moves), ("tokens", tokens_packs, 0)]
+    else:
+        pipe_packs, _, made = pipeline_search(ranks, items.cost, items.tokens, regime, shape, iters, config.neighbors)
+        candidates = [("pipeline", pipe_packs, moves + made), ("cost", cost_packs, moves), ("tokens", tokens_packs, 0)]
     if items.padded:
         candidates += padded_candidates(ranks, items, regime, cost_model, shape, moves)
-    return least_makespan(candidates, items, cost_model, shape)
+    packs, flat, times, extra = least_makespan(candidates, items, cost_model, shape)
+    if most > ORDER_SEARCH_MAX:
+        extra["order_search_skipped"] = most  # said by the simulator and the trainer
+    return packs, flat, times, extra

@@ -30,6 +30,7 @@ swaps), two Python LPT packs each, one :func:`~.schedule.makespans` call per mic
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -42,6 +43,15 @@ from .strategies import RankItems, RankPacks, Regime, pack_balanced
 
 EXHAUSTIVE_ORDER = 6
 """Up to this many micro-batches per rank every order is priced (720 at 6); above, best swaps."""
+ORDER_SEARCH_MAX = 32
+"""Above this many micro-batches per rank no order is searched: the ascending order (where the
+swaps start; ~3 % longer makespans than theirs on random times at 24-32). A swap round prices
+M^2 / 2 orders of M micro-batches, and the exchange search does so for every candidate of every
+exchange: at 89 micro-batches (``simulate --pp 2 --capacity 256``) that was gigabytes per call.
+:func:`~.assign.sab_pipeline_packs` then skips the exchange search too, and says so."""
+CHUNK_ELEMENTS = 1 << 21
+"""Most micro-batch stage times one round of the order search prices at once (pipelines x orders
+x M x P: 16 MB per float array); more pipelines are searched in chunks."""
 MAX_PAIRS = 256
 """Most swap candidates per (heavy, light) rank pair (the heavy rank's largest items first)."""
 
@@ -104,11 +114,24 @@ def _permutations(m: int) -> np.ndarray:
 def best_orders(times: np.ndarray, shape: PipelineShape) -> tuple[np.ndarray, np.ndarray]:
     """The order of least makespan for each of n pipelines: ``times`` ``(n, M)`` -> (orders
     int ``(n, M)``, makespans ``(n,)``). Ties: the first order in lexicographic order (M <=
-    :data:`EXHAUSTIVE_ORDER`) or the first swap found. Deterministic."""
+    :data:`EXHAUSTIVE_ORDER`) or the first swap found; above :data:`ORDER_SEARCH_MAX`, the
+    ascending order unsearched. Deterministic. The pipelines are searched a few at a time
+    (:data:`CHUNK_ELEMENTS`), so memory stays bounded whatever n is."""
     times = np.asarray(times, dtype=np.float64)
     n, m = times.shape
     if m <= 1:
         return np.zeros((n, m), dtype=np.int64), shape.makespans(times) if m else np.zeros(n)
+    swaps = m * (m - 1) // 2 if m <= ORDER_SEARCH_MAX else 1  # orders priced per pipeline and round
+    orders = math.factorial(m) if m <= EXHAUSTIVE_ORDER else swaps
+    rows = max(1, CHUNK_ELEMENTS // (orders * m * shape.num_stages))
+    if n > rows:  # pipelines are independent: the same answer, chunk by chunk
+        parts = [_best_orders(times[lo : lo + rows], shape) for lo in range(0, n, rows)]
+        return np.concatenate([o for o, _ in parts]), np.concatenate([s for _, s in parts])
+    return _best_orders(times, shape)
+
+
+def _best_orders(times: np.ndarray, shape: PipelineShape) -> tuple[np.ndarray, np.ndarray]:
+    n, m = times.shape
     if m <= EXHAUSTIVE_ORDER:
         perms = _permutations(m)
         spans = shape.makespans(times[:, perms].reshape(-1, m)).reshape(n, perms.shape[0])
@@ -116,6 +139,8 @@ def best_orders(times: np.ndarray, shape: PipelineShape) -> tuple[np.ndarray, np
         return perms[best], spans[np.arange(n), best]
     order = np.argsort(times, axis=1, kind="stable")
     span = shape.makespans(np.take_along_axis(times, order, axis=1))
+    if m > ORDER_SEARCH_MAX:
+        return order, span
     pairs = np.array(list(itertools.combinations(range(m), 2)), dtype=np.int64)
     for _ in range(m):  # best-improvement swaps, at most M rounds
         cand = np.repeat(order[:, None, :], pairs.shape[0], axis=1)  # (n, S, M)

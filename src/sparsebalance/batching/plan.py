@@ -79,6 +79,9 @@ class PlanMetrics:
     comm_seconds: float = 0.0
     """Predicted exposed communication (ring transfers, selection all-gather) of the rank that
     has the most of it."""
+    order_search_skipped: int = 0
+    """With pipelines: the most micro-batches a rank had when there were too many to search
+    their order (:data:`~.pipeline.ORDER_SEARCH_MAX`; ascending predicted time instead); 0: searched."""
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,22 @@ def format_table(result: dict) -> str:
     return markdown_table(headers, rows)
 
 
+def order_note(result: dict) -> str | None:
+    """The line saying that sab's pipeline plans went unsearched in some steps (too many
+    micro-batches per pipeline: :data:`~sparsebalance.batching.pipeline.ORDER_SEARCH_MAX`)."""
+    from ..batching.pipeline import ORDER_SEARCH_MAX
+
+    skipped = [s["order_search_skipped"] for s in result["strategies"].values() if s.get("order_search_skipped")]
+    steps, most = max(skipped, key=lambda x: (x[1], x[0]), default=(0, 0))
+    if not steps:
+        return None
+    return (
+        f"note: sab did not search the 1F1B order in {steps} of {result['num_steps']} steps: up to {most} "
+        f"micro-batches per pipeline, more than {ORDER_SEARCH_MAX} (their search grows with the cube); they run "
+        "in ascending predicted time (a larger --capacity makes fewer)"
+    )
+
+
 def write_plots(summary: dict, out_dir: str) -> list[Path]:
     from ..simulate.plots import plot_rank_times, plot_speedup
 
@@ -156,6 +172,9 @@ def main(args: argparse.Namespace) -> int:
             f"{res['wall_seconds']:.1f} s)"
         )
         print(format_table(res))
+        note = order_note(res)
+        if note:
+            print(note)
     for path in plots:
         print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -245,7 +245,8 @@ class _Job:
                 if self.pipeline_stages > 1:  # DST reads makespans (heads priced once per plan)
                     work = PipelineWorkload(work, cfg.pipeline(self.cost_model.num_layers))
                 stats = {**_cp_stats(a), "plan_s": plan_s, "pipe_s": time.perf_counter() - t0}
-                works[s.planner] = (work, {**stats, "candidate": a.extra.get("candidate", "")})
+                skipped = a.extra.get("order_search_skipped", 0)
+                works[s.planner] = (work, {**stats, "candidate": a.extra.get("candidate", ""), "skipped": skipped})
             cfg = replace(self.dst, mode=s.dst_mode, anchor=s.anchor or self.dst.anchor)
             # sab+dst and sab+dst@<default anchor> are the same decision: made once.
             if (s.planner, cfg) not in decided:
@@ -363,6 +364,11 @@ def _summarize(records, strats, world_size, step_overhead, show_step) -> dict:
         # which of sab's (or sab-cp's) plans was kept, in how many steps; {} for the others
         kept = Counter(rec[s.name]["candidate"] for rec in records if rec[s.name]["candidate"])
         table[s.name]["candidates"] = dict(sorted(kept.items()))
+        # steps whose micro-batches were too many per pipeline to search their order, and the most
+        table[s.name]["order_search_skipped"] = [
+            sum(1 for rec in records if rec[s.name]["skipped"]),
+            max((rec[s.name]["skipped"] for rec in records), default=0),
+        ]
         per_step[s.name] = step.tolist()
         overhead[s.name] = {
             "plan_seconds": float(np.median(series(s.name, "plan_s"))),
