@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .calibration import RecursiveScales
+from .calibration import ScaleFilter
 from .profile import Profile, user_stacklevel
 
 _FLOOR = 1e-9  # seconds: predictions stay strictly positive
@@ -48,6 +48,15 @@ def _num(x) -> str:
     return f"{int(x):,}" if x == int(x) and abs(x) >= 1 else f"{x:.3g}"
 
 
+def measurement_noise(profile: Profile) -> float:
+    """Relative noise of one measured micro-batch against this profile's prediction: its timing
+    noise (CV of repeats) and its fit's leave-one-out error together, at least 5 % (analytic
+    profiles record neither)."""
+    cv = float(profile.noise.get("cv_median", 0.0) or 0.0)
+    fit = float(profile.fit.get("loo_mape", 0.0) or 0.0)
+    return max(float(np.hypot(cv, fit)), 0.05)
+
+
 class LatencyModel:
     """Predicts micro-batch latency; implements :class:`sparsebalance.workload.CostModel`."""
 
@@ -67,11 +76,12 @@ class LatencyModel:
         self._call = profile.attention_call_seconds
         self._other = self._table1d(profile.layer_other.tokens, profile.layer_other.seconds)
         self._head = self._table1d(profile.head.tokens, profile.head.seconds)
-        # Online recalibration fits two factors on top of the profile's own calibration:
+        # Online recalibration tracks two factors on top of the profile's own calibration:
         # attention, and everything proportional to tokens (layer rest + head). The rest and the
-        # head both grow with tokens, so separate online factors for them are not identifiable.
+        # head both grow with tokens, so separate online factors for them are not identifiable;
+        # the filter moves their level fast and the attention / rest split slowly (calibration.py).
         self._base = np.asarray(profile.scales, dtype=float)
-        self.calibration = RecursiveScales(2)
+        self.calibration = ScaleFilter(noise_std=measurement_noise(profile))
         self._warned = False
 
     # ------------------------------------------------------------------ tables
