@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .report_dst import dst_line
 from .report_pipeline import pipeline_figure, pipeline_line
 from .results import markdown_table, write_file
 from .timeline import draw_timeline, record_bars
@@ -409,6 +410,9 @@ def write_report(root: Path, plots: bool = True, out: Path | None = None) -> tup
         line = budgets(ranks, steps)
         if line:
             lines += [f"Budgets, {name}: {line}", ""]
+        line = dst_line(steps)
+        if line:
+            lines += [f"DST, {name}: {line}", ""]
         line = pipeline_line(ranks)
         if line:
             lines += [f"Pipeline, {name}: {line}", ""]

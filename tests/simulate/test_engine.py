@@ -208,7 +208,7 @@ def test_vectorised_decide_matches_per_rank_path():
     plan[2] = plan[2][:1]  # ranks of different shapes
     for cm in (ORACLE, model):
         for anchor in ("min", "mean", "max"):
-            tuner = DSTTuner(DSTConfig(anchor=anchor, p=0.05), block_size=64)
+            tuner = DSTTuner(DSTConfig(anchor=anchor, p=0.05, skew_margin=1.0), block_size=64)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 dec = tuner.decide(plan, cm)

@@ -47,6 +47,8 @@ class HandWork:
 
 
 def decide(work, **cfg):
+    """The paper's rule: raises trust the model (``skew_margin`` 1) unless a test says otherwise."""
+    cfg = {"skew_margin": 1.0, **cfg}
     return DSTTuner(DSTConfig(budget_tokens=512, **cfg), knob=KNOB).decide_arrays(work)
 
 
@@ -60,6 +62,18 @@ def test_cuts_to_the_anchor_and_raises_up_to_it():
     assert a.budgets[1] == 8
     assert a.times_after.max() <= 20 + 1e-9
     assert a.times_after[2] == pytest.approx(20, abs=1e-3)
+
+
+def test_the_skew_margin_stops_a_raise_where_a_skewed_model_would_overshoot():
+    """Worker 0 (rest 2 s, attention k s) raised to k 18 meets the anchor by the model, but if
+    attention cost 2x it would take 38 s, past every other worker (at 2x: 28 s kept, 26 s cut);
+    with margin 2 it stops at the k where it still stays below the kept worker at both ends of
+    the skew range: 2 + 2k <= 12 + 16 (k 13) and 2 + k / 2 <= 12 + 4 (k 28): k = 13."""
+    work = HandWork(t=[10, 20, 30], s=[1, 1, 2])
+    a = decide(work, skew_margin=2.0)
+    assert a.budgets[0] == pytest.approx(13.0, abs=1e-3)
+    assert a.budgets[2] == pytest.approx(3.0, abs=1e-3)  # the cut is the same
+    assert a.times_after.max() <= 20 + 1e-9
 
 
 def test_the_coverage_bound_stops_a_cut_empty_feasible_set():
@@ -125,7 +139,7 @@ def test_per_rank_reference_matches_the_vectorised_rule_on_top_k():
     oracle = Oracle()
     rng = np.random.default_rng(3)
     plan = [[MicroBatch((i,), (int(n),), (0.5,))] for i, n in enumerate(rng.integers(1000, 16000, 6))]
-    tuner = DSTTuner(DSTConfig(budget_tokens=1024), block_size=64)
+    tuner = DSTTuner(DSTConfig(budget_tokens=1024, skew_margin=1.0), block_size=64)
     dec = tuner.decide(plan, oracle)
     assert {r.role for r in dec.ranks} >= {"cut", "raised"}
     for r, mbs in enumerate(plan):

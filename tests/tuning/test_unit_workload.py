@@ -64,12 +64,18 @@ def test_dst_gives_a_unit_one_budget_and_never_slows_the_step(kind):
     a, knob, content = hybrid_assignment(kind, seed=2, long=(40000, 9000, 7000))
     work = _workload(a, fake_context(), knob, content, None)
     before = work.seconds(np.full(work.num_ranks, float(knob.base))).max()
-    for mode in ("down", "bidirectional"):
-        cfg = DSTConfig(**{**CONFIGS[kind].__dict__, "mode": mode, "anchor": "mean"})
+    for mode, margin in (("down", 1.0), ("bidirectional", 1.0), ("bidirectional", 2.0)):
+        cfg = DSTConfig(**{**CONFIGS[kind].__dict__, "mode": mode, "anchor": "mean", "skew_margin": margin})
         dec = DSTTuner(cfg, knob=knob).decide_arrays(work)
         assert dec.budgets.shape == (work.num_ranks,)
         assert dec.times_after.max() <= before * (1 + 1e-9)
         ranks = work.rank_seconds(dec.budgets)
         assert ranks.max() == pytest.approx(dec.times_after.max())
-        if mode == "bidirectional":
+        if mode == "bidirectional" and margin == 1.0:  # the model trusted: raises and cuts
             assert (dec.budgets > knob.base).any() and (dec.budgets < knob.base).any()
+            trusting = dec.budgets
+        elif mode == "bidirectional":  # the margin lowers raises only, never below the base
+            raised = trusting > knob.base
+            assert np.all(dec.budgets[raised] <= trusting[raised] + 1e-12)
+            assert np.all(dec.budgets[raised] >= knob.base)
+            assert np.array_equal(dec.budgets[~raised], trusting[~raised])

@@ -95,7 +95,7 @@ def _launch_all(args: argparse.Namespace, cfg, nproc: int) -> int:
         print(json.dumps(comparison, indent=2))
     else:
         text = path.read_text()
-        longdocs = [x for x in text.split("\n") if x.startswith(("Long documents", "Budgets"))]
+        longdocs = [x for x in text.split("\n") if x.startswith(("Long documents", "Budgets", "DST, "))]
         print("\n\n".join([text.split("\n\n")[1], *longdocs]) + f"\n\nreport: {path}")
     return 0
 

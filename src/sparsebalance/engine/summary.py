@@ -48,6 +48,25 @@ class Balance:
         )
 
 
+def _balance(times: np.ndarray) -> float:
+    peak = float(times.max())
+    return float(times.mean()) / peak if peak > 0 else 1.0
+
+
+def dst_balances(records: list[RankRecord]) -> dict[str, float]:
+    """:class:`StepReport`'s three balances of DST (predicted before and after, and the measured
+    one without DST, estimated) from every rank's record."""
+    before = np.array([r.predicted_before_s for r in records], dtype=np.float64)
+    after = np.array([r.predicted_s for r in records], dtype=np.float64)
+    measured = np.array([r.compute_s for r in records], dtype=np.float64)
+    ratio = np.divide(before, after, out=np.ones_like(before), where=after > 0)
+    return {
+        "balance_predicted_before": _balance(before),
+        "balance_predicted_after": _balance(after),
+        "balance_without_dst": _balance(measured * ratio),
+    }
+
+
 def derive_bubbles(records: list[RankRecord]) -> None:
     """Each rank's wait for the slowest, from compute times alone (``derived_bubble_s``)."""
     peak = max(r.compute_s for r in records)
@@ -90,6 +109,14 @@ class StepReport:
     """Predicted step time (slowest rank) at the base budget, before DST."""
     predicted_max_s: float
     """Predicted step time (slowest rank) at DST's budgets."""
+    balance_predicted_before: float
+    """Predicted balance (mean / max rank time) at the base budget: what SAB's plan promised."""
+    balance_predicted_after: float
+    """Predicted balance at DST's budgets: what DST promised."""
+    balance_without_dst: float
+    """An estimate of the measured balance had DST not run: each rank's measured time priced
+    back to the base budget by the latency model (``compute_s x predicted_before_s /
+    predicted_s``); beside :attr:`efficiency` (measured, with DST) it says whether DST paid."""
     plan_hash: str
     strategy: str
     dst_mode: str
@@ -174,6 +201,7 @@ class StepReport:
             dst_budget_given=decision.budget_given,
             predicted_max_before_s=decision.step_seconds_before,
             predicted_max_s=decision.step_seconds_after,
+            **dst_balances(records),
             plan_hash=tuned.planned.plan_hash,
             strategy=strategy,
             dst_mode=dst_mode,

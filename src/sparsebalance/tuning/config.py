@@ -64,6 +64,12 @@ class DSTConfig:
     """[--gamma-min] gamma: the lowest budget a cut may reach, in (0, gamma0]."""
     gamma_max: float = 0.99
     """[--gamma-max] gamma: the highest budget a raise may reach, in [gamma0, 1]."""
+    skew_margin: float = 2.0
+    """[--skew-margin] how far the latency model's split between attention and the rest may be
+    off, as a factor >= 1: a raise stops where the raised worker would pass the slowest other
+    worker if attention cost this many times more, or less, than predicted (a cut is safe
+    either way). 1 trusts the model fully. A latency profile measured on another load or machine
+    is off in this split, and a raise that overshoots makes a new straggler (issue 56)."""
     layer_feedback: bool = False
     """[--layer-feedback] CPU only: feed each layer's measured forward time (x 3 for its
     backward) into the per-layer choices of the rest of the step. Off by default: the choices
@@ -81,7 +87,7 @@ class DSTConfig:
             value = getattr(self, field)
             if value not in allowed:
                 raise ValueError(f"{name(field)} must be one of {', '.join(allowed)}, got {value!r}")
-        for field in ("p", "tolerance", "gamma0", "gamma_min", "gamma_max"):
+        for field in ("p", "tolerance", "skew_margin", "gamma0", "gamma_min", "gamma_max"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name(field)} must be a number, got {value!r}")
@@ -89,6 +95,8 @@ class DSTConfig:
                 raise ValueError(f"{name(field)} must be finite, got {value}")
         if not 0.0 <= self.p <= 1.0:
             raise ValueError(f"{name('p')} (the paper's p) must be in [0, 1], got {self.p}")
+        if not self.skew_margin >= 1.0:
+            raise ValueError(f"{name('skew_margin')} must be a number >= 1, got {self.skew_margin}")
         if self.tolerance < 0:
             raise ValueError(f"{name('tolerance')} must be >= 0, got {self.tolerance}")
         probes = self.layer_probes
@@ -168,6 +176,8 @@ class DSTConfig:
         else:
             budget = f"gamma0 {self.gamma0} in [{self.gamma_min}, {self.gamma_max}]"
         rule = f"p = {self.p}, anchor {self.anchor}, raise to {self.raise_to}"
+        if self.mode == "bidirectional" and self.skew_margin != 1.0:
+            rule += f" (safe for a {self.skew_margin:g}x skew)"
         if self.tolerance:
             rule += f", tolerance {self.tolerance}"
         return f"{budget}; DST {self.mode}: {rule}"

@@ -15,7 +15,10 @@ The rule, the SparseBalance paper's (``tolerance = 0``, ``raise_to = "anchor"``)
    more compression than the coverage bound allows) the worker is cut as far as the bound allows,
    ``v_cov``, and misses the target (the paper gives no rule for this case).
 3. Every other worker below the raise target (``raise_to = "anchor"``: ``T_anchor``; ``"step"``:
-   ``T'``, the step time after the cuts) is raised to the largest budget predicted within it.
+   ``T'``, the step time after the cuts) is raised to the largest budget predicted within it,
+   and no further than stays below the slowest other worker if attention cost ``skew_margin``
+   times more or less than predicted (:mod:`.skew`: a model off in its attention / rest split
+   must not turn a raise into a new straggler).
 
 Coverage at this level: the workload's coverage model when it has one (the simulator's); without
 one (the trainer, before the forward) ``v_cov`` is the knob's floor and the bound is enforced per
@@ -46,6 +49,7 @@ from .microbatch_dst import RankLevel, decide_microbatches
 from .pipeline_workload import PipelineWorkload
 from .plan_workload import PlanWorkload, StepWorkload
 from .records import CUT, KEPT, RAISED, RankDecision, StepDecision, StepTargets
+from .skew import safe_raises
 
 __all__ = ["ANCHORS", "MODES", "DSTConfig", "DSTTuner", "RankWorkload", "add_dst_arguments"]
 
@@ -207,7 +211,10 @@ class DSTTuner:
     ) -> RankDecision:
         """One rank's budget given the shared ``targets`` (needs only its own micro-batches):
         the per-rank reference of :meth:`decide` (no coverage model), one scalar search per
-        rank."""
+        rank. The rule without the skew margin only (``skew_margin`` 1): a guarded raise reads
+        the other workers' decided budgets (:mod:`.skew`)."""
+        if self.config.skew_margin != 1.0 and self.config.mode == "bidirectional":
+            raise ValueError("decide_rank is the per-rank reference of the rule with skew_margin 1")
         knob = self.knob
         w = self.workload(microbatches, cost_model)
         role = targets.roles[rank]
@@ -332,6 +339,8 @@ class DSTTuner:
         hi = np.maximum(knob.upper(work.max_lengths), base)
         lim_up = targets.raise_seconds
         value = np.where(raised, search_many(knob, lambda v, s: work.seconds(v, s) - lim_up, base, hi, raised), value)
+        if not isinstance(work, PipelineWorkload):  # makespans are not additive in the attention
+            value = safe_raises(work, knob, value, raised, base, self.config.skew_margin)
         arrays = StepArrays(
             targets=targets,
             budgets=value,
