@@ -18,6 +18,7 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from typing import NoReturn
 
+from . import cli_spec
 from .flags import command_line, plain_text, shown_default
 
 # command -> (module under sparsebalance.commands, one-line help)
@@ -59,6 +60,23 @@ class HelpFormatter(argparse.HelpFormatter):
         text = " ".join(text.split())
         return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
 
+    def _format_usage(self, usage, actions, groups, prefix) -> str:
+        text = super()._format_usage(usage, actions, groups, prefix)
+        if usage is not None or text.count("\n") <= 5:
+            return text
+        # dozens of flags: the synopsis; --help lists them below, in groups
+        words = [
+            self._format_args(a, self._get_default_metavar_for_positional(a)) for a in actions if not a.option_strings
+        ]
+        return f"{prefix or 'usage: '}{' '.join([self._prog, *words, '[flags]'])}\n\n"
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings or action.nargs == 0:
+            return super()._format_action_invocation(action)
+        # "--dst.mode, --dst-mode {off,down,bidirectional}": the value once, not once per alias
+        value = self._format_args(action, self._get_default_metavar_for_optional(action))
+        return f"{', '.join(action.option_strings)} {value}"
+
     def _get_help_string(self, action: argparse.Action) -> str:
         text = plain_text(action.help or "")
         default = action.default
@@ -86,6 +104,7 @@ class Parser(argparse.ArgumentParser):
         return parsed
 
     def error(self, message: str) -> NoReturn:
+        message = _choice_hint(message)
         usage = self.format_usage()
         if usage.count("\n") > 3:  # dozens of flags: the synopsis, not all of them
             formatter = self._get_formatter()
@@ -94,6 +113,20 @@ class Parser(argparse.ArgumentParser):
             usage = f"usage: {' '.join([self.prog, *words])} [flags] (--help lists them)\n"
         self._print_message(usage, sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+_INVALID_CHOICE = re.compile(r"^(argument \S+): invalid choice: '(.*)' \(choose from (.*)\)$", re.DOTALL)
+
+
+def _choice_hint(message: str) -> str:
+    """argparse's ``invalid choice`` message with the closest choice named, the choices plain:
+    ``argument --strategy: invalid choice 'sabb'; did you mean sab? (one of auto, sequential, ...)``."""
+    found = _INVALID_CHOICE.match(message)
+    if found is None:
+        return message
+    flag, word, listed = found.groups()
+    choices = [c.strip().strip("'") for c in listed.split(",")]
+    return f"{flag}: invalid choice {word!r}{_did_you_mean(word, choices)} (one of {', '.join(choices)})"
 
 
 def command_word(argv: Sequence[str]) -> str | None:
@@ -156,9 +189,12 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] | None = None, specs: dict | None = None) -> argparse.ArgumentParser:
     """The whole command line; ``commands``: the commands whose flags are added (their modules
-    imported), default all of them. The others are listed with their one-line help only."""
+    imported), default all of them. The others are listed with their one-line help only.
+    ``specs``: command -> its flags as data (:mod:`.cli_spec`), added without importing it (a
+    parser that answers ``--help`` and refuses, but has no command to run)."""
+    specs = specs or {}
     load = set(COMMANDS if commands is None else commands)
     parser = Parser(
         prog="sparsebalance",
@@ -169,6 +205,17 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
     parser.add_argument("--version", action=_Version, help="print the versions and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
+        if name in specs:
+            spec = specs[name]
+            p = sub.add_parser(
+                name,
+                help=help_text,
+                description=spec["description"],
+                epilog=spec["epilog"],
+                formatter_class=HelpFormatter,
+            )
+            cli_spec.rebuild(p, spec)
+            continue
         if name not in load:
             sub.add_parser(name, help=help_text, formatter_class=HelpFormatter)
             continue
@@ -183,6 +230,9 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     command = command_word(argv)
+    spec = cli_spec.load(command) if command in COMMANDS else None
+    if spec is not None:  # --help, a mistyped flag, a wrong type or choice: answered (and exits) here
+        build_parser([], {command: spec}).parse_args(argv)
     args = build_parser([command] if command in COMMANDS else []).parse_args(argv)
     try:
         with command_line():  # messages name the flags typed, not the Python fields

@@ -43,7 +43,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,8 @@ def add_arguments(
     title: str = "",
     skip: Collection[str] = (),
     exclusive: Sequence[Sequence[str]] = (),
+    choices: Mapping[str, Sequence[str]] | None = None,
+    sections: Sequence[tuple[str, Sequence[str]]] = (),
 ) -> dict[str, Any]:
     """Add one flag per field of ``cls`` (and its sections) to ``parser``; all default to unset.
 
@@ -122,26 +124,46 @@ def add_arguments(
         skip: dests (``"lengths.lengths"``) the caller parses itself.
         exclusive: groups of dests that may not be given together (argparse's mutually
             exclusive groups).
+        choices: dest -> the values a flag takes (``--help`` shows them; argparse refuses others
+            before the command's modules are imported).
+        sections: ``(title, dests)`` argument groups for ``--help``, in order; a dest that is a
+            config section (``"dst"``) takes all of its flags. Other flags go under ``title``.
 
     Returns:
         dest -> its mutually exclusive group, for a caller that adds its own flag to one.
     """
+    choices = choices or {}
     group = parser.add_argument_group(title) if title else parser
+    titled = [(parser.add_argument_group(t), tuple(dests)) for t, dests in sections]
+
+    def home(dest: str):
+        for target, dests in titled:
+            if any(dest == d or dest.startswith(f"{d}.") for d in dests):
+                return target
+        return group
+
     groups = {}
     for names in exclusive:
-        shared = parser.add_mutually_exclusive_group()
+        shared = home(names[0]).add_mutually_exclusive_group()
         groups.update(dict.fromkeys(names, shared))
     for opt in options(cls, prefix):
         if opt.dest in skip:
             continue
-        target = groups.get(opt.dest, group)
+        target = groups.get(opt.dest) or home(opt.dest)
         text = help_text(opt).replace("%", "%%")  # argparse %-formats help
         names = [opt.flag, *opt.aliases]
         if _base(opt.kind) is bool:
             target.add_argument(*names, dest=opt.dest, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
+            allowed = choices.get(opt.dest)
             target.add_argument(
-                *names, dest=opt.dest, type=_converter(opt.kind), default=None, help=text, metavar=opt.path[-1].upper()
+                *names,
+                dest=opt.dest,
+                type=_converter(opt.kind),
+                default=None,
+                help=text,
+                choices=allowed,
+                metavar=None if allowed else opt.path[-1].upper(),  # the choices: {a,b,c}
             )
     return groups
 
@@ -438,7 +460,7 @@ def _converter(kind: Any):
         ):
             return None
         size = None if len(args) == 2 and args[1] is Ellipsis else len(args)
-        return _comma_list(item, size)
+        return CommaList(item, size)
     return None
 
 
@@ -451,8 +473,16 @@ def _int_or_str(text: str) -> int | str:
         return text
 
 
-def _comma_list(item: type, size: int | None):
-    def parse(text: str) -> tuple:
+class CommaList:
+    """The argparse ``type=`` of a tuple field: a comma list of ``item`` (``size`` of them, or any
+    number when None)."""
+
+    def __init__(self, item: type, size: int | None) -> None:
+        self.item, self.size = item, size
+        self.__name__ = f"{item.__name__} list"  # argparse names the type in its messages
+
+    def __call__(self, text: str) -> tuple:
+        item, size = self.item, self.size
         try:
             out = tuple(
                 item(x.strip().replace("_", "") if item is not str else x.strip()) for x in text.split(",") if x.strip()
@@ -462,6 +492,3 @@ def _comma_list(item: type, size: int | None):
         if size is not None and len(out) != size:
             raise argparse.ArgumentTypeError(f"expected {size} comma-separated values, got {text!r}")
         return out
-
-    parse.__name__ = f"{item.__name__} list"
-    return parse

@@ -49,7 +49,6 @@ def test_lengths_file_with_densities(tmp_path, capsys):
     [
         (["--world-size", "0", "--micro-batches", "2"], "--world-size"),
         (["--world-size", "4", "--micro-batches", "2", "--strategy", "fastest"], "--strategy"),
-        (["--world-size", "4"], "exactly one of --micro-batches"),
         (["--world-size", "4", "--micro-batches", "2", "--steps", "0"], "--steps"),
         (["--world-size", "4", "--micro-batches", "2", "--tolerance", "-1"], "--tolerance"),
     ],

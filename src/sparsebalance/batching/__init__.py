@@ -24,10 +24,11 @@ from .estimate import (
     mape,
 )
 from .plan import Plan, PlanMetrics
-from .planner import OVERLONG, STRATEGIES, PlanConfig, plan_batch
+from .planner import DEFAULT_CAPACITY, OVERLONG, STRATEGIES, PlanConfig, plan_batch
 from .units import Unit, check_units
 
 __all__ = [
+    "DEFAULT_CAPACITY",
     "ESTIMATORS",
     "OVERLONG",
     "STRATEGIES",

@@ -58,6 +58,9 @@ from .strategies import (
 
 STRATEGIES = ("sequential", "sorted", "lbb", "tokens", "flops", "sab", "sab-cp")
 OVERLONG = ("split", "truncate", "skip")
+DEFAULT_CAPACITY = 4096
+"""Tokens per micro-batch when neither a capacity nor a micro-batch count is given: ``train``'s,
+``plan``'s and ``simulate``'s alike."""
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,13 @@ beyond ``ceil(L / C)``), and documents that fit on no R ranks follow ``--overlon
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import numpy as np
 
 from ..batching import (
+    DEFAULT_CAPACITY,
     OVERLONG,
     STRATEGIES,
     HistoryEstimator,
@@ -54,8 +56,13 @@ from ..tuning.config import DEFAULT_BUDGET_TOKENS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", required=True, metavar="FILE", help="lengths / JSON / jsonl file")
-    p.add_argument("--world-size", type=int, required=True, metavar="R", help="ranks")
+    p.add_argument(
+        "--lengths",
+        default=None,
+        metavar="FILE",
+        help="lengths / JSON / jsonl file (default: the first global batch train draws from its built-in data)",
+    )
+    p.add_argument("--world-size", type=int, default=2, metavar="R", help="ranks (default: 2, train's on a CPU)")
     _add_capacity_arguments(p)
     _add_cost_arguments(p)
     p.add_argument("--strategy", default="all", help=f"one of {', '.join(STRATEGIES)}, or all")
@@ -77,12 +84,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_capacity_arguments(p: argparse.ArgumentParser) -> None:
     """The per-rank bound: --micro-batches M or --capacity C (auto: the memory model's, from the run's settings)."""
-    group = p.add_mutually_exclusive_group(required=True)
+    group = p.add_mutually_exclusive_group()
     group.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches per rank")
     group.add_argument(
         "--capacity",
         metavar="C",
-        help="tokens per micro-batch, or auto (the memory model's largest within --memory-budget)",
+        help="tokens per micro-batch, or auto (the memory model's largest within --memory-budget); "
+        f"default: {DEFAULT_CAPACITY}, train's, unless --micro-batches is given",
     )
     p.add_argument(
         "--memory-budget",
@@ -189,13 +197,28 @@ def _plan_configs(args) -> tuple[list[PlanConfig], int | None, MemoryBound | Non
 
 
 def _read_samples(args) -> tuple[list, np.ndarray | None]:
-    """The samples of ``--lengths`` (and their densities, if the file has them), shuffled with ``--seed``."""
+    """The samples of ``--lengths`` (and their densities, if the file has them), shuffled with
+    ``--seed``; without it, the first global batch ``train`` draws from its built-in data."""
+    if args.lengths is None:
+        return builtin_batch(), None
     samples, densities = read_lengths(args.lengths, args.text_field)
     if args.seed is not None:
         order = np.random.default_rng(args.seed).permutation(len(samples))
         samples = [samples[i] for i in order]
         densities = None if densities is None else densities[order]
     return samples, densities
+
+
+def builtin_batch() -> list:
+    """What ``sparsebalance train`` with its defaults trains first: the first global batch of its
+    built-in synthetic data, drawn as its data order draws it (seed, sizes: its defaults)."""
+    from ..data import load_corpus, load_tokenizer
+    from ..data.batches import BatchSource
+    from ..train.config import TrainConfig
+
+    d = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    corpus = load_corpus(None, load_tokenizer(d["tokenizer"]), d["text_field"], d["num_builtin"], d["seed"], None, None)
+    return BatchSource(corpus, d["seed"], d["global_batch"]).next_batch()
 
 
 def _cost_model(args, memory: MemoryBound | None):
@@ -235,8 +258,9 @@ def _print_plans(args, result: dict, plans: list, memory: MemoryBound | None) ->
             f" (--capacity auto: predicted peak {peak / GIB:.2f} of "
             f"{memory.budget_bytes / GIB:.2f} GiB, {memory.model.c.name})"
         )
+    lengths = args.lengths or "train's first global batch of its built-in data"
     print(
-        f"{result['num_samples']} samples, {result['num_tokens']} tokens, R = {args.world_size}, {bound}\n"
+        f"{result['num_samples']} samples ({lengths}), {result['num_tokens']} tokens, R = {args.world_size}, {bound}\n"
         f"cost model: {result['cost_model']}; densities: {result['densities']}\n"
     )
     print(format_table(plans))
@@ -248,8 +272,8 @@ def _print_plans(args, result: dict, plans: list, memory: MemoryBound | None) ->
 
 def _capacity(args) -> tuple[int | None, MemoryBound | None]:
     """``--capacity`` as a token count, or ``auto``'s: (C, the memory bound it came from)."""
-    if args.capacity is None:
-        return None, None
+    if args.capacity is None:  # --micro-batches M, or train's default capacity
+        return (DEFAULT_CAPACITY if args.micro_batches is None else None), None
     if str(args.capacity) != "auto":
         try:
             return int(args.capacity), None

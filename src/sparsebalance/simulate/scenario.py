@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .. import flags
+from ..batching import DEFAULT_CAPACITY
 from ..batching.schedule import balanced_layers, head_layers, stage_layers
 from ..latency import (
     ACCELERATORS,
@@ -53,7 +54,8 @@ class SimConfig:
     micro_batches: int | None = None
     """[--micro-batches] micro-batches per rank M; exactly one of this and ``capacity``."""
     capacity: int | None = None
-    """[--capacity] token capacity per micro-batch C."""
+    """[--capacity] token capacity per micro-batch C (default: train's, 4096, unless
+    --micro-batches is given)."""
     samples_per_rank: int = 8
     """[--samples-per-rank] documents per rank per step: the global batch is R x this (>= 1)."""
     steps: int = 20
@@ -120,8 +122,10 @@ class SimConfig:
         for r in self.world_sizes:
             if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
                 raise ValueError(f"--world-size values must be integers >= 1, got {r!r}")
-        if (self.micro_batches is None) == (self.capacity is None):
-            raise ValueError("give exactly one of --micro-batches M and --capacity C")
+        if self.micro_batches is None and self.capacity is None:  # train's default bound
+            object.__setattr__(self, "capacity", DEFAULT_CAPACITY)
+        if self.micro_batches is not None and self.capacity is not None:
+            raise ValueError("give one of --micro-batches M and --capacity C, not both")
         for flag, v in (("--micro-batches", self.micro_batches), ("--capacity", self.capacity)):
             if v is not None and v <= 0:
                 raise ValueError(f"{flag} must be >= 1, got {v}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .. import flags
-from ..batching import ESTIMATORS, OVERLONG, STRATEGIES
+from ..batching import DEFAULT_CAPACITY, ESTIMATORS, OVERLONG, STRATEGIES
 from ..data.mixture import parse_mixture
 from ..engine.kernel import resolve_block_size
 from ..engine.parallelize import FSDP_GRADIENT_SYNC, MEASURE_BUBBLE, PARALLEL
@@ -26,13 +26,31 @@ from ..models.checkpointing import MODES as CHECKPOINT_MODES
 from ..ops import resolve_backend
 from ..ops.loss import LOSS_IMPLS
 from ..precision import PRECISIONS
-from ..tuning import DSTConfig
+from ..tuning import ANCHORS, BUDGETS, MODES, RAISE_TO, DSTConfig
 
 ZERO_OK = ("checkpoint_every", "keep_checkpoints", "max_nonfinite_steps")
 RUN_STATE = ("metrics.jsonl", "checkpoints", "tensorboard")
 """What a run's ranks write while training: a folder holding any of it holds an earlier run."""
 RUN_FILES = (*RUN_STATE, "config.json", "launch-config.json", "report.md", "comparison.json")
 """What ``--overwrite`` deletes of an earlier run (the rest is rewritten)."""
+DST_CHOICES = {"dst.mode": MODES, "dst.anchor": ANCHORS, "dst.budget": BUDGETS, "dst.raise_to": RAISE_TO}
+"""The DST flags that take one of a few words (``--help`` lists them; others are refused)."""
+CHOICES = {
+    "on_bad_record": ("error", "skip"),
+    "activation_checkpointing": CHECKPOINT_MODES,
+    "loss": LOSS_IMPLS,
+    "overlong": OVERLONG,
+    "strategy": ("auto", *STRATEGIES),
+    "estimator": ESTIMATORS,
+    "precision": PRECISIONS,
+    "schedule": ("cosine", "linear", "constant"),
+    "parallel": PARALLEL,
+    "fsdp_gradient_sync": FSDP_GRADIENT_SYNC,
+    "measure_bubble": MEASURE_BUBBLE,
+    "device": ("auto", "cpu", "cuda"),
+}
+"""The fields that take one of a few words: checked here (the Python API, a --config file) and by
+the command line's parser (``--help`` lists them)."""
 
 
 @dataclass
@@ -63,7 +81,7 @@ class TrainConfig:
     """Documents per step, over all ranks."""
     micro_batches: int | None = None
     """Micro-batches per rank (exclusive with --capacity)."""
-    capacity: int | str | None = 4096
+    capacity: int | str | None = DEFAULT_CAPACITY
     """Token capacity per micro-batch (the memory bound), or ``auto``: the largest whose peak the
     memory model predicts within --memory-budget."""
     memory_budget: str | None = None
@@ -176,16 +194,8 @@ class TrainConfig:
         self._check_counts()
         self._check_memory_options()
         self._check_strategy()
-        self._check_choices(
-            estimator=ESTIMATORS,
-            overlong=OVERLONG,
-            parallel=PARALLEL,
-            measure_bubble=MEASURE_BUBBLE,
-            precision=PRECISIONS,
-            schedule=("cosine", "linear", "constant"),
-            device=("auto", "cpu", "cuda"),
-            on_bad_record=("error", "skip"),
-        )
+        keys = ("estimator", "overlong", "parallel", "measure_bubble", "precision", "schedule", "device")
+        self._check_choices(**{k: CHOICES[k] for k in (*keys, "on_bad_record")})
         self._check_optimizer()
         self._resolve_block_size()
         self._check_runtime()
@@ -361,7 +371,7 @@ class TrainConfig:
                 raise self._renamed(err, "memory_budget") from None
         elif self.capacity == "auto" and self.device == "cpu":
             raise ValueError(f"{flags.given(self, 'capacity', 'auto')} on CPU needs {n('memory_budget')} (e.g. 8GiB)")
-        self._check_choices(activation_checkpointing=CHECKPOINT_MODES, loss=LOSS_IMPLS)
+        self._check_choices(**{k: CHOICES[k] for k in ("activation_checkpointing", "loss")})
 
     @property
     def fsdp_sync_every_micro_batch(self) -> bool:

@@ -11,7 +11,26 @@ import sys
 
 from .. import flags
 from ..versions import CONFIG
-from .config import TrainConfig
+from .config import CHOICES, DST_CHOICES, TrainConfig
+
+SECTIONS = (
+    ("data", ("data", "text_field", "num_builtin", "min_len", "max_len", "on_bad_record", "tokenizer")),
+    ("steps and micro-batches", ("steps", "global_batch", "micro_batches", "capacity", "memory_budget", "overlong")),
+    ("balancing (SAB)", ("strategy", "cp", "estimator")),
+    ("sparsity budget and DST", ("dst",)),
+    ("model and attention", ("model", "block_size", "backend", "precision", "activation_checkpointing", "loss")),
+    (
+        "optimizer",
+        ("lr", "weight_decay", "warmup_steps", "schedule", "grad_clip", "max_nonfinite_steps", "seed"),
+    ),
+    (
+        "parallelism",
+        ("parallel", "fsdp_gradient_sync", "pp", "ranks_per_node", "comm_timeout", "measure_bubble"),
+    ),
+    ("device and measurement", ("device", "emulate_ranks", "deterministic", "per_doc_loss_weighting")),
+    ("run folder", ("out", "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "profile")),
+)
+"""``train --help`` in argument groups, in the order a user decides them."""
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,7 +41,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="TOML (or JSON) file: top-level keys = field names, DST options in a [dst] table",
     )
-    flags.add_arguments(p, TrainConfig)
+    flags.add_arguments(p, TrainConfig, choices={**CHOICES, **DST_CHOICES}, sections=SECTIONS)
 
 
 def config_from_args(args: argparse.Namespace, base: dict | None = None) -> TrainConfig:
