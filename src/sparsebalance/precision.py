@@ -74,10 +74,16 @@ def resolve_precision(precision: str, device: torch.device | str) -> Precision:
     return Precision(name, device.type)
 
 
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (``cpu`` / ``cuda``: the devices a run trains
+    on; torch has no autocast state for others, e.g. the ``meta`` stand-in device of the tests)."""
+    return device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)
+
+
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """The dtype q, k and v share in the attention: autocast's where it is on for their device,
     else the lowest-precision floating dtype among them (a projection's output)."""
     device_type = tensors[0].device.type
-    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+    if autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return min((t.dtype for t in tensors), key=lambda d: torch.finfo(d).bits)

@@ -27,6 +27,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..engine.kernel import resolve_block_size
@@ -34,6 +35,7 @@ from ..models import SUPPORTED_MODEL_TYPES, check_attention
 from ..models.attention import IMPLEMENTATION, LayerStats, PackedAttention, bind_context, register
 from ..models.shapes import SUPPORTED
 from ..ops import Budget, resolve_backend
+from ..transfer import upload
 from . import inference
 
 
@@ -41,8 +43,9 @@ class MicroBatchTicket:
     """A planned micro-batch's attention settings, carried in the batch as ``sb_attention``.
 
     Deliberately not a dataclass: DDP's input copy (``device_ids`` on CUDA) rebuilds dataclasses
-    and Trainer / accelerate pass other objects through untouched. ``attention.cu_seqlens`` is
-    moved to the device of the first layer's queries.
+    and Trainer / accelerate pass other objects through untouched. The collator builds
+    ``attention`` on the host; the first layer moves its pack to the queries' device
+    (:meth:`~sparsebalance.models.attention.PackedAttention.to_device`).
     """
 
     __slots__ = ("attention", "filler", "index", "key", "result", "step")
@@ -93,49 +96,58 @@ class AttachedRuntime:
     """The settings a caller chose (:func:`attach` leaves out those it defaulted): a later
     ``attach`` may still choose the others, until a planner is built."""
     _current: PackedAttention | None = field(default=None, repr=False)
+    _prepared: bool = field(default=False, repr=False)
 
     def resolve(self, module, query: torch.Tensor, sb_attention, kwargs: dict) -> PackedAttention:
         """The :class:`PackedAttention` of attention ``module``'s forward (bound to every
-        attention layer by :func:`attach`): a planned ticket's, or one built from the packed
-        arguments HF collators produce (:meth:`context`)."""
+        attention layer by :func:`attach`): a planned ticket's, or the one :meth:`prepare` built
+        for this forward from the packed arguments HF collators produce (a layer called outside
+        the model's forward builds it at its first layer, :meth:`context`)."""
         # transformers' attention modules carry layer_idx; a module without one counts as first
         first = int(getattr(module, "layer_idx", 0)) == 0
         if first:
             self.forwards += 1
         if isinstance(sb_attention, MicroBatchTicket):
-            ctx = sb_attention.attention
-            if ctx.cu_seqlens.device != query.device:
-                ctx.cu_seqlens = ctx.cu_seqlens.to(query.device)
-            return ctx
+            return sb_attention.attention  # the attention moves its pack to query's device
         if sb_attention is not None:
             raise TypeError(
                 f"sb_attention must be a MicroBatchTicket or PackedAttention, got {type(sb_attention).__name__}"
             )
-        return self.context(query, kwargs, first)
+        if self._current is None or (first and not self._prepared):
+            return self.context(query.shape[0], query.shape[2], query.device, kwargs)
+        return self._current
 
-    def context(self, query: torch.Tensor, kwargs: dict, first: bool) -> PackedAttention:
-        """The :class:`PackedAttention` of a forward without a ticket (module docstring), built
-        at its first layer and reused by the others (one host read of the offsets per forward)."""
-        if not first and self._current is not None:
-            return self._current
-        cu = kwargs.get("cu_seq_lens_q")
-        if cu is not None:
-            cu_k = kwargs.get("cu_seq_lens_k")
-            if cu_k is not None and not torch.equal(cu_k.to(cu.device), cu):
-                raise ValueError(
-                    "sparsebalance attention: cu_seq_lens_q and cu_seq_lens_k differ (only "
-                    "self-attention over packed documents is supported)"
-                )
-            cu = cu.to(device=query.device, dtype=torch.int32)
-        elif query.shape[0] != 1:
+    def prepare(self, args: tuple, kwargs: dict) -> None:
+        """Before a forward of the model (``model(*args, **kwargs)``) without a ticket: its
+        :class:`PackedAttention`, built once from the model's arguments (one read of the
+        offsets: before the first layer, so no layer reads anything); after it, :meth:`done`."""
+        self._prepared = False
+        if isinstance(kwargs.get("sb_attention"), MicroBatchTicket):
+            return
+        ids = args[0] if args else kwargs.get("input_ids")
+        ids = kwargs.get("inputs_embeds") if ids is None else ids
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+            self.context(ids.shape[0], ids.shape[1], ids.device, kwargs)
+            self._prepared = True
+
+    def done(self) -> None:
+        """After a forward: its context is not the next one's."""
+        self._current, self._prepared = None, False
+
+    def context(self, batch: int, total: int, device: torch.device, kwargs: dict) -> PackedAttention:
+        """The :class:`PackedAttention` of a forward without a ticket over ``batch`` rows of
+        ``total`` tokens (module docstring): its offsets read to the host once, the pack built
+        from them and uploaded (no further read)."""
+        if kwargs.get("cu_seq_lens_q") is None and batch != 1:
             raise ValueError(
                 f"sparsebalance attention runs packed batches (batch size 1 with cu_seq_lens_q or "
                 f"position_ids, as DataCollatorWithFlattening or sparsebalance's PackedCollator "
-                f"make them); got batch size {query.shape[0]}"
+                f"make them); got batch size {batch}"
             )
-        else:
-            cu = cu_from_positions(kwargs.get("position_ids"), query.shape[2], query.device)
-        self._current = PackedAttention(cu, self.budget, self.block_size, self.backend)
+        offsets = host_offsets(kwargs, total)
+        cu = upload(offsets, torch.device(device), torch.int32)
+        lengths = tuple(int(n) for n in np.diff(offsets))
+        self._current = PackedAttention(cu, self.budget, self.block_size, self.backend, lengths=lengths)
         self.stats = self._current.stats
         return self._current
 
@@ -146,19 +158,42 @@ class AttachedRuntime:
 _RUNTIMES: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[AttachedRuntime]] = weakref.WeakKeyDictionary()
 
 
-def cu_from_positions(position_ids: torch.Tensor | None, total: int, device) -> torch.Tensor:
-    """int32 ``(N + 1,)`` document offsets of a packed row: a document starts wherever
-    ``position_ids`` is 0 (``(1, T)``); without positions the row is one document of ``total``."""
+def host_offsets(kwargs: dict, total: int) -> np.ndarray:
+    """int64 ``(N + 1,)`` document offsets of a packed forward of ``total`` tokens, on the host,
+    in one read: ``cu_seq_lens_q`` (checked equal to ``cu_seq_lens_k``), else where
+    ``position_ids`` restart at 0, else one document."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        return positions_offsets(kwargs.get("position_ids"), total)
+    cu_k = kwargs.get("cu_seq_lens_k")
+    parts = [cu.reshape(-1)] + ([] if cu_k is None else [cu_k.reshape(-1).to(cu.device)])
+    host = torch.cat(parts).to("cpu", torch.int64).numpy()  # the read
+    offsets, rest = host[: cu.numel()], host[cu.numel() :]
+    if cu_k is not None and not np.array_equal(offsets, rest):
+        raise ValueError(
+            "sparsebalance attention: cu_seq_lens_q and cu_seq_lens_k differ (only "
+            "self-attention over packed documents is supported)"
+        )
+    return offsets
+
+
+def positions_offsets(position_ids: torch.Tensor | None, total: int) -> np.ndarray:
+    """int64 ``(N + 1,)`` offsets of a packed row, on the host: a document starts wherever
+    ``position_ids`` (``(1, T)``) is 0 (one read); without positions one document of ``total``."""
     if position_ids is None:
-        return torch.tensor([0, total], dtype=torch.int32, device=device)
+        return np.array([0, total], dtype=np.int64)
     pos = position_ids.reshape(-1)
     if pos.numel() != total:
         raise ValueError(f"position_ids holds {pos.numel()} positions for {total} tokens")
-    starts = torch.nonzero(pos == 0).flatten()
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        starts = torch.cat([starts.new_zeros(1), starts])
-    end = torch.tensor([total], device=starts.device, dtype=starts.dtype)
-    return torch.cat([starts, end]).to(device=device, dtype=torch.int32)
+    starts = np.flatnonzero(pos.to("cpu").numpy() == 0)  # the read
+    if starts.size == 0 or starts[0] != 0:
+        starts = np.concatenate([[0], starts])
+    return np.append(starts, total).astype(np.int64)
+
+
+def cu_from_positions(position_ids: torch.Tensor | None, total: int, device) -> torch.Tensor:
+    """int32 ``(N + 1,)`` document offsets of a packed row on ``device`` (:func:`positions_offsets`)."""
+    return upload(positions_offsets(position_ids, total), torch.device(device), torch.int32)
 
 
 def check_model(model: torch.nn.Module) -> None:

@@ -62,8 +62,9 @@ def needs_dense(model: torch.nn.Module, kwargs: dict) -> bool:
 
 def install(model: torch.nn.Module, runtime) -> None:
     """Route ``model``'s cached or padded inference forwards to its own attention (the one it
-    has now, before ``attach`` switches it; ``sdpa`` if that is ours or a paged one): two
-    hooks."""
+    has now, before ``attach`` switches it; ``sdpa`` if that is ours or a paged one), and let
+    the runtime build a forward's pack before its layers (:meth:`~.attach.AttachedRuntime.
+    prepare`): two hooks."""
     before = model.config._attn_implementation
     if before not in (None, IMPLEMENTATION, "eager_paged", "sdpa_paged"):
         runtime.dense_implementation = before  # e.g. eager or flash_attention_2
@@ -73,9 +74,12 @@ def install(model: torch.nn.Module, runtime) -> None:
         stack = contextlib.ExitStack()
         if needs_dense(module, kwargs):
             stack.enter_context(dense_attention(module, runtime))
+        else:  # the sparse op: the forward's pack, read once before its layers
+            runtime.prepare(args, kwargs)
         switched.append(stack)
 
     def after(module, args, kwargs, output):
+        runtime.done()
         if switched:
             switched.pop().close()
 

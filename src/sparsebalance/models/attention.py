@@ -52,7 +52,7 @@ from ..parallel import (
     hierarchical_ring_attention,
     ring_attention,
 )
-from ..precision import compute_dtype
+from ..precision import autocast_enabled, compute_dtype
 
 IMPLEMENTATION = "sparsebalance"
 
@@ -238,6 +238,17 @@ class PackedAttention:
             low = self.min_budget if self.choose_budget is not None else self.budget
             self._all_covered = low is not None and all(low.dense_documents(self._pack, self.dense_from))
 
+    def to_device(self, device: torch.device) -> None:
+        """Put the pack's offsets and index on ``device`` (the activations'), in place. A
+        collator builds the context on the host before the batch reaches the device (HF
+        Trainer, TRL, accelerate, plain loops); the first layer of the forward moves it, once
+        per micro-batch, with a pinned non-blocking copy of the offsets (the index's tables are
+        then built on ``device``, from the host's facts: nothing is read back)."""
+        if self._pack is None:
+            self._pack = PackIndex.build(self.cu_seqlens, self.block_size, self.lengths)
+        self._pack = self._pack.to(device)
+        self.cu_seqlens = self._pack.cu_seqlens
+
     @property
     def pack(self) -> PackIndex:
         """The pack's index, built with the context, before the forward: every layer, the
@@ -297,6 +308,8 @@ def sparsebalance_attention(
                 "call sparsebalance.attach(model) to run it inside another trainer"
             )
         sb_attention = resolve(module, query, sb_attention, kwargs)
+    if sb_attention.cu_seqlens.device != query.device:  # built on the host by a collator
+        sb_attention.to_device(query.device)
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise ValueError(
             "the 'sparsebalance' attention implements full document-causal attention: this "
@@ -310,7 +323,7 @@ def sparsebalance_attention(
     q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (T, H, D)
     # Selection and the op compute in q/k/v's dtype with their own float32 accumulators: the
     # same numbers inside and outside autocast (a backward runs outside it anyway).
-    if torch.is_autocast_enabled(q.device.type):
+    if autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):
             out = _layer(sb_attention, module, q, k, v, scaling)
     else:

@@ -13,9 +13,11 @@ caller's loss scale) are unchanged. Implementations (``impl``):
   repeated in the backward: ~+1/3 of the head's FLOPs).
 - ``"liger"``: Liger-Kernel's fused linear cross-entropy (CUDA, ``pip install liger-kernel``; it
   computes the gradients in its forward). It has no per-token weights, so it is used only where
-  every weight is 1.
-- ``"auto"``: ``liger`` where it is installed, the tensors are on CUDA and the weights are all 1;
-  ``chunked`` otherwise. :func:`resolve_loss` says which one a call will use.
+  every weight is 1. It reads its target count back to the host in every call
+  (``target_mask.sum().item()``, liger-kernel 0.8.5 ``fused_linear_cross_entropy.py:132``): one
+  wait for the device per micro-batch, so only an explicit ``--loss liger`` runs it.
+- ``"auto"``: ``chunked`` on every device (it reads nothing back). :func:`resolve_loss` says
+  which one a call will use.
 
 Precision: under autocast (``--precision bf16|fp16``) ``chunked`` computes its logits GEMMs in
 the autocast dtype, explicitly and identically in its forward and its backward on CPU and CUDA
@@ -26,7 +28,11 @@ accumulation; ``plain`` follows autocast. Liger needs ``liger-kernel >= 0.5.3`` 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from ..precision import autocast_enabled
 
 LOSS_IMPLS = ("auto", "chunked", "plain", "liger")
 IGNORE_INDEX = -100
@@ -56,9 +62,8 @@ def resolve_loss(impl: str, device: torch.device, uniform_weights: bool) -> str:
             raise ValueError("--loss liger needs CUDA and the liger-kernel package")
         if not uniform_weights:
             raise ValueError("--loss liger has no per-token weights: use chunked with --per-doc-loss-weighting")
-    if impl == "auto":
-        use_liger = device.type == "cuda" and uniform_weights and liger_available()
-        return "liger" if use_liger else "chunked"
+    if impl == "auto":  # never Liger: its .item() makes the host wait once a micro-batch
+        return "chunked"
     return impl
 
 
@@ -129,6 +134,8 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def _no_autocast(t: torch.Tensor):
+    if not autocast_enabled(t.device.type):  # also a device without autocast (meta)
+        return contextlib.nullcontext()
     return torch.autocast(t.device.type, enabled=False)
 
 
@@ -136,7 +143,7 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The lm-head GEMM's dtype: autocast's where it is on for the device, else the inputs'
     (promoted: float32 hidden with a float32 head stays float32)."""
     kind = hidden.device.type
-    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+    if autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return torch.promote_types(hidden.dtype, weight.dtype)
 

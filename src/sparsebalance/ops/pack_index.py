@@ -161,14 +161,22 @@ class PackIndex:
         return self.memo("doc_block_bounds", lambda: (self.upload(first), self.upload(last + 1)))
 
     def to(self, device: torch.device | str) -> PackIndex:
-        """The same pack with its device tensors on ``device`` (host facts shared)."""
+        """The same pack with its device tensors on ``device`` (host facts shared; its tables
+        are built there when first asked for). From the host the offsets are uploaded from the
+        host's own copy (pinned, non-blocking: a pageable copy to CUDA would wait for the
+        stream)."""
         device = torch.device(device)
         if device == self.device:
             return self
-        return self.memo(
-            ("to", device),
-            lambda: PackIndex(self.lengths, self.cu_seqlens.to(device, non_blocking=True), self.block_size),
-        )
+
+        def build() -> PackIndex:
+            if self.device.type == "cpu":
+                cu = upload(self.offsets, device, torch.int32)
+            else:
+                cu = self.cu_seqlens.to(device, non_blocking=True)
+            return PackIndex(self.lengths, cu, self.block_size)
+
+        return self.memo(("to", device), build)
 
     def upload(self, array: np.ndarray, dtype=torch.int64) -> torch.Tensor:
         """``array`` on the pack's device: a copy to the device, never a read back. On CUDA from

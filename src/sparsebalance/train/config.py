@@ -91,8 +91,8 @@ class TrainConfig:
     """off | full (every decoder layer rerun in the backward, reusing its sparse layout) |
     selective (only each layer's MLP rerun; attention keeps its activations)."""
     loss: str = "auto"
-    """LM loss: auto (liger on CUDA when installed and weights are 1, else chunked) | chunked
-    (never builds the T x V logits) | plain (full float32 logits) | liger."""
+    """LM loss: auto (chunked) | chunked (never builds the T x V logits, reads nothing back) |
+    plain (full float32 logits) | liger (CUDA; reads its target count back every micro-batch)."""
     overlong: str = "split"
     """Documents longer than the capacity: split | truncate | skip (counted in the metrics)."""
     strategy: str = "auto"
