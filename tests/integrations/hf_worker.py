@@ -182,7 +182,7 @@ def hf_run(tmp, name, dataset, profile, steps, resume=None, trl=False, **over) -
 
         trainer = HFTrainer(model=model, args=args, train_dataset=dataset, optimizers=(opt, None))
     runtime = sparsebalance.hf.enable(
-        trainer, capacity=CAPACITY, dst=DST, profile=profile, block_size=BLOCK, deterministic=True
+        trainer, capacity=CAPACITY, dst=DST, profile=profile, block_size=BLOCK, deterministic=True, log="all"
     )
     logs = LogRecorder()
     trainer.add_callback(logs.callback)  # after SparseBalance's (before it: test_hf_logs.py)

@@ -29,7 +29,7 @@ def _recorder():
     return Recorder()
 
 
-def _train(tmp_path, report_to: list[str], callbacks: list) -> tuple:
+def _train(tmp_path, report_to: list[str], callbacks: list, log="compact") -> tuple:
     from transformers import Trainer, TrainingArguments
 
     import sparsebalance.hf
@@ -63,6 +63,7 @@ def _train(tmp_path, report_to: list[str], callbacks: list) -> tuple:
         block_size=32,
         deterministic=True,
         dst=DSTConfig(mode="bidirectional", budget="gamma", gamma0=0.9, gamma_min=0.5, gamma_max=0.99),
+        log=log,
     )
     trainer.add_callback(after)
     trainer.train()
@@ -78,11 +79,15 @@ def _check(entry: dict) -> None:
 
 
 def test_telemetry_reaches_log_history_and_callbacks_in_any_order(tmp_path):
+    from sparsebalance.hf.callback import COMPACT
+
     trainer, before, after = _train(tmp_path, [], [])
     history = [e for e in trainer.state.log_history if "loss" in e]
     assert [e["step"] for e in history] == list(range(1, STEPS + 1))
     for entry in history:
         _check(entry)
+        # issue 55: the compact set by default (it was every number of the step, 27 keys)
+        assert {k for k in entry if k.startswith("sparsebalance/")} == {f"sparsebalance/{k}" for k in COMPACT}
     for recorder in (before, after):  # added before enable (report_to's place) and after it
         logs = [e for e in recorder.logs if "loss" in e]
         assert len(logs) == STEPS
@@ -147,7 +152,7 @@ def test_one_step_report_feeds_metrics_jsonl_and_log_history(tmp_path):
     (own,) = [x for x in lines if x["rank"] == "all"]
     own_keys = set(own) - {"rank"}
 
-    trainer, _, _ = _train(tmp_path, [], [])
+    trainer, _, _ = _train(tmp_path, [], [], log="all")
     (callback,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, SparseBalanceCallback)]
     step = callback.planner.history[-1]
     assert own_keys - OWN_LOOP_ONLY == set(step) - INTEGRATIONS_ONLY
@@ -155,3 +160,24 @@ def test_one_step_report_feeds_metrics_jsonl_and_log_history(tmp_path):
     numbers = {k for k, v in step.items() if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)}
     logged = [e for e in trainer.state.log_history if "loss" in e][-1]
     assert {k for k in logged if k.startswith("sparsebalance/")} == {f"sparsebalance/{k}" for k in numbers}
+
+
+def test_a_log_gets_the_numbers_asked_for():
+    """Issue 55: each log line printed 27 ``sparsebalance/*`` keys (~1,300 characters); by default
+    it gets the compact set (checked on a real run above), ``log="all"`` every number, or the
+    names asked for; a name that is no step number is refused in one line."""
+    from types import SimpleNamespace
+
+    from sparsebalance.hf import _log_keys
+    from sparsebalance.hf.callback import COMPACT, SparseBalanceCallback
+
+    step = {"step": 1, "efficiency": 0.9, "dst_budget_cut": 0.1, "plan_hash": "ab", "lr": 1e-3}
+    history = SimpleNamespace(history=[step])
+    for log, want in (("compact", {"efficiency"}), ("all", {"efficiency", "dst_budget_cut", "lr"})):
+        got = SparseBalanceCallback(history, keys=_log_keys(log)).log_values()
+        assert set(got) == {f"sparsebalance/{k}" for k in want}
+    two = SparseBalanceCallback(history, keys=_log_keys(["efficiency", "dst_budget_cut"])).log_values()
+    assert two == {"sparsebalance/efficiency": 0.9, "sparsebalance/dst_budget_cut": 0.1}
+    assert "efficiency" in COMPACT and len(COMPACT) <= 8
+    with pytest.raises(ValueError, match=r"log must be 'compact', 'all' or step numbers' names .*\['efficency'\]"):
+        _log_keys(["efficency"])

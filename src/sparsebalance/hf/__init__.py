@@ -34,12 +34,14 @@ be the attached model; the Trainer follows a changed ``max_steps`` / ``num_train
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 from transformers import Trainer
 
-from ..engine import DSTConfig
+from ..engine import DSTConfig, StepReport
 from ..integrations.attach import (
     AttachedRuntime,
     attach,
@@ -49,7 +51,7 @@ from ..integrations.attach import (
 )
 from ..integrations.planner import PlannerConfig
 from ..integrations.setup import build_sampler
-from .callback import SparseBalanceCallback
+from .callback import COMPACT, SparseBalanceCallback
 
 __all__ = ["SparseBalanceCallback", "enable"]
 
@@ -181,6 +183,7 @@ def enable(
     backend: str | None = None,
     deterministic: bool = False,
     lengths=None,
+    log: str | Sequence[str] = "compact",
 ) -> AttachedRuntime:
     """Make ``trainer`` plan, attend and tune with SparseBalance (see the module docstring).
 
@@ -207,6 +210,10 @@ def enable(
             ``auto``). Another value than an earlier ``attach`` chose is refused.
         deterministic: no measured time enters a decision (plans reproducible bit for bit).
         lengths: tokens per example if known (else read once from the dataset).
+        log: the ``sparsebalance/*`` numbers each training log gets: ``compact`` (default: the
+            balance, bubble, density, budgets and SparseBalance's own cost;
+            :data:`~.callback.COMPACT`), ``all`` (every number of the step, ~27), or a list of
+            names (``["efficiency", "dst_budget_cut"]``). ``runtime.planner.history`` keeps all.
 
     Returns:
         The :class:`~sparsebalance.integrations.attach.AttachedRuntime`; its ``planner.history``
@@ -216,10 +223,29 @@ def enable(
     _check_args(trainer.args)
     if trainer.train_dataset is None:
         raise ValueError("sparsebalance.hf.enable: the trainer has no train_dataset")
+    keys = _log_keys(log)
     runtime = _attach(trainer, block_size, backend)
     config = _planner_config(trainer.args, runtime, global_batch, capacity, strategy, overlong, dst, deterministic)
-    _install(trainer, runtime, config, profile, lengths, given=global_batch is not None)
+    _install(trainer, runtime, config, profile, lengths, given=global_batch is not None, keys=keys)
     return runtime
+
+
+def _log_keys(log: str | Sequence[str]) -> tuple[str, ...] | None:
+    """``enable``'s ``log=``: the step numbers a training log gets (None: all); refused in one
+    line when it names none of them."""
+    if log == "compact":
+        return COMPACT
+    if log == "all":
+        return None
+    names = (log,) if isinstance(log, str) else tuple(log)
+    known = {f.name for f in fields(StepReport)}
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(
+            f"sparsebalance.hf.enable: log must be 'compact', 'all' or step numbers' names (StepReport fields), "
+            f"got {unknown or log!r}"
+        )
+    return names
 
 
 def _attach(trainer, block_size: int | None, backend: str | None) -> AttachedRuntime:
@@ -262,7 +288,9 @@ def _planner_config(
     )
 
 
-def _install(trainer, runtime: AttachedRuntime, config: PlannerConfig, profile, lengths, *, given: bool) -> None:
+def _install(
+    trainer, runtime: AttachedRuntime, config: PlannerConfig, profile, lengths, *, given: bool, keys=COMPACT
+) -> None:
     """Build the balanced sampler (the latency profile measured here if none is cached), then
     give ``trainer`` the planned loader and the callback."""
     args = trainer.args
@@ -272,6 +300,6 @@ def _install(trainer, runtime: AttachedRuntime, config: PlannerConfig, profile, 
     )
     dataset, pad = trainer.train_dataset, _pad_token_id(trainer)
     fixed = _planned_args(args, config.global_batch, given)
-    callback = SparseBalanceCallback(sampler.planner, trainer, fixed)
+    callback = SparseBalanceCallback(sampler.planner, trainer, fixed, keys)
     trainer.get_train_dataloader = _planned_dataloader(trainer, runtime, sampler, callback, dataset, pad)
     trainer.add_callback(callback)

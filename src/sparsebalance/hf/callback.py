@@ -35,15 +35,38 @@ from transformers.trainer_callback import ExportableState
 from ..engine import log_values
 from ..engine.parallelize import ReadyClock
 
+COMPACT = (
+    "efficiency",
+    "bubble_fraction",
+    "plan_efficiency",
+    "mean_density",
+    "budget_mean",
+    "budget_min",
+    "budget_max",
+    "overhead_s",
+)
+"""The ``sparsebalance/*`` keys a training log gets by default (``log="compact"``): the balance
+measured and planned, the bubble, what attention kept, and what SparseBalance itself cost. The
+rest of a step's numbers (~27 in all) with ``log="all"``; every one stays in
+``planner.history``."""
+
 
 class SparseBalanceCallback(TrainerCallback, ExportableState):
     """See the module docstring; built by :func:`sparsebalance.hf.enable`."""
 
-    def __init__(self, planner=None, trainer=None, fixed: dict[str, tuple[object, str]] | None = None) -> None:
+    def __init__(
+        self,
+        planner=None,
+        trainer=None,
+        fixed: dict[str, tuple[object, str]] | None = None,
+        keys: tuple[str, ...] | None = COMPACT,
+    ) -> None:
         self.planner = planner
         self.trainer = trainer
         self.fixed = dict(fixed or {})
         """``TrainingArguments`` name -> (its value when the plan was built, why it matters)."""
+        self.keys = keys
+        """The step numbers a training log gets (under ``sparsebalance/``); None: all of them."""
         self._stamps: list[float] = []
         self._clock: ReadyClock | None = None
         self._logged = 0
@@ -97,7 +120,10 @@ class SparseBalanceCallback(TrainerCallback, ExportableState):
         none); what each training log gets."""
         values = log_values(self.planner.history, self._logged)
         self._logged = len(self.planner.history)
-        return values
+        if self.keys is None:
+            return values
+        wanted = {f"sparsebalance/{k}" for k in self.keys}
+        return {k: v for k, v in values.items() if k in wanted}
 
     def _hook_ddp(self) -> None:
         """Stamp when DDP hands the last gradient bucket over (the default all-reduce runs)."""
