@@ -152,3 +152,26 @@ def test_the_layers_realise_the_step_decision(tmp_path, mix):
             assert seconds <= rec.predicted_before_s * 1.02, f"rank {rec.rank}: above its base-budget time"
     before = max(rec.predicted_before_s for rec in result.records)
     assert max(realised) < before, f"realised slowest {max(realised):.4f} s, SAB's {before:.4f} s"
+
+
+def test_each_steps_layer_controller_prices_with_the_recalibrated_model():
+    """The per-layer decisions cache costs within a step only: the next step's controller prices
+    with the latency model as recalibrated by the measured step before (issue 56's question)."""
+    from sparsebalance.tuning import LayerController
+    from sparsebalance.workload import MicroBatch
+
+    model = _model()
+    config = DSTConfig(budget="top-k", budget_tokens=512)
+    knob = config.knob(64)
+    mb = MicroBatch((0, 1), (2048, 700), (0.5, 0.5))
+    dens = knob.density(np.array(mb.lengths), 1.0, float(knob.base))
+
+    def planned() -> float:
+        return float(LayerController([mb], model, config, 1.0, knob=knob, device="cpu").planned.sum())
+
+    before = planned()
+    assert before == pytest.approx(model.predict(list(mb.lengths), dens), rel=1e-9)
+    for _ in range(16):  # a step of micro-batches measured 2x slower than predicted
+        model.update(list(mb.lengths), dens, 2.0 * before)
+    assert planned() == pytest.approx(model.predict(list(mb.lengths), dens), rel=1e-9)
+    assert planned() > 1.7 * before
