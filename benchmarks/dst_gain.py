@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import sys
@@ -36,14 +35,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from table1 import write_store  # noqa: E402  (a sibling benchmark's token-store writer)
-
-from sparsebalance.engine.runtime import Runtime  # noqa: E402
-from sparsebalance.latency import load_profile  # noqa: E402
-from sparsebalance.results import markdown_table, write_results  # noqa: E402
-from sparsebalance.simulate.distributions import LengthDistribution  # noqa: E402
-from sparsebalance.train import TrainConfig, Trainer  # noqa: E402
-from sparsebalance.tuning import DSTConfig  # noqa: E402
+from sparsebalance.engine.runtime import Runtime
+from sparsebalance.latency import load_profile
+from sparsebalance.results import markdown_table, write_results
+from sparsebalance.simulate.distributions import LengthDistribution
+from sparsebalance.train import TrainConfig, Trainer
+from sparsebalance.tuning import DSTConfig
+from table1 import write_store  # a sibling benchmark's token-store writer
 
 MIXES = {
     "tasks": "the built-in long-context synthetic tasks (passkey, needle, key-value retrieval), 128-4,096 tokens",
@@ -84,7 +82,8 @@ def profile_for(args, tmp: Path) -> str | None:
     return str(out)
 
 
-def config(args, mix: str, seed: int, data: str | None, mode: str, out: Path, profile: str | None = None) -> TrainConfig:
+def config(args, mix: str, seed: int, data: str | None, mode: str, out: Path, profile: str | None = None):
+    """The :class:`TrainConfig` of one run of the pair."""
     return TrainConfig(
         data=data,
         num_builtin=512,
