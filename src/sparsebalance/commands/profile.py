@@ -234,6 +234,10 @@ def _measure(args, shapes, device, dtype, max_len, budget, threads, tokens) -> i
         quiet=True,
         threads=threads,
         layout=_layout(args),
+        announce=lambda s: print(
+            f"profile: measuring, about {s:.0f} s (estimated from a first timing here)", file=sys.stderr
+        ),
+        progress=True,
     )
     if args.measure_links:
         from ..latency.links import measure_p2p

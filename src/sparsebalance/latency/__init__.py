@@ -56,10 +56,12 @@ def default_latency_model(
     Order: a cached or shipped profile of this setup (:func:`find_profile`: the same
     fingerprint, measured for micro-batches at least as long); otherwise a profile for
     micro-batches up to ``max_len`` tokens (default: the model's context) is measured now (about
-    a minute on a 2-core CPU, see :mod:`.measure`), announced first in one line on stderr
-    (:func:`measuring_line`; ``given``: how the caller passes a profile instead, for that line),
-    its noise line printed after, and cached. The fingerprint holds the CPU ``threads`` the
-    profile is for (default: this process's count, what a trainer rank runs with), the block
+    a minute on a 2-core CPU at a few thousand tokens, longer for longer micro-batches, see
+    :mod:`.measure`), announced in one line on stderr once a first timing has estimated how long
+    it takes (:func:`measuring_line`; ``given``: how the caller passes a profile instead, for that
+    line), with a bar of the seconds on a terminal, its noise line printed after, and cached. The
+    fingerprint holds the CPU ``threads`` the profile is for (default: this process's count, what
+    a trainer rank runs with), the block
     size and the ``layout`` (``top-k`` for top-k budgets, ``threshold`` for gamma): a profile
     serves every budget of its layout kind, not another block size or kind (``docs/latency.md``).
     """
@@ -74,7 +76,10 @@ def default_latency_model(
     if found is not None:
         return LatencyModel(found)
     kept = _cache_writable(cache.parent, given, default=not (cache_dir or CACHE_DIR))
-    print(measuring_line(shapes.name, running, cache, budget_s, given), file=sys.stderr, flush=True)
+
+    def announce(seconds: float) -> None:  # a few seconds in: the pilot priced the design
+        print(measuring_line(shapes.name, running, cache, seconds, given), file=sys.stderr, flush=True)
+
     profile = measure_profile(
         shapes,
         device,
@@ -86,6 +91,8 @@ def default_latency_model(
         quiet=True,
         threads=running["threads"],
         layout=layout,
+        announce=announce,
+        progress=True,
     )
     redo = f"to measure again, delete {_home(cache)} and run when the machine is quieter (or pass {given})"
     print(noise_line(profile, redo=redo), file=sys.stderr, flush=True)
@@ -147,9 +154,10 @@ def find_profile(running: dict, paths: list[Path]) -> Profile | None:
     return best
 
 
-def measuring_line(model: str, running: dict, cache: Path, budget_s: float, given: str) -> str:
-    """The line said before a profile is measured: what, about how long, where it is kept, what
-    reuses it, how to skip it."""
+def measuring_line(model: str, running: dict, cache: Path, seconds: float, given: str) -> str:
+    """The line said before a profile is measured: what, about how long (``seconds``, estimated
+    on this machine: :func:`.wait.expected_seconds`), where it is kept, what reuses it, how to
+    skip it."""
     cpu = running["device_type"] == "cpu"
     threads = running["threads"]
     where = (
@@ -158,16 +166,19 @@ def measuring_line(model: str, running: dict, cache: Path, budget_s: float, give
         else f"{running['device_type']} ({running['device']})"
     )
     kind = "top-k" if running.get("layout") == "top-k" else "gamma"
-    # the timing budget, the pilot and the model's set-up; on CUDA the kernels compile first
-    seconds = 1.4 * budget_s + (0 if cpu else 30)
     top = running["max_len"]
     return (
         f"sparsebalance: measuring a latency profile for {model} on {where}, block size "
         f"{running['block_size']}, {kind} budgets, micro-batches up to {top:,} tokens: about "
-        f"{seconds:.0f} s; cached in {_home(cache)} for later runs with any {kind} budget and up "
-        f"to {top:,} tokens (another block size or budget kind measures its own); pass {given} "
-        "to skip it"
+        f"{_duration(seconds)} (estimated from a first timing here); cached in {_home(cache)} for later "
+        f"runs with any {kind} budget and up to {top:,} tokens (another block size or budget kind "
+        f"measures its own); pass {given} to skip it"
     )
+
+
+def _duration(seconds: float) -> str:
+    """``70 s``, ``7 min``: how long, as a person says it."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def _home(path: Path) -> str:

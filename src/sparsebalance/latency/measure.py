@@ -29,6 +29,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +54,7 @@ from .sweep import (
     time_interleaved,
     topk_batch,
 )
+from .wait import SecondsBar, expected_seconds
 
 TARGET_MAPE = 0.10  # the accuracy a profile is meant to reach on held-out micro-batches
 
@@ -81,6 +83,8 @@ def measure_profile(
     seed: int = 7,
     threads: int | None = None,
     layout: str = "threshold",
+    announce: Callable[[float], None] | None = None,
+    progress: bool = False,
 ) -> Profile:
     """Measure a :class:`Profile` for micro-batches of up to ``max_len`` tokens (default: the
     model's context) spending about ``budget_s`` seconds timing micro-batches, with ``threads``
@@ -89,7 +93,9 @@ def measure_profile(
     (up to :data:`MAX_ROUNDS`) follow while the budget lasts: a median over more rounds spread
     over a longer window is what keeps a slow phase of a shared machine out of the profile.
     ``layout``: the budget kind's layout shape, ``threshold`` (gamma) or ``top-k`` (every design
-    micro-batch then has top-k layouts and its realized densities)."""
+    micro-batch then has top-k layouts and its realized densities). ``announce`` is called with
+    the seconds measuring will take in all (:func:`~.wait.expected_seconds`) once the design is
+    chosen, a few seconds in; ``progress``: a bar of those seconds on a terminal."""
     if budget_s <= 0 or rounds < 2:
         raise ValueError(f"need budget_s > 0 and rounds >= 2, got {budget_s}, {rounds}")
     with torch_threads(threads if device.type == "cpu" else None):
@@ -106,6 +112,8 @@ def measure_profile(
             quiet,
             seed,
             layout,
+            announce,
+            progress,
         )
 
 
@@ -157,6 +165,8 @@ def _measure_profile(
     quiet,
     seed,
     layout,
+    announce=None,
+    progress=False,
 ) -> Profile:
     t_start = time.perf_counter()
     rig = _make_rig(shapes, device, dtype, backend, block_size, int(max_len or shapes.max_context), seed, layout)
@@ -165,21 +175,35 @@ def _measure_profile(
     design = choose_design(rig.top, block_size, cost, budget_s * DESIGN_SHARE, rounds + 1, rig.featurize, seed=seed)
     design = [rig.shaped(b) for b in design]
     t_pilot = time.perf_counter() - t_start
+    expected = expected_seconds(t_pilot, sum(cost(b) for b in design), budget_s, rounds)
+    if announce is not None:
+        announce(expected)
+    bar = SecondsBar(expected, t_start, enabled=progress)
+    fns = [rig.prep(b, i) for i, b in enumerate(design)]
+    warm = time.perf_counter()
+    for fn in fns:  # once untimed (a first call allocates); its time estimates the rest again
+        fn()
+        bar.tick()
+    warm = time.perf_counter() - warm
+    bar.retotal(expected_seconds(time.perf_counter() - t_start, warm, budget_s, rounds))
     timings = time_interleaved(
-        [rig.prep(b, i) for i, b in enumerate(design)],
+        fns,
         device,
         max(MAX_ROUNDS, rounds),
         min_rounds=rounds,
         budget_s=budget_s * ROUNDS_SHARE,
         seed=seed,
+        warmup=False,
+        tick=bar.tick,
     )
     x, y = rig.featurize(design), timings.median
     fit, dropped = fit_form_robust(x, y, noise=float(np.median(timings.cv)))
     left = budget_s - (time.perf_counter() - t_start)
-    x, y = _refine_design(rig, design, x, y, timings, fit, dropped, cost, left)
+    x, y = _refine_design(rig, design, x, y, timings, fit, dropped, cost, left, bar.tick)
     fit, rejected = _fit_floored(rig, x, y, timings)
     t_design = time.perf_counter() - t_start - t_pilot
     opt_s, num_params = _optimizer_seconds(rig.model, device)
+    bar.close()
     allreduce = measure_allreduce(num_params, allreduce_world_size) if allreduce_world_size > 1 else None
     meta = {
         "model": shapes.name,
@@ -188,7 +212,12 @@ def _measure_profile(
         "allreduce_world_size": allreduce_world_size or None,
         "max_len": rig.top,
     }
-    stages = {"pilot_seconds": t_pilot, "design_seconds": t_design, "rounds_seconds": timings.wall_seconds}
+    stages = {
+        "pilot_seconds": t_pilot,
+        "design_seconds": t_design,
+        "rounds_seconds": timings.wall_seconds,
+        "expected_seconds": expected,
+    }
     profile = _assemble_profile(
         rig, dtype, design, y, timings, fit, rejected, opt_s, allreduce, (meta, t_start, stages)
     )
@@ -233,7 +262,7 @@ def _pilot_cost(rig: _Rig):
     return cost
 
 
-def _refine_design(rig: _Rig, design, x, y, timings: Timings, fit, dropped, cost, left: float):
+def _refine_design(rig: _Rig, design, x, y, timings: Timings, fit, dropped, cost, left: float, tick=None):
     """Refinement: ``left`` seconds of budget go to up to 4 micro-batches like the worst
     leave-one-out point, timed as many rounds as the design; ``design`` and ``timings`` are
     extended in place, the extended features and medians returned."""
@@ -244,7 +273,11 @@ def _refine_design(rig: _Rig, design, x, y, timings: Timings, fit, dropped, cost
     extra = [b for b in extra if (left := left - timings.seconds.shape[0] * cost(b)) > 0][:4]
     if extra:
         more = time_interleaved(
-            [rig.prep(b, 100 + i) for i, b in enumerate(extra)], rig.device, timings.seconds.shape[0], seed=rig.seed + 1
+            [rig.prep(b, 100 + i) for i, b in enumerate(extra)],
+            rig.device,
+            timings.seconds.shape[0],
+            seed=rig.seed + 1,
+            tick=tick,
         )
         design += extra
         x = np.vstack([x, rig.featurize(extra)])

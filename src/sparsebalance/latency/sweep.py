@@ -115,20 +115,24 @@ def time_interleaved(
     budget_s: float | None = None,
     seed: int = 0,
     warmup: bool = True,
+    tick: Callable[[], None] | None = None,
 ) -> Timings:
     """Time every ``fns[i]`` once per round, rounds in random order; stop after ``min_rounds``
     once the next round would overrun ``budget_s`` (None = always ``rounds``).
 
     With ``warmup`` every function first runs once untimed: a micro-batch's first call allocates
     its buffers for new shapes and is much slower, and with only 2-3 rounds that one call would
-    move the median (it is not counted in ``wall_seconds`` nor in the budget)."""
+    move the median (it is not counted in ``wall_seconds`` nor in the budget). ``tick`` is called
+    after every call (a progress bar)."""
     if not 1 <= min_rounds <= rounds:
         raise ValueError(f"need 1 <= min_rounds <= rounds, got {min_rounds}, {rounds}")
     rng = np.random.default_rng(seed)
     out = []
+    tick = tick or (lambda: None)
     if warmup:
         for fn in fns:
             fn()
+            tick()
     synchronize(device)
     t0 = time.perf_counter()
     for r in range(rounds):
@@ -138,6 +142,7 @@ def time_interleaved(
         row = np.zeros(len(fns))
         for i in rng.permutation(len(fns)):
             row[i] = time_once(fns[i], device)
+            tick()
         out.append(row)
     return Timings(np.asarray(out), time.perf_counter() - t0)
 
