@@ -50,3 +50,39 @@ def test_uploads_count_as_launches():
         upload(np.arange(3), torch.device("cpu"))
         upload_many([np.arange(3), np.zeros(2)], torch.device("cpu"))
     assert count.ops == ["h2d_copy", "h2d_copy"]
+
+
+def test_what_syncs_on_cuda_is_a_read_and_what_does_not_is_not():
+    """Issue 53: ``bincount`` and ``histc`` without a range read values to size or scale their
+    output (a sync on CUDA); ``repeat_interleave`` told its ``output_size`` does not; a method
+    read and the op it dispatches are one read."""
+    x = torch.arange(10)
+    with LaunchCounter() as count:
+        torch.bincount(x)
+        torch.histc(x.float(), bins=4)
+    assert count.reads == ["aten.bincount.default", "aten.histc.default"]
+    with LaunchCounter() as count:
+        torch.histc(x.float(), bins=4, min=0, max=10)
+        torch.repeat_interleave(x, torch.ones(10, dtype=torch.long), output_size=10)
+    assert count.reads == []
+    with LaunchCounter() as count:
+        torch.repeat_interleave(x, torch.ones(10, dtype=torch.long))
+    assert count.reads == ["aten.repeat_interleave.Tensor"]
+    with LaunchCounter() as count:
+        int(x.sum())
+        float(x.sum())
+        x.sum().item()
+    assert count.reads == ["Tensor.__int__", "Tensor.__float__", "Tensor.item"]
+
+
+def test_a_constructor_copy_to_a_device_is_a_launch():
+    """``torch.tensor(host data, device=...)`` copies to the device without an op a dispatch
+    mode sees (on CUDA from pageable memory: the host waits): counted, with its site."""
+    ones = torch.ones(2)
+    with LaunchCounter() as count:
+        torch.tensor([1, 2, 3], device="cpu")
+        torch.as_tensor(np.arange(4), device="cpu")
+        torch.tensor([1, 2, 3])  # no device: stays on the host, nothing copied
+        torch.as_tensor(ones, device="cpu")  # already a tensor: its own device's business
+    assert count.ops == ["h2d_copy", "h2d_copy"]
+    assert len(count.constructor_copies) == 2  # their sites (the project's frames; "?" from a test)

@@ -5,9 +5,14 @@ what a CUDA run would launch and where it would wait.
 A :class:`LaunchCounter` is a ``TorchDispatchMode``: it sees every aten op the region dispatches
 (forward and, if the region runs it, backward). An op *launches* unless it only makes a view or
 an uninitialised allocation (no kernel runs for those). A *host read* is an op that needs a
-tensor's values on the host (``.item()``, ``bool(t)``, ``nonzero``, ``unique``, ...), or one of
-the tensor methods that read values without dispatching an op (``.tolist()``, ``.numpy()``,
-``.cpu()``): on CUDA each one makes the host wait for the device.
+tensor's values on the host (``.item()``, ``bool(t)``, ``nonzero``, ``unique``, ``bincount``,
+``histc`` without a range, ``repeat_interleave`` without ``output_size``, ...), or one of the
+tensor methods that read values without dispatching an op (``.tolist()``, ``.numpy()``,
+``.cpu()``): on CUDA each one makes the host wait for the device. A read is counted once (a
+method and the op it dispatches are one read). A tensor constructor given host data and a
+``device`` (``torch.tensor(list, device=...)``) is a copy to the device that no op shows: it is
+counted as a launch (``h2d_copy``) and listed in :attr:`LaunchCounter.constructor_copies` (on
+CUDA from pageable memory: the host waits for it).
 
 The attention kernels themselves are called through :func:`kernel`: inside a counted region it
 runs them with the counter paused (their own work is the kernel, not what is around it) and
@@ -44,7 +49,12 @@ HOST_READS = frozenset(
     }
 )
 """Ops whose result depends on values only the host can size or return (a sync on CUDA)."""
-HOST_READ_OVERLOADS = frozenset({aten.repeat_interleave.Tensor})
+HOST_READ_OVERLOADS = frozenset({aten.repeat_interleave.Tensor, aten.bincount.default, aten.histc.default})
+"""Overloads that read the host unless told their output's size (:func:`_sized_by_values`):
+``repeat_interleave`` without ``output_size``, ``bincount`` always (its length is the maximum
+value), ``histc`` without a range (it reads the minimum and maximum)."""
+CONSTRUCTORS = ("tensor", "as_tensor")
+"""``torch`` functions that copy host data to ``device=`` without dispatching a copy."""
 MASK_INDEXING = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
 """Indexing ops that read the host when an index is a boolean mask (its ``nonzero`` runs inside
 the op, unseen by a dispatch mode)."""
@@ -91,8 +101,13 @@ class LaunchCounter(TorchDispatchMode):
         """``(op, elements)`` for every op that wrote new storage."""
         self.kernels = 0
         """Calls made through :func:`kernel` (not counted in :attr:`ops`)."""
+        self.constructor_copies: list[str] = []
+        """``torch.tensor`` / ``torch.as_tensor`` calls with host data and a ``device``: the
+        innermost project frame of each (``file:line``)."""
         self._paused = 0
+        self._in_read = 0
         self._saved: dict[str, Any] = {}
+        self._constructors: dict[str, Any] = {}
         self._token = None
 
     @property
@@ -108,17 +123,35 @@ class LaunchCounter(TorchDispatchMode):
             original = self._saved[name] = getattr(torch.Tensor, name)
 
             def read(tensor, *args, _name=name, _original=original, **kwargs):
-                if not self._paused:
+                if not self._paused and not self._in_read:
                     self._read(f"Tensor.{_name}")
-                return _original(tensor, *args, **kwargs)
+                self._in_read += 1  # the op the method dispatches is the same read
+                try:
+                    return _original(tensor, *args, **kwargs)
+                finally:
+                    self._in_read -= 1
 
             setattr(torch.Tensor, name, read)
+        for name in CONSTRUCTORS:
+            original = self._constructors[name] = getattr(torch, name)
+
+            def construct(data, *args, _original=original, **kwargs):
+                out = _original(data, *args, **kwargs)
+                if kwargs.get("device") is not None and not isinstance(data, torch.Tensor) and not self._paused:
+                    self.ops.append("h2d_copy")
+                    self.writes.append(("h2d_copy", out.numel() * out.element_size()))
+                    self.constructor_copies.append(_site())
+                return out
+
+            setattr(torch, name, construct)
         self._token = _ACTIVE.set(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         for name, original in self._saved.items():
             setattr(torch.Tensor, name, original)
+        for name, original in self._constructors.items():
+            setattr(torch, name, original)
         _ACTIVE.reset(self._token)
         return super().__exit__(*exc)
 
@@ -128,10 +161,11 @@ class LaunchCounter(TorchDispatchMode):
             return out
         if (
             func.overloadpacket in HOST_READS
-            or func in HOST_READ_OVERLOADS
+            or (func in HOST_READ_OVERLOADS and _sized_by_values(func, args, kwargs or {}))
             or (func.overloadpacket in MASK_INDEXING and _masked(args))
         ):
-            self._read(str(func))
+            if not self._in_read:
+                self._read(str(func))
             return out
         if func.is_view or func.overloadpacket in NO_LAUNCH:
             return out
@@ -157,6 +191,16 @@ def _site() -> str:
         if "sparsebalance" in name and not name.endswith("launches.py"):
             return f"{name.rsplit('sparsebalance/', 1)[-1]}:{frame.lineno}"
     return "?"
+
+
+def _sized_by_values(func, args, kwargs: dict) -> bool:
+    """Whether a :data:`HOST_READ_OVERLOADS` call reads values on the host to size its output."""
+    if func is aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is None
+    if func is aten.histc.default:
+        given = {**dict(zip(("self", "bins", "min", "max"), args, strict=False)), **kwargs}
+        return given.get("min", 0) == given.get("max", 0)  # no range: CUDA reads the min and max
+    return True  # bincount: its length is the largest value
 
 
 def _masked(args) -> bool:

@@ -10,6 +10,7 @@ import torch
 from sparsebalance.data import pack
 from sparsebalance.models.attention import (
     IMPLEMENTATION,
+    LayerGateView,
     PackedAttention,
     register,
     sparsebalance_attention,
@@ -75,7 +76,7 @@ def test_per_layer_budget_callback_and_layer_end():
     calls, ended = [], []
 
     def choose(layer, estimate):
-        assert isinstance(estimate, BlockMassEstimate)
+        assert isinstance(estimate, LayerGateView) and isinstance(estimate.gate, BlockMassEstimate)
         calls.append(layer)
         return Budget(gamma=1.0 if layer == 0 else 0.3)
 

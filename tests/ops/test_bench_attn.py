@@ -85,8 +85,13 @@ def test_flex_on_the_cpu_times_the_forward_and_counts_the_cuda_path():
     result = bench_attn.run_benchmark(args)
     for r in result["rows"]:
         assert r["fwd_s"] > 0 and r["fwd_bwd_s"] is None and r["ratio"] is None, r["case"]
-        assert 0 < r["ops_per_layer"] <= 40 and 0 < r["ops_per_layer_dst"] <= 40, r
+        assert 0 <= r["ops_per_layer"] <= 40 and 0 <= r["ops_per_layer_dst"] <= 40, r
         assert r["host_reads_per_layer"] == 0
+    ops = {r["case"]: (r["ops_per_layer"], r["ops_per_layer_dst"]) for r in result["rows"]}
+    # issue 53: a pack its budget keeps whole is one dense call and nothing else; a selected one
+    # (and DST cutting a whole one) launches the gate's operations
+    assert ops["d=1"][0] == ops["short"][0] == ops["short"][1] == 0
+    assert ops["d=0.1"][0] > 0 and ops["d=1"][1] > 0
     assert "not measured" in bench_attn.format_table(result["rows"], result["targets"])
     verdict = {t["target"].split(":")[0]: t["met"] for t in result["targets"]}
     assert verdict["host reads per layer"] is True

@@ -46,6 +46,9 @@ class SyntheticEstimate:
     def coverage_floor(self, budget: Budget, ks, p: float) -> torch.Tensor:
         return torch.zeros(1, dtype=torch.int64)
 
+    def keeps_whole(self, budget: Budget) -> bool:
+        return False
+
 
 def run_rank(ctl, mbs, slow=lambda m, layer: 1.0, seed=0):
     """Drive the controller like a forward pass; the oracle's seconds are scaled by ``slow``."""

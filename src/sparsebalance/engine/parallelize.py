@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..clock import Clock, Mark
+from ..precision import Precision
 from .runtime import Runtime
 
 PARALLEL = ("ddp", "fsdp2")
@@ -158,8 +159,27 @@ class Parallelized:
             allreduce_gradients(params, self.world_size)
 
 
+def mixed_precision(precision: Precision | None):
+    """FSDP2's ``MixedPrecisionPolicy`` for a run computing in ``precision``: parameters gathered
+    in its compute dtype (bf16 / fp16: half the all-gather bytes, and the copy autocast would make
+    per layer is made once, by the gather), gradients reduce-scattered in float32 (fp32 master
+    weights and their optimizer state are unchanged). Forward inputs are left as they are:
+    casting them would rebuild the ``PackedAttention`` dataclass passed to every layer (losing
+    the statistics it collects), and token ids are not cast anyway."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param = precision.dtype if precision is not None and precision.mixed else None
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
 def parallelize(
-    model: nn.Module, runtime: Runtime, parallel: str, measure_bubble: str, *, fsdp_sync_every_micro_batch: bool = True
+    model: nn.Module,
+    runtime: Runtime,
+    parallel: str,
+    measure_bubble: str,
+    *,
+    fsdp_sync_every_micro_batch: bool = True,
+    precision: Precision | None = None,
 ):
     """Apply data parallelism to ``model`` (replicas start from rank 0's weights).
 
@@ -171,6 +191,8 @@ def parallelize(
         measure_bubble: ``"overlap"`` or ``"exact"``.
         fsdp_sync_every_micro_batch: FSDP2 reduce-scatters after every micro-batch (True: a
             later micro-batch holds sharded gradients) or in the step's last backward only.
+        precision: the run's compute precision: FSDP2 gathers parameters in it and reduces
+            gradients in float32 (:func:`mixed_precision`); None: float32 throughout.
     """
     if parallel not in PARALLEL:
         raise ValueError(f"--parallel must be one of {PARALLEL}, got {parallel!r}")
@@ -183,9 +205,10 @@ def parallelize(
 
         if not runtime.distributed:
             raise ValueError("--parallel fsdp2 needs several processes (--nproc >= 2)")
+        policy = mixed_precision(precision)
         for layer in decoder_layers(model):
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
         return Parallelized(
             model, model, "fsdp2", measure_bubble, world, clock, sync_every_micro_batch=fsdp_sync_every_micro_batch
         )

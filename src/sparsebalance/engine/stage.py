@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from ..batching.schedule import resolve_layers, stage_layers
 from ..models.head import tied_head
 from ..ops.loss import linear_cross_entropy, weighted_cross_entropy
+from ..precision import Precision
 
 # Decoders whose forward is embed -> rotary -> layers -> norm with nothing else in between (no
 # embedding scale, no sliding window): a stage can run it piece by piece.
@@ -125,17 +126,25 @@ class StageModel(nn.Module):
     def decoder(self) -> nn.Module:
         return self.model.get_decoder()
 
-    def shard(self, mesh) -> None:
+    def shard(self, mesh, precision: Precision | None = None) -> None:
         """``--parallel fsdp2``: ``fully_shard`` every decoder layer of this stage, then the stage
         (its embedding, norm and head), over ``mesh`` (this stage in every pipeline). Parameters
         stay gathered through a step's schedule (:meth:`gather`; ``reshard_after_forward`` off, as
         torchtitan does with pipelines) and are reduce-scattered after it (:mod:`.pipeline`): one
-        all-gather and one reduce-scatter per step, whatever the pipelines' micro-batch counts."""
+        all-gather and one reduce-scatter per step, whatever the pipelines' micro-batch counts.
+        Gathered in ``precision``'s compute dtype, reduced in float32
+        (:func:`~.parallelize.mixed_precision`): the residual stream, what crosses between the
+        stages, is then in that dtype too."""
         from torch.distributed.fsdp import fully_shard
 
+        from .parallelize import mixed_precision
+
+        policy = mixed_precision(precision)
         for layer in self.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-        fully_shard(self, mesh=mesh, reshard_after_forward=False)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        fully_shard(self, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        if policy.param_dtype is not None:
+            self.hidden_dtype = policy.param_dtype
         self.layers = [self.decoder.layers[i] for i in self.span]
         self.sharded = True
 

@@ -25,7 +25,11 @@ with float32 cos/sin turns q and k back to float32; q, k and v are brought to on
 here (:func:`sparsebalance.precision.compute_dtype`) before any op sees them.
 
 No host sync per layer: the statistics (densities) stay device tensors until the step's end
-reads them (:class:`LayerStats`).
+reads them (:class:`~.layer_stats.LayerStats`).
+
+A layer whose budget keeps every document of its pack whole (the budget DST chose for it, or the
+fixed one) computes no gate, no coverage bound and no block mask: one dense varlen call, its
+statistics known on the host (:class:`LayerGateView` builds the gate only when asked).
 """
 
 from __future__ import annotations
@@ -40,9 +44,9 @@ from typing import Any
 
 import torch
 
-from ..ops import BlockLayout, Budget, block_sparse_attention, estimate_block_mass, select_blocks
+from ..ops import BlockLayout, Budget, block_sparse_attention, estimate_block_mass
 from ..ops.flex_config import GQA_MODES
-from ..ops.pack_index import DensityIndex, PackIndex
+from ..ops.pack_index import PackIndex
 from ..ops.topk_gate import GateTables, TopKGate, gate_applies
 from ..ops.varlen import resolve_scale
 from ..parallel import (
@@ -53,6 +57,7 @@ from ..parallel import (
     ring_attention,
 )
 from ..precision import autocast_enabled, compute_dtype
+from .layer_stats import LayerStats, read_stats
 
 IMPLEMENTATION = "sparsebalance"
 
@@ -70,88 +75,6 @@ def recompute_phase(phase: str | None) -> Iterator[None]:
         yield
     finally:
         _PHASE.reset(token)
-
-
-@dataclass
-class LayerStats:
-    """What one attention layer did in one forward, kept as two small device tensors (two
-    reductions of the layout: nothing read back, no ``O(nb^2)`` mask held): reading
-    :attr:`density`, :attr:`document_density` or :attr:`budget` syncs, so the trainer reads them
-    once, at the step's end, for all layers of a micro-batch at once (:func:`read_stats`).
-
-    The layout's pairs are doc-causal (as every selection makes them), so a document's kept
-    pairs are its query blocks' row counts plus, where it starts inside a block it shares with
-    the document before, that block's diagonal (:class:`~sparsebalance.ops.pack_index.
-    DensityIndex`, the one part of the pack the statistics keep)."""
-
-    layer: int
-    budget_rule: Budget
-    """The budget the layer ran with (a ``floor`` is DST's device decision, read at the end)."""
-    rows: torch.Tensor
-    """int64 ``(nb,)``: kept pairs of every query block, summed over layout heads."""
-    diagonal: torch.Tensor | None
-    """int64 ``(nb,)``: kept diagonal pairs of every block, summed over layout heads; None where
-    the budget keeps every diagonal (a local anchor): the heads, known on the host."""
-    owners: DensityIndex
-    heads: int
-    """Layout heads the counts sum over."""
-
-    @classmethod
-    def of(cls, layer: int, budget: Budget, layout: BlockLayout) -> LayerStats:
-        mask = layout.block_mask
-        rows = mask.sum((0, 2))
-        diagonal = None if budget.local_blocks else mask.diagonal(dim1=1, dim2=2).sum(0)
-        return cls(layer, budget, rows, diagonal, layout.pack.density_index(), mask.shape[0])
-
-    @property
-    def budget_value(self) -> float | torch.Tensor:
-        """The knob value the layer ran with (k or gamma); ``max(top_k, floor)`` where DST
-        decided a floor on the device (a 0-dim tensor then, read with the statistics)."""
-        b = self.budget_rule
-        if b.floor is None:
-            return b.value
-        return torch.clamp(b.floor.reshape(()), min=b.top_k).double()
-
-    @property
-    def budget(self) -> float:
-        return float(self.budget_value)
-
-    @property
-    def density(self) -> float:
-        return read_stats([self])[2][0]
-
-    @property
-    def document_density(self) -> list[float]:
-        return read_stats([self])[1][0]
-
-
-def _diagonal(s: LayerStats) -> torch.Tensor:
-    return s.rows.new_full(s.rows.shape, s.heads) if s.diagonal is None else s.diagonal
-
-
-def read_stats(
-    stats: list[LayerStats], *extra: torch.Tensor
-) -> tuple[list[float], list[list[float]], list[float], list[float]]:
-    """``(budgets (L,), per-document densities (L, N), pack densities (L,), extra)`` of one
-    micro-batch's layers, read back together with the 0-dim tensors ``extra`` (its loss, say) in
-    one host read; call after the step's synchronize."""
-    if not stats:
-        return [], [], [], [float(x) for x in torch.stack(extra).cpu()] if extra else []
-    owners = stats[0].owners
-    heads = torch.tensor([s.heads for s in stats], dtype=torch.float64)
-    counts = torch.stack([t for s in stats for t in (s.rows, _diagonal(s))])  # (2 L, nb)
-    densities = owners.densities(counts[0::2], counts[1::2])  # (L, N + 1): documents, pack
-    floors = [s.budget_value for s in stats]
-    device = [x.reshape(1) for x in floors if isinstance(x, torch.Tensor)]
-    more = [x.reshape(1).to(torch.float64) for x in extra]
-    host = torch.cat([densities.flatten(), *device, *more]).cpu()  # the one read
-    num_layers, n = len(stats), owners.num_docs
-    table = host[: num_layers * (n + 1)].view(num_layers, n + 1) / heads[:, None]
-    docs, dens = table[:, :n].tolist(), table[:, n].tolist()
-    rest = host[num_layers * (n + 1) :].tolist()
-    read = iter(rest[: len(rest) - len(more)])
-    budgets = [next(read) if isinstance(x, torch.Tensor) else float(x) for x in floors]
-    return budgets, docs, dens, rest[len(rest) - len(more) :]
 
 
 @dataclass(frozen=True)
@@ -201,7 +124,8 @@ class PackedAttention:
     block_size: int
     backend: str = "auto"
     choose_budget: Any = None
-    """Optional ``(layer_idx, BlockMassEstimate) -> Budget``: per-layer budgets at run time."""
+    """Optional ``(layer_idx, LayerGateView) -> Budget``: per-layer budgets at run time (the
+    view computes the layer's gate when a question needs it)."""
     on_layer_end: Any = None
     """Optional ``(layer_idx) -> None`` called after each attention (for per-layer timing)."""
     stats: list[LayerStats] = field(default_factory=list)
@@ -268,8 +192,57 @@ class PackedAttention:
                 return TopKGate.score(q, k, tables, scale)
         return estimate_block_mass(q, k, self.cu_seqlens, self.block_size, scale=scale, pack=self.pack)
 
+    def keeps_whole(self, budget: Budget) -> bool:
+        """Whether ``budget`` keeps every document of the pack whole (covered, or promoted from
+        :attr:`dense_from`): host facts, memoised on the pack."""
+        return all(budget.dense_documents(self.pack, self.dense_from))
+
+    def full_layout(self, num_q_heads: int) -> BlockLayout:
+        """Every causal block pair of the pack, every document dense (built once per pack)."""
+        pack = self.pack
+        return pack.memo(("full layout", num_q_heads), lambda: BlockLayout.full(pack, num_q_heads, num_q_heads))
+
     def mean_density(self) -> float:
         return sum(read_stats(self.stats)[2]) / max(1, len(self.stats))
+
+
+class LayerGateView:
+    """One layer's gate as DST's layer controller asks for it (the
+    :class:`~sparsebalance.tuning.LayerGate` protocol), computed only when a question needs it:
+    whether a budget keeps every document whole is a host fact of the pack, so a layer whose
+    chosen budget does never scores a block."""
+
+    def __init__(self, ctx: PackedAttention, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> None:
+        self.ctx, self.q, self.k, self.scale = ctx, q, k, scale
+        self._gate = None
+
+    @property
+    def gate(self):
+        """The layer's ``TopKGate`` or ``BlockMassEstimate`` (:meth:`PackedAttention.estimate`)."""
+        if self._gate is None:
+            self._gate = self.ctx.estimate(self.q, self.k, self.scale)
+        return self._gate
+
+    def keeps_whole(self, budget: Budget) -> bool:
+        return self.ctx.keeps_whole(budget)
+
+    def document_density(self, budget: Budget) -> torch.Tensor:
+        return self.gate.document_density(budget)
+
+    def coverage(self, budget: Budget) -> float:
+        return self.gate.coverage(budget)
+
+    def coverage_curve(self, budget: Budget, ks):
+        return self.gate.coverage_curve(budget, ks)
+
+    def coverage_floor(self, budget: Budget, ks, p: float) -> torch.Tensor:
+        return self.gate.coverage_floor(budget, ks, p)
+
+    def layout(self, budget: Budget) -> BlockLayout:
+        """The layout ``budget`` keeps (every block of a pack it keeps whole, without a gate)."""
+        if self.keeps_whole(budget):
+            return self.ctx.full_layout(self.q.shape[1])
+        return self.gate.layout(budget, self.ctx.dense_from)
 
 
 # attention module -> ``(module, query, sb_attention, kwargs) -> PackedAttention``: how a layer of
@@ -349,19 +322,19 @@ def _layer(ctx: PackedAttention, module, q, k, v, scaling) -> torch.Tensor:
         estimate = ctx.ring.estimate(q, k, ctx.cu_seqlens, ctx.block_size, scaling, ctx.pack)
         budget = ctx.budget if ctx.choose_budget is None else ctx.choose_budget(layer, estimate)
         layout = estimate.layout(budget)
-    elif ctx.choose_budget is not None and not ctx._all_covered:
-        estimate = ctx.estimate(q, k, scaling)
-        budget = ctx.choose_budget(layer, estimate)
-        layout = estimate.layout(budget, ctx.dense_from)
     else:
+        gate = LayerGateView(ctx, q, k, scaling)
         budget = ctx.budget
-        layout = select_blocks(
-            q, k, ctx.cu_seqlens, budget, ctx.block_size, scale=scaling, pack=ctx.pack, dense_from=ctx.dense_from
-        )
+        if ctx.choose_budget is not None and not ctx._all_covered:
+            budget = ctx.choose_budget(layer, gate)
+        layout = gate.layout(budget)
     if phase == "forward":
         ctx.layouts[layer] = (budget, layout)
     out = _attend(ctx, q, k, v, layout, scaling)
-    ctx.stats.append(LayerStats.of(layer, budget, layout))
+    whole = ctx.ring is None and ctx.keeps_whole(budget)
+    heads = layout.block_mask.shape[0]
+    stats = LayerStats.whole(layer, budget, ctx.pack.num_docs, heads) if whole else LayerStats.of(layer, budget, layout)
+    ctx.stats.append(stats)
     if ctx.on_layer_end is not None:
         ctx.on_layer_end(layer)
     return out

@@ -55,10 +55,10 @@ class Budget:
     min_blocks: int = 1
     """Floor: keep at least this many key blocks per query block (when that many are causal)."""
     floor: Any = field(default=None, compare=False)
-    """Top-k only: an int64 0-dim device tensor; the selection keeps ``max(top_k, floor)`` key
-    blocks per query (DST's coverage bound decided on the device, never read back inside the
-    step). ``top_k`` is then a lower bound: host decisions that use it (:meth:`covers`) stay
-    conservative."""
+    """A 0-dim device tensor raising the knob on the device: top-k keeps ``max(top_k, floor)``
+    key blocks per query (int64), gamma keeps mass ``max(gamma, floor)`` (float): DST's coverage
+    bound decided on the device, never read back inside the step. ``top_k`` / ``gamma`` is then
+    a lower bound: host decisions that use it (:meth:`covers`) stay conservative."""
 
     def __post_init__(self) -> None:
         if (self.gamma is None) == (self.top_k is None):
@@ -85,10 +85,8 @@ class Budget:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.max_density is not None and not (0.0 < self.max_density <= 1.0):
             raise ValueError(f"max_density must be in (0, 1] or None, got {self.max_density}")
-        if self.floor is not None and (
-            self.top_k is None or not isinstance(self.floor, torch.Tensor) or self.floor.ndim
-        ):
-            raise ValueError("floor is a 0-dim tensor, for a top_k budget only")
+        if self.floor is not None and (not isinstance(self.floor, torch.Tensor) or self.floor.ndim):
+            raise ValueError("floor is a 0-dim tensor")
 
     @property
     def kind(self) -> str:

@@ -174,22 +174,32 @@ class BlockMassEstimate:
             return np.array([self.coverage(budget.with_value(k)) for k in ks])
         return self.coverage_curve_tensor(budget, ks).cpu().numpy()
 
-    def coverage_curve_tensor(self, budget: Budget, ks) -> torch.Tensor:
-        """:meth:`coverage_curve` of a top-k budget without a cap as a float64 ``(K,)`` device
-        tensor: nothing read back (``ks``: host ints, copied to the device)."""
-        dev = self.pack.cu_seqlens.device
-        ks_t = self.pack.upload(np.asarray(ks, dtype=np.int64))
-        total = torch.zeros(ks_t.numel(), dtype=torch.float64, device=dev)
+    def coverage_curve_tensor(self, budget: Budget, values) -> torch.Tensor:
+        """:meth:`coverage_curve` of a budget without a cap at every knob value of ``values``
+        (host numbers, ascending: k of a top-k budget, gamma of a gamma one; copied to the device
+        once per pack) as a float64 ``(K,)`` device tensor: nothing read back."""
+        if budget.max_density is not None:
+            raise ValueError(f"{budget}: a capped budget's coverage curve is read on the host (coverage_curve)")
+        top_k = budget.top_k is not None
+        dtype = np.int64 if top_k else np.float64
+        values = tuple(int(v) if top_k else float(v) for v in values)
+        at = self.pack.memo(("knob values", top_k, values), lambda: self.pack.upload(np.asarray(values, dtype), None))
+        total = torch.zeros(at.numel(), dtype=torch.float64, device=at.device)
         for i, batch in enumerate(self.batches):
-            total += batch.topk_covered(budget, self._cache.setdefault(i, {}), ks_t).sum(-1)
+            cache = self._cache.setdefault(i, {})
+            total += batch.topk_covered(budget, cache, at).sum(-1) if top_k else batch.gamma_covered(budget, cache, at)
         return total / (self.pack.seq_len * self.num_layout_heads)
 
     def coverage_floor(self, budget: Budget, ks, p: float) -> torch.Tensor:
-        """int64 ``(1,)`` device: the index in ``ks`` (ascending, the last the base) of the
-        smallest k whose coverage of ``budget``'s anchors is within ``p`` of the last's (a top-k
-        budget without a cap; no read back)."""
+        """int64 ``(1,)`` device: the index in ``ks`` (knob values, ascending, the last the base)
+        of the smallest one whose coverage of ``budget``'s anchors is within ``p`` of the last's
+        (a budget without a cap, top-k or gamma; no read back)."""
         cov = self.coverage_curve_tensor(budget, ks)
         return torch.searchsorted(cov, cov[-1:] - p)
+
+    def keeps_whole(self, budget: Budget) -> bool:
+        """Whether ``budget`` keeps every document of the pack whole (host)."""
+        return all(budget.dense_documents(self.pack))
 
     def coverage(self, budget: Budget) -> float:
         """The pack's coverage: :meth:`document_coverage` weighted by document tokens."""

@@ -29,7 +29,13 @@ def _keep_by_mass(prob, allowed, anchors, budget: Budget, sorted_rows) -> torch.
         return allowed.expand_as(prob)
     before, rank, order = sorted_rows
     n_allowed = allowed.sum(-1, keepdim=True)
-    keep_n = (before < budget.gamma).sum(-1, keepdim=True) if budget.gamma < 1.0 else n_allowed
+    if budget.floor is not None:  # gamma = max(gamma, floor), on the device
+        gamma = budget.floor.to(before.device, before.dtype).clamp(min=budget.gamma)
+        keep_n = torch.where(gamma < 1.0, (before < gamma).sum(-1, keepdim=True), n_allowed)
+    elif budget.gamma < 1.0:
+        keep_n = (before < budget.gamma).sum(-1, keepdim=True)
+    else:
+        keep_n = n_allowed
     floor_n = torch.clamp(n_allowed, max=budget.min_blocks)
     keep = (rank < torch.maximum(keep_n, floor_n)) & allowed
     return _cap(keep, anchors & allowed, n_allowed, floor_n, budget, order)
@@ -135,6 +141,33 @@ class DocumentBatch:
         kept = cums[..., ks.clamp(max=cums.shape[-1] - 1)]  # (H, n, s, K)
         mass = torch.where(self.non_finite, 1.0, base[..., None] + kept)
         return torch.einsum("hnsk,ns->kn", mass, self.seg_tokens.double())
+
+    def gamma_covered(self, budget: Budget, cache: dict, gammas: torch.Tensor) -> torch.Tensor:
+        """float64 ``(K,)``: :meth:`covered` of the gamma rule without a cap at every gamma of
+        ``gammas`` (float64 ``(K,)``), summed over the batch's documents, in fixed-shape device
+        work: per row the kept count is the sorted masses' exclusive prefix searched for gamma
+        (at least ``min_blocks``), its mass the sorted prefix sum there plus the anchors' mass
+        outside it (a second prefix sum of the anchors' masses in the same order)."""
+        key = ("gamma coverage", budget.sink_blocks, budget.local_blocks)
+        if key not in cache:
+            if "rows" not in cache:
+                cache["rows"] = _sort_rows(self.prob)
+            before, _, order = cache["rows"]
+            anchors = self.anchors(budget) & self.allowed
+            prob = torch.nan_to_num(self.prob.double(), nan=0.0)
+            anchor_mass = (prob * anchors).expand_as(prob)
+            zero = prob.new_zeros(*prob.shape[:-1], 1)
+            kept = torch.cat([zero, prob.gather(-1, order).cumsum(-1)], -1)  # (H, n, s, s + 1)
+            anchors_in = torch.cat([zero, anchor_mass.gather(-1, order).cumsum(-1)], -1)
+            floor_n = torch.clamp(self.allowed.sum(-1), max=budget.min_blocks)  # (n, s)
+            cache[key] = (before.double().contiguous(), kept, anchors_in, anchor_mass.sum(-1), floor_n)
+        before, kept, anchors_in, anchor_total, floor_n = cache[key]
+        k = gammas.numel()
+        count = torch.searchsorted(before, gammas.to(before.device).expand(*before.shape[:-1], k).contiguous())
+        count = torch.maximum(count, floor_n[None, :, :, None])  # (H, n, s, K)
+        mass = kept.gather(-1, count) + anchor_total[..., None] - anchors_in.gather(-1, count)
+        mass = torch.where(self.non_finite, 1.0, mass)
+        return torch.einsum("hnsk,ns->k", mass, self.seg_tokens.double())
 
     def covered(self, keep: torch.Tensor) -> torch.Tensor:
         """float64 ``(n,)``: per document, the estimated mass the kept pairs cover, summed over

@@ -331,6 +331,10 @@ class TopKGate:
     def coverage(self, budget: Budget) -> float:
         return float(self.coverage_curve(budget, (int(budget.top_k),))[0])
 
+    def keeps_whole(self, budget: Budget) -> bool:
+        """Whether ``budget`` keeps every document of the pack whole (host)."""
+        return all(budget.dense_documents(self.pack))
+
     def density(self, budget: Budget) -> float:
         return self.layout(budget).density()
 

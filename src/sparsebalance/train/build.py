@@ -28,6 +28,7 @@ from ..models import ModelShapes, check_attention, check_trainable
 from ..models.checkpointing import apply_activation_checkpointing
 from ..models.head import tied_head
 from ..models.hf import build_model
+from ..precision import resolve_precision
 from .checkpoint import clean_temporaries
 from .config import RUN_FILES, RUN_STATE, TrainConfig, check_pipeline_world, resolve_strategy
 from .config_io import to_record
@@ -130,7 +131,8 @@ def pipeline_stage(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module) -> Sta
         from torch.distributed.device_mesh import init_device_mesh
 
         grid = (stage.layout.dp_size, stage.layout.stages)  # world rank = dp x P + stage
-        stage.shard(init_device_mesh(rt.device.type, grid, mesh_dim_names=("dp", "pp"))["dp"])
+        mesh = init_device_mesh(rt.device.type, grid, mesh_dim_names=("dp", "pp"))["dp"]
+        stage.shard(mesh, resolve_precision(cfg.precision, rt.device))
     return stage
 
 

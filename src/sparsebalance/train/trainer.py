@@ -165,7 +165,14 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         if self.stage is None:
             every = cfg.fsdp_sync_every_micro_batch
-            self.par = parallelize(self.model, rt, cfg.parallel, cfg.measure_bubble, fsdp_sync_every_micro_batch=every)
+            self.par = parallelize(
+                self.model,
+                rt,
+                cfg.parallel,
+                cfg.measure_bubble,
+                fsdp_sync_every_micro_batch=every,
+                precision=self.precision,
+            )
             self.params = [p for p in self.model.parameters() if p.requires_grad]
         else:  # gradients are averaged by the pipeline executor, after its schedule
             self.par = Parallelized(

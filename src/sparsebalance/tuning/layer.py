@@ -61,9 +61,13 @@ class LayerGate(Protocol):
     def coverage_curve(self, budget: Budget, ks: Sequence[int]) -> np.ndarray:
         """float64 ``(K,)``: the coverage of ``budget``'s anchors at every k of ``ks`` (host)."""
 
-    def coverage_floor(self, budget: Budget, ks: Sequence[int], p: float) -> torch.Tensor:
-        """int64 ``(1,)`` device: the index in ``ks`` (ascending, the last the base) of the
-        smallest k whose coverage is within ``p`` of the last's (no read back)."""
+    def coverage_floor(self, budget: Budget, ks: Sequence[float], p: float) -> torch.Tensor:
+        """int64 ``(1,)`` device: the index in ``ks`` (knob values, ascending, the last the base)
+        of the smallest one whose coverage is within ``p`` of the last's (no read back)."""
+
+    def keeps_whole(self, budget: Budget) -> bool:
+        """Whether ``budget`` keeps every document of the layer's pack whole (host; then no
+        coverage is lost and the gate need not be computed at all)."""
 
 
 class LayerController:
@@ -81,9 +85,12 @@ class LayerController:
             size (required: a top-k knob states its budget in blocks of that size).
         budget: template for the returned budgets (anchors, caps); its knob value is replaced.
         device: the run's training device. Off the CPU nothing inside the step may wait for
-            the device, so the top-k coverage bound is decided there (:meth:`LayerGate.
-            coverage_floor`: the layer runs ``max(v_time, v_cov)``, ``v_cov`` a device scalar)
-            and every record's device values are read at the step's end.
+            the device, so the coverage bound is decided there (:meth:`LayerGate.
+            coverage_floor`: the layer runs ``max(v_time, v_cov)``, ``v_cov`` a device scalar;
+            gamma's over a grid of ``2 ** (layer_probes - 2) + 1`` values of ``[lo, base]``, the
+            host bisection's resolution), a gamma layer's time is priced at the planned
+            densities (the knob's response, as top-k's always is) instead of its layout's, and
+            every record's device values are read at the step's end.
     """
 
     def __init__(
@@ -118,8 +125,13 @@ class LayerController:
         if not self.lo <= span[0] <= span[1] <= self.hi and config.mode != "off":
             raise ValueError(f"budget {self.value} (per micro-batch {self.values}) outside [{self.lo}, {self.hi}]")
         self.budget = knob.budget(budget or Budget(top_k=0), self.value)
-        self._bound = (tuple(range(int(self.lo), int(self.base) + 1)), knob.budget(self.budget, self.base))
-        """Top-k's coverage bound: every whole k of ``[lo, base]``, and the base budget."""
+        if knob.integer:
+            grid = tuple(range(int(self.lo), int(self.base) + 1))
+        else:
+            grid = tuple(np.linspace(self.lo, self.base, 2 ** max(config.layer_probes - 2, 1) + 1).tolist())
+        self._bound = (grid, knob.budget(self.budget, self.base))
+        """The coverage bound's candidates: every whole k of ``[lo, base]`` (top-k), an even
+        grid of ``[lo, base]`` (gamma, on the device); and the base budget."""
 
         self.lengths = [np.asarray(mb.lengths, dtype=np.int64) for mb in microbatches]
         self.d0 = [np.asarray(mb.densities, dtype=np.float64) for mb in microbatches]
@@ -141,10 +153,10 @@ class LayerController:
         """The knob's budget at each value chosen so far (built once)."""
         self.decide_seconds = 0.0
         """Wall seconds spent in :meth:`choose` (DST's per-layer overhead)."""
-        self.on_device = torch.device(device).type != "cpu"
-        """Top-k coverage bound decided on the device (see ``device`` above); the layer's time is
-        then accounted at ``v_time`` (a lower bound: later layers may be allotted a little more
-        than the host decision would give them)."""
+        self.on_device = torch.device(device).type != "cpu" and self.budget.max_density is None
+        """Coverage bound decided on the device (see ``device`` above; a capped budget's is read
+        on the host); the layer's time is then accounted at ``v_time`` (a lower bound: later
+        layers may be allotted a little more than the host decision would give them)."""
 
     @classmethod
     def from_decision(
@@ -213,12 +225,13 @@ class LayerController:
         allotted = (self.target_seconds - spent) * share
         limit = allotted - self.fixed[microbatch, layer]
         lengths = self.lengths[microbatch]
-        by_length = self.knob.kind == "top-k"  # a top-k density follows from length and k
-        cache = self._costs[microbatch] if by_length else {}
+        # a top-k density follows from length and k; off the CPU gamma is priced as planned too
+        by_plan = self.knob.kind == "top-k" or self.on_device
+        cache = self._costs[microbatch] if by_plan else {}
 
         def cost(v: float) -> float:
             if v not in cache:
-                if by_length:
+                if by_plan:
                     dens = self.knob.density(lengths, self.d0[microbatch], v)
                 else:
                     budget = self.knob.budget(self.budget, v)
@@ -230,10 +243,15 @@ class LayerController:
         probes = self.config.layer_probes
         value = _bisect(self.knob, lambda v: cost(v) <= limit, self.lo, self.hi, probes)
         coverage, limited, floor = None, False, None
-        if value < self.base and self.config.p < 1:
-            if self.on_device and self.knob.integer:
-                ks, base = self._bound
-                floor = estimate.coverage_floor(base, ks, self.config.p)[0] + ks[0]
+        if value < self.base and self.config.p < 1 and not estimate.keeps_whole(self._budget(value)):
+            if self.on_device:
+                grid, base = self._bound
+                index = estimate.coverage_floor(base, grid, self.config.p)[0]
+                if self.knob.integer:
+                    floor = index + grid[0]
+                else:  # the grid is even: its index to gamma on the device
+                    step = (grid[-1] - grid[0]) / (len(grid) - 1)
+                    floor = index.to(torch.float64) * step + grid[0]
             else:
                 v_cov, coverage = self._coverage_floor(estimate, value)
                 limited = v_cov > value
@@ -258,10 +276,14 @@ class LayerController:
             limited_on_host=limited,
             floor=floor,
         )
+        budget = self._budget(value)
+        return budget if floor is None else replace(budget, floor=floor)
+
+    def _budget(self, value: float) -> Budget:
+        """The knob's budget at ``value`` (built once per value)."""
         if value not in self._budgets:
             self._budgets[value] = self.knob.budget(self.budget, value)
-        budget = self._budgets[value]
-        return budget if floor is None else replace(budget, floor=floor)
+        return self._budgets[value]
 
     def _coverage_floor(self, estimate: LayerGate, value: float) -> tuple[float, float]:
         """``(v_cov, coverage at max(value, v_cov))``: the smallest budget in ``[lo, base]``
