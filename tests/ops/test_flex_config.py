@@ -55,3 +55,26 @@ def test_profile_refuses_before_the_proxy_compiles():
 
     with pytest.raises(ValueError, match="--block-size 64 cannot compile"):
         measure_profile(load_shapes("tiny"), torch.device("cuda"), "bf16", "flex", block_size=64)
+
+
+def test_recompile_limits_fail_loudly_inside_the_call_only(monkeypatch):
+    """The flex call runs with Dynamo's ``fail_on_recompile_limit_hit`` on (never a silent eager
+    flex at T x T), switched by a patcher built once, and off again after it (issue 53: a
+    ``config.patch`` per call cost 13-50 us of host time per layer)."""
+    from sparsebalance.ops import BlockLayout, block_sparse_flex
+    from sparsebalance.ops.pack_index import PackIndex
+
+    seen = []
+
+    def stand_in(q, k, v, **kwargs):
+        seen.append(torch._dynamo.config.fail_on_recompile_limit_hit)
+        return q
+
+    monkeypatch.setattr(block_sparse_flex, "_compiled_flex", lambda: stand_in)
+    pack = PackIndex.build(torch.tensor([0, 300], dtype=torch.int32), 128, (300,))
+    mask = torch.ones(2, pack.num_blocks, pack.num_blocks, dtype=torch.bool).tril()
+    q, k, v = (torch.randn(300, 2, 16) for _ in range(3))
+    before = torch._dynamo.config.fail_on_recompile_limit_hit
+    block_sparse_flex.flex_block_sparse_attention(q, k, v, BlockLayout(mask, pack, 2, (False,)), 0.25)
+    assert seen == [True] and torch._dynamo.config.fail_on_recompile_limit_hit == before is False
+    assert block_sparse_flex._fail_on_recompile_limit() is block_sparse_flex._fail_on_recompile_limit()
