@@ -142,10 +142,9 @@ def table_note(runs: dict, baseline: str | None = None) -> str:
         speed = f"Speedup = {base}'s mean step time / the run's; compute speedup uses the slowest rank's compute time. "
     else:
         speed = "No speed-up column: one run, nothing to compare it with. "
-    return (
-        f"Means over steps 2..N (step 1 is warm-up). {speed}Balance efficiency = mean / max "
-        "rank compute time; bubble fraction = 1 - efficiency."
-    )
+    steps = {r.get("steps") for r in runs.values()}
+    means = "One step per run (the warm-up, kept). " if steps == {1} else "Means over steps 2..N (step 1 is warm-up). "
+    return f"{means}{speed}Balance efficiency = mean / max rank compute time; bubble fraction = 1 - efficiency."
 
 
 def long_documents(steps: list[dict]) -> str:
@@ -388,6 +387,18 @@ def _save(fig, path: Path) -> str:
     return path.name
 
 
+def verdict_lines(root: Path, data: dict) -> list[str]:
+    """The demo's verdict and machine (:mod:`sparsebalance.verdict`) when ``root`` holds its
+    ``machine.json`` and both runs (``data``: run name -> (ranks, steps)); else none."""
+    from .verdict import MACHINE, verdict
+
+    path = Path(root) / MACHINE
+    if not path.is_file() or not {"baseline", "sparsebalance"} <= set(data):
+        return []
+    machine = json.loads(path.read_text())
+    return verdict(data["baseline"][1], data["sparsebalance"][1], machine).lines()
+
+
 def write_report(root: Path, plots: bool = True, out: Path | None = None) -> tuple[Path, dict]:
     """Write ``report.md`` (and PNGs) into ``out`` (default: ``root``, the run folder); returns
     its path and the comparison.
@@ -402,6 +413,7 @@ def write_report(root: Path, plots: bool = True, out: Path | None = None) -> tup
     data = {name: load_run(path) for name, path in runs.items()}
     table, comparison = comparison_table({n: summarize(st) for n, (_, st) in data.items()})
     lines = [f"# Training report: {root}", "", table, "", table_note(comparison), ""]
+    lines += [x for line in verdict_lines(root, data) for x in (line, "")]
     for name, (_, steps) in data.items():
         line = long_documents(steps)
         if line:

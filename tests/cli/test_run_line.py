@@ -37,7 +37,7 @@ def test_a_refused_run_never_says_it_started(tmp_path, capsys, no_launch):
 def test_the_run_line_follows_the_checks(tmp_path, capsys, monkeypatch):
     said_before_checks = []
 
-    def preflight(cfg, nproc, multinode=False):
+    def preflight(cfg, nproc, multinode=False, said=None):
         said_before_checks.append(capsys.readouterr().out)
         return None
 

@@ -54,7 +54,7 @@ def test_comparison_table_measured_and_predicted():
 
 
 def test_demo_runs_come_from_the_same_table(tmp_path):
-    from sparsebalance.train.launch import demo_configs
+    from sparsebalance.train.demo import demo_configs
 
     cfg = TrainConfig(out=str(tmp_path))
     runs = demo_configs(cfg)
@@ -96,7 +96,8 @@ def test_hybrid_rows_are_priced_by_the_simulator_with_long_documents_whole():
 def test_demo_defaults_make_the_longest_builtin_document_longer_than_the_capacity(tmp_path):
     from sparsebalance.cli import build_parser
     from sparsebalance.train import config_from_args
-    from sparsebalance.train.launch import DEMO_CPU_RANKS, DEMO_DEFAULTS, default_nproc
+    from sparsebalance.train.demo import DEMO_CPU_RANKS, DEMO_DEFAULTS
+    from sparsebalance.train.launch import default_nproc
 
     parser = build_parser()
     demo = config_from_args(parser.parse_args(["train", "--demo"]), DEMO_DEFAULTS)

@@ -57,7 +57,7 @@ def test_written_configs_carry_the_version_and_round_trip(tmp_path):
 
 
 def test_the_demo_budget_default_gives_way_to_a_gamma_budget():
-    from sparsebalance.train.launch import DEMO_DEFAULTS
+    from sparsebalance.train.demo import DEMO_DEFAULTS
 
     p = argparse.ArgumentParser()
     add_train_arguments(p)

@@ -34,7 +34,7 @@ def test_auto_is_sab_cp_on_real_ranks_and_sab_elsewhere(tmp_path):
 def test_the_command_line_launches_the_resolved_strategy(tmp_path, monkeypatch):
     launched = []
 
-    def fake_launch(cfg, nproc, rdzv=None):
+    def fake_launch(cfg, nproc, rdzv=None, together=()):
         launched.append((cfg.strategy, nproc))
         return True  # launched (not a complete run's --resume)
 

@@ -12,7 +12,7 @@ import torch
 from sparsebalance.cli import main
 from sparsebalance.engine.runtime import Runtime
 from sparsebalance.train import Trainer
-from sparsebalance.train.launch import DEMO_DEFAULTS, demo_configs
+from sparsebalance.train.demo import DEMO_DEFAULTS, demo_configs
 from tests.train.harness import base_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::sparsebalance.latency.ProfileMismatchWarning")

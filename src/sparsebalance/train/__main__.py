@@ -20,6 +20,7 @@ from ..flags import command_line
 from ..parallel.watch import CommTimeout
 from .checkpoint import AgreedError
 from .config_io import add_train_arguments, config_from_args
+from .interleave import run_interleaved
 from .multinode import adopt_slurm_env
 from .runlock import ENV_TOKEN, RunLock, join
 from .signals import Stopped, StopSignals, die_with_parent
@@ -40,7 +41,7 @@ def _main(argv: list[str] | None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     _follow_parent()
     stops = StopSignals().install()
-    lock = None
+    locks: list[RunLock | None] = []
     training = False  # past the set-up every rank does alike: a rank's own errors are its own
 
     def say(message: str) -> None:
@@ -49,19 +50,36 @@ def _main(argv: list[str] | None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m sparsebalance.train")
     add_train_arguments(parser)
+    parser.add_argument(
+        "--interleave",
+        action="append",
+        default=[],
+        metavar="CONFIG",
+        help="another run's config file, stepped in turn with this one (train --demo)",
+    )
     try:
-        cfg = config_from_args(parser.parse_args(argv))
-        lock = _lock_run(Path(cfg.out), rank, say)
-        trainer = Trainer(cfg)
-        trainer.stops = stops
+        args = parser.parse_args(argv)
+        cfgs = [
+            config_from_args(args),
+            *(config_from_args(parser.parse_args(["--config", f])) for f in args.interleave),
+        ]
+        for cfg in cfgs:
+            locks.append(_lock_run(Path(cfg.out), rank, say))
+        trainers = []
+        for cfg in cfgs:
+            trainers.append(Trainer(cfg, trainers[0].rt if trainers else None))
+            trainers[-1].stops = stops
         training = True
-        trainer.run()
-        trainer.rt.close()
-        # The trainer sits in reference cycles (bound methods handed to its parts) that hold the
+        if len(trainers) == 1:
+            trainers[0].run()
+        else:
+            run_interleaved(trainers)
+        trainers[0].rt.close()
+        # A trainer sits in reference cycles (bound methods handed to its parts) that hold the
         # DDP/FSDP model and, through it, the gloo process group and its last work objects.
         # Free them now: left to the interpreter's shutdown, gloo's threads can touch Python
         # objects that are already gone, and a rank that trained to the end aborts (exit 134).
-        del trainer
+        del trainers
         gc.collect()
     except ValueError as err:
         if rank == 0 or not training or isinstance(err, AgreedError):  # an agreed one: rank 0's
@@ -87,8 +105,9 @@ def _main(argv: list[str] | None) -> int:
             return 128 + stops.signum
         raise
     finally:
-        if lock is not None:
-            lock.release()
+        for lock in locks:
+            if lock is not None:
+                lock.release()
     return 0
 
 

@@ -10,8 +10,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -131,14 +130,15 @@ def check_pipeline_grid(cfg: TrainConfig, nproc: int, num_layers: int) -> None:
     stage_layers(num_layers, cfg.pp)  # more stages than layers: refused
 
 
-def preflight(cfg: TrainConfig, nproc: int, multinode: bool = False) -> str | None:
+def preflight(cfg: TrainConfig, nproc: int, multinode: bool = False, said: set[str] | None = None) -> str | None:
     """Everything cheap that can fail, before any process starts or anything is profiled: the
     model's config, the tokenizer, the data (read and tokenized into the shared cache, which the
     workers then read), the global batch against the dataset and the ranks, ``--ranks-per-node``
     against the ranks, and with ``--resume`` that the checkpoint belongs to this run and that
     ``--steps`` does not ask for fewer steps than it has. Returns the line to print instead of
     launching when ``--resume`` has nothing to train (the run is complete; on one machine: other
-    machines' ranks would wait for node 0's), else None."""
+    machines' ranks would wait for node 0's), else None. ``said``: the notes already printed (runs
+    launched together say a shared one once)."""
     from ..data import load_corpus, load_tokenizer
     from ..latency import check_profile_fits, load_profile
     from ..models import check_trainable
@@ -186,8 +186,10 @@ def preflight(cfg: TrainConfig, nproc: int, multinode: bool = False) -> str | No
     if cfg.ranks_per_node is not None:  # must divide the ranks (raises naming the flag)
         Topology(cfg.emulate_ranks or nproc, cfg.ranks_per_node)
     note = overlong_note(cfg, corpus.lengths(), cfg.emulate_ranks or nproc)
-    if note is not None:
+    if note is not None and note not in (said or ()):
         print(f"sparsebalance train: {note}", file=sys.stderr, flush=True)
+        if said is not None:
+            said.add(note)
     return None
 
 
@@ -265,6 +267,7 @@ def launch(
     nproc: int,
     rdzv: Rendezvous | None = None,
     stop_grace: float | None = None,
+    together: Sequence[TrainConfig] = (),
 ) -> bool:
     """Run ``torchrun --standalone --nproc_per_node nproc -m sparsebalance.train`` (or a single
     process when ``nproc == 1``) holding the run folder's lock; raises ``ValueError`` for bad
@@ -280,7 +283,11 @@ def launch(
     even by SIGKILL; its workers get SIGKILL when torchrun dies (:func:`die_with_parent`).
     A first SIGINT/SIGTERM stops the run (at the next step boundary, with a checkpoint), however
     long that step or save takes up to ``stop_grace`` seconds (:func:`supervise`; default
-    :func:`stop_grace`'s, else :data:`STOP_GRACE`); a second one kills it."""
+    :func:`stop_grace`'s, else :data:`STOP_GRACE`); a second one kills it.
+
+    ``together``: further runs on one machine stepped in turn with ``cfg`` by the same ranks
+    (:func:`~.interleave.run_interleaved`, ``train --demo``), each checked, locked and written to
+    its own folder as ``cfg`` is."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     stop_grace = current_stop_grace() if stop_grace is None else stop_grace
@@ -289,21 +296,30 @@ def launch(
     cfg = resolve_strategy(cfg, nproc * rdzv.nnodes)  # --strategy auto
     if rdzv.node_rank > 0:
         return launch_follower(cfg, nproc, rdzv, stop_grace)
-    out = Path(cfg.out)
-    created = not out.exists()
-    lock = RunLock(out)
+    if together and rdzv.multinode:
+        raise ValueError("runs stepped together run on one machine: drop --nnodes")
+    runs = [cfg, *(resolve_strategy(c, nproc) for c in together)]
+    outs = [Path(c.out) for c in runs]
+    created = [not out.exists() for out in outs]
+    lock = RunLock(outs[0])
     try:
-        with lock:
+        with lock, contextlib.ExitStack() as held:
+            for out in outs[1:]:  # the others under the same token: the workers join each
+                held.enter_context(RunLock(out, lock.token))
             if lock.note:
                 print(f"sparsebalance train: note: {lock.note}", file=sys.stderr, flush=True)
-            complete = preflight(cfg, nproc * rdzv.nnodes, rdzv.multinode)
-            if complete is not None:
-                print(f"sparsebalance train: {complete}", file=sys.stderr, flush=True)
-                return False
-            _started(cfg)
-            cfg_path = out / "launch-config.json"
-            cfg_path.write_text(json.dumps(to_record(cfg), indent=1) + "\n")  # whole nested config
-            worker = ["-m", "sparsebalance.train", "--config", str(cfg_path)]
+            said: set[str] = set()
+            for run in runs:
+                complete = preflight(run, nproc * rdzv.nnodes, rdzv.multinode, said)
+                if complete is not None:
+                    print(f"sparsebalance train: {complete}", file=sys.stderr, flush=True)
+                    return False
+            worker = ["-m", "sparsebalance.train"]
+            for run, out in zip(runs, outs, strict=True):
+                _started(run)
+                cfg_path = out / "launch-config.json"
+                cfg_path.write_text(json.dumps(to_record(run), indent=1) + "\n")  # whole nested config
+                worker += ["--config" if run is cfg else "--interleave", str(cfg_path)]
             torchrun = nproc > 1 or rdzv.multinode
             if not torchrun:
                 cmd = [sys.executable, *worker]
@@ -312,8 +328,9 @@ def launch(
             env = {**os.environ, ENV_TOKEN: lock.token, LAUNCHER_PID: str(os.getpid())}
             rc = supervise(cmd, env, stop_grace, torchrun)
     except ValueError:
-        if created and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()  # a refused run leaves no empty folder behind
+        for out, new in zip(outs, created, strict=True):
+            if new and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()  # a refused run leaves no empty folder behind
         raise
     check_exit(rc)
     return True
@@ -374,46 +391,3 @@ def torchrun_main() -> None:
         if code not in REPORTED_CODES:
             print(f"sparsebalance train: rank {rank} failed with exit code {code}", file=sys.stderr)
         sys.exit(code)
-
-
-DEMO_DEFAULTS = {"capacity": 2100, "out": "runs/demo", "dst": {"budget_tokens": 512}}
-"""What ``--demo`` changes from ``sparsebalance train``'s defaults (flags and ``--config`` still
-win): the built-in data (256 documents, 128..4,103 tokens) with a capacity of 2,100 tokens, so
-5 documents are longer than the capacity (the longest, 4,103 tokens, about 2x it): the baseline
-cuts them (``--overlong split``), SparseBalance trains them whole on a unit of both ranks. Its
-own folder (``runs/demo``): a plain run's ``runs/train`` is never mixed into its report. The
-top-k base budget is 512 tokens (k = 8 blocks of 64): the paper's 8,192 covers every document
-this CPU trains, so attention would be exact; 512 is the same share of a 4K document as 8,192
-of the paper's 64K ones."""
-DEMO_CPU_RANKS = 2
-"""Ranks of the demo on CPU: one per core of a 2-core machine. With more processes than cores a
-rank that waits frees its core for the others, so balance stops showing in step time (measured:
-4 ranks on 2 cores, 0.96x, benchmarks/results/2026-11-24-train-demo-4ranks-cpu.md);
-``--nproc 4 --capacity 1368`` trains a document 3x the capacity whole on 3 ranks."""
-
-
-def demo_configs(cfg: TrainConfig) -> dict[str, TrainConfig]:
-    """The two runs of the demo: same data, seed and steps; only batching and tuning differ:
-    the baseline (dataset order, a fixed budget, over-long documents cut by ``--overlong``) and
-    SparseBalance (SAB + CP + DST: ``sab-cp`` plans, long documents trained whole over units of
-    ranks). They are scratch runs: a new demo replaces the previous one's folders."""
-    from ..simulate import ABLATIONS  # the one ablation table (planner, DST mode per name)
-
-    root = Path(cfg.out)
-    if any((root / n).exists() for n in RUN_STATE):
-        raise ValueError(
-            f"--out {root} holds a training run; --demo writes its two runs and their report "
-            "into its own folder: choose another --out (default runs/demo)"
-        )
-
-    runs = {"baseline": ABLATIONS["baseline"], "sparsebalance": ABLATIONS["sab+cp+dst"]}
-    return {
-        name: replace(
-            cfg,
-            strategy=s.planner,
-            dst=replace(cfg.dst, mode=s.dst_mode),
-            out=str(Path(cfg.out) / name),
-            overwrite=True,
-        )
-        for name, s in runs.items()
-    }

@@ -18,7 +18,8 @@ from ..engine.summary import StepResult
 
 
 class Telemetry:
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, is_main: bool, label: str):
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, is_main: bool, label: str, bar: bool = True):
+        """``bar``: the run's own progress bar (off when a caller shows one for several runs)."""
         self.is_main = is_main
         self.path = Path(run_dir) / "metrics.jsonl"
         self._bar = None
@@ -42,6 +43,7 @@ class Telemetry:
             file=sys.stderr,
             dynamic_ncols=True,
             mininterval=0.5,
+            disable=not bar,
         )
         try:
             from torch.utils.tensorboard import SummaryWriter

@@ -372,11 +372,17 @@ class Trainer:
             f"stopped by {name} after step {self.step}: checkpoint step-{self.step:06d} saved, continue with --resume",
         )
 
-    def run(self) -> dict:
+    def open_run(self, bar: bool = True) -> Telemetry:
+        """Write the run folder and open its telemetry (``bar``: this run's own progress bar;
+        :func:`~.interleave.run_interleaved` shows one for its runs)."""
         cfg = self.cfg
         build.write_run_folder(self.rt, cfg, self._stale, self.latency, self.topology, self.data)
         label = f"{cfg.strategy}+dst-{cfg.dst.mode}"
-        tel = Telemetry(self.run_dir, cfg.steps, self.step, self.rt.is_main, label)
+        return Telemetry(self.run_dir, cfg.steps, self.step, self.rt.is_main, label, bar=bar)
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        tel = self.open_run()
         summaries = []
         stops = self.stops.deferred() if self.stops is not None else contextlib.nullcontext()
         try:
