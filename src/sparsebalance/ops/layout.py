@@ -8,7 +8,7 @@ intervals chain without gaps inside the block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -89,9 +89,11 @@ class BlockLayout:
     dense_docs: tuple[bool, ...] | None = None
     """Per document, known on the host to keep every causal block (its budget covers it):
     such documents may run through the dense kernel (:mod:`.dense`). None: not known."""
-    _memo: dict = field(default_factory=dict, compare=False, repr=False, init=False)
 
+    # the memo is an attribute, not a dataclass field: FSDP2 walks the fields of every dataclass
+    # a forward receives (PackedAttention -> its pack), and memoised tables point back here
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_memo", {})
         bm = self.block_mask
         if bm.dtype != torch.bool or bm.dim() != 3:
             raise ValueError("block_mask must be a bool tensor (H_layout, nb, nb)")

@@ -15,7 +15,7 @@ indices are ``O(sum_d s_d^2)``, the size of the scores themselves.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -86,7 +86,11 @@ class PackIndex:
     cu_seqlens: torch.Tensor
     """int32 ``(N + 1,)`` document offsets on the pack's device."""
     block_size: int
-    _memo: dict = field(default_factory=dict, compare=False, repr=False, init=False)
+
+    # the memo is an attribute, not a dataclass field: FSDP2 walks the fields of every dataclass
+    # a forward receives (PackedAttention -> its pack), and memoised tables point back here
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_memo", {})
 
     @classmethod
     def build(

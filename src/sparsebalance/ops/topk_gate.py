@@ -30,7 +30,7 @@ attention) instead of being hidden; the step is then skipped (``docs/reliability
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -94,7 +94,11 @@ class GateTables:
     scored segments are exactly the pack's blocks (the kept pairs are the block mask)."""
     scored: tuple[bool, ...]
     """Per document of the pack: scored (else kept whole under every budget)."""
-    _memo: dict = field(default_factory=dict, compare=False, repr=False, init=False)
+
+    # the memo is an attribute, not a dataclass field: FSDP2 walks the fields of every dataclass
+    # a forward receives (PackedAttention -> its pack), and memoised tables point back here
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_memo", {})
 
     @classmethod
     def of(cls, pack: PackIndex, lowest: Budget, dense_from: float | None = None) -> GateTables | None:

@@ -246,7 +246,8 @@ class LayerController:
         if value < self.base and self.config.p < 1 and not estimate.keeps_whole(self._budget(value)):
             if self.on_device:
                 grid, base = self._bound
-                index = estimate.coverage_floor(base, grid, self.config.p)[0]
+                # a non-finite gate (NaN coverage) finds no k within the bound: the base
+                index = estimate.coverage_floor(base, grid, self.config.p)[0].clamp(max=len(grid) - 1)
                 if self.knob.integer:
                     floor = index + grid[0]
                 else:  # the grid is even: its index to gamma on the device
@@ -293,7 +294,7 @@ class LayerController:
         base = self.knob.budget(self.budget, self.base)
         if self.knob.integer:
             ks, base = self._bound
-            first = int(estimate.coverage_floor(base, ks, self.config.p)[0])
+            first = min(int(estimate.coverage_floor(base, ks, self.config.p)[0]), len(ks) - 1)  # NaN: the base
             cov = estimate.coverage_curve(base, ks)
             return float(ks[first]), float(cov[max(first, int(np.searchsorted(ks, value)))])
 
