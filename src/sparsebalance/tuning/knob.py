@@ -169,6 +169,8 @@ def search_many(
     hi: np.ndarray,
     active: np.ndarray,
     largest: bool = True,
+    *,
+    tol: float | None = None,
 ) -> np.ndarray:
     """Per active entry, for ``g`` non-decreasing in the value: the largest ``v`` in ``[lo, hi]``
     with ``g(v) <= 0`` (``largest``), or the smallest with ``g(v) >= 0``. ``g(values (n,),
@@ -182,7 +184,8 @@ def search_many(
     the Illinois modification (the retained end's value is halved when the same end stays twice,
     so both ends move), and by bisection whenever a step fails to halve the bracket; it stops at
     the knob's step-level tolerance. Predicted times and coverages are smooth in the budget, so
-    this takes a handful of probes where bisection takes ~20.
+    this takes a handful of probes where bisection takes ~20. ``tol``: a coarser stop than the
+    knob's step-level tolerance (the bracket's width), for searches that need less.
     """
     lo, hi = lo.astype(np.float64).copy(), hi.astype(np.float64).copy()
     result = (lo if largest else hi).copy()
@@ -200,7 +203,8 @@ def search_many(
     last = np.zeros(a.shape, dtype=np.int8)  # which end moved last: -1 a, +1 b
     width = np.abs(b - a)
     for _ in range(200):  # a safeguard; the tolerance stops it long before
-        search &= ~converged(knob, np.minimum(a, b), np.maximum(a, b))
+        lo_ab, hi_ab = np.minimum(a, b), np.maximum(a, b)
+        search &= ~(converged(knob, lo_ab, hi_ab) if tol is None else hi_ab - lo_ab <= tol)
         if not search.any():
             break
         c = _false_position(a, b, ha, hb)

@@ -22,9 +22,9 @@ Pipelines (a :class:`~.pipeline_workload.PipelineWorkload`) are not guarded yet:
 not additive in the attention seconds, so ``R + s A`` does not price it; their raises trust the
 model (:mod:`.microbatch_dst` keeps no pipeline slower than with its one budget, by the model).
 
-Cost: one :func:`~.knob.search_many` over the raised workers that the check fails at their
-nominal budget (none when the split is right and the raises are small), each probe one
-``seconds`` and one ``attention_seconds`` pricing.
+Cost: the rest ``R = T(base) - A(base)`` once (the base prices are the tuner's own, memoised),
+then one :func:`~.knob.search_many` over the raised workers the check fails at their nominal
+budget, each probe one ``seconds`` pricing of those workers (``T_s = s T - (s - 1) R``).
 """
 
 from __future__ import annotations
@@ -40,26 +40,28 @@ def safe_raises(work, knob: Knob, value: np.ndarray, raised: np.ndarray, base: n
     step's workload (``seconds``, ``attention_seconds``)."""
     if margin <= 1.0 or not raised.any() or raised.all():
         return value
-    ends = np.array([1.0 / margin, margin])
-    t, att = work.seconds(value), work.attention_seconds(value)
+    ends = np.array([1.0 / margin, margin])[:, None]  # (E, 1)
+    # The rest does not depend on the budget: T_s(v) = s T(v) - (s - 1) R, one pricing per probe.
+    rest = work.seconds(base) - work.attention_seconds(base)
+    t = work.seconds(value)
+    at_ends = ends * t[None, :] - (ends - 1.0) * rest[None, :]  # (E, W)
     others = np.flatnonzero(~raised)
-    # (E, W) each worker's time at each end of the skew range, and the references' (E, Q)
-    at_ends = t[None, :] + (ends[:, None] - 1.0) * att[None, :]
-    nominal = np.argmax(t[others])
-    refs = np.unique([others[np.argmax(at_ends[0, others])], others[nominal], others[np.argmax(at_ends[1, others])]])
-    ref_times = at_ends[:, refs]
+    picks = [np.argmax(at_ends[0, others]), np.argmax(t[others]), np.argmax(at_ends[1, others])]
+    refs = np.unique(others[picks])
+    ref_times = at_ends[:, refs]  # (E, Q)
 
-    def excess(v: np.ndarray, sel: np.ndarray) -> np.ndarray:
-        """``(W,)`` > 0 where the budget ``v`` passes every reference at some end (on ``sel``)."""
-        tv = work.seconds(v, sel)
-        av = work.attention_seconds(v)
-        mine = tv[None, :] + (ends[:, None] - 1.0) * av[None, :]  # (E, W)
-        # per reference: its worst end; a worker is safe if some reference stays slower
+    def excess(v: np.ndarray, priced: np.ndarray) -> np.ndarray:
+        """``(W,)`` > 0 where the budget ``v`` passes every reference at some end (``priced``:
+        the workers to price, a fixed set during the search so the workload reuses its subset)."""
+        mine = ends * work.seconds(v, priced)[None, :] - (ends - 1.0) * rest[None, :]  # (E, W)
+        # per reference: the worker's worst end; it is safe if some reference stays slower
         gap = (mine[:, :, None] - ref_times[:, None, :]).max(axis=0)  # (W, Q)
-        return np.where(sel, gap.min(axis=1), 0.0)
+        return np.where(priced, gap.min(axis=1), 0.0)
 
     unsafe = raised & (excess(value, raised) > 0)
     if not unsafe.any():
         return value
-    safe = search_many(knob, excess, base, value, unsafe)
+    # a guard needs no 1e-4 precision: a hundredth of a block (top-k), or 1e-4 in gamma
+    tol = 0.01 if knob.integer else 1e-4
+    safe = search_many(knob, lambda v, sel: np.where(sel, excess(v, unsafe), 0.0), base, value, unsafe, tol=tol)
     return np.where(unsafe, safe, value)
