@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from .report_dst import dst_line
-from .report_pipeline import pipeline_figure, pipeline_line
+from .report_pipeline import pipeline_bubble, pipeline_figure, pipeline_line
 from .results import markdown_table, write_file
 from .timeline import draw_timeline, record_bars
+from .verdict import verdict_lines
 
 
 def load_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -64,6 +65,16 @@ def summarize(steps: list[dict]) -> dict:
         "tokens_per_s": mean("tokens_per_s"),
         "final_loss": float(steps[-1]["loss"]),
     }
+
+
+def run_summary(ranks: list[dict], steps: list[dict]) -> dict:
+    """:func:`summarize`, with a ``--pp`` run's bubble its pipelines' (:func:`pipeline_bubble`:
+    the stages' idle share; the data-parallel bubble of one pipeline is 0)."""
+    out = summarize(steps)
+    bubble = pipeline_bubble(ranks)
+    if bubble is not None:
+        out.update(bubble_fraction=bubble, pipeline=True)
+    return out
 
 
 def comparison_table(
@@ -142,6 +153,8 @@ def table_note(runs: dict, baseline: str | None = None) -> str:
         speed = f"Speedup = {base}'s mean step time / the run's; compute speedup uses the slowest rank's compute time. "
     else:
         speed = "No speed-up column: one run, nothing to compare it with. "
+    if any(r.get("pipeline") for r in runs.values()):
+        speed += "With --pp the bubble is the pipeline's: its stages' idle share of the step (each stage's below). "
     steps = {r.get("steps") for r in runs.values()}
     means = "One step per run (the warm-up, kept). " if steps == {1} else "Means over steps 2..N (step 1 is warm-up). "
     return f"{means}{speed}Balance efficiency = mean / max rank compute time; bubble fraction = 1 - efficiency."
@@ -387,18 +400,6 @@ def _save(fig, path: Path) -> str:
     return path.name
 
 
-def verdict_lines(root: Path, data: dict) -> list[str]:
-    """The demo's verdict and machine (:mod:`sparsebalance.verdict`) when ``root`` holds its
-    ``machine.json`` and both runs (``data``: run name -> (ranks, steps)); else none."""
-    from .verdict import MACHINE, verdict
-
-    path = Path(root) / MACHINE
-    if not path.is_file() or not {"baseline", "sparsebalance"} <= set(data):
-        return []
-    machine = json.loads(path.read_text())
-    return verdict(data["baseline"][1], data["sparsebalance"][1], machine).lines()
-
-
 def write_report(root: Path, plots: bool = True, out: Path | None = None) -> tuple[Path, dict]:
     """Write ``report.md`` (and PNGs) into ``out`` (default: ``root``, the run folder); returns
     its path and the comparison.
@@ -411,9 +412,9 @@ def write_report(root: Path, plots: bool = True, out: Path | None = None) -> tup
     runs = find_runs(root)
     out.mkdir(parents=True, exist_ok=True)
     data = {name: load_run(path) for name, path in runs.items()}
-    table, comparison = comparison_table({n: summarize(st) for n, (_, st) in data.items()})
+    table, comparison = comparison_table({n: run_summary(ranks, st) for n, (ranks, st) in data.items()})
     lines = [f"# Training report: {root}", "", table, "", table_note(comparison), ""]
-    lines += [x for line in verdict_lines(root, data) for x in (line, "")]
+    lines += [x for line in verdict_lines(root, data) for x in (line, "")]  # the demo's
     for name, (_, steps) in data.items():
         line = long_documents(steps)
         if line:

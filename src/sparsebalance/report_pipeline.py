@@ -20,6 +20,17 @@ def stage_means(ranks: list[dict], skip_first: bool = True) -> tuple[np.ndarray,
     return busy, idle
 
 
+def pipeline_bubble(ranks: list[dict]) -> float | None:
+    """The pipelines' bubble fraction: the stages' idle seconds over their span (busy + idle),
+    means over steps as :func:`stage_means`; None for a run without a pipeline. What a ``--pp``
+    run's summary shows as its bubble (its data-parallel one is 0 with one pipeline)."""
+    means = stage_means(ranks)
+    if means is None:
+        return None
+    busy, idle = means
+    return float(idle.sum() / max(busy.sum() + idle.sum(), 1e-12))
+
+
 def pipeline_line(ranks: list[dict]) -> str:
     """One line: the stages, their mean busy seconds and bubble share; empty without a pipeline."""
     means = stage_means(ranks)

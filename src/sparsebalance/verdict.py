@@ -119,7 +119,7 @@ def verdict(base_steps: list[dict], sb_steps: list[dict], machine: dict) -> Verd
         return Verdict(speedup, speedup, speedup, len(steps), machine, tuple(reasons))
     speedup, low, high = paired_interval(np.array([base[s] for s in steps]), np.array([sb[s] for s in steps]))
     if low <= 1.0 <= high:
-        reasons.append(f"its 95 % interval {low:.2f}-{high:.2f} includes 1.0")
+        reasons.append("the interval includes 1.0 (either could be faster)")
     busy = max(_busy(machine, "load_start", 0.0), _busy(machine, "load_end", END_MARGIN))
     if busy:
         reasons.append(f"the machine was busy (load {busy:.1f} on {machine['cores']} cores)")
@@ -134,3 +134,13 @@ def _busy(machine: dict, key: str, margin: float) -> float:
 
 def _shown(load: float | None) -> str:
     return "unknown" if load is None else f"{load:.1f}"
+
+
+def verdict_lines(root: Path, data: dict) -> list[str]:
+    """The demo's verdict and machine, for its report, when ``root`` holds its ``machine.json``
+    and both runs (``data``: run name -> (per-rank records, per-step summaries)); else none."""
+    path = Path(root) / MACHINE
+    if not path.is_file() or not {"baseline", "sparsebalance"} <= set(data):
+        return []
+    machine = json.loads(path.read_text())
+    return verdict(data["baseline"][1], data["sparsebalance"][1], machine).lines()

@@ -21,6 +21,7 @@ class Telemetry:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, is_main: bool, label: str, bar: bool = True):
         """``bar``: the run's own progress bar (off when a caller shows one for several runs)."""
         self.is_main = is_main
+        self._said_pipeline = False  # the line about a pipeline short of micro-batches: once a run
         self.path = Path(run_dir) / "metrics.jsonl"
         self._bar = None
         self._tb = None
@@ -57,6 +58,8 @@ class Telemetry:
         if not self.is_main:
             return
         summary = result.report.to_log()
+        if not self._said_pipeline:
+            self._said_pipeline = pipeline_note(step, result.records)
         lines = [json.dumps({"step": step, **rec.to_json()}) for rec in result.records]
         lines.append(json.dumps({"step": step, "rank": "all", **summary}))
         with self.path.open("a") as f:  # one write per step: a kill tears at most the last line
@@ -77,6 +80,26 @@ class Telemetry:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def pipeline_note(step: int, records) -> bool:
+    """Say in one line (stderr) when a pipeline ran fewer micro-batches than it has stages (a
+    stage then idles while the others work: 1F1B overlaps its stages only with at least that
+    many); whether it was said."""
+    for rec in records:
+        stages, count = len(rec.stages), len(rec.units)
+        if stages > 1 and 0 < count < stages:
+            idle = sum(s["idle_s"] for s in rec.stages) / max(sum(s["idle_s"] + s["busy_s"] for s in rec.stages), 1e-12)
+            print(
+                f"sparsebalance train: note: at step {step} pipeline {rec.rank} ran {count} micro-batch"
+                f"{'es' if count > 1 else ''} on {stages} stages, so its stages idled {100 * idle:.0f} % of the "
+                f"step (1F1B overlaps them with >= {stages} micro-batches): lower --capacity or raise "
+                "--global-batch (said once)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return True
+    return False
 
 
 def truncate_metrics(path: Path, step: int) -> tuple[int, bool]:
