@@ -12,10 +12,12 @@ on CPU; on CUDA ``index_add_`` itself is not deterministic, on one device or man
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..ops.budget import Budget
 from ..ops.layout import BlockLayout
+from ..ops.pack_index import PackIndex
 from ..ops.select import BlockMassEstimate, estimate_from_pooled, pool_segments, segments
 from ..ops.varlen import check_cu_seqlens, check_qkv
 from .layouts import Placement
@@ -34,6 +36,39 @@ def local_segments(placement: Placement, cu_seqlens: torch.Tensor, rank: int):
     return ids, local, real
 
 
+def _segment_plan(pack: PackIndex, placement: Placement, rank: int) -> dict:
+    """Which of the pack's segments each rank holds, from host facts (the pack's segments, the
+    placement's blocks), uploaded once per pack, placement and rank: ``real`` int64 ``(n_real,)``
+    this rank's real local tokens, ``local`` their segment as an index into its ``ids``,
+    ``length`` those segments' token counts, ``ids`` every rank's segment ids (device), ``sizes``
+    their counts (host). :func:`local_segments`, without a read of the device."""
+
+    def build() -> dict:
+        start, length, _, _ = pack._host_segments
+
+        def held(r: int):
+            pos = placement.token_index(r).numpy()
+            real = np.flatnonzero(pos < placement.seq_len)
+            seg = np.searchsorted(start, pos[real], side="right") - 1
+            ids, local = np.unique(seg, return_inverse=True)
+            return ids, local, real
+
+        per_rank = [held(r)[0] for r in range(placement.world_size)]
+        ids, local, real = held(rank)
+        up = pack.upload
+        return {
+            "real": up(real),
+            "local": up(local),
+            "length": up(length[ids]),
+            "ids": [up(i) for i in per_rank],
+            "sizes": [int(i.size) for i in per_rank],
+        }
+
+    # keyed by the placement object (the entry keeps it alive, so its id stays its own): a key
+    # made of its block table would read that table in every layer
+    return pack.memo(("cp segments", id(placement), rank), lambda: {**build(), "placement": placement})
+
+
 def estimate_block_mass_distributed(
     group: Group,
     q: torch.Tensor,
@@ -42,10 +77,11 @@ def estimate_block_mass_distributed(
     cu_seqlens: torch.Tensor,
     share_kv_groups: bool = False,
     scale: float | None = None,
-    pack=None,
+    pack: PackIndex | None = None,
 ) -> BlockMassEstimate:
     """:func:`~sparsebalance.ops.estimate_block_mass` of the whole sequence, from the shards
-    (``pack``: the global pack's :class:`~sparsebalance.ops.pack_index.PackIndex`, if built).
+    (``pack``: the global pack's :class:`~sparsebalance.ops.pack_index.PackIndex`, if built:
+    then nothing is read back, and which segments each rank holds is uploaded once per pack).
 
     Args:
         group: the context-parallel group (``None``: default group) or a
@@ -58,27 +94,29 @@ def estimate_block_mass_distributed(
         The same :class:`BlockMassEstimate` on every rank.
     """
     check_qkv(q, k)
-    check_cu_seqlens(cu_seqlens, placement.seq_len)
+    check_cu_seqlens(cu_seqlens, placement.seq_len, values=None if pack is None else False)  # pack: checked
     world, rank = group_size(group), group_rank(group)
     if placement.world_size != world:
         raise ValueError(f"placement is for {placement.world_size} ranks, the group has {world}")
     if q.shape[0] != placement.local_len:
         raise ValueError(f"q has {q.shape[0]} tokens, the placement gives {placement.local_len}")
     hq = q.shape[1]
-    _, length, _, _ = segments(cu_seqlens.cpu().long(), placement.seq_len, placement.block_size)
-    per_rank = [local_segments(placement, cu_seqlens, r)[0] for r in range(world)]
-    ids, local, real = local_segments(placement, cu_seqlens, rank)
-    x = torch.cat([q.detach(), k.detach()], dim=1)[real.to(q.device)]
-    pooled = pool_segments(x, local.to(q.device), length[ids].to(q.device))  # (S_r, Hq+Hkv, D)
-    width = max(len(i) for i in per_rank)
+    if pack is None:  # the pack's shape from its offsets (one read where they live on a device)
+        pack = PackIndex.build(cu_seqlens, placement.block_size)
+    pack = pack.to(q.device)
+    plan = _segment_plan(pack, placement, rank)
+    x = torch.cat([q.detach(), k.detach()], dim=1).index_select(0, plan["real"])
+    pooled = pool_segments(x, plan["local"], plan["length"])  # (S_r, Hq+Hkv, D)
+    width = max(plan["sizes"])
     send = torch.zeros(width, *pooled.shape[1:], dtype=pooled.dtype, device=q.device)
-    send[: len(ids)] = pooled
+    send[: pooled.shape[0]] = pooled
     parts = all_gather(group, send)
-    full = torch.empty(length.numel(), *pooled.shape[1:], dtype=pooled.dtype, device=q.device)
-    for r, seg_ids in enumerate(per_rank):
-        full[seg_ids.to(q.device)] = parts[r][: len(seg_ids)]
-    cu = cu_seqlens.to(q.device)
-    return estimate_from_pooled(full[:, :hq], full[:, hq:], cu, placement.block_size, share_kv_groups, scale, pack)
+    full = torch.empty(pack.num_segments, *pooled.shape[1:], dtype=pooled.dtype, device=q.device)
+    for r, (seg_ids, size) in enumerate(zip(plan["ids"], plan["sizes"], strict=True)):
+        full[seg_ids] = parts[r][:size]
+    return estimate_from_pooled(
+        full[:, :hq], full[:, hq:], pack.cu_seqlens, placement.block_size, share_kv_groups, scale, pack
+    )
 
 
 def select_blocks_distributed(
