@@ -11,6 +11,7 @@ import tempfile
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import send_to_device
 
 import sparsebalance
 from sparsebalance.integrations import PlannerConfig, balanced_loader
@@ -36,6 +37,7 @@ def main(out: str, steps: int = 2) -> list[float]:
     for step in loop.steps(epoch=0, max_steps=steps):
         total = 0.0
         for i, batch in enumerate(step):
+            batch = send_to_device(batch, accelerator.device)  # the ticket stays as it is
             last = i == len(step) - 1  # DDP syncs gradients in the last backward only
             with contextlib.nullcontext() if last else accelerator.no_sync(model):
                 loss = model(**batch).loss  # this micro-batch's share of the global token mean
