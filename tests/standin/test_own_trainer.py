@@ -85,7 +85,8 @@ def test_two_emulated_ranks_step_on_the_stand_in_device(cuda_engine, tmp_path):
     assert kernels.sparse and kernels.dense  # the long document selected, the short ones dense
     assert any(f is not None for f in floors), "no layer decided the coverage bound on the device"
     # after the synchronize: one read per micro-batch (its layers' statistics and its loss) and
-    # one per rank (its layer controller's device floors): docs/gpu.md, "the step's reads"
+    # one per rank (its layer controller's device floors): docs/gpu.md, "Every front end on a
+    # stand-in device"
     end = guard.project_reads("step end")
     assert len(end) == microbatches + 2, guard.summary(end)
 
