@@ -5,6 +5,11 @@ A block is exempted from running or parsing by an HTML comment on the line right
 opening fence, with the reason in brackets::
 
     <!-- docs-test: skip (needs CUDA) -->
+
+and a page's quick start (shell commands on built-in data, run as written by the slow tier,
+``tests/docs/test_quick_starts.py``) is marked the same way::
+
+    <!-- docs-test: quick-start -->
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<!--\s*docs-test:(?P<body>.*?)-->")
 SKIP = re.compile(r"^\s*skip\s*\((?P<reason>[^()]*\S[^()]*)\)\s*$")
+QUICK_START = re.compile(r"^\s*quick-start\s*$")
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)")
 TODO = "TODO(coordinator)"
 
@@ -41,6 +47,8 @@ class Block:
     """The block's lines, dedented by the fence's indentation (blocks inside list items)."""
     skip: str | None
     """The reason of the ``docs-test: skip`` marker right before the block, if any."""
+    quick_start: bool = False
+    """Marked ``docs-test: quick-start``: the page's quick start, run as written (slow tier)."""
 
     @property
     def where(self) -> str:
@@ -58,14 +66,16 @@ def blocks(path: Path, text: str | None = None) -> list[Block]:
             continue
         indent, fence = len(m["indent"]), m["fence"]
         before = next((x for x in reversed(lines[:i]) if x.strip()), "")
-        marker = SKIP.match(MARKER.search(before)["body"]) if MARKER.search(before) else None
+        body_of = MARKER.search(before)["body"] if MARKER.search(before) else ""
+        marker = SKIP.match(body_of)
         body, j = [], i + 1
         while j < len(lines) and not lines[j].strip().startswith(fence):
             line = lines[j]
             body.append(line[indent:] if not line[:indent].strip() else line.lstrip())
             j += 1
         code = "\n".join(body) + "\n"
-        out.append(Block(path, i + 1, m["lang"], code, marker["reason"] if marker else None))
+        quick = bool(QUICK_START.match(body_of))
+        out.append(Block(path, i + 1, m["lang"], code, marker["reason"] if marker else None, quick))
         i = j + 1
     return out
 
@@ -81,10 +91,12 @@ def bad_markers(path: Path, text: str | None = None) -> list[str]:
         if not m:
             continue
         following = next((x for x in lines[n + 1 :] if x.strip()), "")
-        if not SKIP.match(m["body"]):
-            bad.append(f"{rel(path)}:{n + 1}: write <!-- docs-test: skip (reason) -->")
+        if not (SKIP.match(m["body"]) or QUICK_START.match(m["body"])):
+            bad.append(
+                f"{rel(path)}:{n + 1}: write <!-- docs-test: skip (reason) --> or <!-- docs-test: quick-start -->"
+            )
         elif not FENCE.match(following):
-            bad.append(f"{rel(path)}:{n + 1}: a skip marker must come right before a ``` block")
+            bad.append(f"{rel(path)}:{n + 1}: a docs-test marker must come right before a ``` block")
     return bad
 
 
