@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import importlib
 import inspect
 import re
@@ -243,6 +244,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as err:  # a run that failed (e.g. training stopped): say so plainly
         print(f"sparsebalance {args.command}: failed: {err}", file=sys.stderr)
         return 1
+    except OSError as err:
+        if err.errno != errno.ENAMETOOLONG:
+            raise
+        name = str(err.filename or "")
+        shown = name if len(name) <= 80 else f"{name[:40]}...{name[-30:]} ({len(name)} characters)"
+        print(f"sparsebalance {args.command}: error: a path is too long for this file system: {shown}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -222,7 +222,7 @@ def load_file(path: str, flag: str = "--config") -> dict:
     else:  # pragma: no cover
         import tomli as tomllib
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8-sig")  # a UTF-8 BOM (some editors write one) is not text
         values = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
     except (OSError, ValueError) as err:  # TOMLDecodeError and JSONDecodeError are ValueErrors
         raise ValueError(f"{flag} {path}: {err}") from None

@@ -106,8 +106,20 @@ def _measured(calls):
     from sparsebalance.latency import analytic_profile, fingerprint
 
     def measure(
-        shapes, device, dtype, backend, block_size, max_len, budget_s, quiet=True, threads=None, layout="threshold"
+        shapes,
+        device,
+        dtype,
+        backend,
+        block_size,
+        max_len,
+        budget_s,
+        quiet=True,
+        threads=None,
+        layout="threshold",
+        announce=None,
+        progress=False,
     ):
+        announce(64.0)  # what the pilot would estimate: the line is said here
         calls.append(block_size)
         profile = analytic_profile(shapes, "h100", block_size=block_size)
         profile.fingerprint.clear()

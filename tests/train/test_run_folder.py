@@ -28,15 +28,16 @@ def no_data_preparation(monkeypatch):
 
 def test_an_earlier_run_is_refused_before_anything_is_written(tmp_path, capsys, no_data_preparation):
     run = tmp_path / "run"
-    (run / "tensorboard").mkdir(parents=True)
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")  # (a lone tensorboard/ is a start stopped before step 1: issue 55)
     (run / "launch-config.json").write_text('{"schema_version": 1, "steps": 7}\n')
     before = (run / "launch-config.json").read_text()
     assert main(["train", "--nproc", "1", "--out", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "holds an earlier run (tensorboard)" in err[0]
+    assert len(err) == 1 and "holds an earlier run (metrics.jsonl)" in err[0]
     assert "--resume" in err[0] and "--overwrite" in err[0]
     assert (run / "launch-config.json").read_text() == before  # not overwritten
-    assert sorted(p.name for p in run.iterdir()) == ["launch-config.json", "tensorboard"]
+    assert sorted(p.name for p in run.iterdir()) == ["launch-config.json", "metrics.jsonl"]
 
 
 def test_a_model_folder_is_never_written_into(tmp_path, capsys, no_data_preparation):

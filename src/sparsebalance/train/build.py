@@ -30,7 +30,7 @@ from ..models.head import tied_head
 from ..models.hf import build_model
 from ..precision import resolve_precision
 from .checkpoint import clean_temporaries
-from .config import RUN_FILES, RUN_STATE, TrainConfig, check_pipeline_world, resolve_strategy
+from .config import RUN_FILES, TrainConfig, check_pipeline_world, earlier_run, resolve_strategy
 from .config_io import to_record
 from .multinode import Topology, node_leaders, resolve_on_nodes
 
@@ -220,7 +220,7 @@ def check_run_folder(cfg: TrainConfig) -> list[Path]:
     """Refuse an ``--out`` holding an earlier run unless ``--resume`` or ``--overwrite``; return
     what ``--overwrite`` removes when the run starts (``launch-config.json`` is this launch's)."""
     run_dir = Path(cfg.out)
-    earlier = [run_dir / n for n in RUN_STATE if (run_dir / n).exists()]
+    earlier = [run_dir / n for n in earlier_run(run_dir)]
     if earlier and not cfg.resume and not cfg.overwrite:
         raise ValueError(
             f"--out {run_dir} holds an earlier run "

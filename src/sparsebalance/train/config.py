@@ -33,6 +33,16 @@ RUN_STATE = ("metrics.jsonl", "checkpoints", "tensorboard")
 """What a run's ranks write while training: a folder holding any of it holds an earlier run."""
 RUN_FILES = (*RUN_STATE, "config.json", "launch-config.json", "report.md", "comparison.json")
 """What ``--overwrite`` deletes of an earlier run (the rest is rewritten)."""
+
+
+def earlier_run(out: Path) -> list[str]:
+    """What of :data:`RUN_STATE` a folder holds: an earlier run's, unless it is only ``tensorboard``
+    (a start stopped before its first step leaves the writer's folder and nothing else; it does
+    not make the corrected rerun need ``--overwrite``)."""
+    held = [n for n in RUN_STATE if (Path(out) / n).exists()]
+    return [] if held == ["tensorboard"] else held
+
+
 DST_CHOICES = {"dst.mode": MODES, "dst.anchor": ANCHORS, "dst.budget": BUDGETS, "dst.raise_to": RAISE_TO}
 """The DST flags that take one of a few words (``--help`` lists them; others are refused)."""
 CHOICES = {
@@ -222,6 +232,11 @@ class TrainConfig:
         n, given = self._name, partial(flags.given, self)
         if self.strategy not in ("auto", *STRATEGIES):
             raise ValueError(f"{n('strategy')} must be auto or one of {STRATEGIES}, got {self.strategy!r}")
+        if self.cp is not None and self.pp > 1:
+            raise ValueError(
+                f"{n('cp')} {self.cp} cannot run with {n('pp')} {self.pp}: a pipeline trains each document whole "
+                "in one micro-batch (no context-parallel units); drop --cp"
+            )
         if self.cp is not None and (self.cp < 2 or self.strategy not in ("sab-cp", "auto")):
             raise ValueError(
                 f"{n('cp')} must be >= 2 and needs {given('strategy', 'sab-cp')}, got {self.cp} with {self.strategy!r}"

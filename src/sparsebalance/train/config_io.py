@@ -51,6 +51,8 @@ def config_from_args(args: argparse.Namespace, base: dict | None = None) -> Trai
     where = f"--config {args.config}"
     declared = "schema_version" in from_file  # written by SparseBalance (or declared by hand)
     version = from_file.pop("schema_version", None)
+    if declared and (isinstance(version, bool) or not isinstance(version, int)):
+        raise ValueError(f"{where}: schema_version must be a whole number, got {version!r} (write it without quotes)")
     flags.check_values(TrainConfig, from_file, where)  # types first: one line naming the key
     if declared:
         CONFIG.check(version, where)

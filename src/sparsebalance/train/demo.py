@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from .config import RUN_STATE, TrainConfig
+from .config import TrainConfig, earlier_run
 
 DEMO_DEFAULTS = {"capacity": 2100, "out": "runs/demo", "dst": {"budget_tokens": 512}}
 """What ``--demo`` changes from ``sparsebalance train``'s defaults (flags and ``--config`` still
@@ -34,7 +34,7 @@ def demo_configs(cfg: TrainConfig) -> dict[str, TrainConfig]:
     from ..simulate import ABLATIONS  # the one ablation table (planner, DST mode per name)
 
     root = Path(cfg.out)
-    if any((root / n).exists() for n in RUN_STATE):
+    if earlier_run(root):
         raise ValueError(
             f"--out {root} holds a training run; --demo writes its two runs and their report "
             "into its own folder: choose another --out (default runs/demo)"

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import find_checkpoint
-from .config import RUN_STATE, TrainConfig, check_batch, check_pipeline_world, resolve_strategy
+from .config import TrainConfig, check_batch, check_pipeline_world, earlier_run, resolve_strategy
 from .config_io import to_record
 from .multinode import Rendezvous, Topology
 from .resume import check_same_run, check_steps, check_world_size, is_complete, saved_identity
@@ -214,7 +214,7 @@ def check_run_folder(cfg: TrainConfig) -> None:
             f"--out {out}: its config.json is not a SparseBalance run's (a model folder?); choose another --out"
         )
     # what only training writes: a start that failed early left at most configs (rewritten)
-    earlier = [n for n in RUN_STATE if (out / n).exists()]
+    earlier = earlier_run(out)
     if earlier and not (cfg.resume or cfg.overwrite):
         raise ValueError(
             f"--out {out} holds an earlier run ({', '.join(earlier)}): pass --resume to "
