@@ -68,7 +68,7 @@ class Telemetry:
             self._bar.set_postfix(
                 loss=f"{summary['loss']:.3f}",
                 tok_s=f"{summary['tokens_per_s']:.0f}",
-                imbalance=f"{summary['imbalance']:.2f}",
+                balance=f"{summary['efficiency']:.2f}",  # the report's "balance eff.": one name for one thing
             )
             self._bar.update(1)
         if self._tb is not None:
