@@ -36,19 +36,20 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "files",
         "launches",
         "transfer",
+        "cli_spec",  # the command line's flags as data, read without importing a command
     ),
     ("ops",),  # the attention op
     ("models", "tasks", "data", "batching", "tuning", "latency", "parallel"),  # library stages
-    ("evaluation", "simulate", "timeline", "report_pipeline"),  # built from the stages
+    ("evaluation", "simulate", "timeline", "report_pipeline", "report_dst", "verdict"),  # built from the stages
     ("engine",),  # the step engine below every front end
     ("report", "train"),  # the CLI trainer (own loop) and its reports
     ("integrations", "hf"),  # other trainers (HF Trainer, TRL, loops) over the engine
     ("commands",),  # one module per command: parse, call the library, print
-    ("cli", "__main__"),  # the entry point
+    ("cli", "__main__", "cli_spec_write"),  # the entry point (and what writes its flags as data)
 )
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 # Who may import ``commands`` and ``cli``: only the entry point (and commands themselves).
-ENTRY_ONLY = {"commands": {"cli", "__main__", "commands"}, "cli": {"__main__"}}
+ENTRY_ONLY = {"commands": {"cli", "__main__", "commands"}, "cli": {"__main__", "cli_spec_write"}}
 # The front ends drive the engine and import none of each other (issue 37): ``train`` is the CLI
 # trainer only, ``integrations`` and ``hf`` reach the step's stages through ``engine``.
 FRONT_ENDS = {"train": set(), "integrations": {"hf"}, "hf": set()}

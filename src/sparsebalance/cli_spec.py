@@ -10,8 +10,9 @@ a range) is left to the real parser.
 
 The data is trusted only while the files it was made from are unchanged (a digest of each
 command's own files: where its flags were added and its config dataclasses); otherwise the real
-parser answers, slower. ``python -m sparsebalance.cli_spec`` writes it again;
-``tests/cli/test_fast_answers.py`` fails while it differs from the real parsers.
+parser answers, slower. ``python -m sparsebalance.cli_spec_write`` writes it again
+(:mod:`.cli_spec_write`, above the command line: it builds the real parsers);
+``tests/cli/test_fast_answers.py`` fails while it differs from them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -156,50 +156,3 @@ def load(command: str) -> dict | None:
     except (OSError, ValueError, KeyError):
         return None
     return spec if digest(spec["files"]) == spec["digest"] else None
-
-
-def _made_from(module: str, build) -> list[str]:
-    """The package files a command's flags come from: where ``add_argument`` was called and the
-    modules of the config dataclasses whose fields became flags (``build`` makes the parser)."""
-    files: set[str] = set()
-    add, options = argparse._ActionsContainer.add_argument, flags.options
-
-    def recorded_add(self, *args, **kwargs):
-        files.add(sys._getframe(1).f_code.co_filename)
-        return add(self, *args, **kwargs)
-
-    def recorded_options(cls, prefix=()):
-        files.add(sys.modules[cls.__module__].__file__)
-        return options(cls, prefix)
-
-    argparse._ActionsContainer.add_argument, flags.options = recorded_add, recorded_options
-    try:
-        build()
-    finally:
-        argparse._ActionsContainer.add_argument, flags.options = add, options
-    files.add(sys.modules[f"sparsebalance.commands.{module}"].__file__)
-    inside = [Path(f).resolve() for f in files]
-    return sorted(str(f.relative_to(PACKAGE.resolve())) for f in inside if PACKAGE.resolve() in f.parents)
-
-
-def generate() -> dict:
-    """Every command's spec from its real parser (imports every command)."""
-    from .cli import COMMANDS, _subcommands, build_parser
-
-    out = {}
-    for name, (module, _) in COMMANDS.items():
-        holder: dict = {}
-        files = _made_from(module, lambda n=name, h=holder: h.update(parser=build_parser([n])))
-        parser = _subcommands(holder["parser"]).choices[name]
-        out[name] = {"files": files, "digest": digest(files), **describe(parser)}
-    return out
-
-
-def main() -> int:
-    SPEC.write_text(json.dumps(generate(), indent=1, sort_keys=True) + "\n")
-    print(f"wrote {SPEC}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
