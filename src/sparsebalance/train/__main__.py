@@ -66,8 +66,8 @@ def _main(argv: list[str] | None) -> int:
         for cfg in cfgs:
             locks.append(_lock_run(Path(cfg.out), rank, say))
         trainers = []
-        for cfg in cfgs:
-            trainers.append(Trainer(cfg, trainers[0].rt if trainers else None))
+        for cfg in cfgs:  # the runs stepped in turn share the first one's process group
+            trainers.append(Trainer(cfg, trainers[0].rt) if trainers else Trainer(cfg))
             trainers[-1].stops = stops
         training = True
         if len(trainers) == 1:
