@@ -26,6 +26,7 @@ import copy
 import json
 import math
 import os
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -35,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+import sparsebalance
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sparsebalance.engine.runtime import Runtime
@@ -215,6 +218,18 @@ def summarize(per_seed: dict[int, dict[str, list[dict]]]) -> dict:
     }
 
 
+def code_version() -> str:
+    """The commit of the imported package's checkout (``+`` when its ``src`` had uncommitted
+    changes), or ``unknown``: a run with another checkout on PYTHONPATH measures that one."""
+    root = Path(sparsebalance.__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "src"], capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "") if head.returncode == 0 else "unknown"
+
+
 def load_line() -> str:
     one, five, _ = os.getloadavg()
     return f"load {one:.2f} (1 min) / {five:.2f} (5 min) on {os.cpu_count()} cores"
@@ -283,7 +298,8 @@ def main() -> int:
     dst = DSTConfig(mode="bidirectional", budget="top-k", budget_tokens=BUDGET_TOKENS)
     notes = (
         f"{RANKS} emulated ranks, global batch {GLOBAL_BATCH}, capacity {CAPACITY:,}, top-k {BUDGET_TOKENS} "
-        f"tokens (block {BLOCK}), strategy sab; DST ({dst.describe()}) against DST off; {args.steps} steps per "
+        f"tokens (block {BLOCK}), strategy sab; DST ({dst.describe()}) against DST off; code {code_version()}; "
+        f"{args.steps} steps per "
         "run, the first left out; "
         f"profile scale {args.profile_scale:g}, attention skew {args.attention_skew:g}. Mixes: "
         + "; ".join(f"{m}: {MIXES[m]}" for m in mixes)

@@ -154,8 +154,9 @@ def test_fingerprint_mismatch_warns_or_errors():
 def test_recalibration_converges_to_a_different_true_machine():
     """The profile is 'foreign': the true machine is 1.5x slower at attention, 0.8x at the rest."""
     model = LatencyModel(synthetic_profile())
-    truth = LatencyModel(synthetic_profile())
-    truth.calibration.theta = np.array([1.5, 0.8])  # attention, everything token-proportional
+    foreign = synthetic_profile()
+    foreign.scales = [1.5, 0.8, 0.8]  # attention, everything token-proportional
+    truth = LatencyModel(foreign)
     rng = np.random.default_rng(0)
     batches = [(rng.integers(128, 1300, rng.integers(1, 4)), rng.uniform(0.05, 1, 3)) for _ in range(200)]
     batches = [(n, d[: len(n)]) for n, d in batches]

@@ -1,5 +1,6 @@
-"""Online recalibration: the latency model's (attention, rest) scale factors, tracked by a Kalman
-filter that moves the *level* fast and the *split* between attention and the rest slowly.
+"""Online recalibration: the latency model's (attention, rest) scale factors, tracked by an
+extended Kalman filter that moves the *level* fast and the *split* between attention and the rest
+slowly.
 
 A micro-batch's prediction is ``theta_a * A + theta_r * R`` (attention, and everything that grows
 with tokens: the rest of each layer and the head). Divided by the unscaled prediction ``A + R`` a
@@ -11,13 +12,16 @@ micro-batches, and on real packs ``a`` barely varies (0.19-0.27 on the held-out 
 a filter that moves both alike (the recursive least squares used before, forgetting 0.95, prior
 0.5 on each factor) read timing noise as a split and swung ``theta_a / theta_r`` between 0.1 and
 15 within a step. DST prices every cut and raise with that split, so its budgets became noise
-(measured: DST on SAB 0.86-0.94x). Here:
+(measured: DST on SAB 0.92-0.98x, ``benchmarks/dst_gain.py``). Here:
 
-- the state is ``(level, skew)`` with ``theta_r = level``, ``theta_a = level + skew``; its prior
-  is ``level ~ N(initial, 0.5^2)``, ``skew ~ N(0, 0.15^2 level^2)``, and between measurements
-  the level may drift by ``level_drift`` (relative, one sigma) and the skew by ``skew_drift``
-  (a random walk: the filter forgets old evidence in those proportions, never the prior);
-- the measurement noise is the profile's own (timing CV and fit error, at least 5 %);
+- the state is ``(log level, skew)`` with ``theta_r = level``, ``theta_a = level (1 + skew)``,
+  and a measurement is read in logs, ``log y = log level + log(1 + skew a)``: the level's
+  uncertainty and the split's are relative, so a profile 2.5x off (the level moves to 0.4) keeps
+  the split as tight as one that is right; its prior is ``log level ~ N(log initial, 0.5^2)``,
+  ``skew ~ N(0, 0.15^2)``, and between measurements the log level may drift by ``level_drift``
+  and the skew by ``skew_drift`` (one sigma: the filter forgets old evidence in those
+  proportions, never the prior);
+- the measurement noise is the profile's own (timing CV and fit error, at least 5 %), in logs;
 - an innovation beyond ``gate`` standard deviations of its predicted spread counts as that many
   (a burst of load moves the level, not the split, and never by more than the gate allows);
 - the factors stay in ``[0.2, 5]`` and their ratio in ``[0.25, 4]``.
@@ -36,14 +40,14 @@ _RATIO = (0.25, 4.0)
 
 
 class ScaleFilter:
-    """Kalman filter of the (attention, rest) scale factors (see the module docstring).
+    """Extended Kalman filter of the (attention, rest) scale factors, in ``(log level, skew)``
+    (see the module docstring).
 
     Args:
         noise_std: relative noise of one measured micro-batch time (>= 0.05 is used).
         initial: starting ``(theta_a, theta_r)`` (1 = trust the profile as measured).
-        level_std / skew_std: prior standard deviations of the level and of the skew (relative).
-        level_drift / skew_drift: how far each may move between two measurements (one sigma,
-            relative).
+        level_std / skew_std: prior standard deviations of the log level and of the skew.
+        level_drift / skew_drift: how far each may move between two measurements (one sigma).
         gate: innovations are clipped at this many predicted standard deviations.
     """
 
@@ -66,13 +70,23 @@ class ScaleFilter:
         if self.initial.shape != (2,) or np.any(self.initial <= 0):
             raise ValueError(f"initial must be two positive factors, got {initial}")
         self.gate = float(gate)
-        # (theta_a, theta_r) = T @ (level, skew)
-        self._t = np.array([[1.0, 1.0], [1.0, 0.0]])
-        self._prior = self._t @ np.diag([level_std**2, skew_std**2]) @ self._t.T
-        self._drift = self._t @ np.diag([level_drift**2, skew_drift**2]) @ self._t.T
-        self.theta = self.initial.copy()
+        self._prior = np.diag([level_std**2, skew_std**2])
+        self._drift = np.diag([level_drift**2, skew_drift**2])
+        self.state = self._state_of(self.initial)
+        """``(log level, skew)``."""
         self.cov = self._prior.copy()
         self.num_updates = 0
+
+    @staticmethod
+    def _state_of(theta: np.ndarray) -> np.ndarray:
+        att, rest = ScaleFilter._bounded(np.asarray(theta, dtype=float))
+        return np.array([np.log(rest), att / rest - 1.0])
+
+    @property
+    def theta(self) -> np.ndarray:
+        """``(theta_a, theta_r)``: the attention and the rest factors."""
+        level = float(np.exp(self.state[0]))
+        return np.array([level * (1.0 + self.state[1]), level])
 
     def update(self, features: np.ndarray, measured: float) -> None:
         """Fold in one observation: ``measured ≈ theta · features`` (features: the unscaled
@@ -81,17 +95,17 @@ class ScaleFilter:
         base = float(x.sum())
         if not np.isfinite(measured) or measured <= 0 or base <= 0:
             raise ValueError(f"measured time must be finite and > 0, got {measured}")
-        x, y = x / base, measured / base
-        level = float(self.theta[1])
-        cov = self.cov + self._drift * level**2  # drift is relative to the level
-        px = cov @ x
-        spread = float(x @ px) + self.noise_var * level**2  # the innovation's variance
-        innovation = y - float(x @ self.theta)
+        share = float(x[0]) / base
+        skew = float(self.state[1])
+        cov = self.cov + self._drift
+        h = np.array([1.0, share / (1.0 + skew * share)])  # d log(prediction) / d state
+        spread = float(h @ cov @ h) + self.noise_var
+        innovation = float(np.log(measured / base) - self.state[0] - np.log1p(skew * share))
         limit = self.gate * np.sqrt(spread)
         innovation = float(np.clip(innovation, -limit, limit))
-        gain = px / spread
-        self.theta = self._bounded(self.theta + gain * innovation)
-        self.cov = cov - np.outer(gain, px)
+        gain = cov @ h / spread
+        self.state = self._state_of_bounded(self.state + gain * innovation)
+        self.cov = cov - np.outer(gain, h @ cov)
         self.num_updates += 1
 
     @staticmethod
@@ -100,17 +114,30 @@ class ScaleFilter:
         att = float(np.clip(att, rest * _RATIO[0], rest * _RATIO[1]))
         return np.clip(np.array([att, rest]), *_BOUNDS)
 
+    def _state_of_bounded(self, state: np.ndarray) -> np.ndarray:
+        level = float(np.exp(state[0]))
+        return self._state_of(np.array([level * (1.0 + state[1]), level]))
+
     def state_dict(self) -> dict:
-        return {"theta": self.theta.tolist(), "cov": self.cov.tolist(), "num_updates": self.num_updates, "filter": 2}
+        return {
+            "theta": self.theta.tolist(),
+            "state": self.state.tolist(),
+            "cov": self.cov.tolist(),
+            "num_updates": self.num_updates,
+            "filter": 3,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`. A state of the recursive least squares used before
-        (no ``filter`` key) keeps its factors and restarts the uncertainty from the prior (its
-        covariance meant something else)."""
+        """Restore :meth:`state_dict`. A state of an earlier filter (no ``filter`` key: the
+        recursive least squares; ``filter`` 2: a linear Kalman filter) keeps its factors and
+        restarts the uncertainty from the prior (its covariance meant something else)."""
         theta = np.asarray(state["theta"], float)
-        if theta.shape != self.theta.shape:
+        if theta.shape != (2,):
             raise ValueError("calibration state has other dimensions than this latency model")
-        cov = np.asarray(state["cov"], float) if state.get("filter") == 2 else self._prior.copy()
-        if cov.shape != self.cov.shape:
-            raise ValueError("calibration state has other dimensions than this latency model")
-        self.theta, self.cov, self.num_updates = self._bounded(theta), cov, int(state["num_updates"])
+        if state.get("filter") == 3:
+            own, cov = np.asarray(state["state"], float), np.asarray(state["cov"], float)
+            if own.shape != (2,) or cov.shape != (2, 2):
+                raise ValueError("calibration state has other dimensions than this latency model")
+        else:
+            own, cov = self._state_of(theta), self._prior.copy()
+        self.state, self.cov, self.num_updates = own, cov, int(state["num_updates"])
