@@ -94,7 +94,6 @@ def _worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:
         first = model[0].weight.full_tensor()[0, :4].tolist()
         moment = opt.state[model[0].weight]["exp_avg"].full_tensor()[0, :4].tolist()
         dist.barrier()
-        dist.destroy_process_group()
         result = {
             "opened": opened,
             "grown": grown,
@@ -107,6 +106,10 @@ def _worker(rank: int, world: int, tmp: str, cfg: TrainConfig) -> None:
     except BaseException:
         result = {"error": traceback.format_exc()}
     out.write_bytes(pickle.dumps(result))
+    # gloo's teardown aborted once in CI ("terminate called without an active exception", SIGABRT
+    # after the work was done): the result is written, so leave without tearing the group down
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def test_rank0_alone_reads_the_checkpoint_and_memory_stays_bounded(tmp_path):
