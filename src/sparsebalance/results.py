@@ -1,7 +1,8 @@
 """Dated benchmark results files: the command that made them, the machine, the numbers.
 
 Every benchmark writes ``benchmarks/results/<date>-<name>-<device>.{md,json}`` through this module,
-so README figures can always be traced to a file and a command.
+so README figures can always be traced to a file and a command. The command line is written
+without the machine's absolute paths (``~``, ``$TMPDIR``, relative to the working folder).
 
 Results files are written atomically (a temporary file beside the target, fsync, then one
 rename), so a reader or a full disk never leaves a half-written one, and they are never replaced:
@@ -22,6 +23,7 @@ import secrets
 import shlex
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -54,14 +56,43 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def command_line() -> str:
-    """The command as the user typed it (best effort)."""
-    prog = os.path.basename(sys.argv[0])
+def command_line(argv: list[str] | None = None, cwd: str | Path | None = None) -> str:
+    """The command as the user typed it (best effort; ``argv``: ``sys.argv``), with no machine's
+    absolute paths (:func:`portable_path`): a results file names what ran, not where."""
+    argv = sys.argv if argv is None else argv
+    prog = os.path.basename(argv[0])
     if prog in ("__main__.py", "-c"):
         prog = "python -m sparsebalance"
     elif prog.endswith(".py"):  # a script: its path as typed (benchmarks/x.py), not its name
-        prog = f"python {sys.argv[0]}"
-    return " ".join([prog, *map(shlex.quote, sys.argv[1:])])
+        prog = f"python {portable_path(argv[0], cwd)}"
+    return " ".join([prog, *(shlex.quote(portable_path(a, cwd)) for a in argv[1:])])
+
+
+def portable_path(arg: str, cwd: str | Path | None = None) -> str:
+    """``arg`` without an absolute path of this machine: one under ``cwd`` (default: the working
+    folder) relative to it, one under the home or temporary folder from ``~`` or ``$TMPDIR``,
+    any other as ``<abs>/`` and its name; ``--flag=/a/b`` and comma-separated lists
+    alike. Other arguments are returned as they are."""
+    if arg.startswith("-") and "=" in arg:
+        flag, value = arg.split("=", 1)
+        return f"{flag}={portable_path(value, cwd)}"
+    if "," in arg:
+        return ",".join(portable_path(a, cwd) for a in arg.split(","))
+    if not os.path.isabs(arg):
+        return arg
+    path = Path(os.path.normpath(arg))
+    for root, shown in ((Path(cwd or os.getcwd()), ""), (Path.home(), "~"), (Path(tempfile.gettempdir()), "$TMPDIR")):
+        try:
+            rel = path.relative_to(root.resolve() if root.exists() else root)
+        except ValueError:
+            try:
+                rel = path.relative_to(root)
+            except ValueError:
+                continue
+        if not shown:
+            return str(rel) if str(rel) != "." else "."
+        return f"{shown}/{rel}" if str(rel) != "." else shown
+    return f"<abs>/{path.name}"
 
 
 def write_results(

@@ -263,3 +263,84 @@ def allreduce_gradients(
                 b.copy_(flat[offset : offset + b.numel()].view_as(b))
                 offset += b.numel()
             bucket, size = [], 0
+
+
+class OverlappedAllReduce:
+    """A pipeline stage's gradients averaged over its data-parallel peers while the stage's last
+    backward still runs (what DDP's reducer does; a stage runs outside DDP, whose forward would
+    copy the attention metadata it is passed).
+
+    The parameters are put in buckets of about ``bucket_bytes`` in reverse order (the order a
+    backward makes their gradients). :meth:`arm` before a step's last backward: a hook on every
+    parameter counts its gradient final, and a bucket whose gradients all are is all-reduced
+    asynchronously (``async_op``; gloo runs it on its own threads, NCCL on its stream) while the
+    backward computes the next. Buckets are launched in order, so every peer issues the same
+    collectives in the same order, whatever order its gradients come in. :meth:`finish` launches
+    the buckets the backward did not complete (a pipeline without micro-batches: zeros), waits
+    for all of them and writes the averages back. Earlier backwards only accumulate.
+
+    Args:
+        params: the stage's parameters (those without ``requires_grad`` are left out).
+        group: the stage's data-parallel group; ``world_size``: its size.
+        bucket_bytes: a bucket's size (DDP's default, 25 MiB).
+    """
+
+    def __init__(self, params, group, world_size: int, bucket_bytes: int = 25 << 20) -> None:
+        self.group, self.world_size = group, world_size
+        self.buckets: list[list[nn.Parameter]] = []
+        current, size = [], 0
+        for p in reversed([p for p in params if p.requires_grad]):
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                self.buckets.append(current)
+                current, size = [], 0
+        if current:
+            self.buckets.append(current)
+        self._bucket = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._armed = False
+        self._pending: list[int] = []
+        self._next = 0
+        self._works: list[tuple[object, torch.Tensor, list[nn.Parameter]]] = []
+        self.launched_in_backward = 0
+        """Buckets the last armed backward launched itself (the rest waited for :meth:`finish`)."""
+        for bucket in self.buckets:
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(self._ready)
+
+    def arm(self) -> None:
+        """The next backward is the step's last on this stage: reduce as gradients complete."""
+        self._armed, self._next, self._works = True, 0, []
+        self._pending = [len(b) for b in self.buckets]
+
+    def _ready(self, param: nn.Parameter) -> None:
+        if not self._armed:
+            return
+        self._pending[self._bucket[id(param)]] -= 1
+        self._launch(force=False)
+        self.launched_in_backward = self._next
+
+    def _launch(self, force: bool) -> None:
+        while self._next < len(self.buckets) and (force or self._pending[self._next] <= 0):
+            bucket = self.buckets[self._next]
+            for p in bucket:  # reached by no backward this step (a pipeline without micro-batches)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            self._works.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket))
+            self._next += 1
+
+    def finish(self) -> None:
+        """After the step's backwards: every bucket reduced, each gradient its peers' mean."""
+        if not self._armed:  # no backward ran on this stage this step
+            self.arm()
+            self.launched_in_backward = 0
+        self._launch(force=True)
+        for work, flat, bucket in self._works:
+            work.wait()
+            flat /= self.world_size
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+        self._armed, self._works = False, []

@@ -22,6 +22,10 @@ class Runtime:
     rank: int
     world_size: int
     device: torch.device
+    objects: object = None
+    """Every rank on gloo when the default group is NCCL, for the object collectives (the plan's
+    hash, the step's records: NCCL would stage each pickle in device memory); None: the default
+    group."""
 
     @property
     def is_main(self) -> bool:
@@ -40,17 +44,20 @@ class Runtime:
             raise ValueError("--device cuda requested but CUDA is not available")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         if world > 1 and not dist.is_initialized():
-            timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
             dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
             watch.set_comm_timeout(timeout_s)
+        objects = None
+        if world > 1 and dist.get_backend() == "nccl":  # every rank, once, before any other group
+            objects = dist.new_group(backend="gloo", timeout=timeout)
         if use_cuda:
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local)
             dev = torch.device("cuda", local)
         else:
             dev = torch.device("cpu")
-        return cls(rank, world, dev)
+        return cls(rank, world, dev, objects)
 
     def barrier(self) -> None:
         if self.distributed:
@@ -62,7 +69,7 @@ class Runtime:
             return [obj]
         out = [None] * self.world_size
         with watch.at(collective="all_gather_object"):
-            dist.all_gather_object(out, obj)
+            dist.all_gather_object(out, obj, group=self.objects)
         return out
 
     def broadcast_object(self, obj):
@@ -71,7 +78,7 @@ class Runtime:
             return obj
         box = [obj]
         with watch.at(collective="broadcast_object_list"):
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=self.objects)
         return box[0]
 
     def close(self) -> None:

@@ -1,0 +1,59 @@
+"""Issue 54, item 3, in the trainer at DP 2 x PP 2 (``--parallel ddp``): every gradient bucket
+of every stage is all-reduced inside the stage's last backward of the step, and what the first
+stage reduces after it is its embedding's rows of the step's tokens, not the embedding."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from sparsebalance.train import Trainer
+from sparsebalance.tuning import DSTConfig
+from tests.train.harness import base_config, run_trainers
+
+OFF = DSTConfig(mode="off", budget="gamma", gamma0=0.9)
+
+
+def _body(trainer: Trainer, rank: int) -> dict:
+    executor = trainer.runner.executor
+    grads = executor.gradients
+    sizes, original = [], dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    steps = []
+    for _ in range(trainer.cfg.steps):
+        sizes.clear()
+        dist.all_reduce = spy
+        trainer.run_step()
+        dist.all_reduce = original
+        steps.append({"sizes": list(sizes), "launched": grads.buckets.launched_in_backward})
+    embed = executor.stage.decoder.embed_tokens.weight if executor.stage.layout.first else None
+    return {
+        "stage": executor.stage.layout.stage,
+        "buckets": [sum(p.numel() for p in b) for b in grads.buckets.buckets],
+        "embedding": None if embed is None else embed.numel(),
+        "hidden": trainer.model.config.hidden_size,
+        "steps": steps,
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ddp_stages_reduce_inside_their_last_backward(tmp_path):
+    cfg = base_config(tmp_path, steps=2, strategy="sab", dst=OFF, pp=2)
+    results = run_trainers(_body, cfg, 4, tmp_path, "reduction")
+    for r in results:
+        for step in r["steps"]:
+            assert step["launched"] == len(r["buckets"])  # none waited for the schedule's end
+            big = [n for n in step["sizes"] if n >= r["hidden"]]  # not the norm's or a flag's
+            assert big[: len(r["buckets"])] == r["buckets"]  # the buckets, in order
+            rest = big[len(r["buckets"]) :]
+            if r["embedding"] is not None:  # then the embedding's rows of the step's tokens
+                (rows,) = rest
+                assert rows % r["hidden"] == 0 and 0 < rows < r["embedding"]
+                assert r["embedding"] not in r["buckets"]
+            else:
+                assert rest == []
