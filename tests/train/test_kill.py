@@ -221,13 +221,16 @@ def data(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [(), ("--pp", "2")], ids=["dp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout", [(), ("--pp", "2"), ("--pp", "2", "--pp-virtual", "2")], ids=["dp2", "pp2", "pp2-v2"]
+)
 def test_kill_9_of_the_launcher_kills_the_workers_and_resume_matches(data, layout):
     """The killed run is started for far more steps than it can train before the kill, so it
     is always killed mid-run (with --steps 5 it could finish first, and --resume then found a
     complete run); it is resumed, and compared with a reference run, to 2 steps past the kill:
     the constant LR does not depend on --steps, which may change on --resume. ``pp2``: the two
-    processes are one pipeline of two stages (issue 44)."""
+    processes are one pipeline of two stages (issue 44); ``pp2-v2``: of two stages holding two
+    chunks each, interleaved 1F1B (issue 54)."""
     out = data / "killed"
     log = (data / "killed.log").open("w")
     many = ("--steps", "1000", *layout)

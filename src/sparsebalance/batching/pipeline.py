@@ -13,7 +13,10 @@ overhead plus its items' ``doc_seconds`` (additive, as SAB's rank-level search),
 stages by their layer share (``PlanConfig.stage_layers``, :func:`~.schedule.resolve_layers`;
 the LM head's small term spread with it), each share times its stage's scale, backward = ratio x
 forward (``PlanConfig.stage_scales`` and ``backward_ratio``: 1 and 2 until a training run has
-measured its stages); the makespan is the exact 1F1B one (:func:`~.schedule.makespans`).
+measured its stages); the makespan is the exact 1F1B one (:func:`~.schedule.makespans`), or with
+``PlanConfig.pipeline_virtual`` V > 1 the exact interleaved one (:mod:`.interleaved`: the split
+is then per virtual stage, each rank's scale on its V chunks), so the order search and the
+exchanges below price the schedule that runs.
 
 Per rank (:func:`pack_rank`): LPT on item cost into micro-batches (:func:`~.strategies.
 pack_balanced`), then the order of least makespan (every order up to :data:`EXHAUSTIVE_ORDER`
@@ -37,6 +40,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..workload import CostModel
+from .interleaved import check_virtual
 from .plan import Items, flatten_packs, padded_packs, predict_packs
 from .schedule import BACKWARD_RATIO, head_seconds, layered_makespans, resolve_layers
 from .strategies import RankItems, RankPacks, Regime, pack_balanced
@@ -67,6 +71,9 @@ class PipelineShape:
     scales: np.ndarray | None = None
     """``(P,)`` multiplies each stage's share of a micro-batch (``PlanConfig.stage_scales``, a
     run's measured stage scales); None: 1."""
+    virtual: int = 1
+    """V chunks per rank (``PlanConfig.pipeline_virtual``): priced as interleaved 1F1B
+    (:mod:`.interleaved`), :attr:`layers` then per virtual stage ``(P V,)``; 1: plain 1F1B."""
 
     @classmethod
     def of(
@@ -76,17 +83,20 @@ class PipelineShape:
         split: tuple[int, ...] = (),
         ratio: float = BACKWARD_RATIO,
         scales: tuple[float, ...] = (),
+        virtual: int = 1,
     ) -> PipelineShape:
-        """``split``: layers per stage (``PlanConfig.stage_layers``); empty = the even split.
-        ``scales``: per stage (``PlanConfig.stage_scales``); empty = 1."""
+        """``split``: layers per (virtual) stage (``PlanConfig.stage_layers``, P V entries); empty =
+        the even split. ``scales``: per stage (``PlanConfig.stage_scales``); empty = 1."""
         if scales and len(scales) != num_stages:
             raise ValueError(f"stage_scales {tuple(scales)}: need one scale per stage ({num_stages})")
-        layers = resolve_layers(num_layers, num_stages, split)
-        return cls(layers, ratio, np.asarray(scales, dtype=np.float64) if scales else None)
+        check_virtual(num_stages, virtual, num_layers)
+        layers = resolve_layers(num_layers, num_stages * virtual, split)
+        return cls(layers, ratio, np.asarray(scales, dtype=np.float64) if scales else None, virtual)
 
     @property
     def num_stages(self) -> int:
-        return int(self.layers.size)
+        """P, the pipeline's ranks."""
+        return int(self.layers.size) // self.virtual
 
     def __eq__(self, other: object) -> bool:
         """Prices alike: the same split, backward ratio and stage scales (None = 1)."""
@@ -95,7 +105,8 @@ class PipelineShape:
         ones = np.ones(self.num_stages)
         mine = ones if self.scales is None else self.scales
         theirs = np.ones(other.num_stages) if other.scales is None else other.scales
-        return np.array_equal(self.layers, other.layers) and self.ratio == other.ratio and np.array_equal(mine, theirs)
+        same = np.array_equal(self.layers, other.layers) and self.ratio == other.ratio and self.virtual == other.virtual
+        return same and np.array_equal(mine, theirs)
 
     __hash__ = None  # arrays inside: not hashable
 
@@ -103,7 +114,7 @@ class PipelineShape:
         """``(n,)`` makespans of n pipelines of micro-batch times ``(n, M)``, in that order;
         ``head``: what of each micro-batch runs on the last stage only
         (:func:`~.schedule.layered_makespans`)."""
-        return layered_makespans(times, head, self.layers, self.ratio, self.scales)
+        return layered_makespans(times, head, self.layers, self.ratio, self.scales, self.virtual)
 
 
 @lru_cache(maxsize=16)
@@ -123,7 +134,7 @@ def best_orders(times: np.ndarray, shape: PipelineShape) -> tuple[np.ndarray, np
         return np.zeros((n, m), dtype=np.int64), shape.makespans(times) if m else np.zeros(n)
     swaps = m * (m - 1) // 2 if m <= ORDER_SEARCH_MAX else 1  # orders priced per pipeline and round
     orders = math.factorial(m) if m <= EXHAUSTIVE_ORDER else swaps
-    rows = max(1, CHUNK_ELEMENTS // (orders * m * shape.num_stages))
+    rows = max(1, CHUNK_ELEMENTS // (orders * m * shape.layers.size))
     if n > rows:  # pipelines are independent: the same answer, chunk by chunk
         parts = [_best_orders(times[lo : lo + rows], shape) for lo in range(0, n, rows)]
         return np.concatenate([o for o, _ in parts]), np.concatenate([s for _, s in parts])
@@ -270,7 +281,7 @@ def pack_makespans(
     for m in sorted(set(counts.tolist()) - {0}):
         rows = np.flatnonzero(counts == m)
         idx = starts[rows][:, None] + np.arange(m)[None, :]
-        out[rows] = layered_makespans(times[idx], head[idx], shape.layers, shape.ratio, shape.scales)
+        out[rows] = shape.makespans(times[idx], head[idx])
     return out
 
 

@@ -49,6 +49,7 @@ from .assign import baseline_packs, sab_packs, sab_pipeline_packs
 from .context import CPResult, plan_cp
 from .cp_plan import build_cp_plan
 from .estimate import DensityEstimator
+from .interleaved import check_virtual
 from .pipeline import PipelineShape
 from .plan import FlatPacks, Items, Plan, build_plan, flatten_packs, predict_packs
 from .schedule import BACKWARD_RATIO
@@ -103,7 +104,10 @@ class PlanConfig:
     """Decoder layers per pipeline stage (P entries, each >= 1, summing to the model's layers; the
     trainer's split, :func:`~.schedule.balanced_layers`); empty: the even split
     (:func:`~.schedule.stage_layers`). The planner prices stages with it, as DST, the simulator
-    and the trainer's stages do."""
+    and the trainer's stages do. With ``pipeline_virtual`` V > 1: P V entries, per virtual stage."""
+    pipeline_virtual: int = 1
+    """Chunks of layers per pipeline rank (``--pp-virtual`` V): SAB and DST price the interleaved
+    1F1B makespan (:mod:`.interleaved`); 1: plain 1F1B."""
     stage_scales: tuple[float, ...] = ()
     """Multiplies each pipeline stage's share of a micro-batch's predicted seconds (P entries > 0;
     a training run's measured stage scales, :mod:`sparsebalance.engine.stage_calibration`);
@@ -157,8 +161,10 @@ class PlanConfig:
         split = self.stage_layers
         if not isinstance(split, tuple) or not all(isinstance(n, int) and not isinstance(n, bool) for n in split):
             raise ValueError(f"stage_layers must be a tuple of integers, got {split!r}")
-        if split and (len(split) != p or min(split) < 1):
-            raise ValueError(f"stage_layers {split}: need one entry >= 1 per pipeline stage (--pp {p})")
+        check_virtual(p, self.pipeline_virtual)
+        if split and (len(split) != p * self.pipeline_virtual or min(split) < 1):
+            per = f"--pp {p}" + (f" x --pp-virtual {self.pipeline_virtual}" if self.pipeline_virtual > 1 else "")
+            raise ValueError(f"stage_layers {split}: need one entry >= 1 per pipeline stage ({per})")
         scales = self.stage_scales
         if not isinstance(scales, tuple) or (scales and len(scales) != p):
             raise ValueError(f"stage_scales must be a tuple of one scale per pipeline stage (--pp {p}), got {scales!r}")
@@ -180,7 +186,12 @@ class PlanConfig:
         if self.pipeline_stages == 1:
             return None
         return PipelineShape.of(
-            num_layers, self.pipeline_stages, self.stage_layers, self.backward_ratio, self.stage_scales
+            num_layers,
+            self.pipeline_stages,
+            self.stage_layers,
+            self.backward_ratio,
+            self.stage_scales,
+            self.pipeline_virtual,
         )
 
 

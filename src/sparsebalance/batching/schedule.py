@@ -257,6 +257,7 @@ def layered_makespans(
     layers: np.ndarray,
     ratio: float = BACKWARD_RATIO,
     scales: np.ndarray | None = None,
+    virtual: int = 1,
 ):
     """``(n,)`` 1F1B makespans of n pipelines from their micro-batch times.
 
@@ -264,17 +265,23 @@ def layered_makespans(
         times: float ``(n, M)`` forward + backward seconds of each micro-batch (the cost model's).
         head: float ``(n, M)`` (or broadcastable) seconds of each micro-batch not spread over the
             layers (the LM head and loss, on the last stage); 0 spreads all of it.
-        layers: int ``(P,)`` layers per stage (:func:`stage_layers`).
+        layers: int ``(P V,)`` layers per (virtual) stage (:func:`stage_layers`).
         ratio: backward seconds per forward second.
-        scales: float ``(P,)`` multiplies each stage's share (a run's measured stage scales,
+        scales: float ``(P,)`` multiplies each rank's share (a run's measured stage scales,
             :mod:`sparsebalance.engine.stage_calibration`); None: 1.
+        virtual: V chunks per rank (``--pp-virtual``): the interleaved schedule
+            (:mod:`.interleaved`), virtual stage k on rank ``k % P``; 1: plain 1F1B.
 
-    A stage's share is :func:`spread_stages`'s, times its scale.
+    A stage's share is :func:`spread_stages`'s, times its rank's scale.
     """
     stages = spread_stages(times, head, layers)
     if scales is not None:
-        stages = stages * np.asarray(scales, dtype=np.float64)
-    return makespans(*split_forward_backward(stages, ratio))
+        stages = stages * np.tile(np.asarray(scales, dtype=np.float64), virtual)
+    if virtual == 1:
+        return makespans(*split_forward_backward(stages, ratio))
+    from .interleaved import makespans as interleaved_makespans
+
+    return interleaved_makespans(*split_forward_backward(stages, ratio), virtual)
 
 
 def head_seconds(cost_model: CostModel, lengths: np.ndarray, densities: np.ndarray, totals: np.ndarray) -> np.ndarray:

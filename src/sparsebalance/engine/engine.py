@@ -373,7 +373,10 @@ class StepEngine:
         timed = measured and not self.deterministic
         if timed and self.config.pipeline_stages > 1:
             cfg = self.config
-            layers = resolve_layers(self.latency.num_layers, cfg.pipeline_stages, cfg.stage_layers)
+            virtual = resolve_layers(
+                self.latency.num_layers, cfg.pipeline_stages * cfg.pipeline_virtual, cfg.stage_layers
+            )
+            layers = virtual.reshape(cfg.pipeline_virtual, -1).sum(axis=0)  # per rank: its chunks (--pp-virtual)
             self.stage_calibration.observe(feedback.microbatches, self.latency, layers)
         apply_feedback(
             feedback,

@@ -10,17 +10,15 @@ buffers at the first step's shapes). The attention metadata (pack, budgets, DST'
 choices) is built on each stage from the shared plan (:meth:`.StepEngine.attention`), never sent.
 
 Per step and micro-batch boundary the schedule sends one tensor each way (activations forward,
-their gradients back: ``isend`` + ``recv``; from pinned host memory when a CUDA stage sends over
-gloo); nothing else waits. The gradients' reduction over the stage's data-parallel peers starts
-inside the stage's last backward of the step (:meth:`PipelineExecutor._arm_reduction`): with
-``--parallel ddp`` buckets are all-reduced as their gradients complete and the tied embedding's
-two copies are summed (:class:`.StageGradients`); with ``--parallel fsdp2``
-(:meth:`.StageModel.shard`) the stage is gathered before the schedule and stays gathered through
-it, its gradients accumulate unsharded, and the last backward reduce-scatters them (a pipeline
-without micro-batches joins with a two-token pass at zero loss, :meth:`PipelineExecutor._reduce_shards`):
-every unit all-gathers once and reduce-scatters once per step, and no forward waits for a peer
-pipeline. The global gradient norm for clipping sums the stages' squares
-(:meth:`PipelineExecutor.grad_norm`).
+their gradients back: ``isend`` + ``recv``); nothing else waits. After the last backward: the tied
+embedding's gradient is summed between the first and last stage (when the LM head is the
+embedding), then each stage's gradients are averaged over its data-parallel peers, and the global
+gradient norm for clipping sums the stages' squares (:meth:`PipelineExecutor.grad_norm`). With
+``--parallel fsdp2`` (:meth:`.StageModel.shard`) the stage is gathered before the schedule and
+stays gathered through it, its gradients accumulate unsharded, and after the schedule a two-token
+pass at zero loss reduce-scatters them (:meth:`PipelineExecutor._reduce_shards`): every unit
+all-gathers once and reduce-scatters once per step, a pipeline without micro-batches included,
+and no timed forward or backward waits for a peer pipeline.
 
 Each micro-batch's record is the whole model's: its stages' forward + backward seconds summed (what
 the latency model predicts for a micro-batch), each stage's (forward, backward) seconds
@@ -40,15 +38,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..batching.schedule import schedule_order, settled_sends
+from ..batching.interleaved import settled_sends, virtual_order
 from ..clock import Clock, Mark, use_clock
 from ..data import pack
 from ..precision import Precision
 from .engine import StepEngine
 from .execute import ExecutionConfig
+from .parallelize import allreduce_gradients
 from .records import LocalWork, MicroBatchResult, TunedStep
 from .stage import PipelineLayout, StageModel
-from .stage_gradients import StageGradients, embedded_rows
 
 
 @dataclass
@@ -71,9 +69,11 @@ class PipelineGroups:
     objects: object = None
     """Every rank on gloo, for a checkpoint's objects when the default group is NCCL (it would
     stage every pickle in device memory); None: the default group."""
-    pipeline_objects: object = None
-    """This pipeline's stages on gloo when the default group is NCCL, for the step's records
-    (an object all-gather on NCCL goes through device memory); None: :attr:`pipeline`."""
+    wrap_activations: object = None
+    """Interleaved (``--pp-virtual``): the activations rank P-1 sends round to rank 0 (at P = 2
+    they would share a pair with rank 0's sends to rank 1 in one group); None: not interleaved."""
+    wrap_gradients: object = None
+    """Interleaved: the gradients rank 0 sends round to rank P-1."""
 
     @classmethod
     def create(cls, layout: PipelineLayout, tied: bool, timeout_s: float | None = None) -> PipelineGroups:
@@ -86,19 +86,20 @@ class PipelineGroups:
         def group(ranks=None, **kw):
             return dist.new_group(ranks, timeout=timeout, **kw)
 
-        nccl = dist.get_backend() == "nccl"
         mine = {}
         for d in range(D):
             for kind in ("pipeline", "activations", "gradients"):
                 mine[(kind, d)] = group([layout.rank(d, s) for s in range(P)])
-            if nccl:
-                mine[("pipeline_objects", d)] = group([layout.rank(d, s) for s in range(P)], backend="gloo")
         for s in range(P):
             mine[("data", s)] = group([layout.rank(d, s) for d in range(D)]) if D > 1 else None
         for d in range(D):
             ends = [layout.rank(d, 0), layout.rank(d, P - 1)]
             mine[("tied", d)] = group(ends) if tied and P > 1 else None
-        objects = group(backend="gloo") if nccl else None
+        objects = group(backend="gloo") if dist.get_backend() == "nccl" else None
+        if layout.virtual > 1:
+            for d in range(D):
+                for kind in ("wrap_activations", "wrap_gradients"):
+                    mine[(kind, d)] = group([layout.rank(d, s) for s in range(P)])
         d = layout.dp
         return cls(
             mine[("pipeline", d)],
@@ -107,13 +108,15 @@ class PipelineGroups:
             mine[("activations", d)],
             mine[("gradients", d)],
             objects,
-            mine.get(("pipeline_objects", d)),
+            wrap_activations=mine.get(("wrap_activations", d)),
+            wrap_gradients=mine.get(("wrap_gradients", d)),
         )
 
 
 @dataclass
 class _Op:
-    """One micro-batch on this stage: its batch, context, tensors kept for its backward, marks."""
+    """One micro-batch on one chunk of this stage (the stage, without ``--pp-virtual``): its
+    batch (shared by its chunks), context, tensors kept for its backward, marks."""
 
     unit: object
     batch: object
@@ -143,8 +146,6 @@ class PipelineExecutor:
         # tensors (no host copy, no wait), gloo host ones (one device-to-host copy per send)
         nccl = self.device.type == "cuda" and dist.get_backend() == "nccl"
         self.wire = self.device if nccl else torch.device("cpu")
-        self.gradients = None if self.stage.sharded else StageGradients(self.stage, self.groups)
-        """``--parallel ddp``: the stage's reduction, started in its last backward."""
 
     @property
     def layout(self) -> PipelineLayout:
@@ -162,17 +163,17 @@ class PipelineExecutor:
             for work, _tensor in sends.values():  # the tensor stays alive until its send is done
                 work.wait()
             ready = clock.mark()
-            self._sync_gradients(step, ran_backward=bool(ops))
+            self._sync_gradients(step)
             done = clock.mark()
             clock.synchronize()  # the step's one wait for the device
-            mine = [self._result(op, origin) for op in ops]
-            busy = sum(clock.seconds(a, b) for op in ops for a, b in op.marks)
+            mine = [self._result(chunks, origin) for chunks in ops]
+            busy = sum(clock.seconds(a, b) for chunks in ops for op in chunks for a, b in op.marks)
             stage = {"busy_s": busy, "span_s": clock.seconds(origin, ready)}
             times = (clock.seconds(origin, ready), clock.seconds(origin, done))
         gathered = [None] * layout.stages
-        objects = self.groups.pipeline_objects or self.groups.pipeline  # gloo when the default is NCCL
-        dist.all_gather_object(gathered, (mine, stage, times), group=objects)
-        results = [_merge(parts) for parts in zip(*(g[0] for g in gathered), strict=True)]
+        dist.all_gather_object(gathered, (mine, stage, times), group=self.groups.pipeline)
+        split, v = self.stage.split, layout.virtual
+        results = [_merge(parts, split, v) for parts in zip(*(g[0] for g in gathered), strict=True)]
         record = self.engine.record(step, layout.dp, results)
         span = max(g[1]["span_s"] for g in gathered)
         record.stages = [
@@ -182,124 +183,123 @@ class PipelineExecutor:
         ready_s, done_s = (max(g[2][i] for g in gathered) for i in (0, 1))
         return LocalWork([record], ready_s, done_s)
 
-    def _schedule(self, step: TunedStep) -> tuple[list[_Op], dict]:
-        """The 1F1B order of this stage's micro-batches; the sends still in flight. A send is
-        dropped (its wait returns at once) when a receive proves its peer received it
+    def _schedule(self, step: TunedStep) -> tuple[list[list[_Op]], dict]:
+        """The 1F1B order (interleaved with ``--pp-virtual``: :func:`.virtual_order`) of this
+        stage's micro-batches: per micro-batch, its chunks' ops; the sends still in flight. A send
+        is dropped (its wait returns at once) when a receive proves its peer received it
         (:func:`.settled_sends`), so a stage holds the sends of the micro-batches in flight, not
         of all of them."""
         planned, dp = step.planned, self.layout.dp
         units = [planned.units[u] for u in planned.rank_units[dp]]
         if any(u.degree > 1 for u in units):
             raise ValueError("--pp: a context-parallel unit in the plan (sab-cp cannot run in a pipeline)")
-        ops: list[_Op] = []
+        layout = self.layout
+        ops: list[list[_Op]] = []
         for unit in units:
             docs = [
                 self.docs[i][o : o + n] for i, o, n in zip(unit.sample_ids, unit.offsets, unit.lengths, strict=True)
             ]
-            ops.append(_Op(unit, pack(docs, self.device, self.config.per_doc_weighting)))
+            batch = pack(docs, self.device, self.config.per_doc_weighting)
+            ops.append([_Op(unit, batch) for _ in range(layout.virtual)])
         sends: dict = {}
-        settled = settled_sends(self.layout.stages, len(ops), self.layout.stage)
-        order = schedule_order(self.layout.stages, len(ops), self.layout.stage)
-        last = max((i for i, (kind, _) in enumerate(order) if kind == "B"), default=None)
-        for i, (kind, m) in enumerate(order):
-            done = [sends.pop(k) for k in settled.get((kind, m), [])]
+        settled = settled_sends(layout.stages, layout.virtual, len(ops), layout.stage)
+        for kind, m, c in virtual_order(layout.stages, layout.virtual, len(ops), layout.stage):
+            done = [sends.pop(k) for k in settled.get((kind, m, c), [])]
             if kind == "F":
-                self._forward(step, m, ops[m], sends, done)
+                self._forward(step, m, c, ops[m][c], sends, done)
             else:
-                if i == last:  # the gradients' reduction starts inside it
-                    self._arm_reduction()
-                self._backward(m, ops[m], step.loss_scale, sends, done)
+                self._backward(m, c, ops[m][c], step.loss_scale, sends, done)
         return ops, sends
 
-    def _arm_reduction(self) -> None:
-        """Before this stage's last backward of the step: DDP's buckets all-reduce as its
-        gradients complete (:class:`.StageGradients`); FSDP2 reduce-scatters each unit in its
-        post-backward and reshards (every gathered parameter given a gradient first, so the peers
-        reduce the same tensors)."""
-        if self.gradients is not None:
-            self.gradients.arm()
-        if self.stage.sharded:
-            for p in self.stage.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            self.stage.sync_in_next_backward()
+    def _group(self, kind: str, chunk: int, step: int):
+        """The group carrying ``kind``'s message between this rank's ``chunk`` and the virtual
+        stage ``step`` (+1 / -1) away: one direction per group and pair of ranks."""
+        p = self.layout.stages
+        k = chunk * p + self.layout.stage
+        wraps = k // p != (k + step) // p  # between rank P-1 and rank 0 (interleaved only)
+        if kind == "F":
+            return self.groups.wrap_activations if wraps else self.groups.activations
+        return self.groups.wrap_gradients if wraps else self.groups.gradients
 
-    def _forward(self, step: TunedStep, m: int, op: _Op, sends: dict, done: list) -> None:
+    def _forward(self, step: TunedStep, m: int, c: int, op: _Op, sends: dict, done: list) -> None:
         layout, batch = self.layout, op.batch
-        if layout.first:
+        first, last = layout.first_chunk(c), layout.last_chunk(c)
+        if first:
             x = batch.input_ids
         else:
-            shape = self.stage.hidden_shape(sum(batch.lengths))
-            x = wire_buffer(shape, self.stage.hidden_dtype, self.device, self.wire)
-            dist.recv(x, layout.rank(layout.dp, layout.stage - 1), group=self.groups.activations)
+            x = torch.empty(
+                self.stage.hidden_shape(sum(batch.lengths)), dtype=self.stage.hidden_dtype, device=self.wire
+            )
+            dist.recv(x, layout.peer(c, -1)[0], group=self._group("F", c, -1))
             _release(done)
-            x = x.to(self.device, non_blocking=True).requires_grad_()
+            x = x.to(self.device).requires_grad_()
         t0 = self.clock.mark()
         op.ctx = self.engine.attention(step, layout.dp, m, batch.cu_seqlens, batch.lengths, start=t0.host)
         with self.precision.autocast():
-            out = self.stage(x, batch.position_ids, op.ctx)
-            if layout.last:
+            out = self.stage(x, batch.position_ids, op.ctx, c)
+            if last:
                 out = self.stage.loss(out, batch, self.config.loss, not self.config.per_doc_weighting)
-        op.inputs, op.output = (None if layout.first else x), out
+        op.inputs, op.output = (None if first else x), out
         op.marks.append((t0, self.clock.mark()))
-        if not layout.last:
-            sent = to_wire(out.detach(), self.wire)
-            to = layout.rank(layout.dp, layout.stage + 1)
-            sends[("F", m)] = (dist.isend(sent, to, group=self.groups.activations), sent)
+        if not last:
+            sent = out.detach().to(self.wire)
+            to = layout.peer(c, 1)[0]
+            sends[("F", m, c)] = (dist.isend(sent, to, group=self._group("F", c, 1)), sent)
 
-    def _backward(self, m: int, op: _Op, loss_scale: float, sends: dict, done: list) -> None:
+    def _backward(self, m: int, c: int, op: _Op, loss_scale: float, sends: dict, done: list) -> None:
         layout = self.layout
-        if layout.last:
+        first, last = layout.first_chunk(c), layout.last_chunk(c)
+        if last:
             t0 = self.clock.mark()
             scaled = op.output * loss_scale
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         else:
-            grad = wire_buffer(op.output.shape, op.output.dtype, self.device, self.wire)
-            dist.recv(grad, layout.rank(layout.dp, layout.stage + 1), group=self.groups.gradients)
+            grad = torch.empty(op.output.shape, dtype=op.output.dtype, device=self.wire)
+            dist.recv(grad, layout.peer(c, 1)[0], group=self._group("B", c, 1))
             _release(done)
             t0 = self.clock.mark()
-            op.output.backward(grad.to(self.device, non_blocking=True))
+            op.output.backward(grad.to(self.device))
         op.marks.append((t0, self.clock.mark()))
-        if not layout.first:
-            sent = to_wire(op.inputs.grad, self.wire)
-            to = layout.rank(layout.dp, layout.stage - 1)
-            sends[("B", m)] = (dist.isend(sent, to, group=self.groups.gradients), sent)
-        # its activations are freed now; the last stage keeps the loss (detached) for the record
-        op.inputs, op.output = None, (op.output.detach() if layout.last else None)
+        if not first:
+            sent = op.inputs.grad.to(self.wire)
+            to = layout.peer(c, -1)[0]
+            sends[("B", m, c)] = (dist.isend(sent, to, group=self._group("B", c, -1)), sent)
+        # its activations are freed now; the last virtual stage keeps the loss (detached) for the record
+        op.inputs, op.output = None, (op.output.detach() if last else None)
 
-    def _result(self, op: _Op, origin: Mark) -> MicroBatchResult:
-        """This stage's share of one micro-batch (after the synchronize); its ``stage_seconds``:
-        this stage's (forward, backward) seconds (its marks: the forward's, then the backward's)."""
-        forward, backward = (self.clock.seconds(a, b) for a, b in op.marks)
-        seconds = forward + backward
-        loss = op.output if self.layout.last else 0.0
-        weight = op.batch.loss_weights.sum() if self.layout.last else 0.0
+    def _result(self, chunks: list[_Op], origin: Mark) -> MicroBatchResult:
+        """This stage's share of one micro-batch (after the synchronize): its chunks' seconds
+        summed; its ``stage_seconds``: this stage's (forward, backward) seconds (each chunk's
+        marks: the forward's, then the backward's); its layers' statistics in chunk order."""
+        forward = sum(self.clock.seconds(*op.marks[0]) for op in chunks)
+        backward = sum(self.clock.seconds(*op.marks[1]) for op in chunks)
+        head, tail = chunks[0], chunks[-1]
+        loss = tail.output if self.layout.last else 0.0
+        weight = tail.batch.loss_weights.sum() if self.layout.last else 0.0
         return MicroBatchResult.from_stats(
-            seconds,
-            op.unit.lengths,
-            op.unit.sample_ids,
-            op.ctx.stats,
+            forward + backward,
+            head.unit.lengths,
+            head.unit.sample_ids,
+            [stat for op in chunks for stat in op.ctx.stats],
             loss,
             weight,
-            slot=op.unit.slot,
-            start_s=self.clock.seconds(origin, op.marks[0][0]),
+            slot=head.unit.slot,
+            start_s=self.clock.seconds(origin, head.marks[0][0]),
             stage_seconds=((forward, backward),),
         )
 
     def _reduce_shards(self, step: TunedStep) -> None:
-        """FSDP2 on a pipeline that ran no micro-batch this step: its peers reduce-scatter in
-        their last backward, so this stage joins them with zero gradients: a two-token pass
-        through the stage at zero loss, with gradient sync on, runs every unit's post-backward
-        (public API only; ``torch.distributed.pipelining`` calls FSDP's internals)."""
+        """FSDP2: reduce-scatter the gradients the schedule accumulated (gathered) and reshard,
+        after the schedule, so no forward or backward of it waits for a peer pipeline: a
+        two-token pass through the stage at zero loss, with gradient sync on, runs every unit's
+        post-backward (public API only; ``torch.distributed.pipelining`` calls FSDP's internals)."""
         stage, layout = self.stage, self.layout
         stage.sync_in_next_backward()
         batch = pack([np.zeros(2, dtype=np.int64)], self.device, False)
         ctx = self.engine.attention(step, layout.dp, None, batch.cu_seqlens, batch.lengths)  # exact
         x = batch.input_ids
         if not layout.first:
-            # requiring a gradient, as a received activation does: each unit's post-backward then
-            # runs when the backward reaches its input, in the order its peers' real backward runs them
-            x = torch.zeros(stage.hidden_shape(2), dtype=stage.hidden_dtype, device=self.device, requires_grad=True)
+            x = torch.zeros(stage.hidden_shape(2), dtype=stage.hidden_dtype, device=self.device)
         with self.precision.autocast():
             out = stage(x, batch.position_ids, ctx)
         for p in stage.parameters():  # gathered now: every peer reduces every parameter (a pipeline
@@ -307,24 +307,20 @@ class PipelineExecutor:
                 p.grad = torch.zeros_like(p)
         (out.float().sum() * 0.0).backward()
 
-    def _sync_gradients(self, step: TunedStep, ran_backward: bool) -> None:
-        """Finish averaging over the data-parallel pipelines what the last backward started
-        (:meth:`_arm_reduction`) and sum the tied embedding's two copies (:class:`.StageGradients`;
-        FSDP2 reduce-scattered in the last backward, then the copies' shards are summed here)."""
-        if self.gradients is not None:
-            if self.gradients.needs_rows():
-                vocab = self.stage.model.config.vocab_size
-                rows = embedded_rows(step.planned.units, self.docs, vocab, self.device)
-            self.gradients.finish(rows if self.gradients.needs_rows() else None)
-            return
-        if not ran_backward:
+    def _sync_gradients(self, step: TunedStep) -> None:
+        """Sum the tied embedding's two gradients, then average over the data-parallel pipelines
+        (FSDP2 did, in the last backward: the two copies' shards are summed, alike on both ends)."""
+        if self.stage.sharded:
             self._reduce_shards(step)
+        params = self.stage.parameters_owned()
         tied = self.stage.tied_weight()
         if tied is not None and self.groups.tied is not None:
             if tied.grad is None:
                 tied.grad = torch.zeros_like(tied)
             grad = tied.grad.to_local() if isinstance(tied.grad, DTensor) else tied.grad
             dist.all_reduce(grad, group=self.groups.tied)
+        if self.groups.data is not None and not self.stage.sharded:
+            allreduce_gradients(params, self.layout.dp_size, group=self.groups.data)
 
     def grad_norm(self, max_norm: float) -> float:
         """The whole model's gradient norm (the stages' squares summed, the tied embedding
@@ -343,25 +339,6 @@ class PipelineExecutor:
         return float(total)
 
 
-def wire_buffer(shape, dtype: torch.dtype, device: torch.device, wire: torch.device) -> torch.Tensor:
-    """An empty receive buffer on ``wire``; pinned host memory when the stage runs on CUDA and the
-    backend sends from the host (gloo), so its copy to the device is one DMA, not blocking."""
-    return torch.empty(shape, dtype=dtype, device=wire, pin_memory=_pinned(device, wire))
-
-
-def to_wire(tensor: torch.Tensor, wire: torch.device) -> torch.Tensor:
-    """``tensor`` where the backend sends from: itself on the same device, else a copy in pinned
-    host memory (a CUDA tensor for gloo; the copy completes before the send reads it)."""
-    if tensor.device == wire:
-        return tensor
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=wire, pin_memory=_pinned(tensor.device, wire))
-    return out.copy_(tensor)
-
-
-def _pinned(device: torch.device, wire: torch.device) -> bool:
-    return device.type == "cuda" and wire.type == "cpu"
-
-
 def _release(sends: list) -> None:
     """Sends their peer has received (proven by the receive just made): the waits return at once
     and the tensors go."""
@@ -369,16 +346,31 @@ def _release(sends: list) -> None:
         work.wait()
 
 
-def _merge(parts: Sequence[MicroBatchResult]) -> MicroBatchResult:
+def _merge(parts: Sequence[MicroBatchResult], split: Sequence[int] = (), virtual: int = 1) -> MicroBatchResult:
     """One micro-batch's stage results (stage order) as the whole model's, each stage's
-    (forward, backward) seconds kept in ``stage_seconds``."""
+    (forward, backward) seconds kept in ``stage_seconds``; ``split``: layers per virtual stage,
+    with which interleaved stages' layer statistics (each in chunk order) go back to model order."""
     first, last = parts[0], parts[-1]
     return replace(
         first,
         seconds=sum(p.seconds for p in parts),
         stage_seconds=tuple(fb for p in parts for fb in p.stage_seconds),
-        layer_densities=tuple(d for p in parts for d in p.layer_densities),
-        budgets=tuple(b for p in parts for b in p.budgets),
+        layer_densities=_model_order([p.layer_densities for p in parts], split, virtual),
+        budgets=_model_order([p.budgets for p in parts], split, virtual),
         loss_sum=last.loss_sum,
         weight_sum=last.weight_sum,
     )
+
+
+def _model_order(per_stage: Sequence[tuple], split: Sequence[int], virtual: int) -> tuple:
+    """Per-layer entries of each stage (its chunks' layers in turn) in the model's layer order:
+    virtual stage ``k`` is chunk ``k // P`` of stage ``k % P``."""
+    if virtual == 1:
+        return tuple(x for entries in per_stage for x in entries)
+    p = len(per_stage)
+    taken, out = [0] * p, []
+    for k, n in enumerate(split):
+        s = k % p
+        out.extend(per_stage[s][taken[s] : taken[s] + n])
+        taken[s] += n
+    return tuple(out)

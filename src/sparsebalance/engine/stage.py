@@ -18,6 +18,11 @@ computes what the whole model computes, bit for bit on CPU in fp32.
 A model whose tied LM head is its embedding (``tie_word_embeddings``) holds that weight on both
 the first and the last stage; the pipeline sums its two gradients (:mod:`.pipeline`) so both copies
 take the same step.
+
+Interleaved (``--pp-virtual V``, :mod:`sparsebalance.batching.interleaved`): the split has P V
+entries (virtual stages, model order) and rank s holds virtual stages s, s + P, ..., V chunks of
+non-adjacent layers (:meth:`PipelineLayout.chunks`); :meth:`StageModel.forward` runs one chunk.
+The embedding runs in rank 0's first chunk, the norm, head and loss in rank P-1's last.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from ..batching.interleaved import check_virtual, chunk_layers
 from ..batching.schedule import resolve_layers, stage_layers
 from ..models.head import tied_head
 from ..ops.loss import linear_cross_entropy, weighted_cross_entropy
@@ -49,15 +55,21 @@ class PipelineLayout:
     dp_size: int
     split: tuple[int, ...] = ()
     """Decoder layers per stage (``stages`` entries summing to the model's layers; what
-    ``PlanConfig.stage_layers`` holds); empty: the even split."""
+    ``PlanConfig.stage_layers`` holds; ``stages x virtual`` entries, per virtual stage, when
+    interleaved); empty: the even split."""
+    virtual: int = 1
+    """Chunks of layers per rank (``--pp-virtual``); 1: one contiguous run of layers."""
 
     @classmethod
-    def of(cls, rank: int, world_size: int, stages: int, split: tuple[int, ...] = ()) -> PipelineLayout:
+    def of(
+        cls, rank: int, world_size: int, stages: int, split: tuple[int, ...] = (), virtual: int = 1
+    ) -> PipelineLayout:
         if stages < 1 or world_size % stages:
             raise ValueError(f"--pp {stages} must divide the number of processes ({world_size})")
-        if split and len(split) != stages:
+        check_virtual(stages, virtual)
+        if split and len(split) != stages * virtual:
             raise ValueError(f"--pp {stages}: a split of {len(split)} stages {tuple(split)}")
-        return cls(stages, rank % stages, rank // stages, world_size // stages, tuple(split))
+        return cls(stages, rank % stages, rank // stages, world_size // stages, tuple(split), virtual)
 
     @property
     def first(self) -> bool:
@@ -71,12 +83,31 @@ class PipelineLayout:
         """The world rank of ``stage`` of pipeline ``dp``."""
         return dp * self.stages + stage
 
-    def layers(self, num_layers: int) -> range:
-        """The decoder layers this stage runs (``ValueError`` if :attr:`split` does not fit a model
-        of ``num_layers``)."""
-        counts = resolve_layers(num_layers, self.stages, self.split)
-        start = int(counts[: self.stage].sum())
-        return range(start, start + int(counts[self.stage]))
+    def layers(self, num_layers: int) -> range | list[int]:
+        """The decoder layers this stage runs, in model order (``ValueError`` if :attr:`split` does
+        not fit a model of ``num_layers``): a range, or with ``--pp-virtual`` its chunks' layers."""
+        chunks = self.chunks(num_layers)
+        return chunks[0] if len(chunks) == 1 else [i for chunk in chunks for i in chunk]
+
+    def chunks(self, num_layers: int) -> list[range]:
+        """This rank's chunks of decoder layers (one without interleaving), in model order."""
+        check_virtual(self.stages, self.virtual, num_layers)
+        counts = resolve_layers(num_layers, self.stages * self.virtual, self.split)
+        return chunk_layers(counts, self.stages, self.stage)
+
+    def first_chunk(self, chunk: int) -> bool:
+        """Virtual stage 0 (runs the embedding)."""
+        return self.first and chunk == 0
+
+    def last_chunk(self, chunk: int) -> bool:
+        """The last virtual stage (runs the norm, the LM head and the loss)."""
+        return self.last and chunk == self.virtual - 1
+
+    def peer(self, chunk: int, step: int) -> tuple[int, int]:
+        """``(world rank, chunk)`` of the virtual stage ``step`` (+1 or -1) from this rank's
+        ``chunk`` (rank P-1's chunk c feeds rank 0's chunk c + 1)."""
+        k = chunk * self.stages + self.stage + step
+        return self.rank(self.dp, k % self.stages), k // self.stages
 
 
 def check_pipeline_model(config, stages: int) -> None:
@@ -100,9 +131,11 @@ class StageModel(nn.Module):
         self.model, self.layout = model, layout
         decoder = model.get_decoder()
         self.span = layout.layers(len(decoder.layers))
-        self.split = tuple(resolve_layers(len(decoder.layers), layout.stages, layout.split).tolist())
-        """Layers per stage of the whole pipeline (what a checkpoint records: its optimizer states
-        are per stage)."""
+        self.split = tuple(resolve_layers(len(decoder.layers), layout.stages * layout.virtual, layout.split).tolist())
+        """Layers per (virtual) stage of the whole pipeline (what a checkpoint records: its optimizer
+        states are per stage)."""
+        self.chunk_spans = layout.chunks(len(decoder.layers))
+        """This rank's chunks of layers (one without ``--pp-virtual``)."""
         self.tied = tied_head(model)  # before other stages' modules are dropped
         self.hidden_dtype = decoder.norm.weight.dtype
         """The residual stream's dtype (the parameters'): what crosses between stages."""
@@ -190,13 +223,24 @@ class StageModel(nn.Module):
     def hidden_shape(self, tokens: int) -> tuple[int, int, int]:
         return (1, tokens, self.model.config.hidden_size)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, attention) -> torch.Tensor:
-        """Token ids (first stage) or the previous stage's hidden states ``(1, T, H)`` through this
-        stage's layers (and the final norm on the last stage)."""
-        decoder = self.decoder
-        hidden = decoder.embed_tokens(x) if self.layout.first else x
+    @property
+    def rank_split(self) -> tuple[int, ...]:
+        """Layers per rank (its chunks summed): what a rank holds, for the memory model."""
+        p = self.layout.stages
+        return tuple(sum(self.split[k] for k in range(s, len(self.split), p)) for s in range(p))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, attention, chunk: int | None = None) -> torch.Tensor:
+        """Token ids (first virtual stage) or the previous virtual stage's hidden states
+        ``(1, T, H)`` through this rank's chunk ``chunk`` of layers (and the final norm on the last
+        virtual stage); None: every chunk of this rank in turn (a pass that only has to reach
+        every parameter, or the one chunk without interleaving)."""
+        decoder, layout = self.decoder, self.layout
+        first = layout.first if chunk is None else layout.first_chunk(chunk)
+        last = layout.last if chunk is None else layout.last_chunk(chunk)
+        spans = self.chunk_spans if chunk is None else [self.chunk_spans[chunk]]
+        hidden = decoder.embed_tokens(x) if first else x
         rotary = decoder.rotary_emb(hidden, position_ids)
-        for layer in self.layers:
+        for layer in (decoder.layers[i] for span in spans for i in span):
             hidden = layer(
                 hidden,
                 attention_mask=None,
@@ -205,7 +249,7 @@ class StageModel(nn.Module):
                 sb_attention=attention,
                 use_cache=False,
             )
-        return decoder.norm(hidden) if self.layout.last else hidden
+        return decoder.norm(hidden) if last else hidden
 
     def loss(self, hidden: torch.Tensor, batch, impl: str, uniform_weights: bool) -> torch.Tensor:
         """The last stage's weighted loss sum of a packed micro-batch (as :func:`.loss.packed_loss`)."""

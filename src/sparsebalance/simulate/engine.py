@@ -38,6 +38,7 @@ import numpy as np
 
 from ..batching import STRATEGIES as PLANNERS
 from ..batching import PlanConfig
+from ..batching.interleaved import check_virtual
 from ..batching.plan import longest_in_rows
 from ..batching.planner import Assignment, assign_batch
 from ..batching.schedule import resolve_layers
@@ -122,6 +123,8 @@ def simulate_steps(
     pipeline_stages: int = 1,
     stage_layers: tuple[int, ...] = (),
     pad_micro_batches: bool = False,
+    pipeline_virtual: int = 1,
+    stage_times: bool = False,
 ) -> dict:
     """Predicted ablation table for explicit global batches (the simulator's and bench-e2e's API).
 
@@ -143,6 +146,13 @@ def simulate_steps(
             pipeline's makespan (:mod:`~sparsebalance.simulate.pipeline`); 1 = no pipeline.
         stage_layers: layers per pipeline stage, the one split the planner, DST and the pricing
             use (the trainer's: ``balanced_layers(L, P, head_layers(shapes))``); empty = even.
+            With ``pipeline_virtual`` V > 1: P V entries, one per virtual stage.
+        pipeline_virtual: ``--pp-virtual`` V: each rank of a pipeline holds V chunks of layers and
+            runs the interleaved 1F1B schedule (:mod:`~sparsebalance.batching.interleaved`); SAB,
+            DST and the pricing all read its makespan. 1 = plain 1F1B.
+        stage_times: with a pipeline, also return ``stage_times``: name -> per step -> per rank
+            ``(M_r, P V)`` seconds of each micro-batch on each (virtual) stage, as priced (what
+            another schedule can be priced on, e.g. :mod:`~sparsebalance.simulate.zero_bubble`).
         pad_micro_batches: run every micro-batch without packing, each document padded to the
             micro-batch's longest (``--pad-micro-batches``: Megatron-style ``(K, S)`` batches;
             every strategy, DST and the pricing see the padded documents, each keeping its own
@@ -166,10 +176,19 @@ def simulate_steps(
     cover = CoverageModel(knob.density, dst.gamma0) if coverage else None
     job = _Job(world_size, cost_model, micro_batches, capacity, tuple(strats), dst, knob, overlong, cover)
     job = replace(job, padded=pad_micro_batches)
+    check_virtual(pipeline_stages, pipeline_virtual, cost_model.num_layers)
     if pipeline_stages != 1:
-        _check_pipeline(pipeline_stages, cost_model, strats, stage_layers)
-        job = replace(job, pipeline_stages=pipeline_stages, stage_layers=tuple(stage_layers))
-    return _summarize(_run_steps(job, steps, workers), strats, world_size, step_overhead, show_step)
+        _check_pipeline(pipeline_stages * pipeline_virtual, cost_model, strats, stage_layers)
+        job = replace(
+            job, pipeline_stages=pipeline_stages, stage_layers=tuple(stage_layers), pipeline_virtual=pipeline_virtual
+        )
+    if stage_times and pipeline_stages == 1:
+        raise ValueError("stage_times: only pipelines (pipeline_stages > 1) have stages")
+    records = _run_steps(job, steps, workers)
+    out = _summarize(records, strats, world_size, step_overhead, show_step)
+    if stage_times:
+        out["stage_times"] = {s.name: [rec[s.name]["stage_times"] for rec in records] for s in strats}
+    return out
 
 
 def _run_steps(job: _Job, steps: list[StepBatch], workers: int) -> list:
@@ -214,6 +233,7 @@ class _Job:
     pipeline_stages: int = 1
     stage_layers: tuple[int, ...] = ()
     padded: bool = False
+    pipeline_virtual: int = 1
 
     def planner_densities(self, batch: StepBatch) -> np.ndarray:
         """What SAB prices each document at: its density at gamma0 (gamma), or at the base k
@@ -236,7 +256,12 @@ class _Job:
                     pad_micro_batches=self.padded,
                 )
                 if self.pipeline_stages > 1:  # sab packs for the pipelines' makespans
-                    cfg = replace(cfg, pipeline_stages=self.pipeline_stages, stage_layers=self.stage_layers)
+                    cfg = replace(
+                        cfg,
+                        pipeline_stages=self.pipeline_stages,
+                        stage_layers=self.stage_layers,
+                        pipeline_virtual=self.pipeline_virtual,
+                    )
                 t0 = time.perf_counter()
                 a = assign_batch(batch.lengths, dens, self.cost_model, cfg)
                 plan_s = time.perf_counter() - t0
@@ -263,6 +288,7 @@ class _Job:
                         self.pipeline_stages,
                         mb_values=dec.microbatch_budgets,
                         stage_layers=self.stage_layers,
+                        virtual=self.pipeline_virtual,
                     )
                     decided[s.planner, cfg].update(rec)
             out[s.name] = decided[s.planner, cfg]

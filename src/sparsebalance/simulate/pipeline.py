@@ -23,8 +23,13 @@ negligible and not priced). Forward : backward is split at a fixed ratio, backwa
 by default (:data:`BACKWARD_RATIO`: two GEMMs per forward GEMM), since the latency model
 predicts forward + backward together.
 
-Not modelled: send/receive of activations between stages (taken as free, overlapped), the
-interleaved (virtual-stage) schedule, memory limits of the warm-up's in-flight activations.
+Interleaved 1F1B (``virtual`` V > 1, ``--pp-virtual``): the layers are split into P V virtual
+stages (``stage_layers`` then has P V entries), virtual stage k runs on device ``k % P``, and the
+makespan is the exact interleaved one (:mod:`sparsebalance.batching.interleaved`); a device's busy
+time sums its V chunks.
+
+Not modelled: send/receive of activations between stages (taken as free, overlapped; interleaving
+sends V times as many), memory limits of the warm-up's in-flight activations.
 
 The schedule's math (:func:`one_f_one_b`, the vectorised :func:`makespans`) lives in
 :mod:`sparsebalance.batching.schedule`, shared with the planner (SAB) and DST, which use the same
@@ -37,6 +42,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..batching import interleaved
 from ..batching.schedule import (
     BACKWARD_RATIO,
     PipelineResult,
@@ -56,6 +62,7 @@ __all__ = [
     "makespans",
     "one_f_one_b",
     "pipeline_record",
+    "pipeline_result",
     "schedule_order",
     "split_forward_backward",
     "stage_layers",
@@ -91,6 +98,19 @@ def stage_seconds(
     return out
 
 
+def pipeline_result(forward: np.ndarray, backward: np.ndarray, virtual: int = 1) -> PipelineResult:
+    """One pipeline's exact makespan and per-device busy and bubble seconds: ``forward`` and
+    ``backward`` float ``(M, P V)`` seconds per (virtual) stage; ``virtual`` V: interleaved 1F1B
+    (each device's busy time sums its V chunks); 1: :func:`one_f_one_b`."""
+    if virtual == 1:
+        return one_f_one_b(forward, backward)
+    f = np.asarray(forward, dtype=np.float64)
+    b = np.asarray(backward, dtype=np.float64)
+    makespan = float(interleaved.makespans(f[None], b[None], virtual)[0])
+    busy = interleaved.rank_busy(f, b, virtual)
+    return PipelineResult(makespan, busy, makespan - busy)
+
+
 def pipeline_record(
     work,
     values: np.ndarray,
@@ -99,21 +119,25 @@ def pipeline_record(
     *,
     mb_values: Sequence[np.ndarray] | None = None,
     stage_layers: tuple[int, ...] = (),
+    virtual: int = 1,
 ) -> dict:
     """A simulated step's pipeline numbers for a :class:`~sparsebalance.tuning.PlanWorkload`
     priced at per-rank knob values ``(R,)``, or per micro-batch: ``mb_values`` (one ``(M_r,)``
     per rank, DST's budgets per micro-batch of a pipeline); what the engine's record reads
-    instead of rank sums. ``stage_layers``: layers per stage (empty: the even split).
+    instead of rank sums. ``stage_layers``: layers per (virtual) stage (empty: the even split);
+    ``virtual``: V chunks per device, interleaved 1F1B (1: plain 1F1B).
 
     Returns: ``compute`` (slowest pipeline's makespan), ``mean_rank`` (mean makespan),
     ``rank_times`` ``(R,)`` makespans, ``device_idle`` (mean idle share of the R x P devices in
-    the step, all-reduce excluded) and ``mb_imbalance`` (max / mean micro-batch time, the
-    paper's imbalance).
+    the step, all-reduce excluded), ``mb_imbalance`` (max / mean micro-batch time, the
+    paper's imbalance) and ``stage_times``: per rank, ``(M_r, P V)`` forward + backward seconds
+    per micro-batch and (virtual) stage (what another schedule can be priced on).
     """
     r = work.num_ranks
     makespans = np.zeros(r)
     busy = np.zeros((r, num_stages))
     mb_times: list[np.ndarray] = []
+    stage_times: list[np.ndarray] = [np.zeros((0, num_stages * virtual))] * r
     for g in work.groups:
         if mb_values is None:
             per_mb = values[g.ranks][:, None, None]
@@ -121,11 +145,12 @@ def pipeline_record(
             per_mb = np.stack([np.asarray(mb_values[r], dtype=np.float64) for r in g.ranks.tolist()])[..., None]
         dens = work.knob.density(g.lengths, g.d0, per_mb)
         for i, rank in enumerate(g.ranks.tolist()):
-            st = stage_seconds(work.cost_model, g.lengths[i], dens[i], num_stages, stage_layers)
-            res = one_f_one_b(*split_forward_backward(st, ratio))
+            st = stage_seconds(work.cost_model, g.lengths[i], dens[i], num_stages * virtual, stage_layers)
+            res = pipeline_result(*split_forward_backward(st, ratio), virtual)
             makespans[rank] = res.makespan
             busy[rank] = res.busy
             mb_times.append(st.sum(axis=1))
+            stage_times[rank] = st
     compute = float(makespans.max())
     mbs = np.concatenate(mb_times) if mb_times else np.zeros(1)
     return {
@@ -134,4 +159,5 @@ def pipeline_record(
         "rank_times": makespans,
         "device_idle": float(1.0 - busy.mean() / compute) if compute > 0 else 0.0,
         "mb_imbalance": float(mbs.max() / mbs.mean()) if mbs.mean() > 0 else 1.0,
+        "stage_times": stage_times,
     }

@@ -158,6 +158,10 @@ class TrainConfig:
     pp: int = 1
     """Pipeline stages per data-parallel rank (1F1B over neighbouring ranks; --nproc = DP x PP,
     layers split by cost, the last stage holding the LM head gets fewer); 1: no pipeline. See docs/pipeline.md."""
+    pp_virtual: int = 1
+    """Chunks of layers per pipeline stage (interleaved 1F1B, Megatron's virtual stages): each rank
+    holds V non-adjacent chunks, the bubble shrinks about V-fold for V times the sends; needs --pp
+    >= 2, at least --pp x V layers and, with --micro-batches, at least --pp micro-batches."""
     ranks_per_node: int | None = None
     """Ranks per machine: which ranks share a node's fast links; ``sab-cp`` keeps a unit of up to
     this many ranks inside one node, wider units run the hierarchical ring with a node as inner
@@ -294,6 +298,7 @@ class TrainConfig:
         n, given = self._name, partial(flags.given, self)
         if self.pp < 1:
             raise ValueError(f"{n('pp')} must be >= 1, got {self.pp}")
+        self._check_virtual()
         if self.pp == 1:
             return
         use = {
@@ -306,6 +311,29 @@ class TrainConfig:
                 raise ValueError(f"{given(key, value)} cannot run with {n('pp')} {self.pp}: use {instead}")
         if self.emulate_ranks:
             raise ValueError(f"{n('emulate_ranks')} cannot run with {n('pp')} {self.pp}: launch --nproc DP x PP")
+
+    def _check_virtual(self) -> None:
+        """``--pp-virtual``: interleaving needs a pipeline, Megatron's micro-batches (at least one
+        per stage), and what this trainer has not built for it yet is refused."""
+        n, v = self._name, self.pp_virtual
+        if v < 1:
+            raise ValueError(f"{n('pp_virtual')} must be >= 1, got {v}")
+        if v == 1:
+            return
+        if self.pp < 2:
+            raise ValueError(f"{n('pp_virtual')} {v} needs a pipeline: give {n('pp')} >= 2")
+        if self.micro_batches is not None and self.micro_batches < self.pp:
+            raise ValueError(
+                f"{n('pp_virtual')} {v} needs {n('micro_batches')} >= {n('pp')} ({self.pp}) as Megatron's interleaved "
+                f"schedule does, got {self.micro_batches}"
+            )
+        if self.parallel == "fsdp2":
+            raise ValueError(f"{n('pp_virtual')} {v} cannot run with {n('parallel')} fsdp2 yet: use --parallel ddp")
+        if self.capacity == "auto":
+            raise ValueError(
+                f"{n('pp_virtual')} {v} cannot size {n('capacity')} auto (the memory model counts plain 1F1B's "
+                "micro-batches in flight): give a number"
+            )
 
     def _check_inputs(self) -> None:
         """The data files exist, the remaining counts are in range, the tokenizer and profile exist."""

@@ -124,10 +124,12 @@ REPORTED_CODES = {2, 3} | {128 + s for s in HANDLED}  # user error, non-finite l
 
 def check_pipeline_grid(cfg: TrainConfig, nproc: int, num_layers: int) -> None:
     """``--pp``: the processes split into whole pipelines, and no more stages than layers."""
+    from ..batching.interleaved import check_virtual
     from ..batching.schedule import stage_layers
 
     check_pipeline_world(cfg, nproc)
     stage_layers(num_layers, cfg.pp)  # more stages than layers: refused
+    check_virtual(cfg.pp, cfg.pp_virtual, num_layers)  # more virtual stages than layers: refused
 
 
 def preflight(cfg: TrainConfig, nproc: int, multinode: bool = False, said: set[str] | None = None) -> str | None:

@@ -140,6 +140,7 @@ class Trainer:
             ranks_per_node=self.topology.ranks_per_node,
             pipeline_stages=cfg.pp,
             stage_layers=() if self.stage is None else self.stage.layout.split,  # what the stages run
+            pipeline_virtual=cfg.pp_virtual,
         )
         engine = StepEngine(
             plan,

@@ -1,0 +1,123 @@
+"""Interleaved 1F1B in the trainer (``--pp-virtual V``, issue 54): two stages holding two
+non-adjacent chunks each compute what one process computes; the stage holds its chunks' layers
+only; what interleaving cannot run is refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsebalance.train import TrainConfig
+from sparsebalance.tuning import DSTConfig
+from tests.train.harness import base_config, run_ranks
+
+OFF = DSTConfig(mode="off", budget="gamma", gamma0=0.9)
+
+
+def _cfg(tmp: Path, **over) -> TrainConfig:
+    return base_config(tmp, **{"steps": 3, "strategy": "sab", "dst": OFF, **over})
+
+
+def _model(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return torch.load(run / "checkpoints" / f"step-{step:06d}" / "model.pt", weights_only=True)
+
+
+@pytest.mark.distributed
+def test_two_stages_of_two_chunks_compute_what_one_process_computes(tmp_path):
+    """Issue 54's target: PP2 V2 (gloo, fp32, deterministic, DST off) gives PP1's per-step
+    losses within 1e-5 and the same weights; the checkpoint records the four virtual stages."""
+    one, two = tmp_path / "pp1", tmp_path / "pp2v2"
+    one.mkdir(), two.mkdir()
+    ref = run_ranks(_cfg(one), 1, one)
+    got = run_ranks(_cfg(two, pp=2, pp_virtual=2, checkpoint_every=3), 2, two)
+    assert got[0]["losses"] == pytest.approx(ref[0]["losses"], rel=1e-5, abs=1e-5)
+    assert got[1]["losses"] == got[0]["losses"]
+    want, have = _model(one / "run", 3), _model(two / "run", 3)
+    assert sorted(have) == sorted(want)  # every chunk's parameters, the tied head included
+    for name, tensor in want.items():
+        torch.testing.assert_close(have[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+    state = torch.load(two / "run" / "checkpoints" / "step-000003" / "state.pt", weights_only=False)
+    assert state["pipeline"] == {"stages": 2, "layers": [1, 1, 1, 1]}  # the tiny model's 4 layers, 4 virtual stages
+    lines = [json.loads(x) for x in (two / "run" / "metrics.jsonl").read_text().splitlines()]
+    for x in (x for x in lines if x["rank"] != "all"):
+        assert [s["stage"] for s in x["stages"]] == [0, 1]
+        for unit in x["units"]:  # one [forward, backward] per rank: its two chunks summed
+            assert len(unit["stage_s"]) == 2 and all(f > 0 and b > 0 for f, b in unit["stage_s"])
+
+
+def test_a_rank_holds_its_chunks_only():
+    from sparsebalance.engine.stage import PipelineLayout, StageModel
+    from sparsebalance.models.hf import build_model
+
+    layouts = [PipelineLayout.of(r, 2, 2, (1, 1, 1, 1), virtual=2) for r in range(2)]
+    assert [lay.chunks(4) for lay in layouts] == [[range(0, 1), range(2, 3)], [range(1, 2), range(3, 4)]]
+    assert layouts[1].peer(0, 1) == (0, 1) and layouts[0].peer(1, -1) == (
+        1,
+        0,
+    )  # rank 1's chunk 0 feeds rank 0's chunk 1
+    stages = [StageModel(build_model("tiny", "cpu", torch.float32, seed=0), lay) for lay in layouts]
+    held = [sorted({int(n.split(".")[2]) for n in st.names if n.startswith("model.layers.")}) for st in stages]
+    assert held == [[0, 2], [1, 3]]
+    assert stages[0].rank_split == (2, 2)
+    with pytest.raises(ValueError, match="8 virtual stages, more than the model's 4 layers"):
+        PipelineLayout.of(0, 2, 2, virtual=4).chunks(4)
+
+
+def test_chunk_by_chunk_is_the_whole_model():
+    """Running rank 0's chunk 0, rank 1's chunk 0, rank 0's chunk 1, rank 1's chunk 1 in turn (the
+    path a micro-batch takes) gives the whole model's hidden states, bit for bit (fp32, CPU)."""
+    import numpy as np
+
+    from sparsebalance.data import pack
+    from sparsebalance.engine.layers import packed_attention
+    from sparsebalance.engine.stage import PipelineLayout, StageModel
+    from sparsebalance.models.hf import build_model
+    from sparsebalance.ops import Budget
+
+    whole = build_model("tiny", "cpu", torch.float32, seed=0)
+    stages = [
+        StageModel(build_model("tiny", "cpu", torch.float32, seed=0), PipelineLayout.of(r, 2, 2, (1, 1, 1, 1), 2))
+        for r in range(2)
+    ]
+    batch = pack([np.arange(1, 70) % 97, np.arange(3, 40) % 97], torch.device("cpu"), False)
+
+    def ctx():
+        return packed_attention(batch.cu_seqlens, batch.lengths, Budget(gamma=1.0), block_size=32, backend="torch")
+
+    x = batch.input_ids
+    for c in range(2):
+        for s in range(2):
+            x = stages[s](x, batch.position_ids, ctx(), c)
+    single = StageModel(whole, PipelineLayout.of(0, 1, 1))
+    torch.testing.assert_close(x, single(batch.input_ids, batch.position_ids, ctx()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "over, says",
+    [
+        ({"pp_virtual": 0}, "--pp-virtual must be >= 1, got 0"),
+        ({"pp_virtual": 2}, "--pp-virtual 2 needs a pipeline: give --pp >= 2"),
+        (
+            {"pp": 2, "pp_virtual": 2, "micro_batches": 1, "capacity": None},
+            "--pp-virtual 2 needs --micro-batches >= --pp (2) as Megatron's interleaved schedule does, got 1",
+        ),
+        ({"pp": 2, "pp_virtual": 2, "parallel": "fsdp2"}, "--pp-virtual 2 cannot run with --parallel fsdp2 yet"),
+        ({"pp": 2, "pp_virtual": 2, "capacity": "auto", "memory_budget": "1GiB"}, "cannot size --capacity auto"),
+    ],
+)
+def test_what_interleaving_cannot_run_is_one_line(tmp_path, over, says):
+    from sparsebalance.flags import command_line
+
+    with command_line(), pytest.raises(ValueError) as err:
+        _cfg(tmp_path, **over)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_launcher_refuses_more_virtual_stages_than_layers(tmp_path):
+    from sparsebalance.train.launch import preflight
+
+    with pytest.raises(ValueError, match=r"--pp 2 x 3 = 6 virtual stages, more than the model's 4 layers"):
+        preflight(_cfg(tmp_path, pp=2, pp_virtual=3), 2)
