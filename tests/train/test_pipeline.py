@@ -84,6 +84,7 @@ def _grads_body(trainer: Trainer, rank: int) -> dict:
     if trainer.stage is not None:  # count what the 1F1B schedule reads back from the device
         schedule = executor._schedule
         groups = {id(executor.groups.activations): "activations", id(executor.groups.gradients): "gradients"}
+        groups[id(executor.groups.tied)] = "tied"
         send, recv = dist.isend, dist.recv
 
         def watched(op, fn):  # which group carries each send and receive, and to or from whom
@@ -144,7 +145,8 @@ def test_two_stages_give_one_processs_gradients(tmp_path):
     # one direction per group (NCCL orders a pair's sends and receives of one group on one stream)
     assert _reads(have, "wire-") == {
         "wire-0": [("recv", 1, "gradients"), ("send", 1, "activations")],
-        "wire-1": [("recv", -1, "activations"), ("send", -1, "gradients")],
+        # and, after the schedule, the tied embedding's rows the first stage sends back (issue 54)
+        "wire-1": [("recv", -1, "activations"), ("recv", -1, "tied"), ("send", -1, "gradients")],
     }
     # the tiny model's head weighs ~1.33 layers: 3 + 1 layers, run and priced alike on both stages
     assert _reads(have, "split-") == {
@@ -206,7 +208,7 @@ def test_a_pipeline_with_activation_checkpointing_computes_the_same(tmp_path, mo
 def _collectives_body(trainer: Trainer, rank: int) -> dict:
     counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
     originals = {name: getattr(dist, name) for name in counts}
-    executor, inside = trainer.runner.executor, [False, 0]  # in the timed schedule; its collectives
+    executor, inside = trainer.runner.executor, [False, dict.fromkeys(counts, 0)]  # in the schedule; its calls
     schedule = executor._schedule
 
     def timed(step):
@@ -219,7 +221,7 @@ def _collectives_body(trainer: Trainer, rank: int) -> dict:
     def counting(name):
         def call(*args, **kwargs):
             counts[name] += 1
-            inside[1] += inside[0]
+            inside[1][name] += inside[0]
             return originals[name](*args, **kwargs)
 
         return call
@@ -242,13 +244,17 @@ def _collectives_body(trainer: Trainer, rank: int) -> dict:
 def test_fsdp2_stages_gather_and_reduce_once_per_step(tmp_path, strategy, capacity):
     """``--parallel fsdp2`` with ``--pp``: every parameter is a shard, and each FSDP unit of a stage
     all-gathers once and reduce-scatters once per step (not once per micro-batch), so pipelines
-    with different micro-batch counts stay in step, a pipeline without any included; none of them
-    runs inside the schedule, whose forwards and backwards are timed."""
+    with different micro-batch counts stay in step, a pipeline without any included. The
+    all-gathers run before the schedule; the reduce-scatters inside the stage's last backward
+    (issue 54: no pass after it), except on a pipeline without micro-batches, which joins its
+    peers after its (empty) schedule."""
     cfg = _cfg(tmp_path, pp=2, parallel="fsdp2", steps=3, capacity=capacity, strategy=strategy)
     results = run_trainers(_collectives_body, cfg, 4, tmp_path, "collectives")
     for r in results:
-        assert r["sharded"] and r["in"] == 0
+        assert r["sharded"] and r["in"]["all_gather_single"] == 0
         assert r["counts"] == {"all_gather_single": 3 * r["units"], "reduce_scatter_single": 3 * r["units"]}
+        busy = sum(1 for counts in r["micro"] if counts[r["dp"]] > 0)  # steps this pipeline ran
+        assert r["in"]["reduce_scatter_single"] == busy * r["units"]
     assert [r["units"] for r in results] == [4, 2, 4, 2]  # the tiny model's 3/1 split, plus each root
     # plans without the latency model: dataset order at 300 tokens has steps where one pipeline
     # has more micro-batches than the other; LBB's one bucket of 4,096 leaves pipeline 1 empty
@@ -379,16 +385,16 @@ def test_the_trainers_stages_split_the_layers_by_cost(tmp_path):
 
 
 def test_only_the_stage_reaches_the_device(tmp_path):
-    """``--pp``: the model is built in host memory and only this rank's stage moves to the device
-    (a model whose weights do not fit one device still starts). The meta device stands in for a
-    GPU: every stage parameter lands there, and the model was whole on the host before."""
+    """``--pp``: the model is built on ``meta`` (issue 54: no storage for any of it) and only this
+    rank's stage gets storage and moves to the device (a model whose weights do not fit one
+    device still starts). The meta device stands in for a GPU: every stage parameter lands there."""
     from sparsebalance.train import build
 
     cfg = _cfg(tmp_path, pp=2)
     meta = torch.device("meta")
     for rank, layers in ((0, 3), (1, 1)):
         model = build.checked_model(cfg, meta, "--model tiny")
-        assert {p.device.type for p in model.parameters()} == {"cpu"} and len(model.get_decoder().layers) == 4
+        assert {p.device.type for p in model.parameters()} == {"meta"} and len(model.get_decoder().layers) == 4
         stage = build.pipeline_stage(cfg, Runtime(rank, 2, meta), model)
         assert {p.device.type for p in stage.parameters()} == {"meta"} and len(stage.layers) == layers
     whole = build.checked_model(replace(cfg, pp=1), meta, "--model tiny")  # no pipeline: built there

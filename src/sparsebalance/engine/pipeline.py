@@ -10,15 +10,17 @@ buffers at the first step's shapes). The attention metadata (pack, budgets, DST'
 choices) is built on each stage from the shared plan (:meth:`.StepEngine.attention`), never sent.
 
 Per step and micro-batch boundary the schedule sends one tensor each way (activations forward,
-their gradients back: ``isend`` + ``recv``); nothing else waits. After the last backward: the tied
-embedding's gradient is summed between the first and last stage (when the LM head is the
-embedding), then each stage's gradients are averaged over its data-parallel peers, and the global
-gradient norm for clipping sums the stages' squares (:meth:`PipelineExecutor.grad_norm`). With
-``--parallel fsdp2`` (:meth:`.StageModel.shard`) the stage is gathered before the schedule and
-stays gathered through it, its gradients accumulate unsharded, and after the schedule a two-token
-pass at zero loss reduce-scatters them (:meth:`PipelineExecutor._reduce_shards`): every unit
-all-gathers once and reduce-scatters once per step, a pipeline without micro-batches included,
-and no timed forward or backward waits for a peer pipeline.
+their gradients back: ``isend`` + ``recv``; from pinned host memory when a CUDA stage sends over
+gloo); nothing else waits. The gradients' reduction over the stage's data-parallel peers starts
+inside the stage's last backward of the step (:meth:`PipelineExecutor._arm_reduction`): with
+``--parallel ddp`` buckets are all-reduced as their gradients complete and the tied embedding's
+two copies are summed (:class:`.StageGradients`); with ``--parallel fsdp2``
+(:meth:`.StageModel.shard`) the stage is gathered before the schedule and stays gathered through
+it, its gradients accumulate unsharded, and the last backward reduce-scatters them (a pipeline
+without micro-batches joins with a two-token pass at zero loss, :meth:`PipelineExecutor._reduce_shards`):
+every unit all-gathers once and reduce-scatters once per step, and no forward waits for a peer
+pipeline. The global gradient norm for clipping sums the stages' squares
+(:meth:`PipelineExecutor.grad_norm`).
 
 Each micro-batch's record is the whole model's: its stages' forward + backward seconds summed (what
 the latency model predicts for a micro-batch), each stage's (forward, backward) seconds
@@ -44,9 +46,9 @@ from ..data import pack
 from ..precision import Precision
 from .engine import StepEngine
 from .execute import ExecutionConfig
-from .parallelize import allreduce_gradients
 from .records import LocalWork, MicroBatchResult, TunedStep
 from .stage import PipelineLayout, StageModel
+from .stage_gradients import StageGradients, embedded_rows
 
 
 @dataclass
@@ -69,6 +71,9 @@ class PipelineGroups:
     objects: object = None
     """Every rank on gloo, for a checkpoint's objects when the default group is NCCL (it would
     stage every pickle in device memory); None: the default group."""
+    pipeline_objects: object = None
+    """This pipeline's stages on gloo when the default group is NCCL, for the step's records
+    (an object all-gather on NCCL goes through device memory); None: :attr:`pipeline`."""
     wrap_activations: object = None
     """Interleaved (``--pp-virtual``): the activations rank P-1 sends round to rank 0 (at P = 2
     they would share a pair with rank 0's sends to rank 1 in one group); None: not interleaved."""
@@ -86,16 +91,19 @@ class PipelineGroups:
         def group(ranks=None, **kw):
             return dist.new_group(ranks, timeout=timeout, **kw)
 
+        nccl = dist.get_backend() == "nccl"
         mine = {}
         for d in range(D):
             for kind in ("pipeline", "activations", "gradients"):
                 mine[(kind, d)] = group([layout.rank(d, s) for s in range(P)])
+            if nccl:
+                mine[("pipeline_objects", d)] = group([layout.rank(d, s) for s in range(P)], backend="gloo")
         for s in range(P):
             mine[("data", s)] = group([layout.rank(d, s) for d in range(D)]) if D > 1 else None
         for d in range(D):
             ends = [layout.rank(d, 0), layout.rank(d, P - 1)]
             mine[("tied", d)] = group(ends) if tied and P > 1 else None
-        objects = group(backend="gloo") if dist.get_backend() == "nccl" else None
+        objects = group(backend="gloo") if nccl else None
         if layout.virtual > 1:
             for d in range(D):
                 for kind in ("wrap_activations", "wrap_gradients"):
@@ -108,8 +116,9 @@ class PipelineGroups:
             mine[("activations", d)],
             mine[("gradients", d)],
             objects,
-            wrap_activations=mine.get(("wrap_activations", d)),
-            wrap_gradients=mine.get(("wrap_gradients", d)),
+            mine.get(("pipeline_objects", d)),
+            mine.get(("wrap_activations", d)),
+            mine.get(("wrap_gradients", d)),
         )
 
 
@@ -146,6 +155,8 @@ class PipelineExecutor:
         # tensors (no host copy, no wait), gloo host ones (one device-to-host copy per send)
         nccl = self.device.type == "cuda" and dist.get_backend() == "nccl"
         self.wire = self.device if nccl else torch.device("cpu")
+        self.gradients = None if self.stage.sharded else StageGradients(self.stage, self.groups)
+        """``--parallel ddp``: the stage's reduction, started in its last backward."""
 
     @property
     def layout(self) -> PipelineLayout:
@@ -163,7 +174,7 @@ class PipelineExecutor:
             for work, _tensor in sends.values():  # the tensor stays alive until its send is done
                 work.wait()
             ready = clock.mark()
-            self._sync_gradients(step)
+            self._sync_gradients(step, ran_backward=bool(ops))
             done = clock.mark()
             clock.synchronize()  # the step's one wait for the device
             mine = [self._result(chunks, origin) for chunks in ops]
@@ -171,7 +182,8 @@ class PipelineExecutor:
             stage = {"busy_s": busy, "span_s": clock.seconds(origin, ready)}
             times = (clock.seconds(origin, ready), clock.seconds(origin, done))
         gathered = [None] * layout.stages
-        dist.all_gather_object(gathered, (mine, stage, times), group=self.groups.pipeline)
+        objects = self.groups.pipeline_objects or self.groups.pipeline  # gloo when the default is NCCL
+        dist.all_gather_object(gathered, (mine, stage, times), group=objects)
         split, v = self.stage.split, layout.virtual
         results = [_merge(parts, split, v) for parts in zip(*(g[0] for g in gathered), strict=True)]
         record = self.engine.record(step, layout.dp, results)
@@ -203,11 +215,15 @@ class PipelineExecutor:
             ops.append([_Op(unit, batch) for _ in range(layout.virtual)])
         sends: dict = {}
         settled = settled_sends(layout.stages, layout.virtual, len(ops), layout.stage)
-        for kind, m, c in virtual_order(layout.stages, layout.virtual, len(ops), layout.stage):
+        order = virtual_order(layout.stages, layout.virtual, len(ops), layout.stage)
+        last = max((i for i, (kind, _, _) in enumerate(order) if kind == "B"), default=None)
+        for i, (kind, m, c) in enumerate(order):
             done = [sends.pop(k) for k in settled.get((kind, m, c), [])]
             if kind == "F":
                 self._forward(step, m, c, ops[m][c], sends, done)
             else:
+                if i == last:  # the gradients' reduction starts inside it
+                    self._arm_reduction()
                 self._backward(m, c, ops[m][c], step.loss_scale, sends, done)
         return ops, sends
 
@@ -221,18 +237,30 @@ class PipelineExecutor:
             return self.groups.wrap_activations if wraps else self.groups.activations
         return self.groups.wrap_gradients if wraps else self.groups.gradients
 
+    def _arm_reduction(self) -> None:
+        """Before this stage's last backward of the step: DDP's buckets all-reduce as its
+        gradients complete (:class:`.StageGradients`); FSDP2 reduce-scatters each unit in its
+        post-backward and reshards (every gathered parameter given a gradient first, so the peers
+        reduce the same tensors)."""
+        if self.gradients is not None:
+            self.gradients.arm()
+        if self.stage.sharded:
+            for p in self.stage.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self.stage.sync_in_next_backward()
+
     def _forward(self, step: TunedStep, m: int, c: int, op: _Op, sends: dict, done: list) -> None:
         layout, batch = self.layout, op.batch
         first, last = layout.first_chunk(c), layout.last_chunk(c)
         if first:
             x = batch.input_ids
         else:
-            x = torch.empty(
-                self.stage.hidden_shape(sum(batch.lengths)), dtype=self.stage.hidden_dtype, device=self.wire
-            )
+            shape = self.stage.hidden_shape(sum(batch.lengths))
+            x = wire_buffer(shape, self.stage.hidden_dtype, self.device, self.wire)
             dist.recv(x, layout.peer(c, -1)[0], group=self._group("F", c, -1))
             _release(done)
-            x = x.to(self.device).requires_grad_()
+            x = x.to(self.device, non_blocking=True).requires_grad_()
         t0 = self.clock.mark()
         op.ctx = self.engine.attention(step, layout.dp, m, batch.cu_seqlens, batch.lengths, start=t0.host)
         with self.precision.autocast():
@@ -242,7 +270,7 @@ class PipelineExecutor:
         op.inputs, op.output = (None if first else x), out
         op.marks.append((t0, self.clock.mark()))
         if not last:
-            sent = out.detach().to(self.wire)
+            sent = to_wire(out.detach(), self.wire)
             to = layout.peer(c, 1)[0]
             sends[("F", m, c)] = (dist.isend(sent, to, group=self._group("F", c, 1)), sent)
 
@@ -254,14 +282,14 @@ class PipelineExecutor:
             scaled = op.output * loss_scale
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         else:
-            grad = torch.empty(op.output.shape, dtype=op.output.dtype, device=self.wire)
+            grad = wire_buffer(op.output.shape, op.output.dtype, self.device, self.wire)
             dist.recv(grad, layout.peer(c, 1)[0], group=self._group("B", c, 1))
             _release(done)
             t0 = self.clock.mark()
-            op.output.backward(grad.to(self.device))
+            op.output.backward(grad.to(self.device, non_blocking=True))
         op.marks.append((t0, self.clock.mark()))
         if not first:
-            sent = op.inputs.grad.to(self.wire)
+            sent = to_wire(op.inputs.grad, self.wire)
             to = layout.peer(c, -1)[0]
             sends[("B", m, c)] = (dist.isend(sent, to, group=self._group("B", c, -1)), sent)
         # its activations are freed now; the last virtual stage keeps the loss (detached) for the record
@@ -289,17 +317,19 @@ class PipelineExecutor:
         )
 
     def _reduce_shards(self, step: TunedStep) -> None:
-        """FSDP2: reduce-scatter the gradients the schedule accumulated (gathered) and reshard,
-        after the schedule, so no forward or backward of it waits for a peer pipeline: a
-        two-token pass through the stage at zero loss, with gradient sync on, runs every unit's
-        post-backward (public API only; ``torch.distributed.pipelining`` calls FSDP's internals)."""
+        """FSDP2 on a pipeline that ran no micro-batch this step: its peers reduce-scatter in
+        their last backward, so this stage joins them with zero gradients: a two-token pass
+        through the stage at zero loss, with gradient sync on, runs every unit's post-backward
+        (public API only; ``torch.distributed.pipelining`` calls FSDP's internals)."""
         stage, layout = self.stage, self.layout
         stage.sync_in_next_backward()
         batch = pack([np.zeros(2, dtype=np.int64)], self.device, False)
         ctx = self.engine.attention(step, layout.dp, None, batch.cu_seqlens, batch.lengths)  # exact
         x = batch.input_ids
         if not layout.first:
-            x = torch.zeros(stage.hidden_shape(2), dtype=stage.hidden_dtype, device=self.device)
+            # requiring a gradient, as a received activation does: each unit's post-backward then
+            # runs when the backward reaches its input, in the order its peers' real backward runs them
+            x = torch.zeros(stage.hidden_shape(2), dtype=stage.hidden_dtype, device=self.device, requires_grad=True)
         with self.precision.autocast():
             out = stage(x, batch.position_ids, ctx)
         for p in stage.parameters():  # gathered now: every peer reduces every parameter (a pipeline
@@ -307,20 +337,24 @@ class PipelineExecutor:
                 p.grad = torch.zeros_like(p)
         (out.float().sum() * 0.0).backward()
 
-    def _sync_gradients(self, step: TunedStep) -> None:
-        """Sum the tied embedding's two gradients, then average over the data-parallel pipelines
-        (FSDP2 did, in the last backward: the two copies' shards are summed, alike on both ends)."""
-        if self.stage.sharded:
+    def _sync_gradients(self, step: TunedStep, ran_backward: bool) -> None:
+        """Finish averaging over the data-parallel pipelines what the last backward started
+        (:meth:`_arm_reduction`) and sum the tied embedding's two copies (:class:`.StageGradients`;
+        FSDP2 reduce-scattered in the last backward, then the copies' shards are summed here)."""
+        if self.gradients is not None:
+            if self.gradients.needs_rows():
+                vocab = self.stage.model.config.vocab_size
+                rows = embedded_rows(step.planned.units, self.docs, vocab, self.device)
+            self.gradients.finish(rows if self.gradients.needs_rows() else None)
+            return
+        if not ran_backward:
             self._reduce_shards(step)
-        params = self.stage.parameters_owned()
         tied = self.stage.tied_weight()
         if tied is not None and self.groups.tied is not None:
             if tied.grad is None:
                 tied.grad = torch.zeros_like(tied)
             grad = tied.grad.to_local() if isinstance(tied.grad, DTensor) else tied.grad
             dist.all_reduce(grad, group=self.groups.tied)
-        if self.groups.data is not None and not self.stage.sharded:
-            allreduce_gradients(params, self.layout.dp_size, group=self.groups.data)
 
     def grad_norm(self, max_norm: float) -> float:
         """The whole model's gradient norm (the stages' squares summed, the tied embedding
@@ -337,6 +371,25 @@ class PipelineExecutor:
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total)
         return float(total)
+
+
+def wire_buffer(shape, dtype: torch.dtype, device: torch.device, wire: torch.device) -> torch.Tensor:
+    """An empty receive buffer on ``wire``; pinned host memory when the stage runs on CUDA and the
+    backend sends from the host (gloo), so its copy to the device is one DMA, not blocking."""
+    return torch.empty(shape, dtype=dtype, device=wire, pin_memory=_pinned(device, wire))
+
+
+def to_wire(tensor: torch.Tensor, wire: torch.device) -> torch.Tensor:
+    """``tensor`` where the backend sends from: itself on the same device, else a copy in pinned
+    host memory (a CUDA tensor for gloo; the copy completes before the send reads it)."""
+    if tensor.device == wire:
+        return tensor
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=wire, pin_memory=_pinned(tensor.device, wire))
+    return out.copy_(tensor)
+
+
+def _pinned(device: torch.device, wire: torch.device) -> bool:
+    return device.type == "cuda" and wire.type == "cpu"
 
 
 def _release(sends: list) -> None:

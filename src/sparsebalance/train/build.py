@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from .checkpoint import clean_temporaries
 from .config import RUN_FILES, TrainConfig, check_pipeline_world, earlier_run, resolve_strategy
 from .config_io import to_record
 from .multinode import Topology, node_leaders, resolve_on_nodes
+from .stage_init import InitLog, build_on_meta, load_stage_weights, materialise
 
 
 def say(rt: Runtime, line: str) -> None:
@@ -107,12 +109,39 @@ def check_model(cfg: TrainConfig) -> str:
 def checked_model(cfg: TrainConfig, device: torch.device, named: str) -> torch.nn.Module:
     """``--model`` built in fp32 master weights on ``device`` (its attention checked as built:
     defaults the file left out), with ``--activation-checkpointing`` applied; ``named``: what
-    :func:`check_model` returned. With ``--pp`` it stays in host memory: :func:`pipeline_stage`
-    moves only this rank's stage to the device (a model too large for one device still starts)."""
-    model = build_model(cfg.model, device if cfg.pp == 1 else "cpu", torch.float32, seed=cfg.seed)
+    :func:`check_model` returned. With ``--pp`` it is built on ``meta``, its initialisation
+    logged (:mod:`.stage_init`): :func:`pipeline_stage` gives storage to this rank's stage alone,
+    with the values a whole build gives (or its pretrained tensors), and moves it to the device."""
+    if cfg.pp == 1:
+        model = build_model(cfg.model, device, torch.float32, seed=cfg.seed)
+    else:
+        model, recipe = _meta_model(cfg)
+        _ON_META[model] = recipe
     check_attention(model.config, named)  # as built: defaults the file left out
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     return model
+
+
+_ON_META: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""A model :func:`checked_model` built on ``meta`` -> how its stage gets its values: the
+initialisation log, or the folder of its pretrained weights."""
+
+
+def _meta_model(cfg: TrainConfig) -> tuple[torch.nn.Module, InitLog | Path]:
+    """``--model`` on ``meta``: a pretrained folder's architecture (its weights are read per
+    stage), else the seeded build with its initialisation logged."""
+    path = Path(cfg.model)
+    if path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin"))):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from ..models.attention import IMPLEMENTATION, register
+
+        register()
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):  # transformers skips initialising on meta: the files hold the values
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=IMPLEMENTATION)
+        return model.to(dtype=torch.float32), path
+    return build_on_meta(lambda: build_model(cfg.model, "meta", torch.float32, seed=cfg.seed))
 
 
 def pipeline_stage(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module) -> StageModel | None:
@@ -120,7 +149,8 @@ def pipeline_stage(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module) -> Sta
     split by cost (:func:`~sparsebalance.batching.schedule.balanced_layers`, the LM head weighed
     from the model's shapes: fixed by the model alone, so a resumed run splits alike), sharded
     over the stage's data-parallel peers with ``--parallel fsdp2``; None without a pipeline. The
-    stage alone is moved to ``rt.device`` (``model`` is built in host memory)."""
+    model :func:`checked_model` built on ``meta`` gets storage for this stage alone (on the host,
+    :func:`.stage_init.materialise`), which alone then moves to ``rt.device``."""
     if cfg.pp == 1:
         return None
     check_pipeline_model(model.config, cfg.pp)
@@ -128,7 +158,13 @@ def pipeline_stage(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module) -> Sta
     stages = cfg.pp * cfg.pp_virtual  # --pp-virtual: the split is per virtual stage
     split = tuple(balanced_layers(shapes.num_layers, stages, head_layers(shapes)).tolist())
     layout = PipelineLayout.of(rt.rank, rt.world_size, cfg.pp, split, cfg.pp_virtual)
-    stage = StageModel(model, layout).to(rt.device)
+    stage = StageModel(model, layout)
+    recipe = _ON_META.pop(model, None)
+    if recipe is not None:  # built on meta: this stage alone gets storage and values
+        materialise(model, recipe if isinstance(recipe, InitLog) else None)
+        if isinstance(recipe, Path):
+            load_stage_weights(model, recipe, stage.names)
+    stage = stage.to(rt.device)
     if cfg.parallel == "fsdp2":  # each stage sharded over its peers in the other pipelines
         from torch.distributed.device_mesh import init_device_mesh
 
