@@ -43,7 +43,7 @@ from ..workload import CostModel
 from .interleaved import check_virtual
 from .plan import Items, flatten_packs, padded_packs, predict_packs
 from .schedule import BACKWARD_RATIO, head_seconds, layered_makespans, resolve_layers
-from .strategies import RankItems, RankPacks, Regime, pack_balanced
+from .strategies import RankItems, RankPacks, Regime, pack_balanced_ranks
 
 EXHAUSTIVE_ORDER = 6
 """Up to this many micro-batches per rank every order is priced (720 at 6); above, best swaps."""
@@ -153,17 +153,21 @@ def _best_orders(times: np.ndarray, shape: PipelineShape) -> tuple[np.ndarray, n
     if m > ORDER_SEARCH_MAX:
         return order, span
     pairs = np.array(list(itertools.combinations(range(m), 2)), dtype=np.int64)
+    live = np.arange(n)  # a pipeline no swap improved keeps its order: not searched again
     for _ in range(m):  # best-improvement swaps, at most M rounds
-        cand = np.repeat(order[:, None, :], pairs.shape[0], axis=1)  # (n, S, M)
+        mine = order[live]
+        cand = np.repeat(mine[:, None, :], pairs.shape[0], axis=1)  # (n', S, M)
         a, b = pairs[:, 0], pairs[:, 1]
-        cand[:, np.arange(pairs.shape[0]), a], cand[:, np.arange(pairs.shape[0]), b] = order[:, b], order[:, a]
-        spans = shape.makespans(np.take_along_axis(times[:, None, :], cand, axis=2).reshape(-1, m)).reshape(n, -1)
+        cand[:, np.arange(pairs.shape[0]), a], cand[:, np.arange(pairs.shape[0]), b] = mine[:, b], mine[:, a]
+        priced = np.take_along_axis(times[live, None, :], cand, axis=2).reshape(-1, m)
+        spans = shape.makespans(priced).reshape(live.size, -1)
         best = np.argmin(spans, axis=1)
-        better = spans[np.arange(n), best] < span * (1 - 1e-12)
+        lowest = spans[np.arange(live.size), best]
+        better = lowest < span[live] * (1 - 1e-12)
         if not better.any():
             break
-        order[better] = cand[better, best[better]]
-        span[better] = spans[better, best[better]]
+        order[live[better]], span[live[better]] = cand[better, best[better]], lowest[better]
+        live = live[better]
     return order, span
 
 
@@ -181,7 +185,7 @@ def rank_makespans(
     """Each rank's items packed (LPT) and ordered for the least makespan: (packs ``rank ->
     micro-batch -> item``, makespans ``(n,)``); an empty rank has no micro-batch and 0 s."""
     costs = cost.tolist()
-    packs = [pack_balanced(items, cost, tokens, regime) for items in ranks]
+    packs = pack_balanced_ranks(ranks, cost, tokens, regime)  # pack_balanced of each, vectorised
     spans = np.zeros(len(ranks))
     by_count: dict[int, list[int]] = {}
     for r, p in enumerate(packs):

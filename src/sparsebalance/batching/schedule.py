@@ -33,6 +33,7 @@ import numpy as np
 
 from ..models import ModelShapes
 from ..workload import CostModel
+from .levels import Levels, compile_levels, solve
 
 BACKWARD_RATIO = 2.0
 """Backward seconds per forward second, when the latency model gives only their sum."""
@@ -139,24 +140,19 @@ def one_f_one_b(forward: np.ndarray, backward: np.ndarray) -> PipelineResult:
 
 def makespans(forward: np.ndarray, backward: np.ndarray) -> np.ndarray:
     """``(n,)`` exact 1F1B makespans of n pipelines with the same (M, P): ``forward`` and
-    ``backward`` float ``(n, M, P)`` seconds. One vectorised step per op (2 M P of them), whatever
+    ``backward`` float ``(n, M, P)`` seconds. One vectorised step per dependency level (about
+    ``2 (M + P)`` of them, :mod:`.levels`: the op-by-op recurrence's values, bit for bit), whatever
     n is."""
     f = np.asarray(forward, dtype=np.float64)
     b = np.asarray(backward, dtype=np.float64)
     _check_times(f, b, 3)
-    n, m, p = f.shape
-    end_f = np.zeros((m, p, n))
-    end_b = np.zeros((m, p, n))
-    free = np.zeros((p, n))
-    ft, bt = np.moveaxis(f, 0, -1), np.moveaxis(b, 0, -1)  # (M, P, n): one op's n times contiguous-ish
-    for kind, mb, s in dependency_order(p, m):
-        if kind == "F":
-            start = free[s] if s == 0 else np.maximum(free[s], end_f[mb, s - 1])
-            free[s] = end_f[mb, s] = start + ft[mb, s]
-        else:
-            ready = end_f[mb, s] if s == p - 1 else end_b[mb, s + 1]
-            free[s] = end_b[mb, s] = np.maximum(free[s], ready) + bt[mb, s]
-    return free.max(axis=0)
+    _, m, p = f.shape
+    return solve(_levels(p, m), f, b)
+
+
+@lru_cache(maxsize=64)
+def _levels(num_stages: int, num_micro_batches: int) -> Levels:
+    return compile_levels(dependency_order(num_stages, num_micro_batches), num_micro_batches, num_stages, num_stages)
 
 
 def stage_layers(num_layers: int, num_stages: int) -> np.ndarray:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from ..batching import DensityEstimator, PlanConfig, make_estimator, plan_batch
@@ -297,6 +298,10 @@ class StepEngine:
             # (planned at each micro-batch's own budget: each unit is allotted its planned share)
             if len(solo) < len(plan.ranks[rank]) or self.config.pipeline_stages > 1:
                 controller.target_seconds = float(controller.planned.sum())
+            if self.config.pipeline_stages > 1:  # a stage decides its layers as one process would
+                shape = self.planning_config().pipeline(self.latency.num_layers)
+                stage_of = np.repeat(np.arange(shape.layers.size) % shape.num_stages, shape.layers)
+                controller.share_by_stage(stage_of, self.block_size, self.latency.profile.dense_from)
         layers.solo[rank] = controller
         return controller
 

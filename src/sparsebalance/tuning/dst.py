@@ -333,12 +333,14 @@ class DSTTuner:
         empty = np.asarray(targets.times_floor) > targets.cut_threshold  # F is empty: the floor
         cut = (roles == CUT) & ~empty
         value = np.where((roles == CUT) & empty, floor, base)
-        limit = targets.cut_threshold
-        value = np.where(cut, search_many(knob, lambda v, s: work.seconds(v, s) - limit, floor, base, cut), value)
         raised = roles == RAISED
         hi = np.maximum(knob.upper(work.max_lengths), base)
-        lim_up = targets.raise_seconds
-        value = np.where(raised, search_many(knob, lambda v, s: work.seconds(v, s) - lim_up, base, hi, raised), value)
+        # the cuts (largest in [floor, base] within the cut threshold) and the raises (largest in
+        # [base, hi] within the raise target) in one search: each worker's search is its own, so
+        # its budget is what a search of its set alone finds, and a probe prices both sets at once
+        limit = np.where(cut, targets.cut_threshold, targets.raise_seconds)
+        lo_v, hi_v, both = np.where(cut, floor, base), np.where(cut, base, hi), cut | raised
+        value = np.where(both, search_many(knob, lambda v, s: work.seconds(v, s) - limit, lo_v, hi_v, both), value)
         if not isinstance(work, PipelineWorkload):  # makespans are not additive in the attention
             value = safe_raises(work, knob, value, raised, base, self.config.skew_margin)
         arrays = StepArrays(

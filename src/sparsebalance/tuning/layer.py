@@ -27,16 +27,20 @@ The controller only decides in the forward pass: the backward reuses the forward
 unit's ``seconds`` passed to :meth:`LayerController.observe` should be its forward + backward
 cost (or the forward scaled by the model's backward ratio, until the backward has run). A unit
 chosen but not yet observed counts with its predicted seconds.
+
+In a pipeline each stage's process decides only its own layers: :meth:`LayerController.
+share_by_stage` reads ``spent`` and the units left from the rank's whole ledger, replayed from
+the plan (:mod:`.layer_ledger`), plus what the stage's own units cost beyond it; so the stages
+choose the budgets one process chooses, and a stage's overspend is taken back from its later
+units.
 """
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -44,30 +48,18 @@ import torch
 from ..ops import Budget
 from ..workload import CostModel, MicroBatch
 from .config import DSTConfig
-from .knob import Knob, converged, midpoint
+from .knob import Knob
+from .layer_ledger import (
+    LayerGate,
+    Replay,
+    asked_microbatches,
+    bisect,
+    budget_range,
+    document_densities,
+    replay,
+    unit_seconds,
+)
 from .records import LayerRecord, RankDecision, RankRunSummary
-
-
-class LayerGate(Protocol):
-    """What the controller asks of one layer's gate (``ops.TopKGate``, ``ops.BlockMassEstimate``):
-    the estimated block mass of the layer's real queries and keys, for any budget."""
-
-    def document_density(self, budget: Budget) -> torch.Tensor:
-        """float64 ``(N,)``: per-document density of the layout ``budget`` keeps."""
-
-    def coverage(self, budget: Budget) -> float:
-        """The gate mass ``budget`` keeps, mean over heads and tokens (one read back)."""
-
-    def coverage_curve(self, budget: Budget, ks: Sequence[int]) -> np.ndarray:
-        """float64 ``(K,)``: the coverage of ``budget``'s anchors at every k of ``ks`` (host)."""
-
-    def coverage_floor(self, budget: Budget, ks: Sequence[float], p: float) -> torch.Tensor:
-        """int64 ``(1,)`` device: the index in ``ks`` (knob values, ascending, the last the base)
-        of the smallest one whose coverage is within ``p`` of the last's (no read back)."""
-
-    def keeps_whole(self, budget: Budget) -> bool:
-        """Whether ``budget`` keeps every document of the layer's pack whole (host; then no
-        coverage is lost and the gate need not be computed at all)."""
 
 
 class LayerController:
@@ -121,7 +113,7 @@ class LayerController:
         self.values = np.full(len(microbatches), self.value) if values is None else np.asarray(values, dtype=float)
         """``(M,)`` each micro-batch's step-level budget."""
         span = (float(min(self.value, *self.values)), float(max(self.value, *self.values)))
-        self.lo, self.hi = _budget_range(knob, config, span, microbatches)
+        self.lo, self.hi = budget_range(knob, config, span, microbatches)
         if not self.lo <= span[0] <= span[1] <= self.hi and config.mode != "off":
             raise ValueError(f"budget {self.value} (per micro-batch {self.values}) outside [{self.lo}, {self.hi}]")
         self.budget = knob.budget(budget or Budget(top_k=0), self.value)
@@ -137,7 +129,7 @@ class LayerController:
         self.d0 = [np.asarray(mb.densities, dtype=np.float64) for mb in microbatches]
         num_layers = int(cost_model.num_layers)
         m = len(microbatches)
-        attention, self.fixed = _unit_seconds(microbatches, self.lengths, cost_model, knob, self.values)
+        attention, self.fixed = unit_seconds(microbatches, self.lengths, cost_model, knob, self.values)
         self.planned = attention[:, None] + self.fixed  # (M, L) predicted seconds at self.values
         self._chosen = np.zeros((m, num_layers), dtype=bool)
         self._predicted = np.full((m, num_layers), np.nan)  # at the chosen budget
@@ -157,6 +149,13 @@ class LayerController:
         """Coverage bound decided on the device (see ``device`` above; a capped budget's is read
         on the host); the layer's time is then accounted at ``v_time`` (a lower bound: later
         layers may be allotted a little more than the host decision would give them)."""
+        self._stage_of: np.ndarray | None = None
+        """``(L,)`` each layer's pipeline stage (:meth:`share_by_stage`); None: one process."""
+        self._asked = np.ones(m, dtype=bool)
+        self._over: np.ndarray | None = None
+        """Per stage: what its decided units cost beyond the :func:`~.layer_ledger.replay`."""
+        self._replay: tuple[float, Replay] | None = None
+        self._plan_costs: list[dict[float, tuple[float, np.ndarray]]] = [{} for _ in range(m)]
 
     @classmethod
     def from_decision(
@@ -183,6 +182,53 @@ class LayerController:
             device=device,
             values=decision.microbatch_budgets,
         )
+
+    def share_by_stage(self, stage_of: Sequence[int], block_size: int, dense_from: float | None) -> None:
+        """Budget as one stage of a pipeline (issue 54): ``stage_of`` ``(L,)`` gives each layer's
+        stage, and a stage decides only its own layers. Each unit is allotted what it is allotted
+        in one process that decides every layer (the rank's :func:`~.layer_ledger.replay`, from
+        the plan), less what this stage's earlier units cost beyond theirs (a coverage bound's
+        raise, a measured layer). Without such an event every stage decides exactly what one
+        process decides for the same plan; an overspend is taken back from the stage's later
+        units, which it alone sees (stages exchange no message about it). ``block_size`` and
+        ``dense_from`` (the profile's crossover) tell which micro-batches no layer asks, as the
+        attention context decides it."""
+        stage_of = np.asarray(stage_of, dtype=np.int64)
+        if stage_of.shape != (self.planned.shape[1],):
+            raise ValueError(
+                f"stage_of must give each of the {self.planned.shape[1]} layers a stage, got {stage_of.shape}"
+            )
+        self._stage_of = stage_of
+        self._over = np.zeros(int(stage_of.max(initial=0)) + 1)
+        self._asked = asked_microbatches(self.lowest_budget(), self.lengths, block_size, dense_from)
+        self._replay = None
+        t0 = time.perf_counter()
+        self._ledger()  # now, before the forward: not inside its first layer
+        self.decide_seconds += time.perf_counter() - t0
+
+    def _plan_cost(self, microbatch: int, value: float) -> float:
+        """Attention seconds of one layer of ``microbatch`` at ``value``, priced from the plan
+        (the knob's densities)."""
+        by_plan = self.knob.kind == "top-k" or self.on_device
+        cache = self._costs[microbatch] if by_plan else self._plan_costs[microbatch]
+        if value not in cache:
+            lengths = self.lengths[microbatch]
+            dens = self.knob.density(lengths, self.d0[microbatch], value)
+            cache[value] = (float(np.sum(self.cost_model.layer_attention_seconds(lengths, dens))), dens)
+        return cache[value][0]
+
+    def _ledger(self) -> Replay:
+        """The rank's replay at the current target (built at a stage's first decision)."""
+        if self._replay is None or self._replay[0] != self.target_seconds:
+            probes = self.config.layer_probes
+
+            def choose(m: int, limit: float) -> tuple[float, float]:
+                v = bisect(self.knob, lambda v: self._plan_cost(m, v) <= limit, self.lo, self.hi, probes)
+                return v, self._plan_cost(m, v)
+
+            ledger = replay(self.planned, self.fixed, self.target_seconds, self._asked, choose)
+            self._replay = (self.target_seconds, ledger)
+        return self._replay[1]
 
     def was_chosen(self, microbatch: int, layer: int) -> bool:
         """Whether unit (``microbatch``, ``layer``) was decided (a layer whose every budget keeps
@@ -219,8 +265,12 @@ class LayerController:
             self.decide_seconds += time.perf_counter() - t0
 
     def _choose(self, microbatch, layer, estimate: LayerGate, spent_seconds) -> Budget:
-        spent = self._spent if spent_seconds is None else float(spent_seconds)
-        left = self._planned_left
+        spent, left = self._spent, self._planned_left
+        if self._stage_of is not None:  # a pipeline's stage: the rank's sums, from the plan
+            ledger = self._ledger()
+            spent = ledger.spent[microbatch, layer] + self._over[self._stage_of[layer]]
+            left = ledger.left[microbatch, layer]
+        spent = spent if spent_seconds is None else float(spent_seconds)
         share = self.planned[microbatch, layer] / left if left > 0 else 0.0
         allotted = (self.target_seconds - spent) * share
         limit = allotted - self.fixed[microbatch, layer]
@@ -235,13 +285,13 @@ class LayerController:
                     dens = self.knob.density(lengths, self.d0[microbatch], v)
                 else:
                     budget = self.knob.budget(self.budget, v)
-                    dens = _document_densities(estimate, budget, lengths.size)
+                    dens = document_densities(estimate, budget, lengths.size)
                 att = float(np.sum(self.cost_model.layer_attention_seconds(lengths, dens)))
                 cache[v] = (att, dens)
             return cache[v][0]
 
         probes = self.config.layer_probes
-        value = _bisect(self.knob, lambda v: cost(v) <= limit, self.lo, self.hi, probes)
+        value = bisect(self.knob, lambda v: cost(v) <= limit, self.lo, self.hi, probes)
         coverage, limited, floor = None, False, None
         if value < self.base and self.config.p < 1 and not estimate.keeps_whole(self._budget(value)):
             if self.on_device:
@@ -266,6 +316,8 @@ class LayerController:
         self._predicted[microbatch, layer] = predicted
         self._spent += predicted
         self._planned_left -= float(self.planned[microbatch, layer])
+        if self._stage_of is not None:
+            self._over[self._stage_of[layer]] += predicted - self._ledger().cost[microbatch, layer]
         self._records[(microbatch, layer)] = LayerRecord(
             microbatch,
             layer,
@@ -302,7 +354,7 @@ class LayerController:
             return float(estimate.coverage(self.knob.budget(self.budget, v)))
 
         floor_c = cov(self.base) - self.config.p
-        v_cov = _bisect(
+        v_cov = bisect(
             self.knob, lambda v: cov(v) >= floor_c, self.lo, self.base, self.config.layer_probes, largest=False
         )
         return v_cov, cov(max(value, v_cov))
@@ -318,6 +370,8 @@ class LayerController:
         if np.isnan(before):
             before = self._predicted[microbatch, layer]
         self._spent += float(seconds) - float(before)
+        if self._stage_of is not None:
+            self._over[self._stage_of[layer]] += float(seconds) - float(before)
         self._measured[microbatch, layer] = seconds
         key = (microbatch, layer)
         self._records[key] = replace(self._records[key], measured_seconds=float(seconds))
@@ -379,84 +433,3 @@ class LayerController:
                 f"unit (microbatch={microbatch}, layer={layer}) outside the step's "
                 f"{m} micro-batches x {num_layers} layers"
             )
-
-
-def _document_densities(estimate: LayerGate, budget: Budget, num_docs: int) -> np.ndarray:
-    """``(N,)`` float64 densities of the layout ``budget`` keeps (one read back: gamma only)."""
-    dd = np.asarray(estimate.document_density(budget).detach().cpu(), dtype=np.float64)
-    dd = dd.reshape(-1)
-    if dd.size != num_docs:
-        raise ValueError(f"the layer's layout has {dd.size} documents, the micro-batch has {num_docs}")
-    return dd
-
-
-def _bisect(
-    knob: Knob,
-    ok: Callable[[float], bool],
-    lo: float,
-    hi: float,
-    probes: int,
-    largest: bool = True,
-) -> float:
-    """The largest (smallest) value in ``[lo, hi]`` with ``ok``, for a monotone ``ok``, in at
-    most ``probes`` evaluations (2 at the ends, the rest bisecting; whole k for top-k); ``lo``
-    (``hi``) when even that end fails. Only an evaluated-feasible value is returned, or the
-    fallback end."""
-    near, far = (lo, hi) if largest else (hi, lo)
-    if lo == hi or ok(far):
-        return far
-    if not ok(near):
-        return near
-    a, b = float(lo), float(hi)  # invariant: ok at the `near` end, not at the `far` end
-    for _ in range(probes - 2):
-        if converged(knob, a, b, integer=True):
-            break
-        mid = float(midpoint(knob, a, b, integer=True))
-        good = ok(mid)
-        if largest:
-            a, b = (mid, b) if good else (a, mid)
-        else:
-            a, b = (a, mid) if good else (mid, b)
-    return a if largest else b
-
-
-def _budget_range(
-    knob: Knob, config: DSTConfig, span: tuple[float, float], microbatches: Sequence[MicroBatch]
-) -> tuple[float, float]:
-    """``[lo, hi]``: the budgets a layer may run (the base alone when DST is off; the step-level
-    budgets' ``span`` (min, max) inside)."""
-    base = float(knob.base)
-    if config.mode == "off":
-        return base, base
-    longest = max((max(mb.lengths) for mb in microbatches if mb.lengths), default=0)
-    upper = float(knob.upper(np.array([longest]))[0])
-    hi = upper if config.mode == "bidirectional" else base
-    lo = base if config.p == 0 else float(knob.lo)
-    lo, hi = min(lo, span[0]), max(hi, span[1])
-    if knob.integer:  # a layer runs a whole k; the step's value may be a mean over layers
-        lo, hi = float(math.floor(lo)), float(math.ceil(hi))
-    return lo, hi
-
-
-def _unit_seconds(
-    microbatches: Sequence[MicroBatch],
-    lengths: Sequence[np.ndarray],
-    cost_model: CostModel,
-    knob: Knob,
-    values: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Predicted seconds at each micro-batch's budget ``values[m]``: ``(M,)`` attention per
-    layer, ``(M, L)`` the rest."""
-    num_layers = int(cost_model.num_layers)
-    attention = np.zeros(len(microbatches))
-    fixed = np.zeros((len(microbatches), num_layers))
-    for i, mb in enumerate(microbatches):
-        d0 = np.asarray(mb.densities, dtype=np.float64)
-        dens = knob.density(lengths[i], d0, float(values[i]))
-        attention[i] = np.sum(cost_model.layer_attention_seconds(lengths[i], dens))
-        fixed[i, :] = cost_model.layer_other_seconds(mb.num_tokens)
-        # Layer 0 also carries what is outside the layers (embedding, head, loss), defined so
-        # that the units of a micro-batch add up to exactly the model's prediction for it.
-        total = cost_model.predict(lengths[i], dens)
-        fixed[i, 0] += max(total - num_layers * attention[i] - fixed[i].sum(), 0.0)
-    return attention, fixed

@@ -22,7 +22,8 @@ stage's share times its scale; backward = ratio x forward. With the defaults (sc
 (:mod:`sparsebalance.engine.stage_calibration`).
 
 Cost per probe: the wrapped workload's ``predict_many`` calls plus one vectorised makespan pass
-(2 M P numpy steps) per group of ranks of the same shape.
+(one numpy step per dependency level, :mod:`~sparsebalance.batching.levels`) per micro-batch
+count M, whatever the ranks' documents per micro-batch.
 """
 
 from __future__ import annotations
@@ -79,14 +80,15 @@ class PipelineWorkload:
         key = float(values[0]) if uniform else None
         if key in self._memo:
             return self._memo[key].copy()
-        out = np.zeros(self.num_ranks)
+        parts = []
         for g, head in zip(self.work.groups, self._heads, strict=True):
             sel = np.ones(g.ranks.size, dtype=bool) if active is None else active[g.ranks]
             if not sel.any():
                 continue
             dens = self.knob.density(g.lengths[sel], g.d0[sel], values[g.ranks[sel]][:, None, None])
-            times = g.predict(None if active is None else sel, dens)
-            out[g.ranks[sel]] = self.shape.makespans(times, head[sel])
+            parts.append((g.ranks[sel], g.predict(None if active is None else sel, dens), head[sel]))
+        out = np.zeros(self.num_ranks)
+        merged_makespans(self.shape, parts, out)
         if key is not None:
             self._memo[key] = out.copy()
         return out
@@ -99,3 +101,20 @@ class PipelineWorkload:
 
     def attention_seconds(self, values: np.ndarray) -> np.ndarray:
         return self.work.attention_seconds(values)
+
+
+def merged_makespans(shape: PipelineShape, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], out: np.ndarray):
+    """Write into ``out`` ``(R,)`` the makespans of ``parts``: ``(ranks (n,), times (n, M), heads
+    (n, M))`` per group of ranks, one makespan pass per micro-batch count M, however many
+    groups share it (groups differ in documents per micro-batch K, which a makespan does not
+    read; a pass costs the same for 2 pipelines or 200: issue 54). Rows are independent, so the
+    makespans are those of a pass per group, bit for bit."""
+    by_count: dict[int, list] = {}
+    for part in parts:
+        by_count.setdefault(part[1].shape[1], []).append(part)
+    for same in by_count.values():
+        if len(same) == 1:
+            ranks, times, heads = same[0]
+        else:
+            ranks, times, heads = (np.concatenate(x) for x in zip(*same, strict=True))
+        out[ranks] = shape.makespans(times, heads)

@@ -1,0 +1,95 @@
+"""A pipeline schedule's makespan recurrence, compiled once per shape into dependency levels.
+
+A schedule's op (a forward or backward of micro-batch m on virtual stage k) ends at
+``max(end of its rank's previous op, end of its input) + its duration``. Solving that op by op
+(one numpy step per op, over n pipelines at once) costs ~2 M S Python steps per call, and the
+planner and DST make hundreds of calls per training step (issue 54: 3-4 % of the paper's step
+at DP2 PP4). Ops whose two predecessors are both in earlier levels do not depend on one another:
+:func:`compile_levels` groups them (an op's level = 1 + the larger of its predecessors'), so
+:func:`solve` runs one vectorised step per level (about ``2 (M + S)`` of them instead of
+``2 M S``), each op computed with exactly the same two operations on exactly the same values as
+op by op: the makespans are bit for bit the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Levels:
+    """A schedule of ``num_ops`` ops compiled for :func:`solve` (ops renumbered in level order)."""
+
+    source: np.ndarray
+    """``(ops,)`` each op's row in the stacked durations ``[forward; backward]`` flattened
+    ``(2 M S,)`` (kind, micro-batch, virtual stage)."""
+    steps: tuple[tuple[int, int, np.ndarray, np.ndarray], ...]
+    """Per level: ``(first, stop, previous, input)``: ops ``first..stop-1`` and the ops (or the
+    zero row ``ops``) they wait for."""
+    last: np.ndarray
+    """Each rank's last op."""
+
+
+def compile_levels(order: Sequence[tuple[str, int, int]], num_micro_batches: int, num_stages: int, num_ranks: int):
+    """:class:`Levels` of a schedule from its ops ``(kind, micro-batch, virtual stage)`` in a
+    dependency order (each after its rank's previous op and its input; virtual stage ``k`` runs
+    on rank ``k % num_ranks``; ``num_stages`` virtual stages S). The input of ``("F", m, k)`` is
+    ``("F", m, k - 1)`` (none at k = 0); of ``("B", m, k)``, ``("B", m, k + 1)``, or its own
+    forward on the last virtual stage."""
+    m, s = num_micro_batches, num_stages
+    index = {op: i for i, op in enumerate(order)}
+    n = len(order)
+    prev = np.full(n, n, dtype=np.int64)
+    inp = np.full(n, n, dtype=np.int64)
+    level = np.zeros(n, dtype=np.int64)
+    last = {}
+    for i, (kind, mb, k) in enumerate(order):
+        rank = k % num_ranks
+        if rank in last:
+            prev[i] = last[rank]
+        last[rank] = i
+        if kind == "F":
+            need = ("F", mb, k - 1) if k > 0 else None
+        else:
+            need = ("F", mb, k) if k == s - 1 else ("B", mb, k + 1)
+        if need is not None:
+            inp[i] = index[need]
+        level[i] = 1 + max(level[prev[i]] if prev[i] < n else -1, level[inp[i]] if inp[i] < n else -1)
+    new = np.argsort(level, kind="stable")  # ops in level order: old index of each new one
+    renum = np.empty(n + 1, dtype=np.int64)
+    renum[new], renum[n] = np.arange(n), n
+    source = np.array([(kind == "B") * m * s + mb * s + k for kind, mb, k in order], dtype=np.int64)[new]
+    bounds = np.searchsorted(level[new], np.arange(int(level.max(initial=-1)) + 2))
+    steps = tuple(
+        (int(a), int(b), renum[prev[new[a:b]]], renum[inp[new[a:b]]])
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
+    )
+    return Levels(source, steps, renum[np.array(sorted(last.values()), dtype=np.int64)])
+
+
+CHUNK_ROWS = 1024
+"""Pipelines solved at once: a chunk's end times (``2 M S + 1`` rows of this many) stay in the
+CPU's cache; the rows are independent, so chunks change no value (3x faster at 30,000 rows)."""
+
+
+def solve(levels: Levels, forward: np.ndarray, backward: np.ndarray) -> np.ndarray:
+    """``(n,)`` makespans (the latest end of any rank's last op) of n pipelines: ``forward`` and
+    ``backward`` float ``(n, M, S)`` seconds (checked by the caller)."""
+    n = forward.shape[0]
+    if n > CHUNK_ROWS:
+        parts = range(0, n, CHUNK_ROWS)
+        return np.concatenate([solve(levels, forward[i : i + CHUNK_ROWS], backward[i : i + CHUNK_ROWS]) for i in parts])
+    ops = forward.shape[1] * forward.shape[2]
+    stacked = np.empty((2 * ops, n))  # (kind, micro-batch, stage) rows of n: one transposing copy
+    stacked[:ops] = forward.reshape(n, ops).T
+    stacked[ops:] = backward.reshape(n, ops).T
+    durations = stacked[levels.source]
+    end = np.zeros((durations.shape[0] + 1, n))
+    for a, b, prev, inp in levels.steps:
+        step = end[a:b]
+        np.maximum(end[prev], end[inp], out=step)
+        step += durations[a:b]
+    return end[levels.last].max(axis=0)
