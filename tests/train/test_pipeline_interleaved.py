@@ -48,6 +48,35 @@ def test_two_stages_of_two_chunks_compute_what_one_process_computes(tmp_path):
             assert len(unit["stage_s"]) == 2 and all(f > 0 and b > 0 for f, b in unit["stage_s"])
 
 
+@pytest.mark.distributed
+def test_an_interleaved_pipeline_with_dst_resumes_exactly(tmp_path):
+    """DST on (per-layer budgets, one attention context per chunk): a resume from step 2 gives
+    the uninterrupted run's losses."""
+    import shutil
+    from dataclasses import replace
+
+    cfg = _cfg(tmp_path, pp=2, pp_virtual=2, steps=4, checkpoint_every=2, dst=DSTConfig(mode="bidirectional"))
+    full = run_ranks(cfg, 2, tmp_path)
+    again = tmp_path / "again"
+    again.mkdir()
+    shutil.copytree(tmp_path / "run" / "checkpoints", again / "run" / "checkpoints")
+    shutil.rmtree(again / "run" / "checkpoints" / "step-000004")
+    (again / "run" / "checkpoints" / "latest").write_text("step-000002\n")
+    resumed = run_ranks(replace(cfg, out=str(again / "run"), resume=True), 2, again)
+    assert resumed[0]["losses"] == pytest.approx(full[0]["losses"][2:], rel=1e-6, abs=1e-6)
+
+
+def test_layer_statistics_go_back_to_model_order():
+    """Each stage reports its chunks' layers in turn; the pipeline's record lists them in model
+    order (virtual stage k is chunk k // P of stage k % P)."""
+    from sparsebalance.engine.pipeline import _model_order
+
+    assert _model_order([("L0", "L2"), ("L1", "L3")], (1, 1, 1, 1), 2) == ("L0", "L1", "L2", "L3")
+    stages = [("L0", "L1", "L3"), ("L2", "L4", "L5", "L6")]  # split 2/1/1/3 over P = 2, V = 2
+    assert _model_order(stages, (2, 1, 1, 3), 2) == tuple(f"L{i}" for i in range(7))
+    assert _model_order([("L0", "L1", "L2"), ("L3",)], (3, 1), 1) == ("L0", "L1", "L2", "L3")
+
+
 def test_a_rank_holds_its_chunks_only():
     from sparsebalance.engine.stage import PipelineLayout, StageModel
     from sparsebalance.models.hf import build_model
