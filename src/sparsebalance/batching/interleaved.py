@@ -23,8 +23,9 @@ sweep, once per (P, V, M); G = M always is).
 An op starts when its rank's previous op has finished and its input is there: the forward of the
 same micro-batch on the virtual stage before, or its backward on the virtual stage after (the last
 virtual stage: its own forward). :func:`makespans` solves the recurrence exactly for many
-pipelines of the same (M, P, V) at once (one numpy step per op). Times are given per virtual
-stage, ``(n, M, P V)``, in model order; V = 1 is :func:`~.schedule.makespans` itself.
+pipelines of the same (M, P, V) at once (one numpy step per dependency level, :mod:`.levels`).
+Times are given per virtual stage, ``(n, M, P V)``, in model order; V = 1 is
+:func:`~.schedule.makespans` itself.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
+
+from .levels import Levels, compile_levels, solve
 
 Op = tuple[str, int, int]
 """``(kind, micro-batch, chunk)``: ``("F", m, c)`` / ``("B", m, c)`` on a rank."""
@@ -149,21 +152,16 @@ def makespans(forward: np.ndarray, backward: np.ndarray, num_chunks: int) -> np.
     f = np.asarray(forward, dtype=np.float64)
     b = np.asarray(backward, dtype=np.float64)
     _check(f, b, num_chunks)
-    n, m, stages = f.shape
-    p = stages // num_chunks
-    end_f = np.zeros((m, stages, n))
-    end_b = np.zeros((m, stages, n))
-    free = np.zeros((p, n))
-    ft, bt = np.moveaxis(f, 0, -1), np.moveaxis(b, 0, -1)
-    for kind, mb, k in dependency_order(p, num_chunks, m):
-        s = k % p
-        if kind == "F":
-            start = free[s] if k == 0 else np.maximum(free[s], end_f[mb, k - 1])
-            free[s] = end_f[mb, k] = start + ft[mb, k]
-        else:
-            ready = end_f[mb, k] if k == stages - 1 else end_b[mb, k + 1]
-            free[s] = end_b[mb, k] = np.maximum(free[s], ready) + bt[mb, k]
-    return free.max(axis=0)
+    _, m, stages = f.shape
+    return solve(_levels(stages // num_chunks, num_chunks, m), f, b)
+
+
+@lru_cache(maxsize=64)
+def _levels(num_stages: int, num_chunks: int, num_micro_batches: int) -> Levels:
+    """The interleaved order compiled into dependency levels (:mod:`.levels`: one numpy step per
+    level, the op-by-op recurrence's values bit for bit)."""
+    order = dependency_order(num_stages, num_chunks, num_micro_batches)
+    return compile_levels(order, num_micro_batches, num_stages * num_chunks, num_stages)
 
 
 def rank_busy(forward: np.ndarray, backward: np.ndarray, num_chunks: int) -> np.ndarray:
