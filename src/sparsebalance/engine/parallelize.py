@@ -271,7 +271,10 @@ class OverlappedAllReduce:
     copy the attention metadata it is passed).
 
     The parameters are put in buckets of about ``bucket_bytes`` in reverse order (the order a
-    backward makes their gradients). :meth:`arm` before a step's last backward: a hook on every
+    backward makes their gradients); the last bucket is cut again into buckets of about
+    ``tail_bytes`` (one parameter or more each): its all-reduce is the one no computation hides,
+    so it is kept small (DDP makes its *first* bucket small, for the same reason at the start).
+    :meth:`arm` before a step's last backward: a hook on every
     parameter counts its gradient final, and a bucket whose gradients all are is all-reduced
     asynchronously (``async_op``; gloo runs it on its own threads, NCCL on its stream) while the
     backward computes the next. Buckets are launched in order, so every peer issues the same
@@ -282,10 +285,10 @@ class OverlappedAllReduce:
     Args:
         params: the stage's parameters (those without ``requires_grad`` are left out).
         group: the stage's data-parallel group; ``world_size``: its size.
-        bucket_bytes: a bucket's size (DDP's default, 25 MiB).
+        bucket_bytes: a bucket's size (DDP's default, 25 MiB); ``tail_bytes``: the last one's pieces.
     """
 
-    def __init__(self, params, group, world_size: int, bucket_bytes: int = 25 << 20) -> None:
+    def __init__(self, params, group, world_size: int, bucket_bytes: int = 25 << 20, tail_bytes: int = 1 << 20) -> None:
         self.group, self.world_size = group, world_size
         self.buckets: list[list[nn.Parameter]] = []
         current, size = [], 0
@@ -297,6 +300,16 @@ class OverlappedAllReduce:
                 current, size = [], 0
         if current:
             self.buckets.append(current)
+        if self.buckets:  # the last one, in pieces
+            tail, current, size = self.buckets.pop(), [], 0
+            for p in tail:
+                current.append(p)
+                size += p.numel() * p.element_size()
+                if size >= tail_bytes:
+                    self.buckets.append(current)
+                    current, size = [], 0
+            if current:
+                self.buckets.append(current)
         self._bucket = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._armed = False
         self._pending: list[int] = []
