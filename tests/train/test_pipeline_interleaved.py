@@ -49,6 +49,20 @@ def test_two_stages_of_two_chunks_compute_what_one_process_computes(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
+def test_two_interleaved_pipelines_match_two_ranks(tmp_path):
+    """DP2 x PP2 V2 (4 processes, ``ddp``: each stage's gradients reduced from its last backward,
+    which covers one of its chunks) computes what DP2 does."""
+    dp, both = tmp_path / "dp2", tmp_path / "dp2pp2v2"
+    dp.mkdir(), both.mkdir()
+    ref = run_ranks(_cfg(dp), 2, dp)
+    got = run_ranks(_cfg(both, pp=2, pp_virtual=2, checkpoint_every=3), 4, both)
+    assert got[0]["losses"] == pytest.approx(ref[0]["losses"], rel=1e-5, abs=1e-5)
+    for name, tensor in _model(dp / "run", 3).items():
+        torch.testing.assert_close(_model(both / "run", 3)[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.distributed
 def test_an_interleaved_pipeline_with_dst_resumes_exactly(tmp_path):
     """DST on (per-layer budgets, one attention context per chunk): a resume from step 2 gives
     the uninterrupted run's losses."""
