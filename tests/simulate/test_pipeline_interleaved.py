@@ -1,6 +1,8 @@
 """Interleaved 1F1B in the simulator (``pipeline_virtual``): the step prices the interleaved
 makespan, DST reads the same one, and the zero-bubble list schedule used to evaluate ZB-H1."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -83,3 +85,21 @@ def test_zero_bubble_bounds_on_random_steps():
         assert span >= (f + bi).sum(axis=1).max() - 1e-12
     with pytest.raises(ValueError, match=r"must be \(M, P\)"):
         zb_h1_makespan(np.ones((2, 2)), np.ones((2, 3)), np.ones((2, 2)))
+
+
+def test_cli_pp_virtual(capsys):
+    from sparsebalance.cli import main as cli_main
+
+    args = ["simulate", "--world-size", "2", "--micro-batches", "4", "--steps", "2", "--strategy", "sab"]
+    assert cli_main([*args, "--pp", "2", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cli_main([*args, "--pp", "2", "--pp-virtual", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pipeline_virtual"] == 2 and len(out["stage_layers"]) == 4  # per virtual stage
+    idle = [o["results"][0]["strategies"]["baseline"]["device_idle_fraction"] for o in (plain, out)]
+    assert idle[1] < idle[0]
+    assert cli_main([*args, "--pp-virtual", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--pp-virtual 2 needs a pipeline (--pp >= 2), got --pp 1" in err
+    assert cli_main([*args, "--pp", "4", "--pp-virtual", "7"]) == 2  # qwen2.5-0.5b has 24 layers
+    assert "28 virtual stages, more than the model's 24 layers" in capsys.readouterr().err

@@ -155,10 +155,12 @@ def main(args: argparse.Namespace) -> int:
         f"rank, {bound}, seed {config.seed}; {config.dst.describe()}"
     )
     if config.pipeline_stages > 1:
+        v = config.pipeline_virtual
+        kind = f"an interleaved 1F1B pipeline of {config.pipeline_stages} stages x {v} chunks" if v > 1 else None
         print(
-            f"pipelines: each rank is a 1F1B pipeline of {config.pipeline_stages} stages (layers per stage "
-            f"{summary['stage_layers']}; makespan, bubbles included); sab packs and orders micro-batches "
-            "for it and DST anchors on it"
+            f"pipelines: each rank is {kind or f'a 1F1B pipeline of {config.pipeline_stages} stages'} (layers per "
+            f"{'virtual stage' if v > 1 else 'stage'} {summary['stage_layers']}; makespan, bubbles included); sab "
+            "packs and orders micro-batches for it and DST anchors on it"
         )
     if config.pad_micro_batches:
         print(

@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import flags
 from ..batching import DEFAULT_CAPACITY
+from ..batching.interleaved import check_virtual
 from ..batching.schedule import balanced_layers, head_layers, stage_layers
 from ..latency import (
     ACCELERATORS,
@@ -101,6 +102,10 @@ class SimConfig:
     """[--pp] pipeline stages P per data-parallel rank: each rank becomes a 1F1B pipeline of P
     devices (R x P in all), its time the pipeline's makespan, bubbles included
     (:mod:`sparsebalance.simulate.pipeline`); at most the model's layers. 1 = no pipeline."""
+    pipeline_virtual: int = 1
+    """[--pp-virtual] chunks of layers per pipeline device V: interleaved 1F1B
+    (:mod:`sparsebalance.batching.interleaved`), each device holding V non-adjacent chunks; needs
+    --pp >= 2 and at least --pp x V layers. 1 = plain 1F1B."""
     pad_micro_batches: bool = False
     """[--pad-micro-batches] run every micro-batch unpacked, its documents padded to its longest
     (Megatron-style ``(K, S)`` batches; the SparseBalance paper's micro-batch 2 as we read it),
@@ -143,6 +148,7 @@ class SimConfig:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.pipeline_stages < 1:
             raise ValueError(f"--pp must be >= 1, got {self.pipeline_stages}")
+        check_virtual(self.pipeline_stages, self.pipeline_virtual)
         if self.pad_micro_batches and self.micro_batches is None:
             raise ValueError(
                 "--pad-micro-batches needs --micro-batches M (not --capacity): a padded micro-batch has K documents"
@@ -247,6 +253,7 @@ def run_simulation(config: SimConfig) -> dict:
             SIM_BYTES_PER_DOCUMENT * n * config.steps + plan_bytes(n, r, config.micro_batches),
         )
     model, shapes, desc = build_cost_model(config)
+    check_virtual(config.pipeline_stages, config.pipeline_virtual, model.num_layers)  # before the split
     # Every planner sees the latency model through a ContextCost (sab-cp also prices split
     # documents with its links; the others read only the base model's numbers).
     cost = context_cost(model, config.analytic, shapes, ring=config.ring, block_size=config.block_size)
@@ -268,8 +275,9 @@ def run_simulation(config: SimConfig) -> dict:
         results.append(res)
     out = _describe(config, desc, results)
     if config.pipeline_stages > 1:
-        split = pipeline_split(shapes, model.num_layers, config.pipeline_stages)
-        out["stage_layers"] = list(split) or stage_layers(model.num_layers, config.pipeline_stages).tolist()
+        stages = config.pipeline_stages * config.pipeline_virtual  # per virtual stage when interleaved
+        split = pipeline_split(shapes, model.num_layers, stages)
+        out["stage_layers"] = list(split) or stage_layers(model.num_layers, stages).tolist()
     return out
 
 
@@ -288,8 +296,9 @@ def _simulate_one(config: SimConfig, model: LatencyModel, cost, shapes, r: int) 
         show_step=config.show_step,
         workers=config.workers,
         pipeline_stages=config.pipeline_stages,
-        stage_layers=pipeline_split(shapes, model.num_layers, config.pipeline_stages),
+        stage_layers=pipeline_split(shapes, model.num_layers, config.pipeline_stages * config.pipeline_virtual),
         pad_micro_batches=config.pad_micro_batches,
+        pipeline_virtual=config.pipeline_virtual,
     )
 
 
@@ -342,6 +351,7 @@ def _describe(config: SimConfig, desc: str, results: list[dict]) -> dict:
         "steps": config.steps,
         "seed": config.seed,
         **({"pipeline_stages": config.pipeline_stages} if config.pipeline_stages > 1 else {}),
+        **({"pipeline_virtual": config.pipeline_virtual} if config.pipeline_virtual > 1 else {}),
         **({"pad_micro_batches": True} if config.pad_micro_batches else {}),
         "results": results,
     }
