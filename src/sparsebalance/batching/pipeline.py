@@ -254,15 +254,23 @@ def pipeline_search(
                 break
             cands = _candidates(ranks[h], ranks[l], costs)
             pairs = [_exchanged(ranks[h], ranks[l], i, j) for i, j in cands]
-            flat = [side for pair in pairs for side in pair]
-            cand_packs, cand_spans = rank_makespans(flat, cost, tokens, regime, shape)
-            worst = np.maximum(cand_spans[0::2], cand_spans[1::2])
+            limit = spans[h] * (1 - 1e-12)
+            # the light sides first: a candidate whose light side reaches the limit cannot be made,
+            # so its heavy side is not priced (inf: never the least below the limit; issue 54)
+            light_packs, light_spans = rank_makespans([pair[1] for pair in pairs], cost, tokens, regime, shape)
+            heavy_packs, heavy_spans = [None] * len(pairs), np.full(len(pairs), np.inf)
+            keep = np.flatnonzero(light_spans < limit).tolist()
+            if keep:
+                priced, heavy_spans[keep] = rank_makespans([pairs[k][0] for k in keep], cost, tokens, regime, shape)
+                for k, p in zip(keep, priced, strict=True):
+                    heavy_packs[k] = p
+            worst = np.maximum(heavy_spans, light_spans)
             best = int(np.argmin(worst)) if worst.size else -1
-            if best < 0 or not worst[best] < spans[h] * (1 - 1e-12):
+            if best < 0 or not worst[best] < limit:
                 continue
             ranks[h], ranks[l] = pairs[best]
-            packs[h], packs[l] = cand_packs[2 * best], cand_packs[2 * best + 1]
-            spans[h], spans[l] = cand_spans[2 * best], cand_spans[2 * best + 1]
+            packs[h], packs[l] = heavy_packs[best], light_packs[best]
+            spans[h], spans[l] = heavy_spans[best], light_spans[best]
             made = True
             break
         if not made:

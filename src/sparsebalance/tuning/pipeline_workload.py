@@ -32,7 +32,7 @@ import numpy as np
 
 from ..batching.pipeline import PipelineShape
 from ..batching.schedule import head_seconds
-from .plan_workload import PlanWorkload
+from .plan_workload import PlanWorkload, _Group
 
 
 class PipelineWorkload:
@@ -56,6 +56,7 @@ class PipelineWorkload:
         for g in work.groups:
             dens = work.knob.density(g.lengths, g.d0, base)
             self._heads.append(head_seconds(work.cost_model, g.lengths, dens, g.predict(None, dens)))
+        self._pricing = _merged_groups(work, self._heads)
         self._memo: dict[float, np.ndarray] = {}
 
     @property
@@ -81,7 +82,7 @@ class PipelineWorkload:
         if key in self._memo:
             return self._memo[key].copy()
         parts = []
-        for g, head in zip(self.work.groups, self._heads, strict=True):
+        for g, head in self._pricing:
             sel = np.ones(g.ranks.size, dtype=bool) if active is None else active[g.ranks]
             if not sel.any():
                 continue
@@ -118,3 +119,37 @@ def merged_makespans(shape: PipelineShape, parts: list[tuple[np.ndarray, np.ndar
         else:
             ranks, times, heads = (np.concatenate(x) for x in zip(*same, strict=True))
         out[ranks] = shape.makespans(times, heads)
+
+
+MERGE_WIDTH = 7
+"""Groups of ranks with the same micro-batch count and at most this many documents per
+micro-batch are priced as one (padded to the widest): a row's sum of fewer than 8 numbers is
+numpy's plain loop, so trailing zeros leave every micro-batch's seconds bit for bit unchanged."""
+
+
+def _merged_groups(work: PlanWorkload, heads: list[np.ndarray]) -> list[tuple[_Group, np.ndarray]]:
+    """``work.groups`` with their heads, those of one micro-batch count and at most
+    :data:`MERGE_WIDTH` documents per micro-batch merged into one group (padded to the widest):
+    a probe of :meth:`PipelineWorkload.seconds` then prices each micro-batch count once, not once
+    per width (issue 54)."""
+    out, merge = [], {}
+    for g, head in zip(work.groups, heads, strict=True):
+        _, m, k = g.lengths.shape
+        if k > MERGE_WIDTH:
+            out.append((g, head))
+        else:
+            merge.setdefault(m, []).append((g, head))
+    for same in merge.values():
+        if len(same) == 1:
+            out.append(same[0])
+            continue
+        width = max(g.lengths.shape[2] for g, _ in same)
+        lengths = np.concatenate(
+            [np.pad(g.lengths, ((0, 0), (0, 0), (0, width - g.lengths.shape[2]))) for g, _ in same]
+        )
+        d0 = np.concatenate(
+            [np.pad(g.d0, ((0, 0), (0, 0), (0, width - g.d0.shape[2])), constant_values=1.0) for g, _ in same]
+        )
+        ranks = np.concatenate([g.ranks for g, _ in same]).tolist()
+        out.append((_Group(ranks, lengths, d0, work.cost_model), np.concatenate([h for _, h in same])))
+    return out
