@@ -98,6 +98,16 @@ class CostModel(Protocol):
 
 
 @runtime_checkable
+class ManyOtherCost(Protocol):
+    """A :class:`CostModel` whose ``layer_other_seconds`` also takes an array (optional: a cost
+    model without it is asked once per micro-batch)."""
+
+    def layer_other_seconds_many(self, num_tokens: np.ndarray) -> np.ndarray:
+        """``layer_other_seconds`` of every entry of ``num_tokens`` (any shape): the same values."""
+        ...
+
+
+@runtime_checkable
 class PreparableCost(Protocol):
     """A :class:`CostModel` that can also price fixed lengths at many densities fast (optional:
     a cost model without it is priced with ``predict_many``)."""

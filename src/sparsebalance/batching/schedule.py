@@ -32,7 +32,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..models import ModelShapes
-from ..workload import CostModel
+from ..workload import CostModel, ManyOtherCost
 from .levels import Levels, compile_levels, solve
 
 BACKWARD_RATIO = 2.0
@@ -294,6 +294,10 @@ def head_seconds(cost_model: CostModel, lengths: np.ndarray, densities: np.ndarr
     attn = np.zeros(lengths.shape)
     attn[valid] = cost_model.layer_attention_seconds(lengths[valid], np.asarray(densities, dtype=np.float64)[valid])
     tokens = lengths.sum(axis=-1)
-    rest = np.array([cost_model.layer_other_seconds(int(t)) for t in tokens.reshape(-1).tolist()]).reshape(tokens.shape)
+    if isinstance(cost_model, ManyOtherCost):  # one call, the same values (issue 54)
+        rest = np.asarray(cost_model.layer_other_seconds_many(tokens), dtype=np.float64).reshape(tokens.shape)
+    else:
+        rest = np.array([cost_model.layer_other_seconds(int(t)) for t in tokens.reshape(-1).tolist()])
+        rest = rest.reshape(tokens.shape)
     per_layer = attn.sum(axis=-1) + rest
     return np.maximum(np.asarray(totals, dtype=np.float64) - cost_model.num_layers * per_layer, 0.0)

@@ -239,6 +239,12 @@ class LatencyModel:
         s = self.scales
         return float(s[1] * self._lookup1d(self._other, num_tokens) + s[0] * self._call)
 
+    def layer_other_seconds_many(self, num_tokens: np.ndarray) -> np.ndarray:
+        """:meth:`layer_other_seconds` of every entry of ``num_tokens`` (any shape), elementwise:
+        the same values, in one call (the planner prices hundreds of micro-batches per step)."""
+        s = self.scales
+        return s[1] * self._lookup1d(self._other, np.asarray(num_tokens, float)) + s[0] * self._call
+
     def step_overhead(self) -> float:
         """Optimizer step + gradient all-reduce (once per step, not imbalanced)."""
         return self.profile.optimizer_seconds + (self.profile.allreduce_seconds or 0.0)
