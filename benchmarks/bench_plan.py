@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_plan.py            # full run, writes benchmarks/results/
     .venv/bin/python benchmarks/bench_plan.py --quick    # smoke run, writes nothing
+    .venv/bin/python benchmarks/bench_plan.py --pipelines  # 4. only, writes plan-pipelines + a plot
 
 1. Speed and quality: N = 8192 samples over R = 1024 ranks (M = 4 micro-batches per rank, and
    C = 65536 tokens per micro-batch), every strategy, median planning wall time of ``--repeats``
@@ -15,6 +16,14 @@
    + MLP, random weights) on CPU; the probe (embedding + first-layer q/k on block-pooled
    embeddings + the selection rule) is timed against one forward+backward of the model, and its
    density compared with the model's realized density (mean over layers) at gamma = 0.9.
+4. Pipelines (``--pipelines``, issue 54): the trainer's host work per step (``StepEngine.plan``:
+   SAB with its makespan search, the plan and its hash; ``StepEngine._tune``: DST's step level and
+   its budgets per micro-batch), CPU seconds (``time.process_time``), in the paper's setting
+   (Qwen2.5-3B shapes, analytic H200, block 256, top-k 8,192 tokens, the balanced stage split) at
+   DP 2..64 x PP 4 (M = 4, 8 documents per pipeline) and PP 8 (M = 8, 16 documents), on
+   benchmarks/configs/table1.toml's mixes and the simulator's built-in ``heavy`` lengths (to 64K),
+   against the simulated step (the slowest pipeline's makespan at DST's budgets, as table1's
+   iteration). Median over ``--steps`` steps after one warm-up.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+import plan_pipelines
 from sparsebalance.batching import (
     STRATEGIES,
     HistoryEstimator,
@@ -191,7 +201,13 @@ def main() -> int:
     p.add_argument("--probe-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8192])
     p.add_argument("--quick", action="store_true", help="small sizes, writes nothing")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--pipelines", action="store_true", help="only the pipelines' planning cost (4.)")
+    p.add_argument("--steps", type=int, default=5, help="--pipelines: timed steps per setting")
+    p.add_argument("--dp", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8, 16, 32, 64])
+    p.add_argument("--before", help="--pipelines: a results JSON of the same benchmark to compare with")
     args = p.parse_args()
+    if args.pipelines:
+        return plan_pipelines.main(args)
     if args.quick:
         args.samples, args.ranks, args.seeds, args.repeats = 512, 64, 1, 1
         args.probe_lengths = [1024]
