@@ -1,14 +1,14 @@
 """Exposed gradient reduction after the last backward at DP 2 x PP 2 (issue 54, item 3).
 
-    PYTHONPATH=src python benchmarks/pipeline_overlap.py --before /tmp/before/src [--rounds 3] [--steps 6]
+    PYTHONPATH=src python benchmarks/pipeline_overlap.py --before /tmp/before/src [--after /tmp/after/src]
 
 What runs: ``sparsebalance train``'s trainer on 4 gloo processes (DP 2 x PP 2, fp32, CPU, one
 thread each), ``--parallel ddp`` and ``--parallel fsdp2``, on an 8-layer model of width 512 with a
 4,096-token tied vocabulary (the tiny model's shape family, 27 M parameters, so the reduction
 is large enough to time), 8 documents of 150-400 tokens per step, ``--capacity 512``, DST off.
 Each run is a fresh set of processes; runs alternate between ``--before`` (a source tree of the
-earlier code, e.g. ``git worktree add /tmp/before <commit>``, its ``src`` on ``PYTHONPATH``) and
-this checkout, ``--rounds`` times.
+earlier code, e.g. ``git archive <commit> src | tar -x -C /tmp/before``, its ``src`` on
+``PYTHONPATH``) and ``--after`` (default: this checkout's ``src``), ``--rounds`` times.
 
 Measured: per step, the trainer's ``sync_s``: from the slowest pipeline's gradients being ready
 (its schedule's end: the last backward done and the sends settled) to its gradients being
@@ -125,6 +125,7 @@ def summarise(rows: list[dict]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=False, help="the earlier code's src folder (a git worktree's src)")
+    ap.add_argument("--after", help="the code measured after (default: this checkout's src)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -145,7 +146,7 @@ def main() -> int:
     from sparsebalance.results import markdown_table, write_results
 
     load_start = os.getloadavg()[0]
-    code = {"before": Path(args.before), "after": ROOT / "src"}
+    code = {"before": Path(args.before), "after": Path(args.after) if args.after else ROOT / "src"}
     runs: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.rounds):
         for parallel in ("ddp", "fsdp2"):

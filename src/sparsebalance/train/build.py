@@ -148,7 +148,7 @@ def pipeline_stage(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module) -> Sta
     """``--pp P``: this rank's stage of ``model`` (the other stages' layers dropped), the layers
     split by cost (:func:`~sparsebalance.batching.schedule.balanced_layers`, the LM head weighed
     from the model's shapes: fixed by the model alone, so a resumed run splits alike), sharded
-    over the stage's data-parallel peers with ``--parallel fsdp2``; None without a pipeline. The
+    over the stage's data-parallel peers with ``--parallel fsdp2``; None without a pipeline. A
     model :func:`checked_model` built on ``meta`` gets storage for this stage alone (on the host,
     :func:`.stage_init.materialise`), which alone then moves to ``rt.device``."""
     if cfg.pp == 1:
