@@ -111,3 +111,20 @@ def test_a_pretrained_folder_lacking_a_stage_tensor_is_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"lack model\.layers\.3\.") as err:
         _stage(cfg, 1, 2)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.distributed
+def test_a_pipeline_from_a_pretrained_folder_trains_as_one_process(tmp_path):
+    """The trainer at ``--pp 2`` from a safetensors folder (each stage reading its own tensors)
+    gives the per-step losses of ``--pp 1`` from the same folder."""
+    from sparsebalance.tuning import DSTConfig
+    from tests.train.harness import run_ranks
+
+    folder = tmp_path / "pretrained"
+    build_model("tiny", "cpu", torch.float32, seed=11).save_pretrained(folder)
+    off = DSTConfig(mode="off", budget="gamma", gamma0=0.9)
+    one, two = tmp_path / "pp1", tmp_path / "pp2"
+    one.mkdir(), two.mkdir()
+    ref = run_ranks(base_config(one, model=str(folder), steps=2, strategy="sab", dst=off), 1, one)
+    got = run_ranks(base_config(two, model=str(folder), steps=2, strategy="sab", dst=off, pp=2), 2, two)
+    assert got[0]["losses"] == pytest.approx(ref[0]["losses"], rel=1e-5, abs=1e-5)
