@@ -22,6 +22,15 @@ def test_the_stage_means_leave_the_warm_up_step_out():
     )
 
 
+def test_an_interleaved_pipeline_is_named_so():
+    ranks = [_rank(1, (1.0, 1.0), (0.5, 0.5))]
+    for stage in ranks[0]["stages"]:
+        stage["chunks"] = 2
+    assert pipeline_line(ranks).startswith("2 stages per pipeline (interleaved 1F1B, 2 chunks a stage), mean")
+    del ranks[0]["stages"][0]["chunks"], ranks[0]["stages"][1]["chunks"]  # records written before the field
+    assert pipeline_line(ranks).startswith("2 stages per pipeline (1F1B), mean")
+
+
 @pytest.mark.parametrize("ranks", [[], [{"step": 1, "rank": 0, "stages": []}], [{"step": 1, "rank": 0}]])
 def test_a_run_without_a_pipeline_has_no_pipeline_line(ranks):
     assert pipeline_line(ranks) == "" and stage_means(ranks) is None

@@ -37,11 +37,13 @@ def pipeline_line(ranks: list[dict]) -> str:
     if means is None:
         return ""
     busy, idle = means
+    chunks = max((s.get("chunks", 1) for r in ranks for s in r.get("stages", ())), default=1)
+    schedule = f"interleaved 1F1B, {chunks} chunks a stage" if chunks > 1 else "1F1B"
     parts = ", ".join(
         f"stage {s} busy {b:.3f} s, bubble {i:.3f} s ({100 * i / max(b + i, 1e-12):.0f} %)"
         for s, (b, i) in enumerate(zip(busy, idle, strict=True))
     )
-    return f"{len(busy)} stages per pipeline (1F1B), mean per step: {parts}."
+    return f"{len(busy)} stages per pipeline ({schedule}), mean per step: {parts}."
 
 
 def pipeline_figure(run_data: dict):

@@ -44,6 +44,7 @@ def test_two_stages_of_two_chunks_compute_what_one_process_computes(tmp_path):
     lines = [json.loads(x) for x in (two / "run" / "metrics.jsonl").read_text().splitlines()]
     for x in (x for x in lines if x["rank"] != "all"):
         assert [s["stage"] for s in x["stages"]] == [0, 1]
+        assert [s["chunks"] for s in x["stages"]] == [2, 2]  # the report names the interleaved schedule
         for unit in x["units"]:  # one [forward, backward] per rank: its two chunks summed
             assert len(unit["stage_s"]) == 2 and all(f > 0 and b > 0 for f, b in unit["stage_s"])
 

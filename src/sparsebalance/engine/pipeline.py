@@ -189,7 +189,7 @@ class PipelineExecutor:
         record = self.engine.record(step, layout.dp, results)
         span = max(g[1]["span_s"] for g in gathered)
         record.stages = [
-            {"stage": s, "busy_s": g[1]["busy_s"], "idle_s": max(span - g[1]["busy_s"], 0.0)}
+            {"stage": s, "busy_s": g[1]["busy_s"], "idle_s": max(span - g[1]["busy_s"], 0.0), "chunks": v}
             for s, g in enumerate(gathered)
         ]
         ready_s, done_s = (max(g[2][i] for g in gathered) for i in (0, 1))

@@ -203,8 +203,8 @@ class RankRecord:
     """Layer decisions where the coverage bound p stopped a cut the time target asked for."""
     stages: list[dict] = field(default_factory=list)
     """``--pp P``: one entry per pipeline stage of this (data-parallel) rank, ``{stage, busy_s,
-    idle_s}``: its forward + backward seconds and its bubble (the pipeline's span less its busy
-    time); empty without a pipeline."""
+    idle_s, chunks}``: its forward + backward seconds, its bubble (the pipeline's span less its busy
+    time) and its chunks of layers (``--pp-virtual``; 1: plain 1F1B); empty without a pipeline."""
     loss_sum: float = field(default=0.0, repr=False)
     weight: float = field(default=0.0, repr=False)
     microbatches: tuple[MicroBatchResult, ...] = field(default=(), repr=False)
