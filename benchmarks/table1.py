@@ -48,7 +48,7 @@ import torch
 from sparsebalance.data.prepare import tokenizer_info
 from sparsebalance.data.store import StoreWriter
 from sparsebalance.data.tokenizer import load_tokenizer
-from sparsebalance.results import markdown_table, write_results
+from sparsebalance.results import markdown_table, portable_path, write_results
 
 ROWS = {  # name -> (planner strategy, DST mode)
     "baseline": ("sequential", "off"),
@@ -454,7 +454,8 @@ def main() -> int:
         sys.argv = [a for a in sys.argv if a != "--worker"]
     other = " (NOT the pre-registered file)" if args.not_preregistered else ""
     quick = " --quick: a smoke test, not a measurement" if args.quick else ""
-    notes = f"Settings: {args.config}{other}{quick}; load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}."
+    settings = portable_path(args.config)
+    notes = f"Settings: {settings}{other}{quick}; load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}."
     if args.pp > 1:
         note = MEASURED_PIPELINE_NOTE if args.mode == "gloo" else PIPELINE_NOTE
         split, head = pipeline_layers(cfg, args.pp)
