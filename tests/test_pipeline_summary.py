@@ -30,6 +30,7 @@ def test_a_pipeline_run_summarises_its_pipeline_bubble(tmp_path):
     row = next(x for x in text.splitlines() if x.startswith("| pp |"))
     assert row.split(" | ")[4] == "0.625"  # bubble frac.: the pipeline's, not the ranks' 0.25
     assert "With --pp the bubble is the pipeline's: its stages' idle share of the step" in text
+    assert "bubble fraction = 1 - efficiency" not in text.replace("without --pp, bubble fraction", "")
     assert "stage 0 busy 1.000 s, bubble 3.000 s (75 %)" in text  # each stage's
     assert pipeline_bubble([x for x in ranks if False]) is None
 

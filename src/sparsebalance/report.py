@@ -153,11 +153,13 @@ def table_note(runs: dict, baseline: str | None = None) -> str:
         speed = f"Speedup = {base}'s mean step time / the run's; compute speedup uses the slowest rank's compute time. "
     else:
         speed = "No speed-up column: one run, nothing to compare it with. "
+    bubble = "bubble fraction = 1 - efficiency"
     if any(r.get("pipeline") for r in runs.values()):
         speed += "With --pp the bubble is the pipeline's: its stages' idle share of the step (each stage's below). "
+        bubble = f"without --pp, {bubble}"  # a pipeline's bubble is not 1 - its balance efficiency
     steps = {r.get("steps") for r in runs.values()}
     means = "One step per run (the warm-up, kept). " if steps == {1} else "Means over steps 2..N (step 1 is warm-up). "
-    return f"{means}{speed}Balance efficiency = mean / max rank compute time; bubble fraction = 1 - efficiency."
+    return f"{means}{speed}Balance efficiency = mean / max rank compute time; {bubble}."
 
 
 def long_documents(steps: list[dict]) -> str:
