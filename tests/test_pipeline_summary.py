@@ -51,3 +51,13 @@ def test_a_pipeline_short_of_micro_batches_is_said_once(capsys):
         "50 % of the step (1F1B overlaps them with >= 4 micro-batches): lower --capacity or raise --global-batch "
         "(said once)"
     )
+
+
+def test_the_run_line_names_the_grid_and_its_chunks(tmp_path, capsys):
+    from sparsebalance.commands.train import _say
+    from tests.train.harness import base_config
+
+    for over, grid in (({"pp": 2}, "(DP 1 x PP 2)"), ({"pp": 2, "pp_virtual": 2}, "(DP 1 x PP 2, 2 chunks a stage)")):
+        cfg = base_config(tmp_path, **over)
+        _say({str(cfg.out): "run"}, 2)(cfg)
+        assert f"ranks=2 {grid}, steps=" in capsys.readouterr().out

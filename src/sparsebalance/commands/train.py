@@ -113,7 +113,8 @@ def _say(names: dict[str, str], ranks: int) -> Callable[[TrainConfig], None]:
     """What prints ``== NAME: ...``, the line a run starts with (``names``: its folder -> name)."""
 
     def say(cfg: TrainConfig) -> None:
-        layout = f"ranks={ranks}" if cfg.pp == 1 else f"ranks={ranks} (DP {ranks // cfg.pp} x PP {cfg.pp})"
+        virtual = f", {cfg.pp_virtual} chunks a stage" if cfg.pp_virtual > 1 else ""
+        layout = f"ranks={ranks}" if cfg.pp == 1 else f"ranks={ranks} (DP {ranks // cfg.pp} x PP {cfg.pp}{virtual})"
         print(
             f"== {names[str(cfg.out)]}: strategy={cfg.strategy}, dst={cfg.dst.mode}, {layout}, steps={cfg.steps} "
             f"-> {cfg.out}",
