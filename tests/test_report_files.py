@@ -145,6 +145,7 @@ def test_report_command_names_the_results_file_it_wrote(tmp_path, capsys):
     first = next(out.glob("*.md"))
     kept = first.read_bytes()
     assert f"wrote {first} and {first.stem}.json" in capsys.readouterr().out
+    assert str(tmp_path) not in first.read_text()  # no machine path in a results file
     assert main(args) == 0
     said = capsys.readouterr().out
     second = out / f"{first.stem}-2.md"

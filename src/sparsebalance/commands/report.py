@@ -49,7 +49,7 @@ def _write(args: argparse.Namespace, out: Path) -> tuple[dict, list[str]]:
     import torch
 
     from ..report import table_note, write_report
-    from ..results import write_results
+    from ..results import portable_path, write_results
 
     path, comparison = write_report(args.run_dir, plots=not args.no_plots, out=out)
     wrote = [f"wrote {path}"]
@@ -58,7 +58,8 @@ def _write(args: argparse.Namespace, out: Path) -> tuple[dict, list[str]]:
         configs = {p.parent.name: json.loads(p.read_text()) for p in sorted(root.glob("**/config.json"))}
         table = path.read_text().split("\n\n")[1]
         device = torch.device("cuda" if any(c.get("device") == "cuda" for c in configs.values()) else "cpu")
-        notes = f"Runs in `{root}` (their configurations are in the JSON file). " + table_note(comparison)
+        where = portable_path(str(root))  # not this machine's folders (issue 54)
+        notes = f"Runs in `{where}` (their configurations are in the JSON file). " + table_note(comparison)
         md, js = write_results(
             args.results_dir, args.name, device, table, {"comparison": comparison, "configs": configs}, notes
         )
