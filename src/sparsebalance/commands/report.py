@@ -55,7 +55,7 @@ def _write(args: argparse.Namespace, out: Path) -> tuple[dict, list[str]]:
     wrote = [f"wrote {path}"]
     if args.results_dir:
         root = Path(args.run_dir)
-        configs = {p.parent.name: json.loads(p.read_text()) for p in sorted(root.glob("**/config.json"))}
+        configs = {p.parent.name: _portable(json.loads(p.read_text())) for p in sorted(root.glob("**/config.json"))}
         table = path.read_text().split("\n\n")[1]
         device = torch.device("cuda" if any(c.get("device") == "cuda" for c in configs.values()) else "cpu")
         where = portable_path(str(root))  # not this machine's folders (issue 54)
@@ -66,6 +66,17 @@ def _write(args: argparse.Namespace, out: Path) -> tuple[dict, list[str]]:
         comparison = {**comparison, "results_file": str(md), "results_json": str(js)}
         wrote.append(f"wrote {md} and {js.name}{_kept(md, args.name, device.type)}")
     return comparison, wrote
+
+
+def _portable(value):
+    """A run's configuration with every absolute path made portable (``--out``, ``--data``...)."""
+    from ..results import portable_path
+
+    if isinstance(value, dict):
+        return {k: _portable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_portable(v) for v in value]
+    return portable_path(value) if isinstance(value, str) and value.startswith("/") else value
 
 
 def _kept(md: Path, name: str, device: str) -> str:
