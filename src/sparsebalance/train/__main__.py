@@ -43,6 +43,7 @@ def _main(argv: list[str] | None) -> int:
     stops = StopSignals().install()
     locks: list[RunLock | None] = []
     training = False  # past the set-up every rank does alike: a rank's own errors are its own
+    trainers: list = []
 
     def say(message: str) -> None:
         if rank == 0:
@@ -65,7 +66,6 @@ def _main(argv: list[str] | None) -> int:
         ]
         for cfg in cfgs:
             locks.append(_lock_run(Path(cfg.out), rank, say))
-        trainers = []
         for cfg in cfgs:  # the runs stepped in turn share the first one's process group
             trainers.append(Trainer(cfg, trainers[0].rt) if trainers else Trainer(cfg))
             trainers[-1].stops = stops
@@ -74,13 +74,7 @@ def _main(argv: list[str] | None) -> int:
             trainers[0].run()
         else:
             run_interleaved(trainers)
-        trainers[0].rt.close()
-        # A trainer sits in reference cycles (bound methods handed to its parts) that hold the
-        # DDP/FSDP model and, through it, the gloo process group and its last work objects.
-        # Free them now: left to the interpreter's shutdown, gloo's threads can touch Python
-        # objects that are already gone, and a rank that trained to the end aborts (exit 134).
-        del trainers
-        gc.collect()
+        _release(trainers)
     except ValueError as err:
         if rank == 0 or not training or isinstance(err, AgreedError):  # an agreed one: rank 0's
             say(f"error: {err}")
@@ -99,6 +93,7 @@ def _main(argv: list[str] | None) -> int:
         return 1
     except Stopped as err:
         say(str(err))
+        _release(trainers)  # a stopped run's checkpoint is saved: end as cleanly as a finished one
         return err.exit_code
     except Exception:
         if stops.signum is not None:  # a peer stopping broke a collective: not a new error
@@ -109,6 +104,18 @@ def _main(argv: list[str] | None) -> int:
             if lock is not None:
                 lock.release()
     return 0
+
+
+def _release(trainers: list) -> None:
+    """Close the process group and free the trainers now. A trainer sits in reference cycles
+    (bound methods handed to its parts) that hold the DDP/FSDP model and, through it, the gloo
+    process group and its last work objects: left to the interpreter's shutdown, gloo's threads
+    can touch Python objects that are already gone, and a rank aborts ("terminate called without
+    an active exception", exit 134) after its run ended well, or after a stop's checkpoint."""
+    if trainers:
+        trainers[0].rt.close()
+    trainers.clear()
+    gc.collect()
 
 
 def _together() -> None:
