@@ -82,3 +82,19 @@ def test_the_report_of_a_demo_states_the_verdict(tmp_path):
     assert "Machine: 2 cores, cpu, 2 ranks; load (1 min) 0.3 at the start, 2.1 at the end." in text
     (root / MACHINE).unlink()  # not a demo (no machine record): no verdict
     assert "Verdict" not in write_report(root, plots=False)[0].read_text()
+
+
+def test_a_pipeline_demo_suggests_rerunning_with_its_pipeline_flags():
+    """After ``--demo --pp 2 --pp-virtual 2`` the inconclusive verdict's command keeps the
+    pipeline (it suggested the plain demo before)."""
+    from sparsebalance.verdict import machine_start, rerun_command
+
+    assert rerun_command() == RERUN
+    machine = {**QUIET, "rerun": machine_start("cpu", 2, rerun_command(2, 2))["rerun"]}
+    base = np.linspace(2.0, 2.2, 20)
+    head = verdict(_steps(base), _steps(base), machine).lines()[0]
+    assert head.endswith(f"more steps: {RERUN} --pp 2 --pp-virtual 2.")
+    assert (
+        "more steps: sparsebalance train --demo --steps 40 --pp 2."
+        in verdict(_steps(base), _steps(base), {**QUIET, "rerun": rerun_command(2)}).lines()[0]
+    )

@@ -34,9 +34,17 @@ RERUN = "sparsebalance train --demo --steps 40"
 """How to run the demo again for a firmer answer: more step pairs (on a quieter machine)."""
 
 
-def machine_start(device: str, ranks: int) -> dict:
-    """What the machine is and how busy, as a run starts."""
-    return {"cores": os.cpu_count() or 1, "device": device, "ranks": ranks, "load_start": _load(), "start": time.time()}
+def machine_start(device: str, ranks: int, rerun: str = RERUN) -> dict:
+    """What the machine is and how busy, as a run starts; ``rerun``: the command an
+    inconclusive verdict suggests (the demo's own flags, e.g. ``--pp 2``, with more steps)."""
+    start = {"cores": os.cpu_count() or 1, "device": device, "ranks": ranks, "load_start": _load()}
+    return {**start, "start": time.time(), "rerun": rerun}
+
+
+def rerun_command(pp: int = 1, pp_virtual: int = 1) -> str:
+    """The demo with more steps and the pipeline flags it ran with."""
+    flags = (f" --pp {pp}" if pp > 1 else "") + (f" --pp-virtual {pp_virtual}" if pp_virtual > 1 else "")
+    return RERUN + flags
 
 
 def machine_end(machine: dict) -> dict:
@@ -99,7 +107,7 @@ class Verdict:
         else:
             head = (
                 f"Verdict: inconclusive: {said}, but {' and '.join(self.reasons)}. Run it again on a quieter machine "
-                f"(load below {m['cores']}) or with more steps: {RERUN}."
+                f"(load below {m['cores']}) or with more steps: {m.get('rerun', RERUN)}."
             )
         loads = ", ".join(f"{_shown(m.get(k))} at the {k.split('_')[1]}" for k in ("load_start", "load_end"))
         return [head, f"Machine: {m['cores']} cores, {m['device']}, {m['ranks']} ranks; load (1 min) {loads}."]

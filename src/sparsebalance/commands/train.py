@@ -19,7 +19,7 @@ from ..train.demo import DEMO_CPU_RANKS, DEMO_DEFAULTS, demo_configs
 from ..train.launch import RunFailed, add_nproc_argument, default_nproc, launch, on_start, uses_cuda
 from ..train.multinode import Rendezvous
 from ..train.supervise import add_stop_grace_argument, stop_grace
-from ..verdict import machine_end, machine_start, write_machine
+from ..verdict import machine_end, machine_start, rerun_command, write_machine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,7 +72,7 @@ def _launch_all(args: argparse.Namespace, cfg, nproc: int) -> int:
     # each run's line once launch has checked it (a refused run never says it started)
     names = {str(c.out): name for name, c in runs.items()}
     said = contextlib.nullcontext() if args.json else on_start(_say(names, nproc * rdzv.nnodes))
-    machine = machine_start(_device(cfg), nproc)
+    machine = machine_start(_device(cfg), nproc, rerun_command(cfg.pp, cfg.pp_virtual))
     try:
         with said:
             launched = launch(first, nproc, rdzv, together=others)
