@@ -55,12 +55,15 @@ a version-1 config is converted to what it meant (:func:`sparsebalance.train.con
 
 CHECKPOINT = Schema(
     "checkpoint",
-    version=2,
+    version=3,
     fix="if you trust the folder, convert it with `python -m sparsebalance.train.convert RUN_DIR` "
     "(it loads the old pickles, which can run code), else start a new run",
+    readable=(2,),
 )
 """``schema_version`` of a checkpoint's ``meta.json``. 1 (no version): ``state.pt`` held numpy's
-RNG state as a pickled array, loadable only with ``weights_only=False``."""
+RNG state as a pickled array, loadable only with ``weights_only=False``. 2: a pipeline
+checkpoint's whole model in ``model.pt`` and every stage's optimizer state in ``state.pt`` (read
+as before); 3: each stage's own files (:mod:`sparsebalance.train.shards`)."""
 
 PROFILE = Schema(
     "latency profile",

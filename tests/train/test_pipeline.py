@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from sparsebalance.engine.runtime import Runtime
 from sparsebalance.launches import LaunchCounter
 from sparsebalance.train import TrainConfig, Trainer
+from sparsebalance.train.checkpoint import load_weights
 from sparsebalance.tuning import DSTConfig
 from tests.train.harness import base_config, run_ranks, run_trainers
 
@@ -29,7 +30,7 @@ def _cfg(tmp: Path, **over) -> TrainConfig:
 
 
 def _model(run: Path, step: int) -> dict[str, torch.Tensor]:
-    return torch.load(run / "checkpoints" / f"step-{step:06d}" / "model.pt", weights_only=True)
+    return load_weights(run / "checkpoints" / f"step-{step:06d}")  # the stages' files merged
 
 
 def _resumed(cfg: TrainConfig, world: int, run: Path, tmp: Path, step: int, last: int) -> list[dict]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sparsebalance.train import TrainConfig
+from sparsebalance.train.checkpoint import load_weights
 from sparsebalance.tuning import DSTConfig
 from tests.train.harness import base_config, run_ranks
 
@@ -22,7 +23,7 @@ def _cfg(tmp: Path, **over) -> TrainConfig:
 
 
 def _model(run: Path, step: int) -> dict[str, torch.Tensor]:
-    return torch.load(run / "checkpoints" / f"step-{step:06d}" / "model.pt", weights_only=True)
+    return load_weights(run / "checkpoints" / f"step-{step:06d}")  # the stages' files merged
 
 
 @pytest.mark.distributed

@@ -9,11 +9,11 @@ each ``--lengths`` value (``--truncation``), greedy generation, official metrics
 
 ``--model`` (loaded by :func:`sparsebalance.train.weights.load_trained_model`): a built-in config
 (``tiny``, ``qwen2.5-0.5b``, ``qwen2.5-3b``: random weights, for smoke tests), a local Hugging Face
-model directory (``config.json`` + safetensors), a trainer checkpoint directory (``model.pt``; its
-base model from ``meta.json``'s ``model`` or ``--base``), or a trainer run directory (its
-``checkpoints/latest``). A model whose vocabulary is smaller than
-the tokenizer's needs the trainer's id map: ``vocab_map.json`` beside ``model.pt``, in the run
-directory or in the Hugging Face directory, or ``--vocab-map``. ``--attn sparse`` runs the
+model directory (``config.json`` + safetensors), a trainer checkpoint directory (``model.pt``, or a
+pipeline's stage files, merged in this process; its base model from ``meta.json``'s ``model``
+or ``--base``), or a trainer run directory (its ``checkpoints/latest``). A model whose
+vocabulary is smaller than the tokenizer's needs the trainer's id map: ``vocab_map.json`` beside
+``model.pt``, in the run directory or in the Hugging Face directory, or ``--vocab-map``. ``--attn sparse`` runs the
 block-sparse op at one budget: ``--top-k K`` key blocks per query, ``--budget-tokens T`` (``T /
 block size`` blocks: the trainer's unit and default, 8,192 tokens) or ``--gamma G`` (the threshold
 rule); ``--attn dense`` is the same op at gamma 1.0 (exact attention).

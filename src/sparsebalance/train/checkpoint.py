@@ -17,7 +17,7 @@ the newest *intact* one before it, with a line saying so.
 Model and optimizer state are full (unsharded) state dicts keyed by parameter name
 (``torch.distributed.checkpoint.state_dict``), the same for DDP and FSDP2: a run of either
 resumes under the other. Resuming reads the files on rank 0 only (memory-mapped) and broadcasts
-them tensor by tensor (:func:`load_checkpoint`).
+them tensor by tensor (:func:`load_checkpoint`); a pipeline's stages write and read their own.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 
 from ..versions import CHECKPOINT, CONFIG
 from .optimizer_state import load_optimizer_state_dict, optimizer_state_dict
+from .shards import has_weights, merged_weights  # a pipeline's stage files (pipeline_checkpoint.py)
 
 CHECKSUMS = "checksums.json"
 RESUME_FILES = ("model.pt", "state.pt")
@@ -256,13 +257,13 @@ def install(final: Path, write) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_folder(tmp: Path, step: int, model_sd: dict, state: dict, config_version=None) -> None:
-    """A checkpoint's files in ``tmp``: ``model.pt``, ``state.pt`` (``state``: optimizer,
-    scheduler, rng, trainer), ``meta.json`` (with the format and config versions; a converted
-    checkpoint keeps the ``config_version`` it was written under), ``vocab_map.json``,
-    ``checksums.json``; each fsynced. ``meta.json`` also holds the number of ranks that saved
-    it (``world_size``: one RNG state each; None when it holds none), read before a resume."""
-    _write(tmp / "model.pt", lambda p: _save(model_sd, p))
+def write_folder(tmp: Path, step: int, model_sd, state: dict, config_version=None) -> None:
+    """A checkpoint's files in ``tmp``: ``model.pt`` (``model_sd`` a callable: the stage files it
+    puts there, giving their SHA-256 by name), ``state.pt`` (optimizer, scheduler, rng, trainer),
+    ``meta.json`` (format and config versions, a converted checkpoint's ``config_version`` as it
+    was written; ``world_size``: the ranks that saved it, one RNG state each, None when it holds
+    none, read before a resume), ``vocab_map.json``, ``checksums.json``; each fsynced."""
+    hashed = model_sd(tmp) if callable(model_sd) else _write(tmp / "model.pt", lambda p: _save(model_sd, p)) or {}
     _write(tmp / "state.pt", lambda p: _save(state, p))
     trainer_state = state["trainer"]
     config = trainer_state.get("config", {})  # what defines the run: read by --resume
@@ -279,7 +280,7 @@ def write_folder(tmp: Path, step: int, model_sd: dict, state: dict, config_versi
     if trainer_state.get("vocab_map") is not None:  # tokenizer id -> model id (compact vocab)
         vocab = json.dumps(trainer_state["vocab_map"]) + "\n"
         _write(tmp / "vocab_map.json", lambda p: p.write_text(vocab))
-    sums = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
+    sums = {p.name: hashed.get(p.name) or sha256(p) for p in sorted(tmp.iterdir())}
     _write(tmp / CHECKSUMS, lambda p: p.write_text(json.dumps(sums, indent=1) + "\n"))
 
 
@@ -335,7 +336,7 @@ def verify_checkpoint(path: Path, needs: tuple[str, ...] = RESUME_FILES, hashed:
     ``checksums.json`` and a readable ``meta.json``; one read only for its weights
     (``model.pt``, weights-only in every version) is verified against it when it has one.
     ``hashed=False``: every check but the files' SHA-256 (the launcher's cheap look)."""
-    missing = [n for n in needs if not (path / n).is_file()]
+    missing = [n for n in needs if not (path / n).is_file() and not (n == "model.pt" and has_weights(path))]
     if missing:
         raise ValueError(f"checkpoint {path / missing[0]}: missing")
     sums_path = path / CHECKSUMS
@@ -353,8 +354,8 @@ def verify_checkpoint(path: Path, needs: tuple[str, ...] = RESUME_FILES, hashed:
             CHECKPOINT.check(version, f"checkpoint {path}")
         except ValueError as err:
             raise CheckpointFormatError(str(err)) from None
-    if sums is None and ("state.pt" in needs or checkpoint_version(path) == CHECKPOINT.version):
-        # every checkpoint of this format is written with its checksums: none is damage
+    if sums is None and ("state.pt" in needs or checkpoint_version(path) != 1):
+        # every checkpoint since format 2 is written with its checksums: none is damage
         raise ValueError(f"checkpoint {sums_path}: missing (the files cannot be verified)")
     if sums is not None and not isinstance(sums, dict):
         raise ValueError(f"checkpoint {sums_path}: unreadable checksum list")
@@ -428,18 +429,17 @@ def latest_checkpoint(run_dir: Path, needs: str = "state.pt") -> Path | None:
 
 
 def resolve_checkpoint(path: Path) -> Path | None:
-    """The checkpoint folder (with ``model.pt``) that ``path`` names: ``path`` itself, or the
-    latest checkpoint of the run folder ``path``; None if it names neither."""
-    path = Path(path)
-    return path if (path / "model.pt").is_file() else latest_checkpoint(path, needs="model.pt")
+    """The checkpoint folder (with ``model.pt`` or a pipeline's stage files) that ``path`` names:
+    ``path`` itself, or the latest checkpoint of the run folder ``path``; None if it names neither."""
+    return Path(path) if has_weights(path) else latest_checkpoint(path, needs="model.pt")
 
 
 def load_weights(path: Path, device: torch.device | str = "cpu") -> dict:
-    """The model state dict (``model.pt``) of checkpoint ``path``, verified against its
-    checksums first (every command that reads weights: ``eval``, conversion); ``ValueError``
-    naming the file when it is missing, damaged or unreadable (a truncated file included)."""
+    """The model state dict (``model.pt``, or a pipeline's stage files merged in this process) of
+    checkpoint ``path``, verified against its checksums first (``eval``, a model from it);
+    ``ValueError`` naming the file when it is missing, damaged or unreadable (truncated too)."""
     verify_checkpoint(Path(path), ("model.pt",))
-    return _load(Path(path) / "model.pt", device)
+    return merged_weights(Path(path), lambda f: _load(f, device))
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, fsdp: bool = False, runtime=None):

@@ -90,7 +90,7 @@ def convert_checkpoint(path: Path) -> bool:
     """Rewrite checkpoint ``path`` in the current format; False if it already is. Loads its old
     ``state.pt`` with ``weights_only=False``: only for checkpoints you trust."""
     version = checkpoint_version(path)
-    if version == CHECKPOINT.version:
+    if version == CHECKPOINT.version or version in CHECKPOINT.readable:  # read as it is
         return False
     if version != 1:
         CHECKPOINT.check(version, f"checkpoint {path}")

@@ -1,24 +1,38 @@
-"""Checkpoints of a pipeline run (``--pp P``): the same folder, files and guarantees as
-:mod:`.checkpoint` (atomic, checksummed, a full disk one line), written by rank 0.
+"""Checkpoints of a pipeline run (``--pp P``): the same folder, shared files and guarantees as
+:mod:`.checkpoint` (atomic, checksummed, a full disk one line, the newest ``keep_last`` kept),
+each stage's tensors written and read by that stage's ranks only (:mod:`.shards`).
 
-- ``model.pt``: the whole model's state dict, the stages' parameters assembled under the model's
-  own names, so ``sparsebalance export``/``eval`` read a pipeline checkpoint as any other.
-- ``state.pt``'s ``optimizer``: one optimizer state per stage, in stage order, keyed by parameter
-  names (a stage's optimizer steps only its parameters; every data-parallel pipeline holds the
-  same states, so the first pipeline's are saved; ``--parallel fsdp2`` stages gather their shards
-  first, so ``ddp`` and ``fsdp2`` write the same files), and ``pipeline``: ``{"stages": P,
-  "layers": [layers per stage]}``.
+- ``model-stage-0000s.pt``: stage ``s``'s parameters under the whole model's names (a tied
+  embedding in both stages that use it), and ``optim-stage-0000s.pt``: its optimizer state keyed
+  by parameter names. Written by stage ``s`` of the first pipeline (every data-parallel pipeline
+  holds the same; ``--parallel fsdp2`` stages gather their shards to it first, so ``ddp`` and
+  ``fsdp2`` write the same files). ``sparsebalance eval`` merges the stages' model files in one
+  process (:func:`.checkpoint.load_weights`).
+- ``state.pt`` (rank 0): scheduler, every rank's RNG state, the trainer's state, and
+  ``pipeline``: ``{"stages": P, "layers": [layers per virtual stage]}``; ``meta.json`` and
+  ``checksums.json`` (every file's SHA-256, each stage file's hashed by its writer).
+
+Saving: the writers put their files in a staging folder rank 0 made; rank 0 moves them into the
+checkpoint's temporary folder beside its own files and commits it as
+:func:`.checkpoint.commit_checkpoint` does (a writer's failure, a full disk included, is the same
+one line on every rank). The folder must be one every rank sees (a shared file system on several
+nodes).
 
 Resuming needs the same ``--pp`` (refused before launch otherwise: the optimizer states are
-per stage); rank 0 reads the files and sends every rank its own stage's tensors only. The
-objects travel point to point over ``group`` (on CUDA a gloo group: NCCL would stage every pickle
-in device memory). Rank 0 holds the whole model and its optimizer states while saving and loading
-(a host-memory limit for models much larger than one stage: docs/pipeline.md); every other rank
-holds its stage's.
+per stage). Rank 0 reads ``state.pt`` and sends every rank the small state; each rank reads its
+own stage's two files, after checking their SHA-256 against ``checksums.json``, so no rank holds
+another stage's tensors. A checkpoint of format 2 (``model.pt`` holding the whole model,
+``state.pt`` every stage's optimizer state) still resumes: rank 0 reads it and sends every rank
+its own stage's part. The objects travel over ``group`` (on CUDA a gloo group: NCCL would stage
+every pickle in device memory).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import secrets
+import shutil
 from pathlib import Path
 
 import torch
@@ -29,8 +43,9 @@ from torch.distributed.tensor import DTensor
 from ..batching.schedule import stage_layers
 from ..engine.runtime import Runtime
 from ..engine.stage import StageModel
-from .checkpoint import KEEP_LAST, _load, commit_checkpoint, plain
+from .checkpoint import CHECKSUMS, KEEP_LAST, _load, _save, _write, commit_checkpoint, plain, sha256
 from .optimizer_state import load_optimizer_state_dict, optimizer_state_dict
+from .shards import MODEL_SHARD, OPTIM_SHARD
 
 
 def save_pipeline_checkpoint(
@@ -47,38 +62,156 @@ def save_pipeline_checkpoint(
     keep_last: int = KEEP_LAST,
     group=None,
 ) -> Path | None:
-    """Collective: every stage of the first pipeline sends rank 0 its parameters and optimizer
-    state (``group``: for these objects; None: the default group); rank 0 writes them (``model``:
-    unused, the stage holds it; the signature is :func:`.checkpoint.save_checkpoint`'s)."""
+    """Collective: every stage of the first pipeline writes its own files, rank 0 the shared
+    ones, and rank 0 commits the folder (``group``: for the small objects; None: the default
+    group; ``model``: unused, the stage holds it; the signature is
+    :func:`.checkpoint.save_checkpoint`'s). Returns the checkpoint folder on rank 0."""
     layout = stage.layout
-    mine = None
+    files = None
     if layout.dp == 0 or stage.sharded:  # FSDP2: every peer takes part in the gathers
-        mine = (stage.state_dict_owned(), _optimizer_state(stage, optimizer))
-    if layout.dp == 0 and layout.stage > 0:
-        dist.send_object_list([mine], dst=0, group=group)
-    model_sd, state = {}, None
+        files = {
+            MODEL_SHARD.format(layout.stage): stage.state_dict_owned(),
+            OPTIM_SHARD.format(layout.stage): _optimizer_state(stage, optimizer),
+        }
+    staging, failed = _staging(Path(run_dir) / "checkpoints", step, is_main, group)
+    report = _write_stage(staging, files) if layout.dp == 0 and staging is not None else None
+    files = None  # this stage's tensors go before rank 0 writes
+    reports = [report]
+    if not _alone(group):
+        reports = [None] * dist.get_world_size(group) if is_main else None
+        dist.gather_object(report, reports, dst=0, group=group)
+    state = None
     if is_main:
-        stages = [mine]
-        for s in range(1, layout.stages):
-            box = [None]
-            dist.recv_object_list(box, src=layout.rank(0, s), group=group)
-            stages.append(box[0])
-        for sd, _ in stages:
-            model_sd.update(sd)  # a tied embedding is in two stages: the same values
         state = {
-            "optimizer": [opt for _, opt in stages],
             "pipeline": {"stages": layout.stages, "layers": list(stage.split)},
             "scheduler": plain(scheduler.state_dict()),
             "rng": plain(rng_states),
             "trainer": plain(trainer_state),
         }
-    return commit_checkpoint(Path(run_dir), step, model_sd, state, is_main, keep_last)
+        writers = [reports[layout.rank(0, s)] for s in range(layout.stages)]
+
+    def stage_files(tmp: Path) -> dict[str, str]:
+        """Rank 0, inside the checkpoint's temporary folder: the stages' files moved in."""
+        if failed is not None:
+            raise failed
+        hashes = {}
+        for s, written in enumerate(writers):
+            if isinstance(written, tuple):  # (errno or None, what failed)
+                number, what = written
+                if number is None:
+                    raise ValueError(f"checkpoint step-{step:06d}: stage {s} could not write its files ({what})")
+                raise OSError(number, f"stage {s}: {what}")
+            for name, digest in written.items():
+                os.replace(staging / name, tmp / name)
+                hashes[name] = digest
+        return hashes
+
+    try:
+        return commit_checkpoint(Path(run_dir), step, stage_files if is_main else None, state, is_main, keep_last)
+    finally:
+        if is_main and staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _staging(root: Path, step: int, is_main: bool, group) -> tuple[Path | None, OSError | None]:
+    """The folder the stages write their files in, made by rank 0 and named to every rank (its
+    name a temporary one that :func:`.checkpoint.clean_temporaries` removes), or None and on rank
+    0 the ``OSError`` that kept it from being made."""
+    box, failed = [None], None
+    if is_main:
+        path = root / f".step-{step:06d}.tmp-stages-{secrets.token_hex(4)}"
+        try:
+            path.mkdir(parents=True)
+            box = [str(path)]
+        except OSError as err:
+            failed = err
+    if not _alone(group):
+        dist.broadcast_object_list(box, src=0, group=group)
+    return (None if box[0] is None else Path(box[0])), failed
+
+
+def _alone(group) -> bool:
+    """Whether this process is the whole pipeline (one stage, maybe with no process group)."""
+    return not dist.is_initialized() or dist.get_world_size(group) == 1
+
+
+def _write_stage(folder: Path, files: dict) -> dict[str, str] | tuple[int | None, str]:
+    """Write and fsync this stage's ``files`` (name: object) in ``folder``: their SHA-256 by
+    name, or ``(errno, message)`` of an ``OSError`` (None and the error's text for another)."""
+    try:
+        for name, obj in files.items():
+            _write(folder / name, lambda p, obj=obj: _save(obj, p))
+        return {name: sha256(folder / name) for name in files}
+    except OSError as err:
+        return err.errno, str(err.strerror or err)
+    except Exception as err:  # whatever torch.save raises: rank 0 reports it in one line
+        return None, f"{type(err).__name__}: {err}"
 
 
 def load_pipeline_checkpoint(path: Path, stage: StageModel, optimizer, scheduler, rt: Runtime, group=None) -> dict:
     """Restore this rank's stage, its optimizer and the scheduler from checkpoint ``path``
-    (verified on rank 0), rank 0 sending every rank its stage's part over ``group``; the saved
-    ``state`` without the optimizers'."""
+    (verified by rank 0 when it was chosen), each rank reading its own stage's files; the saved
+    ``state`` without the optimizers'. A checkpoint with ``model.pt`` (format 2) is read by rank
+    0, which sends each rank its stage's part."""
+    path = Path(path)
+    box = [(False, None, None)]  # (format 2, the state without optimizers, rank 0's refusal)
+    if rt.is_main:
+        if (path / "model.pt").is_file():
+            box = [(True, None, None)]
+        else:
+            try:
+                state = _load(path / "state.pt")
+                box = [(False, state, _refusal(path, state, stage))]
+            except ValueError as err:
+                box = [(False, None, str(err))]
+    if not _alone(group):
+        dist.broadcast_object_list(box, src=0, group=group)
+    whole, state, error = box[0]
+    if whole:
+        return _load_whole(path, stage, optimizer, scheduler, rt, group)
+    if error is not None:
+        raise ValueError(error)  # rank 0's refusal, said by every rank
+    try:
+        model_sd = _read_own(path, MODEL_SHARD.format(stage.layout.stage))
+        optim_sd = _read_own(path, OPTIM_SHARD.format(stage.layout.stage))
+        missing = [n for n in stage.names if n not in model_sd]
+        if missing:
+            error = (
+                f"--resume: {path} lacks {len(missing)} parameters of stage {stage.layout.stage} ({missing[0]}, ...)"
+            )
+    except ValueError as err:
+        error = str(err)
+    errors = [error]
+    if not _alone(group):
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+    error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise ValueError(error)  # the first failing rank's line, said by every rank
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(stage, {f"model.{n}": model_sd[n] for n in stage.names}, options=options)
+    load_optimizer_state_dict(stage, optimizer, optim_sd, options, unstepped=not optim_sd["state"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state
+
+
+def _read_own(path: Path, name: str):
+    """One of this stage's files, after checking its SHA-256 against ``checksums.json``."""
+    try:
+        sums = json.loads((path / CHECKSUMS).read_text())
+    except (OSError, ValueError):
+        raise ValueError(f"checkpoint {path / CHECKSUMS}: unreadable checksum list") from None
+    f = path / name
+    if not isinstance(sums, dict) or name not in sums or not f.is_file():
+        raise ValueError(f"checkpoint {f}: missing")
+    if sha256(f) != sums[name]:
+        raise ValueError(f"checkpoint {f}: corrupt (SHA-256 differs from the one saved)")
+    return _load(f)
+
+
+def _load_whole(path: Path, stage: StageModel, optimizer, scheduler, rt: Runtime, group=None) -> dict:
+    """:func:`load_pipeline_checkpoint` of a format-2 checkpoint (``model.pt``): rank 0 reads it and
+    sends every rank its stage's part over ``group``."""
     layout = stage.layout
     names = [None] * rt.world_size if rt.is_main else None  # each rank's parameters, by name
     dist.gather_object(stage.names, names, dst=0, group=group)
@@ -140,33 +273,32 @@ def _on_cpu(obj):
 
 
 def _read(path: Path, stage: StageModel) -> tuple[dict | None, dict | None, str | None]:
-    """Rank 0: the checkpoint's model and state, or the line refusing it for this pipeline."""
-    layout = stage.layout
+    """Rank 0, a format-2 checkpoint: its model and state, or the line refusing it for this
+    pipeline."""
     model_sd = _load(path / "model.pt")
     state = _load(path / "state.pt")
+    error = _refusal(path, state, stage)
+    return (None, None, error) if error is not None else (model_sd, state, None)
+
+
+def _refusal(path: Path, state: dict, stage: StageModel) -> str | None:
+    """The line refusing checkpoint ``path`` (its ``state``, whose ``pipeline`` is taken out) for
+    this pipeline, or None."""
     pipeline = state.pop("pipeline", {})
     saved = pipeline.get("stages", 1)
-    if saved != layout.stages:
-        return None, None, f"--resume: {path} was saved with --pp {saved}; resume it with --pp {saved}"
+    if saved != stage.layout.stages:
+        return f"--resume: {path} was saved with --pp {saved}; resume it with --pp {saved}"
     # checkpoints from before the balanced split record no layers: theirs was the even split
     layers = tuple(pipeline.get("layers", stage_layers(sum(stage.split), saved).tolist()))
     if layers != stage.split:
         return (
-            None,
-            None,
-            (
-                f"--resume: {path} split the layers {list(layers)} over its stages, this version splits them "
-                f"{list(stage.split)} (its optimizer states are per stage): resume it with the version that "
-                "wrote it, or start afresh"
-            ),
+            f"--resume: {path} split the layers {list(layers)} over its stages, this version splits them "
+            f"{list(stage.split)} (its optimizer states are per stage): resume it with the version that "
+            "wrote it, or start afresh"
         )
     if any(isinstance(k, int) for opt in state.get("optimizer", ()) for k in opt["state"]):
         return (
-            None,
-            None,
-            (
-                f"--resume: {path} is a pipeline checkpoint of an earlier development build (its optimizer "
-                "states are by index, not by name): start afresh, or `sparsebalance export` its weights"
-            ),
+            f"--resume: {path} is a pipeline checkpoint of an earlier development build (its optimizer "
+            "states are by index, not by name): start afresh, or `sparsebalance eval` its weights"
         )
-    return model_sd, state, None
+    return None

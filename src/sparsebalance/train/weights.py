@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import find_checkpoint, load_weights
+from .shards import has_weights
 
 
 def load_trained_model(
@@ -24,9 +25,9 @@ def load_trained_model(
 
     Args:
         model: ``--model``: a built-in name or Hugging Face directory (see
-            :func:`sparsebalance.models.hf.build_model`), a checkpoint folder (``model.pt``; its
-            base model from ``meta.json``'s ``model`` or ``base``) or a run folder (its
-            ``checkpoints/latest``).
+            :func:`sparsebalance.models.hf.build_model`), a checkpoint folder (``model.pt`` or a
+            pipeline's stage files, merged here; its base model from ``meta.json``'s ``model`` or
+            ``base``) or a run folder (its ``checkpoints/latest``).
         base: ``--base``: the base model of a checkpoint whose ``meta.json`` does not name it.
         vocab_map: ``--vocab-map``: a JSON ``{tokenizer id: model id}`` file; default: the
             checkpoint's ``vocab_map.json``, else the run folder's; for a Hugging Face folder
@@ -43,7 +44,7 @@ def load_trained_model(
         try:
             return _from_checkpoint(ckpt, device, dtype, base, vocab_map)
         except (ValueError, OSError) as err:
-            if not (ckpt / "model.pt").is_file():
+            if not has_weights(ckpt):
                 raise ValueError(
                     f"--model {ckpt}: the checkpoint was removed while it was read (pruned by a "
                     "run still training?): retry, or give the run folder to read its newest one"
@@ -113,7 +114,7 @@ def find_weights(path: Path) -> Path | None:
     folder, with a line on stderr for each damaged one skipped), or None when ``path`` holds no
     checkpoint (a Hugging Face folder). A run folder whose checkpoints are all damaged is
     refused in one line."""
-    if (path / "model.pt").is_file():
+    if has_weights(path):  # model.pt, or a pipeline's stage files
         return path
     ckpt, notes = find_checkpoint(path, ("model.pt",))
     if ckpt is None and notes:
