@@ -265,6 +265,19 @@ def allreduce_gradients(
             bucket, size = [], 0
 
 
+def _buckets(params: list[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:
+    """``params`` in order, cut after each run reaching ``limit`` bytes (the last run may be
+    smaller)."""
+    out, current, size = [], [], 0
+    for p in params:
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= limit:
+            out.append(current)
+            current, size = [], 0
+    return [*out, current] if current else out
+
+
 class OverlappedAllReduce:
     """A pipeline stage's gradients averaged over its data-parallel peers while the stage's last
     backward still runs (what DDP's reducer does; a stage runs outside DDP, whose forward would
@@ -290,26 +303,10 @@ class OverlappedAllReduce:
 
     def __init__(self, params, group, world_size: int, bucket_bytes: int = 25 << 20, tail_bytes: int = 1 << 20) -> None:
         self.group, self.world_size = group, world_size
-        self.buckets: list[list[nn.Parameter]] = []
-        current, size = [], 0
-        for p in reversed([p for p in params if p.requires_grad]):
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
-                self.buckets.append(current)
-                current, size = [], 0
-        if current:
-            self.buckets.append(current)
+        trainable = [p for p in params if p.requires_grad]
+        self.buckets: list[list[nn.Parameter]] = _buckets(trainable[::-1], bucket_bytes)
         if self.buckets:  # the last one, in pieces
-            tail, current, size = self.buckets.pop(), [], 0
-            for p in tail:
-                current.append(p)
-                size += p.numel() * p.element_size()
-                if size >= tail_bytes:
-                    self.buckets.append(current)
-                    current, size = [], 0
-            if current:
-                self.buckets.append(current)
+            self.buckets += _buckets(self.buckets.pop(), tail_bytes)
         self._bucket = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._armed = False
         self._pending: list[int] = []
