@@ -51,4 +51,7 @@ def main(out: str, steps: int = 2) -> list[float]:
 
 
 if __name__ == "__main__":
-    print("losses", main(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()))
+    losses = main(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp())
+    if os.environ.get("RANK", "0") == "0":  # once per run, not per rank
+        print("losses", losses)
+    sparsebalance.shutdown()  # frees the trainer, then the process group: a clean exit on every rank

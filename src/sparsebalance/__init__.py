@@ -6,16 +6,20 @@ The data flow (one module per stage) is described in the README; the attention o
 
 __version__ = "0.1.0"
 
-__all__ = ["attach", "hf"]
+__all__ = ["attach", "hf", "shutdown"]
 
 
 def __getattr__(name: str):
-    """``sparsebalance.attach`` and ``sparsebalance.hf`` load on first use (they import
-    transformers; ``import sparsebalance`` alone stays light)."""
+    """``sparsebalance.attach``, ``sparsebalance.hf`` and ``sparsebalance.shutdown`` load on
+    first use (they import transformers or torch; ``import sparsebalance`` alone stays light)."""
     if name == "attach":
         from .integrations.attach import attach
 
         return attach
+    if name == "shutdown":
+        from .integrations.shutdown import shutdown
+
+        return shutdown
     if name == "hf":
         import importlib
 
