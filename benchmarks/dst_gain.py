@@ -9,10 +9,12 @@ Per mix and seed, two trainers of the tiny model (8 emulated ranks in one proces
 of 512 tokens, capacity 4,096, block 64) are built on the same data and seed, so they draw the
 same global batches; step i runs one, then the other (the first of the pair alternates). The
 slowest rank's compute time of each step (what a synchronised step waits for) gives one paired
-ratio SAB / SAB+DST; the first step is a warm-up and left out. Per mix: the geometric mean of
-the ratios over seeds and steps, with a 95 % interval from resampling the step pairs (within
-each seed, a fixed resampling seed: the file is reproducible from its numbers), the balance
-efficiency (mean / max rank compute) of each and the mean density.
+ratio SAB / SAB+DST; the first step is a warm-up and left out. Per mix: the median of the ratios
+over seeds and steps (a load burst that doubles one rank's step once does not move it) and their
+geometric mean (it does), each with a 95 % interval from resampling the step pairs (within each
+seed, a fixed resampling seed: the file is reproducible from its numbers), the balance efficiency
+(mean / max rank compute, median over steps) of each, the mean density, and per rank and step the
+measured and predicted seconds (the JSON's ``per_rank``).
 
 ``--profile-scale`` and ``--attention-skew`` run with a latency profile that is off on purpose:
 every time scaled, or the attention part alone (2 = the profile thinks attention costs twice
@@ -94,6 +96,7 @@ def stdlib_corpus(tmp: Path) -> str:
 def profile_for(args, tmp: Path) -> str | None:
     """The profile path the runs use: ``--profile`` (or the machine's default, found by a first
     trainer) scaled as asked; None: the default, untouched."""
+    args.truth = None
     if args.profile_scale == 1.0 and args.attention_skew == 1.0:
         return args.profile
     path = args.profile
@@ -101,6 +104,7 @@ def profile_for(args, tmp: Path) -> str | None:
         probe = Trainer(config(args, "tasks", 0, None, "off", tmp / "probe"), Runtime(0, 1, torch.device("cpu")))
         path = tmp / "default-profile.json"
         probe.latency.profile.save(path)
+    args.truth = str(path)
     profile = copy.deepcopy(load_profile(path))
     s = args.profile_scale
     profile.scales = [profile.scales[0] * s * args.attention_skew, profile.scales[1] * s, profile.scales[2] * s]
@@ -131,16 +135,17 @@ def config(args, mix: str, seed: int, data: str | None, mode: str, out: Path, pr
     )
 
 
-def step_numbers(result, latency) -> dict:
+def step_numbers(result, latency, truth=None) -> dict:
     """What a step's records say (read from the per-rank records only, which every version of
     the trainer since issue 40 has: the benchmark also measures older commits), and the slowest
     rank as its layers ran, priced by ``latency`` (the profile as measured, not recalibrated: one
     clock for both runs; each micro-batch at its realised per-layer densities: the coverage bound
-    may stop cuts the step-level decision planned)."""
+    may stop cuts the step-level decision planned). Per rank (``ranks``): its DST role, measured
+    compute, layer controllers' seconds, predictions, and its realised budgets priced by ``latency``
+    and by ``truth`` (the profile before ``--profile-scale`` / ``--attention-skew``; None: the
+    same)."""
     recs = result.records
-    realised = [
-        sum(latency.predict(list(mb.lengths), np.asarray(mb.layer_densities)) for mb in r.microbatches) for r in recs
-    ]
+    realised = priced(recs, latency)
     compute = np.array([r.compute_s for r in recs])
     weights = np.array([sum(n**2 for mb in r.microbatches for n in mb.lengths) for r in recs], dtype=float)
     density = float(np.sum([r.density for r in recs] * weights) / weights.sum())
@@ -154,7 +159,28 @@ def step_numbers(result, latency) -> dict:
         "predicted_max_s": float(after.max()),
         "predicted_balance": float(after.mean() / after.max()),
         "realised_max_s": float(max(realised)),
+        "layer_dst_share": float(recs[int(compute.argmax())].dst_layer_s / compute.max()),
+        "ranks": [
+            {
+                "role": r.dst_role,
+                "compute_s": r.compute_s,
+                "dst_layer_s": r.dst_layer_s,
+                "coverage_limited": r.coverage_limited,
+                "predicted_before_s": r.predicted_before_s,
+                "predicted_s": r.predicted_s,
+                "realised_s": float(x),
+                "truth_s": float(y),
+            }
+            for r, x, y in zip(recs, realised, realised if truth is None else priced(recs, truth), strict=True)
+        ],
     }
+
+
+def priced(recs, latency) -> list[float]:
+    """Each rank's micro-batches at their realised per-layer densities, priced by ``latency``."""
+    return [
+        sum(latency.predict(list(mb.lengths), np.asarray(mb.layer_densities)) for mb in r.microbatches) for r in recs
+    ]
 
 
 def run_pair(args, mix: str, seed: int, tmp: Path, profile: str | None) -> dict[str, list[dict]]:
@@ -166,10 +192,11 @@ def run_pair(args, mix: str, seed: int, tmp: Path, profile: str | None) -> dict[
         runs[name] = Trainer(cfg, Runtime(0, 1, torch.device("cpu")))
     steps: dict[str, list[dict]] = {name: [] for name in runs}
     clock = LatencyModel(runs["sab"].latency.profile)  # the profile as measured: one clock for both
+    truth = None if args.truth is None else LatencyModel(load_profile(args.truth))
     order = list(runs)
     for i in range(args.steps):
         for name in order if i % 2 == 0 else order[::-1]:  # who goes first alternates
-            steps[name].append(step_numbers(runs[name].run_step(), clock))
+            steps[name].append(step_numbers(runs[name].run_step(), clock, truth))
         print(
             f"  {mix} seed {seed} step {i + 1}: SAB {steps['sab'][-1]['max_s']:.3f} s, "
             f"SAB+DST {steps['sab+dst'][-1]['max_s']:.3f} s",
@@ -178,43 +205,67 @@ def run_pair(args, mix: str, seed: int, tmp: Path, profile: str | None) -> dict[
     return steps
 
 
-def interval(ratios_by_seed: list[np.ndarray], draws: int = 4000) -> tuple[float, float, float]:
-    """Geometric mean of the paired ratios and its 95 % interval (step pairs resampled within
+def interval(ratios_by_seed: list[np.ndarray], stat=np.mean, draws: int = 4000) -> tuple[float, float, float]:
+    """``stat`` of the log paired ratios (``np.mean``: the geometric mean; ``np.median``: the
+    median, which one load burst cannot move) and its 95 % interval (step pairs resampled within
     each seed; a fixed resampling seed)."""
     logs = [np.log(r) for r in ratios_by_seed]
-    point = float(np.exp(np.mean(np.concatenate(logs))))
+    point = float(np.exp(stat(np.concatenate(logs))))
     rng = np.random.default_rng(12345)
-    means = np.empty(draws)
+    stats = np.empty(draws)
     for d in range(draws):
-        means[d] = np.mean(np.concatenate([x[rng.integers(0, x.size, x.size)] for x in logs]))
-    lo, hi = np.exp(np.quantile(means, [0.025, 0.975]))
+        stats[d] = stat(np.concatenate([x[rng.integers(0, x.size, x.size)] for x in logs]))
+    lo, hi = np.exp(np.quantile(stats, [0.025, 0.975]))
     return point, float(lo), float(hi)
 
 
+BURST = 1.5
+"""A rank's step is a load burst when its measured / predicted time is more than this times the
+step's median over ranks (a rank measured 2.2x its prediction while its peers were at 0.9-1.1x:
+seed 0 of 2026-12-02-dst-gain-attention-x2-ranks)."""
+
+
+def bursts(step: dict) -> int:
+    """Ranks of a step measured ``BURST`` times slower than their peers, relative to the model."""
+    residual = np.array([r["compute_s"] / r["realised_s"] for r in step["ranks"]])
+    return int(np.sum(residual > BURST * np.median(residual)))
+
+
 def summarize(per_seed: dict[int, dict[str, list[dict]]]) -> dict:
-    """A mix's row: DST on SAB with its interval, each run's balance and density, and the
-    latency model's own prediction of DST's gain (the DST run's predicted max before / after)."""
-    ratios, out = [], {}
-    for steps in per_seed.values():
-        sab, dst = steps["sab"][1:], steps["sab+dst"][1:]
-        ratios.append(np.array([a["max_s"] / b["max_s"] for a, b in zip(sab, dst, strict=True)]))
+    """A mix's row: DST on SAB (median and geometric mean of the paired ratios, each with its
+    interval), each run's median balance and mean density, the latency model's own prediction of
+    DST's gain (the DST run's predicted max before / after), the realised budgets priced by the
+    run's profile and by the true one, and the load bursts seen."""
+    pairs = [(a, b) for steps in per_seed.values() for a, b in zip(steps["sab"][1:], steps["sab+dst"][1:], strict=True)]
+    ratios = [
+        np.array([a["max_s"] / b["max_s"] for a, b in zip(steps["sab"][1:], steps["sab+dst"][1:], strict=True)])
+        for steps in per_seed.values()
+    ]
     point, lo, hi = interval(ratios)
+    median, mlo, mhi = interval(ratios, np.median)
+    out = {}
     for name in ("sab", "sab+dst"):
         body = [s for steps in per_seed.values() for s in steps[name][1:]]
-        out[name] = {k: float(np.mean([s[k] for s in body])) for k in body[0]}
-    predicted = out["sab+dst"]["predicted_max_before_s"] / out["sab+dst"]["predicted_max_s"]
-    realised = [
-        a["realised_max_s"] / b["realised_max_s"]
-        for steps in per_seed.values()
-        for a, b in zip(steps["sab"][1:], steps["sab+dst"][1:], strict=True)
-    ]
+        out[name] = {k: float(np.mean([s[k] for s in body])) for k in body[0] if k != "ranks"}
+        out[name]["balance"] = float(np.median([s["balance"] for s in body]))
+        out[name]["bursts"] = sum(bursts(s) for s in body)
+
+    def geo(key: str, of=max) -> float:
+        return float(np.exp(np.mean([np.log(of(a, key) / of(b, key)) for a, b in pairs])))
+
     return {
-        "dst_on_sab": point,
-        "interval": [lo, hi],
-        "pairs": int(sum(r.size for r in ratios)),
-        "predicted_dst_on_sab": predicted,
-        "realised_dst_on_sab": float(np.exp(np.mean(np.log(realised)))),
+        "dst_on_sab": median,
+        "interval": [mlo, mhi],
+        "geometric_mean": point,
+        "geometric_interval": [lo, hi],
+        "pairs": len(pairs),
+        "predicted_dst_on_sab": out["sab+dst"]["predicted_max_before_s"] / out["sab+dst"]["predicted_max_s"],
+        "realised_dst_on_sab": geo("realised_max_s", lambda s, k: s[k]),
+        "truth_dst_on_sab": geo("truth_s", lambda s, k: max(r[k] for r in s["ranks"])),
         **out,
+        "per_rank": {
+            str(seed): {name: [s["ranks"] for s in steps[name]] for name in steps} for seed, steps in per_seed.items()
+        },
     }
 
 
@@ -238,25 +289,37 @@ def load_line() -> str:
 def table(rows: dict[str, dict]) -> str:
     headers = [
         "mix",
-        "DST on SAB (95 % interval)",
+        "DST on SAB, median (95 % interval)",
+        "geometric mean (95 % interval)",
         "predicted",
         "as the layers ran",
+        "by the true profile",
         "balance SAB",
         "balance SAB+DST",
         "density SAB",
         "density SAB+DST",
+        "layer DST share",
+        "load bursts",
         "pairs",
     ]
+
+    def ci(point: float, iv: list[float]) -> str:
+        return f"{point:.3f}x ({iv[0]:.3f}-{iv[1]:.3f})"
+
     body = [
         [
             mix,
-            f"{r['dst_on_sab']:.3f}x ({r['interval'][0]:.3f}-{r['interval'][1]:.3f})",
+            ci(r["dst_on_sab"], r["interval"]),
+            ci(r["geometric_mean"], r["geometric_interval"]),
             f"{r['predicted_dst_on_sab']:.3f}x",
             f"{r['realised_dst_on_sab']:.3f}x",
+            f"{r['truth_dst_on_sab']:.3f}x",
             f"{r['sab']['balance']:.3f}",
             f"{r['sab+dst']['balance']:.3f}",
             f"{r['sab']['density']:.3f}",
             f"{r['sab+dst']['density']:.3f}",
+            f"{r['sab+dst']['layer_dst_share']:.3f}",
+            f"{r['sab']['bursts']} / {r['sab+dst']['bursts']}",
             r["pairs"],
         ]
         for mix, r in rows.items()
@@ -304,10 +367,14 @@ def main() -> int:
         f"profile scale {args.profile_scale:g}, attention skew {args.attention_skew:g}. Mixes: "
         + "; ".join(f"{m}: {MIXES[m]}" for m in mixes)
         + f". Load at start: {start_load}; at end: {load_line()}; {time.perf_counter() - t0:.0f} s in all. "
-        "DST on SAB = geometric mean over step pairs of SAB's slowest-rank compute / SAB+DST's; "
-        "predicted = the latency model's step-level decision (the DST run's predicted slowest rank before / after "
-        "DST); as the layers ran = the same model pricing each run's realised per-layer budgets (the coverage "
-        "bound stops cuts the step level cannot foresee), SAB's slowest rank over SAB+DST's, per step pair."
+        "DST on SAB = the median over step pairs of SAB's slowest-rank compute / SAB+DST's (one load burst "
+        "cannot move it), and their geometric mean (it can); predicted = the latency model's step-level "
+        "decision (the DST run's predicted slowest rank before / after DST); as the layers ran = the run's "
+        "profile pricing each run's realised per-layer budgets (the coverage bound stops cuts the step level "
+        "cannot foresee), SAB's slowest rank over SAB+DST's, geometric mean over pairs; by the true profile = "
+        "the same with the profile before --profile-scale / --attention-skew; balance = median over steps of "
+        f"mean / max rank compute; load bursts (SAB / SAB+DST) = rank-steps measured over {BURST:g}x slower "
+        "than their peers relative to the model. Per rank and step: the JSON's per_rank."
     )
     print(md + "\n\n" + notes)
     if args.quick:
