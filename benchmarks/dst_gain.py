@@ -113,6 +113,11 @@ def profile_for(args, tmp: Path) -> str | None:
     return str(out)
 
 
+def margin(args) -> dict:
+    """``--skew-margin`` when given (else DSTConfig's default)."""
+    return {} if args.skew_margin is None else {"skew_margin": args.skew_margin}
+
+
 def config(args, mix: str, seed: int, data: str | None, mode: str, out: Path, profile: str | None = None):
     """The :class:`TrainConfig` of one run of the pair."""
     return TrainConfig(
@@ -131,7 +136,7 @@ def config(args, mix: str, seed: int, data: str | None, mode: str, out: Path, pr
         out=str(out),
         overwrite=True,
         profile=profile,
-        dst=DSTConfig(mode=mode, budget="top-k", budget_tokens=BUDGET_TOKENS),
+        dst=DSTConfig(mode=mode, budget="top-k", budget_tokens=BUDGET_TOKENS, **margin(args)),
     )
 
 
@@ -335,6 +340,7 @@ def main() -> int:
     p.add_argument("--profile", default=None, help="latency profile (default: the machine's, cached or measured)")
     p.add_argument("--profile-scale", type=float, default=1.0, help="every time of the profile x this")
     p.add_argument("--attention-skew", type=float, default=1.0, help="the profile's attention part x this")
+    p.add_argument("--skew-margin", type=float, default=None, help="DST's --skew-margin (default: DST's)")
     p.add_argument("--name", default="dst-gain", help="results file name")
     p.add_argument("--quick", action="store_true", help="1 seed, 3 steps, the first mix; writes nothing")
     args = p.parse_args()
@@ -358,7 +364,7 @@ def main() -> int:
             rows[mix] = summarize({s: run_pair(args, mix, s, tmp, profile) for s in seeds})
             print(table({mix: rows[mix]}), flush=True)
     md = table(rows)
-    dst = DSTConfig(mode="bidirectional", budget="top-k", budget_tokens=BUDGET_TOKENS)
+    dst = DSTConfig(mode="bidirectional", budget="top-k", budget_tokens=BUDGET_TOKENS, **margin(args))
     notes = (
         f"{RANKS} emulated ranks, global batch {GLOBAL_BATCH}, capacity {CAPACITY:,}, top-k {BUDGET_TOKENS} "
         f"tokens (block {BLOCK}), strategy sab; DST ({dst.describe()}) against DST off; code {code_version()}; "
