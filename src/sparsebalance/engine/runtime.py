@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,9 +27,19 @@ class Runtime:
     hash, the step's records: NCCL would stage each pickle in device memory); None: the default
     group."""
 
+    said: set[str] = field(default_factory=set, repr=False, compare=False)
+    """Lines :meth:`first_time` has seen: runs stepped together on these ranks (the demo's two)
+    say a shared note once."""
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def first_time(self, line: str) -> bool:
+        """Whether ``line`` is new on this runtime (and remember it)."""
+        new = line not in self.said
+        self.said.add(line)
+        return new
 
     @property
     def distributed(self) -> bool:

@@ -156,8 +156,9 @@ class Trainer:
             deterministic=cfg.deterministic,
         )
         self.estimator = engine.estimator
-        if rt.is_main:
-            print(f"sparsebalance train: {engine.knob.note(lengths)}", file=sys.stderr, flush=True)
+        note = f"sparsebalance train: {engine.knob.note(lengths)}"
+        if rt.is_main and rt.first_time(note):  # the demo's two runs share it: said once
+            print(note, file=sys.stderr, flush=True)
         return engine
 
     def _runner(self) -> StepRunner:
