@@ -109,6 +109,12 @@ def test_a_rank_holds_its_chunks_only():
     assert stages[0].rank_split == (2, 2)
     with pytest.raises(ValueError, match="8 virtual stages, more than the model's 4 layers"):
         PipelineLayout.of(0, 2, 2, virtual=4).chunks(4)
+    for st in stages:  # the chunks' parameters, which each chunk's last backward reduces: all, once
+        chunks = [{id(p) for p in st.chunk_parameters(c)} for c in range(2)]
+        assert not chunks[0] & chunks[1] and chunks[0] | chunks[1] == {id(p) for p in st.parameters_owned()}
+    embed = stages[0].decoder.embed_tokens.weight
+    assert any(p is embed for p in stages[0].chunk_parameters(0))  # virtual stage 0
+    assert any(p is stages[1].decoder.norm.weight for p in stages[1].chunk_parameters(1))  # the last
 
 
 def test_chunk_by_chunk_is_the_whole_model():
@@ -150,7 +156,6 @@ def test_chunk_by_chunk_is_the_whole_model():
             "--pp-virtual 2 needs --micro-batches >= --pp (2) as Megatron's interleaved schedule does, got 1",
         ),
         ({"pp": 2, "pp_virtual": 2, "parallel": "fsdp2"}, "--pp-virtual 2 cannot run with --parallel fsdp2 yet"),
-        ({"pp": 2, "pp_virtual": 2, "capacity": "auto", "memory_budget": "1GiB"}, "cannot size --capacity auto"),
     ],
 )
 def test_what_interleaving_cannot_run_is_one_line(tmp_path, over, says):
@@ -166,3 +171,30 @@ def test_the_launcher_refuses_more_virtual_stages_than_layers(tmp_path):
 
     with pytest.raises(ValueError, match=r"--pp 2 x 3 = 6 virtual stages, more than the model's 4 layers"):
         preflight(_cfg(tmp_path, pp=2, pp_virtual=3), 2)
+
+
+def test_capacity_auto_counts_the_chunks_in_flight(tmp_path):
+    """``--capacity auto`` with ``--pp-virtual 2``: each rank's memory config keeps the
+    activations interleaving holds (``held_stages``), more than plain 1F1B's ``P - s``, so the
+    capacity it sizes is no larger."""
+    from types import SimpleNamespace
+
+    from sparsebalance.batching.interleaved import held_stages
+    from sparsebalance.engine.stage import PipelineLayout
+    from sparsebalance.latency.memory import MemoryModel, cpu_coefficients
+    from sparsebalance.models import load_shapes
+    from sparsebalance.train.build import _memory_config
+
+    split = (1, 1, 1, 1)  # the tiny model's 4 layers, one per virtual stage
+    cfg = _cfg(tmp_path, pp=2, pp_virtual=2, capacity="auto", memory_budget="1GiB", global_batch=8)
+    plain_cfg = _cfg(tmp_path, pp=2, capacity="auto", memory_budget="1GiB", global_batch=8)
+    mem = MemoryModel(load_shapes("tiny"), cpu_coefficients(0.0), True)
+    for s in range(2):
+        layout = PipelineLayout.of(s, 2, 2, split, 2)
+        stage = SimpleNamespace(split=split, rank_split=(2, 2), layout=layout)
+        interleaved = _memory_config(cfg, 2, stage)
+        plain = _memory_config(
+            plain_cfg, 2, SimpleNamespace(split=(2, 2), rank_split=(2, 2), layout=PipelineLayout.of(s, 2, 2, (2, 2)))
+        )
+        assert interleaved.stage.in_flight == held_stages(split, 2, s, range(1, 9)) > plain.stage.in_flight == 2 - s
+        assert mem.max_tokens(2**30, interleaved) <= mem.max_tokens(2**30, plain)

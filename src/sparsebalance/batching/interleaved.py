@@ -179,6 +179,38 @@ def chunk_layers(split: np.ndarray, num_stages: int, stage: int) -> list[range]:
     return [range(int(starts[k]), int(starts[k + 1])) for k in range(stage, split.size, num_stages)]
 
 
+HELD_LIMIT = 128
+"""Micro-batches per pipeline and step over which :func:`held_stages` maximises by default (more
+keep no more: for P <= 8, V <= 4 and M <= 300 the most is reached by M = 57,
+tests/batching/test_interleaved_memory.py)."""
+
+
+def held_stages(
+    split: tuple[int, ...], num_stages: int, stage: int, micro_batches: range = range(1, HELD_LIMIT + 1)
+) -> float:
+    """The most activations rank ``stage`` keeps at once for the backward, in whole stages (1 = one
+    micro-batch's activations of all its layers), over the micro-batch counts ``micro_batches``:
+    along :func:`virtual_order` a chunk's forward keeps its layers' activations until that chunk's
+    backward frees them. Plain 1F1B keeps ``P - s`` (:class:`~sparsebalance.latency.memory.
+    StageShare`); interleaving keeps more, warm-up forwards of several chunks (P = 4, V = 2, rank
+    0: 5.5 stages at G = P, Megatron-LM's ``1 + (P - 1) / (P V)`` factor), and a group G larger than
+    P (an M that P does not divide) more still. ``split``: layers per virtual stage ``(P V,)``."""
+    p = num_stages
+    v = len(split) // p
+    layers = [split[c * p + stage] for c in range(v)]
+    total = sum(layers)
+    return max((_held(p, v, m, stage, tuple(layers)) for m in micro_batches), default=p - stage) / total
+
+
+@lru_cache(maxsize=4096)
+def _held(p: int, v: int, m: int, stage: int, layers: tuple[int, ...]) -> int:
+    held = peak = 0
+    for kind, _, c in virtual_order(p, v, m, stage):
+        held += layers[c] if kind == "F" else -layers[c]
+        peak = max(peak, held)
+    return peak
+
+
 def settled_sends(num_stages: int, num_chunks: int, num_micro_batches: int, stage: int) -> dict[Op, list[Op]]:
     """Which of rank ``stage``'s sends each of its receives proves received (the interleaved
     :func:`~.schedule.settled_sends`). Keys: this rank's receiving ops; values: its earlier sends,

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
+from ..batching.interleaved import check_virtual, held_stages
 from ..batching.schedule import balanced_layers, head_layers
 from ..engine.kernel import add_block_size_argument, resolve_block_size
 from ..engine.parallelize import FSDP_GRADIENT_SYNC
@@ -85,6 +87,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="breakdown of one document of TOKENS over the largest --devices",
     )
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (--devices counts DP x PP devices)")
+    p.add_argument(
+        "--pp-virtual",
+        type=int,
+        default=1,
+        metavar="V",
+        help="as train's: V chunks of layers per stage (interleaved 1F1B keeps more activations in flight)",
+    )
     p.add_argument(
         "--fsdp-gradient-sync",
         choices=FSDP_GRADIENT_SYNC,
@@ -164,12 +173,17 @@ def _stages(args, devices: list[int], shapes) -> list[StageShare | None]:
     """``--pp``'s stages as ``train --pp`` splits the model (``[None]``: no pipeline)."""
     if args.pp < 1:
         raise ValueError(f"--pp must be >= 1, got {args.pp}")
+    check_virtual(args.pp, args.pp_virtual, shapes.num_layers)
     if args.pp == 1:
         return [None]
     if any(n % args.pp for n in devices):
         raise ValueError(f"--pp {args.pp} must divide every --devices count ({args.devices}): the devices are DP x PP")
-    split = tuple(balanced_layers(shapes.num_layers, args.pp, head_layers(shapes)).tolist())
-    return [StageShare.of(split, s) for s in range(args.pp)]
+    p, v = args.pp, args.pp_virtual
+    split = tuple(balanced_layers(shapes.num_layers, p * v, head_layers(shapes)).tolist())
+    ranks = tuple(sum(split[s::p]) for s in range(p))
+    if v == 1:
+        return [StageShare.of(split, s) for s in range(p)]
+    return [replace(StageShare.of(ranks, s), in_flight=held_stages(split, p, s)) for s in range(p)]
 
 
 def _emit(args, rows, budget, coeffs, title) -> int:

@@ -120,12 +120,14 @@ class StageShare:
     """What one pipeline stage (``--pp``) holds: its decoder layers, the input embedding (the
     first stage), the final norm + LM head + loss (the last stage: a tied head is its own copy
     there), and the micro-batches whose saved activations it keeps at once (1F1B: ``P - s`` on
-    stage ``s``, as :func:`~sparsebalance.batching.schedule.schedule_order` runs them)."""
+    stage ``s``, as :func:`~sparsebalance.batching.schedule.schedule_order` runs them; interleaved
+    1F1B, ``--pp-virtual``: :func:`~sparsebalance.batching.interleaved.held_stages`, in whole
+    stages, a fraction when chunks of several micro-batches are in flight)."""
 
     layers: int
     embedding: bool
     head: bool
-    in_flight: int
+    in_flight: float
 
     @classmethod
     def of(cls, split: tuple[int, ...], stage: int) -> StageShare:

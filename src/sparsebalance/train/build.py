@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .. import flags
+from ..batching.interleaved import HELD_LIMIT, held_stages
 from ..batching.schedule import balanced_layers, head_layers
 from ..data import load_tokenizer
 from ..data.dataset import TokenizedCorpus, apply_vocabulary, compact_vocabulary, open_corpus, resolve_data
@@ -217,7 +218,7 @@ def fit_capacity(
     if rt.is_main:
         st = mem_cfg.stage  # world rank = pipeline x P + stage
         where = (
-            "" if st is None else f" on stage {binding % cfg.pp} of {cfg.pp}, {st.in_flight} micro-batches in flight"
+            "" if st is None else f" on stage {binding % cfg.pp} of {cfg.pp}, {st.in_flight:g} micro-batches in flight"
         )
         print(
             f"sparsebalance train: --capacity auto = {cap} tokens per micro-batch (predicted "
@@ -239,8 +240,12 @@ def _memory_config(cfg: TrainConfig, world_size: int, stage: StageModel | None) 
     most = cfg.global_batch if cfg.overlong != "split" else None
     share = None
     if stage is not None:
-        share = StageShare.of(stage.rank_split, stage.layout.stage)
-        if most is not None:
+        p, s = stage.layout.stages, stage.layout.stage
+        share = StageShare.of(stage.rank_split, s)
+        if stage.layout.virtual > 1:  # interleaved: warm-up forwards of several chunks in flight
+            counts = range(1, min(most or HELD_LIMIT, HELD_LIMIT) + 1)
+            share = replace(share, in_flight=held_stages(stage.split, p, s, counts))
+        elif most is not None:
             share = replace(share, in_flight=min(share.in_flight, most))
     return MemoryConfig(
         cfg.activation_checkpointing,

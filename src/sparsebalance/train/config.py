@@ -329,11 +329,6 @@ class TrainConfig:
             )
         if self.parallel == "fsdp2":
             raise ValueError(f"{n('pp_virtual')} {v} cannot run with {n('parallel')} fsdp2 yet: use --parallel ddp")
-        if self.capacity == "auto":
-            raise ValueError(
-                f"{n('pp_virtual')} {v} cannot size {n('capacity')} auto (the memory model counts plain 1F1B's "
-                "micro-batches in flight): give a number"
-            )
 
     def _check_inputs(self) -> None:
         """The data files exist, the remaining counts are in range, the tokenizer and profile exist."""
