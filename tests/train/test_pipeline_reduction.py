@@ -42,8 +42,10 @@ def _body(trainer: Trainer, rank: int) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_ddp_stages_reduce_inside_their_last_backward(tmp_path):
-    cfg = base_config(tmp_path, steps=2, strategy="sab", dst=OFF, pp=2)
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_ddp_stages_reduce_inside_their_last_backward(tmp_path, virtual):
+    """Interleaved (``--pp-virtual 2``): inside each chunk's last backward, its own buckets."""
+    cfg = base_config(tmp_path, steps=2, strategy="sab", dst=OFF, pp=2, pp_virtual=virtual)
     results = run_trainers(_body, cfg, 4, tmp_path, "reduction")
     for r in results:
         for step in r["steps"]:

@@ -309,6 +309,8 @@ class OverlappedAllReduce:
             self.buckets += _buckets(self.buckets.pop(), tail_bytes)
         self._bucket = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._armed = False
+        self._final: set[int] = set()
+        """The parameters whose next gradient is their last this step (:meth:`arm`)."""
         self._pending: list[int] = []
         self._next = 0
         self._works: list[tuple[object, torch.Tensor, list[nn.Parameter]]] = []
@@ -318,13 +320,17 @@ class OverlappedAllReduce:
             for p in bucket:
                 p.register_post_accumulate_grad_hook(self._ready)
 
-    def arm(self) -> None:
-        """The next backward is the step's last on this stage: reduce as gradients complete."""
-        self._armed, self._next, self._works = True, 0, []
-        self._pending = [len(b) for b in self.buckets]
+    def arm(self, params=None) -> None:
+        """The next backward is the step's last for ``params`` (None: every parameter): reduce
+        their buckets as their gradients complete. Interleaved 1F1B arms each chunk's parameters
+        before that chunk's last backward (a chunk's earlier backwards still only accumulate)."""
+        if not self._armed:
+            self._armed, self._next, self._works, self._final = True, 0, [], set()
+            self._pending = [len(b) for b in self.buckets]
+        self._final |= set(self._bucket) if params is None else {id(p) for p in params}
 
     def _ready(self, param: nn.Parameter) -> None:
-        if not self._armed:
+        if not self._armed or id(param) not in self._final:
             return
         self._pending[self._bucket[id(param)]] -= 1
         self._launch(force=False)

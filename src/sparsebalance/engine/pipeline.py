@@ -13,8 +13,9 @@ Per step and micro-batch boundary the schedule sends one tensor each way (activa
 their gradients back: ``isend`` + ``recv``; from pinned host memory when a CUDA stage sends over
 gloo); nothing else waits. The gradients' reduction over the stage's data-parallel peers starts
 inside the stage's last backward of the step (:meth:`PipelineExecutor._arm_reduction`): with
-``--parallel ddp`` buckets are all-reduced as their gradients complete and the tied embedding's
-two copies are summed (:class:`.StageGradients`); with ``--parallel fsdp2``
+``--parallel ddp`` buckets are all-reduced as their gradients complete (interleaved, each chunk's
+from its own last backward on) and the tied embedding's two copies are summed
+(:class:`.StageGradients`); with ``--parallel fsdp2``
 (:meth:`.StageModel.shard`) the stage is gathered before the schedule and stays gathered through
 it, its gradients accumulate unsharded, and the last backward reduce-scatters them (a pipeline
 without micro-batches joins with a two-token pass at zero loss, :meth:`PipelineExecutor._reduce_shards`):
@@ -216,14 +217,16 @@ class PipelineExecutor:
         sends: dict = {}
         settled = settled_sends(layout.stages, layout.virtual, len(ops), layout.stage)
         order = virtual_order(layout.stages, layout.virtual, len(ops), layout.stage)
-        last = max((i for i, (kind, _, _) in enumerate(order) if kind == "B"), default=None)
+        # each chunk's last backward: its gradients' reduction starts inside it
+        lasts = {c: i for i, (kind, _, c) in enumerate(order) if kind == "B"}
+        arm_at, final = {i: c for c, i in lasts.items()}, max(lasts.values(), default=None)
         for i, (kind, m, c) in enumerate(order):
             done = [sends.pop(k) for k in settled.get((kind, m, c), [])]
             if kind == "F":
                 self._forward(step, m, c, ops[m][c], sends, done)
             else:
-                if i == last:  # the gradients' reduction starts inside it
-                    self._arm_reduction()
+                if i in arm_at:
+                    self._arm_reduction(None if layout.virtual == 1 else arm_at[i], final=i == final)
                 self._backward(m, c, ops[m][c], step.loss_scale, sends, done)
         return ops, sends
 
@@ -237,14 +240,15 @@ class PipelineExecutor:
             return self.groups.wrap_activations if wraps else self.groups.activations
         return self.groups.wrap_gradients if wraps else self.groups.gradients
 
-    def _arm_reduction(self) -> None:
-        """Before this stage's last backward of the step: DDP's buckets all-reduce as its
-        gradients complete (:class:`.StageGradients`); FSDP2 reduce-scatters each unit in its
-        post-backward and reshards (every gathered parameter given a gradient first, so the peers
-        reduce the same tensors)."""
+    def _arm_reduction(self, chunk: int | None, final: bool) -> None:
+        """Before a chunk's last backward of the step (``chunk`` None: the stage's, one chunk):
+        DDP's buckets of its parameters all-reduce as their gradients complete
+        (:class:`.StageGradients`); before the stage's last backward of all (``final``), FSDP2
+        reduce-scatters each unit in its post-backward and reshards (every gathered parameter given
+        a gradient first, so the peers reduce the same tensors)."""
         if self.gradients is not None:
-            self.gradients.arm()
-        if self.stage.sharded:
+            self.gradients.arm(chunk)
+        if self.stage.sharded and final:
             for p in self.stage.parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

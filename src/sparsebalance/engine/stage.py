@@ -199,6 +199,17 @@ class StageModel(nn.Module):
         self.set_reshard_after_backward(sync)
         self.set_requires_gradient_sync(sync)
 
+    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        """Chunk ``chunk``'s parameters, each once: its layers, the embedding on the first virtual
+        stage, the final norm and LM head on the last (a tied head is the embedding)."""
+        decoder, layout = self.decoder, self.layout
+        modules = [decoder.layers[i] for i in self.chunk_spans[chunk]]
+        if layout.first_chunk(chunk):
+            modules.append(decoder.embed_tokens)
+        if layout.last_chunk(chunk):
+            modules += [decoder.norm, self.model.get_output_embeddings()]
+        return list({id(p): p for m in modules for p in m.parameters()}.values())
+
     def parameters_owned(self) -> list[nn.Parameter]:
         """The parameters this stage holds and steps, in model order, each once (after
         :meth:`shard`, the sharded ones)."""

@@ -2,7 +2,9 @@
 after the stage's last backward is kept small.
 
 - Every parameter but the first stage's embedding is averaged over the stage's data-parallel peers
-  while the last backward runs (:class:`~.parallelize.OverlappedAllReduce`).
+  while the last backward runs (:class:`~.parallelize.OverlappedAllReduce`); interleaved
+  (``--pp-virtual``), each chunk's from its own last backward on, the later chunks' first (their
+  last backwards come earlier), so the other chunks' backwards hide them too.
 - The first stage's embedding gradient is the last one its backward makes, so it cannot overlap
   anything; but it is zero outside the rows of the tokens embedded this step, and every rank knows
   those tokens from the shared plan. So only those rows are averaged (``rows``: the token ids of
@@ -51,11 +53,13 @@ class StageGradients:
         """Whether :meth:`finish` takes the step's embedded token ids."""
         return (self.embedding is not None and self.peers > 1) or self.tied is not None
 
-    def arm(self) -> None:
-        """Before the stage's last backward of the step."""
+    def arm(self, chunk: int | None = None) -> None:
+        """Before the stage's last backward of the step (``chunk``: before that chunk's last
+        backward, interleaved 1F1B: its parameters' buckets reduce from then on; the stage's last
+        backward of all is its first chunk's)."""
         if self.buckets is not None:
-            self.buckets.arm()
-        if self.tied is not None and self.stage.layout.first:
+            self.buckets.arm(None if chunk is None else self.stage.chunk_parameters(chunk))
+        if self.tied is not None and self.stage.layout.first and not chunk and self._head is None:
             self._receive_head()
 
     def _receive_head(self) -> None:
