@@ -131,7 +131,7 @@ def main(args) -> int:
     before = json.loads(Path(args.before).read_text())["rows"] if args.before else []
     old = {(r["mix"], r["dp"], r["pp"]): r for r in before}
     table = markdown_table(
-        ["PP", "DP", "M", "mix", "plan ms", "DST ms", "total ms", "before ms", "simulated step s", "share"],
+        ["PP", "DP", "M", "mix", "plan ms", "DST ms", "total ms", "before ms", "simulated step s", "before s", "share"],
         [
             [
                 r["pp"],
@@ -143,6 +143,7 @@ def main(args) -> int:
                 r["total_ms"],
                 old[r["mix"], r["dp"], r["pp"]]["total_ms"] if (r["mix"], r["dp"], r["pp"]) in old else "-",
                 r["step_s"],
+                old[r["mix"], r["dp"], r["pp"]]["step_s"] if (r["mix"], r["dp"], r["pp"]) in old else "-",
                 f"{100 * r['share']:.2f} %",
             ]
             for r in rows
@@ -157,7 +158,8 @@ def main(args) -> int:
         f"{load[1]} after; share = (plan + DST) / the simulated step "
         f"(the slowest pipeline's 1F1B makespan at DST's budgets); target {100 * TARGET:.1f} %. "
         + (
-            f"before ms: {Path(args.before).name}, the same benchmark on the code before issue 54's speed-ups."
+            f"before ms / before s: {Path(args.before).name}, the same benchmark on earlier code (its planning "
+            "cost and its simulated step: a plan of another quality shows there)."
             if before
             else ""
         )

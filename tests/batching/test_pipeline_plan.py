@@ -187,3 +187,51 @@ def test_bad_stage_pricing_refused_in_one_line(kwargs, match):
     with pytest.raises(ValueError, match=match) as err:
         PlanConfig(2, 4, pipeline_stages=2, **kwargs)
     assert "\n" not in str(err.value)
+
+
+def test_the_exchange_search_at_eight_micro_batches_returns_searched_orders():
+    """Issue 54 (PP 8 planning): above EXHAUSTIVE_ORDER micro-batches the exchange search prices
+    its candidates in the ascending order, an upper bound; the ranks it returns are in their
+    searched order, their makespans are those orders' makespans, and the longest never exceeds
+    the start's."""
+    from sparsebalance.batching.pipeline import EXHAUSTIVE_ORDER, pipeline_search, rank_makespans
+    from sparsebalance.batching.strategies import Regime
+
+    m, ranks, exchanges = 8, 4, 0
+    assert m > EXHAUSTIVE_ORDER
+    regime, shape = Regime(m, None, 0.01), PipelineShape.of(16, 8)
+    for seed in range(6):
+        cost = np.random.default_rng(seed).lognormal(0.0, 1.0, ranks * 16)
+        tokens = np.ones(cost.size, dtype=np.int64)
+        start = [list(range(r, cost.size, ranks)) for r in range(ranks)]
+        _, before = rank_makespans(start, cost, tokens, regime, shape)
+        packs, spans, made = pipeline_search(start, cost, tokens, regime, shape, max_iters=50)
+        assert spans.max() <= before.max() * (1 + 1e-12)
+        exchanges += made
+        for rank, span in zip(packs, spans, strict=True):
+            times = np.array([[regime.overhead + cost[mb].sum() for mb in rank]])
+            assert shape.makespans(times)[0] == pytest.approx(span)  # its run order's makespan
+            assert span == pytest.approx(best_orders(times, shape)[1][0])  # and that order searched
+    assert exchanges > 0  # some seeds exchanged (one huge item can leave nothing to move)
+
+
+def test_the_exchange_search_order_searches_only_what_it_keeps(monkeypatch):
+    """The order search (M > EXHAUSTIVE_ORDER: swap rounds over every pair) runs for the start's
+    ranks and the two ranks of each exchange made, not for every candidate (before: for every
+    candidate of every exchange step, nearly all of PP 8's planning time, issue 54)."""
+    from sparsebalance.batching import pipeline as pl
+    from sparsebalance.batching.strategies import Regime
+
+    searched, real = [0], pl.best_orders
+
+    def counting(times, shape):
+        if times.shape[1] > pl.EXHAUSTIVE_ORDER:
+            searched[0] += times.shape[0]
+        return real(times, shape)
+
+    monkeypatch.setattr(pl, "best_orders", counting)
+    cost = np.random.default_rng(0).lognormal(0.0, 1.0, 64)
+    start = [list(range(r, 64, 4)) for r in range(4)]
+    regime, shape = Regime(8, None, 0.01), PipelineShape.of(16, 8)
+    _, _, made = pl.pipeline_search(start, cost, np.ones(64, dtype=np.int64), regime, shape, max_iters=50)
+    assert made > 0 and searched[0] <= 4 + 2 * made

@@ -23,8 +23,10 @@ pack_balanced`), then the order of least makespan (every order up to :data:`EXHA
 micro-batches, else best swaps from the ascending order). Across ranks
 (:func:`pipeline_search`): from SAB's rank-total assignment, moves and swaps of items between
 the rank of the longest makespan and the ``neighbors`` shortest, each candidate re-packed and
-priced exactly (all of one exchange step's candidates in one vectorised call); an exchange is
-made when it lowers the larger of the two makespans below the current maximum.
+priced exactly in its best order up to :data:`EXHAUSTIVE_ORDER` micro-batches, above in the
+ascending order, an upper bound of its searched makespan (all of one exchange step's candidates
+in one vectorised call); an exchange is made when it lowers the larger of the two makespans below
+the current maximum, and only the two ranks it changes are order-searched.
 
 Cost per exchange step with ranks of n items: ``n^2`` candidates (at most :data:`MAX_PAIRS`
 swaps), two Python LPT packs each, one :func:`~.schedule.makespans` call per micro-batch count.
@@ -181,9 +183,13 @@ def rank_makespans(
     tokens: np.ndarray,
     regime: Regime,
     shape: PipelineShape,
+    search: bool = True,
 ) -> tuple[list[list[list[int]]], np.ndarray]:
     """Each rank's items packed (LPT) and ordered for the least makespan: (packs ``rank ->
-    micro-batch -> item``, makespans ``(n,)``); an empty rank has no micro-batch and 0 s."""
+    micro-batch -> item``, makespans ``(n,)``); an empty rank has no micro-batch and 0 s.
+    ``search=False``: ranks of more than :data:`EXHAUSTIVE_ORDER` micro-batches keep the
+    ascending order, where the swap search starts (a makespan no shorter than the searched one:
+    what the exchange search prices its candidates with, :func:`pipeline_search`)."""
     costs = cost.tolist()
     packs = pack_balanced_ranks(ranks, cost, tokens, regime)  # pack_balanced of each, vectorised
     spans = np.zeros(len(ranks))
@@ -193,7 +199,11 @@ def rank_makespans(
             by_count.setdefault(len(p), []).append(r)
     for m, rows in by_count.items():
         times = np.array([_mb_times(packs[r], costs, regime.overhead) for r in rows]).reshape(len(rows), m)
-        orders, spans[rows] = best_orders(times, shape)
+        if search or m <= EXHAUSTIVE_ORDER:
+            orders, spans[rows] = best_orders(times, shape)
+        else:
+            orders = np.argsort(times, axis=1, kind="stable")
+            spans[rows] = shape.makespans(np.take_along_axis(times, orders, axis=1))
         for r, order in zip(rows, orders.tolist(), strict=True):
             packs[r] = [packs[r][j] for j in order]
     return packs, spans
@@ -257,20 +267,21 @@ def pipeline_search(
             limit = spans[h] * (1 - 1e-12)
             # the light sides first: a candidate whose light side reaches the limit cannot be made,
             # so its heavy side is not priced (inf: never the least below the limit; issue 54)
-            light_packs, light_spans = rank_makespans([pair[1] for pair in pairs], cost, tokens, regime, shape)
-            heavy_packs, heavy_spans = [None] * len(pairs), np.full(len(pairs), np.inf)
+            # Candidates are priced in the ascending order (no order search: above EXHAUSTIVE_ORDER
+            # micro-batches that search was nearly all of PP 8's planning, issue 54): an upper
+            # bound of the searched makespan, so one below the limit stays below it once searched;
+            # only the exchange made is searched.
+            _, light_spans = rank_makespans([pair[1] for pair in pairs], cost, tokens, regime, shape, search=False)
+            heavy_spans = np.full(len(pairs), np.inf)
             keep = np.flatnonzero(light_spans < limit).tolist()
             if keep:
-                priced, heavy_spans[keep] = rank_makespans([pairs[k][0] for k in keep], cost, tokens, regime, shape)
-                for k, p in zip(keep, priced, strict=True):
-                    heavy_packs[k] = p
+                heavy_spans[keep] = rank_makespans([pairs[k][0] for k in keep], cost, tokens, regime, shape, False)[1]
             worst = np.maximum(heavy_spans, light_spans)
             best = int(np.argmin(worst)) if worst.size else -1
             if best < 0 or not worst[best] < limit:
                 continue
             ranks[h], ranks[l] = pairs[best]
-            packs[h], packs[l] = heavy_packs[best], light_packs[best]
-            spans[h], spans[l] = heavy_spans[best], light_spans[best]
+            (packs[h], packs[l]), (spans[h], spans[l]) = rank_makespans(list(pairs[best]), cost, tokens, regime, shape)
             made = True
             break
         if not made:
