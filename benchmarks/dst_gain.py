@@ -225,14 +225,15 @@ def interval(ratios_by_seed: list[np.ndarray], stat=np.mean, draws: int = 4000) 
 
 
 BURST = 1.5
-"""A rank's step is a load burst when its measured / predicted time is more than this times the
-step's median over ranks (a rank measured 2.2x its prediction while its peers were at 0.9-1.1x:
+"""A rank's step is a load burst when its measured / predicted time (predicted by the true profile:
+a deliberately skewed one spreads the ranks itself) is more than this times the step's median over
+ranks (a rank measured 2.2x its prediction while its peers were at 0.9-1.1x:
 seed 0 of 2026-12-02-dst-gain-attention-x2-ranks)."""
 
 
 def bursts(step: dict) -> int:
     """Ranks of a step measured ``BURST`` times slower than their peers, relative to the model."""
-    residual = np.array([r["compute_s"] / r["realised_s"] for r in step["ranks"]])
+    residual = np.array([r["compute_s"] / r["truth_s"] for r in step["ranks"]])  # the true profile's
     return int(np.sum(residual > BURST * np.median(residual)))
 
 

@@ -36,15 +36,21 @@ def test_uneven_chunks_weigh_their_layers():
 
 def test_more_micro_batches_than_p_never_keep_less_than_p():
     for p, v in [(4, 3), (6, 2)]:
-        assert held_stages((1,) * (p * v), p, 0, range(1, 64)) >= held_stages((1,) * (p * v), p, 0, range(p, p + 1))
+        at_p = held_stages((1,) * (p * v), p, 0, range(p, p + 1))
+        for m in range(p + 1, 48):
+            assert held_stages((1,) * (p * v), p, 0, range(m, m + 1)) >= at_p, m
 
 
-@pytest.mark.slow  # ~20 s: the claim HELD_LIMIT's docstring makes
-def test_the_most_is_reached_by_128_micro_batches():
+def test_no_micro_batch_count_keeps_plain_1f1bs():
+    assert held_stages((1, 1, 1, 1), 2, 0, range(0)) == 2.0
+
+
+@pytest.mark.slow  # ~15 s: the deadlock sweep of 512 micro-batch counts
+def test_the_default_range_finds_a_late_peak():
+    """P = 7, V = 3 first keeps its most (11 2/3 stages) at M = 281, where the group G is 11: a
+    range of 128 micro-batches found 11 (issue 54's review)."""
     from sparsebalance.batching.interleaved import HELD_LIMIT
 
-    for p, v in [(4, 3), (6, 2), (6, 3), (8, 2), (8, 4)]:
-        split = (1,) * (p * v)
-        for s in (0, p // 2):
-            assert held_stages(split, p, s, range(1, 301)) == held_stages(split, p, s)
-        assert HELD_LIMIT == 128
+    assert HELD_LIMIT >= 281 and group_size(7, 3, 281) == 11
+    assert held_stages((1,) * 21, 7, 0, range(1, 129)) == pytest.approx(11.0)
+    assert held_stages((1,) * 21, 7, 0) == pytest.approx(35 / 3)

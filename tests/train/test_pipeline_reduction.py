@@ -23,13 +23,21 @@ def _body(trainer: Trainer, rank: int) -> dict:
         sizes.append(tensor.numel())
         return original(tensor, *args, **kwargs)
 
+    armed, arm = [], grads.buckets.arm
+
+    def arm_spy(params=None):  # buckets already launched when each chunk is armed
+        armed.append(grads.buckets._next if grads.buckets._armed else 0)
+        return arm(params)
+
+    grads.buckets.arm = arm_spy
     steps = []
     for _ in range(trainer.cfg.steps):
         sizes.clear()
+        armed.clear()
         dist.all_reduce = spy
         trainer.run_step()
         dist.all_reduce = original
-        steps.append({"sizes": list(sizes), "launched": grads.buckets.launched_in_backward})
+        steps.append({"sizes": list(sizes), "launched": grads.buckets.launched_in_backward, "armed": list(armed)})
     embed = executor.stage.decoder.embed_tokens.weight if executor.stage.layout.first else None
     return {
         "stage": executor.stage.layout.stage,
@@ -50,6 +58,9 @@ def test_ddp_stages_reduce_inside_their_last_backward(tmp_path, virtual):
     for r in results:
         for step in r["steps"]:
             assert step["launched"] == len(r["buckets"])  # none waited for the schedule's end
+            assert len(step["armed"]) == virtual  # each chunk armed once, before its last backward
+            if virtual > 1:  # the later chunk's buckets were launched before the first chunk's last backward
+                assert step["armed"][-1] > 0, step
             big = [n for n in step["sizes"] if n > 1]  # not the norm's square or a flag
             assert big[: len(r["buckets"])] == r["buckets"]  # the buckets, in order
             rest = big[len(r["buckets"]) :]

@@ -183,7 +183,8 @@ def test_with_timing_noise_dst_still_lowers_the_expected_slowest_rank(truth):
     anchor puts more of them near the top, where noise decides the maximum. With each rank's time
     off by 4 % (a normal draw per rank and step, fixed seed: about what the 2-core CPU shows,
     2026-12-02-dst-gain-median-*), the expected slowest rank under DST's budgets stays below
-    SAB's on every mix, seed and truth (measured in the model: at least 1.0003x)."""
+    SAB's on every mix and seed with the profile right, and is never 0.1 % above it with the profile
+    off (in the model: at least 1.0003x faster on every truth today)."""
     noise = 1 + 0.04 * np.random.default_rng(56).standard_normal((2000, 8))
     clock = _model(*TRUTHS[truth])
     config = DSTConfig(budget="top-k", budget_tokens=512)
@@ -193,4 +194,7 @@ def test_with_timing_noise_dst_still_lowers_the_expected_slowest_rank(truth):
             work = PlanWorkload(plan.ranks, clock, tuner.knob)
             sab = (work.seconds(np.full(8, float(tuner.knob.base))) * noise).max(axis=1).mean()
             dst = (work.seconds(budgets) * noise).max(axis=1).mean()
-            assert dst < sab, f"{mix} seed {seed}: expected slowest rank {dst:.4f} s against SAB's {sab:.4f} s"
+            # strictly faster with the profile right; within 0.1 % with it off (the worst case today
+            # is 1.0003x faster: a small change to DST must not flip a test about noise)
+            slack = 0.0 if truth == "as profiled" else 1e-3
+            assert dst < sab * (1 + slack), f"{mix} seed {seed}: expected slowest rank {dst:.4f} s, SAB's {sab:.4f} s"

@@ -179,10 +179,13 @@ def chunk_layers(split: np.ndarray, num_stages: int, stage: int) -> list[range]:
     return [range(int(starts[k]), int(starts[k + 1])) for k in range(stage, split.size, num_stages)]
 
 
-HELD_LIMIT = 128
-"""Micro-batches per pipeline and step over which :func:`held_stages` maximises by default (more
-keep no more: for P <= 8, V <= 4 and M <= 300 the most is reached by M = 57,
-tests/batching/test_interleaved_memory.py)."""
+HELD_LIMIT = 512
+"""Micro-batches per pipeline and step over which :func:`held_stages` maximises by default (the
+trainer: up to its global batch, at most this). The most is not always reached early: a group G
+larger than P keeps more warm-up forwards, and G depends on M (rank 0 with equal chunks: P = 7,
+V = 3 first keeps its most at M = 281, P = 8, V = 2 at M = 453; every other P <= 8, V <= 4 by M =
+74). Beyond this many the most found up to here is used, which can be short by a chunk. Cost: the
+deadlock sweep of every M, a few seconds at P = 8 (once, at start, with ``--capacity auto``)."""
 
 
 def held_stages(
@@ -199,7 +202,8 @@ def held_stages(
     v = len(split) // p
     layers = [split[c * p + stage] for c in range(v)]
     total = sum(layers)
-    return max((_held(p, v, m, stage, tuple(layers)) for m in micro_batches), default=p - stage) / total
+    most = max((_held(p, v, m, stage, tuple(layers)) for m in micro_batches), default=None)
+    return float(p - stage) if most is None else most / total
 
 
 @lru_cache(maxsize=4096)

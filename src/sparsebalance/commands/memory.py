@@ -18,7 +18,10 @@ reduce-scatters every micro-batch by default; whole with ``--fsdp-gradient-sync 
 stage over its N / P data-parallel peers). The micro-batch column is the pipeline's: the largest
 micro-batch that fits on every stage (split by layers as ``train --pp`` splits them), where 1F1B
 keeps ``P - s`` micro-batches in flight on stage ``s``; ``--check`` breaks down each stage.
-A pipeline runs whole documents, so there is no context-parallel column.
+A pipeline runs whole documents, so there is no context-parallel column. ``--pp-virtual V``:
+interleaved 1F1B, which keeps more in flight (:func:`~sparsebalance.batching.interleaved.
+held_stages`) and runs under DDP only (``train`` refuses it with FSDP2): each stage whole, not
+sharded.
 """
 
 from __future__ import annotations
@@ -130,6 +133,7 @@ def main(args: argparse.Namespace) -> int:
             "and reduce-scatters once a step; use --fsdp-gradient-sync step (or leave it unset)"
         )
     every = args.pp == 1 and args.fsdp_gradient_sync != "step"
+    shard = (lambda n: 1) if args.pp_virtual > 1 else (lambda n: n // args.pp)  # interleaved: DDP only
     base = {"block_size": args.block_size, "density": args.density, "micro_batches": 2, "reduce_every": every}
     if args.check is not None:
         n = max(devices)
@@ -138,7 +142,7 @@ def main(args: argparse.Namespace) -> int:
             for loss in LOSSES:
                 for s, stage in enumerate(stages):
                     cp = n if stage is None else 1
-                    cfg = MemoryConfig(ckpt, loss, shard=n // args.pp, cp=cp, stage=stage, **base)
+                    cfg = MemoryConfig(ckpt, loss, shard=shard(n), cp=cp, stage=stage, **base)
                     parts = model.breakdown(args.check, cfg)
                     where = {} if stage is None else {"stage": s}
                     rows.append(
@@ -161,12 +165,15 @@ def main(args: argparse.Namespace) -> int:
             for n in devices:
                 fit = partial(model.max_tokens, budget)
                 row[f"micro-batch/rank @{n}"] = min(
-                    fit(MemoryConfig(ckpt, loss, shard=n // args.pp, stage=stage, **base)) for stage in stages
+                    fit(MemoryConfig(ckpt, loss, shard=shard(n), stage=stage, **base)) for stage in stages
                 )
                 if n > 1 and args.pp == 1:
                     row[f"document (CP) @{n}"] = fit(MemoryConfig(ckpt, loss, shard=n, cp=n, **base))
             rows.append(row)
-    return _emit(args, rows, budget, coeffs, "longest trainable (tokens)" + (f", PP {args.pp}" if args.pp > 1 else ""))
+    pp = f", PP {args.pp}" if args.pp > 1 else ""
+    if args.pp_virtual > 1:
+        pp += f" x {args.pp_virtual} chunks (interleaved, DDP: stages not sharded)"
+    return _emit(args, rows, budget, coeffs, "longest trainable (tokens)" + pp)
 
 
 def _stages(args, devices: list[int], shapes) -> list[StageShare | None]:

@@ -200,12 +200,12 @@ class StageModel(nn.Module):
         self.set_requires_gradient_sync(sync)
 
     def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
-        """Chunk ``chunk``'s parameters, each once: its layers, the embedding on the first virtual
-        stage, the final norm and LM head on the last (a tied head is the embedding)."""
+        """Chunk ``chunk``'s parameters in the order its forward uses them, each once: the
+        embedding on the first virtual stage, its layers, the final norm and LM head on the last
+        (a tied head, the embedding's weight, comes last there: its backward makes it first)."""
         decoder, layout = self.decoder, self.layout
-        modules = [decoder.layers[i] for i in self.chunk_spans[chunk]]
-        if layout.first_chunk(chunk):
-            modules.append(decoder.embed_tokens)
+        modules = [decoder.embed_tokens] if layout.first_chunk(chunk) else []
+        modules += [decoder.layers[i] for i in self.chunk_spans[chunk]]
         if layout.last_chunk(chunk):
             modules += [decoder.norm, self.model.get_output_embeddings()]
         return list({id(p): p for m in modules for p in m.parameters()}.values())

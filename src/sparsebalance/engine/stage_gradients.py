@@ -40,7 +40,11 @@ class StageGradients:
         self.peers = layout.dp_size if groups.data is not None else 1
         self.embedding = stage.decoder.embed_tokens.weight if layout.first else None
         self.tied = stage.tied_weight() if groups.tied is not None else None
-        params = [p for p in stage.parameters_owned() if p is not self.embedding]
+        # in forward order, chunk after chunk: OverlappedAllReduce buckets them backwards, so the
+        # first buckets are the first gradients made (a tied head's, on the last stage, among them:
+        # in model order it is the embedding, and came last)
+        ordered = {id(p): p for c in range(layout.virtual) for p in stage.chunk_parameters(c)}
+        params = [p for p in ordered.values() if p is not self.embedding]
         self.buckets = OverlappedAllReduce(params, groups.data, self.peers) if self.peers > 1 else None
         self._head: tuple[object, torch.Tensor] | None = None
 

@@ -15,10 +15,13 @@ import gc
 
 
 def shutdown() -> None:
-    """Free unreachable objects, then destroy the default process group if one is initialised
-    (a no-op without torch.distributed); call it once per process, after training and saving."""
+    """Free unreachable objects, wait for every rank, then destroy the default process group if
+    one is initialised (a no-op without torch.distributed); call it once per process, on every
+    rank, after training and saving, with nothing left referencing the trainer."""
     gc.collect()
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:  # no rank closes its connections while a peer still uses them
+            dist.barrier()
         dist.destroy_process_group()

@@ -218,7 +218,14 @@ def fit_capacity(
     if rt.is_main:
         st = mem_cfg.stage  # world rank = pipeline x P + stage
         where = (
-            "" if st is None else f" on stage {binding % cfg.pp} of {cfg.pp}, {st.in_flight:g} micro-batches in flight"
+            ""
+            if st is None
+            else f" on stage {binding % cfg.pp} of {cfg.pp}, {st.in_flight:g} "
+            + (
+                "micro-batches in flight"
+                if cfg.pp_virtual == 1
+                else "stages' worth of activations in flight (interleaved)"
+            )
         )
         print(
             f"sparsebalance train: --capacity auto = {cap} tokens per micro-batch (predicted "
