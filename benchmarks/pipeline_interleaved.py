@@ -37,11 +37,14 @@ from sparsebalance.batching.schedule import balanced_layers, head_layers, split_
 from sparsebalance.latency import LatencyModel, analytic_profile
 from sparsebalance.models import load_shapes
 from sparsebalance.results import markdown_table, write_results
-from sparsebalance.simulate import LengthDistribution, simulate_steps
+from sparsebalance.simulate import LengthDistribution
 from sparsebalance.simulate.pipeline import pipeline_result
 from sparsebalance.simulate.sparsity import SparsityModel
 from sparsebalance.simulate.zero_bubble import zb_h1_makespan
 from sparsebalance.tuning import DSTConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from table1 import simulate_setting
 
 CONFIG = Path(__file__).parent / "configs" / "table1.toml"
 ROWS = {"baseline": "baseline", "+DST": "dst", "+SAB": "sab", "+SAB+DST": "sab+dst"}
@@ -102,14 +105,13 @@ def run(cfg: dict, mixes: list[str], steps: int) -> dict:
         res = {}
         for v in (1, 2):
             split = tuple(balanced_layers(shapes.num_layers, STAGES * v, head_layers(shapes)).tolist())
-            res[v] = simulate_steps(
+            res[v] = simulate_setting(
                 data,
                 WORLD,
                 model,
-                micro_batches=s["micro_batches"],
-                strategies=list(ROWS.values()),
-                dst=dst,
-                block_size=s["block_size"],
+                s,
+                list(ROWS.values()),
+                dst,
                 pipeline_stages=STAGES,
                 stage_layers=split,
                 pipeline_virtual=v,

@@ -269,10 +269,19 @@ def pipeline_layers(cfg: dict, pp: int) -> tuple[tuple[int, ...], float]:
     return pipeline_split(shapes, shapes.num_layers, pp), head_layers(shapes)
 
 
+def simulate_setting(batches, ranks: int, model, s: dict, strategies: list[str], dst, **pipeline) -> dict:
+    """:func:`simulate_steps` at table1's simulated setting ``s`` (its micro-batches per rank and
+    block size) with ``strategies``; ``pipeline``: the pipeline's keywords. What this file and
+    ``pipeline_interleaved.py`` simulate."""
+    from sparsebalance.simulate import simulate_steps
+
+    kw = {"micro_batches": s["micro_batches"], "block_size": s["block_size"]}
+    return simulate_steps(batches, ranks, model, strategies=strategies, dst=dst, **kw, **pipeline)
+
+
 def simulated(cfg: dict, args) -> dict:
     from sparsebalance.latency import LatencyModel, analytic_profile
     from sparsebalance.models import load_shapes
-    from sparsebalance.simulate import simulate_steps
     from sparsebalance.simulate.engine import ABLATIONS
     from sparsebalance.simulate.sparsity import SparsityModel
     from sparsebalance.tuning import DSTConfig
@@ -304,14 +313,13 @@ def simulated(cfg: dict, args) -> dict:
                 lengths = draw_lengths(s["mixes"][mix], n, rng)
                 content = SparsityModel().sample(rng, lengths, s["block_size"])
                 batches.append((lengths, content))
-            res = simulate_steps(
+            res = simulate_setting(
                 batches,
                 r,
                 model,
-                micro_batches=s["micro_batches"],
-                strategies=list(names.values()),
-                dst=dst,
-                block_size=s["block_size"],
+                s,
+                list(names.values()),
+                dst,
                 pipeline_stages=args.pp,
                 stage_layers=pipeline_layers(cfg, args.pp)[0],
                 pad_micro_batches=args.pad_micro_batches,

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import dst_gain  # noqa: E402
+import dst_gain
 
 
 def _step(measured: list[float], predicted: list[float]) -> dict:

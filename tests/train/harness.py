@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -105,3 +107,37 @@ def run_trainers(body, cfg: TrainConfig, world: int, tmp: Path, name: str = "res
 def run_ranks(cfg: TrainConfig, world: int, tmp: Path) -> list[dict]:
     """Run the trainer on ``world`` processes; raise with the worker traceback on failure."""
     return run_trainers(_run, cfg, world, tmp)
+
+
+def rewind(run: Path, into: Path, step: int, drop: int) -> Path:
+    """A run folder ``into/run`` that resumes from ``step``: a copy of ``run``'s checkpoints with
+    step ``drop`` (a later one, which a resume would take) removed and ``latest`` at ``step``;
+    returns ``into/run``."""
+    into.mkdir(exist_ok=True)
+    ckpt = into / "run" / "checkpoints"
+    shutil.copytree(run / "checkpoints", ckpt)
+    shutil.rmtree(ckpt / f"step-{drop:06d}")
+    (ckpt / "latest").write_text(f"step-{step:06d}\n")
+    return into / "run"
+
+
+def matches_one_process(tmp: Path, name: str, cfg_of, **pipeline) -> tuple[Path, Path, list[dict]]:
+    """``cfg_of(folder)`` on one process against ``cfg_of(folder, **pipeline)`` on two (a pipeline
+    of two stages; both runs of 3 steps, checkpointed at the last): the per-step losses within 1e-5,
+    both stages' alike, and the weights after 3 steps within 1e-5, every stage's parameters (the
+    tied head included). Returns the one-process folder, the pipeline's, and its results."""
+    from sparsebalance.train.checkpoint import load_weights
+
+    one, two = tmp / "pp1", tmp / name
+    one.mkdir(), two.mkdir()
+    ref = run_ranks(cfg_of(one), 1, one)
+    got = run_ranks(cfg_of(two, **pipeline), 2, two)
+    assert got[0]["losses"] == pytest.approx(ref[0]["losses"], rel=1e-5, abs=1e-5)
+    assert got[1]["losses"] == got[0]["losses"]
+    want, have = (load_weights(d / "run" / "checkpoints" / "step-000003") for d in (one, two))
+    assert sorted(have) == sorted(want)
+    # weights after 3 AdamW steps: Adam divides by the gradients' size, so a gradient that is 0 in
+    # exact arithmetic (a key bias: softmax ignores a shift) is rounding noise scaled up to ~lr
+    for key, tensor in want.items():
+        torch.testing.assert_close(have[key], tensor, rtol=1e-5, atol=1e-5, msg=key)
+    return one, two, got

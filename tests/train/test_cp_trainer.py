@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import replace
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from sparsebalance.engine.runtime import Runtime
 from sparsebalance.train import TrainConfig, Trainer
-from tests.train.harness import base_config, run_ranks
+from tests.train.harness import base_config, rewind, run_ranks
 
 # The harness documents have 48, 60, 89 and 93 tokens: with a capacity of 40 every one of them
 # needs k >= 2 ranks; on 2 ranks (80 tokens per unit at most) the 89- and 93-token ones are
@@ -50,11 +49,8 @@ def test_sab_cp_trains_long_documents_whole_and_resumes_bit_identically(tmp_path
         assert s["tokens"] == sum(x["tokens"] for x in per_rank if x["step"] == s["step"])
 
     resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(tmp_path / "run" / "checkpoints", resumed / "run" / "checkpoints")
-    shutil.rmtree(resumed / "run" / "checkpoints" / "step-000004")
-    (resumed / "run" / "checkpoints" / "latest").write_text("step-000002\n")
-    res2 = run_ranks(replace(cfg, out=str(resumed / "run"), resume=True), 2, resumed)
+    run = rewind(tmp_path / "run", resumed, step=2, drop=4)
+    res2 = run_ranks(replace(cfg, out=str(run), resume=True), 2, resumed)
     assert res2[0]["losses"] == losses[2:]  # bit for bit
     assert res2[0]["param_sum"] == res[0]["param_sum"]
 

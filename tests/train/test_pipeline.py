@@ -6,7 +6,6 @@ refused in one line."""
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from sparsebalance.launches import LaunchCounter
 from sparsebalance.train import TrainConfig, Trainer
 from sparsebalance.train.checkpoint import load_weights
 from sparsebalance.tuning import DSTConfig
-from tests.train.harness import base_config, run_ranks, run_trainers
+from tests.train.harness import base_config, matches_one_process, rewind, run_ranks, run_trainers
 
 OFF = DSTConfig(mode="off", budget="gamma", gamma0=0.9)
 
@@ -36,10 +35,7 @@ def _model(run: Path, step: int) -> dict[str, torch.Tensor]:
 def _resumed(cfg: TrainConfig, world: int, run: Path, tmp: Path, step: int, last: int) -> list[dict]:
     """``cfg`` resumed on ``world`` processes from a copy of ``run``'s checkpoints up to ``step``
     (``last``, the final one, removed) in ``tmp``; checks the final weights equal ``run``'s."""
-    tmp.mkdir()
-    shutil.copytree(run / "checkpoints", tmp / "run" / "checkpoints")
-    shutil.rmtree(tmp / "run" / "checkpoints" / f"step-{last:06d}")
-    (tmp / "run" / "checkpoints" / "latest").write_text(f"step-{step:06d}\n")
+    rewind(run, tmp, step, last)
     resumed = run_ranks(replace(cfg, out=str(tmp / "run"), resume=True), world, tmp)
     for name, tensor in _model(run, last).items():
         torch.testing.assert_close(_model(tmp / "run", last)[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
@@ -54,18 +50,7 @@ def _lines(run: Path) -> list[dict]:
 def test_two_stages_compute_what_one_process_computes(tmp_path):
     """Issue 44's correctness target: PP2 (gloo, fp32, deterministic) gives PP1's per-step
     losses within 1e-5 and the same weights; the checkpoint is the whole model's."""
-    one, two = tmp_path / "pp1", tmp_path / "pp2"
-    one.mkdir(), two.mkdir()
-    ref = run_ranks(_cfg(one), 1, one)
-    got = run_ranks(_cfg(two, pp=2), 2, two)
-    assert got[0]["losses"] == pytest.approx(ref[0]["losses"], rel=1e-5, abs=1e-5)
-    assert got[1]["losses"] == got[0]["losses"]
-    want, have = _model(one / "run", 3), _model(two / "run", 3)
-    assert sorted(have) == sorted(want)  # every stage's parameters, the tied head included
-    # weights after 3 AdamW steps: Adam divides by the gradients' size, so a gradient that is 0 in
-    # exact arithmetic (a key bias: softmax ignores a shift) is rounding noise scaled up to ~lr
-    for name, tensor in want.items():
-        torch.testing.assert_close(have[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+    one, two, _ = matches_one_process(tmp_path, "pp2", _cfg, pp=2)
     per_pipeline = [x for x in _lines(two / "run") if x["rank"] != "all"]
     assert [x["step"] for x in per_pipeline] == [1, 2, 3]  # one record per pipeline, not per stage
     for x in per_pipeline:

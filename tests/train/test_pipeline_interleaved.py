@@ -13,7 +13,7 @@ import torch
 from sparsebalance.train import TrainConfig
 from sparsebalance.train.checkpoint import load_weights
 from sparsebalance.tuning import DSTConfig
-from tests.train.harness import base_config, run_ranks
+from tests.train.harness import base_config, matches_one_process, rewind, run_ranks
 
 OFF = DSTConfig(mode="off", budget="gamma", gamma0=0.9)
 
@@ -30,16 +30,7 @@ def _model(run: Path, step: int) -> dict[str, torch.Tensor]:
 def test_two_stages_of_two_chunks_compute_what_one_process_computes(tmp_path):
     """Issue 54's target: PP2 V2 (gloo, fp32, deterministic, DST off) gives PP1's per-step
     losses within 1e-5 and the same weights; the checkpoint records the four virtual stages."""
-    one, two = tmp_path / "pp1", tmp_path / "pp2v2"
-    one.mkdir(), two.mkdir()
-    ref = run_ranks(_cfg(one), 1, one)
-    got = run_ranks(_cfg(two, pp=2, pp_virtual=2, checkpoint_every=3), 2, two)
-    assert got[0]["losses"] == pytest.approx(ref[0]["losses"], rel=1e-5, abs=1e-5)
-    assert got[1]["losses"] == got[0]["losses"]
-    want, have = _model(one / "run", 3), _model(two / "run", 3)
-    assert sorted(have) == sorted(want)  # every chunk's parameters, the tied head included
-    for name, tensor in want.items():
-        torch.testing.assert_close(have[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+    _, two, _ = matches_one_process(tmp_path, "pp2v2", _cfg, pp=2, pp_virtual=2, checkpoint_every=3)
     state = torch.load(two / "run" / "checkpoints" / "step-000003" / "state.pt", weights_only=False)
     assert state["pipeline"] == {"stages": 2, "layers": [1, 1, 1, 1]}  # the tiny model's 4 layers, 4 virtual stages
     lines = [json.loads(x) for x in (two / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -68,17 +59,13 @@ def test_two_interleaved_pipelines_match_two_ranks(tmp_path):
 def test_an_interleaved_pipeline_with_dst_resumes_exactly(tmp_path):
     """DST on (per-layer budgets, one attention context per chunk): a resume from step 2 gives
     the uninterrupted run's losses."""
-    import shutil
     from dataclasses import replace
 
     cfg = _cfg(tmp_path, pp=2, pp_virtual=2, steps=4, checkpoint_every=2, dst=DSTConfig(mode="bidirectional"))
     full = run_ranks(cfg, 2, tmp_path)
     again = tmp_path / "again"
-    again.mkdir()
-    shutil.copytree(tmp_path / "run" / "checkpoints", again / "run" / "checkpoints")
-    shutil.rmtree(again / "run" / "checkpoints" / "step-000004")
-    (again / "run" / "checkpoints" / "latest").write_text("step-000002\n")
-    resumed = run_ranks(replace(cfg, out=str(again / "run"), resume=True), 2, again)
+    run = rewind(tmp_path / "run", again, step=2, drop=4)
+    resumed = run_ranks(replace(cfg, out=str(run), resume=True), 2, again)
     assert resumed[0]["losses"] == pytest.approx(full[0]["losses"][2:], rel=1e-6, abs=1e-6)
 
 

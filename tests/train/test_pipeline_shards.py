@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from sparsebalance.train.checkpoint import CHECKSUMS, load_weights, sha256
 from sparsebalance.train.shards import MODEL_SHARD, OPTIM_SHARD
 from sparsebalance.train.weights import load_trained_model
 from sparsebalance.tuning import DSTConfig
-from tests.train.harness import base_config, run_ranks, run_trainers
+from tests.train.harness import base_config, rewind, run_ranks, run_trainers
 
 OFF = DSTConfig(mode="off", budget="gamma", gamma0=0.9)
 
@@ -116,10 +115,7 @@ def test_a_checkpoint_of_format_2_still_resumes_and_loads_the_same_weights(tmp_p
     full = run_ranks(cfg, 2, tmp_path)
     new = tmp_path / "run" / "checkpoints" / "step-000002"
     again = tmp_path / "again"
-    again.mkdir()
-    shutil.copytree(tmp_path / "run" / "checkpoints", again / "run" / "checkpoints")
-    shutil.rmtree(again / "run" / "checkpoints" / "step-000004")
-    (again / "run" / "checkpoints" / "latest").write_text("step-000002\n")
+    rewind(tmp_path / "run", again, step=2, drop=4)
     old = again / "run" / "checkpoints" / "step-000002"
     _as_format_2(old)
     # eval's readers: the same tensors from the stage files and from format 2's model.pt

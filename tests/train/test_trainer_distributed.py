@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import replace
 
 import pytest
 
 from sparsebalance.latency import analytic_profile
 from sparsebalance.models import load_shapes
-from tests.train.harness import base_config, run_ranks
+from tests.train.harness import base_config, rewind, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -34,10 +33,7 @@ def test_two_ranks_learn_and_stay_identical(tmp_path):
     assert all(x["compute_s"] > 0 and x["bubble_s"] >= 0 for x in per_rank)
     # Resume from the step-3 checkpoint: the remaining losses equal the uninterrupted run's.
     resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(tmp_path / "run" / "checkpoints", resumed / "run" / "checkpoints")
-    shutil.rmtree(resumed / "run" / "checkpoints" / "step-000006")  # resume takes the newest
-    (resumed / "run" / "checkpoints" / "latest").write_text("step-000003\n")
+    rewind(tmp_path / "run", resumed, step=3, drop=6)  # resume takes the newest
     cfg2 = replace(cfg, out=str(resumed / "run"), resume=True)
     res2 = run_ranks(cfg2, 2, resumed)
     assert res2[0]["losses"] == pytest.approx(losses[3:], rel=1e-6, abs=1e-6)
