@@ -39,6 +39,10 @@ def pipeline_line(ranks: list[dict]) -> str:
     busy, idle = means
     chunks = max((s.get("chunks", 1) for r in ranks for s in r.get("stages", ())), default=1)
     schedule = f"interleaved 1F1B, {chunks} chunks a stage" if chunks > 1 else "1F1B"
+    stages = [s for r in ranks for s in r.get("stages", ())]
+    if any(s.get("schedule") == "zb-h1" for s in stages):
+        weight = sum(s.get("weight_s", 0.0) for s in stages) / max(sum(s["busy_s"] for s in stages), 1e-12)
+        schedule = f"zero bubble ZB-H1, W {100 * weight:.0f} % of the busy time"
     parts = ", ".join(
         f"stage {s} busy {b:.3f} s, bubble {i:.3f} s ({100 * i / max(b + i, 1e-12):.0f} %)"
         for s, (b, i) in enumerate(zip(busy, idle, strict=True))

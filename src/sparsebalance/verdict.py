@@ -41,9 +41,10 @@ def machine_start(device: str, ranks: int, rerun: str = RERUN) -> dict:
     return {**start, "start": time.time(), "rerun": rerun}
 
 
-def rerun_command(pp: int = 1, pp_virtual: int = 1) -> str:
+def rerun_command(pp: int = 1, pp_virtual: int = 1, pp_schedule: str = "1f1b") -> str:
     """The demo with more steps and the pipeline flags it ran with."""
     flags = (f" --pp {pp}" if pp > 1 else "") + (f" --pp-virtual {pp_virtual}" if pp_virtual > 1 else "")
+    flags += f" --pp-schedule {pp_schedule}" if pp_schedule != "1f1b" else ""
     return RERUN + flags
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from sparsebalance.batching.schedule import BACKWARD_RATIO, resolve_layers
+from sparsebalance.batching.zero_bubble import WEIGHT_SHARE
 from sparsebalance.engine.records import MicroBatchResult
 from sparsebalance.engine.stage_calibration import (
     RATIO_BOUNDS,
@@ -54,8 +55,8 @@ def _fields(mb: MicroBatchResult) -> tuple:
 
 def test_it_starts_at_the_identity():
     cal = StageCalibration(2)
-    assert cal.pricing() == {"backward_ratio": BACKWARD_RATIO, "stage_scales": (1.0, 1.0)}
-    assert cal.state_dict() == {"ratio": 2.0, "scales": [1.0, 1.0], "steps": 0}
+    assert cal.pricing() == {"backward_ratio": BACKWARD_RATIO, "stage_scales": (1.0, 1.0), "weight_share": WEIGHT_SHARE}
+    assert cal.state_dict() == {"ratio": 2.0, "scales": [1.0, 1.0], "weight_share": WEIGHT_SHARE, "steps": 0}
     # records without stages (no pipeline) teach nothing
     plain = [MicroBatchResult(1.0, (100,), (0,), ((0.5,),) * 4, (0.9,) * 4, 0.0, 0.0)]
     assert not cal.observe(plain, COST, LAYERS)
@@ -183,7 +184,7 @@ def test_the_engine_plans_and_tunes_with_a_learned_slow_last_stage():
 def test_the_engines_state_holds_it_and_older_states_load_the_identity():
     engine = _engine()
     state = engine.state_dict()
-    assert state["stage_calibration"] == {"ratio": 2.0, "scales": [1.0, 1.0], "steps": 0}
+    assert state["stage_calibration"] == {"ratio": 2.0, "scales": [1.0, 1.0], "weight_share": WEIGHT_SHARE, "steps": 0}
     engine.stage_calibration.observe(_microbatches(slow=(1.0, 2.0), ratio=3.0), COST, LAYERS)
     learned = engine.state_dict()
     assert learned["stage_calibration"]["steps"] == 1
@@ -191,3 +192,25 @@ def test_the_engines_state_holds_it_and_older_states_load_the_identity():
     assert engine.state_dict()["stage_calibration"] == state["stage_calibration"]
     engine.load_state_dict(learned)
     assert engine.state_dict() == learned
+
+
+def test_zero_bubble_stages_teach_ws_share():
+    """Stage seconds (forward, B + W, W) teach W's share of the backward, averaged in; (forward,
+    backward) pairs leave it; records mixing both teach nothing; the share is in the state."""
+    cal = StageCalibration(2)
+    pairs = _microbatches()
+    assert cal.observe(pairs, COST, LAYERS) and cal.weight_share == WEIGHT_SHARE
+    triples = [
+        MicroBatchResult(mb.seconds, *_fields(mb), stage_seconds=tuple((f, b, 0.8 * b) for f, b in mb.stage_seconds))
+        for mb in pairs
+    ]
+    assert cal.observe(triples, COST, LAYERS)
+    want = np.exp((1 - SMOOTHING) * np.log(WEIGHT_SHARE) + SMOOTHING * np.log(0.8))
+    assert cal.weight_share == pytest.approx(want)
+    assert not cal.observe(pairs[:1] + triples[1:], COST, LAYERS)
+    again = StageCalibration(2)
+    again.load_state_dict(cal.state_dict())
+    assert again.pricing() == cal.pricing()
+    old = {k: v for k, v in cal.state_dict().items() if k != "weight_share"}  # a checkpoint from before
+    again.load_state_dict(old)
+    assert again.weight_share == WEIGHT_SHARE

@@ -1,6 +1,7 @@
 """A pipeline schedule's makespan recurrence, compiled once per shape into dependency levels.
 
-A schedule's op (a forward or backward of micro-batch m on virtual stage k) ends at
+A schedule's op (a forward, backward or, zero-bubble, weight gradient of micro-batch m on
+virtual stage k) ends at
 ``max(end of its rank's previous op, end of its input) + its duration``. Solving that op by op
 (one numpy step per op, over n pipelines at once) costs ~2 M S Python steps per call, and the
 planner and DST make hundreds of calls per training step (issue 54: 3-4 % of the paper's step
@@ -24,8 +25,8 @@ class Levels:
     """A schedule of ``num_ops`` ops compiled for :func:`solve` (ops renumbered in level order)."""
 
     source: np.ndarray
-    """``(ops,)`` each op's row in the stacked durations ``[forward; backward]`` flattened
-    ``(2 M S,)`` (kind, micro-batch, virtual stage)."""
+    """``(ops,)`` each op's row in the stacked durations ``[forward; backward; weight]`` flattened
+    ``(3 M S,)`` (kind, micro-batch, virtual stage)."""
     steps: tuple[tuple[int, int, np.ndarray, np.ndarray], ...]
     """Per level: ``(first, stop, previous, input)``: ops ``first..stop-1`` and the ops (or the
     zero row ``ops``) they wait for."""
@@ -38,7 +39,8 @@ def compile_levels(order: Sequence[tuple[str, int, int]], num_micro_batches: int
     dependency order (each after its rank's previous op and its input; virtual stage ``k`` runs
     on rank ``k % num_ranks``; ``num_stages`` virtual stages S). The input of ``("F", m, k)`` is
     ``("F", m, k - 1)`` (none at k = 0); of ``("B", m, k)``, ``("B", m, k + 1)``, or its own
-    forward on the last virtual stage."""
+    forward on the last virtual stage; of ``("W", m, k)`` (zero bubble: the weights' gradient),
+    its own ``("B", m, k)``."""
     m, s = num_micro_batches, num_stages
     index = {op: i for i, op in enumerate(order)}
     n = len(order)
@@ -53,6 +55,8 @@ def compile_levels(order: Sequence[tuple[str, int, int]], num_micro_batches: int
         last[rank] = i
         if kind == "F":
             need = ("F", mb, k - 1) if k > 0 else None
+        elif kind == "W":
+            need = ("B", mb, k)
         else:
             need = ("F", mb, k) if k == s - 1 else ("B", mb, k + 1)
         if need is not None:
@@ -61,7 +65,8 @@ def compile_levels(order: Sequence[tuple[str, int, int]], num_micro_batches: int
     new = np.argsort(level, kind="stable")  # ops in level order: old index of each new one
     renum = np.empty(n + 1, dtype=np.int64)
     renum[new], renum[n] = np.arange(n), n
-    source = np.array([(kind == "B") * m * s + mb * s + k for kind, mb, k in order], dtype=np.int64)[new]
+    row = {"F": 0, "B": 1, "W": 2}
+    source = np.array([row[kind] * m * s + mb * s + k for kind, mb, k in order], dtype=np.int64)[new]
     bounds = np.searchsorted(level[new], np.arange(int(level.max(initial=-1)) + 2))
     steps = tuple(
         (int(a), int(b), renum[prev[new[a:b]]], renum[inp[new[a:b]]])
@@ -75,17 +80,22 @@ CHUNK_ROWS = 1024
 CPU's cache; the rows are independent, so chunks change no value (3x faster at 30,000 rows)."""
 
 
-def solve(levels: Levels, forward: np.ndarray, backward: np.ndarray) -> np.ndarray:
+def solve(levels: Levels, forward: np.ndarray, backward: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:
     """``(n,)`` makespans (the latest end of any rank's last op) of n pipelines: ``forward`` and
-    ``backward`` float ``(n, M, S)`` seconds (checked by the caller)."""
+    ``backward`` float ``(n, M, S)`` seconds (checked by the caller); ``weight``: the same shape,
+    the zero-bubble schedules' W ops (``backward`` then their B ops); None: no W ops."""
     n = forward.shape[0]
     if n > CHUNK_ROWS:
-        parts = range(0, n, CHUNK_ROWS)
-        return np.concatenate([solve(levels, forward[i : i + CHUNK_ROWS], backward[i : i + CHUNK_ROWS]) for i in parts])
+        out = []
+        for i in range(0, n, CHUNK_ROWS):
+            rows = slice(i, i + CHUNK_ROWS)
+            out.append(solve(levels, forward[rows], backward[rows], None if weight is None else weight[rows]))
+        return np.concatenate(out)
     ops = forward.shape[1] * forward.shape[2]
-    stacked = np.empty((2 * ops, n))  # (kind, micro-batch, stage) rows of n: one transposing copy
-    stacked[:ops] = forward.reshape(n, ops).T
-    stacked[ops:] = backward.reshape(n, ops).T
+    kinds = (forward, backward) if weight is None else (forward, backward, weight)
+    stacked = np.empty((len(kinds) * ops, n))  # (kind, micro-batch, stage) rows of n: one transposing copy
+    for i, times in enumerate(kinds):
+        stacked[i * ops : (i + 1) * ops] = times.reshape(n, ops).T
     durations = stacked[levels.source]
     end = np.zeros((durations.shape[0] + 1, n))
     for a, b, prev, inp in levels.steps:

@@ -98,6 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="as train's: V chunks of layers per stage (interleaved 1F1B keeps more activations in flight)",
     )
     p.add_argument(
+        "--pp-schedule",
+        choices=("1f1b", "zb-h1"),
+        default="1f1b",
+        help="as train's: zb-h1 (zero bubble) keeps --pp micro-batches on every stage, 1F1B's first stage's",
+    )
+    p.add_argument(
         "--fsdp-gradient-sync",
         choices=FSDP_GRADIENT_SYNC,
         default=None,
@@ -133,7 +139,8 @@ def main(args: argparse.Namespace) -> int:
             "and reduce-scatters once a step; use --fsdp-gradient-sync step (or leave it unset)"
         )
     every = args.pp == 1 and args.fsdp_gradient_sync != "step"
-    shard = (lambda n: 1) if args.pp_virtual > 1 else (lambda n: n // args.pp)  # interleaved: DDP only
+    ddp_only = args.pp_virtual > 1 or args.pp_schedule == "zb-h1"  # train runs them under DDP only
+    shard = (lambda n: 1) if ddp_only else (lambda n: n // args.pp)
     base = {"block_size": args.block_size, "density": args.density, "micro_batches": 2, "reduce_every": every}
     if args.check is not None:
         n = max(devices)
@@ -173,6 +180,8 @@ def main(args: argparse.Namespace) -> int:
     pp = f", PP {args.pp}" if args.pp > 1 else ""
     if args.pp_virtual > 1:
         pp += f" x {args.pp_virtual} chunks (interleaved, DDP: stages not sharded)"
+    if args.pp_schedule == "zb-h1":
+        pp += ", zero bubble (DDP: stages not sharded; every stage holds --pp micro-batches)"
     return _emit(args, rows, budget, coeffs, "longest trainable (tokens)" + pp)
 
 
@@ -188,6 +197,12 @@ def _stages(args, devices: list[int], shapes) -> list[StageShare | None]:
     p, v = args.pp, args.pp_virtual
     split = tuple(balanced_layers(shapes.num_layers, p * v, head_layers(shapes)).tolist())
     ranks = tuple(sum(split[s::p]) for s in range(p))
+    if v == 1 and args.pp_schedule == "zb-h1":
+        if p < 2:
+            raise ValueError("--pp-schedule zb-h1 needs a pipeline (--pp >= 2)")
+        return [replace(StageShare.of(split, s), in_flight=p) for s in range(p)]
+    if args.pp_schedule == "zb-h1":
+        raise ValueError(f"--pp-schedule zb-h1 cannot run with --pp-virtual {v}: use one of them")
     if v == 1:
         return [StageShare.of(split, s) for s in range(p)]
     return [replace(StageShare.of(ranks, s), in_flight=held_stages(split, p, s)) for s in range(p)]

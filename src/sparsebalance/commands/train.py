@@ -72,7 +72,7 @@ def _launch_all(args: argparse.Namespace, cfg, nproc: int) -> int:
     # each run's line once launch has checked it (a refused run never says it started)
     names = {str(c.out): name for name, c in runs.items()}
     said = contextlib.nullcontext() if args.json else on_start(_say(names, nproc * rdzv.nnodes))
-    machine = machine_start(_device(cfg), nproc, rerun_command(cfg.pp, cfg.pp_virtual))
+    machine = machine_start(_device(cfg), nproc, rerun_command(cfg.pp, cfg.pp_virtual, cfg.pp_schedule))
     try:
         with said:
             launched = launch(first, nproc, rdzv, together=others)
@@ -114,6 +114,7 @@ def _say(names: dict[str, str], ranks: int) -> Callable[[TrainConfig], None]:
 
     def say(cfg: TrainConfig) -> None:
         virtual = f", {cfg.pp_virtual} chunks a stage" if cfg.pp_virtual > 1 else ""
+        virtual += ", zero bubble" if cfg.pp_schedule == "zb-h1" else ""
         layout = f"ranks={ranks}" if cfg.pp == 1 else f"ranks={ranks} (DP {ranks // cfg.pp} x PP {cfg.pp}{virtual})"
         print(
             f"== {names[str(cfg.out)]}: strategy={cfg.strategy}, dst={cfg.dst.mode}, {layout}, steps={cfg.steps} "

@@ -318,7 +318,7 @@ class OverlappedAllReduce:
         """Buckets the last armed backward launched itself (the rest waited for :meth:`finish`)."""
         for bucket in self.buckets:
             for p in bucket:
-                p.register_post_accumulate_grad_hook(self._ready)
+                p.register_post_accumulate_grad_hook(self.ready)
 
     def arm(self, params=None) -> None:
         """The next backward is the step's last for ``params`` (None: every parameter): reduce
@@ -329,7 +329,9 @@ class OverlappedAllReduce:
             self._pending = [len(b) for b in self.buckets]
         self._final |= set(self._bucket) if params is None else {id(p) for p in params}
 
-    def _ready(self, param: nn.Parameter) -> None:
+    def ready(self, param: nn.Parameter) -> None:
+        """``param``'s gradient is complete (its hook; or a gradient made outside autograd, zero
+        bubble's deferred weights): once armed and final, its bucket counts it."""
         if not self._armed or id(param) not in self._final:
             return
         self._pending[self._bucket[id(param)]] -= 1

@@ -1,7 +1,10 @@
 """Stage 3 of the step with ``--pp P``: this rank's stage of its pipeline runs the pipeline's
 micro-batches in the 1F1B order (PyTorch's ``Schedule1F1B``, Megatron-LM's default; the order is
-:func:`sparsebalance.batching.schedule.schedule_order`, the one the simulator prices), then the
-gradients are summed and averaged.
+:func:`sparsebalance.batching.schedule.schedule_order`, the one the simulator prices; interleaved
+with ``--pp-virtual``), or with ``--pp-schedule zb-h1`` in the zero-bubble order
+(:func:`sparsebalance.batching.zero_bubble.zb_order`: each backward is the input's gradient only,
+sent at once, and a later W op runs the linear layers' weight GEMMs, :mod:`.deferred_weights`),
+then the gradients are summed and averaged.
 
 Shapes: every rank holds the step's plan, so every stage knows each micro-batch's token count and
 receives exactly ``(1, T_m, H)``: no padding to a fixed capacity and no shape exchange (Megatron
@@ -14,8 +17,8 @@ their gradients back: ``isend`` + ``recv``; from pinned host memory when a CUDA 
 gloo); nothing else waits. The gradients' reduction over the stage's data-parallel peers starts
 inside the stage's last backward of the step (:meth:`PipelineExecutor._arm_reduction`): with
 ``--parallel ddp`` buckets are all-reduced as their gradients complete (interleaved, each chunk's
-from its own last backward on) and the tied embedding's two copies are summed
-(:class:`.StageGradients`); with ``--parallel fsdp2``
+from its own last backward on; zero bubble, the deferred weights' from the last W) and the tied
+embedding's two copies are summed (:class:`.StageGradients`); with ``--parallel fsdp2``
 (:meth:`.StageModel.shard`) the stage is gathered before the schedule and stays gathered through
 it, its gradients accumulate unsharded, and the last backward reduce-scatters them (a pipeline
 without micro-batches joins with a two-token pass at zero loss, :meth:`PipelineExecutor._reduce_shards`):
@@ -32,7 +35,6 @@ per-stage busy and idle time (the bubbles).
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -42,85 +44,17 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..batching.interleaved import settled_sends, virtual_order
+from ..batching.zero_bubble import zb_order
 from ..clock import Clock, Mark, use_clock
 from ..data import pack
 from ..precision import Precision
+from .deferred_weights import DeferredWeights
 from .engine import StepEngine
 from .execute import ExecutionConfig
+from .pipeline_groups import PipelineGroups
 from .records import LocalWork, MicroBatchResult, TunedStep
 from .stage import PipelineLayout, StageModel
 from .stage_gradients import StageGradients, embedded_rows
-
-
-@dataclass
-class PipelineGroups:
-    """The process groups of a DP x PP grid (created once, every rank, in the same order)."""
-
-    pipeline: object
-    """This rank's pipeline (its P stages): where the micro-batch records are gathered."""
-    data: object | None
-    """This rank's stage in every pipeline: where its gradients are averaged (None: one pipeline)."""
-    tied: object | None
-    """This pipeline's first and last stage (the tied embedding's two copies); None if not needed."""
-    activations: object = None
-    """This pipeline's stages again, for the activations sent forward only."""
-    gradients: object = None
-    """And for their gradients sent back only. NCCL runs a pair's sends and receives of one group
-    in order on one stream: 1F1B's send of the next forward and its peer's send of a backward
-    would each wait for a receive queued behind the other's send. One direction per group keeps
-    every pair's queue in one order on both ends."""
-    objects: object = None
-    """Every rank on gloo, for a checkpoint's objects when the default group is NCCL (it would
-    stage every pickle in device memory); None: the default group."""
-    pipeline_objects: object = None
-    """This pipeline's stages on gloo when the default group is NCCL, for the step's records
-    (an object all-gather on NCCL goes through device memory); None: :attr:`pipeline`."""
-    wrap_activations: object = None
-    """Interleaved (``--pp-virtual``): the activations rank P-1 sends round to rank 0 (at P = 2
-    they would share a pair with rank 0's sends to rank 1 in one group); None: not interleaved."""
-    wrap_gradients: object = None
-    """Interleaved: the gradients rank 0 sends round to rank P-1."""
-
-    @classmethod
-    def create(cls, layout: PipelineLayout, tied: bool, timeout_s: float | None = None) -> PipelineGroups:
-        """Every rank calls it, once. ``timeout_s``: how long a send, receive or collective of
-        these groups may wait (``--comm-timeout``); a group made without one waits the backend's
-        default (gloo: 30 minutes), so a stalled stage would hang the run instead of failing."""
-        P, D = layout.stages, layout.dp_size
-        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-
-        def group(ranks=None, **kw):
-            return dist.new_group(ranks, timeout=timeout, **kw)
-
-        nccl = dist.get_backend() == "nccl"
-        mine = {}
-        for d in range(D):
-            for kind in ("pipeline", "activations", "gradients"):
-                mine[(kind, d)] = group([layout.rank(d, s) for s in range(P)])
-            if nccl:
-                mine[("pipeline_objects", d)] = group([layout.rank(d, s) for s in range(P)], backend="gloo")
-        for s in range(P):
-            mine[("data", s)] = group([layout.rank(d, s) for d in range(D)]) if D > 1 else None
-        for d in range(D):
-            ends = [layout.rank(d, 0), layout.rank(d, P - 1)]
-            mine[("tied", d)] = group(ends) if tied and P > 1 else None
-        objects = group(backend="gloo") if nccl else None
-        if layout.virtual > 1:
-            for d in range(D):
-                for kind in ("wrap_activations", "wrap_gradients"):
-                    mine[(kind, d)] = group([layout.rank(d, s) for s in range(P)])
-        d = layout.dp
-        return cls(
-            mine[("pipeline", d)],
-            mine[("data", layout.stage)],
-            mine[("tied", d)],
-            mine[("activations", d)],
-            mine[("gradients", d)],
-            objects,
-            mine.get(("pipeline_objects", d)),
-            mine.get(("wrap_activations", d)),
-            mine.get(("wrap_gradients", d)),
-        )
 
 
 @dataclass
@@ -150,6 +84,9 @@ class PipelineExecutor:
     precision: Precision
     clock: Clock
     scaler: torch.amp.GradScaler | None = None
+    schedule: str = "1f1b"
+    """``--pp-schedule``: ``1f1b`` (interleaved with ``--pp-virtual``) or ``zb-h1`` (each backward
+    split into B and W, :mod:`sparsebalance.batching.zero_bubble`; ``--parallel ddp``, V = 1)."""
 
     def __post_init__(self) -> None:
         # what crosses between stages lives where the backend sends from: NCCL sends device
@@ -158,6 +95,8 @@ class PipelineExecutor:
         self.wire = self.device if nccl else torch.device("cpu")
         self.gradients = None if self.stage.sharded else StageGradients(self.stage, self.groups)
         """``--parallel ddp``: the stage's reduction, started in its last backward."""
+        self.deferred = DeferredWeights(self.stage) if self.schedule == "zb-h1" else None
+        """Zero bubble: the linear layers' weight GEMMs, moved from each B to its W."""
 
     @property
     def layout(self) -> PipelineLayout:
@@ -181,6 +120,8 @@ class PipelineExecutor:
             mine = [self._result(chunks, origin) for chunks in ops]
             busy = sum(clock.seconds(a, b) for chunks in ops for op in chunks for a, b in op.marks)
             stage = {"busy_s": busy, "span_s": clock.seconds(origin, ready)}
+            if self.deferred is not None:  # zero bubble: the W's share of the busy time
+                stage["weight_s"] = sum(clock.seconds(*op.marks[2]) for chunks in ops for op in chunks)
             times = (clock.seconds(origin, ready), clock.seconds(origin, done))
         gathered = [None] * layout.stages
         objects = self.groups.pipeline_objects or self.groups.pipeline  # gloo when the default is NCCL
@@ -190,7 +131,13 @@ class PipelineExecutor:
         record = self.engine.record(step, layout.dp, results)
         span = max(g[1]["span_s"] for g in gathered)
         record.stages = [
-            {"stage": s, "busy_s": g[1]["busy_s"], "idle_s": max(span - g[1]["busy_s"], 0.0), "chunks": v}
+            {
+                "stage": s,
+                "busy_s": g[1]["busy_s"],
+                "idle_s": max(span - g[1]["busy_s"], 0.0),
+                "chunks": v,
+                **({"schedule": self.schedule, "weight_s": g[1]["weight_s"]} if "weight_s" in g[1] else {}),
+            }
             for s, g in enumerate(gathered)
         ]
         ready_s, done_s = (max(g[2][i] for g in gathered) for i in (0, 1))
@@ -215,15 +162,22 @@ class PipelineExecutor:
             batch = pack(docs, self.device, self.config.per_doc_weighting)
             ops.append([_Op(unit, batch) for _ in range(layout.virtual)])
         sends: dict = {}
-        settled = settled_sends(layout.stages, layout.virtual, len(ops), layout.stage)
-        order = virtual_order(layout.stages, layout.virtual, len(ops), layout.stage)
-        # each chunk's last backward: its gradients' reduction starts inside it
+        settled = settled_sends(layout.stages, layout.virtual, len(ops), layout.stage)  # W's send nothing
+        if self.deferred is not None:
+            order = zb_order(layout.stages, len(ops), layout.stage)
+        else:
+            order = virtual_order(layout.stages, layout.virtual, len(ops), layout.stage)
+        # each chunk's last backward: its gradients' reduction starts inside it (zero bubble: the
+        # last B for what B makes, the last W for the deferred weights)
         lasts = {c: i for i, (kind, _, c) in enumerate(order) if kind == "B"}
         arm_at, final = {i: c for c, i in lasts.items()}, max(lasts.values(), default=None)
+        last_w = max((i for i, (kind, _, _) in enumerate(order) if kind == "W"), default=None)
         for i, (kind, m, c) in enumerate(order):
             done = [sends.pop(k) for k in settled.get((kind, m, c), [])]
             if kind == "F":
                 self._forward(step, m, c, ops[m][c], sends, done)
+            elif kind == "W":
+                self._weights(m, ops[m][c], final=i == last_w)
             else:
                 if i in arm_at:
                     self._arm_reduction(None if layout.virtual == 1 else arm_at[i], final=i == final)
@@ -281,16 +235,20 @@ class PipelineExecutor:
     def _backward(self, m: int, c: int, op: _Op, loss_scale: float, sends: dict, done: list) -> None:
         layout = self.layout
         first, last = layout.first_chunk(c), layout.last_chunk(c)
-        if last:
-            t0 = self.clock.mark()
-            scaled = op.output * loss_scale
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        else:
+        if not last:
             grad = wire_buffer(op.output.shape, op.output.dtype, self.device, self.wire)
             dist.recv(grad, layout.peer(c, 1)[0], group=self._group("B", c, 1))
             _release(done)
-            t0 = self.clock.mark()
+        t0 = self.clock.mark()
+        if self.deferred is not None:
+            self.deferred.begin(m)
+        if last:
+            scaled = op.output * loss_scale
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        else:
             op.output.backward(grad.to(self.device, non_blocking=True))
+        if self.deferred is not None:
+            self.deferred.end()
         op.marks.append((t0, self.clock.mark()))
         if not first:
             sent = to_wire(op.inputs.grad, self.wire)
@@ -299,12 +257,24 @@ class PipelineExecutor:
         # its activations are freed now; the last virtual stage keeps the loss (detached) for the record
         op.inputs, op.output = None, (op.output.detach() if last else None)
 
+    def _weights(self, m: int, op: _Op, final: bool) -> None:
+        """Zero bubble's W of micro-batch ``m``: its deferred weight GEMMs; the step's last W hands
+        each weight's final gradient to the data-parallel buckets."""
+        ready = self.gradients.ready if final and self.gradients is not None else None
+        t0 = self.clock.mark()
+        self.deferred.run(m, ready)
+        op.marks.append((t0, self.clock.mark()))
+
     def _result(self, chunks: list[_Op], origin: Mark) -> MicroBatchResult:
         """This stage's share of one micro-batch (after the synchronize): its chunks' seconds
         summed; its ``stage_seconds``: this stage's (forward, backward) seconds (each chunk's
-        marks: the forward's, then the backward's); its layers' statistics in chunk order."""
+        marks: the forward's, then the backward's), zero bubble (forward, B + W, W) (the marks'
+        third: the W's); its layers' statistics in chunk order."""
         forward = sum(self.clock.seconds(*op.marks[0]) for op in chunks)
         backward = sum(self.clock.seconds(*op.marks[1]) for op in chunks)
+        weight = sum(self.clock.seconds(*op.marks[2]) for op in chunks) if self.deferred is not None else None
+        seconds = (forward, backward) if weight is None else (forward, backward + weight, weight)
+        backward += weight or 0.0
         head, tail = chunks[0], chunks[-1]
         loss = tail.output if self.layout.last else 0.0
         weight = tail.batch.loss_weights.sum() if self.layout.last else 0.0
@@ -317,7 +287,7 @@ class PipelineExecutor:
             weight,
             slot=head.unit.slot,
             start_s=self.clock.seconds(origin, head.marks[0][0]),
-            stage_seconds=((forward, backward),),
+            stage_seconds=(seconds,),
         )
 
     def _reduce_shards(self, step: TunedStep) -> None:

@@ -66,6 +66,12 @@ class StageGradients:
         if self.tied is not None and self.stage.layout.first and not chunk and self._head is None:
             self._receive_head()
 
+    def ready(self, param: torch.nn.Parameter) -> None:
+        """A gradient made outside autograd is final (zero bubble's last W,
+        :mod:`.deferred_weights`): its bucket may reduce, as a hook would have said."""
+        if self.buckets is not None:
+            self.buckets.ready(param)
+
     def _receive_head(self) -> None:
         layout = self.stage.layout
         buf = torch.empty_like(self.tied)

@@ -122,7 +122,9 @@ class StageShare:
     there), and the micro-batches whose saved activations it keeps at once (1F1B: ``P - s`` on
     stage ``s``, as :func:`~sparsebalance.batching.schedule.schedule_order` runs them; interleaved
     1F1B, ``--pp-virtual``: :func:`~sparsebalance.batching.interleaved.held_stages`, in whole
-    stages, a fraction when chunks of several micro-batches are in flight)."""
+    stages, a fraction when chunks of several micro-batches are in flight; zero bubble,
+    ``--pp-schedule zb-h1``: P on every stage, a micro-batch counted whole from its forward to its
+    W, :func:`~sparsebalance.batching.zero_bubble.held_micro_batches`)."""
 
     layers: int
     embedding: bool

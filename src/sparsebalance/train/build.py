@@ -252,6 +252,8 @@ def _memory_config(cfg: TrainConfig, world_size: int, stage: StageModel | None) 
         if stage.layout.virtual > 1:  # interleaved: warm-up forwards of several chunks in flight
             counts = range(1, min(most or HELD_LIMIT, HELD_LIMIT) + 1)
             share = replace(share, in_flight=held_stages(stage.split, p, s, counts))
+        elif cfg.pp_schedule == "zb-h1":  # zero bubble: P on every stage, from a forward to its W
+            share = replace(share, in_flight=min(p, most) if most is not None else p)
         elif most is not None:
             share = replace(share, in_flight=min(share.in_flight, most))
     return MemoryConfig(

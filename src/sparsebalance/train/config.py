@@ -16,6 +16,7 @@ import torch
 
 from .. import flags
 from ..batching import DEFAULT_CAPACITY, ESTIMATORS, OVERLONG, STRATEGIES
+from ..batching.zero_bubble import SCHEDULES as PP_SCHEDULES
 from ..data.mixture import parse_mixture
 from ..engine.kernel import resolve_block_size
 from ..engine.parallelize import FSDP_GRADIENT_SYNC, MEASURE_BUBBLE, PARALLEL
@@ -57,6 +58,7 @@ CHOICES = {
     "parallel": PARALLEL,
     "fsdp_gradient_sync": FSDP_GRADIENT_SYNC,
     "measure_bubble": MEASURE_BUBBLE,
+    "pp_schedule": PP_SCHEDULES,
     "device": ("auto", "cpu", "cuda"),
 }
 """The fields that take one of a few words: checked here (the Python API, a --config file) and by
@@ -162,6 +164,11 @@ class TrainConfig:
     """Chunks of layers per pipeline stage (interleaved 1F1B, Megatron's virtual stages): each rank
     holds V non-adjacent chunks, the bubble shrinks about V-fold for V times the sends; needs --pp
     >= 2, at least --pp x V layers and, with --micro-batches, at least --pp micro-batches."""
+    pp_schedule: str = "1f1b"
+    """The pipeline's schedule: 1f1b (interleaved with --pp-virtual), or zb-h1 (zero bubble: each
+    stage's backward split into the input's gradient, sent upstream at once, and the weights',
+    run later in what would be bubbles; 1F1B's peak activation memory, every stage holding --pp
+    micro-batches; --parallel ddp, without --pp-virtual). See docs/pipeline.md."""
     ranks_per_node: int | None = None
     """Ranks per machine: which ranks share a node's fast links; ``sab-cp`` keeps a unit of up to
     this many ranks inside one node, wider units run the hierarchical ring with a node as inner
@@ -208,7 +215,7 @@ class TrainConfig:
         self._check_counts()
         self._check_memory_options()
         self._check_strategy()
-        keys = ("estimator", "overlong", "parallel", "measure_bubble", "precision", "schedule", "device")
+        keys = ("estimator", "overlong", "parallel", "measure_bubble", "precision", "schedule", "pp_schedule", "device")
         self._check_choices(**{k: CHOICES[k] for k in (*keys, "on_bad_record")})
         self._check_optimizer()
         self._resolve_block_size()
@@ -318,6 +325,18 @@ class TrainConfig:
         n, v = self._name, self.pp_virtual
         if v < 1:
             raise ValueError(f"{n('pp_virtual')} must be >= 1, got {v}")
+        if self.pp_schedule == "zb-h1":
+            if self.pp < 2:
+                raise ValueError(f"{n('pp_schedule')} zb-h1 needs a pipeline: give {n('pp')} >= 2")
+            if v > 1:
+                raise ValueError(
+                    f"{n('pp_schedule')} zb-h1 cannot run with {n('pp_virtual')} {v} (interleaved zero bubble is "
+                    "not built): use one of them"
+                )
+            if self.parallel == "fsdp2":
+                raise ValueError(
+                    f"{n('pp_schedule')} zb-h1 cannot run with {n('parallel')} fsdp2 yet: use --parallel ddp"
+                )
         if v == 1:
             return
         if self.pp < 2:

@@ -141,6 +141,7 @@ class Trainer:
             pipeline_stages=cfg.pp,
             stage_layers=() if self.stage is None else self.stage.layout.split,  # what the stages run
             pipeline_virtual=cfg.pp_virtual,
+            pipeline_schedule=cfg.pp_schedule,
         )
         engine = StepEngine(
             plan,
@@ -204,7 +205,15 @@ class Trainer:
         else:
             groups = PipelineGroups.create(self.stage.layout, self.stage.tied, cfg.comm_timeout)
             executor = PipelineExecutor(
-                self.stage, groups, self.corpus.docs, self.engine, execution, rt.device, self.precision, self.par.clock
+                self.stage,
+                groups,
+                self.corpus.docs,
+                self.engine,
+                execution,
+                rt.device,
+                self.precision,
+                self.par.clock,
+                schedule=cfg.pp_schedule,
             )
             norm = executor.grad_norm
         update = UpdateConfig(grad_clip=cfg.grad_clip, max_nonfinite_steps=cfg.max_nonfinite_steps)
