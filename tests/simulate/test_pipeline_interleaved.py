@@ -1,5 +1,5 @@
 """Interleaved 1F1B in the simulator (``pipeline_virtual``): the step prices the interleaved
-makespan, DST reads the same one, and the zero-bubble list schedule used to evaluate ZB-H1."""
+makespan and DST reads the same one (ZB-H1: ``test_zero_bubble_sim.py``)."""
 
 import json
 
@@ -13,7 +13,6 @@ from sparsebalance.models import load_shapes
 from sparsebalance.simulate import simulate_steps
 from sparsebalance.simulate.engine import _workload
 from sparsebalance.simulate.pipeline import pipeline_record, pipeline_result, split_forward_backward
-from sparsebalance.simulate.zero_bubble import zb_h1_makespan
 from sparsebalance.tuning import DSTConfig, PipelineWorkload
 
 
@@ -64,27 +63,6 @@ def test_interleaving_idles_less_in_the_simulated_step():
         simulate_steps(batches, 2, model, micro_batches=4, block_size=128, pipeline_virtual=2)
     with pytest.raises(ValueError, match="stage_times: only pipelines"):
         simulate_steps(batches, 2, model, micro_batches=4, block_size=128, stage_times=True)
-
-
-@pytest.mark.parametrize("p", [2, 4])
-@pytest.mark.parametrize("m", [4, 8])
-def test_zero_bubble_equal_times_by_the_papers_formula(p, m):
-    # F = B = W = 1: 1F1B idles (P - 1)(F + B + W) per stage, ZB-H1 (P - 1)(F + B - W)
-    ones = np.ones((m, p))
-    assert zb_h1_makespan(ones, ones, ones) == pytest.approx(3 * m + (p - 1))
-    assert pipeline_result(ones, 2 * ones).makespan == pytest.approx(3 * (m + p - 1))
-
-
-def test_zero_bubble_bounds_on_random_steps():
-    rng = np.random.default_rng(7)
-    for _ in range(50):
-        m, p = int(rng.integers(1, 9)), int(rng.integers(1, 6))
-        f, bi, bw = (rng.uniform(0.0, 2.0, (m, p)) for _ in range(3))
-        span = zb_h1_makespan(f, bi, bw)
-        assert span >= (f + bi + bw).sum(axis=0).max() - 1e-12
-        assert span >= (f + bi).sum(axis=1).max() - 1e-12
-    with pytest.raises(ValueError, match=r"must be \(M, P\)"):
-        zb_h1_makespan(np.ones((2, 2)), np.ones((2, 3)), np.ones((2, 2)))
 
 
 def test_cli_pp_virtual(capsys):

@@ -2,7 +2,7 @@
 -> ``rank -> micro-batch -> item`` packs, with their predicted times for ``sab``.
 
 :func:`baseline_packs` deals ``sequential``, ``sorted``, ``lbb``, ``tokens`` and ``flops``;
-:func:`sab_packs` is SAB on rank totals and :func:`sab_pipeline_packs` SAB for 1F1B pipelines
+:func:`sab_packs` is SAB on rank totals and :func:`sab_pipeline_packs` SAB for pipelines
 (:mod:`.pipeline`); both add the length-grouped plans of :mod:`.padding` when micro-batches are
 padded. The planner (:mod:`.planner`) validates, builds the items and the :class:`~.plan.Plan`;
 ``config`` is its :class:`~.planner.PlanConfig` (not imported: the planner imports this module).

@@ -12,8 +12,8 @@ also prices two length-grouped plans and keeps the least predicted one:
   ties by index) and cut into consecutive micro-batches (LongAlign's sorted batching per rank);
 - ``lbb``: the length buckets of :func:`~.strategies.length_buckets` (the paper's LBB).
 
-With pipelines each rank's micro-batches of both are put in the order of least 1F1B makespan
-(:func:`~.pipeline.best_orders` on their padded times). The rank assignment itself is still
+With pipelines each rank's micro-batches of both are put in the order of least makespan of the
+schedule that runs (:func:`~.pipeline.best_orders` on their padded times). The rank assignment itself is still
 balanced by unpadded document cost (a heuristic: the candidates are then priced padded). Under
 padding ``sab`` often keeps LBB's own plan (the simulator's ``candidates`` say how often), so it
 is never predicted slower than LBB, by construction. The trainer packs (THD, no padding):

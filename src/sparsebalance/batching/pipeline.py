@@ -1,11 +1,11 @@
 """SAB for pipelines (``PlanConfig.pipeline_stages`` P > 1): pack each data-parallel rank's
-documents into micro-batches, and order them, so that its 1F1B makespan is short, and even the
-ranks' makespans instead of their totals.
+documents into micro-batches, and order them, so that its pipeline's makespan is short, and even
+the ranks' makespans instead of their totals.
 
-Why: a rank of P stages runs its M micro-batches through a 1F1B pipeline
-(:mod:`.schedule`); a slow micro-batch stalls every later stage, so the makespan is about
-``(sum of micro-batch times + (P - 1) x the slowest) / P`` and depends on the order too (the
-best and worst order of four micro-batches differ by up to ~1.4x). Rank totals are the wrong
+Why: a rank of P stages runs its M micro-batches through a 1F1B pipeline (:mod:`.schedule`; or
+interleaved 1F1B, or ZB-H1, below); a slow micro-batch stalls every later stage, so the makespan
+is about ``(sum of micro-batch times + (P - 1) x the slowest) / P`` and depends on the order too
+(the best and worst order of four micro-batches differ by up to ~1.4x). Rank totals are the wrong
 thing to even: a rank holding one long document has a long critical path at the same total.
 
 Pricing (the planner's, a surrogate of the cost model): a micro-batch's time is the micro-batch
@@ -13,9 +13,11 @@ overhead plus its items' ``doc_seconds`` (additive, as SAB's rank-level search),
 stages by their layer share (``PlanConfig.stage_layers``, :func:`~.schedule.resolve_layers`;
 the LM head's small term spread with it), each share times its stage's scale, backward = ratio x
 forward (``PlanConfig.stage_scales`` and ``backward_ratio``: 1 and 2 until a training run has
-measured its stages); the makespan is the exact 1F1B one (:func:`~.schedule.makespans`), or with
-``PlanConfig.pipeline_virtual`` V > 1 the exact interleaved one (:mod:`.interleaved`: the split
-is then per virtual stage, each rank's scale on its V chunks), so the order search and the
+measured its stages); the makespan is the exact one of the schedule that runs: 1F1B
+(:func:`~.schedule.makespans`); with ``PlanConfig.pipeline_virtual`` V > 1 interleaved 1F1B
+(:mod:`.interleaved`: the split is then per virtual stage, each rank's scale on its V chunks);
+with ``PlanConfig.pipeline_schedule`` ``"zb-h1"`` zero bubble (:mod:`.zero_bubble`: each stage's
+backward split into B and W, W ``PlanConfig.weight_share`` of it). So the order search and the
 exchanges below price the schedule that runs.
 
 Per rank (:func:`pack_rank`): LPT on item cost into micro-batches (:func:`~.strategies.
@@ -46,6 +48,7 @@ from .interleaved import check_virtual
 from .plan import Items, flatten_packs, padded_packs, predict_packs
 from .schedule import BACKWARD_RATIO, head_seconds, layered_makespans, resolve_layers
 from .strategies import RankItems, RankPacks, Regime, pack_balanced_ranks
+from .zero_bubble import check_schedule
 
 EXHAUSTIVE_ORDER = 6
 """Up to this many micro-batches per rank every order is priced (720 at 6); above, best swaps."""
@@ -62,9 +65,17 @@ MAX_PAIRS = 256
 """Most swap candidates per (heavy, light) rank pair (the heavy rank's largest items first)."""
 
 
+def check_weight_share(value: float, flag: str = "weight_share") -> None:
+    """Refuse, in one line naming ``flag``, a zero-bubble W share outside [0, 1) (W is a part of
+    the backward; B, the rest, cannot be empty) or not a number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{flag} (W's share of a stage's backward, zb-h1) must be a number in [0, 1), got {value!r}")
+
+
 @dataclass(frozen=True)
 class PipelineShape:
-    """How the planner prices a rank's micro-batches as a 1F1B pipeline."""
+    """How the planner prices a rank's micro-batches as a pipeline: 1F1B, interleaved 1F1B
+    (:attr:`virtual` > 1) or ZB-H1 (:attr:`weight_share` given)."""
 
     layers: np.ndarray
     """``(P,)`` layers per stage (:func:`~.schedule.resolve_layers`)."""
@@ -76,6 +87,10 @@ class PipelineShape:
     virtual: int = 1
     """V chunks per rank (``PlanConfig.pipeline_virtual``): priced as interleaved 1F1B
     (:mod:`.interleaved`), :attr:`layers` then per virtual stage ``(P V,)``; 1: plain 1F1B."""
+    weight_share: float | None = None
+    """Zero bubble (``PlanConfig.pipeline_schedule`` ``"zb-h1"``, V = 1): priced as ZB-H1
+    (:mod:`.zero_bubble`), W this share of each stage's backward (``PlanConfig.weight_share``);
+    None: 1F1B."""
 
     @classmethod
     def of(
@@ -86,14 +101,20 @@ class PipelineShape:
         ratio: float = BACKWARD_RATIO,
         scales: tuple[float, ...] = (),
         virtual: int = 1,
+        weight_share: float | None = None,
     ) -> PipelineShape:
         """``split``: layers per (virtual) stage (``PlanConfig.stage_layers``, P V entries); empty =
-        the even split. ``scales``: per stage (``PlanConfig.stage_scales``); empty = 1."""
+        the even split. ``scales``: per stage (``PlanConfig.stage_scales``); empty = 1.
+        ``weight_share``: ZB-H1's W share of a backward, in [0, 1) (V = 1 only); None: 1F1B."""
         if scales and len(scales) != num_stages:
             raise ValueError(f"stage_scales {tuple(scales)}: need one scale per stage ({num_stages})")
         check_virtual(num_stages, virtual, num_layers)
+        if weight_share is not None:
+            check_schedule("zb-h1", num_stages, virtual)
+            check_weight_share(weight_share)
         layers = resolve_layers(num_layers, num_stages * virtual, split)
-        return cls(layers, ratio, np.asarray(scales, dtype=np.float64) if scales else None, virtual)
+        scaled = np.asarray(scales, dtype=np.float64) if scales else None
+        return cls(layers, ratio, scaled, virtual, None if weight_share is None else float(weight_share))
 
     @property
     def num_stages(self) -> int:
@@ -101,14 +122,15 @@ class PipelineShape:
         return int(self.layers.size) // self.virtual
 
     def __eq__(self, other: object) -> bool:
-        """Prices alike: the same split, backward ratio and stage scales (None = 1)."""
+        """Prices alike: the same schedule, split, backward ratio, weight share and stage scales
+        (None = 1)."""
         if not isinstance(other, PipelineShape):
             return NotImplemented
         ones = np.ones(self.num_stages)
         mine = ones if self.scales is None else self.scales
         theirs = np.ones(other.num_stages) if other.scales is None else other.scales
         same = np.array_equal(self.layers, other.layers) and self.ratio == other.ratio and self.virtual == other.virtual
-        return same and np.array_equal(mine, theirs)
+        return same and self.weight_share == other.weight_share and np.array_equal(mine, theirs)
 
     __hash__ = None  # arrays inside: not hashable
 
@@ -116,7 +138,7 @@ class PipelineShape:
         """``(n,)`` makespans of n pipelines of micro-batch times ``(n, M)``, in that order;
         ``head``: what of each micro-batch runs on the last stage only
         (:func:`~.schedule.layered_makespans`)."""
-        return layered_makespans(times, head, self.layers, self.ratio, self.scales, self.virtual)
+        return layered_makespans(times, head, self.layers, self.ratio, self.scales, self.virtual, self.weight_share)
 
 
 @lru_cache(maxsize=16)

@@ -50,12 +50,13 @@ from .context import CPResult, plan_cp
 from .cp_plan import build_cp_plan
 from .estimate import DensityEstimator
 from .interleaved import check_virtual
-from .pipeline import PipelineShape
+from .pipeline import PipelineShape, check_weight_share
 from .plan import FlatPacks, Items, Plan, build_plan, flatten_packs, predict_packs
 from .schedule import BACKWARD_RATIO
 from .strategies import (
     Regime,
 )
+from .zero_bubble import WEIGHT_SHARE, check_schedule
 
 STRATEGIES = ("sequential", "sorted", "lbb", "tokens", "flops", "sab", "sab-cp")
 OVERLONG = ("split", "truncate", "skip")
@@ -95,11 +96,11 @@ class PlanConfig:
     of k <= G ranks inside one node, prices rings that span nodes at the inter-node link and
     runs them hierarchical (inner ring = a node); default: the cost model's ``links``."""
     pipeline_stages: int = 1
-    """Pipeline stages P per data-parallel rank (``--pp``): each rank is a 1F1B pipeline of P
-    stages. With P > 1, ``sab`` packs and orders each rank's micro-batches for the least 1F1B
-    makespan and evens the ranks' makespans, not their totals (:mod:`.pipeline`); the other
-    strategies are unchanged. At most the model's layers; not with ``sab-cp``. 1: no pipeline,
-    every plan exactly as without the field."""
+    """Pipeline stages P per data-parallel rank (``--pp``): each rank is a pipeline of P stages
+    (1F1B, or ``pipeline_schedule``'s). With P > 1, ``sab`` packs and orders each rank's
+    micro-batches for the least makespan of that schedule and evens the ranks' makespans, not
+    their totals (:mod:`.pipeline`); the other strategies are unchanged. At most the model's
+    layers; not with ``sab-cp``. 1: no pipeline, every plan exactly as without the field."""
     stage_layers: tuple[int, ...] = ()
     """Decoder layers per pipeline stage (P entries, each >= 1, summing to the model's layers; the
     trainer's split, :func:`~.schedule.balanced_layers`); empty: the even split
@@ -108,6 +109,15 @@ class PlanConfig:
     pipeline_virtual: int = 1
     """Chunks of layers per pipeline rank (``--pp-virtual`` V): SAB and DST price the interleaved
     1F1B makespan (:mod:`.interleaved`); 1: plain 1F1B."""
+    pipeline_schedule: str = "1f1b"
+    """The pipeline schedule (``--pp-schedule``, one of :data:`~.zero_bubble.SCHEDULES`):
+    ``"1f1b"`` (interleaved with ``pipeline_virtual`` V > 1), or ``"zb-h1"``, zero bubble: SAB and
+    DST price the ZB-H1 makespan (:mod:`.zero_bubble`; needs P >= 2 and V = 1). With P = 1 and
+    ``"1f1b"`` every plan is exactly as without the field."""
+    weight_share: float = WEIGHT_SHARE
+    """W's share of a stage's backward with which ``"zb-h1"`` is priced, in [0, 1) (the weight
+    gradients', which nobody waits for; a training run's measured share; default
+    :data:`~.zero_bubble.WEIGHT_SHARE`, an estimate). Read only with ``"zb-h1"``."""
     stage_scales: tuple[float, ...] = ()
     """Multiplies each pipeline stage's share of a micro-batch's predicted seconds (P entries > 0;
     a training run's measured stage scales, :mod:`sparsebalance.engine.stage_calibration`);
@@ -162,6 +172,8 @@ class PlanConfig:
         if not isinstance(split, tuple) or not all(isinstance(n, int) and not isinstance(n, bool) for n in split):
             raise ValueError(f"stage_layers must be a tuple of integers, got {split!r}")
         check_virtual(p, self.pipeline_virtual)
+        check_schedule(self.pipeline_schedule, p, self.pipeline_virtual)
+        check_weight_share(self.weight_share)
         if split and (len(split) != p * self.pipeline_virtual or min(split) < 1):
             per = f"--pp {p}" + (f" x --pp-virtual {self.pipeline_virtual}" if self.pipeline_virtual > 1 else "")
             raise ValueError(f"stage_layers {split}: need one entry >= 1 per pipeline stage ({per})")
@@ -181,8 +193,9 @@ class PlanConfig:
             raise ValueError("--pad-micro-batches: context-parallel plans (sab-cp) are not padded; use sab")
 
     def pipeline(self, num_layers: int) -> PipelineShape | None:
-        """How SAB and DST price a rank as a 1F1B pipeline of a ``num_layers`` model (the split,
-        the stage scales, the backward ratio); None without a pipeline."""
+        """How SAB and DST price a rank as a pipeline of a ``num_layers`` model (the schedule, the
+        split, the stage scales, the backward ratio, ZB-H1's weight share); None without a
+        pipeline."""
         if self.pipeline_stages == 1:
             return None
         return PipelineShape.of(
@@ -192,6 +205,7 @@ class PlanConfig:
             self.backward_ratio,
             self.stage_scales,
             self.pipeline_virtual,
+            self.weight_share if self.pipeline_schedule == "zb-h1" else None,
         )
 
 

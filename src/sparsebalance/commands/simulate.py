@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import flags
+from ..batching.zero_bubble import SCHEDULES
 from ..files import check_output_folder
 from ..results import markdown_table
 from ..simulate import LengthDistribution, SimConfig
@@ -42,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         SimConfig,
         skip=_SKIP,
         exclusive=[("micro_batches", "capacity"), ("lengths.name",), ("profile", "analytic")],
+        choices={"pipeline_schedule": SCHEDULES},
     )
     groups["lengths.name"].add_argument(
         "--lengths",
@@ -121,9 +123,25 @@ def order_note(result: dict) -> str | None:
     if not steps:
         return None
     return (
-        f"note: sab did not search the 1F1B order in {steps} of {result['num_steps']} steps: up to {most} "
+        f"note: sab did not search the pipeline order in {steps} of {result['num_steps']} steps: up to {most} "
         f"micro-batches per pipeline, more than {ORDER_SEARCH_MAX} (their search grows with the cube); they run "
         "in ascending predicted time (a larger --capacity makes fewer)"
+    )
+
+
+def pipeline_line(config: SimConfig, layers: list[int]) -> str:
+    """What each rank's pipeline is (schedule, stages, layers per stage), in one line."""
+    p, v = config.pipeline_stages, config.pipeline_virtual
+    if config.pipeline_schedule == "zb-h1":
+        share = config.pipeline_weight_share
+        kind = f"a zero-bubble ZB-H1 pipeline of {p} stages (weights' gradient {share:.2f} of a backward)"
+    elif v > 1:
+        kind = f"an interleaved 1F1B pipeline of {p} stages x {v} chunks"
+    else:
+        kind = f"a 1F1B pipeline of {p} stages"
+    return (
+        f"pipelines: each rank is {kind} (layers per {'virtual stage' if v > 1 else 'stage'} {layers}; makespan, "
+        "bubbles included); sab packs and orders micro-batches for it and DST anchors on it"
     )
 
 
@@ -155,13 +173,7 @@ def main(args: argparse.Namespace) -> int:
         f"rank, {bound}, seed {config.seed}; {config.dst.describe()}"
     )
     if config.pipeline_stages > 1:
-        v = config.pipeline_virtual
-        kind = f"an interleaved 1F1B pipeline of {config.pipeline_stages} stages x {v} chunks" if v > 1 else None
-        print(
-            f"pipelines: each rank is {kind or f'a 1F1B pipeline of {config.pipeline_stages} stages'} (layers per "
-            f"{'virtual stage' if v > 1 else 'stage'} {summary['stage_layers']}; makespan, bubbles included); sab "
-            "packs and orders micro-batches for it and DST anchors on it"
-        )
+        print(pipeline_line(config, summary["stage_layers"]))
     if config.pad_micro_batches:
         print(
             "padded micro-batches: every document costs its micro-batch's longest (no packing, every "

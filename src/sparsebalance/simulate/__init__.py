@@ -10,7 +10,7 @@ table["strategies"]["sab+dst"]["speedup"]
 ```
 
 Modules: ``distributions`` (document lengths), ``sparsity`` (densities at gamma0), ``engine``
-(the step replay, :func:`simulate_steps`), ``pipeline`` (1F1B makespans, ``--pp``),
+(the step replay, :func:`simulate_steps`), ``pipeline`` (1F1B, interleaved and ZB-H1 makespans, ``--pp``),
 ``scenario`` (config, batches, cost model, all-reduce),
 ``plots`` (PNG).
 """

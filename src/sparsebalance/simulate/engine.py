@@ -39,9 +39,11 @@ import numpy as np
 from ..batching import STRATEGIES as PLANNERS
 from ..batching import PlanConfig
 from ..batching.interleaved import check_virtual
+from ..batching.pipeline import check_weight_share
 from ..batching.plan import longest_in_rows
 from ..batching.planner import Assignment, assign_batch
 from ..batching.schedule import resolve_layers
+from ..batching.zero_bubble import WEIGHT_SHARE, check_schedule
 from ..tuning import ANCHORS, DensityCurve, DSTConfig, DSTTuner, Knob, PipelineWorkload, PlanWorkload, UnitWorkload
 from ..tuning.dst import StepArrays
 from ..tuning.records import CUT, RAISED
@@ -125,6 +127,8 @@ def simulate_steps(
     pad_micro_batches: bool = False,
     pipeline_virtual: int = 1,
     stage_times: bool = False,
+    pipeline_schedule: str = "1f1b",
+    weight_share: float = WEIGHT_SHARE,
 ) -> dict:
     """Predicted ablation table for explicit global batches (the simulator's and bench-e2e's API).
 
@@ -142,8 +146,9 @@ def simulate_steps(
         show_step: which step's per-rank times to return (``rank_times``).
         workers: processes over steps (results do not depend on it).
         overlong: ``--overlong`` policy for documents over the capacity (``R x C`` for sab-cp).
-        pipeline_stages: ``--pp`` P: each rank is a 1F1B pipeline of P stages and its time is the
-            pipeline's makespan (:mod:`~sparsebalance.simulate.pipeline`); 1 = no pipeline.
+        pipeline_stages: ``--pp`` P: each rank is a pipeline of P stages (1F1B, or
+            ``pipeline_schedule``'s) and its time is the pipeline's makespan
+            (:mod:`~sparsebalance.simulate.pipeline`); 1 = no pipeline.
         stage_layers: layers per pipeline stage, the one split the planner, DST and the pricing
             use (the trainer's: ``balanced_layers(L, P, head_layers(shapes))``); empty = even.
             With ``pipeline_virtual`` V > 1: P V entries, one per virtual stage.
@@ -151,8 +156,13 @@ def simulate_steps(
             runs the interleaved 1F1B schedule (:mod:`~sparsebalance.batching.interleaved`); SAB,
             DST and the pricing all read its makespan. 1 = plain 1F1B.
         stage_times: with a pipeline, also return ``stage_times``: name -> per step -> per rank
-            ``(M_r, P V)`` seconds of each micro-batch on each (virtual) stage, as priced (what
-            another schedule can be priced on, e.g. :mod:`~sparsebalance.simulate.zero_bubble`).
+            ``(M_r, P V)`` forward + backward seconds of each micro-batch on each (virtual) stage,
+            as priced (what another schedule can be priced on).
+        pipeline_schedule: ``--pp-schedule``: ``"1f1b"`` or ``"zb-h1"``, zero bubble
+            (:mod:`~sparsebalance.batching.zero_bubble`; needs P >= 2 and V = 1): SAB's order
+            search and exchanges, DST's rank and micro-batch levels and the pricing (makespan,
+            device busy = F + B + W) all read ZB-H1's makespan.
+        weight_share: ZB-H1's W share of a stage's backward, in [0, 1) (read with ``"zb-h1"``).
         pad_micro_batches: run every micro-batch without packing, each document padded to the
             micro-batch's longest (``--pad-micro-batches``: Megatron-style ``(K, S)`` batches;
             every strategy, DST and the pricing see the padded documents, each keeping its own
@@ -177,10 +187,17 @@ def simulate_steps(
     job = _Job(world_size, cost_model, micro_batches, capacity, tuple(strats), dst, knob, overlong, cover)
     job = replace(job, padded=pad_micro_batches)
     check_virtual(pipeline_stages, pipeline_virtual, cost_model.num_layers)
+    check_schedule(pipeline_schedule, pipeline_stages, pipeline_virtual)
+    check_weight_share(weight_share)
     if pipeline_stages != 1:
         _check_pipeline(pipeline_stages * pipeline_virtual, cost_model, strats, stage_layers)
         job = replace(
-            job, pipeline_stages=pipeline_stages, stage_layers=tuple(stage_layers), pipeline_virtual=pipeline_virtual
+            job,
+            pipeline_stages=pipeline_stages,
+            stage_layers=tuple(stage_layers),
+            pipeline_virtual=pipeline_virtual,
+            pipeline_schedule=pipeline_schedule,
+            weight_share=float(weight_share),
         )
     if stage_times and pipeline_stages == 1:
         raise ValueError("stage_times: only pipelines (pipeline_stages > 1) have stages")
@@ -234,6 +251,8 @@ class _Job:
     stage_layers: tuple[int, ...] = ()
     padded: bool = False
     pipeline_virtual: int = 1
+    pipeline_schedule: str = "1f1b"
+    weight_share: float = WEIGHT_SHARE
 
     def planner_densities(self, batch: StepBatch) -> np.ndarray:
         """What SAB prices each document at: its density at gamma0 (gamma), or at the base k
@@ -261,6 +280,8 @@ class _Job:
                         pipeline_stages=self.pipeline_stages,
                         stage_layers=self.stage_layers,
                         pipeline_virtual=self.pipeline_virtual,
+                        pipeline_schedule=self.pipeline_schedule,
+                        weight_share=self.weight_share,
                     )
                 t0 = time.perf_counter()
                 a = assign_batch(batch.lengths, dens, self.cost_model, cfg)
@@ -289,6 +310,7 @@ class _Job:
                         mb_values=dec.microbatch_budgets,
                         stage_layers=self.stage_layers,
                         virtual=self.pipeline_virtual,
+                        weight_share=self.weight_share if self.pipeline_schedule == "zb-h1" else None,
                     )
                     decided[s.planner, cfg].update(rec)
             out[s.name] = decided[s.planner, cfg]

@@ -1,4 +1,5 @@
-"""Pipeline parallelism in the simulator: the exact makespan of a 1F1B schedule over PP stages.
+"""Pipeline parallelism in the simulator: the exact makespan of a pipeline schedule over PP
+stages (1F1B, interleaved 1F1B or zero-bubble ZB-H1).
 
 A data-parallel rank with ``--pp P`` is a pipeline of P stages (devices). Each of its M
 micro-batches runs a forward on stage 0, 1, ..., P-1 and then a backward on stage P-1, ..., 0.
@@ -28,6 +29,12 @@ stages (``stage_layers`` then has P V entries), virtual stage k runs on device `
 makespan is the exact interleaved one (:mod:`sparsebalance.batching.interleaved`); a device's busy
 time sums its V chunks.
 
+Zero bubble ZB-H1 (``weight_share`` given, ``--pp-schedule zb-h1``, V = 1): each stage's backward
+is split into B (the input's gradient, ``1 - weight_share`` of it) and W (the weights', which
+nobody waits for), run in ZB-H1's per-stage order; the makespan is the exact one
+(:mod:`sparsebalance.batching.zero_bubble`), a device's busy time its F + B + W seconds (the same
+work as 1F1B's, in less time).
+
 Not modelled: send/receive of activations between stages (taken as free, overlapped; interleaving
 sends V times as many), memory limits of the warm-up's in-flight activations.
 
@@ -42,7 +49,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..batching import interleaved
+from ..batching import interleaved, zero_bubble
 from ..batching.schedule import (
     BACKWARD_RATIO,
     PipelineResult,
@@ -98,10 +105,22 @@ def stage_seconds(
     return out
 
 
-def pipeline_result(forward: np.ndarray, backward: np.ndarray, virtual: int = 1) -> PipelineResult:
+def pipeline_result(
+    forward: np.ndarray, backward: np.ndarray, virtual: int = 1, weight_share: float | None = None
+) -> PipelineResult:
     """One pipeline's exact makespan and per-device busy and bubble seconds: ``forward`` and
     ``backward`` float ``(M, P V)`` seconds per (virtual) stage; ``virtual`` V: interleaved 1F1B
-    (each device's busy time sums its V chunks); 1: :func:`one_f_one_b`."""
+    (each device's busy time sums its V chunks); ``weight_share``: ZB-H1 (V = 1), the backward
+    split into B and W, W this share of it (busy: F + B + W); neither: :func:`one_f_one_b`."""
+    if weight_share is not None:
+        if virtual != 1:
+            raise ValueError(f"zero bubble (weight_share) runs one chunk per device, got virtual {virtual}")
+        f = np.asarray(forward, dtype=np.float64)
+        b = np.asarray(backward, dtype=np.float64)
+        b_input, b_weight = zero_bubble.split_backward(b, weight_share)
+        makespan = float(zero_bubble.makespans(f[None], b_input[None], b_weight[None])[0])
+        busy = f.sum(axis=0) + b_input.sum(axis=0) + b_weight.sum(axis=0)
+        return PipelineResult(makespan, busy, makespan - busy)
     if virtual == 1:
         return one_f_one_b(forward, backward)
     f = np.asarray(forward, dtype=np.float64)
@@ -120,12 +139,14 @@ def pipeline_record(
     mb_values: Sequence[np.ndarray] | None = None,
     stage_layers: tuple[int, ...] = (),
     virtual: int = 1,
+    weight_share: float | None = None,
 ) -> dict:
     """A simulated step's pipeline numbers for a :class:`~sparsebalance.tuning.PlanWorkload`
     priced at per-rank knob values ``(R,)``, or per micro-batch: ``mb_values`` (one ``(M_r,)``
     per rank, DST's budgets per micro-batch of a pipeline); what the engine's record reads
     instead of rank sums. ``stage_layers``: layers per (virtual) stage (empty: the even split);
-    ``virtual``: V chunks per device, interleaved 1F1B (1: plain 1F1B).
+    ``virtual``: V chunks per device, interleaved 1F1B (1: plain 1F1B); ``weight_share``: ZB-H1
+    with W this share of a backward (None: 1F1B).
 
     Returns: ``compute`` (slowest pipeline's makespan), ``mean_rank`` (mean makespan),
     ``rank_times`` ``(R,)`` makespans, ``device_idle`` (mean idle share of the R x P devices in
@@ -146,7 +167,7 @@ def pipeline_record(
         dens = work.knob.density(g.lengths, g.d0, per_mb)
         for i, rank in enumerate(g.ranks.tolist()):
             st = stage_seconds(work.cost_model, g.lengths[i], dens[i], num_stages * virtual, stage_layers)
-            res = pipeline_result(*split_forward_backward(st, ratio), virtual)
+            res = pipeline_result(*split_forward_backward(st, ratio), virtual, weight_share)
             makespans[rank] = res.makespan
             busy[rank] = res.busy
             mb_times.append(st.sum(axis=1))

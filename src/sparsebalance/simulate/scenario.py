@@ -24,7 +24,9 @@ import numpy as np
 from .. import flags
 from ..batching import DEFAULT_CAPACITY
 from ..batching.interleaved import check_virtual
+from ..batching.pipeline import check_weight_share
 from ..batching.schedule import balanced_layers, head_layers, stage_layers
+from ..batching.zero_bubble import WEIGHT_SHARE, check_schedule
 from ..latency import (
     ACCELERATORS,
     LatencyModel,
@@ -99,13 +101,21 @@ class SimConfig:
     the gradient all-reduce uses the in-node link up to G ranks. Default: the accelerator's 8
     GPUs per node (measured profile links: one host)."""
     pipeline_stages: int = 1
-    """[--pp] pipeline stages P per data-parallel rank: each rank becomes a 1F1B pipeline of P
-    devices (R x P in all), its time the pipeline's makespan, bubbles included
+    """[--pp] pipeline stages P per data-parallel rank: each rank becomes a pipeline of P
+    devices (1F1B, or --pp-schedule's) (R x P in all), its time the pipeline's makespan, bubbles included
     (:mod:`sparsebalance.simulate.pipeline`); at most the model's layers. 1 = no pipeline."""
     pipeline_virtual: int = 1
     """[--pp-virtual] chunks of layers per pipeline device V: interleaved 1F1B
     (:mod:`sparsebalance.batching.interleaved`), each device holding V non-adjacent chunks; needs
     --pp >= 2 and at least --pp x V layers. 1 = plain 1F1B."""
+    pipeline_schedule: str = "1f1b"
+    """[--pp-schedule] the pipeline schedule: 1f1b (interleaved with --pp-virtual), or zb-h1, zero
+    bubble (:mod:`sparsebalance.batching.zero_bubble`: each stage's backward split into the
+    input's gradient and the weights', which fill the bubbles); sab, DST and the step's pricing
+    all read its makespan. zb-h1 needs --pp >= 2 and --pp-virtual 1."""
+    pipeline_weight_share: float = WEIGHT_SHARE
+    """[--pp-weight-share] zb-h1: the weights' gradient's share of a stage's backward, in [0, 1)
+    (a training run measures it; default 1/3, an estimate). Read only with --pp-schedule zb-h1."""
     pad_micro_batches: bool = False
     """[--pad-micro-batches] run every micro-batch unpacked, its documents padded to its longest
     (Megatron-style ``(K, S)`` batches; the SparseBalance paper's micro-batch 2 as we read it),
@@ -149,6 +159,8 @@ class SimConfig:
         if self.pipeline_stages < 1:
             raise ValueError(f"--pp must be >= 1, got {self.pipeline_stages}")
         check_virtual(self.pipeline_stages, self.pipeline_virtual)
+        check_schedule(self.pipeline_schedule, self.pipeline_stages, self.pipeline_virtual)
+        check_weight_share(self.pipeline_weight_share, "--pp-weight-share")
         if self.pad_micro_batches and self.micro_batches is None:
             raise ValueError(
                 "--pad-micro-batches needs --micro-batches M (not --capacity): a padded micro-batch has K documents"
@@ -299,6 +311,8 @@ def _simulate_one(config: SimConfig, model: LatencyModel, cost, shapes, r: int) 
         stage_layers=pipeline_split(shapes, model.num_layers, config.pipeline_stages * config.pipeline_virtual),
         pad_micro_batches=config.pad_micro_batches,
         pipeline_virtual=config.pipeline_virtual,
+        pipeline_schedule=config.pipeline_schedule,
+        weight_share=config.pipeline_weight_share,
     )
 
 
@@ -352,6 +366,11 @@ def _describe(config: SimConfig, desc: str, results: list[dict]) -> dict:
         "seed": config.seed,
         **({"pipeline_stages": config.pipeline_stages} if config.pipeline_stages > 1 else {}),
         **({"pipeline_virtual": config.pipeline_virtual} if config.pipeline_virtual > 1 else {}),
+        **(
+            {"pipeline_schedule": config.pipeline_schedule, "weight_share": config.pipeline_weight_share}
+            if config.pipeline_schedule != "1f1b"
+            else {}
+        ),
         **({"pad_micro_batches": True} if config.pad_micro_batches else {}),
         "results": results,
     }

@@ -27,10 +27,11 @@ layer by the :class:`~.layer.LayerController`, which has the layer's real gate s
 ``mode="down"`` stops after step 2; ``mode="off"`` keeps the base budget everywhere (the baseline
 and SAB-only ablations). The tuner is a plain object without state between steps.
 
-Pipelines (``decide(..., pipeline=)``, ``PlanConfig.pipeline``): workers are 1F1B pipelines timed by their makespans
-(:mod:`.pipeline_workload`), and after the rule above (one budget per pipeline) every micro-batch
-gets its own budget (:mod:`.microbatch_dst`: the critical micro-batches cut, the others raised,
-no pipeline predicted slower than with its one budget).
+Pipelines (``decide(..., pipeline=)``, ``PlanConfig.pipeline``): workers are pipelines (1F1B,
+interleaved or ZB-H1) timed by their makespans (:mod:`.pipeline_workload`), and after the rule
+above (one budget per pipeline) every micro-batch gets its own budget (:mod:`.microbatch_dst`:
+the critical micro-batches cut, the others raised, no pipeline predicted slower than with its one
+budget).
 """
 
 from __future__ import annotations
@@ -252,8 +253,8 @@ class DSTTuner:
     ) -> StepDecision:
         """The whole step from the plan (rank -> micro-batches), identical on every rank.
 
-        ``pipeline`` (``PlanConfig.pipeline``: the split, stage scales and backward ratio): every
-        rank is a 1F1B pipeline and its time is the pipeline's makespan
+        ``pipeline`` (``PlanConfig.pipeline``: the schedule, split, stage scales, backward ratio and
+        ZB-H1's weight share): every rank is a pipeline and its time is the pipeline's makespan
         (:class:`~.pipeline_workload.PipelineWorkload`): the anchor, the cuts and the raises read
         makespans, and ``RankDecision``'s times are makespans. Then each micro-batch gets its own
         budget (``RankDecision.microbatch_budgets``, ``budget`` their mean; :mod:`.microbatch_dst`),

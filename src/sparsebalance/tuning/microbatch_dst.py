@@ -2,7 +2,8 @@
 others are raised into the slack.
 
 In a 1F1B pipeline of P stages the makespan is about ``(sum of micro-batch times + (P - 1) x the
-slowest) / P`` (exactly: :mod:`sparsebalance.batching.schedule`). Shortening the slowest
+slowest) / P`` (exactly: :mod:`sparsebalance.batching.schedule`; interleaved 1F1B and ZB-H1 are
+priced exactly too, through ``PipelineWorkload.shape``). Shortening the slowest
 micro-batch shortens it ~P times more than shortening another one, and raising a short
 micro-batch's budget costs ~1/P of its extra time. One budget per pipeline cannot use that; this
 level, run after the rank level of :meth:`DSTTuner.decide_arrays
@@ -21,8 +22,8 @@ its makespan ``S_r``), can:
 3. Targets: a pipeline whose base makespan exceeds ``(1 + tolerance) T`` aims at that; the others
    at the raise target (``T``, or the step after those cuts with ``raise_to="step"``; never below
    their base makespan; ``down``: their base makespan). Every target is capped at ``S_r``.
-4. Water level: ``tau_r`` is the highest level whose exact 1F1B makespan, with micro-batch m
-   running ``min(tau_r, t_m(hi))``, meets the target (a bisection on makespans alone, no
+4. Water level: ``tau_r`` is the highest level whose exact makespan (of the schedule that runs),
+   with micro-batch m running ``min(tau_r, t_m(hi))``, meets the target (a bisection on makespans alone, no
    cost-model call). Micro-batches above the level are cut to it, those below raised to it (the
    paper's rule with a micro-batch anchor, the level, set by a makespan): even micro-batch times
    are the least makespan for a total, so the level spends the target on as much attention as it
@@ -168,7 +169,7 @@ class MicroBatchPrices:
         return density, attention
 
     def makespans(self, seconds: np.ndarray) -> np.ndarray:
-        """``(R,)`` each pipeline's 1F1B makespan from ``(E,)`` micro-batch seconds (heads at
+        """``(R,)`` each pipeline's makespan from ``(E,)`` micro-batch seconds (heads at
         the base budget, as :class:`PipelineWorkload` prices them); 0 without micro-batches."""
         pipe, out = self.pipe, np.zeros(self.pipe.num_ranks)
         parts = zip(self.groups, pipe.heads, self.split(seconds), strict=True)

@@ -1,7 +1,9 @@
-"""DST over pipelines: a plan's ranks priced as 1F1B pipelines (their makespans), not as sums.
+"""DST over pipelines: a plan's ranks priced as pipelines (their makespans), not as sums.
 
 With P > 1 pipeline stages a rank's step time is its pipeline's makespan
-(:mod:`sparsebalance.batching.schedule`): about ``(sum of micro-batch times + (P - 1) x the
+(:mod:`sparsebalance.batching.schedule`; the schedule ``PlanConfig.pipeline`` names: 1F1B,
+interleaved 1F1B or ZB-H1, whose exact makespan :class:`~sparsebalance.batching.pipeline.
+PipelineShape` prices): for 1F1B about ``(sum of micro-batch times + (P - 1) x the
 slowest) / P``, order included. :class:`PipelineWorkload` implements
 :class:`~.plan_workload.StepWorkload` with that time, so :meth:`DSTTuner.decide_arrays
 <sparsebalance.tuning.dst.DSTTuner.decide_arrays>` runs unchanged and its anchor (min / mean /
@@ -36,9 +38,9 @@ from .plan_workload import PlanWorkload, _Group
 
 
 class PipelineWorkload:
-    """The ranks of a :class:`PlanWorkload` as 1F1B pipelines priced by ``shape`` (the split, the
-    stage scales and the backward ratio; ``PlanConfig.pipeline``): :meth:`seconds` is each rank's
-    makespan with its micro-batches in plan (= run) order."""
+    """The ranks of a :class:`PlanWorkload` as pipelines priced by ``shape`` (the schedule, the
+    split, the stage scales, the backward ratio and ZB-H1's weight share; ``PlanConfig.pipeline``):
+    :meth:`seconds` is each rank's makespan with its micro-batches in plan (= run) order."""
 
     def __init__(self, work: PlanWorkload, shape: PipelineShape) -> None:
         if int(shape.layers.sum()) != work.cost_model.num_layers:
@@ -75,7 +77,7 @@ class PipelineWorkload:
         return self.work.weights
 
     def seconds(self, values: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
-        """``(R,)`` each rank's 1F1B makespan at ``values[r]``; ranks outside ``active`` (and
+        """``(R,)`` each rank's makespan at ``values[r]``; ranks outside ``active`` (and
         ranks without micro-batches) read 0."""
         uniform = (active is None or active.all()) and values.size and np.all(values == values[0])
         key = float(values[0]) if uniform else None
