@@ -49,6 +49,7 @@ from .plan import Items, flatten_packs, padded_packs, predict_packs
 from .schedule import BACKWARD_RATIO, head_seconds, layered_makespans, resolve_layers
 from .strategies import RankItems, RankPacks, Regime, pack_balanced_ranks
 from .zero_bubble import check_schedule
+from .zero_bubble import layered_makespans as zb_layered_makespans
 
 EXHAUSTIVE_ORDER = 6
 """Up to this many micro-batches per rank every order is priced (720 at 6); above, best swaps."""
@@ -138,7 +139,9 @@ class PipelineShape:
         """``(n,)`` makespans of n pipelines of micro-batch times ``(n, M)``, in that order;
         ``head``: what of each micro-batch runs on the last stage only
         (:func:`~.schedule.layered_makespans`)."""
-        return layered_makespans(times, head, self.layers, self.ratio, self.scales, self.virtual, self.weight_share)
+        if self.weight_share is not None:
+            return zb_layered_makespans(times, head, self.layers, self.ratio, self.scales, self.weight_share)
+        return layered_makespans(times, head, self.layers, self.ratio, self.scales, self.virtual)
 
 
 @lru_cache(maxsize=16)

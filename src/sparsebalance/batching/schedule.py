@@ -254,7 +254,6 @@ def layered_makespans(
     ratio: float = BACKWARD_RATIO,
     scales: np.ndarray | None = None,
     virtual: int = 1,
-    weight_share: float | None = None,
 ):
     """``(n,)`` 1F1B makespans of n pipelines from their micro-batch times.
 
@@ -268,22 +267,13 @@ def layered_makespans(
             :mod:`sparsebalance.engine.stage_calibration`); None: 1.
         virtual: V chunks per rank (``--pp-virtual``): the interleaved schedule
             (:mod:`.interleaved`), virtual stage k on rank ``k % P``; 1: plain 1F1B.
-        weight_share: zero bubble (``--pp-schedule zb-h1``, :mod:`.zero_bubble`, V = 1): each
-            stage's backward split into B and W, W this share of it; None: 1F1B.
 
-    A stage's share is :func:`spread_stages`'s, times its rank's scale.
+    A stage's share is :func:`spread_stages`'s, times its rank's scale. Zero bubble:
+    :func:`~.zero_bubble.layered_makespans`.
     """
     stages = spread_stages(times, head, layers)
     if scales is not None:
         stages = stages * np.tile(np.asarray(scales, dtype=np.float64), virtual)
-    if weight_share is not None:
-        from .zero_bubble import makespans as zb_makespans
-        from .zero_bubble import split_backward
-
-        if virtual != 1:
-            raise ValueError("zero bubble (weight_share) prices one chunk per rank (virtual = 1)")
-        forward, backward = split_forward_backward(stages, ratio)
-        return zb_makespans(forward, *split_backward(backward, weight_share))
     if virtual == 1:
         return makespans(*split_forward_backward(stages, ratio))
     from .interleaved import makespans as interleaved_makespans

@@ -15,8 +15,10 @@ after its B, stage P-1 lags its W's by P-1, and each stage's last s W's end its 
 state stage s runs ``(F_x, B_{x-(P-1-s)}, W_{x-(P-1)})``. Every stage holds at most P micro-batches
 between a forward and its W: 1F1B's peak (stage 0 holds P there), counting a pending W as a whole
 micro-batch's activations (conservative: it keeps its linear layers' inputs and output gradients).
-With equal op times F, B, W and M >= P the makespan is ``M (F + B + W) + (P - 1) (F + B - W)``
-against 1F1B's ``(M + P - 1) (F + B + W)`` (tested).
+With equal op times F, B, W, W <= min(F, B) and M >= P the makespan is
+``M (F + B + W) + (P - 1) (F + B - W)`` against 1F1B's ``(M + P - 1) (F + B + W)`` (tested). With
+uneven times ZB-H1 can be longer than 1F1B (a W put before a B that 1F1B ran at once: rare, and
+SAB's order search and DST price the schedule that runs).
 
 An op starts when its stage's previous op has finished and its input is there (a forward: the
 stage before's forward; a B: the stage after's B, or its own forward on the last stage; a W: its
@@ -32,7 +34,7 @@ from functools import lru_cache
 import numpy as np
 
 from .levels import Levels, compile_levels, solve
-from .schedule import schedule_order
+from .schedule import BACKWARD_RATIO, schedule_order, split_forward_backward, spread_stages
 
 SCHEDULES = ("1f1b", "zb-h1")
 """``--pp-schedule``: plain (or, with ``--pp-virtual``, interleaved) 1F1B, or zero-bubble ZB-H1."""
@@ -143,3 +145,22 @@ def split_backward(backward: np.ndarray, weight_share: float) -> tuple[np.ndarra
         raise ValueError(f"weight_share must be in [0, 1), got {weight_share}")
     backward = np.asarray(backward, dtype=np.float64)
     return backward * (1.0 - weight_share), backward * weight_share
+
+
+def layered_makespans(
+    times: np.ndarray,
+    head: np.ndarray,
+    layers: np.ndarray,
+    ratio: float = BACKWARD_RATIO,
+    scales: np.ndarray | None = None,
+    weight_share: float = WEIGHT_SHARE,
+) -> np.ndarray:
+    """``(n,)`` ZB-H1 makespans of n pipelines from their micro-batch times ``(n, M)``: as
+    :func:`~.schedule.layered_makespans` (spread over the stages by ``layers`` ``(P,)``, the head
+    on the last, each stage times its scale, backward = ``ratio`` x forward), each stage's backward
+    split into B and W at ``weight_share``."""
+    stages = spread_stages(times, head, layers)
+    if scales is not None:
+        stages = stages * np.asarray(scales, dtype=np.float64)
+    forward, backward = split_forward_backward(stages, ratio)
+    return makespans(forward, *split_backward(backward, weight_share))
