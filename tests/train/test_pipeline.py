@@ -387,12 +387,14 @@ def test_only_the_stage_reaches_the_device(tmp_path):
     assert {p.device.type for p in whole.parameters()} == {"meta"}
 
 
-def test_resuming_with_another_pp_is_refused(tmp_path):
+def test_resuming_with_another_pp_is_the_same_run(tmp_path):
+    """Issue 54: another --pp is resharded on resume (tests/train/test_reshard.py), not another run."""
     from sparsebalance.train.config_io import to_dict
     from sparsebalance.train.resume import differences
 
     saved = to_dict(_cfg(tmp_path, pp=2))
-    assert differences(saved, _cfg(tmp_path)) == ["--pp 2 -> 1"]
+    assert differences(saved, _cfg(tmp_path)) == []
+    assert differences(saved, _cfg(tmp_path, seed=1)) == ["--seed 0 -> 1"]
 
 
 def test_the_launcher_refuses_a_grid_before_any_process_starts(tmp_path):

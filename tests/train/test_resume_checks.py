@@ -1,14 +1,13 @@
 """What ``--resume`` checks of a checkpoint (issue 45), fast and single-process: the world size it
-was saved with (also through the Python API, rank 0's :func:`choose_checkpoint`), a damaged
-``meta.json`` passed over for the checkpoint before it by the launcher's cheap look as by rank 0,
-and a run that prunes while another command looks for its newest checkpoint."""
+was saved with (another one resumes and is said, issue 54; also through the Python API, rank 0's
+:func:`choose_checkpoint`), a damaged ``meta.json`` passed over for the checkpoint before it by
+the launcher's cheap look as by rank 0, and a run that prunes while another command looks for its newest checkpoint."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from sparsebalance.engine.runtime import Runtime
@@ -48,29 +47,30 @@ def test_the_world_size_is_saved_and_read_back(tmp_path):
     assert find_checkpoint(tmp_path) == (path, [])  # still intact
 
 
-def test_another_world_size_is_refused_in_one_line(tmp_path):
+def test_another_world_size_is_said_in_one_line(tmp_path):
+    """Issue 54: another world size resumes (rank r takes saved rank r mod N's RNG state,
+    :mod:`sparsebalance.train.reshard`); what that changes is one line, nothing on the saved one."""
     path = _save(tmp_path, 4, ranks=2)
-    resume.check_world_size(path, 2)
-    with pytest.raises(ValueError) as err:
-        resume.check_world_size(path, 4, "--nproc 4")
-    line = str(err.value)
+    cfg = TrainConfig(out=str(tmp_path), steps=10, resume=True)
+    assert resume.check_grid(path, cfg, 2) is None
+    line = resume.check_grid(path, cfg, 4)
     assert "\n" not in line
     for part in (
-        "checkpoints/step-000004 was saved by 2 ranks",
-        "this run has 4 (--nproc 4)",
-        "resume with 2 ranks (--nproc 2",
+        "checkpoints/step-000004 was saved by --pp 1 x 2 pipelines (2 ranks)",
+        "resumes as --pp 1 x 4 pipelines (4 ranks)",
+        "rank r restores the RNG state saved by rank r mod 2",
     ):
         assert part in line, line
 
 
-def test_the_python_api_refuses_another_world_size(tmp_path):
+def test_the_python_api_resumes_on_another_world_size(tmp_path):
     """``Trainer(cfg, runtime)`` resumes through :func:`choose_checkpoint` on rank 0: a world of
-    1 from a checkpoint of 2 ranks is refused there (it died with ``IndexError`` in
-    ``trainer.py`` at ``state["rng"][rank]`` on rank 2 of 4)."""
+    1 from a checkpoint of 2 ranks (it died with ``IndexError`` in ``trainer.py`` at
+    ``state["rng"][rank]``, then was refused) resumes, and rank 0's lines say what changes."""
     _save(tmp_path, 4, ranks=2)
     cfg = TrainConfig(out=str(tmp_path), steps=10, resume=True)
-    with pytest.raises(ValueError, match="saved by 2 ranks and this run has 1"):
-        resume.choose_checkpoint(tmp_path, cfg, None, CPU1)
+    _, lines = resume.choose_checkpoint(tmp_path, cfg, None, CPU1)
+    assert "saved by --pp 1 x 2 pipelines (2 ranks) and resumes as --pp 1 x 1 pipeline (1 rank)" in lines[-1]
 
 
 def test_a_truncated_meta_json_falls_back_to_the_checkpoint_before(tmp_path):

@@ -17,7 +17,9 @@ the newest *intact* one before it, with a line saying so.
 Model and optimizer state are full (unsharded) state dicts keyed by parameter name
 (``torch.distributed.checkpoint.state_dict``), the same for DDP and FSDP2: a run of either
 resumes under the other. Resuming reads the files on rank 0 only (memory-mapped) and broadcasts
-them tensor by tensor (:func:`load_checkpoint`); a pipeline's stages write and read their own.
+them tensor by tensor (:func:`load_checkpoint`); a pipeline's stages write and read their own,
+and a run without pipeline resumes a pipeline's checkpoint too (rank 0 merges its stage files by
+name, :mod:`.reshard`).
 """
 
 from __future__ import annotations
@@ -444,7 +446,9 @@ def load_weights(path: Path, device: torch.device | str = "cpu") -> dict:
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, fsdp: bool = False, runtime=None):
     """Restore model/optimizer/scheduler in place; return the saved ``state`` dict (without the
-    optimizer's). ``path`` must have passed :func:`verify_checkpoint` (as
+    optimizer's; its RNG states and stages' pricing for this world, :func:`.reshard.adapt_state`).
+    A pipeline's checkpoint (stage files) is read by name, the stages merged on rank 0
+    (:func:`.reshard.read_whole`). ``path`` must have passed :func:`verify_checkpoint` (as
     :func:`find_checkpoint`'s result has) on rank 0.
 
     With a distributed ``runtime`` only rank 0 opens the files (memory-mapped, weights-only);
@@ -454,23 +458,30 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, fsdp: bool = False,
     (rank 0: plus the mapped file pages, which the kernel can drop)."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
+    from .reshard import adapt_state, read_whole
+
     distributed = runtime is not None and runtime.distributed
     main = runtime is None or runtime.is_main
-    model_sd, optim_sd, state = {}, {}, None
+    model_sd, optim_sd, state, error = {}, {}, None, None
     if main:
-        model_sd = _load(Path(path) / "model.pt")
-        state = _load(Path(path) / "state.pt")
-        optim_sd = state.pop("optimizer")
-    unstepped = main and not optim_sd["state"]
+        try:  # a pipeline's checkpoint: its stage files merged, by name (reshard.py)
+            model_sd, optim_sd, state = read_whole(Path(path), model, optimizer)
+        except ValueError as err:
+            error = str(err)
+    unstepped = main and error is None and not optim_sd["state"]
     if distributed:  # first: every rank needs to know whether the saved optimizer state is empty
-        state, unstepped = runtime.broadcast_object((state, unstepped))
+        state, unstepped, error = runtime.broadcast_object((state, unstepped, error))
+    if error is not None:
+        raise ValueError(error)  # rank 0's line, said by every rank
     # Model and optimizer apart: ``set_state_dict`` with the other ranks' empty dicts would skip
     # the model there (optimizer only) while rank 0 broadcasts it.
     options = _options(broadcast_from_rank0=distributed)
     set_model_state_dict(model, model_sd, options=options)
     load_optimizer_state_dict(model, optimizer, optim_sd, options, unstepped)
     scheduler.load_state_dict(state["scheduler"])
-    return state
+    saved = state.pop("pipeline", None)  # a pipeline's checkpoint: its layers per stage
+    world = runtime.world_size if runtime is not None else 1
+    return adapt_state(state, None if saved is None else saved.get("layers", ()), None, 1, world)
 
 
 def load_state(path: Path) -> dict:

@@ -19,7 +19,7 @@ from .checkpoint import find_checkpoint
 from .config import TrainConfig, check_batch, check_pipeline_world, earlier_run, resolve_strategy
 from .config_io import to_record
 from .multinode import Rendezvous, Topology
-from .resume import check_same_run, check_steps, check_world_size, is_complete, saved_identity
+from .resume import check_grid, check_same_run, check_steps, is_complete, saved_identity
 from .runlock import ENV_TOKEN, FOLLOW, RunLock
 from .signals import HANDLED, die_with_parent
 from .supervise import STOP_GRACE, check_stop_grace, current_stop_grace, supervise
@@ -162,8 +162,8 @@ def preflight(cfg: TrainConfig, nproc: int, multinode: bool = False, said: set[s
                 f"{cfg.steps}): nothing to train; pass --steps > {cfg.steps} to train it "
                 "further"
             )
-        # every rank restores its own RNG state: another --nproc died at the first index
-        check_world_size(path, nproc, "--nproc x --nnodes" if multinode else f"--nproc {nproc}")
+        # another --pp or --nproc is resharded (rank 0 says what it changes); format 2 is refused
+        check_grid(path, cfg, nproc)
     shapes = check_trainable(cfg.model)  # a sliding window: refused before it is profiled
     check_pipeline_grid(cfg, nproc, shapes.num_layers)
     if cfg.profile:  # readable, and for this run (also on --resume, where it may change)

@@ -18,13 +18,15 @@ checkpoint's temporary folder beside its own files and commits it as
 one line on every rank). The folder must be one every rank sees (a shared file system on several
 nodes).
 
-Resuming needs the same ``--pp`` (refused before launch otherwise: the optimizer states are
-per stage). Rank 0 reads ``state.pt`` and sends every rank the small state; each rank reads its
-own stage's two files, after checking their SHA-256 against ``checksums.json``, so no rank holds
-another stage's tensors. A checkpoint of format 2 (``model.pt`` holding the whole model,
-``state.pt`` every stage's optimizer state) still resumes: rank 0 reads it and sends every rank
-its own stage's part. The objects travel over ``group`` (on CUDA a gloo group: NCCL would stage
-every pickle in device memory).
+Resuming on the saved split: rank 0 reads ``state.pt`` and sends every rank the small state;
+each rank reads its own stage's two files, after checking their SHA-256 against
+``checksums.json``, so no rank holds another stage's tensors (another ``--nproc``: every
+pipeline's stage s reads stage s's files). On another split (``--pp``, ``--pp-virtual``), or from
+a checkpoint without pipeline, each rank reads its stage's names from the files holding them
+(:mod:`.reshard`). A checkpoint of format 2 (``model.pt`` holding the whole model, ``state.pt``
+every stage's optimizer state) still resumes on its own split: rank 0 reads it and sends every
+rank its own stage's part. The objects travel over ``group`` (on CUDA a gloo group: NCCL would
+stage every pickle in device memory).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from ..engine.runtime import Runtime
 from ..engine.stage import StageModel
 from .checkpoint import CHECKSUMS, KEEP_LAST, _load, _save, _write, commit_checkpoint, plain, sha256
 from .optimizer_state import load_optimizer_state_dict, optimizer_state_dict
+from .reshard import STAGE_PREFIX, adapt_state, optimizer_names, read_part
 from .shards import MODEL_SHARD, OPTIM_SHARD
 
 
@@ -151,34 +154,34 @@ def _write_stage(folder: Path, files: dict) -> dict[str, str] | tuple[int | None
 def load_pipeline_checkpoint(path: Path, stage: StageModel, optimizer, scheduler, rt: Runtime, group=None) -> dict:
     """Restore this rank's stage, its optimizer and the scheduler from checkpoint ``path``
     (verified by rank 0 when it was chosen), each rank reading its own stage's files; the saved
-    ``state`` without the optimizers'. A checkpoint with ``model.pt`` (format 2) is read by rank
-    0, which sends each rank its stage's part."""
+    ``state`` without the optimizers' (its RNG states and stages' pricing for this grid,
+    :func:`.reshard.adapt_state`). A checkpoint of another split (``--pp``, ``--pp-virtual``), or
+    without pipeline (``model.pt``), is resharded: each rank reads its stage's names from the
+    files holding them (:func:`.reshard.read_part`). A pipeline checkpoint with ``model.pt``
+    (format 2) is read by rank 0, which sends each rank its stage's part (its own split only)."""
     path = Path(path)
-    box = [(False, None, None)]  # (format 2, the state without optimizers, rank 0's refusal)
+    box = [(None, None, None, None)]  # (how, the state without optimizers, saved (stages, layers), refusal)
     if rt.is_main:
-        if (path / "model.pt").is_file():
-            box = [(True, None, None)]
-        else:
-            try:
-                state = _load(path / "state.pt")
-                box = [(False, state, _refusal(path, state, stage))]
-            except ValueError as err:
-                box = [(False, None, str(err))]
+        box = [_plan(path, stage)]
     if not _alone(group):
         dist.broadcast_object_list(box, src=0, group=group)
-    whole, state, error = box[0]
-    if whole:
-        return _load_whole(path, stage, optimizer, scheduler, rt, group)
+    how, state, saved, error = box[0]
     if error is not None:
         raise ValueError(error)  # rank 0's refusal, said by every rank
+    layout = stage.layout
+    if how == "whole":
+        state = _load_whole(path, stage, optimizer, scheduler, rt, group)
+        return adapt_state(state, stage.split, stage.split, layout.stages, rt.world_size)
     try:
-        model_sd = _read_own(path, MODEL_SHARD.format(stage.layout.stage))
-        optim_sd = _read_own(path, OPTIM_SHARD.format(stage.layout.stage))
-        missing = [n for n in stage.names if n not in model_sd]
-        if missing:
-            error = (
-                f"--resume: {path} lacks {len(missing)} parameters of stage {stage.layout.stage} ({missing[0]}, ...)"
-            )
+        if how == "own":
+            model_sd = _read_own(path, MODEL_SHARD.format(layout.stage))
+            optim_sd = _read_own(path, OPTIM_SHARD.format(layout.stage))
+            missing = [n for n in stage.names if n not in model_sd]
+            if missing:
+                error = f"--resume: {path} lacks {len(missing)} parameters of stage {layout.stage} ({missing[0]}, ...)"
+        else:
+            groups = optimizer_names(stage, optimizer, STAGE_PREFIX)
+            model_sd, optim_sd = read_part(path, stage.names, groups, 0 if saved is None else saved[0], STAGE_PREFIX)
     except ValueError as err:
         error = str(err)
     errors = [error]
@@ -192,7 +195,29 @@ def load_pipeline_checkpoint(path: Path, stage: StageModel, optimizer, scheduler
     set_model_state_dict(stage, {f"model.{n}": model_sd[n] for n in stage.names}, options=options)
     load_optimizer_state_dict(stage, optimizer, optim_sd, options, unstepped=not optim_sd["state"])
     scheduler.load_state_dict(state["scheduler"])
-    return state
+    return adapt_state(state, None if saved is None else saved[1], stage.split, layout.stages, rt.world_size)
+
+
+def _plan(path: Path, stage: StageModel) -> tuple[str | None, dict | None, tuple | None, str | None]:
+    """Rank 0: how this rank's stage loads checkpoint ``path``: ``"own"`` (its split: each rank
+    its own stage's files), ``"reshard"`` (another split, or no pipeline), ``"whole"`` (format 2
+    on its split); the state without optimizers, the saved ``(stages, layers)`` (None: no
+    pipeline), and the line refusing it (else None)."""
+    try:
+        state = _load(path / "state.pt")
+        if (path / "model.pt").is_file():
+            if "pipeline" in state:  # format 2: rank 0 reads the whole model (_load_whole)
+                return "whole", None, None, _refusal(path, state, stage)
+            state.pop("optimizer", None)  # no pipeline: each rank reads its part from the file
+            return "reshard", state, None, None
+        pipeline = state.pop("pipeline", {})
+        stages = pipeline.get("stages", 1)
+        # checkpoints from before the balanced split record no layers: theirs was the even split
+        layers = tuple(pipeline.get("layers", stage_layers(sum(stage.split), stages).tolist()))
+        how = "own" if (stages, layers) == (stage.layout.stages, stage.split) else "reshard"
+        return how, state, (stages, layers), None
+    except ValueError as err:
+        return None, None, None, str(err)
 
 
 def _read_own(path: Path, name: str):

@@ -3,7 +3,9 @@
 What defines a run is every :class:`~.config.TrainConfig` field (data, tokenizer, model, seed,
 global batch, batching, optimizer, schedule, DST, ...) and the data's content fingerprint, except
 the few that may change between a run and its resumption (:data:`SAFE_ON_RESUME`). A field added
-to the config later is run-defining unless listed there.
+to the config later is run-defining unless listed there. The grid (``--pp``, ``--pp-virtual``,
+``--nproc``) may change: the ranks read their stages' parts by name (:mod:`.reshard`), and rank 0
+says in one line what that changes (:func:`check_grid`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ..versions import CHECKPOINT, CONFIG
 from .checkpoint import checkpoint_version, find_checkpoint, verify_checkpoint
 from .config import TrainConfig
 from .config_io import to_dict, upgrade
+from .reshard import grid_note
 
 SAFE_ON_RESUME = {
     "steps": "a longer or shorter run; the LR schedule follows the new total from the first resumed step",
@@ -33,6 +36,9 @@ SAFE_ON_RESUME = {
     "comm_timeout": "how long a collective may wait before the run reports a hang",
     "max_nonfinite_steps": "how many skipped non-finite steps in a row the run tolerates",
     "fsdp_gradient_sync": "when FSDP2 reduce-scatters: the same sums (rounded in another order)",
+    "pp": "the pipeline's stages: parameters and optimizer state are resharded by name (reshard.py)",
+    "pp_virtual": "the stages' chunks of layers: resharded by name as --pp is",
+    "pp_schedule": "the order of a pipeline's ops: the same gradients (zb-h1's deferred weights bit for bit)",
 }
 """Fields a resumed run may change, and why each is safe."""
 
@@ -163,22 +169,14 @@ def saved_world_size(checkpoint: Path) -> int | None:
         return None
 
 
-def check_world_size(checkpoint: Path, world_size: int, launched: str | None = None) -> None:
-    """A run resumes on as many ranks as saved ``checkpoint``: every rank restores its own RNG
-    state and data position from it. Refused in one line naming both; ``launched``: how this
-    launch chose its ranks (``--nproc 4``), said in the line. A checkpoint of unknown world
-    size (:func:`saved_world_size` is None) is not refused here."""
-    saved = saved_world_size(checkpoint)
-    if saved is None or saved == world_size:
-        return
-    how = f" ({launched})" if launched else ""
+def check_grid(checkpoint: Path, cfg: TrainConfig, world_size: int) -> str | None:
+    """A run may resume on another grid (``--pp``, ``--pp-virtual``, ``--nproc``: the ranks
+    read their stages' parameters and optimizer state by name, :mod:`.reshard`): the line saying
+    what that changes (RNG states by rank, the stages' time scales, the plans), None on the
+    saved grid. A pipeline checkpoint of format 2 on another split is refused in one line."""
     name = f"{Path(checkpoint).parent.name}/{Path(checkpoint).name}"
-    raise ValueError(
-        f"--resume: {name} was saved by {saved} ranks and this run has {world_size}{how}; a "
-        f"run resumes on as many ranks as it trained on (each restores its own RNG state): "
-        f"resume with {saved} ranks (--nproc {saved} on one machine), or start a new run in "
-        "another --out"
-    )
+    config = saved_identity(checkpoint)[0]
+    return grid_note(name, config, saved_world_size(checkpoint), checkpoint_version(checkpoint), cfg, world_size)
 
 
 def is_complete(checkpoint: Path, cfg: TrainConfig) -> bool:
@@ -201,9 +199,9 @@ def choose_checkpoint(run_dir: Path, cfg: TrainConfig, data: dict | None, runtim
     belongs to this run; every rank receives that choice, or rank 0's refusal as the same
     ``ValueError``. The other ranks never open the checkpoint folder, so ranks that would see
     different files (NFS caching, a node-local folder) still resume from one step. The checks
-    are the launcher's (``--steps``, the ranks: :func:`check_world_size`) plus the data's
+    are the launcher's (``--steps``, the grid: :func:`check_grid`) plus the data's
     content, so the Python API refuses what the command line does. Returns the path and the
-    lines to print (skipped checkpoints, allowed changes)."""
+    lines to print (skipped checkpoints, allowed changes, what another grid changes)."""
     choice = None
     if runtime.is_main:
         try:
@@ -213,9 +211,9 @@ def choose_checkpoint(run_dir: Path, cfg: TrainConfig, data: dict | None, runtim
                 raise ValueError(f"--resume: no intact checkpoint in {where}")
             changes = check_same_run(path, cfg, data)
             check_steps(path, cfg)
-            check_world_size(path, runtime.world_size)
+            grid = check_grid(path, cfg, runtime.world_size)
             line = f"resuming from {path.name}" + (f" ({'; '.join(changes)})" if changes else "")
-            choice = {"path": str(path), "lines": [*notes, line]}
+            choice = {"path": str(path), "lines": [*notes, line, *([grid] if grid else [])]}
         except (ValueError, OSError) as err:  # the other ranks raise the same, not hang
             choice = {"error": str(err)}
     choice = runtime.broadcast_object(choice)
