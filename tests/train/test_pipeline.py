@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from sparsebalance.batching.zero_bubble import WEIGHT_SHARE
 from sparsebalance.engine.runtime import Runtime
 from sparsebalance.launches import LaunchCounter
 from sparsebalance.train import TrainConfig, Trainer
@@ -149,9 +150,10 @@ def test_a_pipeline_resumes_exactly(tmp_path):
     cfg = _cfg(tmp_path, pp=2, steps=4, checkpoint_every=2, dst=DSTConfig(mode="bidirectional", budget="gamma"))
     full = run_ranks(cfg, 2, tmp_path)
     state = torch.load(tmp_path / "run" / "checkpoints" / "step-000002" / "state.pt", weights_only=False)
-    assert state["pipeline"] == {"stages": 2, "layers": [3, 1]}  # a resume with another split is refused
+    assert state["pipeline"] == {"stages": 2, "layers": [3, 1]}  # another split reshards on resume
     # the stages' learned pricing is saved (--deterministic: no timing enters it, the identity)
-    assert state["trainer"]["stage_calibration"] == {"ratio": 2.0, "scales": [1.0, 1.0], "steps": 0}
+    want = {"ratio": 2.0, "scales": [1.0, 1.0], "weight_share": WEIGHT_SHARE, "steps": 0}
+    assert state["trainer"]["stage_calibration"] == want
     resumed = _resumed(cfg, 2, tmp_path / "run", tmp_path / "again", 2, 4)
     assert resumed[0]["losses"] == pytest.approx(full[0]["losses"][2:], rel=1e-6, abs=1e-6)
 
