@@ -25,7 +25,6 @@ name, :mod:`.reshard`).
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -37,10 +36,11 @@ import numpy as np
 import torch
 
 from ..versions import CHECKPOINT, CONFIG
+from .checkpoint_io import CHECKSUMS, sha256
+from .checkpoint_io import load_file as _load
 from .optimizer_state import load_optimizer_state_dict, optimizer_state_dict
 from .shards import has_weights, merged_weights  # a pipeline's stage files (pipeline_checkpoint.py)
 
-CHECKSUMS = "checksums.json"
 RESUME_FILES = ("model.pt", "state.pt")
 KEEP_LAST = 3
 _STEP = re.compile(r"step-(\d+)")
@@ -312,14 +312,6 @@ def clean_temporaries(run_dir: Path) -> list[Path]:
     return found
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def checkpoint_version(path: Path) -> object:
     """``meta.json``'s ``schema_version`` (1 for a checkpoint written before versions)."""
     meta = path / "meta.json"
@@ -489,10 +481,3 @@ def load_state(path: Path) -> dict:
     first; ``ValueError`` naming the file when it is missing, corrupt or unreadable."""
     verify_checkpoint(Path(path), ("state.pt",))
     return _load(Path(path) / "state.pt")
-
-
-def _load(path: Path, device: torch.device | str = "cpu"):
-    try:
-        return torch.load(path, map_location=device, weights_only=True, mmap=True)
-    except Exception as err:  # pickle / zip errors of a damaged file, whatever their type
-        raise ValueError(f"checkpoint {path}: unreadable ({type(err).__name__}: {err})") from None

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CHECKSUMS, _load, sha256
+from .checkpoint_io import CHECKSUMS, sha256
+from .checkpoint_io import load_file as _load
 from .shards import MODEL_SHARD, OPTIM_SHARD
 
 STAGE_PREFIX = "model."
