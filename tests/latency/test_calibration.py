@@ -58,13 +58,14 @@ def test_a_split_the_data_carry_is_learned():
 
 def test_one_outlier_moves_the_level_by_little():
     """A micro-batch measured 4x its time (a burst of load) after the filter settled: the level
-    moves by at most 15 %, the split by at most 5 %."""
+    moves by at most 15 %, the split by at most 8 % (5 % with the split's prior of 0.15 before
+    issue 56's second round; the gate still holds the outlier to 3 sigma)."""
     f = ScaleFilter(noise_std=0.09)
     _replay(f, _narrow_shares(48), (1.0, 1.0))
     before = f.theta.copy()
     f.update(np.array([0.23, 0.77]), 4.0)
     assert abs(f.theta[1] / before[1] - 1) < 0.15
-    assert abs((f.theta[0] / f.theta[1]) / (before[0] / before[1]) - 1) < 0.05
+    assert abs((f.theta[0] / f.theta[1]) / (before[0] / before[1]) - 1) < 0.08
 
 
 def test_state_round_trip_and_an_older_state():
@@ -91,10 +92,12 @@ def test_the_latency_model_uses_the_profile_noise():
 def test_measured_microbatches_of_the_held_out_mix_keep_a_sane_split(profile_off):
     """192 micro-batches measured on issue 56's held-out mix (their unscaled model components and
     measured seconds), replayed in order, with the profile as measured or 2x too fast or 2.5x too
-    slow: the split stays within 25 % of the profile's and, once the level is found (one step of
-    16 micro-batches), the predictions track the measurements (the RLS before swung the split
-    0.11-14.9x and its one-step-ahead error was 21 %; a linear filter of the level let a profile
-    2.5x off swing it 0.64-1.13x)."""
+    slow: the split stays within 0.6-1.4x of the profile's and ends where it ends whatever the
+    profile's level (within 5 %), and, once the level is found (one step of 16 micro-batches), the
+    predictions track the measurements (the RLS before swung the split 0.11-14.9x and its
+    one-step-ahead error was 21 %; a linear filter of the level let a profile 2.5x off swing it
+    0.64-1.13x; the split's prior of 0.15 before issue 56's second round kept it in 0.8-1.25x but
+    could not learn a 4x split in 6 steps of DST: ``tests/tuning/test_dst_skew_learning.py``)."""
     import json
     from pathlib import Path
 
@@ -106,5 +109,18 @@ def test_measured_microbatches_of_the_held_out_mix_keep_a_sane_split(profile_off
         errors.append(abs(float(x @ f.theta) / measured - 1))
         f.update(x, measured)
         ratios.append(f.theta[0] / f.theta[1])
-    assert min(ratios) > 0.8 and max(ratios) < 1.25
+    assert min(ratios) > 0.6 and max(ratios) < 1.4
+    assert ratios[-1] == pytest.approx(1.26, rel=0.05)  # 1.24-1.27 whether the profile is right or off
     assert np.mean(errors[16:]) < 0.08
+
+
+def test_a_state_of_the_skew_filter_loads_into_the_log_ratio():
+    """A checkpoint of the filter before issue 56's second round (``filter`` 3: ``(log level,
+    skew)``, ``theta_a = level (1 + skew)``) keeps its factors, and its split's uncertainty is
+    widened to this prior's (that filter's prior was narrower)."""
+    old = {"theta": [1.5, 1.0], "state": [0.0, 0.5], "cov": [[0.01, 0.0], [0.0, 4e-4]], "num_updates": 32, "filter": 3}
+    f = ScaleFilter(noise_std=0.09)
+    f.load_state_dict(old)
+    assert f.theta == pytest.approx([1.5, 1.0]) and f.num_updates == 32
+    assert f.state[1] == pytest.approx(np.log(1.5)) and f.cov[0, 0] == pytest.approx(0.01)
+    assert f.split_std == pytest.approx(ScaleFilter(noise_std=0.09).split_std)
