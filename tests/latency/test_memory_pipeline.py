@@ -203,7 +203,7 @@ def test_the_memory_command_gives_the_pipelines_tightest_stage(capsys):
 
 def test_the_memory_command_prices_interleaving_as_train_runs_it(capsys):
     """``--pp-virtual 2``: each stage keeps ``held_stages`` of activations in flight and, as
-    ``train`` runs interleaving under DDP only, is priced whole (not sharded)."""
+    ``train --parallel fsdp2`` runs interleaving too, is sharded over its 8 / 4 peers as without it."""
     from sparsebalance.batching.interleaved import held_stages
 
     shapes = load_shapes("qwen2.5-3b")
@@ -214,12 +214,12 @@ def test_the_memory_command_prices_interleaving_as_train_runs_it(capsys):
     split = tuple(balanced_layers(shapes.num_layers, 8, head_layers(shapes)).tolist())
     ranks = tuple(sum(split[s::4]) for s in range(4))
     for row in out["rows"]:
-        cfg = MemoryConfig(row["checkpointing"], row["loss"], micro_batches=2, density=0.1, block_size=128)
+        cfg = MemoryConfig(row["checkpointing"], row["loss"], shard=2, micro_batches=2, density=0.1, block_size=128)
         stages = [replace(StageShare.of(ranks, s), in_flight=held_stages(split, 4, s)) for s in range(4)]
         assert row["micro-batch/rank @8"] == min(
             mem.max_tokens(out["budget_bytes"], replace(cfg, stage=st)) for st in stages
         )
     assert main([*args, "--pp-virtual", "2"]) == 0
-    assert "x 2 chunks (interleaved, DDP: stages not sharded)" in capsys.readouterr().out
+    assert "x 2 chunks (interleaved)" in capsys.readouterr().out
     assert main(["memory", "--analytic", "h200", "--pp-virtual", "2"]) == 2
     assert "--pp-virtual 2 needs a pipeline (--pp >= 2), got --pp 1" in capsys.readouterr().err

@@ -43,13 +43,19 @@ def test_two_stages_of_two_chunks_compute_what_one_process_computes(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_interleaved_pipelines_match_two_ranks(tmp_path):
-    """DP2 x PP2 V2 (4 processes, ``ddp``: each stage's gradients reduced from its last backward,
-    which covers one of its chunks) computes what DP2 does."""
+@pytest.mark.parametrize(
+    "parallel, strategy, capacity", [("ddp", "sab", 512), ("fsdp2", "sab", 512), ("fsdp2", "lbb", 4096)]
+)
+def test_two_interleaved_pipelines_match_two_ranks(tmp_path, parallel, strategy, capacity):
+    """DP2 x PP2 V2 (4 processes) computes what DP2 does: each stage's gradients reduced from each
+    chunk's last backward (a rank's last backward covers one of its chunks), averaged over its peer
+    (``ddp``) or reduce-scattered to its shards (``fsdp2``: the checkpoint gathers them). LBB's one
+    bucket of 4,096 tokens leaves pipeline 1 without micro-batches: it joins its peer's reductions."""
     dp, both = tmp_path / "dp2", tmp_path / "dp2pp2v2"
     dp.mkdir(), both.mkdir()
-    ref = run_ranks(_cfg(dp), 2, dp)
-    got = run_ranks(_cfg(both, pp=2, pp_virtual=2, checkpoint_every=3), 4, both)
+    ref = run_ranks(_cfg(dp, strategy=strategy, capacity=capacity), 2, dp)
+    cfg = _cfg(both, pp=2, pp_virtual=2, parallel=parallel, strategy=strategy, capacity=capacity, checkpoint_every=3)
+    got = run_ranks(cfg, 4, both)
     assert got[0]["losses"] == pytest.approx(ref[0]["losses"], rel=1e-5, abs=1e-5)
     for name, tensor in _model(dp / "run", 3).items():
         torch.testing.assert_close(_model(both / "run", 3)[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
@@ -142,7 +148,10 @@ def test_chunk_by_chunk_is_the_whole_model():
             {"pp": 2, "pp_virtual": 2, "micro_batches": 1, "capacity": None},
             "--pp-virtual 2 needs --micro-batches >= --pp (2) as Megatron's interleaved schedule does, got 1",
         ),
-        ({"pp": 2, "pp_virtual": 2, "parallel": "fsdp2"}, "--pp-virtual 2 cannot run with --parallel fsdp2 yet"),
+        (  # interleaved zero bubble is not built, with FSDP2 or not
+            {"pp": 2, "pp_virtual": 2, "parallel": "fsdp2", "pp_schedule": "zb-h1"},
+            "--pp-schedule zb-h1 cannot run with --pp-virtual 2 (interleaved zero bubble is not built)",
+        ),
     ],
 )
 def test_what_interleaving_cannot_run_is_one_line(tmp_path, over, says):
@@ -151,6 +160,16 @@ def test_what_interleaving_cannot_run_is_one_line(tmp_path, over, says):
     with command_line(), pytest.raises(ValueError) as err:
         _cfg(tmp_path, **over)
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_interleaving_runs_with_fsdp2(tmp_path):
+    """``--pp-virtual`` with ``--parallel fsdp2`` (refused before each chunk's units reduce-scattered
+    in its own last backward): accepted, reducing once a step as every FSDP2 pipeline does."""
+    from sparsebalance.flags import command_line
+
+    with command_line():
+        cfg = _cfg(tmp_path, pp=2, pp_virtual=2, parallel="fsdp2")
+    assert (cfg.pp_virtual, cfg.parallel, cfg.fsdp_gradient_sync) == (2, "fsdp2", "step")
 
 
 def test_the_launcher_refuses_more_virtual_stages_than_layers(tmp_path):

@@ -20,8 +20,8 @@ micro-batch that fits on every stage (split by layers as ``train --pp`` splits t
 keeps ``P - s`` micro-batches in flight on stage ``s``; ``--check`` breaks down each stage.
 A pipeline runs whole documents, so there is no context-parallel column. ``--pp-virtual V``:
 interleaved 1F1B, which keeps more in flight (:func:`~sparsebalance.batching.interleaved.
-held_stages`) and runs under DDP only (``train`` refuses it with FSDP2): each stage whole, not
-sharded.
+held_stages`), its stages sharded as without it. ``--pp-schedule zb-h1`` runs under DDP only
+(``train`` refuses it with FSDP2): each stage whole, not sharded.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def main(args: argparse.Namespace) -> int:
             "and reduce-scatters once a step; use --fsdp-gradient-sync step (or leave it unset)"
         )
     every = args.pp == 1 and args.fsdp_gradient_sync != "step"
-    ddp_only = args.pp_virtual > 1 or args.pp_schedule == "zb-h1"  # train runs them under DDP only
+    ddp_only = args.pp_schedule == "zb-h1"  # train runs zero bubble under DDP only
     shard = (lambda n: 1) if ddp_only else (lambda n: n // args.pp)
     base = {"block_size": args.block_size, "density": args.density, "micro_batches": 2, "reduce_every": every}
     if args.check is not None:
@@ -179,7 +179,7 @@ def main(args: argparse.Namespace) -> int:
             rows.append(row)
     pp = f", PP {args.pp}" if args.pp > 1 else ""
     if args.pp_virtual > 1:
-        pp += f" x {args.pp_virtual} chunks (interleaved, DDP: stages not sharded)"
+        pp += f" x {args.pp_virtual} chunks (interleaved)"
     if args.pp_schedule == "zb-h1":
         pp += ", zero bubble (DDP: stages not sharded; every stage holds --pp micro-batches)"
     return _emit(args, rows, budget, coeffs, "longest trainable (tokens)" + pp)

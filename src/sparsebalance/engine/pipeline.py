@@ -20,8 +20,9 @@ inside the stage's last backward of the step (:meth:`PipelineExecutor._arm_reduc
 from its own last backward on; zero bubble, the deferred weights' from the last W) and the tied
 embedding's two copies are summed (:class:`.StageGradients`); with ``--parallel fsdp2``
 (:meth:`.StageModel.shard`) the stage is gathered before the schedule and stays gathered through
-it, its gradients accumulate unsharded, and the last backward reduce-scatters them (a pipeline
-without micro-batches joins with a two-token pass at zero loss, :meth:`PipelineExecutor._reduce_shards`):
+it, its gradients accumulate unsharded, and the last backward reduce-scatters them (interleaved,
+each chunk's last backward its units'; a pipeline without micro-batches joins with a two-token pass
+at zero loss per chunk, :meth:`PipelineExecutor._reduce_shards`):
 every unit all-gathers once and reduce-scatters once per step, and no forward waits for a peer
 pipeline. The global gradient norm for clipping sums the stages' squares
 (:meth:`PipelineExecutor.grad_norm`).
@@ -197,16 +198,13 @@ class PipelineExecutor:
     def _arm_reduction(self, chunk: int | None, final: bool) -> None:
         """Before a chunk's last backward of the step (``chunk`` None: the stage's, one chunk):
         DDP's buckets of its parameters all-reduce as their gradients complete
-        (:class:`.StageGradients`); before the stage's last backward of all (``final``), FSDP2
-        reduce-scatters each unit in its post-backward and reshards (every gathered parameter given
-        a gradient first, so the peers reduce the same tensors)."""
+        (:class:`.StageGradients`); FSDP2 reduce-scatters each of the chunk's units in its
+        post-backward, and in the stage's last backward of all (``final``) reshards every unit
+        (:meth:`.StageModel.sync_in_next_backward`)."""
         if self.gradients is not None:
             self.gradients.arm(chunk)
-        if self.stage.sharded and final:
-            for p in self.stage.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            self.stage.sync_in_next_backward()
+        if self.stage.sharded:
+            self.stage.sync_in_next_backward(chunk or 0, final)
 
     def _forward(self, step: TunedStep, m: int, c: int, op: _Op, sends: dict, done: list) -> None:
         layout, batch = self.layout, op.batch
@@ -292,24 +290,24 @@ class PipelineExecutor:
 
     def _reduce_shards(self, step: TunedStep) -> None:
         """FSDP2 on a pipeline that ran no micro-batch this step: its peers reduce-scatter in
-        their last backward, so this stage joins them with zero gradients: a two-token pass
-        through the stage at zero loss, with gradient sync on, runs every unit's post-backward
-        (public API only; ``torch.distributed.pipelining`` calls FSDP's internals)."""
+        their chunks' last backwards, so this stage joins them with zero gradients: per chunk, in
+        the order of those backwards (the last chunk first), a two-token pass through it at zero
+        loss, armed as that backward is, runs its units' post-backwards in the order its peers'
+        real backward runs them (public API only; ``torch.distributed.pipelining`` calls FSDP's
+        internals)."""
         stage, layout = self.stage, self.layout
-        stage.sync_in_next_backward()
         batch = pack([np.zeros(2, dtype=np.int64)], self.device, False)
-        ctx = self.engine.attention(step, layout.dp, None, batch.cu_seqlens, batch.lengths)  # exact
-        x = batch.input_ids
-        if not layout.first:
-            # requiring a gradient, as a received activation does: each unit's post-backward then
-            # runs when the backward reaches its input, in the order its peers' real backward runs them
-            x = torch.zeros(stage.hidden_shape(2), dtype=stage.hidden_dtype, device=self.device, requires_grad=True)
-        with self.precision.autocast():
-            out = stage(x, batch.position_ids, ctx)
-        for p in stage.parameters():  # gathered now: every peer reduces every parameter (a pipeline
-            if p.grad is None:  # without micro-batches, or a head this pass does not reach, adds 0)
-                p.grad = torch.zeros_like(p)
-        (out.float().sum() * 0.0).backward()
+        for c in reversed(range(layout.virtual)):  # a later chunk's last backward comes first
+            stage.sync_in_next_backward(c, final=c == 0)  # zeros first: the head, which this pass skips, too
+            ctx = self.engine.attention(step, layout.dp, None, batch.cu_seqlens, batch.lengths)  # exact
+            x = batch.input_ids
+            if not layout.first_chunk(c):
+                # requiring a gradient, as a received activation does: the stage's own unit's
+                # post-backward then runs when the backward reaches it, as in its peers' backward
+                x = torch.zeros(stage.hidden_shape(2), dtype=stage.hidden_dtype, device=self.device, requires_grad=True)
+            with self.precision.autocast():
+                out = stage(x, batch.position_ids, ctx, c)
+            (out.float().sum() * 0.0).backward()
 
     def _sync_gradients(self, step: TunedStep, ran_backward: bool) -> None:
         """Finish averaging over the data-parallel pipelines what the last backward started

@@ -163,8 +163,9 @@ class StageModel(nn.Module):
         """``--parallel fsdp2``: ``fully_shard`` every decoder layer of this stage, then the stage
         (its embedding, norm and head), over ``mesh`` (this stage in every pipeline). Parameters
         stay gathered through a step's schedule (:meth:`gather`; ``reshard_after_forward`` off, as
-        torchtitan does with pipelines) and are reduce-scattered after it (:mod:`.pipeline`): one
-        all-gather and one reduce-scatter per step, whatever the pipelines' micro-batch counts.
+        torchtitan does with pipelines) and reduce-scattered in its last backward, interleaved in each
+        chunk's (:meth:`sync_in_next_backward`): one all-gather and one reduce-scatter per step,
+        whatever the pipelines' micro-batch counts.
         Gathered in ``precision``'s compute dtype, reduced in float32
         (:func:`~.parallelize.mixed_precision`): the residual stream, what crosses between the
         stages, is then in that dtype too."""
@@ -190,9 +191,31 @@ class StageModel(nn.Module):
             if isinstance(module, FSDPModule):
                 module.unshard()
 
-    def sync_in_next_backward(self) -> None:
-        """FSDP2: the next backward reduce-scatters the accumulated gradients and reshards."""
-        self._flags(True)
+    def sync_in_next_backward(self, chunk: int = 0, final: bool = True) -> None:
+        """FSDP2, before chunk ``chunk``'s last backward of the step: in it, each of the chunk's
+        FSDP units reduce-scatters its accumulated gradients in its post-backward, the stage's own
+        unit (embedding, final norm, LM head) with the chunk holding them (:attr:`own_chunk`). The
+        chunk's parameters without a gradient get zeros first, so the peers reduce the same
+        tensors. ``final``: the stage's last backward of all (interleaved, chunk 0's, the last of
+        the chunks' last backwards): every unit reshards in it too, the chunks reduced before it
+        included (they reduce nothing more: their gradients were handed over), and FSDP waits for
+        the step's reductions there. An earlier chunk's units stay gathered until then, so no
+        later backward's prefetch all-gathers them again."""
+        for p in self.chunk_parameters(chunk):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if final:
+            self._flags(True)
+            return
+        units = [self.decoder.layers[i] for i in self.chunk_spans[chunk]]
+        for unit in units + ([self] if chunk == self.own_chunk else []):
+            unit.set_requires_gradient_sync(True, recurse=False)
+
+    @property
+    def own_chunk(self) -> int:
+        """The chunk whose forward runs the parameters outside the decoder layers (the embedding on
+        the first stage, the final norm and LM head, a tied one included, on the last)."""
+        return self.layout.virtual - 1 if self.layout.last else 0
 
     def _flags(self, sync: bool) -> None:
         self.set_is_last_backward(sync)

@@ -346,8 +346,6 @@ class TrainConfig:
                 f"{n('pp_virtual')} {v} needs {n('micro_batches')} >= {n('pp')} ({self.pp}) as Megatron's interleaved "
                 f"schedule does, got {self.micro_batches}"
             )
-        if self.parallel == "fsdp2":
-            raise ValueError(f"{n('pp_virtual')} {v} cannot run with {n('parallel')} fsdp2 yet: use --parallel ddp")
 
     def _check_inputs(self) -> None:
         """The data files exist, the remaining counts are in range, the tokenizer and profile exist."""
