@@ -223,3 +223,43 @@ def test_the_memory_command_prices_interleaving_as_train_runs_it(capsys):
     assert "x 2 chunks (interleaved)" in capsys.readouterr().out
     assert main(["memory", "--analytic", "h200", "--pp-virtual", "2"]) == 2
     assert "--pp-virtual 2 needs a pipeline (--pp >= 2), got --pp 1" in capsys.readouterr().err
+
+
+def test_a_pending_zero_bubble_w_keeps_what_the_memory_model_prices():
+    """The bytes a :class:`~sparsebalance.engine.deferred_weights.DeferredWeights` store keeps for
+    one micro-batch's W (its tensors' storages, each once) are ``weight_elems`` per token and
+    layer; stage s of ZB-H1 holds up to ``s + 1`` of them besides 1F1B's in flight, and under full
+    activation checkpointing they cost far more than the micro-batches' saved inputs."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from sparsebalance.batching.zero_bubble import pending_weights
+    from sparsebalance.engine.deferred_weights import DeferredWeights
+    from sparsebalance.models.shapes import ModelShapes
+
+    cfg = Qwen2Config(
+        hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, vocab_size=128, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    store = DeferredWeights(model.model)  # the decoder's linear layers (the head as the chunked loss runs it)
+    t = 24
+    store.begin(0)
+    model.model(torch.arange(t)[None] % 128).last_hidden_state.sum().backward()
+    store.end()
+    storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for w in store.pending[0] for x in w[1:]}
+    shapes = ModelShapes.from_hf_config(cfg.to_dict())
+    mem = MemoryModel(shapes, cpu_coefficients(0))
+    assert sum(storages.values()) == mem.weight_elems() * t * cfg.num_hidden_layers * 4  # fp32
+    assert [pending_weights(4, 8, s) for s in range(4)] == [1, 2, 3, 4]
+    qwen = load_shapes("qwen2.5-3b")
+    split = _split(qwen, 4)
+    plain = StageShare.of(split, 3)
+    zb = replace(plain, pending_weights=4)
+    model3b = MemoryModel(qwen, H200)
+    for ckpt, more in (("off", 1.5), ("full", 10.0)):
+        base = MemoryConfig(ckpt, "chunked", block_size=128)
+        one = model3b._kept(8192, replace(base, stage=plain), plain)[0]
+        both = model3b._kept(8192, replace(base, stage=zb), zb)[0]
+        assert both > more * one  # the last stage: 1 micro-batch in flight, 4 pending W's

@@ -91,12 +91,17 @@ def test_two_emulated_ranks_step_on_the_stand_in_device(cuda_engine, tmp_path):
     assert len(end) == microbatches + 2, guard.summary(end)
 
 
-def test_a_pipeline_of_two_stages_on_the_stand_in_device(cuda_engine, tmp_path):
+@pytest.mark.parametrize("zero_bubble", [False, True])
+def test_a_pipeline_of_two_stages_on_the_stand_in_device(cuda_engine, tmp_path, zero_bubble):
     """``--pp 2``: each stage builds its micro-batches' attention from the shared plan (the
     pipeline's budget per micro-batch, DST's layer controller) on the device; stage 0's
     activations go to stage 1 as NCCL would send them (device tensors), the loss on the last
     stage, the gradient back. The schedule and the sends are :mod:`sparsebalance.engine.
-    pipeline`'s, tested on gloo (``tests/train/test_pipeline.py``)."""
+    pipeline`'s, tested on gloo (``tests/train/test_pipeline.py``). Zero bubble
+    (``--pp-schedule zb-h1``): the backwards defer the linear layers' weight GEMMs, run after
+    (:mod:`sparsebalance.engine.deferred_weights`), with no host read or device mixing either."""
+    from sparsebalance.engine.deferred_weights import DeferredWeights
+
     kernels, kernel, make_engine, docs = cuda_engine
     engine = make_engine(world_size=1, pipeline_stages=2)
     step = engine.begin([Sample(i, n, "") for i, n in enumerate(LENGTHS)])
@@ -105,6 +110,7 @@ def test_a_pipeline_of_two_stages_on_the_stand_in_device(cuda_engine, tmp_path):
         for s in (0, 1)
     ]
     precision, impl = Precision(kernel.precision, "cuda"), cuda_loss()
+    stores = [DeferredWeights(s) for s in stages] if zero_bubble else []
     planned = step.planned
     guard = sd.StandIn()
     with guard:
@@ -121,8 +127,13 @@ def test_a_pipeline_of_two_stages_on_the_stand_in_device(cuda_engine, tmp_path):
                 received = sent.detach().requires_grad_()
                 hidden = stages[1](received, batch.position_ids, contexts[1])
                 loss = stages[1].loss(hidden, batch, impl, uniform_weights=True)
+            for store in stores:
+                store.begin(m)
             (loss * step.loss_scale).backward()
             sent.backward(received.grad)
+            for store in stores:
+                store.end()
+                store.run(m)
             for s, ctx in zip(stages, contexts, strict=True):
                 assert [x.layer for x in ctx.stats] == list(s.span)
     sd.check_clean(guard, kernels)

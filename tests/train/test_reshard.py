@@ -198,3 +198,25 @@ def test_another_grid_changes_the_rng_states_and_the_stage_scales_only_as_said()
     assert adapt_state(state(), (3, 1), (2, 2), 2, 2)["trainer"]["stage_calibration"]["scales"] == [1.0, 1.0]
     same = adapt_state(state(), (3, 1), (3, 1), 2, 4)  # another --nproc only: the scales stay
     assert same["rng"] == ["r0", "r1", "r0", "r1"] and same["trainer"]["stage_calibration"] == learned
+
+
+def test_a_parameter_without_its_saved_optimizer_state_is_refused(tmp_path):
+    """A stepped optimizer's file that lacks one of the rank's parameters (a naming mismatch)
+    is one line naming it, never a silent restart of its moments at 0."""
+    import json
+
+    from sparsebalance.train import reshard
+    from sparsebalance.train.checkpoint import CHECKSUMS, sha256
+    from sparsebalance.train.shards import OPTIM_SHARD
+
+    _pipeline_checkpoint(tmp_path)
+    optim = torch.load(tmp_path / OPTIM_SHARD.format(0), weights_only=True)
+    gone = sorted(optim["state"])[0]
+    del optim["state"][gone]
+    torch.save(optim, tmp_path / OPTIM_SHARD.format(0))
+    (tmp_path / CHECKSUMS).write_text(json.dumps({p.name: sha256(p) for p in sorted(tmp_path.glob("*.pt"))}))
+    stage, opt = _stage(0, 1, (4,))
+    groups = reshard.optimizer_names(stage, opt, reshard.STAGE_PREFIX)
+    with pytest.raises(ValueError, match=r"has no optimizer state for 1 parameters") as err:
+        reshard.read_part(tmp_path, stage.names, groups, 2, reshard.STAGE_PREFIX)
+    assert gone.removeprefix(reshard.STAGE_PREFIX) in str(err.value) and "\n" not in str(err.value)

@@ -117,3 +117,26 @@ def test_a_checkpoint_pruned_while_looking_is_not_called_damaged(tmp_path, monke
 
     monkeypatch.setattr(ckpt, "verify_checkpoint", verify_while_the_run_saves)
     assert find_checkpoint(tmp_path, ("model.pt",)) == (saved[0], [])
+
+
+def test_strategy_auto_keeps_what_it_chose_when_the_run_started(tmp_path):
+    """``--strategy auto`` on resume: a run that trained with ``sab`` (a pipeline's) resumed on
+    ``--pp 1`` over 2 ranks stays ``sab`` (auto alone would choose ``sab-cp``, and the resume
+    would be refused for a flag never given); without a checkpoint auto chooses as before; a
+    ``sab-cp`` run resumed as a pipeline cannot keep it (the resume's check says so)."""
+    import json as _json
+    from dataclasses import replace as _replace
+
+    from sparsebalance.train.config import resolve_strategy
+    from tests.train.harness import base_config
+
+    cfg = _replace(base_config(tmp_path, steps=3), strategy="auto")
+    assert resolve_strategy(cfg, 2).strategy == "sab-cp"
+    folder = tmp_path / "run" / "checkpoints" / "step-000002"
+    folder.mkdir(parents=True)
+    (folder / "meta.json").write_text(_json.dumps({"config": {"strategy": "sab"}}))
+    resumed = _replace(cfg, out=str(tmp_path / "run"), resume=True)
+    assert resolve_strategy(resumed, 2).strategy == "sab"
+    assert resolve_strategy(_replace(cfg, out=str(tmp_path / "run")), 2).strategy == "sab-cp"  # not resuming
+    (folder / "meta.json").write_text(_json.dumps({"config": {"strategy": "sab-cp"}}))
+    assert resolve_strategy(_replace(resumed, pp=2), 2).strategy == "sab"

@@ -13,8 +13,10 @@ Order of stage s (:func:`zb_order`): 1F1B's forwards and backwards in 1F1B's ord
 (:func:`~.schedule.schedule_order`), each ``W_j`` right after ``B_{j+s}``: stage 0 runs a W right
 after its B, stage P-1 lags its W's by P-1, and each stage's last s W's end its step. In the steady
 state stage s runs ``(F_x, B_{x-(P-1-s)}, W_{x-(P-1)})``. Every stage holds at most P micro-batches
-between a forward and its W: 1F1B's peak (stage 0 holds P there), counting a pending W as a whole
-micro-batch's activations (conservative: it keeps its linear layers' inputs and output gradients).
+between a forward and its W: 1F1B's peak (stage 0 holds P there); of them, up to ``P - s`` between
+a forward and its B (1F1B's) and up to ``s + 1`` between a B and its W (:func:`pending_weights`),
+each keeping its linear layers' inputs and output gradients, which under activation
+checkpointing is more than a micro-batch's saved activations (the memory model prices both).
 With equal op times F, B, W, W <= min(F, B) and M >= P the makespan is
 ``M (F + B + W) + (P - 1) (F + B - W)`` against 1F1B's ``(M + P - 1) (F + B + W)`` (tested). With
 uneven times ZB-H1 can be longer than 1F1B (a W put before a B that 1F1B ran at once: rare, and
@@ -73,6 +75,18 @@ def zb_order(num_stages: int, num_micro_batches: int, stage: int) -> list[Op]:
             out.append(("W", m - lag, 0))
     out += [("W", m, 0) for m in range(max(0, num_micro_batches - lag), num_micro_batches)]
     return out
+
+
+def pending_weights(num_stages: int, num_micro_batches: int, stage: int) -> int:
+    """The most micro-batches stage ``stage`` holds at once between a B and its W (``s + 1``
+    once M > s: W lags B by the stage index; the memory model prices each by its deferred GEMMs'
+    inputs and output gradients). Between a forward and its B it holds what 1F1B holds (the same
+    F/B order): ``P - s``."""
+    pending = peak = 0
+    for kind, _, _ in zb_order(num_stages, num_micro_batches, stage):
+        pending += 1 if kind == "B" else -1 if kind == "W" else 0
+        peak = max(peak, pending)
+    return peak
 
 
 def held_micro_batches(num_stages: int, num_micro_batches: int, stage: int) -> int:

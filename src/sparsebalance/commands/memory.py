@@ -101,7 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--pp-schedule",
         choices=("1f1b", "zb-h1"),
         default="1f1b",
-        help="as train's: zb-h1 (zero bubble) keeps --pp micro-batches on every stage, 1F1B's first stage's",
+        help="as train's: zb-h1 (zero bubble) also keeps s + 1 micro-batches' pending weight GEMMs on stage s "
+        "(their linear layers' inputs and output gradients: more than activation checkpointing keeps)",
     )
     p.add_argument(
         "--fsdp-gradient-sync",
@@ -181,7 +182,7 @@ def main(args: argparse.Namespace) -> int:
     if args.pp_virtual > 1:
         pp += f" x {args.pp_virtual} chunks (interleaved)"
     if args.pp_schedule == "zb-h1":
-        pp += ", zero bubble (DDP: stages not sharded; every stage holds --pp micro-batches)"
+        pp += ", zero bubble (DDP: stages not sharded; stage s also holds s + 1 pending W's)"
     return _emit(args, rows, budget, coeffs, "longest trainable (tokens)" + pp)
 
 
@@ -200,7 +201,7 @@ def _stages(args, devices: list[int], shapes) -> list[StageShare | None]:
     if v == 1 and args.pp_schedule == "zb-h1":
         if p < 2:
             raise ValueError("--pp-schedule zb-h1 needs a pipeline (--pp >= 2)")
-        return [replace(StageShare.of(split, s), in_flight=p) for s in range(p)]
+        return [replace(StageShare.of(split, s), pending_weights=s + 1) for s in range(p)]
     if args.pp_schedule == "zb-h1":
         raise ValueError(f"--pp-schedule zb-h1 cannot run with --pp-virtual {v}: use one of them")
     if v == 1:

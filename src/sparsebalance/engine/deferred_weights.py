@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..precision import autocast_enabled
+
 
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
@@ -111,12 +113,11 @@ def _forward(store: DeferredWeights):
         if not (torch.is_grad_enabled() and self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)
         device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        with torch.autocast(device, enabled=False):
-            weight, bias = self.weight.detach(), self.bias
-            if dtype is not None:  # what F.linear under autocast runs in
-                x, weight = x.to(dtype), weight.to(dtype)
-                bias = None if bias is None else bias.to(dtype)
-            return _DeferredLinear.apply(x, weight, bias, self, store)
+        if not autocast_enabled(device):  # also the stand-in ``meta`` device, which has no autocast
+            return _DeferredLinear.apply(x, self.weight.detach(), self.bias, self, store)
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):  # what F.linear under autocast runs in
+            bias = None if self.bias is None else self.bias.to(dtype)
+            return _DeferredLinear.apply(x.to(dtype), self.weight.detach().to(dtype), bias, self, store)
 
     return forward

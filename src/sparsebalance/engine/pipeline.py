@@ -183,6 +183,8 @@ class PipelineExecutor:
                 if i in arm_at:
                     self._arm_reduction(None if layout.virtual == 1 else arm_at[i], final=i == final)
                 self._backward(m, c, ops[m][c], step.loss_scale, sends, done)
+        if self.deferred is not None and self.deferred.pending:  # every B has its W in zb_order
+            raise RuntimeError(f"zero bubble: deferred weight gradients left unrun ({sorted(self.deferred.pending)})")
         return ops, sends
 
     def _group(self, kind: str, chunk: int, step: int):

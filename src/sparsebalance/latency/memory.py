@@ -122,14 +122,17 @@ class StageShare:
     there), and the micro-batches whose saved activations it keeps at once (1F1B: ``P - s`` on
     stage ``s``, as :func:`~sparsebalance.batching.schedule.schedule_order` runs them; interleaved
     1F1B, ``--pp-virtual``: :func:`~sparsebalance.batching.interleaved.held_stages`, in whole
-    stages, a fraction when chunks of several micro-batches are in flight; zero bubble,
-    ``--pp-schedule zb-h1``: P on every stage, a micro-batch counted whole from its forward to its
-    W, :func:`~sparsebalance.batching.zero_bubble.held_micro_batches`)."""
+    stages, a fraction when chunks of several micro-batches are in flight), and zero bubble's
+    (``--pp-schedule zb-h1``) pending W's: micro-batches past their B whose deferred weight GEMMs
+    keep each linear layer's input and output gradient (:meth:`MemoryModel.weight_elems`), up to
+    ``s + 1`` on stage s besides 1F1B's ``P - s`` in flight
+    (:func:`~sparsebalance.batching.zero_bubble.pending_weights`)."""
 
     layers: int
     embedding: bool
     head: bool
     in_flight: float
+    pending_weights: int = 0
 
     @classmethod
     def of(cls, split: tuple[int, ...], stage: int) -> StageShare:
@@ -215,6 +218,13 @@ class MemoryModel:
         kv = s.num_kv_heads * s.head_dim
         return 9 * s.hidden_size + 4 * kv + s.num_heads, 4 * s.intermediate_size
 
+    def weight_elems(self) -> int:
+        """Elements per token and decoder layer a pending zero-bubble W keeps (whatever the
+        checkpointing: its GEMMs need them): the linear layers' inputs (q/k/v's and gate/up's
+        shared, o's, down's: ``3 H + I``) and output gradients (``3 H + 2 kv + 2 I``)."""
+        s = self.shapes
+        return 6 * s.hidden_size + 3 * s.intermediate_size + 2 * s.num_kv_heads * s.head_dim
+
     def _state(self, params: int, cfg: MemoryConfig) -> tuple[float, float, float]:
         """``(weights + optimizer state, gradients after the step's last backward, autocast's
         weight copies)``: FSDP2 divides all three by ``shard``. A pipeline stage stays gathered
@@ -244,7 +254,10 @@ class MemoryModel:
         kept += (2 * s.head_dim + 2 * s.hidden_size * int(st.head)) * t * a  # rotary cos/sin, final norm
         if cfg.cp > 1:  # the ring's remote K/V shard in flight
             kept += 2 * s.num_kv_heads * s.head_dim * t * a
-        return st.in_flight * kept, rerun
+        pending = st.layers * self.weight_elems() * t * a
+        if st.head and cfg.loss == "plain":  # the head's GEMM deferred too: its logits' gradient
+            pending += t * s.vocab_size * a
+        return st.in_flight * kept + st.pending_weights * pending, rerun
 
     def _gradients(self, params: int, grads: float, cfg: MemoryConfig, st: StageShare) -> tuple[float, float, float]:
         """Gradient bytes ``(held through a micro-batch, held through its backward, at its end)``.

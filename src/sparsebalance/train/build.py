@@ -16,6 +16,7 @@ import torch
 from .. import flags
 from ..batching.interleaved import HELD_LIMIT, held_stages
 from ..batching.schedule import balanced_layers, head_layers
+from ..batching.zero_bubble import pending_weights
 from ..data import load_tokenizer
 from ..data.dataset import TokenizedCorpus, apply_vocabulary, compact_vocabulary, open_corpus, resolve_data
 from ..data.store import is_store
@@ -252,8 +253,10 @@ def _memory_config(cfg: TrainConfig, world_size: int, stage: StageModel | None) 
         if stage.layout.virtual > 1:  # interleaved: warm-up forwards of several chunks in flight
             counts = range(1, min(most or HELD_LIMIT, HELD_LIMIT) + 1)
             share = replace(share, in_flight=held_stages(stage.split, p, s, counts))
-        elif cfg.pp_schedule == "zb-h1":  # zero bubble: P on every stage, from a forward to its W
-            share = replace(share, in_flight=min(p, most) if most is not None else p)
+        elif cfg.pp_schedule == "zb-h1":  # zero bubble: 1F1B's in flight, and up to s + 1 pending W's
+            counts = range(1, min(most or HELD_LIMIT, HELD_LIMIT) + 1)
+            pending = max(pending_weights(p, m, s) for m in counts)
+            share = replace(share, in_flight=min(share.in_flight, most or p), pending_weights=pending)
         elif most is not None:
             share = replace(share, in_flight=min(share.in_flight, most))
     return MemoryConfig(

@@ -8,6 +8,7 @@ its alias ``--gamma-min 0.6``): all generated from the fields by :mod:`sparsebal
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -454,11 +455,28 @@ def check_pipeline_world(cfg: TrainConfig, nproc: int) -> None:
 
 def resolve_strategy(cfg: TrainConfig, num_ranks: int) -> TrainConfig:
     """``--strategy auto`` made concrete for ``num_ranks`` real ranks: ``sab-cp`` with two or
-    more (long documents trained whole), ``sab`` on one rank or with ``--emulate-ranks``."""
+    more (long documents trained whole), ``sab`` on one rank or with ``--emulate-ranks``. A
+    resumed run keeps what ``auto`` chose when it started (its newest checkpoint's) where this
+    grid can run it: resuming a pipeline's run (``sab``) on ``--pp 1`` stays ``sab``."""
     if cfg.strategy != "auto":
         return cfg
     real = num_ranks >= 2 and not cfg.emulate_ranks and cfg.pp == 1  # a pipeline: whole documents
-    return dataclasses.replace(cfg, strategy="sab-cp" if real else "sab")
+    strategy = "sab-cp" if real else "sab"
+    saved = _saved_strategy(Path(cfg.out)) if cfg.resume else None
+    if saved == "sab" or (saved == "sab-cp" and real):
+        strategy = saved
+    return dataclasses.replace(cfg, strategy=strategy)
+
+
+def _saved_strategy(out: Path) -> str | None:
+    """The strategy the newest checkpoint in ``out`` trained with; None: none readable (the
+    resume's own checks say why)."""
+    for path in sorted((out / "checkpoints").glob("step-*"), reverse=True):
+        try:
+            return json.loads((path / "meta.json").read_text())["config"].get("strategy")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return None
 
 
 def check_batch(cfg: TrainConfig, num_docs: int, num_processes: int) -> None:

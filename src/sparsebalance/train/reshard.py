@@ -90,7 +90,7 @@ def grid_note(name: str, saved: dict, saved_ranks: int | None, version: object, 
             "the stages' learned time scales reset to 1 (their stages held other layers; "
             "the backward:forward ratio kept)"
         )
-    if before.ranks is not None:
+    if before.ranks not in (None, now.ranks):  # the same ranks: each restores its own, as always
         said.append(f"rank r restores the RNG state saved by rank r mod {before.ranks}")
     said.append("step, data position, LR schedule and latency calibration kept")
     said.append(
@@ -174,6 +174,11 @@ def read_part(
         state = optim["state"]
         if any(isinstance(k, int) for k in state):
             raise ValueError(f"--resume: {optim_file} holds optimizer states by index, not by name: start afresh")
+        lost = [n for n in mine if n in optimized and saved_prefix + n not in state]
+        if state and lost:  # a stepped optimizer holds every parameter's moments: none may restart at 0
+            raise ValueError(
+                f"--resume: {optim_file} has no optimizer state for {len(lost)} parameters ({lost[0]}, ...)"
+            )
         optim_state.update({n: state[saved_prefix + n] for n in mine if n in optimized and saved_prefix + n in state})
         saved_groups = saved_groups or optim["param_groups"]
         del optim, state
