@@ -109,6 +109,7 @@ def test_two_zero_bubble_pipelines_match_two_ranks(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_a_zero_bubble_pipeline_with_dst_resumes_exactly(tmp_path):
     """DST on: a resume from step 2 gives the uninterrupted run's losses (the learned W share is
     in the checkpoint)."""
