@@ -87,34 +87,16 @@ def run(cfg: dict, mixes: list[str], steps: int) -> dict:
     out = {}
     for mix in mixes:
         data = batches(mix, cfg, steps)
+
+        def setting(data=data, **pipeline) -> dict:
+            return simulate_setting(data, WORLD, model, s, list(ROWS.values()), dst, pipeline_stages=STAGES, **pipeline)
+
         res, split = {}, {}
         for v in (1, 2):
             split[v] = tuple(balanced_layers(shapes.num_layers, STAGES * v, head_layers(shapes)).tolist())
-            res[v] = simulate_setting(
-                data,
-                WORLD,
-                model,
-                s,
-                list(ROWS.values()),
-                dst,
-                pipeline_stages=STAGES,
-                stage_layers=split[v],
-                pipeline_virtual=v,
-                stage_times=True,
-            )
+            res[v] = setting(stage_layers=split[v], pipeline_virtual=v, stage_times=True)
         zero = {  # ZB-H1: planned, tuned and priced for it (V = 1 split)
-            label: simulate_setting(
-                data,
-                WORLD,
-                model,
-                s,
-                list(ROWS.values()),
-                dst,
-                pipeline_stages=STAGES,
-                stage_layers=split[1],
-                pipeline_schedule="zb-h1",
-                weight_share=share,
-            )
+            label: setting(stage_layers=split[1], pipeline_schedule="zb-h1", weight_share=share)
             for label, share in SHARES.items()
         }
         base = res[1]["strategies"]["baseline"]["step_seconds"]

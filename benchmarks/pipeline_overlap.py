@@ -56,34 +56,42 @@ def _prepare(root: Path) -> dict:
     return {"model": str(model), "data": str(root / "data.jsonl"), "profile": str(root / "profile.json")}
 
 
-def _rank(rank: int, root: str, parallel: str, steps: int) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from sparsebalance.engine.runtime import Runtime
-    from sparsebalance.train import TrainConfig, Trainer
+def train_config(files: dict, out: str, steps: int, **over):
+    """The trainer's setting of these pipeline benchmarks: PP 2 of ``files``' model and data,
+    fp32 CPU, 8 documents a step at ``--capacity 512``, DST off, deterministic; ``over``: the rest."""
+    from sparsebalance.train import TrainConfig
     from sparsebalance.tuning import DSTConfig
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{root}/rdzv", rank=rank, world_size=4)
-    files = json.loads(Path(root, "files.json").read_text())
-    cfg = TrainConfig(
+    fields = dict(
         model=files["model"],
         data=files["data"],
         profile=files["profile"],
-        out=f"{root}/run",
+        out=out,
         steps=steps,
         global_batch=8,
         capacity=512,
         device="cpu",
         block_size=32,
         pp=2,
-        parallel=parallel,
         strategy="sab",
         dst=DSTConfig(mode="off", budget="gamma", gamma0=0.9),
         checkpoint_every=0,
         deterministic=True,
     )
+    return TrainConfig(**{**fields, **over})
+
+
+def _rank(rank: int, root: str, parallel: str, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from sparsebalance.engine.runtime import Runtime
+    from sparsebalance.train import Trainer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/rdzv", rank=rank, world_size=4)
+    files = json.loads(Path(root, "files.json").read_text())
+    cfg = train_config(files, f"{root}/run", steps, parallel=parallel)
     trainer = Trainer(cfg, Runtime(rank, 4, torch.device("cpu")))
     rows = []
     for _ in range(steps):

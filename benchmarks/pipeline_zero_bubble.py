@@ -36,7 +36,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_overlap import SHAPES, WORDS  # noqa: E402
+from pipeline_overlap import SHAPES, WORDS, train_config  # noqa: E402
 
 SCHEDULES = ("1f1b", "zb-h1")
 
@@ -63,32 +63,14 @@ def _rank(rank: int, root: str, steps: int) -> None:
     import torch.distributed as dist
 
     from sparsebalance.engine.runtime import Runtime
-    from sparsebalance.train import TrainConfig, Trainer
-    from sparsebalance.tuning import DSTConfig
+    from sparsebalance.train import Trainer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{root}/rdzv", rank=rank, world_size=2)
     files = json.loads(Path(root, "files.json").read_text())
     trainers = {}
     for schedule in SCHEDULES:
-        cfg = TrainConfig(
-            model=files["model"],
-            data=files["data"],
-            profile=files["profile"],
-            out=f"{root}/run-{schedule}",
-            steps=steps,
-            global_batch=8,
-            capacity=512,
-            device="cpu",
-            block_size=32,
-            pp=2,
-            pp_schedule=schedule,
-            parallel="ddp",
-            strategy="sab",
-            dst=DSTConfig(mode="off", budget="gamma", gamma0=0.9),
-            checkpoint_every=0,
-            deterministic=True,
-        )
+        cfg = train_config(files, f"{root}/run-{schedule}", steps, pp_schedule=schedule, parallel="ddp")
         trainers[schedule] = Trainer(cfg, Runtime(rank, 2, torch.device("cpu")))
     rows = []
     for _ in range(steps):
