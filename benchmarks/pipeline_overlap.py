@@ -40,16 +40,19 @@ SHAPES = {
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
 
 
-def _prepare(root: Path) -> dict:
+def prepare(root: Path, layers: int = SHAPES["num_hidden_layers"], documents: int = 64) -> dict:
+    """The model (width 512, ``layers`` decoder layers), ``documents`` of 150-400 words and an
+    analytic profile in ``root``; their paths."""
     from sparsebalance.latency import analytic_profile
     from sparsebalance.models import load_shapes
 
     base = json.loads((ROOT / "src/sparsebalance/models/configs/tiny.json").read_text())
     model = root / "model"
     model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps({k: v for k, v in base.items() if not k.startswith("_")} | SHAPES))
+    shapes = {**SHAPES, "num_hidden_layers": layers}
+    (model / "config.json").write_text(json.dumps({k: v for k, v in base.items() if not k.startswith("_")} | shapes))
     with (root / "data.jsonl").open("w") as f:
-        for d in range(64):
+        for d in range(documents):
             n = 150 + (d * 37) % 250
             f.write(json.dumps({"text": " ".join(WORDS[(d + i) % len(WORDS)] for i in range(n))}) + "\n")
     analytic_profile(load_shapes(str(model)), "h100", block_size=32).save(root / "profile.json")
@@ -142,7 +145,7 @@ def main() -> int:
     ap.add_argument("--parallel", default="ddp", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.prepare:
-        print(json.dumps(_prepare(Path(args.prepare))))
+        print(json.dumps(prepare(Path(args.prepare))))
         return 0
     if args.worker:
         _worker(args.worker, args.parallel, args.steps)

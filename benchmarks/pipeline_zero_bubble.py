@@ -36,26 +36,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_overlap import SHAPES, WORDS, train_config  # noqa: E402
+from pipeline_overlap import prepare, train_config  # noqa: E402
 
 SCHEDULES = ("1f1b", "zb-h1")
-
-
-def _prepare(root: Path, layers: int) -> dict:
-    from sparsebalance.latency import analytic_profile
-    from sparsebalance.models import load_shapes
-
-    base = json.loads((ROOT / "src/sparsebalance/models/configs/tiny.json").read_text())
-    model = root / "model"
-    model.mkdir(parents=True, exist_ok=True)
-    shapes = {**SHAPES, "num_hidden_layers": layers}
-    (model / "config.json").write_text(json.dumps({k: v for k, v in base.items() if not k.startswith("_")} | shapes))
-    with (root / "data.jsonl").open("w") as f:
-        for d in range(256):
-            n = 150 + (d * 37) % 250
-            f.write(json.dumps({"text": " ".join(WORDS[(d + i) % len(WORDS)] for i in range(n))}) + "\n")
-    analytic_profile(load_shapes(str(model)), "h100", block_size=32).save(root / "profile.json")
-    return {"model": str(model), "data": str(root / "data.jsonl"), "profile": str(root / "profile.json")}
 
 
 def _rank(rank: int, root: str, steps: int) -> None:
@@ -151,7 +134,7 @@ def main() -> int:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.prepare:
-        print(json.dumps(_prepare(Path(args.prepare), args.layers)))
+        print(json.dumps(prepare(Path(args.prepare), args.layers, documents=256)))
         return 0
     if args.worker:
         _worker(args.worker, args.steps)
