@@ -42,7 +42,10 @@ def pipeline_line(ranks: list[dict]) -> str:
     stages = [s for r in ranks for s in r.get("stages", ())]
     if any(s.get("schedule") == "zb-h1" for s in stages):
         weight = sum(s.get("weight_s", 0.0) for s in stages) / max(sum(s["busy_s"] for s in stages), 1e-12)
-        schedule = f"zero bubble ZB-H1, W {100 * weight:.0f} % of the busy time"
+        ops = [x for r in ranks for u in r.get("units", ()) for x in u.get("stage_s", ()) if len(x) == 3]
+        backward = sum(x[1] for x in ops)  # (forward, B + W, W) per stage: what the pricing learns
+        share = f", {100 * sum(x[2] for x in ops) / backward:.0f} % of the backward" if backward > 0 else ""
+        schedule = f"zero bubble ZB-H1, W {100 * weight:.0f} % of the busy time{share}"
     parts = ", ".join(
         f"stage {s} busy {b:.3f} s, bubble {i:.3f} s ({100 * i / max(b + i, 1e-12):.0f} %)"
         for s, (b, i) in enumerate(zip(busy, idle, strict=True))
