@@ -247,6 +247,17 @@ def spread_stages(times: np.ndarray, head: np.ndarray, layers: np.ndarray) -> np
     return stages
 
 
+def scaled_stages(
+    times: np.ndarray, head: np.ndarray, layers: np.ndarray, scales: np.ndarray | None, virtual: int = 1
+) -> np.ndarray:
+    """``(..., P V)`` each micro-batch's seconds per (virtual) stage as the pipelines price them:
+    :func:`spread_stages`'s share times its rank's scale (``scales`` ``(P,)``, None: 1)."""
+    stages = spread_stages(times, head, layers)
+    if scales is not None:
+        stages = stages * np.tile(np.asarray(scales, dtype=np.float64), virtual)
+    return stages
+
+
 def layered_makespans(
     times: np.ndarray,
     head: np.ndarray,
@@ -271,9 +282,7 @@ def layered_makespans(
     A stage's share is :func:`spread_stages`'s, times its rank's scale. Zero bubble:
     :func:`~.zero_bubble.layered_makespans`.
     """
-    stages = spread_stages(times, head, layers)
-    if scales is not None:
-        stages = stages * np.tile(np.asarray(scales, dtype=np.float64), virtual)
+    stages = scaled_stages(times, head, layers, scales, virtual)
     if virtual == 1:
         return makespans(*split_forward_backward(stages, ratio))
     from .interleaved import makespans as interleaved_makespans

@@ -36,7 +36,7 @@ from functools import lru_cache
 import numpy as np
 
 from .levels import Levels, compile_levels, solve
-from .schedule import BACKWARD_RATIO, schedule_order, split_forward_backward, spread_stages
+from .schedule import BACKWARD_RATIO, scaled_stages, schedule_order, split_forward_backward
 
 SCHEDULES = ("1f1b", "zb-h1")
 """``--pp-schedule``: plain (or, with ``--pp-virtual``, interleaved) 1F1B, or zero-bubble ZB-H1."""
@@ -173,8 +173,5 @@ def layered_makespans(
     :func:`~.schedule.layered_makespans` (spread over the stages by ``layers`` ``(P,)``, the head
     on the last, each stage times its scale, backward = ``ratio`` x forward), each stage's backward
     split into B and W at ``weight_share``."""
-    stages = spread_stages(times, head, layers)
-    if scales is not None:
-        stages = stages * np.asarray(scales, dtype=np.float64)
-    forward, backward = split_forward_backward(stages, ratio)
+    forward, backward = split_forward_backward(scaled_stages(times, head, layers, scales), ratio)
     return makespans(forward, *split_backward(backward, weight_share))
