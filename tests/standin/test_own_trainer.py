@@ -74,14 +74,21 @@ def test_two_emulated_ranks_step_on_the_stand_in_device(cuda_engine, tmp_path):
     guard = sd.StandIn()
     sync = executor.clock.synchronize
     executor.clock.synchronize = lambda: setattr(guard, "phase", "step end") or sync()
+    nxt = []
+
+    def plan_ahead():  # --plan-ahead (auto on CUDA): the next step, planned before the wait
+        guard.phase = "planning ahead"
+        nxt.append(engine.begin([Sample(i, n, "") for i, n in reversed(list(enumerate(LENGTHS)))]))
+
     floors, microbatches = [], 0
     with guard:
         for rank in range(2):
             guard.phase = f"micro-batch of rank {rank}"
-            work = executor.run(step, rank)
+            work = executor.run(step, rank, ahead=plan_ahead if rank == 1 else None)
             microbatches += len(work.records[0].microbatches)
             floors += [r.floor for c in engine._step_layers(step).of(rank) for r in c.records]
     sd.check_clean(guard, kernels)
+    assert len(nxt) == 1 and not guard.project_reads("planning ahead")  # host work only
     assert kernels.sparse and kernels.dense  # the long document selected, the short ones dense
     assert any(f is not None for f in floors), "no layer decided the coverage bound on the device"
     # after the synchronize: one read per micro-batch (its layers' statistics and its loss) and

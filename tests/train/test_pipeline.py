@@ -147,10 +147,16 @@ def test_two_stages_give_one_processs_gradients(tmp_path):
 
 @pytest.mark.distributed
 def test_a_pipeline_resumes_exactly(tmp_path):
-    cfg = _cfg(tmp_path, pp=2, steps=4, checkpoint_every=2, dst=DSTConfig(mode="bidirectional", budget="gamma"))
+    """With --plan-ahead on (what a CUDA run resolves): each step plans the next one between its
+    schedule and its wait, on both stages; the checkpoint re-plans step 3 on resume."""
+    dst = DSTConfig(mode="bidirectional", budget="gamma")
+    cfg = _cfg(tmp_path, pp=2, steps=4, checkpoint_every=2, dst=dst, plan_ahead="on")
     full = run_ranks(cfg, 2, tmp_path)
     state = torch.load(tmp_path / "run" / "checkpoints" / "step-000002" / "state.pt", weights_only=False)
     assert state["pipeline"] == {"stages": 2, "layers": [3, 1]}  # another split reshards on resume
+    assert state["trainer"]["ahead"] is not None  # step 3 was planned during step 2
+    summaries = [x for x in _lines(tmp_path / "run") if x["rank"] == "all"]
+    assert [x["planned_ahead"] for x in summaries] == [False, True, True, True]
     # the stages' learned pricing is saved (--deterministic: no timing enters it, the identity)
     want = {"ratio": 2.0, "scales": [1.0, 1.0], "weight_share": WEIGHT_SHARE, "steps": 0}
     assert state["trainer"]["stage_calibration"] == want

@@ -17,7 +17,7 @@ times inside the step."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -107,13 +107,19 @@ class RankExecutor:
     def clock(self) -> Clock:
         return self.par.clock
 
-    def run(self, step: TunedStep, rank: int, origin: Mark | None = None) -> LocalWork:
+    def run(
+        self, step: TunedStep, rank: int, origin: Mark | None = None, ahead: Callable[[], None] | None = None
+    ) -> LocalWork:
         """Rank ``rank``'s units (real or emulated rank); times in seconds after ``origin`` (a
-        mark of :attr:`clock`; default: now), read after one synchronize at the end."""
+        mark of :attr:`clock`; default: now), read after one synchronize at the end. ``ahead``
+        (``--plan-ahead``): host work run once every unit is launched, before that wait, so it
+        overlaps the device's share of the step."""
         clock = self.clock
         origin = origin or clock.mark()
         with use_clock(clock):
             timed, ready, done = self._run(step, rank)
+            if ahead is not None:
+                ahead()
             clock.synchronize()  # the step's one wait for the device: every mark is complete
             results = [t.resolve(clock, origin) for t in timed]
             ready_s = clock.seconds(origin, ready or done)

@@ -36,7 +36,7 @@ per-stage busy and idle time (the bubbles).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -103,9 +103,12 @@ class PipelineExecutor:
     def layout(self) -> PipelineLayout:
         return self.stage.layout
 
-    def run(self, step: TunedStep, rank: int, origin: Mark | None = None) -> LocalWork:
+    def run(
+        self, step: TunedStep, rank: int, origin: Mark | None = None, ahead: Callable[[], None] | None = None
+    ) -> LocalWork:
         """This stage's forwards and backwards, the gradient sync, and the pipeline's record
-        (``rank``: the world rank, unused: the pipeline is this rank's layout's)."""
+        (``rank``: the world rank, unused: the pipeline is this rank's layout's; ``ahead``: as
+        :meth:`RankExecutor.run <.execute.RankExecutor.run>`'s, before the device wait)."""
         clock, layout = self.clock, self.layout
         origin = origin or clock.mark()
         with use_clock(clock):
@@ -117,6 +120,8 @@ class PipelineExecutor:
             ready = clock.mark()
             self._sync_gradients(step, ran_backward=bool(ops))
             done = clock.mark()
+            if ahead is not None:
+                ahead()
             clock.synchronize()  # the step's one wait for the device
             mine = [self._result(chunks, origin) for chunks in ops]
             busy = sum(clock.seconds(a, b) for chunks in ops for op in chunks for a, b in op.marks)

@@ -166,17 +166,25 @@ class StepRunner:
     def tuner(self):
         return self.engine.tuner
 
-    def run(self, samples: list[Sample], step: int) -> StepResult:
-        """Step number ``step`` (1-based) on ``samples`` (the global batch, same on every rank).
+    def run(
+        self,
+        samples: list[Sample] | TunedStep,
+        step: int,
+        ahead: Callable[[], None] | None = None,
+    ) -> StepResult:
+        """Step number ``step`` (1-based) on ``samples`` (the global batch, same on every rank),
+        or on the step :meth:`StepEngine.begin` already planned and tuned from them.
 
         Under torchrun each process runs its own rank. With ``--emulate-ranks R`` one process
         runs the R ranks' micro-batches in turn (each timed alone): the step time of R ranks is
-        then ``max(rank compute) + sync``, a real measurement of compute imbalance.
+        then ``max(rank compute) + sync``, a real measurement of compute imbalance. ``ahead``
+        (``--plan-ahead``): host work (the next step's plan) run once this step's work is
+        launched, before the host waits for the device.
         """
         t_step = time.perf_counter()
         with watch.at(step=step, unit=None, ring_step=None, where="the plan agreement"):
-            tuned = self.engine.begin(samples)
-            local = self.execute(tuned)
+            tuned = samples if isinstance(samples, TunedStep) else self.engine.begin(samples)
+            local = self.execute(tuned, ahead)
             with watch.at(where="the gradient sync", unit=None):
                 records = self.synchronize(local)
         optim, skipped = self.updater.update(self.global_loss(records), step)
@@ -184,17 +192,19 @@ class StepRunner:
         report = self.summarize(tuned, records, optim, time.perf_counter() - t_step, step, skipped)
         return StepResult(records, report, feedback)
 
-    def execute(self, tuned: TunedStep) -> LocalWork:
+    def execute(self, tuned: TunedStep, ahead: Callable[[], None] | None = None) -> LocalWork:
         """Forward + backward of this process's rank (or of every emulated rank), times in
-        seconds after a mark taken now (every rank has just left the plan's all-gather)."""
+        seconds after a mark taken now (every rank has just left the plan's all-gather);
+        ``ahead`` runs once, after the last rank's work is launched."""
         origin = self.executor.clock.mark()
         if self.emulated:
-            runs = [self.executor.run(tuned, r, origin) for r in range(self.num_ranks)]
+            last = self.num_ranks - 1
+            runs = [self.executor.run(tuned, r, origin, ahead if r == last else None) for r in range(self.num_ranks)]
             for w in runs:
                 w.records[0].relative_to(None)
             return LocalWork([w.records[0] for w in runs], runs[-1].ready_s, runs[-1].done_s)
         with watch.at(where="its units"):
-            return self.executor.run(tuned, self.rt.rank, origin)
+            return self.executor.run(tuned, self.rt.rank, origin, ahead)
 
     def synchronize(self, local: LocalWork) -> list[RankRecord]:
         """Gradients synced on every rank; every rank's record with its bubble and sync time.

@@ -149,6 +149,9 @@ class StepReport:
     """Layer decisions (all ranks) where the coverage bound stopped a cut."""
     skipped_nonfinite: bool | None = None
     """The loss or the gradients were NaN/inf: the step was skipped (own loop)."""
+    planned_ahead: bool | None = None
+    """The step was planned and tuned during the previous one's device work (own loop's
+    ``--plan-ahead``): ``plan_s`` and ``dst_s`` ran in the device's shadow."""
     step: int
     budget_mean: float
     """Mean of the ranks' mean (micro-batch, layer) budgets (k or gamma)."""

@@ -29,6 +29,7 @@ from ..ops import resolve_backend
 from ..ops.loss import LOSS_IMPLS
 from ..precision import PRECISIONS
 from ..tuning import ANCHORS, BUDGETS, MODES, RAISE_TO, DSTConfig
+from .ahead import MODES as PLAN_AHEAD
 
 ZERO_OK = ("checkpoint_every", "keep_checkpoints", "max_nonfinite_steps")
 RUN_STATE = ("metrics.jsonl", "checkpoints", "tensorboard")
@@ -61,6 +62,7 @@ CHOICES = {
     "measure_bubble": MEASURE_BUBBLE,
     "pp_schedule": PP_SCHEDULES,
     "device": ("auto", "cpu", "cuda"),
+    "plan_ahead": PLAN_AHEAD,
 }
 """The fields that take one of a few words: checked here (the Python API, a --config file) and by
 the command line's parser (``--help`` lists them)."""
@@ -182,6 +184,12 @@ class TrainConfig:
     """How the gradient sync runs and the bubble is measured: overlap (the sync overlaps the last
     micro-batch's backward; bubble from per-rank timestamps) | exact (a barrier, then a separate
     all-reduce: bubble and sync timed apart, no overlap)."""
+    plan_ahead: str = "auto"
+    """When each step is planned (SAB) and tuned (DST): on = during the previous step, once its
+    forwards and backwards are launched, so the host plans while the device computes (from the
+    latency model before that step's feedback: one step older) | off = after the previous step's
+    times are fed back | auto = on on CUDA, off on the CPU (where nothing overlaps). Resume is
+    exact either way. See docs/pipeline.md."""
     emulate_ranks: int = 0
     """Emulate this many data-parallel ranks in one process (each rank's micro-batches run in turn
     and are timed alone; step time = slowest rank + sync): measures imbalance on one device."""
@@ -217,6 +225,7 @@ class TrainConfig:
         self._check_memory_options()
         self._check_strategy()
         keys = ("estimator", "overlong", "parallel", "measure_bubble", "precision", "schedule", "pp_schedule", "device")
+        keys += ("plan_ahead",)
         self._check_choices(**{k: CHOICES[k] for k in (*keys, "on_bad_record")})
         self._check_optimizer()
         self._resolve_block_size()

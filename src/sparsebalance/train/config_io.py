@@ -16,7 +16,7 @@ from .config import CHOICES, DST_CHOICES, TrainConfig
 SECTIONS = (
     ("data", ("data", "text_field", "num_builtin", "min_len", "max_len", "on_bad_record", "tokenizer")),
     ("steps and micro-batches", ("steps", "global_batch", "micro_batches", "capacity", "memory_budget", "overlong")),
-    ("balancing (SAB)", ("strategy", "cp", "estimator")),
+    ("balancing (SAB)", ("strategy", "cp", "estimator", "plan_ahead")),
     ("sparsity budget and DST", ("dst",)),
     ("model and attention", ("model", "block_size", "backend", "precision", "activation_checkpointing", "loss")),
     (

@@ -116,6 +116,9 @@ def adapt_state(state: dict, saved_layers, layers, stages: int, world_size: int)
     )
     if calibration is not None and not same:
         trainer["stage_calibration"] = {**calibration, "scales": [1.0] * stages}
+        ahead = (trainer.get("ahead") or {}).get("engine")  # --plan-ahead's state: the same reset
+        if ahead is not None and ahead.get("stage_calibration") is not None:
+            ahead["stage_calibration"] = {**ahead["stage_calibration"], "scales": [1.0] * stages}
     return state
 
 

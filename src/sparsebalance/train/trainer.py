@@ -40,12 +40,14 @@ from ..latency import LatencyModel, OutsideGridWarning, context_cost
 from ..latency.host_memory import current_rss_bytes
 from ..latency.memory_bound import MemoryBound
 from ..models import ModelShapes
+from ..parallel import watch
 from ..parallel.groups import RingGroups
 from ..parallel.p2p import RING_WAITS
 from ..parallel.watch import DeviceWaits
 from ..precision import resolve_precision
 from ..tuning import DSTTuner
 from ..workload import Sample
+from . import ahead as plan_ahead
 from . import build
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -110,6 +112,9 @@ class Trainer:
         self.engine = self._engine(shapes)
         self.runner = self._runner()
         self.step = 0
+        self.plan_ahead = plan_ahead.resolve(cfg.plan_ahead, rt.device)
+        self._ahead: plan_ahead.Ahead | None = None
+        """--plan-ahead: the next step, planned and tuned during this one."""
         self._stale = build.check_run_folder(cfg)
         if cfg.resume:
             self._resume()
@@ -284,17 +289,32 @@ class Trainer:
         return self.engine.tuner
 
     def run_step(self) -> StepResult:
-        """One step on the next global batch (:class:`StepRunner`); advances ``self.step``."""
-        result = self.runner.run(self.next_batch(), self.step + 1)
+        """One step on the next global batch (:class:`StepRunner`); advances ``self.step``. With
+        ``--plan-ahead`` the step was planned during the previous one, and this one plans the
+        next (:mod:`.ahead`) unless it is the run's last."""
+        pending, self._ahead = self._ahead, None
+        if pending is None:
+            batch = self.next_batch()
+            counts = self.data.metrics()["documents"]  # documents per --data component
+        else:
+            batch, counts = pending.tuned, pending.documents
+        hook = self._plan_next if self.plan_ahead and self.step + 1 < self.cfg.steps else None
+        result = self.runner.run(batch, self.step + 1, hook)
         self.step += 1
-        counts = self.data.metrics()["documents"]  # documents per --data component
-        return replace(result, report=replace(result.report, data_documents=counts))
+        report = replace(result.report, data_documents=counts, planned_ahead=pending is not None)
+        return replace(result, report=report)
+
+    def _plan_next(self) -> None:
+        with watch.at(step=self.step + 2, where="planning the next step ahead (--plan-ahead)"):
+            self._ahead = plan_ahead.plan_next(self.data, self.engine)
 
     # ------------------------------------------------------------------ checkpoints
     def _state(self) -> dict:
         return {
             "step": self.step,
-            "data": self.data.state_dict(),
+            # --plan-ahead: the position before the next step's batch, re-planned on resume
+            "data": self.data.state_dict() if self._ahead is None else self._ahead.data_state,
+            "ahead": None if self._ahead is None else {"engine": self._ahead.engine_state},
             # the latency calibration, the estimator and sab-cp's recalibrated ring terms
             **self.engine.state_dict(),
             "grad_scaler": None if self.scaler is None else self.scaler.state_dict(),
@@ -365,9 +385,25 @@ class Trainer:
             raise ValueError("--resume: the checkpoint's compact vocabulary differs from this one")
         self.step = tr["step"]
         self.engine.load_state_dict(tr)
+        self._resume_ahead(tr.get("ahead"))
         if self.scaler is not None and tr.get("grad_scaler"):
             self.scaler.load_state_dict(tr["grad_scaler"])
         set_rng_state(state["rng"][self.rt.rank])
+
+    def _resume_ahead(self, saved: dict | None) -> None:
+        """The step the saving run had planned ahead, re-planned exactly (:func:`.ahead.replan`);
+        without --plan-ahead now it is planned after the feedback, as this run plans."""
+        if saved is None or self.step >= self.cfg.steps:
+            return
+        if self.plan_ahead:
+            self._ahead = plan_ahead.replan(saved["engine"], self.data, self.engine)
+        else:
+            build.say(
+                self.rt,
+                f"--resume: step {self.step + 1} was planned ahead by the saving run (--plan-ahead); this run "
+                f"plans each step after the last one's feedback (--plan-ahead {self.cfg.plan_ahead} on "
+                f"{self.rt.device.type})",
+            )
 
     # ------------------------------------------------------------------ loop
     def _stop_if_asked(self, saved: bool) -> None:
