@@ -189,7 +189,7 @@ class TrainConfig:
     forwards and backwards are launched, so the host plans while the device computes (from the
     latency model before that step's feedback: one step older) | off = after the previous step's
     times are fed back | auto = on on CUDA, off on the CPU (where nothing overlaps). Resume is
-    exact either way. See docs/pipeline.md."""
+    exact either way. See docs/training.md."""
     emulate_ranks: int = 0
     """Emulate this many data-parallel ranks in one process (each rank's micro-batches run in turn
     and are timed alone; step time = slowest rank + sync): measures imbalance on one device."""
