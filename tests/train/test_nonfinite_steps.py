@@ -25,9 +25,9 @@ def _poison_gradients_at(monkeypatch, bad_steps: set[int]):
     seen = {"step": 0}
     original = RankExecutor.run
 
-    def run(self, step, rank, origin=None):
+    def run(self, step, rank, origin=None, ahead=None):
         seen["step"] += rank == 0
-        work = original(self, step, rank, origin)
+        work = original(self, step, rank, origin, ahead)
         if seen["step"] in bad_steps:
             p = next(p for p in self.par.model.parameters() if p.grad is not None)
             p.grad.view(-1)[0] = math.nan
