@@ -135,6 +135,7 @@ CASES = (
 )
 
 
+@pytest.mark.slow  # default tier time (~10 min on 2 cores): its correctness is CI's slow tier
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_cp_step_equals_the_single_process_step(tmp_path):

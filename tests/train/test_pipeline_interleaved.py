@@ -61,6 +61,7 @@ def test_two_interleaved_pipelines_match_two_ranks(tmp_path, parallel, strategy,
         torch.testing.assert_close(_model(both / "run", 3)[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow  # default tier time (~10 min on 2 cores): its correctness is CI's slow tier
 @pytest.mark.distributed
 def test_an_interleaved_pipeline_with_dst_resumes_exactly(tmp_path):
     """DST on (per-layer budgets, one attention context per chunk): a resume from step 2 gives

@@ -70,7 +70,7 @@ def _watched(trainer, rank: int) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("virtual", [1, 2], ids=["pp2", "pp2-v2"])
+@pytest.mark.parametrize("virtual", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["pp2", "pp2-v2"])
 def test_each_stage_writes_and_reads_only_its_own_files(tmp_path, virtual):
     results = run_trainers(_watched, _cfg(tmp_path, pp_virtual=virtual), 2, tmp_path)
     ckpt = tmp_path / "run" / "checkpoints" / "step-000002"
@@ -109,6 +109,7 @@ def _as_format_2(ckpt: Path) -> None:
     (ckpt / CHECKSUMS).write_text(json.dumps(sums, indent=1) + "\n")
 
 
+@pytest.mark.slow  # default tier time (~10 min on 2 cores): its correctness is CI's slow tier
 @pytest.mark.distributed
 def test_a_checkpoint_of_format_2_still_resumes_and_loads_the_same_weights(tmp_path):
     cfg = _cfg(tmp_path, steps=4)

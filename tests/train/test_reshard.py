@@ -50,6 +50,7 @@ def _resumed_on_another_grid(tmp: Path, before: dict, world: int, after: dict, a
         torch.testing.assert_close(have[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow  # default tier time (~10 min on 2 cores): its correctness is CI's slow tier
 @pytest.mark.distributed
 def test_a_pp2_checkpoint_resumes_as_pp1(tmp_path, capfd):
     _resumed_on_another_grid(tmp_path, {"pp": 2}, 2, {"pp": 1}, 1)

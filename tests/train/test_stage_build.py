@@ -113,6 +113,7 @@ def test_a_pretrained_folder_lacking_a_stage_tensor_is_one_line(tmp_path):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow  # default tier time (~10 min on 2 cores): its correctness is CI's slow tier
 @pytest.mark.distributed
 def test_a_pipeline_from_a_pretrained_folder_trains_as_one_process(tmp_path):
     """The trainer at ``--pp 2`` from a safetensors folder (each stage reading its own tensors)
