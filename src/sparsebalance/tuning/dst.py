@@ -31,7 +31,9 @@ Pipelines (``decide(..., pipeline=)``, ``PlanConfig.pipeline``): workers are pip
 interleaved or ZB-H1) timed by their makespans (:mod:`.pipeline_workload`), and after the rule
 above (one budget per pipeline) every micro-batch gets its own budget (:mod:`.microbatch_dst`:
 the critical micro-batches cut, the others raised, no pipeline predicted slower than with its one
-budget).
+budget). Both levels' raises are guarded against the skew (:class:`~.skew.PipelineSkew`: each op
+priced as rest + s x attention, the makespans checked at ``s = 1/m``, 1 and ``m`` and bounded
+exactly in between).
 """
 
 from __future__ import annotations
@@ -46,11 +48,11 @@ from ..workload import CostModel, MicroBatch
 from .config import ANCHORS, MODES, DSTConfig, add_dst_arguments
 from .curve import DensityCurve
 from .knob import GammaKnob, Knob, search_many, search_one
-from .microbatch_dst import RankLevel, decide_microbatches
+from .microbatch_dst import MicroBatchPrices, RankLevel, decide_microbatches
 from .pipeline_workload import PipelineWorkload
 from .plan_workload import PlanWorkload, StepWorkload
 from .records import CUT, KEPT, RAISED, RankDecision, StepDecision, StepTargets
-from .skew import safe_raises
+from .skew import PipelineSkew, safe_raises
 
 __all__ = ["ANCHORS", "MODES", "DSTConfig", "DSTTuner", "RankWorkload", "add_dst_arguments"]
 
@@ -342,8 +344,14 @@ class DSTTuner:
         limit = np.where(cut, targets.cut_threshold, targets.raise_seconds)
         lo_v, hi_v, both = np.where(cut, floor, base), np.where(cut, base, hi), cut | raised
         value = np.where(both, search_many(knob, lambda v, s: work.seconds(v, s) - limit, lo_v, hi_v, both), value)
-        if not isinstance(work, PipelineWorkload):  # makespans are not additive in the attention
+        skew = None
+        if not isinstance(work, PipelineWorkload):
             value = safe_raises(work, knob, value, raised, base, self.config.skew_margin)
+        elif self.config.skew_margin > 1.0 and self.config.mode != "off" and (raised.any() or per_microbatch):
+            # makespans are convex in the skew, not linear: the reference is fitted once, from
+            # the pipelines not raised, and both levels' raises are checked against it
+            skew = PipelineSkew(MicroBatchPrices(work), self.config.skew_margin)
+            value = skew.safe_raises(knob, value, raised, base)
         arrays = StepArrays(
             targets=targets,
             budgets=value,
@@ -355,7 +363,7 @@ class DSTTuner:
         )
         if not (per_microbatch and isinstance(work, PipelineWorkload) and self.config.mode != "off"):
             return arrays
-        rank = RankLevel(value, arrays.times_after, arrays.density_after, arrays.attention_after)
+        rank = RankLevel(value, arrays.times_after, arrays.density_after, arrays.attention_after, skew)
         mb = decide_microbatches(work, self.config, _ANCHOR_FNS[self.config.anchor], rank)
         return replace(
             arrays,

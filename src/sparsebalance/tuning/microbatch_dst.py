@@ -42,11 +42,18 @@ its makespan ``S_r``), can:
    coverage bound is stricter than the rank's token-weighted one), nor where the target is
    ``S_r`` itself (evening would only move attention between micro-batches: from the long
    documents to the short ones, not a clear gain).
+7. Skew (``DSTConfig.skew_margin`` m > 1; :class:`~.skew.PipelineSkew`, fitted by the rank
+   level): a pipeline that keeps budgets per micro-batch, some above its one budget ``v_r``, must
+   pass the rank level's check, at every attention/rest skew in ``[1/m, m]`` no slower than the
+   slowest pipeline the rank level did not raise; one that fails has its budgets capped at the
+   largest cap in ``[v_r, max]`` that passes (its cuts kept), then step 6's rule is read again.
 
 Cost per step: ~25 vectorised ``predict_many`` calls over all micro-batches (three prices, the
 coverage floors' and the final search's probes) and ~10 makespan passes (one numpy step per
 dependency level of the schedule each, :mod:`~sparsebalance.batching.levels`) per micro-batch
 count: the water level's bisection prices its next steps' every possible midpoint in one pass.
+The skew check: one makespan pass on the prices above; where it fails, ~3-5 probes of one pricing
+and one pass each.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ import numpy as np
 from .config import DSTConfig
 from .knob import search_many
 from .pipeline_workload import PipelineWorkload, merged_makespans
+from .skew import PipelineSkew
 
 LEVEL_RTOL = 1e-7
 """The water level's bisection stops at this relative width (about 24 steps, ~4 makespan passes)."""
@@ -108,6 +116,7 @@ class MicroBatchPrices:
         """``(E,)`` each micro-batch's longest document."""
         self.rank_of = np.concatenate([empty, *(np.repeat(g.ranks, g.lengths.shape[1]) for g in self.groups)])
         """``(E,)`` each micro-batch's rank."""
+        self._memo: dict[float, np.ndarray] = {}
 
     def split(self, flat: np.ndarray) -> list[np.ndarray]:
         """``(E, ...)`` -> one ``(n, M, ...)`` view per group."""
@@ -130,10 +139,16 @@ class MicroBatchPrices:
         return todo, out
 
     def seconds(self, values: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
-        """``(E,)`` micro-batch seconds at ``values`` (entries of unpriced ranks read 0)."""
+        """``(E,)`` micro-batch seconds at ``values`` (entries of unpriced ranks read 0). Every
+        micro-batch at one budget is priced once (the base: the skew guard and this level)."""
+        key = float(values[0]) if active is None and values.size and np.all(values == values[0]) else None
+        if key in self._memo:
+            return self._memo[key].copy()
         todo, out = self._each(values, active)
         for g, sel, rows, v, o in todo:
             o[rows] = g.predict(sel, self.knob.density(g.lengths[rows], g.d0[rows], v[..., None]))
+        if key is not None:
+            self._memo[key] = out.copy()
         return out
 
     def coverage(self, values: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
@@ -150,6 +165,17 @@ class MicroBatchPrices:
             tokens = lengths.sum(axis=-1).astype(np.float64)
             o[rows] = np.where(tokens > 0, num / np.where(tokens > 0, tokens, 1.0), 1.0)
         return out if active is None else np.where(active, out, 1.0)
+
+    def attention_seconds(self, values: np.ndarray) -> np.ndarray:
+        """``(E,)`` each micro-batch's predicted attention seconds (all layers) at ``values``."""
+        cost, out = self.pipe.work.cost_model, np.zeros(self.size)
+        for g, v, o in zip(self.groups, self.split(values), self.split(out), strict=True):
+            valid = g.lengths > 0  # padded slots are not documents (a cost model may reject 0)
+            per_doc = np.zeros(g.lengths.shape)
+            dens = self.knob.density(g.lengths, g.d0, v[..., None])
+            per_doc[valid] = cost.layer_attention_seconds(g.lengths[valid], dens[valid])
+            o[...] = cost.num_layers * per_doc.sum(axis=-1)
+        return out
 
     def rank_sums(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(R,)`` length²-weighted mean density and attention seconds (all layers) of each rank
@@ -204,6 +230,9 @@ class RankLevel:
     """``S_r``: predicted makespans at ``values``."""
     density: np.ndarray
     attention: np.ndarray
+    skew: PipelineSkew | None = None
+    """The rank level's skew guard (its reference fitted; :mod:`.skew`), which the micro-batch
+    level's raises must pass too; None: no guard (``skew_margin`` 1)."""
 
 
 def decide_microbatches(
@@ -212,7 +241,9 @@ def decide_microbatches(
     """Budgets per micro-batch of every pipeline (the module docstring's rule) from the ``rank``
     level's decision; ``anchor``: the config's anchor function. ``config.mode`` must not be off."""
     assert config.mode != "off", "mode off keeps the base budget: no micro-batch level"
-    prices, knob = MicroBatchPrices(pipe), pipe.knob
+    prices = MicroBatchPrices(pipe) if rank.skew is None else rank.skew.prices
+    assert prices.pipe is pipe, "the skew guard prices another pipeline workload"
+    knob = pipe.knob
     base = np.full(prices.size, float(knob.base))
     floor = microbatch_floors(prices, config)
     hi = base if config.mode == "down" else np.maximum(knob.upper(prices.max_lengths), base)
@@ -230,7 +261,13 @@ def decide_microbatches(
     # the largest budget within each micro-batch's level; at its floor where even that is above
     active, lo = tf <= level, np.where(level >= t0, base, floor)  # at or above the base: raised or kept
     values = np.where(active, search_many(knob, lambda v, s: prices.seconds(v, s) - level, lo, hi, active), floor)
-    times = prices.makespans(prices.seconds(values))
+    seconds = prices.seconds(values)
+    times = prices.makespans(seconds)
+    if rank.skew is not None:  # raises above the one budget stay below the rank level's reference
+        faster = times < rank.times * (1.0 - FASTER_RTOL)  # the others keep their one budget below
+        guarded = rank.skew.safe_microbatches(knob, values, seconds, rank.values, faster)
+        if guarded is not values:
+            values, times = guarded, prices.makespans(prices.seconds(guarded))
     density, attention = prices.rank_sums(values)
     # kept: one budget per pipeline where the micro-batch level is not faster (then it would
     # only move attention between micro-batches at the same makespan, not a clear gain)
