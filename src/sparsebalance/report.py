@@ -224,10 +224,12 @@ def budgets(ranks: list[dict], steps: list[dict]) -> str:
             f"{fmt.format(spread)} apart within a step)"
         )
     stopped = f"{limited} layer cut{'s' if limited != 1 else ''}" if limited else "no layer cut"
+    ahead = sum(bool(s.get("planned_ahead")) for s in body)
+    shadow = f", {ahead} of {len(body)} steps planned during the previous one's device work" if ahead else ""
     return (
         f"{spent}, realized density {float(np.mean([s['mean_density'] for s in body])):.2f}, "
         f"coverage bound stopped {stopped}; planning + DST {1e3 * overhead:.1f} ms a step "
-        f"({100 * share:.2f} % of it)."
+        f"({100 * share:.2f} % of it{shadow})."
     )
 
 

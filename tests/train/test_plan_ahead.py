@@ -15,7 +15,7 @@ from sparsebalance.engine.runtime import Runtime
 from sparsebalance.train import Trainer
 from sparsebalance.train.ahead import resolve
 from sparsebalance.train.config import TrainConfig
-from tests.train.harness import base_config, rewind
+from tests.train.harness import base_config, rewind, run_trainers
 
 CPU1 = Runtime(0, 1, torch.device("cpu"))
 pytestmark = [
@@ -38,7 +38,7 @@ def _events(trainer: Trainer) -> list[str]:
     events: list[str] = []
     begin, clock = trainer.engine.begin, trainer.runner.executor.clock
     sync = clock.synchronize
-    trainer.engine.begin = lambda samples: events.append("plan") or begin(samples)
+    trainer.engine.begin = lambda samples, **kw: events.append("plan") or begin(samples, **kw)
     clock.synchronize = lambda: events.append("wait") or sync()
     return events
 
@@ -49,7 +49,8 @@ def test_the_next_step_is_planned_before_this_step_waits_for_the_device(tmp_path
     events = _events(trainer)
     result = trainer.run()
     if mode == "on":  # step n + 1 planned after step n's last rank is launched, before its wait
-        assert events == ["plan", "wait", "plan", "wait", "wait", "plan", "wait", "wait", "wait"]
+        # (the last step plans one more: its checkpoint extends a run exactly)
+        assert events == ["plan", "wait", "plan", "wait", "wait", "plan", "wait", "wait", "plan", "wait"]
         assert [s["planned_ahead"] for s in result["summaries"]] == [False, True, True]
     else:
         assert events == ["plan", "wait", "wait", "plan", "wait", "wait", "plan", "wait", "wait"]
@@ -106,3 +107,52 @@ def test_a_resume_runs_the_step_the_saving_run_planned_ahead(tmp_path):
     on3, off3 = ({k: [s for s in priced[m] if s["step"] == 3][0][k] for k in PRICED} for m in ("on", "off"))
     assert on3 == step3
     assert off3["predicted_max_before_s"] != pytest.approx(step3["predicted_max_before_s"], rel=0.05)
+
+
+def test_the_layer_controllers_rebase_a_target_priced_one_feedback_earlier(tmp_path):
+    """A step planned ahead was priced by the model before the last feedback; its layer
+    controllers, built during the step from the newer model, aim at the decision's time in that
+    model (target / planned 1), not at the older model's seconds (a uniform cut of every rank
+    by the feedback's change: 1 / 1.25 here)."""
+    trainer = Trainer(base_config(tmp_path, steps=3, emulate_ranks=2, plan_ahead="on"), CPU1)
+    _drifting_feedback(trainer)
+    trainer.run()
+    ran = trainer.engine._layers[0]  # step 3's (the one after it was planned, not run)
+    controllers = [c for c in ran.solo.values() if c is not None]
+    assert ran.tuned.ahead and len(controllers) == 2
+    for c in controllers:
+        assert c.target_seconds == pytest.approx(float(c.planned.sum()), rel=1e-9)
+
+
+def test_a_finished_run_extends_exactly_and_a_resume_with_nothing_to_run_keeps_its_checkpoint(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    longer = Trainer(base_config(tmp_path / "a", steps=4, emulate_ranks=2, plan_ahead="on"), CPU1)
+    _drifting_feedback(longer)
+    longer.run()
+    cfg = base_config(tmp_path / "b", steps=2, emulate_ranks=2, plan_ahead="on")
+    short = Trainer(cfg, CPU1)
+    _drifting_feedback(short)
+    short.run()
+    state = tmp_path / "b" / "run" / "checkpoints" / "step-000002" / "state.pt"
+    before = state.read_bytes()
+    Trainer(replace(cfg, resume=True), CPU1).run()  # --steps 2 again: nothing to run
+    assert state.read_bytes() == before  # the saved plan ahead is kept
+    extended = Trainer(replace(cfg, resume=True, steps=4), CPU1)
+    _drifting_feedback(extended)
+    extended.run()
+    want = {s["step"]: [s[k] for k in PRICED] for s in _summaries(tmp_path / "a" / "run")}
+    have = {s["step"]: [s[k] for k in PRICED] for s in _summaries(tmp_path / "b" / "run")}
+    assert have == want
+
+
+def _pipeline_events(trainer: Trainer, rank: int) -> dict:
+    events = _events(trainer)
+    trainer.run()
+    return {"events": events}
+
+
+@pytest.mark.distributed
+def test_each_stage_plans_the_next_step_before_its_wait(tmp_path):
+    cfg = base_config(tmp_path, steps=2, pp=2, strategy="sab", plan_ahead="on")
+    for got in run_trainers(_pipeline_events, cfg, 2, tmp_path):
+        assert got["events"] == ["plan", "plan", "wait", "plan", "wait"]

@@ -199,6 +199,10 @@ def test_another_grid_changes_the_rng_states_and_the_stage_scales_only_as_said()
     assert adapt_state(state(), (3, 1), (2, 2), 2, 2)["trainer"]["stage_calibration"]["scales"] == [1.0, 1.0]
     same = adapt_state(state(), (3, 1), (3, 1), 2, 4)  # another --nproc only: the scales stay
     assert same["rng"] == ["r0", "r1", "r0", "r1"] and same["trainer"]["stage_calibration"] == learned
+    # --plan-ahead: the state that planned the next step gets the same reset
+    ahead = {**state()["trainer"], "ahead": {"engine": {"stage_calibration": dict(learned)}}}
+    out = adapt_state({"rng": [], "trainer": ahead}, (3, 1), None, 1, 3)["trainer"]
+    assert out["ahead"]["engine"]["stage_calibration"]["scales"] == [1.0]
 
 
 def test_a_parameter_without_its_saved_optimizer_state_is_refused(tmp_path):

@@ -144,11 +144,12 @@ class StepEngine:
         return self.tuner.knob
 
     # ------------------------------------------------------------------ begin
-    def begin(self, samples: list[Sample]) -> TunedStep:
+    def begin(self, samples: list[Sample], ahead: bool = False) -> TunedStep:
         """Plan (SAB) and tune (DST) the global batch ``samples``: every rank derives the same
         plan (one all-gather checks it), a budget per rank (per worker with CP units, per
-        micro-batch of a pipeline) and the loss scale ``world_size / global weight``."""
-        return self._tune(self.plan(samples))
+        micro-batch of a pipeline) and the loss scale ``world_size / global weight``.
+        ``ahead``: planned before the previous step's feedback (``--plan-ahead``)."""
+        return self._tune(self.plan(samples), ahead)
 
     def plan(self, samples: list[Sample]) -> StepPlan:
         """SAB alone: samples -> ranks -> micro-batches; every rank derived the same (checked)."""
@@ -170,7 +171,7 @@ class StepEngine:
             return self.config
         return replace(self.config, **self.stage_calibration.pricing())
 
-    def _tune(self, planned: StepPlan) -> TunedStep:
+    def _tune(self, planned: StepPlan, ahead: bool = False) -> TunedStep:
         plan = planned.plan
         t0 = time.perf_counter()
         # with CP units the workers are ranks joined by units, one budget each
@@ -182,7 +183,7 @@ class StepEngine:
             pipeline = self.planning_config().pipeline(self.latency.num_layers)
             decision = self.tuner.decide(plan.ranks, self.latency, pipeline=pipeline)
         scale = self.world_size / max(planned.global_weight, 1e-9)
-        tuned = TunedStep(planned, decision, scale, time.perf_counter() - t0)
+        tuned = TunedStep(planned, decision, scale, time.perf_counter() - t0, ahead)
         self._layers = [*self._layers[-1:], _StepLayers(tuned)]
         return tuned
 
@@ -298,6 +299,9 @@ class StepEngine:
             # (planned at each micro-batch's own budget: each unit is allotted its planned share)
             if len(solo) < len(plan.ranks[rank]) or self.config.pipeline_stages > 1:
                 controller.target_seconds = float(controller.planned.sum())
+            elif tuned.ahead:  # priced by the model before the last feedback: its target, re-based
+                decided = tuned.decision.ranks[rank]
+                controller.target_seconds *= float(controller.planned.sum()) / max(decided.predicted_after, 1e-12)
             if self.config.pipeline_stages > 1:  # a stage decides its layers as one process would
                 shape = self.planning_config().pipeline(self.latency.num_layers)
                 stage_of = np.repeat(np.arange(shape.layers.size) % shape.num_stages, shape.layers)

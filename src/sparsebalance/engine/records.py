@@ -59,6 +59,9 @@ class TunedStep:
     (the gradient sync averages over processes, so the result is the global token mean)."""
     dst_seconds: float = 0.0
     """Wall seconds of DST's step-level decision."""
+    ahead: bool = False
+    """Planned and tuned before the previous step's feedback (``--plan-ahead``): its layer
+    controllers re-base the decision's targets on the latency model they price with."""
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,8 @@ class StepReport:
     """The loss or the gradients were NaN/inf: the step was skipped (own loop)."""
     planned_ahead: bool | None = None
     """The step was planned and tuned during the previous one's device work (own loop's
-    ``--plan-ahead``): ``plan_s`` and ``dst_s`` ran in the device's shadow."""
+    ``--plan-ahead``): ``plan_s`` and ``dst_s`` ran in the device's shadow (the first step after
+    a resume, re-planned at start-up: False)."""
     step: int
     budget_mean: float
     """Mean of the ranks' mean (micro-batch, layer) budgets (k or gamma)."""

@@ -10,19 +10,26 @@ the device, so the planning runs in the device's shadow::
     device:   F/B of step n ........................................... | optimizer
 
 What changes: step n + 1 is planned from the latency model, estimator and stage pricing as step
-n - 1's feedback left them (one step older); the feedback itself is the same. The plan agreement
-of step n + 1 (an all-gather of its hash) runs at the same point on every rank.
+n - 1's feedback left them (one step older); the feedback itself is the same, and DST's layer
+controllers, built during step n + 1 from the newer model, re-base the decision's time targets
+on it (``TunedStep.ahead``). The plan agreement of step n + 1 (an all-gather of its hash, on the
+host: gloo, or the host-side group beside NCCL) runs at the same point on every rank, once every
+rank has launched its work: a host read inside a step delays it for all.
+
+The last step plans one more (its batch is not trained): its checkpoint then resumes a longer
+run exactly as the uninterrupted longer run would have gone on.
 
 Exact resume: a checkpoint written after step n holds the sampler's position *before* step
 n + 1's batch was drawn and the engine state that planned it (:class:`Ahead`); a resumed run
 re-plans step n + 1 from them (:func:`replan`) and then restores the engine state after step n's
-feedback, so it runs the plans and budgets the uninterrupted run ran.
+feedback, so it runs the plans and budgets the uninterrupted run ran. Exact when the mode is the
+same on both sides: a resume that switches it plans step n + 1 as its own mode does.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,6 +50,8 @@ class Ahead:
     """The sampler's position before its batch was drawn (what a checkpoint saves)."""
     engine_state: dict
     """The engine's state that planned it (:meth:`StepEngine.state_dict`)."""
+    shadowed: bool = True
+    """Planned during the previous step's device work (False: re-planned at a resume)."""
 
 
 def resolve(mode: str, device: torch.device) -> bool:
@@ -59,7 +68,7 @@ def plan_next(data: BatchSource, engine: StepEngine) -> Ahead:
     engine_state = copy.deepcopy(engine.state_dict())
     samples = data.next_batch()
     documents = dict(data.metrics()["documents"])
-    return Ahead(engine.begin(samples), documents, data_state, engine_state)
+    return Ahead(engine.begin(samples, ahead=True), documents, data_state, engine_state)
 
 
 def replan(engine_state: dict, data: BatchSource, engine: StepEngine) -> Ahead:
@@ -69,6 +78,6 @@ def replan(engine_state: dict, data: BatchSource, engine: StepEngine) -> Ahead:
     now = copy.deepcopy(engine.state_dict())
     engine.load_state_dict(copy.deepcopy(engine_state))
     try:
-        return plan_next(data, engine)
+        return replace(plan_next(data, engine), shadowed=False)
     finally:
         engine.load_state_dict(now)

@@ -188,8 +188,8 @@ class TrainConfig:
     """When each step is planned (SAB) and tuned (DST): on = during the previous step, once its
     forwards and backwards are launched, so the host plans while the device computes (from the
     latency model before that step's feedback: one step older) | off = after the previous step's
-    times are fed back | auto = on on CUDA, off on the CPU (where nothing overlaps). Resume is
-    exact either way. See docs/training.md."""
+    times are fed back | auto = on on CUDA, off on the CPU (where nothing overlaps). A resume in
+    the same mode is exact. See docs/training.md."""
     emulate_ranks: int = 0
     """Emulate this many data-parallel ranks in one process (each rank's micro-batches run in turn
     and are timed alone; step time = slowest rank + sync): measures imbalance on one device."""

@@ -31,7 +31,7 @@ SAFE_ON_RESUME = {
     "device": "where it runs (e.g. another machine)",
     "backend": "attention kernel (same maths, different implementation)",
     "measure_bubble": "how the bubble is timed",
-    "plan_ahead": "when a step is planned: during the previous step or after its feedback (exact either way)",
+    "plan_ahead": "when a step is planned: during the previous step or after its feedback (the plans follow the new mode)",
     "ranks_per_node": "the machines' layout (where CP units are placed, not what is trained)",
     "keep_checkpoints": "how many checkpoints are kept",
     "comm_timeout": "how long a collective may wait before the run reports a hang",

@@ -291,17 +291,18 @@ class Trainer:
     def run_step(self) -> StepResult:
         """One step on the next global batch (:class:`StepRunner`); advances ``self.step``. With
         ``--plan-ahead`` the step was planned during the previous one, and this one plans the
-        next (:mod:`.ahead`) unless it is the run's last."""
+        next (:mod:`.ahead`)."""
         pending, self._ahead = self._ahead, None
         if pending is None:
             batch = self.next_batch()
             counts = self.data.metrics()["documents"]  # documents per --data component
         else:
             batch, counts = pending.tuned, pending.documents
-        hook = self._plan_next if self.plan_ahead and self.step + 1 < self.cfg.steps else None
+        # the last step plans one more too: its checkpoint then extends exactly (--steps larger)
+        hook = self._plan_next if self.plan_ahead else None
         result = self.runner.run(batch, self.step + 1, hook)
         self.step += 1
-        report = replace(result.report, data_documents=counts, planned_ahead=pending is not None)
+        report = replace(result.report, data_documents=counts, planned_ahead=pending is not None and pending.shadowed)
         return replace(result, report=report)
 
     def _plan_next(self) -> None:
@@ -402,7 +403,7 @@ class Trainer:
                 self.rt,
                 f"--resume: step {self.step + 1} was planned ahead by the saving run (--plan-ahead); this run "
                 f"plans each step after the last one's feedback (--plan-ahead {self.cfg.plan_ahead} on "
-                f"{self.rt.device.type})",
+                f"{self.rt.device.type}), from the newer latency model: its plans and budgets follow that",
             )
 
     # ------------------------------------------------------------------ loop
@@ -432,6 +433,7 @@ class Trainer:
         tel = self.open_run()
         summaries = []
         stops = self.stops.deferred() if self.stops is not None else contextlib.nullcontext()
+        start = self.step
         try:
             with stops:
                 while self.step < cfg.steps:
@@ -442,7 +444,8 @@ class Trainer:
                     if periodic and self.step < cfg.steps:
                         self.save()
                     self._stop_if_asked(saved=bool(periodic))
-                self.save()
+                if self.step > start:  # a resume with nothing left to run keeps its checkpoint as is
+                    self.save()
         finally:
             tel.close()
         return {
