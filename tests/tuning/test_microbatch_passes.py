@@ -1,21 +1,16 @@
 """Issue 54: DST's micro-batch level prices its water levels in a few makespan passes (every
-possible next midpoint of the bisection at once) and the groups of one micro-batch count in one
-pass, with the same levels as the bisection one midpoint at a time."""
+possible next midpoint of the bisection at once) and every pipeline, whatever its micro-batch
+count, in one pass, with the same levels as the bisection one midpoint at a time."""
 
 import numpy as np
 import pytest
 
-from sparsebalance.batching.pipeline import PipelineShape
+from sparsebalance.batching.pipeline import JoinedMakespans, PipelineShape
 from sparsebalance.tuning import PipelineWorkload, PlanWorkload
 from sparsebalance.tuning.microbatch_dst import LEVEL_RTOL, _water_level
 
 from .test_microbatch_dst import EVEN, tuner
 from .test_pipeline_dst import PLAN, EightLayers, mb, pipe
-
-
-class _Pipe:
-    def __init__(self, shape):
-        self.shape = shape
 
 
 def one_at_a_time(tf, th, head, target, shape):
@@ -45,30 +40,36 @@ def test_the_tree_finds_the_bisections_levels_exactly(n):
     head = 0.05 * tf
     lo = shape.makespans(tf, head)
     target = lo * rng.uniform(0.9, 2.5, size=n)  # some below the floors, some above the top
-    got = _water_level(tf, th, head, np.maximum(target, lo), _Pipe(shape))
+    flat = (x.reshape(-1) for x in (tf, th, head))
+    got = _water_level(*flat, np.maximum(target, lo), shape.joined([4] * n))
     want = one_at_a_time(tf, th, head, np.maximum(target, lo), shape)
     assert np.array_equal(got, want)
 
 
-PASSES = 45  # measured: 109 before issue 54, 37 after
+PASSES = 45  # measured on this plan: 72 with a pass per micro-batch count, 41 with one for every pipeline
 
 
 def test_a_decision_takes_a_few_makespan_passes(monkeypatch):
-    """Two pipelines of different documents per micro-batch (two groups): before, ~25 passes per
-    water level and group, and one search for the cuts and another for the raises; now a level
-    takes ~4, the groups share them and one search finds both."""
+    """Two pipelines of different micro-batch counts and documents per micro-batch (two groups):
+    before, ~25 passes per water level and group, and one search for the cuts and another for
+    the raises; now a level takes ~4, every pipeline shares them and one search finds both."""
     calls = []
-    real = PipelineShape.makespans
+    real_joined, real_shape = JoinedMakespans.__call__, PipelineShape.makespans
 
-    def counting(self, times, head=0.0):
-        calls.append(np.shape(times)[0])
-        return real(self, times, head)
+    def counting_joined(self, times, head=0.0):
+        calls.append(np.shape(times))
+        return real_joined(self, times, head)
 
-    plan = [PLAN[0], [mb(2000, 10, 5), mb(2000, 10), mb(2000, 10), mb(2000, 10)]]
+    def counting_shape(self, times, head=0.0):
+        calls.append(np.shape(times))
+        return real_shape(self, times, head)
+
+    plan = [PLAN[0], [mb(2000, 10, 5), mb(2000, 10), mb(2000, 10)]]
     t = tuner()
     work = PipelineWorkload(PlanWorkload(plan, EightLayers(), t.knob), pipe(4))
     assert len(work.work.groups) == 2
-    monkeypatch.setattr(PipelineShape, "makespans", counting)
+    monkeypatch.setattr(JoinedMakespans, "__call__", counting_joined)
+    monkeypatch.setattr(PipelineShape, "makespans", counting_shape)
     t.decide_arrays(work)
     assert 0 < len(calls) <= PASSES, len(calls)
 

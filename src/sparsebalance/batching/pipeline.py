@@ -44,7 +44,9 @@ from functools import lru_cache
 import numpy as np
 
 from ..workload import CostModel
+from . import interleaved, schedule, zero_bubble
 from .interleaved import check_virtual
+from .levels import JoinedLevels, Levels, join_levels, solve_joined
 from .plan import Items, flatten_packs, padded_packs, predict_packs
 from .schedule import BACKWARD_RATIO, head_seconds, layered_makespans, resolve_layers
 from .strategies import RankItems, RankPacks, Regime, pack_balanced_ranks
@@ -142,6 +144,95 @@ class PipelineShape:
         if self.weight_share is not None:
             return zb_layered_makespans(times, head, self.layers, self.ratio, self.scales, self.weight_share)
         return layered_makespans(times, head, self.layers, self.ratio, self.scales, self.virtual)
+
+    def levels(self, num_micro_batches: int) -> Levels:
+        """The schedule's dependency levels for M micro-batches (:mod:`.levels`)."""
+        return _schedule_levels(self.weight_share is not None, self.num_stages, self.virtual, num_micro_batches)
+
+    def joined(self, counts) -> JoinedMakespans:
+        """:class:`JoinedMakespans` of pipelines of ``counts`` micro-batches each."""
+        return JoinedMakespans(self, counts)
+
+    def durations(self, times: np.ndarray, head: np.ndarray) -> np.ndarray:
+        """``(kinds, E, S V, C)`` each op's seconds (forward, backward and, ZB-H1, weight) from
+        micro-batch seconds ``times`` ``(E, C)`` and their ``head`` (the same shape): what
+        :meth:`makespans` prices, element for element the same operations (:func:`~.schedule.
+        scaled_stages`, :func:`~.schedule.split_forward_backward`, :func:`~.zero_bubble.
+        split_backward`)."""
+        ratio, share = self.ratio, self.weight_share
+        if not (np.isfinite(ratio) and ratio >= 0):
+            raise ValueError(f"backward ratio must be finite and >= 0, got {ratio}")
+        if share is not None and not 0.0 <= share < 1.0:
+            raise ValueError(f"weight_share must be in [0, 1), got {share}")
+        out = np.empty((2 if share is None else 3, times.shape[0], self.layers.size, times.shape[1]))
+        forward = out[0]
+        per_layer = (times - head) / float(self.layers.sum())
+        np.multiply(per_layer[:, None, :], self.layers.astype(np.float64)[None, :, None], out=forward)
+        forward[:, -1, :] += head
+        if self.scales is not None:
+            forward *= np.tile(np.asarray(self.scales, dtype=np.float64), self.virtual)[None, :, None]
+        forward /= 1.0 + ratio
+        np.multiply(forward, ratio, out=out[1])
+        if share is not None:
+            np.multiply(out[1], share, out=out[2])
+            out[1] *= 1.0 - share
+        if not (np.all(np.isfinite(out)) and (out >= 0).all()):
+            raise ValueError("forward and backward seconds must be finite and >= 0")
+        return out
+
+
+def _schedule_levels(zero_bubble_h1: bool, num_stages: int, virtual: int, num_micro_batches: int) -> Levels:
+    if zero_bubble_h1:
+        return zero_bubble._levels(num_stages, num_micro_batches)
+    if virtual > 1:
+        return interleaved._levels(num_stages, virtual, num_micro_batches)
+    return schedule._levels(num_stages, num_micro_batches)
+
+
+@lru_cache(maxsize=64)
+def _joined(zero_bubble_h1: bool, num_stages: int, virtual: int, counts: tuple[int, ...]) -> JoinedLevels:
+    """A plan's pipelines joined (a plan's counts recur from step to step: compiled once)."""
+    levels = {m: _schedule_levels(zero_bubble_h1, num_stages, virtual, m) for m in set(counts)}
+    return join_levels([levels[m] for m in counts], counts, num_stages * virtual)
+
+
+class JoinedMakespans:
+    """The makespans of n pipelines of one :class:`PipelineShape` and any micro-batch counts
+    ``counts`` ``(n,)`` (each >= 1) in one pass (:func:`~.levels.join_levels`; compiled once per
+    counts): bit for bit :meth:`PipelineShape.makespans` of each. Their micro-batches are flat
+    entries, pipeline by pipeline (``E = sum(counts)``)."""
+
+    def __init__(self, shape: PipelineShape, counts) -> None:
+        self.shape = shape
+        self.counts = np.asarray(counts, dtype=np.int64).reshape(-1)
+        if (self.counts < 1).any():
+            raise ValueError(f"a pipeline needs at least one micro-batch, got counts {self.counts.tolist()}")
+        self.starts = np.cumsum(self.counts) - self.counts
+        """``(n,)`` each pipeline's first entry."""
+        self.entry_pipeline = np.repeat(np.arange(self.counts.size), self.counts)
+        """``(E,)`` each entry's pipeline."""
+        key = tuple(self.counts.tolist())
+        self._levels = _joined(shape.weight_share is not None, shape.num_stages, shape.virtual, key) if key else None
+
+    def __call__(self, times: np.ndarray, head: np.ndarray | float = 0.0) -> np.ndarray:
+        """``(n,)`` makespans from ``(E,)`` micro-batch seconds ``times`` (``(E, C)``: ``(n, C)``,
+        C variants at once) and ``head``, broadcastable to them (``(E,)`` against ``(E, C)``
+        too): what of each runs on the last stage only."""
+        t = np.asarray(times, dtype=np.float64)
+        h = np.asarray(head, dtype=np.float64)
+        one = t.ndim == 1
+        if one:
+            t = t[:, None]
+        if h.ndim == 1:
+            h = h[:, None]
+        if t.ndim != 2 or t.shape[0] != self.entry_pipeline.size:
+            raise ValueError(f"times must be (E,) or (E, C) with E = {self.entry_pipeline.size}, got {np.shape(times)}")
+        if self._levels is None:
+            spans = np.zeros((0, t.shape[1]))
+        else:
+            durations = self.shape.durations(t, np.broadcast_to(h, t.shape))
+            spans = solve_joined(self._levels, durations.reshape(-1, t.shape[1]))
+        return spans[:, 0] if one else spans
 
 
 @lru_cache(maxsize=16)

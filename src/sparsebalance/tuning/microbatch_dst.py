@@ -50,8 +50,9 @@ its makespan ``S_r``), can:
 
 Cost per step: ~25 vectorised ``predict_many`` calls over all micro-batches (three prices, the
 coverage floors' and the final search's probes) and ~10 makespan passes (one numpy step per
-dependency level of the schedule each, :mod:`~sparsebalance.batching.levels`) per micro-batch
-count: the water level's bisection prices its next steps' every possible midpoint in one pass.
+dependency level of the schedule each, :mod:`~sparsebalance.batching.levels`), every pipeline in
+the same pass whatever its micro-batch count: the water level's bisection prices its next steps'
+every possible midpoint in one pass.
 The skew check: one makespan pass on the prices above; where it fails, ~3-5 probes of one pricing
 and one pass each.
 """
@@ -65,7 +66,7 @@ import numpy as np
 
 from .config import DSTConfig
 from .knob import search_many
-from .pipeline_workload import PipelineWorkload, merged_makespans
+from .pipeline_workload import PipelineWorkload
 from .skew import PipelineSkew
 
 LEVEL_RTOL = 1e-7
@@ -102,7 +103,7 @@ class MicroBatchDecision:
 
 class MicroBatchPrices:
     """The micro-batches of a :class:`PipelineWorkload`, flat (group by group, rank by rank, in
-    plan order: ``E`` entries), priced at one budget each."""
+    plan order: ``E`` entries, :meth:`PipelineWorkload.entry_seconds`'), priced at one budget each."""
 
     def __init__(self, pipe: PipelineWorkload) -> None:
         self.pipe = pipe
@@ -114,9 +115,8 @@ class MicroBatchPrices:
         empty = np.zeros(0, dtype=np.int64)
         self.max_lengths = np.concatenate([empty, *(g.lengths.max(axis=-1).reshape(-1) for g in self.groups)])
         """``(E,)`` each micro-batch's longest document."""
-        self.rank_of = np.concatenate([empty, *(np.repeat(g.ranks, g.lengths.shape[1]) for g in self.groups)])
+        self.rank_of = pipe.entry_rank
         """``(E,)`` each micro-batch's rank."""
-        self._memo: dict[float, np.ndarray] = {}
 
     def split(self, flat: np.ndarray) -> list[np.ndarray]:
         """``(E, ...)`` -> one ``(n, M, ...)`` view per group."""
@@ -139,17 +139,14 @@ class MicroBatchPrices:
         return todo, out
 
     def seconds(self, values: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
-        """``(E,)`` micro-batch seconds at ``values`` (entries of unpriced ranks read 0). Every
-        micro-batch at one budget is priced once (the base: the skew guard and this level)."""
-        key = float(values[0]) if active is None and values.size and np.all(values == values[0]) else None
-        if key in self._memo:
-            return self._memo[key].copy()
-        todo, out = self._each(values, active)
-        for g, sel, rows, v, o in todo:
-            o[rows] = g.predict(sel, self.knob.density(g.lengths[rows], g.d0[rows], v[..., None]))
-        if key is not None:
-            self._memo[key] = out.copy()
-        return out
+        """``(E,)`` micro-batch seconds at ``values`` (with ``active``: every micro-batch of a
+        rank with an active one; the others read 0). Every micro-batch at one budget is priced
+        once (the base: the skew guard and this level)."""
+        if active is not None:
+            ranks = np.zeros(self.pipe.num_ranks, dtype=bool)
+            ranks[self.rank_of[active]] = True
+            active = ranks[self.rank_of]
+        return self.pipe.entry_seconds(values, active)
 
     def coverage(self, values: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
         """``(E,)`` each micro-batch's gate coverage at ``values``: its documents' (the
@@ -197,10 +194,7 @@ class MicroBatchPrices:
     def makespans(self, seconds: np.ndarray) -> np.ndarray:
         """``(R,)`` each pipeline's makespan from ``(E,)`` micro-batch seconds (heads at
         the base budget, as :class:`PipelineWorkload` prices them); 0 without micro-batches."""
-        pipe, out = self.pipe, np.zeros(self.pipe.num_ranks)
-        parts = zip(self.groups, pipe.heads, self.split(seconds), strict=True)
-        merged_makespans(pipe.shape, [(g.ranks, t, head) for g, head, t in parts], out)
-        return out
+        return self.pipe.makespans(seconds)
 
 
 def microbatch_floors(prices: MicroBatchPrices, config: DSTConfig) -> np.ndarray:
@@ -293,11 +287,12 @@ def decide_microbatches(
 def _even_makespans(prices: MicroBatchPrices, t0: np.ndarray) -> np.ndarray:
     """``(R,)`` each pipeline's makespan with its micro-batches evened at ``(E,)`` times ``t0``
     (each one their mean, heads too)."""
-    pipe, out, parts = prices.pipe, np.zeros(prices.pipe.num_ranks), []
-    for g, head, a0 in zip(prices.groups, pipe.heads, prices.split(t0), strict=True):
-        mean = np.broadcast_to(a0.mean(axis=1, keepdims=True), a0.shape)
-        parts.append((g.ranks, mean, np.broadcast_to(head.mean(axis=1, keepdims=True), a0.shape)))
-    merged_makespans(pipe.shape, parts, out)
+    times, heads = [np.zeros(0)], [np.zeros(0)]
+    for head, a0 in zip(prices.pipe.heads, prices.split(t0), strict=True):
+        times.append(np.broadcast_to(a0.mean(axis=1, keepdims=True), a0.shape).reshape(-1))
+        heads.append(np.broadcast_to(head.mean(axis=1, keepdims=True), a0.shape).reshape(-1))
+    pipe, out = prices.pipe, np.zeros(prices.pipe.num_ranks)
+    out[pipe.pipelines] = pipe.schedule(np.concatenate(times), np.concatenate(heads))
     return out
 
 
@@ -314,46 +309,38 @@ def _targets(config: DSTConfig, t_anchor: float, span_base: np.ndarray, span_flo
 
 def _levels(prices: MicroBatchPrices, lower: np.ndarray, upper: np.ndarray, target: np.ndarray) -> np.ndarray:
     """``(E,)`` each micro-batch's pipeline's :func:`_water_level` for ``(R,)`` targets, between
-    ``(E,)`` lower and upper micro-batch times (the pipelines of every group with the same
-    micro-batch count searched together: each pipeline's search is its own)."""
-    pipe, level = prices.pipe, np.zeros(prices.size)
-    by_count: dict[int, list] = {}
-    for g, head, lv, lo, hi in zip(
-        prices.groups, pipe.heads, prices.split(level), prices.split(lower), prices.split(upper), strict=True
-    ):
-        by_count.setdefault(lo.shape[1], []).append((g, head, lv, lo, hi))
-    for same in by_count.values():
-        cat = [np.concatenate([x[i] for x in same]) for i in (1, 3, 4)]
-        tau = _water_level(cat[1], cat[2], cat[0], np.concatenate([target[x[0].ranks] for x in same]), pipe)
-        start = 0
-        for g, _, lv, _, _ in same:
-            lv[...] = tau[start : start + g.ranks.size, None]
-            start += g.ranks.size
-    return level
+    ``(E,)`` lower and upper micro-batch times (every pipeline searched at once: each one's
+    search is its own)."""
+    pipe = prices.pipe
+    if prices.size == 0:
+        return np.zeros(0)
+    tau = _water_level(lower, upper, pipe.head, target[pipe.pipelines], pipe.schedule)
+    return tau[pipe.schedule.entry_pipeline]
 
 
-def _water_level(tf: np.ndarray, th: np.ndarray, head: np.ndarray, target: np.ndarray, pipe) -> np.ndarray:
-    """``(n,)`` the highest level ``tau`` whose makespan with micro-batch times
-    ``clip(tau, tf, th)`` (``(n, M)``: the lowest and highest times) is within ``target``
-    (``>=`` the makespan at ``tf``): a bisection to :data:`LEVEL_RTOL`.
+def _water_level(tf: np.ndarray, th: np.ndarray, head: np.ndarray, target: np.ndarray, schedule) -> np.ndarray:
+    """``(n,)`` each pipeline's highest level ``tau`` whose makespan with micro-batch times
+    ``clip(tau, tf, th)`` (``(E,)``: each micro-batch's lowest and highest time, its
+    ``head``) is within ``target`` ``(n,)`` (``>=`` the makespan at ``tf``): a bisection to
+    :data:`LEVEL_RTOL`. ``schedule``: the pipelines' :class:`~sparsebalance.batching.pipeline.
+    JoinedMakespans` (entries pipeline by pipeline).
 
     The bisection's next ``depth`` midpoints of every possible path (a tree of ``2^depth - 1``
     levels per pipeline) are priced in one makespan pass, then walked exactly as one at a time:
     the same levels in ~4 passes instead of ~25 (issue 54)."""
-    n, m = tf.shape
+    n, of = target.size, schedule.entry_pipeline
     depth = max(1, min(TREE_DEPTH, int(np.log2(TREE_ROWS / n + 1))))
-    a, b = tf.min(axis=1), th.max(axis=1)  # span(a) is the floors' makespan: feasible
+    a, b = np.minimum.reduceat(tf, schedule.starts), np.maximum.reduceat(th, schedule.starts)  # span(a): feasible
     steps, first = 0, True
     while steps < 200:  # a safeguard; the tolerance stops it after ~24 steps
         tree = _midpoints(a, b, depth)
         taus = np.concatenate([b[:, None], tree], axis=1) if first else tree
-        c = taus.shape[1]
-        times = np.clip(taus[:, :, None], tf[:, None, :], th[:, None, :]).reshape(n * c, m)
-        heads = np.broadcast_to(np.repeat(head, c, axis=0), times.shape)
+        times = np.clip(taus[of], tf[:, None], th[:, None])  # (E, C)
+        heads = np.broadcast_to(head[:, None], times.shape)
         # a midpoint off the bisection's path may price a micro-batch below its head term (a
         # negative stage): such a node is never read, and the ones on the path are unchanged
         times = np.maximum(times, heads)
-        ok = pipe.shape.makespans(times, heads).reshape(n, c) <= target[:, None]
+        ok = schedule(times, heads) <= target[:, None]
         if first:  # the top is within the target: the level is the top
             a, ok, first = np.where(ok[:, 0], b, a), ok[:, 1:], False
         node = np.zeros(n, dtype=np.int64)

@@ -23,9 +23,10 @@ stage's share times its scale; backward = ratio x forward. With the defaults (sc
 (up to rounding); a training run passes the scales and ratio it measured
 (:mod:`sparsebalance.engine.stage_calibration`).
 
-Cost per probe: the wrapped workload's ``predict_many`` calls plus one vectorised makespan pass
-(one numpy step per dependency level, :mod:`~sparsebalance.batching.levels`) per micro-batch
-count M, whatever the ranks' documents per micro-batch.
+Cost per probe: one ``predict_many`` call per width class of micro-batches (all of them padded
+to one width when none holds more than :data:`MERGE_WIDTH` documents: usually one call) and one
+makespan pass over every pipeline (:meth:`~sparsebalance.batching.pipeline.PipelineShape.joined`:
+one numpy step per dependency level, whatever the pipelines' micro-batch counts; issue 54).
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ from .plan_workload import PlanWorkload, _Group
 class PipelineWorkload:
     """The ranks of a :class:`PlanWorkload` as pipelines priced by ``shape`` (the schedule, the
     split, the stage scales, the backward ratio and ZB-H1's weight share; ``PlanConfig.pipeline``):
-    :meth:`seconds` is each rank's makespan with its micro-batches in plan (= run) order."""
+    :meth:`seconds` is each rank's makespan with its micro-batches in plan (= run) order.
+
+    Its micro-batches are ``E`` flat entries, group by group of :attr:`PlanWorkload.groups`, rank
+    by rank, in plan order (:class:`~.microbatch_dst.MicroBatchPrices` prices them one budget
+    each): :meth:`entry_seconds`."""
 
     def __init__(self, work: PlanWorkload, shape: PipelineShape) -> None:
         if int(shape.layers.sum()) != work.cost_model.num_layers:
@@ -53,13 +58,28 @@ class PipelineWorkload:
         self.cost_model = work.cost_model
         self.max_lengths = work.max_lengths
         self.shape = shape
-        base = float(work.knob.base)
-        self._heads = []  # per group (n, M): seconds on the last stage only
-        for g in work.groups:
-            dens = work.knob.density(g.lengths, g.d0, base)
-            self._heads.append(head_seconds(work.cost_model, g.lengths, dens, g.predict(None, dens)))
-        self._pricing = _merged_groups(work, self._heads)
+        none = np.zeros(0, dtype=np.int64)
+        self.pipelines = np.concatenate([none, *(g.ranks for g in work.groups)])
+        """``(n,)`` the ranks with micro-batches, in entry order."""
+        counts = np.concatenate([none, *(np.full(g.ranks.size, g.lengths.shape[1]) for g in work.groups)])
+        self.schedule = shape.joined(counts)
+        """Every pipeline's makespan from ``(E,)`` (or ``(E, C)``) entry seconds in one pass."""
+        self.entry_rank = self.pipelines[self.schedule.entry_pipeline]
+        """``(E,)`` each micro-batch's rank."""
+        self._classes = _width_classes(work)
+        self._entry_memo: dict[float, np.ndarray] = {}
         self._memo: dict[float, np.ndarray] = {}
+        base = self.entry_seconds(np.full(self.entry_rank.size, float(work.knob.base)))
+        self._heads, start = [], 0  # per group (n, M): seconds on the last stage only
+        for g in work.groups:
+            n, m, _ = g.lengths.shape
+            dens = work.knob.density(g.lengths, g.d0, float(work.knob.base))
+            self._heads.append(
+                head_seconds(work.cost_model, g.lengths, dens, base[start : start + n * m].reshape(n, m))
+            )
+            start += n * m
+        self.head = np.concatenate([np.zeros(0), *(h.reshape(-1) for h in self._heads)])
+        """``(E,)`` each micro-batch's head seconds (:attr:`heads`, flat)."""
 
     @property
     def heads(self) -> list[np.ndarray]:
@@ -76,6 +96,26 @@ class PipelineWorkload:
         """``(R,)`` sum of length² over each rank's documents."""
         return self.work.weights
 
+    def entry_seconds(self, values: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
+        """``(E,)`` each micro-batch's predicted seconds at its own budget ``values`` ``(E,)``
+        (``active`` bool ``(E,)``: only those, the others read 0): exactly ``predict_many`` of
+        its rank's group. Every micro-batch at one budget is priced once (the base's are
+        shared by both levels and the skew guard)."""
+        key = float(values[0]) if active is None and values.size and np.all(values == values[0]) else None
+        if key in self._entry_memo:
+            return self._entry_memo[key].copy()
+        out = np.zeros(values.size)
+        for g, entries in self._classes:
+            sel = None if active is None else active[entries]
+            if sel is not None and not sel.any():
+                continue
+            rows = slice(None) if sel is None else sel
+            dens = self.knob.density(g.lengths[rows], g.d0[rows], values[entries[rows]][:, None, None])
+            out[entries[rows]] = g.predict(sel, dens)[:, 0]
+        if key is not None:
+            self._entry_memo[key] = out.copy()
+        return out
+
     def seconds(self, values: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
         """``(R,)`` each rank's makespan at ``values[r]``; ranks outside ``active`` (and
         ranks without micro-batches) read 0."""
@@ -83,17 +123,21 @@ class PipelineWorkload:
         key = float(values[0]) if uniform else None
         if key in self._memo:
             return self._memo[key].copy()
-        parts = []
-        for g, head in self._pricing:
-            sel = np.ones(g.ranks.size, dtype=bool) if active is None else active[g.ranks]
-            if not sel.any():
-                continue
-            dens = self.knob.density(g.lengths[sel], g.d0[sel], values[g.ranks[sel]][:, None, None])
-            parts.append((g.ranks[sel], g.predict(None if active is None else sel, dens), head[sel]))
+        on = None if active is None else active[self.entry_rank]
+        times = self.entry_seconds(values[self.entry_rank], on)
+        # an unpriced pipeline runs zeros (its makespan 0), not a negative stage (0 - its head)
         out = np.zeros(self.num_ranks)
-        merged_makespans(self.shape, parts, out)
+        out[self.pipelines] = self.schedule(times, self.head if on is None else np.where(on, self.head, 0.0))
         if key is not None:
             self._memo[key] = out.copy()
+        return out
+
+    def makespans(self, times: np.ndarray, head: np.ndarray | None = None) -> np.ndarray:
+        """``(R,)`` (or ``(R, C)``) each pipeline's makespan from ``(E,)`` (``(E, C)``) entry
+        seconds and their heads (None: :attr:`head`, at the base budget); 0 without
+        micro-batches."""
+        out = np.zeros((self.num_ranks, *times.shape[1:]))
+        out[self.pipelines] = self.schedule(times, self.head if head is None else head)
         return out
 
     def coverage(self, values: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
@@ -106,52 +150,33 @@ class PipelineWorkload:
         return self.work.attention_seconds(values)
 
 
-def merged_makespans(shape: PipelineShape, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], out: np.ndarray):
-    """Write into ``out`` ``(R,)`` the makespans of ``parts``: ``(ranks (n,), times (n, M), heads
-    (n, M))`` per group of ranks, one makespan pass per micro-batch count M, however many
-    groups share it (groups differ in documents per micro-batch K, which a makespan does not
-    read; a pass costs the same for 2 pipelines or 200: issue 54). Rows are independent, so the
-    makespans are those of a pass per group, bit for bit."""
-    by_count: dict[int, list] = {}
-    for part in parts:
-        by_count.setdefault(part[1].shape[1], []).append(part)
-    for same in by_count.values():
-        if len(same) == 1:
-            ranks, times, heads = same[0]
-        else:
-            ranks, times, heads = (np.concatenate(x) for x in zip(*same, strict=True))
-        out[ranks] = shape.makespans(times, heads)
-
-
 MERGE_WIDTH = 7
-"""Groups of ranks with the same micro-batch count and at most this many documents per
-micro-batch are priced as one (padded to the widest): a row's sum of fewer than 8 numbers is
-numpy's plain loop, so trailing zeros leave every micro-batch's seconds bit for bit unchanged."""
+"""Micro-batches of at most this many documents are priced as one class (padded to the widest):
+a row's sum of fewer than 8 numbers is numpy's plain loop, so trailing zeros leave every
+micro-batch's seconds bit for bit unchanged. Wider ones keep their rank's width (a pairwise sum
+depends on it), a class per width."""
 
 
-def _merged_groups(work: PlanWorkload, heads: list[np.ndarray]) -> list[tuple[_Group, np.ndarray]]:
-    """``work.groups`` with their heads, those of one micro-batch count and at most
-    :data:`MERGE_WIDTH` documents per micro-batch merged into one group (padded to the widest):
-    a probe of :meth:`PipelineWorkload.seconds` then prices each micro-batch count once, not once
-    per width (issue 54)."""
-    out, merge = [], {}
-    for g, head in zip(work.groups, heads, strict=True):
-        _, m, k = g.lengths.shape
-        if k > MERGE_WIDTH:
-            out.append((g, head))
-        else:
-            merge.setdefault(m, []).append((g, head))
+def _width_classes(work: PlanWorkload) -> list[tuple[_Group, np.ndarray]]:
+    """``work.groups``' micro-batches as classes of one width: ``(group, entries)``, the group's
+    "ranks" single micro-batches ``(n_e, 1, K)`` (one prediction row each), ``entries`` their
+    flat indices (:class:`PipelineWorkload`'s order)."""
+    merge: dict[int, list] = {}
+    start = 0
+    for g in work.groups:
+        n, m, k = g.lengths.shape
+        merge.setdefault(0 if k <= MERGE_WIDTH else k, []).append((g, np.arange(start, start + n * m)))
+        start += n * m
+    out = []
     for same in merge.values():
-        if len(same) == 1:
-            out.append(same[0])
-            continue
         width = max(g.lengths.shape[2] for g, _ in same)
-        lengths = np.concatenate(
-            [np.pad(g.lengths, ((0, 0), (0, 0), (0, width - g.lengths.shape[2]))) for g, _ in same]
-        )
-        d0 = np.concatenate(
-            [np.pad(g.d0, ((0, 0), (0, 0), (0, width - g.d0.shape[2])), constant_values=1.0) for g, _ in same]
-        )
-        ranks = np.concatenate([g.ranks for g, _ in same]).tolist()
-        out.append((_Group(ranks, lengths, d0, work.cost_model), np.concatenate([h for _, h in same])))
+
+        def flat(x: np.ndarray, fill: float, width: int = width) -> np.ndarray:
+            rows = x.reshape(-1, x.shape[2])
+            return np.pad(rows, ((0, 0), (0, width - rows.shape[1])), constant_values=fill)
+
+        lengths = np.concatenate([flat(g.lengths, 0) for g, _ in same])[:, None, :]
+        d0 = np.concatenate([flat(g.d0, 1.0) for g, _ in same])[:, None, :]
+        entries = np.concatenate([e for _, e in same])
+        out.append((_Group(entries.tolist(), lengths, d0, work.cost_model), entries))
     return out

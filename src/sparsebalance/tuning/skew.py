@@ -63,7 +63,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .knob import Knob, search_many
-from .pipeline_workload import merged_makespans
 
 if TYPE_CHECKING:
     from .microbatch_dst import MicroBatchPrices
@@ -146,28 +145,19 @@ class PipelineSkew:
     def makespans(self, jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
         """Per job ``(times (E,), skews (S,), ranks bool (R,))``, the ``(S, R)`` makespans of the
         pipelines ``ranks`` (the others read 0) with micro-batch seconds ``times``, each op priced
-        as ``rest + s x attention`` for each of ``skews``: one makespan pass per micro-batch
-        count for all the jobs."""
-        p = self.prices
-        n = p.pipe.num_ranks
-        parts, start, sizes = [], 0, []
+        as ``rest + s x attention`` for each of ``skews``: one makespan pass for all the jobs
+        (a column per job and skew)."""
+        pipe = self.prices.pipe
+        columns, heads = [], []
         for times, skews, ranks in jobs:
-            s = np.asarray(skews, dtype=np.float64)[:, None, None]
-            shift = start + (np.arange(s.shape[0]) * n)[:, None]
-            for g, head, t, rest in zip(p.groups, p.pipe.heads, p.split(times), p.split(self.rest), strict=True):
-                sel = ranks[g.ranks]
-                if not sel.any():
-                    continue
-                m = t.shape[1]
-                skewed = s * t[sel] - (s - 1.0) * rest[sel]  # (S, n', M): R + s A
-                heads = np.broadcast_to(head[sel], skewed.shape).reshape(-1, m)
-                parts.append(((g.ranks[sel][None, :] + shift).reshape(-1), skewed.reshape(-1, m), heads))
-            sizes.append(s.shape[0])
-            start += s.shape[0] * n
-        out = np.zeros(start)
-        merged_makespans(p.pipe.shape, parts, out)
-        bounds = np.cumsum([0, *sizes]) * n
-        return [out[a:b].reshape(-1, n) for a, b in itertools.pairwise(bounds.tolist())]
+            s = np.asarray(skews, dtype=np.float64)[None, :]
+            on = ranks[pipe.entry_rank][:, None]
+            # R + s A; a pipeline left out runs zeros (makespan 0), not a negative stage
+            columns.append(np.where(on, s * times[:, None] - (s - 1.0) * self.rest[:, None], 0.0))
+            heads.append(np.where(on, pipe.head[:, None], 0.0).repeat(s.shape[1], axis=1))
+        spans = pipe.makespans(np.concatenate(columns, axis=1), np.concatenate(heads, axis=1))
+        bounds = np.cumsum([0, *(c.shape[1] for c in columns)])
+        return [spans[:, a:b].T for a, b in itertools.pairwise(bounds.tolist())]
 
     def _fit(self, spans: np.ndarray) -> None:
         """``weights`` and ``limits`` from ``F`` at the seven skews of :meth:`safe_raises`."""
