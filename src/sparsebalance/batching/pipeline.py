@@ -189,9 +189,10 @@ def _schedule_levels(zero_bubble_h1: bool, num_stages: int, virtual: int, num_mi
     return schedule._levels(num_stages, num_micro_batches)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=16)
 def _joined(zero_bubble_h1: bool, num_stages: int, virtual: int, counts: tuple[int, ...]) -> JoinedLevels:
-    """A plan's pipelines joined (a plan's counts recur from step to step: compiled once)."""
+    """A plan's pipelines joined (its counts often recur from step to step; a few kept: a program
+    of thousands of pipelines holds megabytes)."""
     levels = {m: _schedule_levels(zero_bubble_h1, num_stages, virtual, m) for m in set(counts)}
     return join_levels([levels[m] for m in counts], counts, num_stages * virtual)
 
