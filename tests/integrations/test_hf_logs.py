@@ -127,6 +127,7 @@ OWN_LOOP_ONLY = {
     "emulated",
     "data_documents",
     "skipped_nonfinite",
+    "planned_ahead",
 }
 INTEGRATIONS_ONLY = {"target_tokens"}
 

@@ -58,14 +58,10 @@ golden_plan_dst.py``, 2-core CPU, shared): +1.3-2.6 ms on a ``decide`` of 11-16 
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .knob import Knob, search_many
-
-if TYPE_CHECKING:
-    from .microbatch_dst import MicroBatchPrices
 
 SECANT_STEP = 1e-3
 """Relative step of the secants that bound the pipelines' reference from below at ``1/m``, 1 and
@@ -126,7 +122,7 @@ class PipelineSkew:
     ``weights @ M3`` must be at most ``limits``. :meth:`safe_raises` (the rank level) fits the
     reference first; :meth:`safe_microbatches` (the micro-batch level) reuses it."""
 
-    def __init__(self, prices: MicroBatchPrices, margin: float) -> None:
+    def __init__(self, prices, margin: float) -> None:  # a microbatch_dst.MicroBatchPrices (it imports this module)
         assert margin > 1.0, "a margin of 1 trusts the model: no guard"
         self.prices, self.margin = prices, float(margin)
         base = np.full(prices.size, float(prices.knob.base))
